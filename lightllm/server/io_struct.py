@@ -1,0 +1,86 @@
+"""Every message that crosses a process boundary.
+
+HTTP process -> router:        GenerateReq, AbortReq
+router -> detokenizer:         GenerateReq (forwarded once, before its first token), BatchTokenOut
+detokenizer -> HTTP process:   BatchTextOut
+router -> model workers (rpyc): plain tuples built from these (see model_infer/worker.py)
+
+Only these small dataclasses are pickled across a socket.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 16
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int = 0  # the HTTP process draws one when the client gives none
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature <= 0.0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class GenerateReq:
+    req_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclass
+class AbortReq:
+    req_id: int
+
+
+@dataclass
+class TokenOut:
+    req_id: int
+    token_id: int
+    logprob: float
+    finish_reason: FinishReason | None = None  # set on the request's last token
+    error: str | None = None  # set with FinishReason.ERROR
+
+
+@dataclass
+class BatchTokenOut:
+    items: list[TokenOut]
+
+
+@dataclass
+class TextOut:
+    req_id: int
+    token_id: int
+    text: str  # the new text this token adds (may be "" while a UTF-8 sequence is incomplete)
+    logprob: float
+    special: bool
+    count_output_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass
+class BatchTextOut:
+    items: list[TextOut]

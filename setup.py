@@ -1,0 +1,24 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def read_requirements():
+    lines = (HERE / "requirements.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="lightllm",
+    version="0.1.0",
+    description="Token-attention LLM inference server (HTTP + router + detokenizer over ZeroMQ)",
+    python_requires=">=3.10",
+    # The Triton kernels live in the top-level kernels/ folder but import as
+    # `lightllm_kernels`: a PyPI package named `kernels` exists and transformers probes for it.
+    packages=find_packages(include=["lightllm", "lightllm.*"]) + ["lightllm_kernels"],
+    package_dir={"lightllm_kernels": "kernels"},
+    install_requires=read_requirements(),
+    license="Apache-2.0",
+)
