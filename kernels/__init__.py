@@ -1,0 +1,45 @@
+"""Triton kernels, each beside its plain-torch reference (import name `lightllm_kernels`).
+
+Every operation lives in `<op>.py` as `<op>_ref` (torch; the CPU path and the test oracle)
+and `<op>_triton` (same signature). The public `<op>` runs Triton on CUDA tensors and the
+reference on anything else.
+"""
+import functools
+from typing import Callable
+
+from .apply_penalties import apply_penalties_ref, apply_penalties_triton
+from .copy_kv import copy_kv_ref, copy_kv_triton
+from .decode_attention import decode_attention_ref, decode_attention_triton
+from .prefill_attention import prefill_attention_ref, prefill_attention_triton
+from .random_uniform import random_uniform_ref, random_uniform_triton
+from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from .rotary_emb import rotary_emb_ref, rotary_emb_triton
+from .silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+
+
+def _by_device(ref: Callable, triton_fn: Callable) -> Callable:
+    """Dispatch on the first argument's device: CUDA -> Triton, anything else -> reference."""
+
+    @functools.wraps(ref)
+    def op(first, *args, **kwargs):
+        impl = triton_fn if first.is_cuda else ref
+        return impl(first, *args, **kwargs)
+
+    op.__name__ = op.__qualname__ = ref.__name__.removesuffix("_ref")
+    return op
+
+
+rms_norm = _by_device(rms_norm_ref, rms_norm_triton)
+add_rms_norm = _by_device(add_rms_norm_ref, add_rms_norm_triton)
+rotary_emb_ = _by_device(rotary_emb_ref, rotary_emb_triton)
+copy_kv = _by_device(copy_kv_ref, copy_kv_triton)
+prefill_attention = _by_device(prefill_attention_ref, prefill_attention_triton)
+decode_attention = _by_device(decode_attention_ref, decode_attention_triton)
+silu_and_mul = _by_device(silu_and_mul_ref, silu_and_mul_triton)
+apply_penalties_ = _by_device(apply_penalties_ref, apply_penalties_triton)
+random_uniform = _by_device(random_uniform_ref, random_uniform_triton)
+
+__all__ = [
+    "rms_norm", "add_rms_norm", "rotary_emb_", "copy_kv", "prefill_attention", "decode_attention",
+    "silu_and_mul", "apply_penalties_", "random_uniform",
+]
