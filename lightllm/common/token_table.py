@@ -1,0 +1,82 @@
+"""The KV cache as a table of token slots.
+
+Every layer owns one K and one V buffer of shape [size, kv_heads, head_dim]; a slot index
+names the same position in all of them. `mem_state[i]` is 1 when slot i is free.
+
+Allocation never waits on the device: the free count is kept exactly on the host (we know
+what we hand out and take back), and the slots themselves are picked on the device from the
+cumulative sum of `mem_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class OutOfTokensError(RuntimeError):
+    """Raised when more slots are requested than are free."""
+
+
+class DoubleFreeError(RuntimeError):
+    """Raised when a slot that is already free (or listed twice) is freed."""
+
+
+class TokenTable:
+    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if size <= 0:
+            raise ValueError(f"token table size must be positive, got {size}")
+        self.size = size
+        self.device = torch.device(device)
+        shape = (size, kv_heads, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.mem_state = torch.ones(size, dtype=torch.int32, device=self.device)
+        self.free_count = size
+        logger.info("token table: %d slots x %d layers x %d kv heads x %d dims (%s), %.2f GiB",
+                    size, num_layers, kv_heads, head_dim, dtype, self.nbytes() / 2**30)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def used_count(self) -> int:
+        return self.size - self.free_count
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """n free slots (int64, on the device): a contiguous run when one exists, else the first n free."""
+        if n > self.free_count:
+            raise OutOfTokensError(f"cannot allocate {n} KV cache tokens: only {self.free_count} "
+                                   f"of {self.size} are free")
+        if n <= 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        slots = self._pick_slots(n)
+        self.mem_state[slots] = 0
+        self.free_count -= n
+        return slots
+
+    def _pick_slots(self, n: int) -> torch.Tensor:
+        cum = torch.cumsum(self.mem_state, 0)
+        first_free = torch.searchsorted(cum, torch.arange(1, n + 1, device=self.device, dtype=cum.dtype))
+        # free slots in the window [i, i + n) = cum[i + n - 1] - cum[i - 1]
+        window = cum[n - 1:] - torch.cat([cum.new_zeros(1), cum[:-n]])
+        run = window == n
+        start = torch.argmax(run.to(torch.int32))  # first run; 0 when there is none
+        run_slots = start + torch.arange(n, device=self.device)
+        return torch.where(run.any(), run_slots, first_free)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots to the table. Checks on the device (one sync) that each was in use, once."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=self.device, dtype=torch.int64)
+        hits = torch.zeros_like(self.mem_state).index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        if bool(((hits > 1) | ((hits > 0) & (self.mem_state != 0))).any()):
+            raise DoubleFreeError(f"freeing {slots.numel()} slots of which some are already free "
+                                  "or listed twice")
+        self.mem_state[slots] = 1
+        self.free_count += slots.numel()
