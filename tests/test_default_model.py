@@ -67,3 +67,24 @@ def test_greedy_chat_answer_is_sensible_text(model_dir):
     assert text.strip()
     assert "\ufffd" not in text
     assert "intelligence" in text.lower()  # "AI, or Artificial Intelligence, is ..."
+
+
+def test_bench_model_directories(model_dir, tmp_path):
+    from lightllm.tools.bench_model import write_bench_model
+
+    bench = write_bench_model(tmp_path / "bench-8b", "8b")
+    config = AutoConfig.from_pretrained(bench, local_files_only=True)
+    shape = (config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+    assert shape == (4096, 14336, 32)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["rope_theta"] == 500000.0
+    assert config.vocab_size == 49152 and not config.tie_word_embeddings
+    assert not list(bench.glob("*.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(bench, local_files_only=True)
+    assert (config.bos_token_id, config.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+    tiny = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
+    first = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True).model.embed_tokens.weight
+    write_bench_model(tmp_path / "tiny", "tiny", seed=0)
+    again = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True).model.embed_tokens.weight
+    assert torch.equal(first, again) and first.std() > 0
