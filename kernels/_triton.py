@@ -33,4 +33,15 @@ except ImportError:
     triton = tl = _MissingTriton()
     logger.info("triton not importable: kernels fall back to the torch references")
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+@triton.jit
+def dot(a, b, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST (set for CPU tensors, i.e. under TRITON_INTERPRET)
+    multiplies in fp32 because the interpreter multiplies bf16 blocks as their raw uint16 bits."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")  # ieee only affects fp32 inputs: no TF32 rounding
+
+
+__all__ = ["HAS_TRITON", "dot", "triton", "tl"]

@@ -1,7 +1,21 @@
-"""Decode attention: one query token per request over its KV slots in the token table, GQA."""
+"""Decode attention: one query token per request over its KV slots in the token table, GQA.
+
+The Triton version is split-K ("flash-decoding"): stage 1 splits each request's keys into
+chunks and, per (request, kv head, chunk), computes a partial softmax for all the query heads
+of that kv group at once, so each K/V row is read once per group; stage 2 merges the chunks
+by their log-sum-exp. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
+"""
+import functools
+
 import torch
 
-from ._triton import tl, triton
+from ._triton import dot, tl, triton
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per inner step
+MIN_CHUNK = 64  # keys per split, at least
+MAX_SPLITS = 32
+WAVES = 4  # stage-1 programs to aim for, per SM
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -23,7 +37,115 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
+                         part_lse_ptr, scale_log2, chunk, q_batch_stride, q_head_stride, k_slot_stride,
+                         k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         DOT_UPCAST: tl.constexpr):
+    """Partial attention of one request's chunk for the GROUP query heads sharing one kv head.
+
+    Writes the chunk's normalised output and its log2-sum-exp2 per query head; empty chunks
+    (past this request's length) write nothing, stage 2 does not read them."""
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    first = split * chunk
+    if first >= seq_len:
+        return
+    last = tl.minimum(first + chunk, seq_len)
+    token_row = req_to_token_ptr + tl.load(req_rows_ptr + req).to(tl.int64) * req_to_token_stride
+    heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
+    head_mask = tl.arange(0, BLOCK_G) < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    # BLOCK_G >= 16 rows for tl.dot; the padding rows are zero queries and are never stored.
+    q = tl.load(q_ptr + req.to(tl.int64) * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(first, last, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < last
+        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
+                    mask=col_mask[None, :] & dim_mask[:, None], other=0.0)
+        scores = dot(q, k, DOT_UPCAST) * scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
+                    mask=col_mask[:, None] & dim_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
+        m_i = m_new
+    # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
+    part = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+    tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None], mask=head_mask[:, None])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, chunk, o_batch_stride, o_head_stride,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    req, head = tl.program_id(0), tl.program_id(1)
+    num_used = tl.cdiv(tl.load(seq_lens_ptr + req), chunk)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_used
+    dims = tl.arange(0, BLOCK_D)
+    part = (req.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
+    weights = tl.where(split_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    parts = tl.load(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    out = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
+    tl.store(o_ptr + req.to(tl.int64) * o_batch_stride + head * o_head_stride + dims, out.to(o_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device) -> tuple[int, int]:
+    """(num_splits, chunk) from host ints only, so choosing them never waits on the GPU.
+
+    Large batches already fill the GPU with one program per (request, kv head); small ones
+    split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK."""
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 1
+    wanted = triton.cdiv(WAVES * num_sms, batch * num_kv_heads)
+    num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, MIN_CHUNK)))
+    chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), BLOCK_N) * BLOCK_N
+    return triton.cdiv(max_seqlen, chunk), chunk
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                            max_seqlen: int, sm_scale: float) -> torch.Tensor:
-    raise NotImplementedError
+                            max_seqlen: int, sm_scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """num_splits overrides the plan (tests use it to exercise the merge on small inputs)."""
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    splits, chunk = _split_plan(batch, num_kv_heads, max_seqlen, q.device)
+    if num_splits is not None:
+        chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), BLOCK_N) * BLOCK_N
+        splits = triton.cdiv(max_seqlen, chunk)
+    block_d = triton.next_power_of_2(head_dim)
+    part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    dot_upcast = not q.is_cuda
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, sm_scale * LOG2E, chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, DOT_UPCAST=dot_upcast, num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(batch, num_q_heads)](
+        part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    return out

@@ -49,5 +49,43 @@ def random_uniform_ref(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> 
     return ((h >> 9) * 2 + 1).float() * _INV_2_24
 
 
+@triton.jit
+def _mod32(x):
+    return x - ((x >> 32) << 32)
+
+
+@triton.jit
+def _mul32(a, m_high, m_low):
+    return _mod32(a * m_low + (((a * m_high) & 0xFFFF) << 16))
+
+
+@triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EB, 0xCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2, 0xAE35)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _random_uniform_kernel(seeds_ptr, steps_ptr, u_ptr, vocab, u_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    step = tl.load(steps_ptr + row).to(tl.int64)
+    key = _fmix32(_mod32(seed))
+    key = _fmix32(key ^ _mod32(seed >> 32))
+    key = _fmix32(key ^ _mod32(step))
+    key = _fmix32(key ^ _mod32(step >> 32))
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h = _fmix32(_mod32(key + _mul32((cols + 1).to(tl.int64), 0x9E37, 0x79B9)))
+    u = ((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2^-24, exact
+    tl.store(u_ptr + row * u_stride + cols, u, mask=cols < vocab)
+
+
 def random_uniform_triton(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    raise NotImplementedError
+    u = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
+    block = 1024
+    _random_uniform_kernel[(seeds.shape[0], triton.cdiv(vocab, block))](seeds, steps, u, vocab, u.stride(0),
+                                                                        BLOCK=block, num_warps=4)
+    return u

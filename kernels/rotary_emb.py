@@ -16,5 +16,38 @@ def rotary_emb_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     _rotate_ref(k, cos, sin)
 
 
+@triton.jit
+def _rotate_heads(ptr, token, token_stride, head_stride, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    first = ptr + token * token_stride + heads * head_stride + dims
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
+                   cos_stride, sin_stride, num_q_heads, num_kv_heads,
+                   HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + token * cos_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * sin_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, token, q_token_stride, q_head_stride, num_q_heads, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, token, k_token_stride, k_head_stride, num_kv_heads, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+
+
 def rotary_emb_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    raise NotImplementedError
+    assert q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
+    tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    _rotary_kernel[(tokens,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                              cos.stride(0), sin.stride(0), num_q_heads, num_kv_heads,
+                              HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+                              BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+                              BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)

@@ -1,0 +1,34 @@
+"""Test setup: offline Hugging Face, and the Triton interpreter when there is no GPU.
+
+Both must be set before anything imports triton or transformers, hence at the top of this file.
+"""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a loaded scalar into a loop bound with int() on a 1-element
+    array, which numpy >= 2.4 rejects (triton-lang/triton#9171), so `range(start, end)` over
+    values loaded in a kernel fails. Re-register the conversion on a squeezed array."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_scalar_index()

@@ -1,0 +1,320 @@
+"""Every Triton kernel against its torch reference, and each reference against an independent
+computation. Without a GPU the Triton kernels run on CPU tensors under TRITON_INTERPRET=1
+(see conftest.py); shapes are kept small because the interpreter is slow."""
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
+from lightllm_kernels.copy_kv import copy_kv_ref, copy_kv_triton
+from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from lightllm_kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
+from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from lightllm_kernels.rotary_emb import rotary_emb_ref, rotary_emb_triton
+from lightllm_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+
+# The package's public `decode_attention` function shadows the submodule of the same name.
+decode_module = importlib.import_module("lightllm_kernels.decode_attention")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+# fp32: the kernel and the reference differ only in summation order and exp vs exp2.
+# bf16: outputs are rounded to bf16 (ulp 2^-8 relative), and the interpreter rounds fp32 -> bf16
+# toward zero where torch rounds to nearest, so one more ulp; attention also feeds bf16
+# probabilities to the P @ V product, as the GPU kernel does.
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+ATTN_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+PROMPT_LENS = [1, 7, 33]
+HEADS = [(4, 2, 64), (4, 1, 128)]  # (query heads, kv heads, head_dim): GQA and MQA
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")  # shown with a failure, to reproduce it
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def assert_close(actual, expected, tol):
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+
+
+# ---------------------------------------------------------------- rms_norm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 128])
+def test_rms_norm_triton_matches_ref(dtype, hidden):
+    x, weight = randn(5, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    assert_close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_ref_matches_transformers(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(randn(64))
+    x = randn(9, 64, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm_ref(x, norm.weight, 1e-6), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_triton_matches_ref(dtype):
+    x, weight = randn(6, 96, dtype=dtype), randn(96, dtype=dtype)
+    residual = randn(6, 96, dtype=dtype)
+    residual_triton = residual.clone()
+    expected = add_rms_norm_ref(x, residual, weight, 1e-6)
+    actual = add_rms_norm_triton(x, residual_triton, weight, 1e-6)
+    assert_close(residual_triton, residual, TOL[dtype])
+    assert_close(actual, expected, TOL[dtype])
+
+
+def test_add_rms_norm_ref_adds_residual_in_place():
+    x, residual, weight = randn(4, 32), randn(4, 32), randn(32)
+    summed = x + residual
+    y = add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert torch.equal(residual, summed)
+    assert torch.equal(y, rms_norm_ref(summed, weight, 1e-6))
+
+
+# ---------------------------------------------------------------- rotary
+def random_cos_sin(tokens, head_dim):
+    angles = torch.rand(tokens, head_dim // 2, device=DEVICE) * 100
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
+def test_rotary_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim):
+    # q and k are strided views into one fused qkv projection, as the model produces them
+    qkv = randn(7, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, :num_q_heads * head_dim].view(7, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim:(num_q_heads + num_kv_heads) * head_dim].view(7, num_kv_heads, head_dim)
+    cos, sin = random_cos_sin(7, head_dim)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_emb_ref(q_ref, k_ref, cos, sin)
+    rotary_emb_triton(q, k, cos, sin)
+    assert_close(q, q_ref, TOL[dtype])
+    assert_close(k, k_ref, TOL[dtype])
+
+
+def test_rotary_ref_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = randn(5, 4, 64), randn(5, 2, 64)
+    cos, sin = random_cos_sin(5, 64)
+    # transformers: q/k [batch, heads, tokens, D], cos/sin [batch, tokens, D] with both halves equal
+    full_cos, full_sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], full_cos, full_sin)
+    rotary_emb_ref(q, k, cos, sin)
+    torch.testing.assert_close(q, q_hf[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, k_hf[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- copy_kv
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_copy_kv_triton_matches_ref(dtype, slot_dtype):
+    k, v = randn(5, 2, 64, dtype=dtype), randn(5, 2, 64, dtype=dtype)
+    k_cache, v_cache = randn(20, 2, 64, dtype=dtype), randn(20, 2, 64, dtype=dtype)
+    slots = torch.randperm(20, device=DEVICE)[:5].to(slot_dtype)
+    k_cache_triton, v_cache_triton = k_cache.clone(), v_cache.clone()
+    copy_kv_ref(k, v, k_cache, v_cache, slots)
+    copy_kv_triton(k, v, k_cache_triton, v_cache_triton, slots)
+    assert torch.equal(k_cache_triton, k_cache) and torch.equal(v_cache_triton, v_cache)
+
+
+def test_copy_kv_ref_writes_only_the_slots():
+    k, v = randn(3, 2, 8), randn(3, 2, 8)
+    k_cache, v_cache = randn(10, 2, 8), randn(10, 2, 8)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([7, 2, 5], dtype=torch.int32, device=DEVICE)
+    for token, slot in enumerate(slots.tolist()):
+        expected_k[slot], expected_v[slot] = k[token], v[token]
+    copy_kv_ref(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# ---------------------------------------------------------------- silu_and_mul
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 1500])
+def test_silu_and_mul_triton_matches_ref(dtype, inter):
+    x = randn(4, 2 * inter, dtype=dtype)
+    assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), TOL[dtype])
+
+
+def test_silu_and_mul_ref_is_gated_silu():
+    x = randn(3, 20)
+    gate, up = x[:, :10], x[:, 10:]
+    torch.testing.assert_close(silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up)
+
+
+# ---------------------------------------------------------------- prefill attention
+def packed_prompts(lens, num_q_heads, num_kv_heads, head_dim, dtype):
+    tokens = sum(lens)
+    cu_seqlens = torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+    q = randn(tokens, num_q_heads, head_dim, dtype=dtype)
+    k, v = randn(tokens, num_kv_heads, head_dim, dtype=dtype), randn(tokens, num_kv_heads, head_dim, dtype=dtype)
+    return q, k, v, cu_seqlens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
+def test_prefill_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim):
+    lens = PROMPT_LENS + [70]  # 70 spans two query blocks and two key blocks
+    q, k, v, cu_seqlens = packed_prompts(lens, num_q_heads, num_kv_heads, head_dim, dtype)
+    args = (q, k, v, cu_seqlens, max(lens), head_dim ** -0.5)
+    assert_close(prefill_attention_triton(*args), prefill_attention_ref(*args), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
+def test_prefill_attention_ref_matches_sdpa_per_sequence(num_q_heads, num_kv_heads, head_dim):
+    q, k, v, cu_seqlens = packed_prompts(PROMPT_LENS, num_q_heads, num_kv_heads, head_dim, torch.float32)
+    out = prefill_attention_ref(q, k, v, cu_seqlens, max(PROMPT_LENS), 0.3)
+    group = num_q_heads // num_kv_heads
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        expected = F.scaled_dot_product_attention(qs, ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0),
+                                                  is_causal=True, scale=0.3)
+        torch.testing.assert_close(out[start:end], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- decode attention
+def decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, num_slots=400):
+    """Requests in scattered rows of a token table; entries past each length are -1 (never read)."""
+    batch, width = len(seq_lens), max(seq_lens) + 5
+    req_rows = torch.randperm(batch + 3, device=DEVICE)[:batch].to(torch.int32)
+    req_to_token = torch.full((batch + 3, width), -1, dtype=torch.int32, device=DEVICE)
+    for row, length in zip(req_rows.tolist(), seq_lens):
+        req_to_token[row, :length] = torch.randperm(num_slots, device=DEVICE)[:length].to(torch.int32)
+    q = randn(batch, num_q_heads, head_dim, dtype=dtype)
+    k_cache = randn(num_slots, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(num_slots, num_kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, req_to_token, req_rows, lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS + [(8, 2, 64)])
+@pytest.mark.parametrize("waves", [1, 64], ids=["one-split", "split-k"])
+def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim, waves, monkeypatch):
+    # WAVES drives the split plan: 64 forces several key chunks per request so the merge is tested.
+    monkeypatch.setattr(decode_module, "WAVES", waves)
+    seq_lens = PROMPT_LENS + [200]
+    num_splits, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
+    assert (num_splits > 1) == (waves > 1)
+    args = decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype) + (max(seq_lens), head_dim ** -0.5)
+    assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
+def test_decode_attention_ref_matches_per_request_loop(num_q_heads, num_kv_heads, head_dim):
+    seq_lens = PROMPT_LENS + [50]
+    q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(
+        seq_lens, num_q_heads, num_kv_heads, head_dim, torch.float32)
+    # max_seqlen may exceed every length (a bucketed bound); it must not exceed the table width
+    out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, lens, req_to_token.shape[1], 0.2)
+    group = num_q_heads // num_kv_heads
+    for b, (row, length) in enumerate(zip(req_rows.tolist(), seq_lens)):
+        slots = req_to_token[row, :length].long()
+        keys = k_cache[slots].repeat_interleave(group, 1)  # [L, Hq, D]
+        values = v_cache[slots].repeat_interleave(group, 1)
+        probs = torch.einsum("hd,lhd->hl", q[b], keys).mul(0.2).softmax(-1)
+        expected = torch.einsum("hl,lhd->hd", probs, values)
+        torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- penalties
+def penalty_inputs(batch=3, vocab=1000):
+    counts_per_req = [3, 0, 40][:batch]
+    ids = [torch.randperm(vocab)[:n] for n in counts_per_req]  # unique ids per request
+    token_ids = torch.cat(ids).to(torch.int32).to(DEVICE)
+    token_counts = torch.randint(1, 6, (token_ids.numel(),), dtype=torch.int32, device=DEVICE)
+    cu_offsets = torch.tensor([0] + counts_per_req, device=DEVICE).cumsum(0).to(torch.int32)
+    penalties = (torch.rand(batch, device=DEVICE), torch.rand(batch, device=DEVICE),
+                 torch.rand(batch, device=DEVICE) + 0.5)
+    return randn(batch, vocab), penalties, (token_ids, token_counts, cu_offsets)
+
+
+def test_apply_penalties_triton_matches_ref():
+    logits, penalties, tokens = penalty_inputs()
+    logits_triton = logits.clone()
+    apply_penalties_ref(logits, *penalties, *tokens)
+    apply_penalties_triton(logits_triton, *penalties, *tokens)
+    torch.testing.assert_close(logits_triton, logits, atol=1e-6, rtol=1e-6)
+
+
+def test_apply_penalties_ref_matches_python_loop():
+    logits, (presence, frequency, repetition), (token_ids, token_counts, cu_offsets) = penalty_inputs()
+    expected = logits.clone()
+    for b in range(logits.shape[0]):
+        for i in range(cu_offsets[b], cu_offsets[b + 1]):
+            token, count = int(token_ids[i]), int(token_counts[i])
+            value = float(expected[b, token])
+            value = value / float(repetition[b]) if value > 0 else value * float(repetition[b])
+            expected[b, token] = value - float(frequency[b]) * count - float(presence[b])
+    apply_penalties_ref(logits, presence, frequency, repetition, token_ids, token_counts, cu_offsets)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- random_uniform
+def random_seeds(batch):
+    seeds = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=DEVICE)
+    steps = torch.randint(0, 2**40, (batch,), dtype=torch.int64, device=DEVICE)
+    return seeds, steps
+
+
+def test_random_uniform_triton_is_bit_identical_to_ref():
+    seeds, steps = random_seeds(5)
+    seeds[0], steps[0] = 0, 0
+    assert torch.equal(random_uniform_triton(seeds, steps, 3000), random_uniform_ref(seeds, steps, 3000))
+
+
+def test_random_uniform_is_open_unit_interval_and_roughly_uniform():
+    u = random_uniform_ref(*random_seeds(64), 4096)
+    assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = u.numel() / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 60, chi2  # 15 degrees of freedom: P(chi2 > 60) < 1e-6 for a uniform source
+
+
+def test_random_uniform_depends_only_on_seed_and_step():
+    seeds, steps = random_seeds(4)
+    together = random_uniform_ref(seeds, steps, 500)
+    alone = random_uniform_ref(seeds[2:3], steps[2:3], 500)
+    assert torch.equal(together[2:3], alone)
+    next_step = random_uniform_ref(seeds[2:3], steps[2:3] + 1, 500)
+    assert (next_step != alone).float().mean() > 0.99
+
+
+def fmix32_python(h: int) -> int:
+    """murmur3's finaliser with Python's unbounded ints, the textbook way."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_random_uniform_hash_matches_textbook_fmix32():
+    from lightllm_kernels.random_uniform import _fmix32_ref
+
+    values = torch.randint(0, 2**32, (1000,), dtype=torch.int64)
+    values[:3] = torch.tensor([0, 1, 2**32 - 1])
+    assert _fmix32_ref(values).tolist() == [fmix32_python(v) for v in values.tolist()]
+
+
+def test_random_uniform_stream_is_stable():
+    """Pinned values: changing the hash would silently change every seeded completion."""
+    u = random_uniform_ref(torch.tensor([0, 1234, -7]), torch.tensor([0, 5, 2**33]), 3)
+    assert (u * 2**24).long().tolist() == [[9620015, 3987171, 1774717], [4316197, 10932725, 14830879],
+                                           [12743387, 10385101, 14386489]]
