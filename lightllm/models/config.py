@@ -1,0 +1,164 @@
+"""Model configuration: the fields the Llama family needs, read from config.json.
+
+Llama, Mistral and Qwen2 differ only in these fields (Qwen2 always has q/k/v biases), so
+one `ModelConfig` describes them all. Both transformers 4 (`rope_theta`, `rope_scaling`)
+and transformers 5 (`rope_parameters`) layouts are read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# architecture -> (q/k/v bias, o bias) when config.json has no `attention_bias`
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": None,
+    "MistralForCausalLM": None,
+    "Qwen2ForCausalLM": (True, False),
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32}
+
+
+class ModelConfigError(ValueError):
+    """The model directory cannot be served: names the problem and what is supported."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None for plain rope; else has "rope_type"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelConfigError(f"{path} not found: a model directory needs config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def _architecture(cfg: dict, path: Path) -> str:
+    names = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), str(cfg.get("model_type")))]
+    arch = names[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(f"unsupported architecture {arch!r} in {path}; supported: "
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope(cfg: dict, path: Path) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = dict(cfg.get("rope_scaling") or params)
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(f"unsupported rope scaling type {rope_type!r} in {path}; supported: "
+                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    scaling.pop("rope_theta", None)
+    return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _eos_token_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
+    ids = _as_id_list(cfg.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        ids += _as_id_list(read_json(gen_path).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def _biases(cfg: dict, arch: str) -> tuple[bool, bool]:
+    fixed = SUPPORTED_ARCHITECTURES[arch]
+    if fixed is not None:
+        return fixed
+    bias = bool(cfg.get("attention_bias", False))  # Llama/Mistral: one flag for q/k/v and o
+    return bias, bias
+
+
+def _check_supported(cfg: dict, path: Path) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"unsupported hidden_act {act!r} in {path}; supported: silu")
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError(f"mlp_bias=true in {path} is not supported")
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelConfigError(f"model directory {model_dir} does not exist")
+    path = model_dir / "config.json"
+    cfg = read_json(path)
+    arch = _architecture(cfg, path)
+    _check_supported(cfg, path)
+    theta, scaling = _rope(cfg, path)
+    qkv_bias, o_bias = _biases(cfg, arch)
+    num_heads = int(cfg["num_attention_heads"])
+    use_window = cfg.get("use_sliding_window", True)
+    return ModelConfig(
+        model_dir=str(model_dir),
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        eos_token_ids=_eos_token_ids(cfg, model_dir),
+        sliding_window=cfg.get("sliding_window") if use_window else None,
+    )
+
+
+def resolve_dtype(data_type: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU (the torch references are written for it); on CUDA the config's
+    dtype, bfloat16 when the config names none. Any explicit name is honoured everywhere."""
+    if data_type == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.bfloat16)
+    if data_type not in _DTYPES:
+        raise ModelConfigError(f"unsupported data type {data_type!r}; supported: auto, "
+                               f"{', '.join(_DTYPES)}")
+    return _DTYPES[data_type]

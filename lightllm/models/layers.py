@@ -1,0 +1,212 @@
+"""Shared layers of the Llama family; all tensor-parallel logic lives here.
+
+Weights come from a weight source (`weights.py`) as this rank's slice. Column-parallel
+layers keep a slice of the output features, row-parallel layers a slice of the input
+features and all-reduce their output; the vocabulary is split (and padded) across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lightllm.utils.dist import TPGroup
+from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, prefill_attention, rms_norm,
+                              rotary_emb_, silu_and_mul)
+
+from .config import ModelConfig, ModelConfigError
+
+
+@dataclass
+class ForwardBatch:
+    """One step's metadata, already on the device (built by the model runner in one copy)."""
+
+    is_prefill: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its request
+    slots: torch.Tensor  # [T] int64, KV slot of each new token
+    max_seqlen: int  # host-side bound on the requests' lengths
+    cu_seqlens: torch.Tensor | None = None  # prefill: [B+1] int32, packed prompt bounds
+    last_index: torch.Tensor | None = None  # prefill: [B] int64, each request's last token
+    req_to_token: torch.Tensor | None = None  # decode: [R, L] int32
+    req_rows: torch.Tensor | None = None  # decode: [B] int32
+    seq_lens: torch.Tensor | None = None  # decode: [B] int32, including the new token
+
+
+def split_even(units: int, tp: TPGroup, what: str) -> tuple[int, int]:
+    """This rank's (start, count) of `units` split evenly across the ranks."""
+    if units % tp.world_size:
+        raise ModelConfigError(f"{what} = {units} is not divisible by tensor parallel size {tp.world_size}")
+    count = units // tp.world_size
+    return tp.rank * count, count
+
+
+def split_kv_heads(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """KV heads per rank; with fewer KV heads than ranks each head is replicated on
+    world_size / num_kv_heads consecutive ranks, matching the q heads those ranks hold."""
+    if num_kv_heads >= tp.world_size:
+        return split_even(num_kv_heads, tp, "num_key_value_heads")
+    if tp.world_size % num_kv_heads:
+        raise ModelConfigError(f"num_key_value_heads = {num_kv_heads} can neither be split nor "
+                               f"replicated across tensor parallel size {tp.world_size}")
+    return tp.rank * num_kv_heads // tp.world_size, 1
+
+
+class ColumnParallelLinear:
+    """y = x W^T + b over this rank's output rows; several checkpoint matrices (q/k/v,
+    gate/up) are concatenated into one weight so that one GEMM serves them all."""
+
+    def __init__(self, weights, parts: list[tuple[str, int, int, int]], in_features: int, bias: bool):
+        # parts: (checkpoint prefix, full output size, first row kept, rows kept)
+        self.weight = torch.cat([weights.get(f"{name}.weight", (out, in_features), 0, start, count)
+                                 for name, out, start, count in parts])
+        self.bias = torch.cat([weights.get(f"{name}.bias", (out,), 0, start, count)
+                               for name, out, start, count in parts]) if bias else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear:
+    """y = all_reduce(x_rank W_rank^T) + b, where this rank holds input features [start, start + count)."""
+
+    def __init__(self, weights, tp: TPGroup, name: str, out_features: int, in_features: int,
+                 start: int, count: int, bias: bool):
+        self.tp = tp
+        self.weight = weights.get(f"{name}.weight", (out_features, in_features), 1, start, count)
+        self.bias = weights.get(f"{name}.bias", (out_features,)) if bias else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def vocab_shard(weights, tp: TPGroup, name: str, vocab: int, hidden: int) -> torch.Tensor:
+    """This rank's rows of a [vocab, hidden] matrix, zero-padded to ceil(vocab / world_size)."""
+    per_rank = -(-vocab // tp.world_size)
+    start = tp.rank * per_rank
+    count = max(0, min(per_rank, vocab - start))
+    part = weights.get(name, (vocab, hidden), 0, start, count)
+    return F.pad(part, (0, 0, 0, per_rank - count))
+
+
+class VocabParallelEmbedding:
+    def __init__(self, weights, tp: TPGroup, name: str, vocab: int, hidden: int):
+        self.tp = tp
+        self.weight = vocab_shard(weights, tp, name, vocab, hidden)
+        self.start = tp.rank * self.weight.shape[0]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(~inside[:, None], 0))
+
+
+class ParallelLMHead:
+    """fp32 logits over the whole vocabulary: each rank scores its vocab shard, then all-gather."""
+
+    def __init__(self, weight: torch.Tensor, tp: TPGroup, vocab: int):
+        self.weight, self.tp, self.vocab = weight, tp, vocab
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab]
+
+
+class RMSNorm:
+    def __init__(self, weights, name: str, hidden: int, eps: float):
+        self.weight = weights.get(name, (hidden,))
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return add_rms_norm(x, residual, self.weight, self.eps), residual
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return llama3_inv_freq(inv_freq, scaling)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a linear blend between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    scaled = torch.where(wavelen < old_context / high, inv_freq, scaled)
+    return torch.where(wavelen > old_context / low, inv_freq / factor, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables [max_positions, head_dim / 2] in fp32, indexed by token position."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
+                 device: torch.device):
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
+        rotary_emb_(q, k, self.cos[positions], self.sin[positions])
+
+
+class Attention:
+    """q/k/v projection (column-parallel, merged), rotary, KV written to the token table,
+    attention over the packed prompts (prefill) or the table rows (decode), o projection."""
+
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str, rotary: RotaryEmbedding):
+        d = cfg.head_dim
+        q_start, self.q_heads = split_even(cfg.num_heads, tp, "num_attention_heads")
+        kv_start, self.kv_heads = split_kv_heads(cfg.num_kv_heads, tp)
+        kv_parts = [(f"{prefix}.{n}_proj", cfg.num_kv_heads * d, kv_start * d, self.kv_heads * d) for n in "kv"]
+        q_part = (f"{prefix}.q_proj", cfg.num_heads * d, q_start * d, self.q_heads * d)
+        self.qkv = ColumnParallelLinear(weights, [q_part] + kv_parts, cfg.hidden_size, cfg.qkv_bias)
+        self.o = RowParallelLinear(weights, tp, f"{prefix}.o_proj", cfg.hidden_size, cfg.num_heads * d,
+                                   q_start * d, self.q_heads * d, cfg.o_bias)
+        self.head_dim, self.rotary = d, rotary
+        self.scale = 1.0 / math.sqrt(d)
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        tokens, d = h.shape[0], self.head_dim
+        q, k, v = self.qkv(h).split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
+        self.rotary(q, k, batch.positions)
+        copy_kv(k, v, k_cache, v_cache, batch.slots)
+        if batch.is_prefill:
+            o = prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, self.scale)
+        else:
+            o = decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_rows, batch.seq_lens,
+                                 batch.max_seqlen, self.scale)
+        return self.o(o.reshape(tokens, -1))
+
+
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)) with gate/up merged into one column-parallel weight."""
+
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str):
+        inter = cfg.intermediate_size
+        start, count = split_even(inter, tp, "intermediate_size")
+        parts = [(f"{prefix}.{n}_proj", inter, start, count) for n in ("gate", "up")]
+        self.gate_up = ColumnParallelLinear(weights, parts, cfg.hidden_size, bias=False)
+        self.down = RowParallelLinear(weights, tp, f"{prefix}.down_proj", cfg.hidden_size, inter,
+                                      start, count, bias=False)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(h)))

@@ -1,0 +1,53 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2): one model, differences come from the config."""
+
+from __future__ import annotations
+
+import torch
+
+from lightllm.common import TokenTable
+from lightllm.utils.dist import TPGroup
+
+from .config import ModelConfig
+from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                     VocabParallelEmbedding, vocab_shard)
+
+
+class DecoderLayer:
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int, rotary: RotaryEmbedding):
+        prefix = f"model.layers.{index}"
+        self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn", rotary)
+        self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size,
+                                 cfg.rms_norm_eps)
+        self.mlp = GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
+
+    def __call__(self, x, residual, batch: ForwardBatch, k_cache, v_cache):
+        h, residual = self.input_norm(x, residual)
+        x = self.attn(h, batch, k_cache, v_cache)
+        h, residual = self.post_norm(x, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights, tp: TPGroup, max_positions: int, device: torch.device):
+        self.config = cfg
+        self.embed = VocabParallelEmbedding(weights, tp, "model.embed_tokens.weight", cfg.vocab_size,
+                                            cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.layers = [DecoderLayer(weights, tp, cfg, i, rotary) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
+        head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
+            weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size)
+        self.kv_heads = self.layers[0].attn.kv_heads  # per rank
+        self.dtype = self.embed.weight.dtype
+
+    def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
+        """fp32 logits [B, vocab] for the last token of each request."""
+        x, residual = self.embed(batch.input_ids), None
+        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
+            x, residual = layer(x, residual, batch, k_cache, v_cache)
+        if batch.last_index is not None:
+            x, residual = x[batch.last_index], residual[batch.last_index]
+        h, _ = self.norm(x, residual)
+        return self.lm_head(h)

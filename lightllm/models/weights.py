@@ -1,0 +1,113 @@
+"""Weight sources for the layers: a checkpoint directory, or random weights from the config.
+
+Layers ask for a tensor by its checkpoint name, its full shape, and the slice this rank keeps
+(`dim`, `start`, `length`); they get it on the device in the model dtype. Safetensors slices
+are read straight from the file, so a rank never materialises the other ranks' shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_LAYOUTS = ("model.safetensors", "model.safetensors.index.json", "*.safetensors",
+                      "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model*.bin")
+
+
+class WeightLoadError(RuntimeError):
+    """A weight file is missing, unreadable, or does not match the config."""
+
+
+def _index_files(model_dir: Path, index_name: str) -> list[Path]:
+    index_path = model_dir / index_name
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+        raise WeightLoadError(f"{index_path} is not a valid checkpoint index: {e}") from None
+    return [model_dir / name for name in sorted(set(weight_map.values()))]
+
+
+def find_weight_files(model_dir: Path) -> list[Path]:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (model_dir / index_name).exists():
+            return _index_files(model_dir, index_name)
+    for pattern in ("*.safetensors", "pytorch_model*.bin"):
+        files = sorted(model_dir.glob(pattern))
+        if files:
+            return files
+    raise WeightLoadError(f"no weights found in {model_dir}: expected one of "
+                          f"{', '.join(CHECKPOINT_LAYOUTS)} (or use load_format='dummy')")
+
+
+def _open(path: Path):
+    """name -> lazily readable tensor handle for one file."""
+    if not path.exists():
+        raise WeightLoadError(f"weight file {path} is missing (named in the checkpoint index)")
+    try:
+        if path.suffix == ".safetensors":
+            handle = safe_open(str(path), framework="pt")
+            return {name: (handle, name) for name in handle.keys()}
+        # mmap needs the zip format that torch.save has written since torch 1.6
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        return {name: (None, tensor) for name, tensor in state.items()}
+    except Exception as e:  # safetensors and torch raise many types for a damaged file
+        raise WeightLoadError(f"cannot read weight file {path}: {e}") from None
+
+
+def _read_part(entry, dim: int, start: int, length: int) -> torch.Tensor:
+    handle, ref = entry
+    if handle is None:
+        return ref.narrow(dim, start, length)
+    view = handle.get_slice(ref)
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return view[index]
+
+
+class CheckpointWeights:
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+        self.model_dir = Path(model_dir)
+        self.dtype, self.device = dtype, device
+        self.entries = {}
+        for path in find_weight_files(self.model_dir):
+            self.entries.update(_open(path))
+        logger.info("checkpoint %s: %d tensors", self.model_dir, len(self.entries))
+
+    def _shape(self, entry) -> list[int]:
+        handle, ref = entry
+        return list(ref.shape) if handle is None else handle.get_slice(ref).get_shape()
+
+    def get(self, name: str, shape: tuple[int, ...], dim: int = 0, start: int = 0,
+            length: int | None = None) -> torch.Tensor:
+        if name not in self.entries:
+            raise WeightLoadError(f"tensor {name!r} not found in the checkpoint in {self.model_dir}")
+        entry = self.entries[name]
+        found = self._shape(entry)
+        if found != list(shape):
+            raise WeightLoadError(f"tensor {name!r} has shape {found}, config.json implies {list(shape)}")
+        length = shape[dim] - start if length is None else length
+        part = _read_part(entry, dim, start, length)
+        return part.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+class DummyWeights:
+    """Random weights (normal, std 0.02; norm weights 1) made directly on the device."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, seed: int = 0):
+        self.dtype, self.device = dtype, device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def get(self, name: str, shape: tuple[int, ...], dim: int = 0, start: int = 0,
+            length: int | None = None) -> torch.Tensor:
+        shape = list(shape)
+        shape[dim] = shape[dim] - start if length is None else length
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return out.normal_(0.0, 0.02, generator=self.generator)

@@ -1,0 +1,217 @@
+"""Our Llama-family model, driven through ModelRunner, against transformers on the same weights.
+
+Tiny random models (hidden 64, 2 layers) built with transformers' own config classes and
+saved with save_pretrained. For each prefill and decode step we compare the last-token
+logits the runner samples from with transformers' logits for the full sequence so far.
+fp32 on CPU; tolerance atol = rtol = 1e-4 (observed differences are ~1e-6).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from lightllm.models import ModelConfigError, WeightLoadError
+from lightllm.server.io_struct import SamplingParams
+from lightllm.server.router.model_infer import model_runner, sampling
+from lightllm.server.router.model_infer.model_runner import ModelRunner
+
+ATOL = RTOL = 1e-4
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=101)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+CASES = {
+    "llama_mha": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4)),
+    "llama_gqa_llama3_rope": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2,
+                                                                  rope_parameters=LLAMA3_ROPE)),
+    "llama_mqa_tied_theta": (LlamaConfig, LlamaForCausalLM,
+                             dict(num_key_value_heads=1, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1234.5})),
+    "llama_head_dim_32": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
+    "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2)),
+    "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def randomize_(model, seed):
+    """Larger-than-default weights (and nonzero biases, non-unit norms) so differences show."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+def make_model(name, out_dir, seed=0):
+    """Save the tiny model `name` of CASES to out_dir; returns the transformers model."""
+    config_cls, model_cls, extra = CASES[name]
+    config = config_cls(**BASE, **extra, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize_(model, seed)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def make_runner(model_dir, **kw):
+    return ModelRunner(str(model_dir), max_total_token_num=kw.pop("tokens", 256), max_req_total_len=64,
+                       running_max_req_size=8, device="cpu", **kw)
+
+
+@pytest.fixture
+def captured_logits(monkeypatch):
+    """Every logits tensor the runner samples from, in order."""
+    seen = []
+
+    def capture(logits, batch):
+        seen.append(logits.clone())
+        return sampling.sample(logits, batch)
+
+    monkeypatch.setattr(model_runner, "sample", capture)
+    return seen
+
+
+def hf_last_logits(hf_model, seqs):
+    with torch.no_grad():
+        return torch.stack([hf_model(torch.tensor([s])).logits[0, -1] for s in seqs])
+
+
+def run_schedule(runner, prompts):
+    """Prefill two requests, decode, add a third, decode all, free one, decode the rest.
+    Returns [(sequences fed so far, for each row of that step's logits)]."""
+    seqs = {i: list(p) for i, p in enumerate(prompts)}
+    steps = []
+
+    def record(ids, out):
+        steps.append([list(seqs[i]) for i in ids])
+        for i, (tok, _) in zip(ids, out):
+            seqs[i].append(tok)
+
+    greedy = SamplingParams()
+    record([0, 1], runner.prefill([(0, prompts[0], greedy), (1, prompts[1], greedy)]))
+    record([0, 1], runner.decode([0, 1]))
+    record([2], runner.prefill([(2, prompts[2], greedy)]))
+    for _ in range(3):
+        record([1, 0, 2], runner.decode([1, 0, 2]))
+    runner.free([0])
+    record([2, 1], runner.decode([2, 1]))
+    runner.free([1, 2])
+    return steps
+
+
+def random_prompts(seed, lengths=(3, 17, 9), vocab=BASE["vocab_size"]):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers(name, tmp_path, captured_logits):
+    hf_model = make_model(name, tmp_path)
+    runner = make_runner(tmp_path)
+    steps = run_schedule(runner, random_prompts(1))
+    assert len(captured_logits) == len(steps)
+    for logits, seqs in zip(captured_logits, steps):
+        torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
+    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 256, "running_requests": 0}
+    assert runner.token_table.free_count == int(runner.token_table.mem_state.sum()) == 256
+
+
+def test_info_reads_config_and_generation_config(tmp_path):
+    make_model("qwen2_bias_tied", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 9}))
+    info = make_runner(tmp_path).info
+    assert info["architecture"] == "Qwen2ForCausalLM" and info["dtype"] == "float32"
+    assert info["eos_token_ids"] == [9, 7] and info["vocab_size"] == 101
+    assert info["max_position_embeddings"] == cfg["max_position_embeddings"]
+
+
+def logits_of(model_dir, captured, **kw):
+    captured.clear()
+    run_schedule(make_runner(model_dir, **kw), random_prompts(2))
+    return list(captured)
+
+
+def write_bin_shards(hf_model, out_dir):
+    """pytorch_model-0000{1,2}.bin + index, split by tensor."""
+    state = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, out_dir / file)
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (out_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_checkpoint_layouts_load_identically(tmp_path, captured_logits):
+    single, sharded, bin_one, bin_sharded = (tmp_path / n for n in ("single", "sharded", "bin", "bin_sharded"))
+    hf_model = make_model("qwen2_bias_tied", single)
+    hf_model.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    for d in (bin_one, bin_sharded):
+        d.mkdir()
+        shutil.copy(single / "config.json", d)
+    torch.save(hf_model.state_dict(), bin_one / "pytorch_model.bin")
+    write_bin_shards(hf_model, bin_sharded)
+    expected = logits_of(single, captured_logits)
+    for other in (sharded, bin_one, bin_sharded):
+        for a, b in zip(expected, logits_of(other, captured_logits)):
+            assert torch.equal(a, b), other.name
+
+
+def test_dummy_weights_need_only_the_config(tmp_path, captured_logits):
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    logits = logits_of(tmp_path, captured_logits, load_format="dummy")
+    assert all(torch.isfinite(x).all() and x.std() > 0 for x in logits)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    make_model("llama_mha", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*"
+                                               r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        make_runner(tmp_path)
+
+
+def test_missing_config_is_named(tmp_path):
+    with pytest.raises(ModelConfigError, match="config.json not found"):
+        make_runner(tmp_path)
+
+
+def test_missing_weights_are_named(tmp_path):
+    make_model("llama_mha", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(WeightLoadError, match="no weights found"):
+        make_runner(tmp_path)
+
+
+def test_missing_shard_is_named(tmp_path):
+    make_model("llama_mha", tmp_path).save_pretrained(tmp_path, max_shard_size="40KB")
+    (tmp_path / "model.safetensors").unlink(missing_ok=True)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(WeightLoadError, match=f"{shard.name} is missing"):
+        make_runner(tmp_path)
+
+
+def test_corrupt_weight_file_is_named(tmp_path):
+    make_model("llama_mha", tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(WeightLoadError, match="cannot read weight file .*model.safetensors"):
+        make_runner(tmp_path)
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    make_model("llama_mha", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(WeightLoadError, match="gate_proj.weight' has shape"):
+        make_runner(tmp_path)
