@@ -1,9 +1,12 @@
 """Every message that crosses a process boundary.
 
 HTTP process -> router:        GenerateReq, AbortReq
-router -> detokenizer:         GenerateReq (forwarded once, before its first token), BatchTokenOut
+router -> detokenizer:         GenerateReq (forwarded once, before its first token), BatchTokenOut,
+                               AbortReq (forwarded, so that the detokenizer drops the request)
 detokenizer -> HTTP process:   BatchTextOut
+router -> HTTP process:        RouterStats (after the router's state changed)
 router -> model workers (rpyc): plain tuples built from these (see model_infer/worker.py)
+children -> main process (start-up pipe): ProcessReady, RouterReady
 
 Only these small dataclasses are pickled across a socket.
 """
@@ -84,3 +87,22 @@ class TextOut:
 @dataclass
 class BatchTextOut:
     items: list[TextOut]
+
+
+@dataclass
+class RouterStats:
+    waiting_reqs: int
+    running_reqs: int
+    tokens_used: int  # KV slots in use, as the rank-0 model runner counts them
+    max_total_token_num: int
+
+
+@dataclass
+class ProcessReady:
+    name: str
+
+
+@dataclass
+class RouterReady:
+    max_total_token_num: int  # the real figure, sized by the rank-0 model runner
+    model_info: dict  # ModelRunner.info: architecture, dtype, vocab_size, eos_token_ids, ...

@@ -1,0 +1,128 @@
+"""ServerConfig: every server setting, once. argparse reads names, defaults and help from it.
+
+Fields whose metadata has `internal=True` are not command-line flags: the main process fills
+them in at start (free loopback addresses) and passes the whole config to its children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+from lightllm.utils.net import free_ports, tcp_address
+
+
+def _flag(help_text: str, **extra) -> dict:
+    return {"help": help_text, **extra}
+
+
+@dataclass
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_flag("address the HTTP server listens on"))
+    port: int = field(default=8000, metadata=_flag("port the HTTP server listens on"))
+    model_dir: str | None = field(
+        default=None,
+        metadata=_flag("Hugging Face model directory; absent: the default model (SmolLM2-135M-Instruct), prepared on first use"),
+    )
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata=_flag("auto: fast tokenizer when there is one; slow: the Python tokenizer", choices=("auto", "slow")),
+    )
+    max_total_token_num: int | None = field(
+        default=None,
+        metadata=_flag("KV-cache budget in tokens over all requests; absent: sized from free device memory (GPU) or a fixed figure (CPU) by the model runner"),
+    )
+    batch_max_tokens: int | None = field(
+        default=None,
+        metadata=_flag("most prompt tokens prefilled in one step; absent: max_req_input_len"),
+    )
+    running_max_req_size: int = field(default=1000, metadata=_flag("most requests in the running batch"))
+    tp: int = field(default=1, metadata=_flag("tensor-parallel degree: one model worker process per rank"))
+    max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))
+    max_req_total_len: int = field(default=2048 + 1024, metadata=_flag("longest prompt + max_new_tokens accepted"))
+    nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers"))
+    trust_remote_code: bool = field(default=False, metadata=_flag("allow the tokenizer to run code from the model directory"))
+    data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
+    load_format: str = field(default="auto", metadata=_flag("weight file format: auto, safetensors, pt or gguf"))
+    router_max_wait_tokens: int = field(
+        default=6,
+        metadata=_flag("decode steps the router runs before it tries to admit waiting requests again"),
+    )
+    disable_log_stats: bool = field(default=False, metadata=_flag("do not log throughput and KV usage"))
+    log_stats_interval: float = field(default=10.0, metadata=_flag("seconds between throughput logs (only when there was activity)"))
+    health_timeout: float = field(default=10.0, metadata=_flag("seconds GET /health waits for its one-token generation"))
+    log_level: str = field(
+        default="info",
+        metadata=_flag("log level of every process", choices=("debug", "info", "warning", "error")),
+    )
+
+    # Filled in by the main process at start.
+    router_address: str = field(default="", metadata={"internal": True})  # router's PULL socket
+    detokenization_address: str = field(default="", metadata={"internal": True})  # detokenizer's PULL socket
+    http_address: str = field(default="", metadata={"internal": True})  # HTTP process's PULL socket
+
+    def allocate_addresses(self) -> None:
+        ports = free_ports(3)
+        self.router_address, self.detokenization_address, self.http_address = map(tcp_address, ports)
+
+    def check(self) -> None:
+        """Raise ValueError, naming the flag, for settings that cannot work together."""
+        if self.max_req_input_len < 1 or self.max_req_total_len <= self.max_req_input_len:
+            raise ValueError("--max_req_total_len must be larger than --max_req_input_len (both positive)")
+        if self.batch_max_tokens is not None and self.batch_max_tokens < self.max_req_input_len:
+            raise ValueError(
+                f"--batch_max_tokens ({self.batch_max_tokens}) must be at least --max_req_input_len "
+                f"({self.max_req_input_len}), or the longest prompts could never be prefilled"
+            )
+        if self.max_total_token_num is not None and self.max_total_token_num < 2:
+            raise ValueError("--max_total_token_num must be at least 2")
+        for name in ("tp", "running_max_req_size", "router_max_wait_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1")
+        if self.log_stats_interval <= 0 or self.health_timeout <= 0:
+            raise ValueError("--log_stats_interval and --health_timeout must be positive")
+
+    @property
+    def prefill_token_budget(self) -> int:
+        return self.batch_max_tokens if self.batch_max_tokens is not None else self.max_req_input_len
+
+
+def _cli_type(annotation) -> type:
+    """int | None -> int; plain types unchanged."""
+    if isinstance(annotation, types.UnionType):
+        (inner,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return inner
+    return annotation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightllm.server.api_server",
+        description="LightLLM-style token-attention inference server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        if f.metadata.get("internal"):
+            continue
+        kind = _cli_type(hints[f.name])
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
+        else:
+            parser.add_argument(
+                f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices")
+            )
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> ServerConfig:
+    parser = build_parser()
+    config = ServerConfig(**vars(parser.parse_args(argv)))
+    try:
+        config.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config

@@ -1,0 +1,53 @@
+"""Start-up of the server's child processes: logging, signals, and dying with the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    # SystemExit unwinds through `finally` blocks, so a child stops its own children first.
+    sys.exit(0)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to send SIGTERM when the parent goes, so that no child outlives the server."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable: this process may outlive its parent")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(0)
+
+
+def init_child_process(parent_pid: int, log_level: str) -> None:
+    """First call in every child: Ctrl-C is the main process's to handle; SIGTERM exits cleanly."""
+    setup_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    die_with_parent(parent_pid)
+
+
+def stop_process(process, timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL if it lingers; always reaped (no zombie)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout)
+    if process.is_alive():
+        logger.warning("%s (pid %d) ignored SIGTERM; killing it", process.name, process.pid)
+        process.kill()
+    process.join()
