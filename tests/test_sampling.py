@@ -1,0 +1,147 @@
+"""Sampling: greedy, seeded top-k/top-p draws, penalties, against direct computations."""
+
+import math
+
+import pytest
+import torch
+
+from lightllm.server.io_struct import SamplingParams
+from lightllm.server.router.model_infer.sampling import SamplingBatch, SamplingState, host_lists, sample
+
+
+def to_batch(states):
+    ints, floats = host_lists(states)
+    tensors = {k: torch.tensor(v, dtype=torch.int64) for k, v in ints.items()}
+    tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in floats.items()})
+    return SamplingBatch.from_tensors(tensors, all_greedy=all(s.params.greedy for s in states))
+
+
+def run(logits, params_list, steps=None):
+    states = [SamplingState(p, generated=s) for p, s in zip(params_list, steps or [0] * len(params_list))]
+    return sample(logits.clone(), to_batch(states))
+
+
+def random_logits(batch, vocab, seed):
+    return torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_with_its_logprob():
+    logits = random_logits(8, 500, 0)
+    tokens, logprobs = run(logits, [SamplingParams()] * 8)
+    assert torch.equal(tokens, logits.argmax(-1))
+    expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected)
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    vocab = 300
+    mine = SamplingParams(do_sample=True, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    row = random_logits(1, vocab, 1)
+    alone = [run(row, [mine], steps=[step])[0].item() for step in range(20)]
+    others = [SamplingParams(do_sample=True, seed=s) for s in (1, 2)] + [SamplingParams()]
+    batched = []
+    for step in range(20):
+        logits = torch.cat([random_logits(2, vocab, 100 + step), row, random_logits(1, vocab, 200 + step)])
+        params = [others[0], others[1], mine, others[2]]
+        batched.append(run(logits, params, steps=[3, 7, step, 0])[0][2].item())
+    assert alone == batched
+    assert len(set(alone)) > 1, "the step must change the draw"
+
+
+def test_top_k_one_is_greedy():
+    logits = random_logits(16, 400, 2)
+    states = [SamplingState(SamplingParams(do_sample=True, temperature=1.3, top_k=1, seed=i)) for i in range(16)]
+    batch = to_batch(states)
+    batch.greedy.zero_()  # force the sampling path, which must reach the same answer
+    batch.all_greedy = False
+    tokens, _ = sample(logits.clone(), batch)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_tiny_top_p_is_greedy():
+    logits = random_logits(16, 400, 3)
+    params = [SamplingParams(do_sample=True, temperature=0.8, top_p=1e-6, seed=i) for i in range(16)]
+    tokens, logprobs = run(logits, params)
+    assert torch.equal(tokens, logits.argmax(-1))
+    expected = torch.log_softmax(logits / 0.8, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected)
+
+
+def chi_square(tokens, expected_probs):
+    n = tokens.numel()
+    observed = torch.bincount(tokens, minlength=expected_probs.numel()).double()
+    support = expected_probs > 0
+    assert observed[~support].sum() == 0, "drew a token outside the allowed set"
+    expected = expected_probs[support].double() * n
+    return float(((observed[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+def renormalised(probs, keep):
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.5, 3, 1.0), (1.0, -1, 0.7)])
+def test_draws_follow_the_filtered_softmax(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 0.3, -0.5, 1.0, -2.0])
+    probs = torch.softmax(logits / temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(6, dtype=torch.bool)
+    if top_k > 0:
+        keep[order[:top_k]] = True
+    else:
+        sorted_probs = probs[order]
+        keep[order[(sorted_probs.cumsum(0) - sorted_probs) < top_p]] = True
+    expected = renormalised(probs, keep)
+    draws = 20000
+    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
+              for s in range(draws)]
+    tokens, _ = run(logits.expand(draws, 6), params)
+    stat, dof = chi_square(tokens, expected)
+    # chi-square with dof <= 5: P(stat > 30) < 2e-5
+    assert stat < 30, (stat, dof, torch.bincount(tokens, minlength=6) / draws, expected)
+
+
+def penalised_python(logits, counts, presence, frequency, repetition):
+    out = logits.clone()
+    for token, count in counts.items():
+        value = out[token].item()
+        value = value / repetition if value > 0 else value * repetition
+        out[token] = value - frequency * count - presence * (1 if count > 0 else 0)
+    return out
+
+
+def test_penalties_match_direct_computation():
+    vocab = 50
+    logits = random_logits(3, vocab, 4)
+    history = [[3, 3, 7, 10, 3], [], [0, 49, 49, 12]]
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3),
+              SamplingParams(),
+              SamplingParams(presence_penalty=-0.5, repetition_penalty=0.8)]
+    states = [SamplingState(p) for p in params]
+    for state, tokens in zip(states, history):
+        for t in tokens:
+            state.record(t)
+    penalised = logits.clone()
+    tokens, logprobs = sample(penalised, to_batch(states))
+    expected = torch.stack([penalised_python(logits[b], states[b].output_counts, p.presence_penalty,
+                                             p.frequency_penalty, p.repetition_penalty)
+                            for b, p in enumerate(params)])
+    torch.testing.assert_close(penalised, expected)
+    assert torch.equal(tokens, expected.argmax(-1))
+    torch.testing.assert_close(logprobs, torch.log_softmax(expected, -1).gather(1, tokens[:, None]).squeeze(1))
+    assert not torch.equal(expected[0], logits[0]) and torch.equal(expected[1], logits[1])
+
+
+def test_no_penalty_inputs_when_unused():
+    ints, floats = host_lists([SamplingState(SamplingParams(do_sample=True, seed=3))])
+    assert "penalty_ids" not in ints and "presence" not in floats
+    state = SamplingState(SamplingParams())
+    state.record(5)
+    assert state.output_counts == {} and state.generated == 1
+
+
+def test_huge_seeds_fit_int64():
+    ints, _ = host_lists([SamplingState(SamplingParams(seed=2**64 - 1)), SamplingState(SamplingParams(seed=2**63))])
+    assert ints["seeds"] == [-1, -(2**63)]
+    assert math.isfinite(run(random_logits(1, 10, 5), [SamplingParams(do_sample=True, seed=2**64 - 1)])[1].item())
