@@ -1,0 +1,183 @@
+"""HTTP side of the serving benchmark: send sampled requests to the server and time them.
+
+Every request is greedy, ignores EOS and asks for exactly its reference output length, so
+that a run's token counts are fixed by the sample and the server cannot finish early.
+Requests go out all at once (rate inf) or with Poisson arrivals at a seeded rate, at most
+`max_concurrency` in flight when given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import resource
+import time
+from typing import AsyncIterator
+
+import aiohttp
+from tqdm.asyncio import tqdm
+
+from serving_metrics import RequestResult, fail_if_short
+from sharegpt import SampledRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 6 * 3600.0
+
+
+def payload(request: SampledRequest, max_new_tokens: int | None = None) -> dict:
+    parameters = {
+        "max_new_tokens": max_new_tokens or request.output_len,
+        "ignore_eos": True,
+        "do_sample": False,
+    }
+    return {"inputs": request.prompt, "parameters": parameters}
+
+
+async def error_text(response: aiohttp.ClientResponse) -> str:
+    body = await response.text()
+    try:
+        message = json.loads(body).get("error", body)
+    except (ValueError, AttributeError):
+        message = body
+    return f"HTTP {response.status}: {str(message)[:300]}"
+
+
+async def post_generate(session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult) -> None:
+    async with session.post(f"{url}/generate", json=body) as response:
+        if response.status != 200:
+            result.error = await error_text(response)
+            return
+        data = await response.json(content_type=None)
+        result.output_len = data["count_output_tokens"]
+        result.success = True
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    async for raw in response.content:
+        text = raw.decode("utf-8").strip()
+        if text.startswith("data:") and text[5:].strip() != "[DONE]":
+            yield json.loads(text[5:])
+
+
+async def post_generate_stream(session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult) -> None:
+    start = time.perf_counter()
+    async with session.post(f"{url}/generate_stream", json=body) as response:
+        if response.status != 200:
+            result.error = await error_text(response)
+            return
+        last = start
+        async for event in sse_events(response):
+            if event.get("error"):
+                result.error = f"stream error: {event['error']}"
+                return
+            if event.get("token") is not None:
+                now = time.perf_counter()
+                if result.output_len == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.output_len += 1
+            if event.get("finished"):
+                result.success = True
+                return
+        result.error = "stream ended without a finished event"
+
+
+async def send(session: aiohttp.ClientSession, url: str, request: SampledRequest, stream: bool) -> RequestResult:
+    result = RequestResult(request.prompt_len, request.output_len)
+    post = post_generate_stream if stream else post_generate
+    start = time.perf_counter()
+    try:
+        await post(session, url, payload(request), result)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+        result.success = False
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - start
+    return fail_if_short(result)
+
+
+async def arrivals(count: int, request_rate: float, seed: int) -> AsyncIterator[int]:
+    """Yield request indices at Poisson arrival times (all at once when the rate is inf)."""
+    rng = random.Random(seed)
+    for index in range(count):
+        yield index
+        if math.isfinite(request_rate) and index + 1 < count:
+            await asyncio.sleep(rng.expovariate(request_rate))
+
+
+def raise_open_file_limit() -> None:
+    """Every in-flight request holds a socket; the default soft limit (often 1024) is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def run_requests(
+    url: str,
+    requests: list[SampledRequest],
+    stream: bool,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
+    """Send every request; return their results (in request order) and the wall time."""
+    raise_open_file_limit()
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no pool cap
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    bar = tqdm(total=len(requests), desc="requests", disable=not progress)
+
+    async def one(session, request):
+        if limit is None:
+            result = await send(session, url, request, stream)
+        else:
+            async with limit:
+                result = await send(session, url, request, stream)
+        bar.update(1)
+        return result
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(session, requests[i])) async for i in arrivals(len(requests), request_rate, seed)]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+async def warm_up(url: str, requests: list[SampledRequest], max_new_tokens: int = 16) -> None:
+    """Send a few short streamed requests together; raise if any of them fails."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        short = [SampledRequest(r.prompt, r.prompt_ids, min(r.output_len, max_new_tokens)) for r in requests]
+        results = await asyncio.gather(*(send(session, url, r, stream=True) for r in short))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} warm-up requests failed, first: {failed[0]}")
+    logger.info("warm-up: %d requests succeeded", len(results))
+
+
+async def wait_until_healthy(url: str, timeout_s: float, is_alive=lambda: True) -> float:
+    """Poll GET /health until it answers 200; return the seconds it took.
+
+    `is_alive` lets a caller that started the server stop waiting as soon as it has died."""
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while time.perf_counter() - start < timeout_s:
+            if not is_alive():
+                raise RuntimeError("the server exited before it became healthy")
+            try:
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        return time.perf_counter() - start
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")

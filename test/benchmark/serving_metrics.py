@@ -1,0 +1,119 @@
+"""Per-request timings and the summary vLLM's serving benchmark prints.
+
+Definitions (all per successful request unless said otherwise):
+  TTFT  time from sending the request to receiving its first output token
+  TPOT  (E2E latency - TTFT) / (output tokens - 1), for requests with more than one token
+  ITL   every gap between two consecutive output tokens, over all requests together
+  E2E   time from sending the request to receiving its last token
+Throughputs divide successful requests' tokens by the wall time of the whole run.
+Failed requests are counted and their errors kept; they add no tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = ("mean", "median", "p99")
+LATENCY_METRICS = (  # (key, printed name, section title)
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2E Latency", "End-to-end Latency"),
+)
+WIDTH = 50
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    expected_output_len: int
+    success: bool = False
+    output_len: int = 0
+    latency: float = 0.0  # seconds
+    ttft: float | None = None  # seconds; None when the tokens did not stream
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive tokens
+    error: str = ""
+
+
+def fail_if_short(result: RequestResult) -> RequestResult:
+    """A request that returned a different number of tokens than asked for has failed."""
+    if result.success and result.output_len != result.expected_output_len:
+        result.success = False
+        result.error = f"expected {result.expected_output_len} output tokens, got {result.output_len}"
+    return result
+
+
+def stats_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return dict.fromkeys(PERCENTILES)
+    ms = np.asarray(values) * 1000.0
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+
+
+def latency_values(ok: list[RequestResult]) -> dict[str, list[float]]:
+    streamed = [r for r in ok if r.ttft is not None]
+    return {
+        "ttft": [r.ttft for r in streamed],
+        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in streamed if r.output_len > 1],
+        "itl": [gap for r in streamed for gap in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    """The figures of a run, flat, with vLLM's key names (`mean_ttft_ms`, ...)."""
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    summary = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "errors": error_counts(results),
+    }
+    for key, values in latency_values(ok).items():
+        for stat, value in stats_ms(values).items():
+            summary[f"{stat}_{key}_ms"] = value
+    return summary
+
+
+def error_counts(results: list[RequestResult]) -> dict[str, int]:
+    return dict(collections.Counter(r.error for r in results if not r.success).most_common(10))
+
+
+def line(name: str, value) -> str:
+    if value is None:
+        text = "n/a (needs --stream)"
+    elif isinstance(value, float):
+        text = f"{value:.2f}"
+    else:
+        text = str(value)
+    return f"{name:<40} {text}"
+
+
+def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> str:
+    lines = [f" {title} ".center(WIDTH, "="), line("Successful requests:", summary["completed"])]
+    lines += [
+        line("Failed requests:", summary["failed"]),
+        line("Benchmark duration (s):", summary["duration"]),
+        line("Total input tokens:", summary["total_input_tokens"]),
+        line("Total generated tokens:", summary["total_output_tokens"]),
+        line("Request throughput (req/s):", summary["request_throughput"]),
+        line("Output token throughput (tok/s):", summary["output_throughput"]),
+        line("Total Token throughput (tok/s):", summary["total_token_throughput"]),
+    ]
+    for key, name, section in LATENCY_METRICS:
+        lines.append(section.center(WIDTH, "-"))
+        for stat in PERCENTILES:
+            label = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
+            lines.append(line(f"{label} {name} (ms):", summary[f"{stat}_{key}_ms"]))
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)

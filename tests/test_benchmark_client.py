@@ -1,0 +1,257 @@
+"""The ShareGPT benchmark client: sampling rules, failure accounting, metrics, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "test" / "benchmark"))
+
+import sharegpt  # noqa: E402
+from serving_client import run_requests, wait_until_healthy  # noqa: E402
+from serving_metrics import RequestResult, format_summary, summarize  # noqa: E402
+from sharegpt import SampledRequest  # noqa: E402
+
+METRIC_LINES = (
+    "Successful requests:",
+    "Failed requests:",
+    "Benchmark duration (s):",
+    "Total input tokens:",
+    "Total generated tokens:",
+    "Request throughput (req/s):",
+    "Output token throughput (tok/s):",
+    "Total Token throughput (tok/s):",
+) + tuple(
+    f"{stat} {name} (ms):" for name in ("TTFT", "TPOT", "ITL", "E2E Latency") for stat in ("Mean", "Median", "P99")
+)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: lengths in tests are exact and obvious."""
+
+    class Encoding:
+        def __init__(self, input_ids):
+            self.input_ids = input_ids
+
+    def __call__(self, texts):
+        return self.Encoding([[len(word) for word in text.split()] for text in texts])
+
+
+def words(count: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(["a", "bb", "ccc", "dddd"]) for _ in range(count))
+
+
+def conversation(prompt_len: int, completion_len: int, rng: random.Random, turns: int = 2) -> dict:
+    values = [words(prompt_len, rng), words(completion_len, rng)] + ["more"] * (turns - 2)
+    return {"id": str(rng.random()), "conversations": [{"from": "x", "value": v} for v in values[:turns]]}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A ShareGPT-like file with edge cases, cut short inside its last record."""
+    rng = random.Random(1)
+    records = [conversation(rng.randint(1, 1100), rng.randint(1, 1100), rng) for _ in range(300)]
+    records += [
+        conversation(4, 4, rng),  # shortest kept
+        conversation(3, 50, rng),  # prompt too short
+        conversation(50, 3, rng),  # completion too short
+        conversation(1025, 10, rng),  # prompt too long
+        conversation(1024, 1024, rng),  # total 2048: kept
+        conversation(1000, 1049, rng),  # total 2049: dropped
+        conversation(20, 20, rng, turns=1),  # one turn: dropped
+        conversation(30, 30, rng, turns=3),  # first two turns used
+    ]
+    rng.shuffle(records)
+    text = json.dumps(records + [conversation(10, 10, rng)], indent=2)
+    path = tmp_path_factory.mktemp("sharegpt") / "sharegpt.json"
+    path.write_text(text[: len(text) - 40])  # torn inside the extra last record
+    return path, records
+
+
+def passes(prompt_len: int, completion_len: int) -> bool:
+    return 4 <= prompt_len <= 1024 and completion_len >= 4 and prompt_len + completion_len <= 2048
+
+
+def test_lenient_load_keeps_every_whole_record(dataset):
+    path, records = dataset
+    assert sharegpt.load_records(path) == records
+
+
+def test_sampling_is_deterministic_and_follows_the_filters(dataset):
+    path, records = dataset
+    pairs = sharegpt.conversation_pairs(sharegpt.load_records(path))
+    assert len(pairs) == len(records) - 1  # the one-turn conversation
+    tokenizer = WordTokenizer()
+    everything = sharegpt.sample_requests(pairs, tokenizer, num_prompts=10_000, seed=0)
+    expected = [(p, c) for p, c in pairs if passes(len(p.split()), len(c.split()))]
+    assert sorted(r.prompt for r in everything) == sorted(p for p, _ in expected)
+    by_prompt = {p: len(c.split()) for p, c in expected}
+    assert all(r.output_len == by_prompt[r.prompt] and r.prompt_len == len(r.prompt.split()) for r in everything)
+    assert any(r.prompt_len + r.output_len == 2048 for r in everything)
+
+    first = sharegpt.sample_requests(pairs, tokenizer, num_prompts=50, seed=0)
+    assert first == everything[:50]  # the first kept pairs of one seeded order
+    assert first == sharegpt.sample_requests(pairs, tokenizer, num_prompts=50, seed=0)
+    assert first != sharegpt.sample_requests(pairs, tokenizer, num_prompts=50, seed=1)
+
+
+def test_sampled_requests_round_trip_through_a_file(dataset, tmp_path):
+    path, _ = dataset
+    pairs = sharegpt.conversation_pairs(sharegpt.load_records(path))
+    requests = sharegpt.sample_requests(pairs, WordTokenizer(), num_prompts=20, seed=3)
+    sharegpt.save_requests(tmp_path / "requests.json", requests)
+    assert sharegpt.read_requests(tmp_path / "requests.json") == requests
+
+
+def test_summary_figures_follow_their_definitions():
+    results = [
+        RequestResult(10, 3, True, 3, latency=0.5, ttft=0.1, itl=[0.2, 0.2]),
+        RequestResult(20, 5, True, 5, latency=1.0, ttft=0.2, itl=[0.2] * 4),
+        RequestResult(30, 4, False, 0, latency=0.1, error="HTTP 500: boom"),
+    ]
+    summary = summarize(results, duration=2.0)
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert (summary["total_input_tokens"], summary["total_output_tokens"]) == (30, 8)
+    assert summary["output_throughput"] == pytest.approx(4.0)
+    assert summary["total_token_throughput"] == pytest.approx(19.0)
+    assert summary["mean_ttft_ms"] == pytest.approx(150.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(200.0)  # (0.5-0.1)/2 and (1.0-0.2)/4
+    assert summary["median_itl_ms"] == pytest.approx(200.0)
+    assert summary["mean_e2el_ms"] == pytest.approx(750.0)
+    assert summary["errors"] == {"HTTP 500: boom": 1}
+    text = format_summary(summary)
+    assert all(name in text for name in METRIC_LINES)
+
+
+def fake_server_app() -> web.Application:
+    """/generate and /generate_stream that misbehave on request: the prompt says how."""
+
+    def tokens_to_send(body):
+        wanted = body["parameters"]["max_new_tokens"]
+        return wanted - 1 if "short" in body["inputs"] else wanted
+
+    async def generate(request):
+        body = await request.json()
+        if "fail" in body["inputs"]:
+            return web.json_response({"error": "boom", "error_type": "test"}, status=500)
+        count = tokens_to_send(body)
+        reply = {"generated_text": ["x" * count], "count_output_tokens": count, "finish_reason": "length"}
+        return web.json_response(reply)
+
+    async def generate_stream(request):
+        body = await request.json()
+        if "fail" in body["inputs"]:
+            return web.json_response({"error": "boom", "error_type": "test"}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        count = tokens_to_send(body)
+        for i in range(count):
+            last = i == count - 1
+            event = {"token": {"id": i, "text": "x", "logprob": 0.0, "special": False}, "finished": last}
+            await response.write(f"data:{json.dumps(event)}\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate_stream", generate_stream)
+    return app
+
+
+async def run_against_fake_server(requests, stream):
+    runner = web.AppRunner(fake_server_app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        return await run_requests(f"http://127.0.0.1:{port}", requests, stream, progress=False)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_requests_are_counted_not_hidden(stream):
+    kinds = ["ok"] * 7 + ["fail"] * 2 + ["short"] * 3
+    random.Random(0).shuffle(kinds)
+    requests = [SampledRequest(f"{kind} prompt {i}", [1, 2, 3, 4], 5 + i) for i, kind in enumerate(kinds)]
+    results, duration = asyncio.run(run_against_fake_server(requests, stream))
+    assert [r.success for r in results] == [kind == "ok" for kind in kinds]
+    summary = summarize(results, duration)
+    assert (summary["completed"], summary["failed"]) == (7, 5)
+    ok_outputs = [r.output_len for r, kind in zip(requests, kinds) if kind == "ok"]
+    assert summary["total_output_tokens"] == sum(ok_outputs)
+    assert sum(count for error, count in summary["errors"].items() if error.startswith("HTTP 500")) == 2
+    assert sum(count for error, count in summary["errors"].items() if error.startswith("expected")) == 3
+    if stream:
+        assert all(r.ttft is not None and len(r.itl) == r.output_len - 1 for r in results if r.success)
+
+
+def test_connection_refused_is_a_failed_request():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound but not listening: connections are refused
+        requests = [SampledRequest("hello there", [1, 2], 4)] * 3
+        results, _ = asyncio.run(run_requests(f"http://127.0.0.1:{port}", requests, True, progress=False))
+    assert not any(r.success for r in results)
+    assert all("Connect" in r.error or "Connection" in r.error for r in results)
+
+
+SERVER_MODULE = ROOT / "lightllm" / "server" / "api_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.skipif(not SERVER_MODULE.exists(), reason="lightllm/server/api_server.py is not written yet")
+@pytest.mark.timeout(600)
+def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
+    from lightllm.tools.bench_model import write_bench_model
+
+    model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
+    port = free_port()
+    server_cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(model), "--tp", "1"]
+    server_cmd += ["--max_total_token_num", "8192", "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    server = subprocess.Popen(server_cmd, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_until_healthy(url, timeout_s=300, is_alive=lambda: server.poll() is None))
+        data_path = tmp_path / "short.json"
+        rng = random.Random(2)
+        data_path.write_text(json.dumps([conversation(rng.randint(4, 60), rng.randint(4, 40), rng) for _ in range(40)]))
+        client_cmd = [sys.executable, str(ROOT / "test" / "benchmark" / "benchmark_serving.py"), "--base-url", url]
+        client_cmd += ["--model", str(model), "--dataset", str(data_path), "--num-prompts", "20", "--stream"]
+        client_cmd += ["--result-json", str(tmp_path / "result.json"), "--no-progress"]
+        client = subprocess.run(client_cmd, env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        stop(server)
+    assert client.returncode == 0, client.stdout + client.stderr
+    for name in METRIC_LINES:
+        assert name in client.stdout, name
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (20, 0)
+    assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop the server and the processes it started (its own session)."""
+    if process.poll() is None:
+        os.killpg(process.pid, 15)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
