@@ -33,6 +33,7 @@ except ImportError:
     triton = tl = _MissingTriton()
     logger.info("triton not importable: kernels fall back to the torch references")
 
+LOG2E = 1.4426950408889634  # attention kernels use exp2: exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
@@ -44,4 +45,4 @@ def dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")  # ieee only affects fp32 inputs: no TF32 rounding
 
 
-__all__ = ["HAS_TRITON", "dot", "triton", "tl"]
+__all__ = ["HAS_TRITON", "LOG2E", "dot", "triton", "tl"]

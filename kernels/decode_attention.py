@@ -9,9 +9,8 @@ import functools
 
 import torch
 
-from ._triton import dot, tl, triton
+from ._triton import LOG2E, dot, tl, triton
 
-LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -110,14 +109,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _programs_per_wave(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: any plan is correct, this one is small
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device) -> tuple[int, int]:
     """(num_splits, chunk) from host ints only, so choosing them never waits on the GPU.
 
     Large batches already fill the GPU with one program per (request, kv head); small ones
     split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK."""
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 1
-    wanted = triton.cdiv(WAVES * num_sms, batch * num_kv_heads)
+    wanted = triton.cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
     num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, MIN_CHUNK)))
     chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), BLOCK_N) * BLOCK_N
     return triton.cdiv(max_seqlen, chunk), chunk
@@ -125,16 +128,12 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                            max_seqlen: int, sm_scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """num_splits overrides the plan (tests use it to exercise the merge on small inputs)."""
+                            max_seqlen: int, sm_scale: float) -> torch.Tensor:
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     splits, chunk = _split_plan(batch, num_kv_heads, max_seqlen, q.device)
-    if num_splits is not None:
-        chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), BLOCK_N) * BLOCK_N
-        splits = triton.cdiv(max_seqlen, chunk)
     block_d = triton.next_power_of_2(head_dim)
     part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)

@@ -1,7 +1,7 @@
 """Causal attention over a packed batch of variable-length prompts (no padding), GQA."""
 import torch
 
-from ._triton import dot, tl, triton
+from ._triton import LOG2E, dot, tl, triton
 
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -20,9 +20,6 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         probs = scores.masked_fill(future, float("-inf")).softmax(-1)
         out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)
     return out
-
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
