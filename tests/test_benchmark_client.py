@@ -255,3 +255,49 @@ def stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, 9)
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from lightllm.tools.bench_model import write_bench_model
+
+    return write_bench_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_bandwidth_floor_counts_the_weights_a_decode_step_reads(which, tiny_model):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightllm.models import read_config
+    from lightllm.tools.default_model import ensure_default_model
+    from static_benchmark import weight_bytes
+
+    model_dir = tiny_model if which == "tiny" else ensure_default_model()
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    params = sum(p.numel() for p in model.parameters())  # a tied LM head is counted once
+    if not hf_config.tie_word_embeddings:
+        params -= hf_config.vocab_size * hf_config.hidden_size  # embedding: one row per token
+    assert weight_bytes(read_config(model_dir), itemsize=2) == 2 * params
+
+
+def test_static_benchmark_measures_the_grid_and_frees_every_token(tiny_model):
+    import static_benchmark
+
+    args = static_benchmark.build_parser().parse_args(
+        ["--model", str(tiny_model), "--load-format", "auto", "--dtype", "float32", "--device", "cpu"]
+        + ["--max-total-token-num", "500", "--prefill-batch", "1,2", "--prefill-len", "8,400"]
+        + ["--decode-batch", "1,3", "--decode-context", "8,190", "--warmup", "1", "--iters", "2"]
+    )
+    runner = static_benchmark.make_runner(args)
+    points, skipped = static_benchmark.run_grid(static_benchmark.Bench(runner, 0), args, bandwidth=1e10)
+    measured = {(p.phase, p.batch, p.context) for p in points}
+    assert measured == {("prefill", 1, 8), ("prefill", 2, 8), ("prefill", 1, 400)} | {
+        ("decode", 1, 8), ("decode", 3, 8), ("decode", 1, 190)
+    }
+    assert len(skipped) == 2  # prefill 2 x 400 and decode 3 x 190 need more than 500 tokens
+    assert all(p.ms > 0 and p.tokens_per_s > 0 for p in points)
+    assert all(0 < p.floor_fraction for p in points if p.phase == "decode")
+    assert runner.stats()["tokens_used"] == 0 and runner.stats()["running_requests"] == 0
