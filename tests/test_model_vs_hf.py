@@ -7,6 +7,7 @@ fp32 on CPU; tolerance atol = rtol = 1e-4 (observed differences are ~1e-6).
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from lightllm.models import ModelConfigError, WeightLoadError
+import lightllm_kernels
+from lightllm.models import ModelConfigError, WeightLoadError, layers
 from lightllm.server.io_struct import SamplingParams
 from lightllm.server.router.model_infer import model_runner, sampling
 from lightllm.server.router.model_infer.model_runner import ModelRunner
@@ -215,3 +217,24 @@ def test_shape_mismatch_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
     with pytest.raises(WeightLoadError, match="gate_proj.weight' has shape"):
         make_runner(tmp_path)
+
+
+TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_triton",
+              "rotary_emb_": "rotary_emb_triton", "copy_kv": "copy_kv_triton",
+              "prefill_attention": "prefill_attention_triton", "decode_attention": "decode_attention_triton",
+              "silu_and_mul": "silu_and_mul_triton"}
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied"])
+def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monkeypatch):
+    """The GPU path (Triton kernels; the interpreter on CPU) as the layers call it: strided q/k
+    views, int32/int64 index tensors, packed prompts, token-table decode."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    for op, triton_fn in TRITON_OPS.items():
+        monkeypatch.setattr(layers, op, getattr(lightllm_kernels, triton_fn))
+    hf_model = make_model(name, tmp_path)
+    steps = run_schedule(make_runner(tmp_path), random_prompts(4))
+    for logits, seqs in zip(captured_logits, steps):
+        torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)

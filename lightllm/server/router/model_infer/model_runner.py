@@ -78,6 +78,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             logger.info("max_total_token_num: %d (CPU default)", CPU_DEFAULT_TOKENS)
             return CPU_DEFAULT_TOKENS
+        torch.cuda.empty_cache()  # blocks cached while loading would read as used
         free, total = torch.cuda.mem_get_info(self.device)
         headroom = max(GPU_HEADROOM_MIN_BYTES, int(total * GPU_HEADROOM_FRACTION))
         cfg = self.config
