@@ -238,3 +238,31 @@ def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monk
     steps = run_schedule(make_runner(tmp_path), random_prompts(4))
     for logits, seqs in zip(captured_logits, steps):
         torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
+
+
+def test_runner_refuses_bad_steps_and_keeps_its_state(tmp_path):
+    make_model("llama_mha", tmp_path)
+    runner = make_runner(tmp_path, tokens=32)
+    greedy = SamplingParams()
+    runner.prefill([(0, [1, 2, 3], greedy)])
+    before = runner.stats()
+    bad_prefills = {
+        "already running": [(0, [4], greedy)],
+        "repeat": [(1, [4], greedy), (1, [5], greedy)],
+        "prompt of 0 tokens": [(1, [], greedy)],
+        "prompt of 65 tokens": [(1, [1] * 65, greedy)],
+        "out of range": [(1, [101], greedy)],
+        "needs 30 KV cache tokens, 29 free": [(1, [1] * 30, greedy)],
+    }
+    for message, reqs in bad_prefills.items():
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            runner.prefill(reqs)
+        assert runner.stats() == before and runner.token_table.free_count == 29
+    with pytest.raises(ValueError, match="unknown"):
+        runner.decode([0, 7])
+    with pytest.raises(KeyError, match="unknown or repeated"):
+        runner.free([7])
+    assert runner.stats() == before
+    runner.decode([0])
+    runner.free([0])
+    assert runner.stats()["tokens_used"] == 0 and runner.req_table.free_count == 8
