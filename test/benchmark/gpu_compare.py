@@ -222,7 +222,7 @@ def hf_generate(manager, requests: list[SampledRequest], limit_s: float, tag: st
                          len(requests) - len(outputs))
             break
     results = [hf_result(r, outputs.get(i), sent[f"{tag}-{n}"]) for n, (r, i) in enumerate(zip(requests, ids))]
-    ends = [start + r.latency for r in results if r.success] or [time.perf_counter()]
+    ends = [o.timestamps[-1] for o in outputs.values() if o.timestamps] or [time.perf_counter()]
     return results, max(ends) - start
 
 
