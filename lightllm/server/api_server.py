@@ -1,0 +1,147 @@
+"""Entry point: `python -m lightllm.server.api_server [flags]` (`--help` lists them).
+
+The main process starts the router (which starts one model worker per tensor-parallel rank)
+and the detokenizer, waits until each reports ready, then serves HTTP itself. If a child
+process dies, the server stops with a logged reason and a non-zero exit status; Ctrl-C or
+SIGTERM stops every child.
+"""
+
+# Spawned children import this module again (as __mp_main__): keep the imports at the top light.
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+from lightllm.server.config import ServerConfig, parse_config
+from lightllm.server.io_struct import RouterReady
+from lightllm.utils.process import setup_logging, stop_process
+
+logger = logging.getLogger("lightllm.server")
+
+
+@dataclass
+class Child:
+    name: str
+    process: multiprocessing.Process
+    ready_pipe: multiprocessing.connection.Connection  # our end: the child sends one ready message
+
+
+def start_children(config: ServerConfig) -> list[Child]:
+    from lightllm.server.detokenization.manager import start_detokenization_process
+    from lightllm.server.router.manager import start_router_process
+
+    context = multiprocessing.get_context("spawn")
+    children = []
+    for name, target in (("router", start_router_process), ("detokenizer", start_detokenization_process)):
+        ours, theirs = context.Pipe(duplex=False)
+        process = context.Process(target=target, args=(config, theirs, os.getpid()), name=name)
+        process.start()
+        theirs.close()
+        children.append(Child(name, process, ours))
+    return children
+
+
+def wait_until_ready(children: list[Child]) -> RouterReady | None:
+    """Block until every child reports ready (None if one dies first); return the router's report."""
+    waiting = {child.ready_pipe: child for child in children}
+    reports = {}
+    while waiting:
+        sentinels = {child.process.sentinel: child for child in waiting.values()}
+        ready = multiprocessing.connection.wait([*waiting, *sentinels])
+        for pipe in [obj for obj in ready if obj in waiting and obj.poll()]:
+            reports[waiting.pop(pipe).name] = pipe.recv()
+        dead = [sentinels[obj] for obj in ready if obj in sentinels and sentinels[obj] in waiting.values()]
+        if dead:
+            child = dead[0]
+            child.process.join()
+            logger.error(
+                "the %s process (pid %d) exited with code %s before it was ready; see its log above",
+                child.name, child.process.pid, child.process.exitcode,
+            )
+            return None
+    return reports["router"]
+
+
+def bind_http_socket(config: ServerConfig) -> socket.socket:
+    """Bind before starting anything, so that a busy port fails at once, not after model loading."""
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_http(config: ServerConfig, tokenizer, ready: RouterReady, sock: socket.socket, children: list[Child]) -> int:
+    """Serve until Ctrl-C/SIGTERM (exit status 0) or until a child process dies (1)."""
+    import uvicorn
+    import uvloop
+
+    from lightllm.server.httpserver.app import create_app
+
+    app = create_app(config, tokenizer, ready)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3))
+    exit_code = 0
+
+    def on_child_exit(child: Child) -> None:
+        nonlocal exit_code
+        asyncio.get_running_loop().remove_reader(child.process.sentinel)
+        child.process.join()
+        logger.error(
+            "the %s process (pid %d) exited with code %s; shutting the server down",
+            child.name, child.process.pid, child.process.exitcode,
+        )
+        exit_code = 1
+        server.should_exit = True
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for child in children:
+            loop.add_reader(child.process.sentinel, on_child_exit, child)  # readable when it exits
+        await server.serve(sockets=[sock])
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv)
+    setup_logging(config.log_level)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # unwind: stop the children
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; children inherit it
+    if config.model_dir is None:
+        from lightllm.tools.default_model import ensure_default_model
+
+        config.model_dir = str(ensure_default_model())
+    config.allocate_addresses()
+    try:
+        sock = bind_http_socket(config)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        return 1
+    children = start_children(config)
+    try:
+        from lightllm.server.httpserver.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config)  # while the children load the model
+        ready = wait_until_ready(children)
+        if ready is None:
+            return 1
+        return serve_http(config, tokenizer, ready, sock, children)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for child in children:
+            stop_process(child.process)
+        logger.info("server stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Model workers: one process per tensor-parallel rank, each an rpyc service around its ModelRunner.
+
+The router reaches each worker over a socketpair (no port to choose) and calls every rank at
+once, then waits for all; rank 0's answer is used. rpyc would pass lists by reference, making
+every element access a round trip, so arguments and results cross as plain tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+
+import rpyc
+from rpyc.core.stream import SocketStream
+
+from lightllm.server.io_struct import SamplingParams
+from lightllm.utils.process import init_child_process, stop_process
+
+logger = logging.getLogger(__name__)
+
+RPYC_CONFIG = {"allow_pickle": False, "sync_request_timeout": None}
+_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+class WorkerDied(RuntimeError):
+    """A model worker process is gone; the server cannot go on."""
+
+
+def to_wire(value):
+    """Lists and dicts as (nested) tuples, which rpyc copies by value."""
+    if isinstance(value, dict):
+        return tuple((key, to_wire(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(to_wire(item) for item in value)
+    if isinstance(value, SamplingParams):
+        return to_wire([getattr(value, name) for name in _SAMPLING_FIELDS])
+    return value
+
+
+def sampling_from_wire(values: tuple) -> SamplingParams:
+    params = dict(zip(_SAMPLING_FIELDS, values))
+    params["stop_sequences"] = list(params["stop_sequences"])
+    return SamplingParams(**params)
+
+
+class ModelWorkerService(rpyc.Service):
+    """Runs in the worker process; one instance per connection (there is one)."""
+
+    runner = None
+
+    def exposed_load(self, runner_kwargs: tuple) -> tuple:
+        import torch
+
+        from lightllm.server.router.model_infer.model_runner import ModelRunner  # torch: worker only
+
+        kwargs = dict(runner_kwargs)
+        if not torch.cuda.is_available():
+            # CPU ranks share the cores; by default each would run one thread per core.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // kwargs.get("world_size", 1)))
+        self.runner = ModelRunner(**kwargs)
+        return self.runner.max_total_token_num, to_wire(self.runner.info)
+
+    def exposed_prefill(self, reqs: tuple) -> tuple:
+        batch = [(req_id, list(prompt), sampling_from_wire(sampling)) for req_id, prompt, sampling in reqs]
+        return to_wire(self.runner.prefill(batch))
+
+    def exposed_decode(self, req_ids: tuple) -> tuple:
+        return to_wire(self.runner.decode(list(req_ids)))
+
+    def exposed_free(self, req_ids: tuple) -> None:
+        self.runner.free(list(req_ids))
+
+    def exposed_stats(self) -> tuple:
+        return to_wire(self.runner.stats())
+
+    def exposed_ping(self) -> None:
+        """A no-op: measures the router <-> worker round trip."""
+
+
+def run_model_worker(sock: socket.socket, parent_pid: int, log_level: str) -> None:
+    """Entry of a worker process: serve the router until it hangs up."""
+    init_child_process(parent_pid, log_level)
+    # Nothing to tidy up here, and SystemExit inside rpyc's serve loop ends in a noisy traceback.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    logger.info("model worker started (pid %d)", os.getpid())
+    conn = rpyc.connect_stream(SocketStream(sock), service=ModelWorkerService, config=RPYC_CONFIG)
+    conn.serve_all()
+
+
+class ModelWorkers:
+    """The router's handle on every rank."""
+
+    METHODS = ("load", "prefill", "decode", "free", "stats", "ping")
+
+    def __init__(self, tp: int, log_level: str):
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.Process] = []
+        self._conns: list[rpyc.Connection] = []
+        for rank in range(tp):
+            mine, theirs = socket.socketpair()
+            process = context.Process(
+                target=run_model_worker,
+                args=(theirs, os.getpid(), log_level),
+                name=f"model_worker_{rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self._conns.append(rpyc.connect_stream(SocketStream(mine), config=RPYC_CONFIG))
+        # Attribute look-ups on a remote object are round trips: do them once.
+        self._methods = {
+            name: [rpyc.async_(getattr(conn.root, name)) for conn in self._conns] for name in self.METHODS
+        }
+
+    def load(self, **runner_kwargs) -> tuple[int, dict]:
+        calls = self._methods["load"]
+        pending = [call(to_wire({**runner_kwargs, "tp_rank": rank})) for rank, call in enumerate(calls)]
+        max_total_token_num, info = self._gather(pending)
+        return max_total_token_num, {key: list(v) if isinstance(v, tuple) else v for key, v in info}
+
+    def prefill(self, reqs: list[tuple[int, list[int], SamplingParams]]) -> tuple:
+        return self._call_all("prefill", to_wire(reqs))
+
+    def decode(self, req_ids: list[int]) -> tuple:
+        return self._call_all("decode", tuple(req_ids))
+
+    def free(self, req_ids: list[int]) -> None:
+        self._call_all("free", tuple(req_ids))
+
+    def stats(self) -> dict:
+        return dict(self._gather([self._methods["stats"][0]()]))  # read-only: rank 0 is enough
+
+    def ping(self) -> None:
+        self._call_all("ping")
+
+    def _call_all(self, name: str, *args):
+        return self._gather([call(*args) for call in self._methods[name]])
+
+    def _gather(self, pending: list):
+        """Wait for every rank (they run concurrently); raise the first error; return rank 0's value."""
+        try:
+            for result in pending:
+                result.wait()
+        except (EOFError, OSError) as exc:
+            if any(conn.closed for conn in self._conns) or self.dead_worker_message():
+                raise WorkerDied(self.dead_worker_message(timeout=2.0) or f"lost a model worker: {exc!r}") from exc
+            raise
+        values = [result.value for result in pending]
+        return values[0]
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [process.sentinel for process in self.processes]
+
+    def dead_worker_message(self, timeout: float = 0.0) -> str | None:
+        """Describe the first worker that has exited (waiting up to `timeout` for one to)."""
+        ended = multiprocessing.connection.wait(self.sentinels, timeout)
+        for rank, process in enumerate(self.processes):
+            if process.sentinel in ended:
+                process.join(1.0)  # its sentinel closes a moment before it can be reaped
+                return f"model worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
+    def shutdown(self) -> None:
+        for conn in self._conns:
+            conn.close()  # a worker's serve_all ends when its connection closes
+        for process in self.processes:
+            stop_process(process)

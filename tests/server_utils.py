@@ -1,0 +1,108 @@
+"""Start and stop a real server (all its processes) on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+from lightllm.utils.net import free_port
+
+logger = logging.getLogger(__name__)
+
+
+class Server:
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(self.port), *args]
+        logger.info("starting %s (log: %s)", " ".join(cmd), log_path)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-5000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=30).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)  # polling interval, not synchronisation
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_text()[-5000:]}")
+
+    def processes(self) -> list[psutil.Process]:
+        """The main process and every descendant (router, detokenizer, model workers, ...)."""
+        main = psutil.Process(self.proc.pid)
+        return [main, *main.children(recursive=True)]
+
+    def model_workers(self) -> list[psutil.Process]:
+        """Grandchildren: the router's children."""
+        return [p for child in psutil.Process(self.proc.pid).children() for p in child.children()]
+
+    def post(self, path: str, body, timeout: float = 120.0) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(f"{self.url}{path}", data=data, timeout=timeout)
+
+    def generate(self, prompt: str, **params) -> dict:
+        response = self.post("/generate", {"inputs": prompt, "parameters": params})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics, by name."""
+        text = requests.get(f"{self.url}/metrics", timeout=30).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def wait_for(self, condition, timeout: float = 30.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            time.sleep(0.05)  # polling interval, not synchronisation
+        raise TimeoutError(f"{what} did not hold within {timeout}s")
+
+    def stop(self) -> int:
+        """SIGTERM the main process; every process of the server must be gone afterwards."""
+        try:
+            family = self.processes()
+        except psutil.NoSuchProcess:
+            family = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        gone, alive = psutil.wait_procs(family, timeout=15)
+        for proc in alive:
+            proc.kill()
+        self._log.close()
+        assert not alive, f"processes outlived the server: {alive}"
+        return code
+
+
+def start_server(args: list[str], log_path: Path) -> Server:
+    server = Server(args, log_path)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server

@@ -1,0 +1,200 @@
+"""The HTTP API end to end on the default model: real processes on loopback."""
+
+import json
+import time
+
+import psutil
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightllm.tools.default_model import ensure_default_model
+from server_utils import start_server
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+    "Les fruits préférés de Marie sont",
+]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    server = start_server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir):
+    """prompt -> (text, token count, finish reason) from transformers' own greedy generate."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    results = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+        reason = "eos" if out[-1] == tokenizer.eos_token_id else "length"
+        results[prompt] = (tokenizer.decode(out, skip_special_tokens=True), len(out), reason)
+    return results
+
+
+def stream_events(server, prompt, **params) -> list[dict]:
+    body = {"inputs": prompt, "parameters": params}
+    with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as response:
+        assert response.status_code == 200, response.text
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[len("data:"):]) for line in response.iter_lines() if line]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_matches_transformers(server, hf_greedy, prompt):
+    result = server.generate(prompt, max_new_tokens=MAX_NEW_TOKENS)
+    text, count, reason = hf_greedy[prompt]
+    assert result["generated_text"] == [text]
+    assert (result["count_output_tokens"], result["finish_reason"]) == (count, reason)
+    assert result["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("params", [{}, {"do_sample": True, "temperature": 0.9, "top_p": 0.9, "seed": 7}])
+def test_stream_joins_to_generate(server, params):
+    prompt = "Write a short poem about the sea:"
+    full = server.generate(prompt, max_new_tokens=20, **params)
+    events = stream_events(server, prompt, max_new_tokens=20, **params)
+    joined = "".join(event["token"]["text"] for event in events)
+    assert joined == full["generated_text"][0] == events[-1]["generated_text"]
+    assert [event["finished"] for event in events] == [False] * (len(events) - 1) + [True]
+    assert all(event["generated_text"] is None for event in events[:-1])
+    assert len(events) == full["count_output_tokens"]
+    assert events[-1]["finish_reason"] == full["finish_reason"]
+
+
+def test_same_seed_same_output(server):
+    params = {"do_sample": True, "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
+    first = server.generate("Tell me a story", seed=1234, **params)
+    assert server.generate("Tell me a story", seed=1234, **params) == first
+    others = {server.generate("Tell me a story", seed=s, **params)["generated_text"][0] for s in range(3)}
+    assert len(others) > 1
+
+
+def test_stop_sequence_cuts_the_text(server, hf_greedy):
+    prompt = PROMPTS[2]
+    text = hf_greedy[prompt][0]
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    result = server.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, stop_sequences=[stop])
+    assert result["generated_text"] == [text[: text.index(stop)]]
+    assert result["finish_reason"] == "stop"
+    events = stream_events(server, prompt, max_new_tokens=MAX_NEW_TOKENS, stop_sequences=[stop])
+    assert "".join(e["token"]["text"] for e in events) == text[: text.index(stop)]
+    assert events[-1]["finish_reason"] == "stop"
+    server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"] == 0, what="stopped requests freed")
+
+
+BAD_INPUTS = [
+    (b"{not json", "not valid JSON"),
+    (b'["inputs"]', "must be a JSON object"),
+    ({}, "'inputs' must be a non-empty string"),
+    ({"inputs": ""}, "'inputs' must be a non-empty string"),
+    ({"inputs": 42}, "'inputs' must be a non-empty string"),
+    ({"inputs": "hi", "parameters": []}, "'parameters' must be a JSON object"),
+    ({"inputs": "hi", "parameters": {"temperature": -0.5}}, "'temperature' must be a number >= 0"),
+    ({"inputs": "hi", "parameters": {"temperature": "hot"}}, "'temperature' must be"),
+    ({"inputs": "hi", "parameters": {"top_p": 0}}, "'top_p' must be a number in (0, 1]"),
+    ({"inputs": "hi", "parameters": {"top_p": 1.5}}, "'top_p' must be a number in (0, 1]"),
+    ({"inputs": "hi", "parameters": {"top_k": 0}}, "'top_k' must be -1"),
+    ({"inputs": "hi", "parameters": {"top_k": -2}}, "'top_k' must be -1"),
+    ({"inputs": "hi", "parameters": {"top_k": 2.5}}, "'top_k' must be -1"),
+    ({"inputs": "hi", "parameters": {"max_new_tokens": 0}}, "'max_new_tokens' must be an integer >= 1"),
+    ({"inputs": "hi", "parameters": {"max_new_tokens": True}}, "'max_new_tokens' must be an integer >= 1"),
+    ({"inputs": "hi", "parameters": {"repetition_penalty": 0}}, "'repetition_penalty' must be a number in (0, 10]"),
+    ({"inputs": "hi", "parameters": {"presence_penalty": 3}}, "'presence_penalty' must be a number in [-2, 2]"),
+    ({"inputs": "hi", "parameters": {"frequency_penalty": -2.5}}, "'frequency_penalty' must be a number in [-2, 2]"),
+    ({"inputs": "hi", "parameters": {"do_sample": "yes"}}, "'do_sample' must be true or false"),
+    ({"inputs": "hi", "parameters": {"seed": -1}}, "'seed' must be an integer"),
+    ({"inputs": "hi", "parameters": {"stop_sequences": [""]}}, "'stop_sequences' must be a list of non-empty strings"),
+    ({"inputs": "hi", "parameters": {"max_tokens": 5}}, "unknown parameter(s) ['max_tokens']"),
+    (b'{"inputs": "hi", "parameters": {"temperature": NaN}}', "not valid JSON"),
+    ({"inputs": "word " * 2100}, "more than max_req_input_len=2048"),
+    ({"inputs": "hi", "parameters": {"max_new_tokens": 5000}}, "more than max_req_total_len=3072"),
+]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
+def test_bad_inputs_get_a_clear_400(server, path):
+    for body, message in BAD_INPUTS:
+        response = server.post(path, body)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()
+        assert error["error_type"] == "validation"
+        assert message in error["error"], (body, error)
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert server.generate("still serving", max_new_tokens=2)["count_output_tokens"] == 2
+
+
+def test_unknown_route_and_method(server):
+    response = requests.get(f"{server.url}/nope", timeout=10)
+    assert response.status_code == 404 and response.json()["error_type"] == "http"
+    response = requests.get(f"{server.url}/generate", timeout=10)
+    assert response.status_code == 405 and response.json()["error_type"] == "http"
+
+
+def test_info(server, model_dir):
+    info = requests.get(f"{server.url}/info", timeout=10).json()
+    assert info["model_dir"] == str(model_dir)
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert info["tp"] == 1 and info["max_req_input_len"] == 2048 and info["max_req_total_len"] == 3072
+    assert info["max_total_token_num"] > 0 and info["version"]
+
+
+def test_metrics(server):
+    before = server.metrics()
+    server.generate("count me", max_new_tokens=3, ignore_eos=True)
+    server.post("/generate", {"inputs": ""})
+    after = server.metrics()
+    assert after['lightllm_requests_total{finish_reason="length"}'] == before['lightllm_requests_total{finish_reason="length"}'] + 1
+    assert after["lightllm_requests_rejected_total"] == before["lightllm_requests_rejected_total"] + 1
+    assert after["lightllm_generation_tokens_total"] == before["lightllm_generation_tokens_total"] + 3
+    assert after["lightllm_time_to_first_token_seconds_count"] == before["lightllm_time_to_first_token_seconds_count"] + 1
+    assert after["lightllm_e2e_request_latency_seconds_count"] == before["lightllm_e2e_request_latency_seconds_count"] + 1
+    assert after['lightllm_e2e_request_latency_seconds_bucket{le="+Inf"}'] == after["lightllm_e2e_request_latency_seconds_count"]
+    assert after["lightllm_kv_tokens_total"] == requests.get(f"{server.url}/info", timeout=10).json()["max_total_token_num"]
+    for name in ("lightllm_queue_size", "lightllm_running_requests", "lightllm_kv_tokens_used_ratio"):
+        assert name in after
+
+
+def test_client_disconnect_frees_its_tokens(server):
+    body = {"inputs": "Count from one to a thousand:", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as response:
+        lines = response.iter_lines()
+        events = [next(line for line in lines if line) for _ in range(3)]
+        assert all(not json.loads(e[len(b"data:"):])["finished"] for e in events)
+        in_use = server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"], what="tokens in use")
+        assert in_use > 0
+    # Leaving the `with` closed the connection mid-stream.
+    server.wait_for(
+        lambda: server.metrics()["lightllm_kv_tokens_used"] == 0 and server.metrics()["lightllm_running_requests"] == 0,
+        what="the disconnected request freed",
+    )
+
+
+def test_idle_server_uses_almost_no_cpu(server):
+    server.wait_for(lambda: server.metrics()["lightllm_running_requests"] == 0, what="idle")
+    procs = server.processes()
+    assert len(procs) >= 4  # main, router, detokenizer, model worker
+
+    def cpu_seconds():
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    start, t0 = cpu_seconds(), time.monotonic()
+    time.sleep(10)  # the measurement window itself, not a synchronisation
+    used, elapsed = cpu_seconds() - start, time.monotonic() - t0
+    assert used / elapsed < 0.05, f"idle server used {used:.2f} s of CPU in {elapsed:.1f} s"

@@ -1,0 +1,72 @@
+"""Start-up, shutdown and failure: flags, dead children, no orphans."""
+
+import dataclasses
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from lightllm.server.config import ServerConfig
+from lightllm.tools.bench_model import write_bench_model
+from server_utils import start_server
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_help_documents_every_flag():
+    help_text = run_cli("--help").stdout
+    flags = [f.name for f in dataclasses.fields(ServerConfig) if not f.metadata.get("internal")]
+    assert len(flags) >= 18
+    for name in flags:
+        assert f"--{name}" in help_text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch_max_tokens", "10"], "--batch_max_tokens (10) must be at least --max_req_input_len (2048)"),
+        (["--max_req_input_len", "100", "--max_req_total_len", "50"], "--max_req_total_len must be larger"),
+        (["--tp", "0"], "--tp must be at least 1"),
+        (["--port", "eighty"], "invalid int value"),
+    ],
+)
+def test_bad_flags_fail_at_once_with_a_clear_message(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_killed_model_worker_stops_the_server(tiny_dir, tmp_path):
+    server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
+    family = server.processes()
+    (worker,) = server.model_workers()
+    worker.kill()
+    code = server.proc.wait(timeout=20)
+    log = server.log_text()
+    assert code != 0
+    assert f"model worker rank 0 (pid {worker.pid}) exited with code -9" in log
+    assert "the router process" in log and "shutting the server down" in log
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    server.stop()
+
+
+def test_killed_main_process_takes_its_children_along(tiny_dir, tmp_path):
+    server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
+    family = server.processes()
+    assert len(server.model_workers()) == 1
+    server.proc.send_signal(signal.SIGKILL)  # no chance to clean up: the children must notice alone
+    server.proc.wait(timeout=10)
+    gone, alive = psutil.wait_procs(family[1:], timeout=20)
+    assert not alive, f"orphans: {alive}"
+    server.stop()
