@@ -162,15 +162,16 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device)
         self.sin = freqs.sin().to(device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
-        rotary_emb_(q, k, self.cos[positions], self.sin[positions])
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, head_dim / 2] for the step's tokens, looked up once for all layers."""
+        return self.cos[positions], self.sin[positions]
 
 
 class Attention:
     """q/k/v projection (column-parallel, merged), rotary, KV written to the token table,
     attention over the packed prompts (prefill) or the table rows (decode), o projection."""
 
-    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str, rotary: RotaryEmbedding):
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str):
         d = cfg.head_dim
         q_start, self.q_heads = split_even(cfg.num_heads, tp, "num_attention_heads")
         kv_start, self.kv_heads = split_kv_heads(cfg.num_kv_heads, tp)
@@ -179,15 +180,15 @@ class Attention:
         self.qkv = ColumnParallelLinear(weights, [q_part] + kv_parts, cfg.hidden_size, cfg.qkv_bias)
         self.o = RowParallelLinear(weights, tp, f"{prefix}.o_proj", cfg.hidden_size, cfg.num_heads * d,
                                    q_start * d, self.q_heads * d, cfg.o_bias)
-        self.head_dim, self.rotary = d, rotary
+        self.head_dim = d
         self.scale = 1.0 / math.sqrt(d)
 
-    def __call__(self, h: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         tokens, d = h.shape[0], self.head_dim
         q, k, v = self.qkv(h).split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
-        self.rotary(q, k, batch.positions)
+        rotary_emb_(q, k, *rope)
         copy_kv(k, v, k_cache, v_cache, batch.slots)
         if batch.is_prefill:
             o = prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, self.scale)

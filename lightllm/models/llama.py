@@ -13,17 +13,17 @@ from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm,
 
 
 class DecoderLayer:
-    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int, rotary: RotaryEmbedding):
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int):
         prefix = f"model.layers.{index}"
         self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn", rotary)
+        self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn")
         self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size,
                                  cfg.rms_norm_eps)
         self.mlp = GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
 
-    def __call__(self, x, residual, batch: ForwardBatch, k_cache, v_cache):
+    def __call__(self, x, residual, batch: ForwardBatch, rope, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)
-        x = self.attn(h, batch, k_cache, v_cache)
+        x = self.attn(h, batch, rope, k_cache, v_cache)
         h, residual = self.post_norm(x, residual)
         return self.mlp(h), residual
 
@@ -33,8 +33,8 @@ class LlamaModel:
         self.config = cfg
         self.embed = VocabParallelEmbedding(weights, tp, "model.embed_tokens.weight", cfg.vocab_size,
                                             cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
-        self.layers = [DecoderLayer(weights, tp, cfg, i, rotary) for i in range(cfg.num_layers)]
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.layers = [DecoderLayer(weights, tp, cfg, i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
         head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
             weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
@@ -45,8 +45,9 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
         """fp32 logits [B, vocab] for the last token of each request."""
         x, residual = self.embed(batch.input_ids), None
+        rope = self.rotary(batch.positions)
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
-            x, residual = layer(x, residual, batch, k_cache, v_cache)
+            x, residual = layer(x, residual, batch, rope, k_cache, v_cache)
         if batch.last_index is not None:
             x, residual = x[batch.last_index], residual[batch.last_index]
         h, _ = self.norm(x, residual)
