@@ -1,15 +1,21 @@
 """Start-up, shutdown and failure: flags, dead children, no orphans."""
 
 import dataclasses
+import json
+import shutil
 import signal
 import subprocess
 import sys
 
 import psutil
 import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lightllm.server.config import ServerConfig
-from lightllm.tools.bench_model import write_bench_model
+from lightllm.tools.bench_model import TOKENIZER_FILES, write_bench_model
+from lightllm.tools.default_model import ensure_default_model
 from server_utils import start_server
 
 
@@ -70,3 +76,36 @@ def test_killed_main_process_takes_its_children_along(tiny_dir, tmp_path):
     gone, alive = psutil.wait_procs(family[1:], timeout=20)
     assert not alive, f"orphans: {alive}"
     server.stop()
+
+
+def write_small_vocab_model(out):
+    """A model that knows only the tokenizer's first 2000 ids: longer ids make the runner raise."""
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=2000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(ensure_default_model() / name, out / name)
+    return out
+
+
+def test_a_failing_request_gets_a_500_and_the_others_go_on(tmp_path):
+    model_dir = write_small_vocab_model(tmp_path / "small_vocab")
+    server = start_server(["--model_dir", str(model_dir)], tmp_path / "server.log")
+    try:
+        body = {"inputs": "a b c d", "parameters": {"max_new_tokens": 100, "ignore_eos": True}}
+        with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as stream:
+            lines = (line for line in stream.iter_lines() if line)
+            first = json.loads(next(lines)[len(b"data:"):])
+            failed = server.post("/generate", {"inputs": "photosynthesis"})  # token ids past 2000
+            rest = [json.loads(line[len(b"data:"):]) for line in lines]
+        assert failed.status_code == 500
+        assert failed.json()["error_type"] == "internal" and "out of range" in failed.json()["error"]
+        assert not first["finished"] and rest[-1]["finished"] and rest[-1]["finish_reason"] == "length"
+        assert 1 + len(rest) == 100
+        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+        server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"] == 0, what="all tokens free")
+    finally:
+        assert server.stop() == 0

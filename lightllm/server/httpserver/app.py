@@ -48,7 +48,8 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
         metrics=metrics,
         limits=Limits(config.max_req_input_len, config.max_req_total_len, ready.max_total_token_num),
         model_info=ready.model_info,
-        health_prompt_ids=tokenizer.encode("ping") or [0],
+        # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
+        health_prompt_ids=ready.model_info["eos_token_ids"][:1] or [0],
     )
 
     @contextlib.asynccontextmanager
