@@ -1,4 +1,8 @@
-"""Request rows: `req_to_token[row, i]` is the KV slot of the request's i-th token."""
+"""Request rows: `req_to_token[row, i]` is the KV slot of the request's i-th token.
+
+With `padding_row`, one more row (index max_reqs) is never handed out: padding rows of a
+bucketed decode batch point there (see `model_infer/cuda_graph.py`).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,13 @@ class OutOfRowsError(RuntimeError):
 
 
 class ReqTable:
-    def __init__(self, max_reqs: int, max_req_total_len: int, device: torch.device | str):
+    def __init__(self, max_reqs: int, max_req_total_len: int, device: torch.device | str,
+                 padding_row: bool = False):
         self.max_reqs = max_reqs
         self.max_req_total_len = max_req_total_len
-        self.req_to_token = torch.zeros((max_reqs, max_req_total_len), dtype=torch.int32, device=device)
+        self.padding_row = max_reqs if padding_row else None
+        rows = max_reqs + int(padding_row)
+        self.req_to_token = torch.zeros((rows, max_req_total_len), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))  # pop() hands out row 0 first
         self._used = set()
 

@@ -6,6 +6,10 @@ names the same position in all of them. `mem_state[i]` is 1 when slot i is free.
 Allocation never waits on the device: the free count is kept exactly on the host (we know
 what we hand out and take back), and the slots themselves are picked on the device from the
 cumulative sum of `mem_state`.
+
+One more K/V row, `scratch_slot` (= size), lies outside the budget: it is never handed out,
+and padding rows of a bucketed decode batch write their K/V there (see
+`model_infer/cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class TokenTable:
             raise ValueError(f"token table size must be positive, got {size}")
         self.size = size
         self.device = torch.device(device)
-        shape = (size, kv_heads, head_dim)
+        self.scratch_slot = size
+        shape = (size + 1, kv_heads, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.mem_state = torch.ones(size, dtype=torch.int32, device=self.device)

@@ -4,6 +4,10 @@ It keeps each running request's host state (request row, tokens in the cache, la
 token, sampling state), turns a step's lists into tensors in one place (`_upload`: one
 host-to-device copy), runs the model, samples, and reads the tokens back in one copy
 (`_download`). Every rank is called with the same arguments and reaches the same state.
+
+With `cuda_graph` (the default) a decode step is padded to a bucket size and, on CUDA,
+replayed from a CUDA graph captured at start-up (`cuda_graph.py`); without it a decode step
+runs eagerly at the batch's own size.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype
 from lightllm.server.io_struct import SamplingParams
 from lightllm.utils.dist import init_tp
 
+from .cuda_graph import DecodeGraphs, graph_memory_bytes
 from .sampling import SamplingBatch, SamplingState, host_lists, sample
 
 logger = logging.getLogger(__name__)
@@ -44,8 +49,10 @@ def resolve_device(device: str | None, tp_rank: int) -> torch.device:
 class ModelRunner:
     def __init__(self, model_dir: str, *, max_total_token_num: int | None, max_req_total_len: int,
                  running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
-                 tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None):
+                 tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
+                 cuda_graph: bool = True):
         self.device = resolve_device(device, tp_rank)
+        capture = cuda_graph and self.device.type == "cuda"
         self.tp = init_tp(tp_rank, world_size, nccl_port, self.device)
         self.config = cfg = read_config(model_dir)
         self._warn_long_context(max_req_total_len)
@@ -53,11 +60,14 @@ class ModelRunner:
         self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,
                                 max_positions=max_req_total_len,
                                 load_format=load_format)
-        self.max_total_token_num = self._token_budget(max_total_token_num)
+        graph_bytes = graph_memory_bytes(running_max_req_size, cfg.vocab_size) if capture else 0
+        self.max_total_token_num = self._token_budget(max_total_token_num, graph_bytes)
         self.max_req_total_len = max_req_total_len
         self.token_table = TokenTable(self.max_total_token_num, cfg.num_layers, self.model.kv_heads,
                                       cfg.head_dim, dtype, self.device)
-        self.req_table = ReqTable(running_max_req_size, max_req_total_len, self.device)
+        self.req_table = ReqTable(running_max_req_size, max_req_total_len, self.device, padding_row=cuda_graph)
+        self.graphs = (DecodeGraphs(self.model, self.token_table, self.req_table, running_max_req_size, capture)
+                       if cuda_graph else None)
         self.reqs: dict[int, RunningReq] = {}
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
@@ -72,7 +82,9 @@ class ModelRunner:
             logger.warning("attention is not windowed: tokens past sliding_window %d see the whole "
                            "context, unlike the reference model", cfg.sliding_window)
 
-    def _token_budget(self, requested: int | None) -> int:
+    def _token_budget(self, requested: int | None, graph_bytes: int) -> int:
+        """The KV budget; on CUDA what is free after the weights, less the headroom, which
+        includes what the decode graphs (captured after the KV cache) will take."""
         if requested is not None:
             return requested
         if self.device.type != "cuda":
@@ -80,7 +92,7 @@ class ModelRunner:
             return CPU_DEFAULT_TOKENS
         torch.cuda.empty_cache()  # blocks cached while loading would read as used
         free, total = torch.cuda.mem_get_info(self.device)
-        headroom = max(GPU_HEADROOM_MIN_BYTES, int(total * GPU_HEADROOM_FRACTION))
+        headroom = max(GPU_HEADROOM_MIN_BYTES, int(total * GPU_HEADROOM_FRACTION)) + graph_bytes
         cfg = self.config
         per_token = 2 * cfg.num_layers * self.model.kv_heads * cfg.head_dim * self.model.dtype.itemsize
         tokens = self.tp.min_int(max(0, (free - headroom) // per_token), self.device)
@@ -130,28 +142,34 @@ class ModelRunner:
                              cu_seqlens=t["cu_seqlens"].int(), last_index=t["last_index"])
         for (req_id, _, _), row, n, state in zip(reqs, rows, lens, states):
             self.reqs[req_id] = RunningReq(row, n, -1, state)
-        return self._sample_and_record(batch, [r[0] for r in reqs], t, states)
+        logits = self.model.forward(batch, self.token_table)
+        return self._sample_and_record(logits, [r[0] for r in reqs], t, states)
 
     @torch.inference_mode()
     def decode(self, req_ids: list[int]) -> list[tuple[int, float]]:
         running = self._check_decode(req_ids)
         states = [r.sampling for r in running]
         ints, floats = host_lists(states)
-        ints.update(input_ids=[r.last_token for r in running], positions=[r.seq_len for r in running],
-                    rows=[r.row for r in running], seq_lens=[r.seq_len + 1 for r in running])
-        slots = self.token_table.alloc(len(running))
+        n, max_seqlen = len(running), max(r.seq_len for r in running) + 1
+        columns = ([r.last_token for r in running], [r.seq_len for r in running], [r.row for r in running],
+                   [r.seq_len + 1 for r in running])
+        ints["meta"] = self.graphs.pad_meta(*columns) if self.graphs else sum(columns, [])
+        slots = self.token_table.alloc(n)
         t = self._upload(ints, floats)
-        self.req_table.req_to_token[t["rows"], t["positions"]] = slots.int()
-        batch = ForwardBatch(False, t["input_ids"], t["positions"], slots, max(ints["seq_lens"]),
-                             req_to_token=self.req_table.req_to_token, req_rows=t["rows"].int(),
-                             seq_lens=t["seq_lens"].int())
+        input_ids, positions, rows, seq_lens = meta = t["meta"].view(4, -1)
+        self.req_table.req_to_token[rows[:n], positions[:n]] = slots.int()
         for r in running:
             r.seq_len += 1
-        return self._sample_and_record(batch, req_ids, t, states)
+        if self.graphs:
+            logits = self.graphs.run(meta, n, max_seqlen)
+        else:
+            batch = ForwardBatch(False, input_ids, positions, slots, max_seqlen,
+                                 req_to_token=self.req_table.req_to_token, req_rows=rows.int(), seq_lens=seq_lens.int())
+            logits = self.model.forward(batch, self.token_table)
+        return self._sample_and_record(logits, req_ids, t, states)
 
-    def _sample_and_record(self, batch: ForwardBatch, req_ids: list[int], t: dict[str, torch.Tensor],
+    def _sample_and_record(self, logits: torch.Tensor, req_ids: list[int], t: dict[str, torch.Tensor],
                            states: list[SamplingState]) -> list[tuple[int, float]]:
-        logits = self.model.forward(batch, self.token_table)
         sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states))
         results = self._download(*sample(logits, sampling))
         for req_id, (token, _) in zip(req_ids, results):
