@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, default=3, help="untimed repetitions before each measurement")
     add("--iters", type=int, default=10, help="timed repetitions; the median is reported")
     add("--bandwidth-bytes", type=int, default=1 << 30, help="buffer size of the copy-bandwidth probe")
+    add("--no-cuda-graph", action="store_true", help="decode eagerly at the batch's own size (no CUDA graphs)")
     add("--seed", type=int, default=0)
     add("--out-json", type=Path, default=None)
     return parser
@@ -189,6 +190,7 @@ def make_runner(args) -> ModelRunner:
         data_type=args.dtype,
         load_format=args.load_format,
         device=args.device,
+        cuda_graph=not args.no_cuda_graph,
     )
 
 

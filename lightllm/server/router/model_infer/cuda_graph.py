@@ -97,22 +97,25 @@ class DecodeGraphs:
                              req_rows=rows.int(), seq_lens=seq_lens.int())
         return self.model.forward(batch, self.token_table)
 
+    @torch.inference_mode()
     def _capture_all(self) -> None:
         """Warm up and capture every bucket, largest first so that the smaller ones reuse its
         pool; the static meta holds padding rows only, so warm-up and capture touch nothing
         but the scratch slot."""
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        for bucket in reversed(self.buckets):
-            with torch.cuda.stream(stream):
-                self._forward(bucket, self.max_seqlen)  # compiles kernels, creates NCCL communicators
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:bucket].copy_(self._forward(bucket, self.max_seqlen))
-            self.graphs[bucket] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        used = free_before - torch.cuda.mem_get_info()[0]
+        device = self.token_table.device
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        with torch.cuda.device(device):
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            for bucket in reversed(self.buckets):
+                with torch.cuda.stream(stream):
+                    self._forward(bucket, self.max_seqlen)  # compiles kernels, creates NCCL communicators
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[:bucket].copy_(self._forward(bucket, self.max_seqlen))
+                self.graphs[bucket] = graph
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s, %.2f GiB", len(self.graphs),
                     ",".join(map(str, self.buckets)), time.perf_counter() - start, used / 2**30)
