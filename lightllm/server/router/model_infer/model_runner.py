@@ -22,7 +22,7 @@ from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype
 from lightllm.server.io_struct import SamplingParams
 from lightllm.utils.dist import init_tp
 
-from .cuda_graph import DecodeGraphs, graph_memory_bytes
+from .cuda_graph import META_ROWS, DecodeGraphs, graph_memory_bytes
 from .sampling import SamplingBatch, SamplingState, host_lists, sample
 
 logger = logging.getLogger(__name__)
@@ -153,20 +153,22 @@ class ModelRunner:
         n, max_seqlen = len(running), max(r.seq_len for r in running) + 1
         columns = ([r.last_token for r in running], [r.seq_len for r in running], [r.row for r in running],
                    [r.seq_len + 1 for r in running])
-        ints["meta"] = self.graphs.pad_meta(*columns) if self.graphs else sum(columns, [])
+        ints["meta"] = self.graphs.pad_meta(*columns) if self.graphs is not None else sum(columns, [])
         slots = self.token_table.alloc(n)
         t = self._upload(ints, floats)
-        input_ids, positions, rows, seq_lens = meta = t["meta"].view(4, -1)
-        self.req_table.req_to_token[rows[:n], positions[:n]] = slots.int()
+        meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens
+        self.req_table.req_to_token[meta[2, :n], meta[1, :n]] = slots.int()
         for r in running:
             r.seq_len += 1
-        if self.graphs:
-            logits = self.graphs.run(meta, n, max_seqlen)
-        else:
-            batch = ForwardBatch(False, input_ids, positions, slots, max_seqlen,
-                                 req_to_token=self.req_table.req_to_token, req_rows=rows.int(), seq_lens=seq_lens.int())
-            logits = self.model.forward(batch, self.token_table)
+        logits = (self.graphs.run(meta, n, max_seqlen) if self.graphs is not None
+                  else self._eager_decode_forward(meta, slots, max_seqlen))
         return self._sample_and_record(logits, req_ids, t, states)
+
+    def _eager_decode_forward(self, meta: torch.Tensor, slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        input_ids, positions, rows, seq_lens = meta
+        batch = ForwardBatch(False, input_ids, positions, slots, max_seqlen, req_to_token=self.req_table.req_to_token,
+                             req_rows=rows.int(), seq_lens=seq_lens.int())
+        return self.model.forward(batch, self.token_table)
 
     def _sample_and_record(self, logits: torch.Tensor, req_ids: list[int], t: dict[str, torch.Tensor],
                            states: list[SamplingState]) -> list[tuple[int, float]]:
