@@ -172,6 +172,7 @@ def test_metrics(server):
 
 
 def test_client_disconnect_frees_its_tokens(server):
+    aborted = server.metrics()['lightllm_requests_total{finish_reason="abort"}']
     body = {"inputs": "Count from one to a thousand:", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
     with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as response:
         lines = response.iter_lines()
@@ -184,6 +185,7 @@ def test_client_disconnect_frees_its_tokens(server):
         lambda: server.metrics()["lightllm_kv_tokens_used"] == 0 and server.metrics()["lightllm_running_requests"] == 0,
         what="the disconnected request freed",
     )
+    assert server.metrics()['lightllm_requests_total{finish_reason="abort"}'] == aborted + 1
 
 
 def test_idle_server_uses_almost_no_cpu(server):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterReady
-from lightllm.utils.process import setup_logging, stop_process
+from lightllm.utils.process import setup_logging, stop_processes
 
 logger = logging.getLogger("lightllm.server")
 
@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for child in children:
-            stop_process(child.process)
+        stop_processes([child.process for child in children])
         logger.info("server stopped")
 
 

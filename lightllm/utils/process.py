@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,17 @@ def init_child_process(parent_pid: int, log_level: str) -> None:
     die_with_parent(parent_pid)
 
 
-def stop_process(process, timeout: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL if it lingers; always reaped (no zombie)."""
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
-    if process.is_alive():
-        logger.warning("%s (pid %d) ignored SIGTERM; killing it", process.name, process.pid)
-        process.kill()
-    process.join()
+def stop_processes(processes, timeout: float = 5.0) -> None:
+    """SIGTERM all at once, then SIGKILL whichever lingers; always reaped (no zombie)."""
+    for process in processes:
+        if process.is_alive():
+            logger.debug("stopping %s (pid %s)", process.name, process.pid)
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            logger.warning("%s (pid %d) ignored SIGTERM; killing it", process.name, process.pid)
+            process.kill()
+        process.join()
+        logger.debug("%s stopped (exit code %s)", process.name, process.exitcode)

@@ -137,6 +137,9 @@ class RequestTimer:
         if out.finish_reason is not None:
             self.metrics.observe_finished(out.finish_reason, self.prompt_len, out.count_output_tokens, now - self.start)
 
+    def observe_abort(self) -> None:
+        self.metrics.finished[FinishReason.ABORT] += 1
+
 
 async def collect(stream, timer: RequestTimer) -> tuple[str, TextOut]:
     pieces = []
@@ -156,6 +159,7 @@ async def generate(request: Request) -> Response:
     try:
         text, last = await unless_disconnected(request, collect(stream, timer))
     except ClientGone:
+        timer.observe_abort()
         return Response(status_code=499)  # nobody reads it; the request was aborted
     if last.finish_reason is FinishReason.ERROR:
         return error_response(500, f"generation failed: {last.error}", "internal")
@@ -183,16 +187,19 @@ def sse_event(out: TextOut, full_text: str | None) -> str:
 
 async def sse_events(stream, first: TextOut, timer: RequestTimer):
     """One event per token; the last carries the full text. Cancelled if the client leaves."""
-    async with contextlib.aclosing(stream):
-        pieces, out = [], first
-        while True:
-            pieces.append(out.text)
-            finished = out.finish_reason is not None
-            yield sse_event(out, "".join(pieces) if finished else None)
-            if finished:
-                return
-            out = await anext(stream)
-            timer.observe(out)
+    pieces, out = [], first
+    try:
+        async with contextlib.aclosing(stream):
+            while out.finish_reason is None:
+                pieces.append(out.text)
+                yield sse_event(out, None)
+                out = await anext(stream)
+                timer.observe(out)
+    finally:  # cancelled while waiting for a token, or closed at a `yield`: the client left
+        if out.finish_reason is None:
+            timer.observe_abort()
+    pieces.append(out.text)
+    yield sse_event(out, "".join(pieces))
 
 
 async def generate_stream(request: Request) -> Response:
@@ -205,6 +212,7 @@ async def generate_stream(request: Request) -> Response:
     try:
         first = await unless_disconnected(request, anext(stream))
     except ClientGone:
+        timer.observe_abort()
         return Response(status_code=499)
     timer.observe(first)
     if first.finish_reason is FinishReason.ERROR:

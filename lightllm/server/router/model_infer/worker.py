@@ -19,7 +19,7 @@ import rpyc
 from rpyc.core.stream import SocketStream
 
 from lightllm.server.io_struct import SamplingParams
-from lightllm.utils.process import init_child_process, stop_process
+from lightllm.utils.process import init_child_process, stop_processes
 
 logger = logging.getLogger(__name__)
 
@@ -173,5 +173,4 @@ class ModelWorkers:
     def shutdown(self) -> None:
         for conn in self._conns:
             conn.close()  # a worker's serve_all ends when its connection closes
-        for process in self.processes:
-            stop_process(process)
+        stop_processes(self.processes)
