@@ -3,7 +3,6 @@
 import json
 import time
 
-import psutil
 import pytest
 import requests
 import torch

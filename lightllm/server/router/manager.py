@@ -164,6 +164,7 @@ class RouterManager:
             if reason is not None:
                 finished.append(req)
         self._to_detokenizer.send_pyobj(BatchTokenOut(outs))
+        self._stats_dirty = True  # every step changes the tokens in use
         self._finish(finished)
 
     def _fail(self, batch: list[Req], exc: Exception) -> None:
