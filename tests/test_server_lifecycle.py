@@ -52,6 +52,21 @@ def test_bad_flags_fail_at_once_with_a_clear_message(args, message):
     assert message in result.stderr
 
 
+def test_unloadable_model_fails_start_up_with_a_clear_message(tmp_path):
+    model_dir = tmp_path / "not_a_model"
+    model_dir.mkdir()
+    for name in TOKENIZER_FILES:
+        shutil.copy2(ensure_default_model() / name, model_dir / name)
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["GPT17ForMagic"]}))
+    result = subprocess.run(
+        [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(model_dir), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert f"cannot load the model from {model_dir}" in result.stderr and "GPT17ForMagic" in result.stderr
+    assert "the router process" in result.stderr and "before it was ready" in result.stderr
+
+
 def test_killed_model_worker_stops_the_server(tiny_dir, tmp_path):
     server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
     family = server.processes()

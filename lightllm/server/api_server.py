@@ -53,19 +53,17 @@ def wait_until_ready(children: list[Child]) -> RouterReady | None:
     waiting = {child.ready_pipe: child for child in children}
     reports = {}
     while waiting:
-        sentinels = {child.process.sentinel: child for child in waiting.values()}
-        ready = multiprocessing.connection.wait([*waiting, *sentinels])
-        for pipe in [obj for obj in ready if obj in waiting and obj.poll()]:
-            reports[waiting.pop(pipe).name] = pipe.recv()
-        dead = [sentinels[obj] for obj in ready if obj in sentinels and sentinels[obj] in waiting.values()]
-        if dead:
-            child = dead[0]
-            child.process.join()
-            logger.error(
-                "the %s process (pid %d) exited with code %s before it was ready; see its log above",
-                child.name, child.process.pid, child.process.exitcode,
-            )
-            return None
+        for pipe in multiprocessing.connection.wait(list(waiting)):
+            child = waiting.pop(pipe)
+            try:
+                reports[child.name] = pipe.recv()
+            except EOFError:  # it exited without a report
+                child.process.join()
+                logger.error(
+                    "the %s process (pid %d) exited with code %s before it was ready; see its log above",
+                    child.name, child.process.pid, child.process.exitcode,
+                )
+                return None
     return reports["router"]
 
 

@@ -22,7 +22,7 @@ from lightllm.server.io_struct import (
     RouterStats,
     TokenOut,
 )
-from lightllm.server.router.model_infer.worker import ModelWorkers, WorkerDied
+from lightllm.server.router.model_infer.worker import ModelWorkers, WorkerDied, describe_error
 from lightllm.server.router.req import Req, ReqStatus
 from lightllm.server.router.req_queue import ReqQueue
 from lightllm.server.router.stats import ThroughputLog
@@ -169,8 +169,7 @@ class RouterManager:
 
     def _fail(self, batch: list[Req], exc: Exception) -> None:
         logger.exception("model step failed for requests %s", [req.req_id for req in batch])
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'model step failed'}"
-        outs = [TokenOut(req.req_id, -1, 0.0, FinishReason.ERROR, error=message) for req in batch]
+        outs = [TokenOut(req.req_id, -1, 0.0, FinishReason.ERROR, error=describe_error(exc)) for req in batch]
         self._to_detokenizer.send_pyobj(BatchTokenOut(outs))
         for req in batch:  # one at a time: a failed prefill may have registered only some of them
             self._finish([req], log_errors=False)
@@ -212,16 +211,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int) -> N
     init_child_process(parent_pid, config.log_level)
     workers = ModelWorkers(config.tp, config.log_level)
     try:
-        max_total_token_num, info = workers.load(
-            model_dir=config.model_dir,
-            max_total_token_num=config.max_total_token_num,
-            max_req_total_len=config.max_req_total_len,
-            running_max_req_size=config.running_max_req_size,
-            data_type=config.data_type,
-            load_format=config.load_format,
-            world_size=config.tp,
-            nccl_port=config.nccl_port,
-        )
+        max_total_token_num, info = load_model(workers, config)
         manager = RouterManager(config, workers, max_total_token_num, info["eos_token_ids"])
         ready_pipe.send(RouterReady(max_total_token_num, info))
         logger.info("router ready (pid %d): max_total_token_num %d", os.getpid(), max_total_token_num)
@@ -231,3 +221,23 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int) -> N
         sys.exit(1)
     finally:
         workers.shutdown()
+
+
+def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:
+    try:
+        return workers.load(
+            model_dir=config.model_dir,
+            max_total_token_num=config.max_total_token_num,
+            max_req_total_len=config.max_req_total_len,
+            running_max_req_size=config.running_max_req_size,
+            data_type=config.data_type,
+            load_format=config.load_format,
+            world_size=config.tp,
+            nccl_port=config.nccl_port,
+        )
+    except WorkerDied:
+        raise
+    except Exception as exc:  # the model directory or the flags are wrong: say so, once
+        logger.debug("model loading failed", exc_info=True)
+        logger.error("cannot load the model from %s: %s", config.model_dir, describe_error(exc))
+        sys.exit(1)

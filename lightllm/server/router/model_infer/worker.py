@@ -31,6 +31,12 @@ class WorkerDied(RuntimeError):
     """A model worker process is gone; the server cannot go on."""
 
 
+def describe_error(exc: Exception) -> str:
+    """One line: rpyc appends the remote traceback to the message of an exception it carries."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def to_wire(value):
     """Lists and dicts as (nested) tuples, which rpyc copies by value."""
     if isinstance(value, dict):
