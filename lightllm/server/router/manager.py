@@ -66,14 +66,20 @@ class RouterManager:
 
     def serve_forever(self) -> None:
         while True:
-            self._wait_for_work()
-            self._receive()
-            self._step()
-            self._publish_stats()
-            if self._throughput is not None:
-                self._throughput.maybe_log(
-                    len(self._running), len(self._queue), self._tokens_used, self._max_total_token_num
-                )
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One turn of the loop: wait (only when idle), receive, one model step, report."""
+        self._wait_for_work()
+        self._receive()
+        self._step()
+        self._publish_stats()
+        if self._throughput is not None:
+            self._throughput.maybe_log(len(self._running), len(self._queue), self._tokens_used, self._max_total_token_num)
+
+    @property
+    def idle(self) -> bool:
+        return not self._busy
 
     @property
     def _busy(self) -> bool:
