@@ -72,7 +72,6 @@ def bind_http_socket(config: ServerConfig) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.port))
-    sock.set_inheritable(True)
     return sock
 
 
