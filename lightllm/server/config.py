@@ -46,7 +46,8 @@ class ServerConfig:
     nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers"))
     trust_remote_code: bool = field(default=False, metadata=_flag("allow the tokenizer to run code from the model directory"))
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
-    load_format: str = field(default="auto", metadata=_flag("weight file format: auto, safetensors, pt or gguf"))
+    load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
+    disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
     router_max_wait_tokens: int = field(
         default=6,
         metadata=_flag("decode steps the router runs before it tries to admit waiting requests again"),

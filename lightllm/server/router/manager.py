@@ -238,6 +238,7 @@ def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:
             running_max_req_size=config.running_max_req_size,
             data_type=config.data_type,
             load_format=config.load_format,
+            cuda_graph=not config.disable_cuda_graph,
             world_size=config.tp,
             nccl_port=config.nccl_port,
         )
