@@ -191,13 +191,18 @@ def build_hf_model(args):
     return model
 
 
-def start_hf_manager(model):
+def start_hf_manager(model, cuda_graph: bool):
+    import torch
     from transformers import ContinuousBatchingConfig
 
+    # transformers' paged SDPA crashed in cuDNN's attention on an H100 (torch 2.11, transformers
+    # 5.17: "mha_graph.execute ... is_good()" after ~140 s); the other SDPA backends run it.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     # No prefix sharing: the LightLLM server has no prefix cache, so neither side reuses prompts.
-    manager = model.init_continuous_batching(
-        continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=False)
-    )
+    options = {"allow_block_sharing": False}
+    if cuda_graph:
+        options["use_cuda_graph"] = True
+    manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(**options))
     manager.warmup()  # CUDA-graph capture, when transformers decides to use graphs
     manager.start()
     return manager
@@ -247,7 +252,7 @@ def hf_result(request: SampledRequest, output, sent: float) -> RequestResult:
 def run_hf_phase(args, requests: list[SampledRequest], budget: Budget) -> dict:
     with time_limit(budget.limit(args.hf_setup_timeout), "transformers set-up"):
         model = build_hf_model(args)
-        manager = start_hf_manager(model)
+        manager = start_hf_manager(model, args.hf_cuda_graph)
     try:
         limit = budget.limit(args.warmup_timeout)
         with time_limit(limit + 5, "transformers warm-up"):
@@ -353,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hf-setup-timeout", type=float, default=120, help="seconds to build transformers' model and manager")
     add("--total-timeout", type=float, default=570, help="seconds for the whole run; phases are cut to fit")
     add("--skip-transformers", action="store_true", help="run only the server phase")
+    add("--skip-server", action="store_true", help="run only the transformers phase")
+    add("--hf-cuda-graph", action="store_true", help="ask transformers for CUDA graphs (use_cuda_graph=True)")
     return parser
 
 
@@ -374,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.total_timeout)
     requests = load_requests(args)
-    ours = guarded("server", run_server_phase, args, requests, budget)
+    ours = summarize([], 1.0) if args.skip_server else guarded("server", run_server_phase, args, requests, budget)
     print(format_summary(ours, "LightLLM server"), flush=True)
     theirs = summarize([], 1.0) if args.skip_transformers else guarded("transformers", run_hf_phase, args, requests, budget)
     report(args, ours, theirs, requests)
