@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -32,3 +33,18 @@ def _fix_interpreter_scalar_index() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
+
+
+@pytest.fixture
+def captured_logits(monkeypatch):
+    """Every logits tensor the ModelRunner samples from, in order."""
+    from lightllm.server.router.model_infer import model_runner, sampling
+
+    seen = []
+
+    def capture(logits, batch):
+        seen.append(logits.clone())
+        return sampling.sample(logits, batch)
+
+    monkeypatch.setattr(model_runner, "sample", capture)
+    return seen

@@ -12,7 +12,6 @@ import torch
 from test_model_vs_hf import make_model, make_runner, random_prompts
 
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer import model_runner, sampling
 from lightllm.server.router.model_infer.cuda_graph import decode_buckets
 
 PROMPT_LENS = (3, 17, 9, 1, 30, 6, 12)
@@ -24,18 +23,6 @@ def test_buckets_cover_every_batch_size():
     assert decode_buckets(300)[-3:] == [224, 256, 300]
     big = decode_buckets(1000)
     assert big[:5] == [1, 2, 4, 8, 16] and big[-3:] == [896, 960, 1000] and big == sorted(set(big))
-
-
-@pytest.fixture
-def captured_logits(monkeypatch):
-    seen = []
-
-    def capture(logits, batch):
-        seen.append(logits.clone())
-        return sampling.sample(logits, batch)
-
-    monkeypatch.setattr(model_runner, "sample", capture)
-    return seen
 
 
 def run_mixed_schedule(runner, prompts):

@@ -18,7 +18,6 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 import lightllm_kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer import model_runner, sampling
 from lightllm.server.router.model_infer.model_runner import ModelRunner
 
 ATOL = RTOL = 1e-4
@@ -62,19 +61,6 @@ def make_model(name, out_dir, seed=0):
 def make_runner(model_dir, **kw):
     return ModelRunner(str(model_dir), max_total_token_num=kw.pop("tokens", 256), max_req_total_len=64,
                        running_max_req_size=8, device="cpu", **kw)
-
-
-@pytest.fixture
-def captured_logits(monkeypatch):
-    """Every logits tensor the runner samples from, in order."""
-    seen = []
-
-    def capture(logits, batch):
-        seen.append(logits.clone())
-        return sampling.sample(logits, batch)
-
-    monkeypatch.setattr(model_runner, "sample", capture)
-    return seen
 
 
 def hf_last_logits(hf_model, seqs):

@@ -12,7 +12,6 @@ tiny: a 2-layer model of the same family with seeded random float32 weights, sma
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 from pathlib import Path

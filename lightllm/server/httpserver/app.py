@@ -150,12 +150,17 @@ async def collect(stream, timer: RequestTimer) -> tuple[str, TextOut]:
     return "".join(pieces), out
 
 
-async def generate(request: Request) -> Response:
+async def start_generation(request: Request) -> tuple[list[int], RequestTimer, object]:
+    """Validate the body, start the request's timer and submit it; returns its token stream."""
     start = time.monotonic()
     state: ServerState = request.app.state.server
     prompt_ids, sampling = await read_request(request)
     timer = RequestTimer(state.metrics, len(prompt_ids), start)
-    stream = state.manager.generate(prompt_ids, sampling)
+    return prompt_ids, timer, state.manager.generate(prompt_ids, sampling)
+
+
+async def generate(request: Request) -> Response:
+    prompt_ids, timer, stream = await start_generation(request)
     try:
         text, last = await unless_disconnected(request, collect(stream, timer))
     except ClientGone:
@@ -203,11 +208,7 @@ async def sse_events(stream, first: TextOut, timer: RequestTimer):
 
 
 async def generate_stream(request: Request) -> Response:
-    start = time.monotonic()
-    state: ServerState = request.app.state.server
-    prompt_ids, sampling = await read_request(request)
-    timer = RequestTimer(state.metrics, len(prompt_ids), start)
-    stream = state.manager.generate(prompt_ids, sampling)
+    _, timer, stream = await start_generation(request)
     # Wait for the first token before answering, so that a failed prefill is still a clean 5xx.
     try:
         first = await unless_disconnected(request, anext(stream))
