@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -118,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
         config.model_dir = str(ensure_default_model())
     config.allocate_addresses()
+    try:
+        return serve(config)
+    finally:
+        shutil.rmtree(config.socket_dir, ignore_errors=True)
+
+
+def serve(config: ServerConfig) -> int:
     try:
         sock = bind_http_socket(config)
     except OSError as exc:

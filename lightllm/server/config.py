@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from lightllm.utils.net import free_ports, tcp_address
+from lightllm.utils.net import ipc_addresses
 
 
 def _flag(help_text: str, **extra) -> dict:
@@ -64,10 +64,11 @@ class ServerConfig:
     router_address: str = field(default="", metadata={"internal": True})  # router's PULL socket
     detokenization_address: str = field(default="", metadata={"internal": True})  # detokenizer's PULL socket
     http_address: str = field(default="", metadata={"internal": True})  # HTTP process's PULL socket
+    socket_dir: str = field(default="", metadata={"internal": True})  # holds the three, removed at exit
 
     def allocate_addresses(self) -> None:
-        ports = free_ports(3)
-        self.router_address, self.detokenization_address, self.http_address = map(tcp_address, ports)
+        self.socket_dir, addresses = ipc_addresses(["router", "detokenization", "http"])
+        self.router_address, self.detokenization_address, self.http_address = addresses
 
     def check(self) -> None:
         """Raise ValueError, naming the flag, for settings that cannot work together."""

@@ -1,9 +1,11 @@
-"""Loopback addresses for the server's internal sockets."""
+"""Addresses for the server's sockets: loopback TCP ports, and local IPC paths for the internal ones."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import tempfile
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 
@@ -25,3 +27,13 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def tcp_address(port: int, host: str = LOOPBACK) -> str:
     return f"tcp://{host}:{port}"
+
+
+def ipc_addresses(names: list[str]) -> tuple[str, list[str]]:
+    """A fresh private directory and one ZeroMQ `ipc://` address in it per name.
+
+    Unix sockets in a directory of our own cannot collide with another process's port the way
+    a "free a moment ago" TCP port can (torch.distributed's gloo takes ephemeral ports too).
+    """
+    directory = tempfile.mkdtemp(prefix="lightllm-")
+    return directory, [f"ipc://{Path(directory) / name}" for name in names]
