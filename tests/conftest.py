@@ -48,3 +48,20 @@ def captured_logits(monkeypatch):
 
     monkeypatch.setattr(model_runner, "sample", capture)
     return seen
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from lightllm.tools.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model_dir, tmp_path_factory):
+    """One server on the default model, shared by the HTTP API tests of every file."""
+    from server_utils import start_server
+
+    server = start_server(["--model_dir", str(default_model_dir)], tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    assert server.stop() == 0

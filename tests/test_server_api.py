@@ -8,9 +8,6 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightllm.tools.default_model import ensure_default_model
-from server_utils import start_server
-
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -22,15 +19,13 @@ MAX_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return ensure_default_model()
+def model_dir(default_model_dir):
+    return default_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    server = start_server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("server") / "server.log")
-    yield server
-    assert server.stop() == 0
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

@@ -68,3 +68,13 @@ def test_request_that_can_never_fit_is_refused(server, prompt_words, max_new_tok
     response = server.post("/generate", body)
     assert response.status_code == 400
     assert message in response.json()["error"]
+
+
+def test_chat_without_max_tokens_gets_the_room_the_budget_leaves(server):
+    body = {"messages": [{"role": "user", "content": "stone " * 30}], "ignore_eos": True}
+    response = server.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    # OpenAI's default max_tokens: whatever min(max_req_total_len=800, max_total_token_num) leaves.
+    assert usage["total_tokens"] == BUDGET
+    assert usage["completion_tokens"] == BUDGET - usage["prompt_tokens"] > 0

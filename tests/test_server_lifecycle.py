@@ -120,6 +120,10 @@ def test_a_failing_request_gets_a_500_and_the_others_go_on(tmp_path):
         assert failed.json()["error_type"] == "internal" and "out of range" in failed.json()["error"]
         assert not first["finished"] and rest[-1]["finished"] and rest[-1]["finish_reason"] == "length"
         assert 1 + len(rest) == 100
+        openai_failed = server.post("/v1/completions", {"prompt": "photosynthesis"})
+        assert openai_failed.status_code == 500
+        error = openai_failed.json()["error"]
+        assert error["type"] == "internal" and "out of range" in error["message"]
         assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
         server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"] == 0, what="all tokens free")
     finally:

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterReady
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from lightllm.tools.default_model import ensure_default_model
 
         config.model_dir = str(ensure_default_model())
+    config.served_model_name = config.served_model_name or Path(config.model_dir).resolve().name
     config.allocate_addresses()
     try:
         return serve(config)

@@ -27,6 +27,10 @@ class ServerConfig:
         default=None,
         metadata=_flag("Hugging Face model directory; absent: the default model (SmolLM2-135M-Instruct), prepared on first use"),
     )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=_flag("the model's name in the OpenAI-style API (/v1/models and requests' 'model' field); absent: the model directory's name"),
+    )
     tokenizer_mode: str = field(
         default="auto",
         metadata=_flag("auto: fast tokenizer when there is one; slow: the Python tokenizer", choices=("auto", "slow")),

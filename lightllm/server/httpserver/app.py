@@ -1,4 +1,5 @@
-"""The HTTP API: /generate, /generate_stream, /health, /info, /metrics."""
+"""The HTTP API: /generate, /generate_stream, /health, /info, /metrics; the OpenAI-style /v1/*
+routes are in openai_api.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import lightllm
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.manager import HttpServerManager
 from lightllm.server.httpserver.metrics import Metrics
-from lightllm.server.httpserver.params import Limits, RequestError, check_lengths, parse_generate, parse_json
+from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
+from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed
+from lightllm.server.httpserver.params import Limits, RequestError, parse_generate, parse_json
 from lightllm.server.io_struct import FinishReason, RouterReady, SamplingParams, TextOut
 
 logger = logging.getLogger(__name__)
@@ -33,10 +36,7 @@ class ServerState:
     limits: Limits
     model_info: dict
     health_prompt_ids: list[int]
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
+    started: float  # wall-clock time of start-up
 
 
 def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
@@ -50,6 +50,7 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
         model_info=ready.model_info,
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=ready.model_info["eos_token_ids"][:1] or [0],
+        started=time.time(),
     )
 
     @contextlib.asynccontextmanager
@@ -64,116 +65,65 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(RequestValidationError, fastapi_validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(GenerationFailed, generation_failed)
+    app.add_exception_handler(ClientGone, client_gone)
     app.add_api_route("/generate", generate, methods=["POST"])
     app.add_api_route("/generate_stream", generate_stream, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
+    add_openai_routes(app)
     return app
 
 
-def error_response(status_code: int, message: str, error_type: str) -> JSONResponse:
+def error_response(request: Request, status_code: int, message: str, error_type: str) -> JSONResponse:
+    if request.url.path.startswith("/v1/"):  # OpenAI's clients show only error.message
+        return JSONResponse(openai_error(message, error_type, status_code), status_code=status_code)
     return JSONResponse({"error": message, "error_type": error_type}, status_code=status_code)
 
 
 async def request_error(request: Request, exc: RequestError) -> JSONResponse:
     request.app.state.server.metrics.rejected += 1
-    return error_response(exc.status_code, str(exc), "validation")
+    return error_response(request, exc.status_code, str(exc), "validation")
 
 
 async def fastapi_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     request.app.state.server.metrics.rejected += 1
-    return error_response(422, "; ".join(str(e.get("msg", e)) for e in exc.errors()), "validation")
+    return error_response(request, 422, "; ".join(str(e.get("msg", e)) for e in exc.errors()), "validation")
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), "http")
+    return error_response(request, exc.status_code, str(exc.detail), "http")
+
+
+async def generation_failed(request: Request, exc: GenerationFailed) -> JSONResponse:
+    return error_response(request, 500, f"generation failed: {exc}", "internal")
+
+
+async def client_gone(request: Request, exc: ClientGone) -> Response:
+    return Response(status_code=499)  # nobody reads it; the request was aborted
 
 
 # ---- /generate and /generate_stream ----
 
 
-async def read_request(request: Request) -> tuple[list[int], SamplingParams]:
-    state: ServerState = request.app.state.server
-    prompt, sampling = parse_generate(parse_json(await request.body()))
-    prompt_ids = state.tokenizer.encode(prompt)
-    check_lengths(len(prompt_ids), sampling, state.limits)
-    return prompt_ids, sampling
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, coro):
-    """Await `coro`, cancelling it (and so aborting its request) if the client goes away first."""
-    work = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            raise ClientGone()
-    return work.result()
-
-
-class RequestTimer:
-    """Time to first token and end-to-end latency, from arrival at the HTTP server."""
-
-    def __init__(self, metrics: Metrics, prompt_len: int, start: float):
-        self.metrics, self.prompt_len, self.start = metrics, prompt_len, start
-        self.first_token_seen = False
-
-    def observe(self, out: TextOut) -> None:
-        now = time.monotonic()
-        if not self.first_token_seen:
-            self.first_token_seen = True
-            self.metrics.time_to_first_token.observe(now - self.start)
-        if out.finish_reason is not None:
-            self.metrics.observe_finished(out.finish_reason, self.prompt_len, out.count_output_tokens, now - self.start)
-
-    def observe_abort(self) -> None:
-        self.metrics.finished[FinishReason.ABORT] += 1
-
-
-async def collect(stream, timer: RequestTimer) -> tuple[str, TextOut]:
-    pieces = []
-    async with contextlib.aclosing(stream):
-        async for out in stream:
-            timer.observe(out)
-            pieces.append(out.text)
-    return "".join(pieces), out
-
-
-async def start_generation(request: Request) -> tuple[list[int], RequestTimer, object]:
-    """Validate the body, start the request's timer and submit it; returns its token stream."""
+async def start_generation(request: Request) -> Generation:
+    """Validate a /generate body, tokenize its prompt and submit it."""
     start = time.monotonic()
     state: ServerState = request.app.state.server
-    prompt_ids, sampling = await read_request(request)
-    timer = RequestTimer(state.metrics, len(prompt_ids), start)
-    return prompt_ids, timer, state.manager.generate(prompt_ids, sampling)
+    prompt, sampling = parse_generate(parse_json(await request.body()))
+    return Generation(request, state.tokenizer.encode(prompt), sampling, start)
 
 
 async def generate(request: Request) -> Response:
-    prompt_ids, timer, stream = await start_generation(request)
-    try:
-        text, last = await unless_disconnected(request, collect(stream, timer))
-    except ClientGone:
-        timer.observe_abort()
-        return Response(status_code=499)  # nobody reads it; the request was aborted
-    if last.finish_reason is FinishReason.ERROR:
-        return error_response(500, f"generation failed: {last.error}", "internal")
+    generation = await start_generation(request)
+    text, last = await generation.result()
     return JSONResponse(
         {
             "generated_text": [text],
             "count_output_tokens": last.count_output_tokens,
             "finish_reason": last.finish_reason.value,
-            "prompt_tokens": len(prompt_ids),
+            "prompt_tokens": generation.prompt_len,
         }
     )
 
@@ -190,36 +140,18 @@ def sse_event(out: TextOut, full_text: str | None) -> str:
     return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def sse_events(stream, first: TextOut, timer: RequestTimer):
-    """One event per token; the last carries the full text. Cancelled if the client leaves."""
-    pieces, out = [], first
-    try:
-        async with contextlib.aclosing(stream):
-            while out.finish_reason is None:
-                pieces.append(out.text)
-                yield sse_event(out, None)
-                out = await anext(stream)
-                timer.observe(out)
-    finally:  # cancelled while waiting for a token, or closed at a `yield`: the client left
-        if out.finish_reason is None:
-            timer.observe_abort()
-    pieces.append(out.text)
-    yield sse_event(out, "".join(pieces))
+async def sse_events(outputs):
+    """One event per token; the last carries the full text."""
+    pieces = []
+    async for out in outputs:
+        pieces.append(out.text)
+        yield sse_event(out, "".join(pieces) if out.finish_reason is not None else None)
 
 
 async def generate_stream(request: Request) -> Response:
-    _, timer, stream = await start_generation(request)
-    # Wait for the first token before answering, so that a failed prefill is still a clean 5xx.
-    try:
-        first = await unless_disconnected(request, anext(stream))
-    except ClientGone:
-        timer.observe_abort()
-        return Response(status_code=499)
-    timer.observe(first)
-    if first.finish_reason is FinishReason.ERROR:
-        await stream.aclose()
-        return error_response(500, f"generation failed: {first.error}", "internal")
-    return StreamingResponse(sse_events(stream, first, timer), media_type="text/event-stream")
+    generation = await start_generation(request)
+    first = await generation.first()
+    return StreamingResponse(sse_events(generation.outputs(first)), media_type="text/event-stream")
 
 
 # ---- /health, /info, /metrics ----
@@ -248,6 +180,7 @@ async def info(request: Request) -> JSONResponse:
         {
             "version": lightllm.__version__,
             "model_dir": config.model_dir,
+            "served_model_name": config.served_model_name,
             "architecture": model.get("architecture"),
             "dtype": model.get("dtype"),
             "vocab_size": model.get("vocab_size"),

@@ -1,4 +1,6 @@
-"""Validation of a /generate body: every mistake a client can make becomes a RequestError (4xx)."""
+"""Validation of a /generate body: every mistake a client can make becomes a RequestError (4xx).
+
+The parameter rules here are shared with the OpenAI-style endpoints (openai_params.py)."""
 
 from __future__ import annotations
 
@@ -80,40 +82,49 @@ def parse_parameters(params: dict) -> SamplingParams:
     unknown = set(params) - KNOWN_PARAMS
     if unknown:
         raise RequestError(f"unknown parameter(s) {sorted(unknown)}; known: {sorted(KNOWN_PARAMS)}")
-    values = {}
-    for name, value in params.items():
-        if value is not None:  # null means "the default"
-            values[name] = _check_param(name, value)
-    values.setdefault("seed", secrets.randbelow(2**31))
-    return SamplingParams(**values)
+    return build_sampling({name: (name, value) for name, value in params.items()})
 
 
-def _check_param(name: str, value):
+def build_sampling(values: dict[str, tuple[str, object]], **fixed) -> SamplingParams:
+    """SamplingParams from {our name: (the client's name, value)}, each value checked; the
+    client's name is the one an error message shows. A null value means the default; a seed is
+    drawn when none is given."""
+    checked = {name: check_param(name, value, label) for name, (label, value) in values.items() if value is not None}
+    checked.setdefault("seed", secrets.randbelow(2**31))
+    return SamplingParams(**checked, **fixed)
+
+
+def check_param(name: str, value, label: str | None = None):
+    label = label or name
     if name in BOOL_PARAMS:
-        if not isinstance(value, bool):
-            raise RequestError(f"parameter '{name}' must be true or false, got {value!r}")
-        return value
+        return check_bool(value, label)
     if name == "stop_sequences":
-        return _check_stop_sequences(value)
+        return _check_stop_sequences(value, label)
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if name in INT_RULES:
         check, expected = INT_RULES[name]
         if not is_int or not check(value):
-            raise RequestError(f"parameter '{name}' must be {expected}, got {value!r}")
+            raise RequestError(f"parameter '{label}' must be {expected}, got {value!r}")
         return value
     check, expected = FLOAT_RULES[name]
     if not (is_int or isinstance(value, float)) or not check(value):
-        raise RequestError(f"parameter '{name}' must be {expected}, got {value!r}")
+        raise RequestError(f"parameter '{label}' must be {expected}, got {value!r}")
     return float(value)
 
 
-def _check_stop_sequences(value) -> list[str]:
+def check_bool(value, label: str) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"parameter '{label}' must be true or false, got {value!r}")
+    return value
+
+
+def _check_stop_sequences(value, label: str) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise RequestError("parameter 'stop_sequences' must be a list of non-empty strings")
+        raise RequestError(f"parameter '{label}' must be a list of non-empty strings")
     if len(value) > MAX_STOP_SEQUENCES:
-        raise RequestError(f"parameter 'stop_sequences' may hold at most {MAX_STOP_SEQUENCES} strings")
+        raise RequestError(f"parameter '{label}' may hold at most {MAX_STOP_SEQUENCES} strings")
     return value
 
 

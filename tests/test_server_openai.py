@@ -1,0 +1,165 @@
+"""The OpenAI-compatible API, driven by OpenAI's own Python client, on the default model."""
+
+import openai
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+CHATS = [
+    [{"role": "user", "content": "What is AI?"}],
+    [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    (model,) = client.models.list().data
+    return model.id
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32, local_files_only=True)
+    return tokenizer, model
+
+
+def hf_greedy_chat(hf, messages) -> tuple[str, int, int, str]:
+    """(text, prompt tokens, completion tokens, finish reason) of transformers' greedy generate."""
+    tokenizer, model = hf
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+    reason = "stop" if out[-1] == tokenizer.eos_token_id else "length"
+    return tokenizer.decode(out, skip_special_tokens=True), ids.shape[1], len(out), reason
+
+
+def test_models_lists_the_served_model(default_server, default_model_dir, model_name):
+    assert model_name == default_model_dir.name
+    listed = requests.get(f"{default_server.url}/v1/models", timeout=10).json()["data"][0]
+    assert listed["max_model_len"] == requests.get(f"{default_server.url}/info", timeout=10).json()["max_req_total_len"]
+
+
+@pytest.mark.parametrize("messages", CHATS, ids=["user", "system+user"])
+def test_chat_greedy_matches_transformers(client, model_name, hf, messages):
+    reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    text, prompt_len, completion_len, reason = hf_greedy_chat(hf, messages)
+    (choice,) = reply.choices
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", text, reason)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_len, completion_len)
+    assert reply.usage.total_tokens == prompt_len + completion_len
+    assert reply.object == "chat.completion" and reply.model == model_name
+
+
+def test_text_parts_are_joined(client, model_name):
+    plain = [{"role": "user", "content": "What is AI?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "AI?"}]}]
+    answers = [
+        client.chat.completions.create(model=model_name, messages=m, temperature=0, max_tokens=8).choices[0].message.content
+        for m in (plain, parts)
+    ]
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 11}])
+def test_chat_stream_joins_to_the_whole_answer(client, model_name, sampling):
+    request = dict(model=model_name, messages=CHATS[0], max_tokens=MAX_TOKENS, **sampling)
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *token_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in token_chunks) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in token_chunks][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_completion_matches_generate(default_server, client, model_name):
+    prompt = "The capital of France is"
+    native = default_server.generate(prompt, max_new_tokens=MAX_TOKENS)
+    reply = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    assert reply.choices[0].text == native["generated_text"][0]
+    assert reply.usage.completion_tokens == native["count_output_tokens"]
+    ids = AutoTokenizer.from_pretrained(default_server_model(default_server), local_files_only=True).encode(prompt)
+    by_ids = client.completions.create(model=model_name, prompt=ids, temperature=0, max_tokens=MAX_TOKENS)
+    assert by_ids.choices[0].text == native["generated_text"][0]
+    streamed = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == native["generated_text"][0]
+
+
+def default_server_model(server) -> str:
+    return requests.get(f"{server.url}/info", timeout=10).json()["model_dir"]
+
+
+def test_stop_cuts_the_text(client, model_name):
+    request = dict(model=model_name, prompt="Once upon a time, in a small village,", temperature=0, max_tokens=MAX_TOKENS)
+    text = client.completions.create(**request).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    cut = client.completions.create(**request, stop=[stop]).choices[0]
+    assert (cut.text, cut.finish_reason) == (text[: text.index(stop)], "stop")
+
+
+BAD_CHATS = [
+    ({"messages": []}, 400, "'messages' must be a non-empty list"),
+    ({"messages": "hi"}, 400, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "only text parts are supported, got 'image_url'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n' = 2 is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "'logprobs' = True is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tool calling"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "'temperature' must be a number >= 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "'stop' must be a list of non-empty strings"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "'stream' must be true or false"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_token": 5}, 400, "unknown field(s) ['max_token']"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "more than max_req_total_len"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
+]
+BAD_COMPLETIONS = [
+    ({}, 400, "'prompt' must be a non-empty string or list of token ids"),
+    ({"prompt": ["one", "two"]}, 400, "one prompt per request"),
+    ({"prompt": [1, 10**9]}, 400, "'prompt' token ids must be in [0, 49152)"),
+    ({"prompt": "hi", "echo": True}, 400, "'echo' = True is not supported"),
+    ({"prompt": "hi", "top_p": 2}, 400, "'top_p' must be a number in (0, 1]"),
+]
+
+
+def test_bad_requests_get_a_clear_error(default_server, client, model_name):
+    cases = [("/v1/chat/completions", *case) for case in BAD_CHATS]
+    cases += [("/v1/completions", *case) for case in BAD_COMPLETIONS]
+    for path, body, status, message in cases:
+        response = default_server.post(path, body)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]  # OpenAI's shape, which its clients read
+        assert error["type"] == "validation" and message in error["message"] and error["code"] == status, body
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=CHATS[0])
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(model=model_name, messages=CHATS[0], n=3)
+    assert client.completions.create(model=model_name, prompt="still serving", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_closed_stream_frees_its_tokens(default_server, client, model_name):
+    aborted = default_server.metrics()['lightllm_requests_total{finish_reason="abort"}']
+    stream = client.chat.completions.create(
+        model=model_name, messages=CHATS[0], max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+    )
+    for _, _ in zip(range(4), stream):
+        pass
+    assert default_server.metrics()["lightllm_kv_tokens_used"] > 0
+    stream.close()
+    default_server.wait_for(
+        lambda: (m := default_server.metrics())["lightllm_kv_tokens_used"] == 0 and m["lightllm_running_requests"] == 0,
+        what="the closed stream's request freed",
+    )
+    assert default_server.metrics()['lightllm_requests_total{finish_reason="abort"}'] == aborted + 1
