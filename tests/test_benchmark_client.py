@@ -232,11 +232,16 @@ def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
         client_cmd += ["--model", str(model), "--dataset", str(data_path), "--num-prompts", "20", "--stream"]
         client_cmd += ["--result-json", str(tmp_path / "result.json"), "--no-progress"]
         client = subprocess.run(client_cmd, env=env, capture_output=True, text=True, timeout=400)
+        single_cmd = [sys.executable, str(ROOT / "test" / "benchmark" / "single_request.py"), "--url", url]
+        single = subprocess.run(single_cmd + ["--max-new-tokens", "8", "--repeat", "2"], env=env,
+                                capture_output=True, text=True, timeout=400)
     finally:
         stop(server)
     assert client.returncode == 0, client.stdout + client.stderr
     for name in METRIC_LINES:
         assert name in client.stdout, name
+    assert single.returncode == 0, single.stdout + single.stderr
+    assert "| median |" in single.stdout and "answered with 8 tokens each" in single.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["completed"], result["failed"]) == (20, 0)
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
