@@ -59,7 +59,7 @@ def test_rms_norm_triton_matches_ref(dtype, hidden):
 def test_rms_norm_ref_matches_transformers(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    norm = LlamaRMSNorm(64, eps=1e-6).to(DEVICE, dtype)
     norm.weight.data.copy_(randn(64))
     x = randn(9, 64, dtype=dtype)
     with torch.no_grad():
