@@ -17,10 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
 from lightllm.server.config import ServerConfig
+from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed
 from lightllm.server.httpserver.manager import HttpServerManager
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
-from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed
 from lightllm.server.httpserver.params import Limits, RequestError, parse_generate, parse_json
 from lightllm.server.io_struct import FinishReason, RouterReady, SamplingParams, TextOut
 
