@@ -82,21 +82,17 @@ def test_chat_stream_joins_to_the_whole_answer(client, model_name, sampling):
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
 
 
-def test_completion_matches_generate(default_server, client, model_name):
+def test_completion_matches_generate(default_server, client, model_name, hf):
     prompt = "The capital of France is"
     native = default_server.generate(prompt, max_new_tokens=MAX_TOKENS)
     reply = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
     assert reply.choices[0].text == native["generated_text"][0]
     assert reply.usage.completion_tokens == native["count_output_tokens"]
-    ids = AutoTokenizer.from_pretrained(default_server_model(default_server), local_files_only=True).encode(prompt)
+    ids = hf[0].encode(prompt)  # the served model's own tokenizer
     by_ids = client.completions.create(model=model_name, prompt=ids, temperature=0, max_tokens=MAX_TOKENS)
     assert by_ids.choices[0].text == native["generated_text"][0]
     streamed = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == native["generated_text"][0]
-
-
-def default_server_model(server) -> str:
-    return requests.get(f"{server.url}/info", timeout=10).json()["model_dir"]
 
 
 def test_stop_cuts_the_text(client, model_name):
