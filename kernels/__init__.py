@@ -10,7 +10,7 @@ from typing import Callable
 from .apply_penalties import apply_penalties_ref, apply_penalties_triton
 from .copy_kv import copy_kv_ref, copy_kv_triton
 from .decode_attention import decode_attention_ref, decode_attention_triton
-from .prefill_attention import prefill_attention_ref, prefill_attention_triton
+from .extend_attention import extend_attention_ref, extend_attention_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_emb import rotary_emb_ref, rotary_emb_triton
@@ -33,13 +33,13 @@ rms_norm = _by_device(rms_norm_ref, rms_norm_triton)
 add_rms_norm = _by_device(add_rms_norm_ref, add_rms_norm_triton)
 rotary_emb_ = _by_device(rotary_emb_ref, rotary_emb_triton)
 copy_kv = _by_device(copy_kv_ref, copy_kv_triton)
-prefill_attention = _by_device(prefill_attention_ref, prefill_attention_triton)
+extend_attention = _by_device(extend_attention_ref, extend_attention_triton)
 decode_attention = _by_device(decode_attention_ref, decode_attention_triton)
 silu_and_mul = _by_device(silu_and_mul_ref, silu_and_mul_triton)
 apply_penalties_ = _by_device(apply_penalties_ref, apply_penalties_triton)
 random_uniform = _by_device(random_uniform_ref, random_uniform_triton)
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "rotary_emb_", "copy_kv", "prefill_attention", "decode_attention",
+    "rms_norm", "add_rms_norm", "rotary_emb_", "copy_kv", "extend_attention", "decode_attention",
     "silu_and_mul", "apply_penalties_", "random_uniform",
 ]

@@ -38,7 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 @pytest.fixture
 def captured_logits(monkeypatch):
     """Every logits tensor the ModelRunner samples from, in order."""
-    from lightllm.server.router.model_infer import model_runner, sampling
+    from lightllm.engine import model_runner, sampling
 
     seen = []
 

@@ -12,7 +12,8 @@ import torch
 from test_model_vs_hf import make_model, make_runner, random_prompts
 
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.cuda_graph import decode_buckets
+from lightllm.engine.cuda_graph import decode_buckets
+from lightllm.engine.model_runner import run_step
 
 PROMPT_LENS = (3, 17, 9, 1, 30, 6, 12)
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_new_tokens=64)
@@ -30,14 +31,14 @@ def run_mixed_schedule(runner, prompts):
     decode 3. Returns every step's tokens."""
     params = [SamplingParams() if i % 2 else SAMPLED for i in range(len(prompts))]
     reqs = [(i, p, params[i]) for i, p in enumerate(prompts)]
-    steps = [runner.prefill(reqs[:5])]
-    steps += [runner.decode([4, 0, 2, 1, 3]) for _ in range(2)]
-    steps.append(runner.prefill(reqs[5:]))
-    steps += [runner.decode([0, 1, 2, 3, 4, 5, 6]) for _ in range(3)]
+    steps = [run_step(runner, prompts=reqs[:5])]
+    steps += [run_step(runner, [4, 0, 2, 1, 3]) for _ in range(2)]
+    steps.append(run_step(runner, prompts=reqs[5:]))
+    steps += [run_step(runner, [0, 1, 2, 3, 4, 5, 6]) for _ in range(3)]
     runner.free([2])
-    steps += [runner.decode([6, 5, 4, 3, 1, 0]) for _ in range(2)]
+    steps += [run_step(runner, [6, 5, 4, 3, 1, 0]) for _ in range(2)]
     runner.free([0, 3, 6])
-    steps += [runner.decode([5, 1, 4]) for _ in range(3)]
+    steps += [run_step(runner, [5, 1, 4]) for _ in range(3)]
     runner.free([1, 4, 5])
     return [[tok for tok, _ in out] for out in steps]
 
@@ -69,12 +70,12 @@ def test_padding_rows_touch_only_the_scratch_slot(tmp_path):
     for cache in table.k + table.v:  # random contents, so that any stray write shows
         cache.copy_(torch.randn(cache.shape, generator=gen))
     prompts = random_prompts(6, lengths=(5, 11, 2))
-    runner.prefill([(i, p, SamplingParams()) for i, p in enumerate(prompts)])
+    run_step(runner, prompts=[(i, p, SamplingParams()) for i, p in enumerate(prompts)])
     for _ in range(4):  # 3 requests run as a bucket of 4: one padding row per step
         before_k = [k.clone() for k in table.k]
         before_v = [v.clone() for v in table.v]
         before_rows, before_free = rows.req_to_token.clone(), table.free_count
-        runner.decode([0, 1, 2])
+        run_step(runner, [0, 1, 2])
         assert table.free_count == before_free - 3 == int(table.mem_state.sum())
         changed_entries = (rows.req_to_token != before_rows).nonzero().tolist()
         running = [runner.reqs[i] for i in (0, 1, 2)]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
 from lightllm_kernels.copy_kv import copy_kv_ref, copy_kv_triton
 from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from lightllm_kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_emb import rotary_emb_ref, rotary_emb_triton
@@ -157,36 +157,6 @@ def test_silu_and_mul_ref_is_gated_silu():
     torch.testing.assert_close(silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up)
 
 
-# ---------------------------------------------------------------- prefill attention
-def packed_prompts(lens, num_q_heads, num_kv_heads, head_dim, dtype):
-    tokens = sum(lens)
-    cu_seqlens = torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
-    q = randn(tokens, num_q_heads, head_dim, dtype=dtype)
-    k, v = randn(tokens, num_kv_heads, head_dim, dtype=dtype), randn(tokens, num_kv_heads, head_dim, dtype=dtype)
-    return q, k, v, cu_seqlens
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
-def test_prefill_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim):
-    lens = PROMPT_LENS + [70]  # 70 spans two query blocks and two key blocks
-    q, k, v, cu_seqlens = packed_prompts(lens, num_q_heads, num_kv_heads, head_dim, dtype)
-    args = (q, k, v, cu_seqlens, max(lens), head_dim ** -0.5)
-    assert_close(prefill_attention_triton(*args), prefill_attention_ref(*args), ATTN_TOL[dtype])
-
-
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
-def test_prefill_attention_ref_matches_sdpa_per_sequence(num_q_heads, num_kv_heads, head_dim):
-    q, k, v, cu_seqlens = packed_prompts(PROMPT_LENS, num_q_heads, num_kv_heads, head_dim, torch.float32)
-    out = prefill_attention_ref(q, k, v, cu_seqlens, max(PROMPT_LENS), 0.3)
-    group = num_q_heads // num_kv_heads
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        expected = F.scaled_dot_product_attention(qs, ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0),
-                                                  is_causal=True, scale=0.3)
-        torch.testing.assert_close(out[start:end], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
-
-
 # ---------------------------------------------------------------- decode attention
 def decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, num_slots=400):
     """Requests in scattered rows of a token table; entries past each length are -1 (never read)."""
@@ -230,6 +200,55 @@ def test_decode_attention_ref_matches_per_request_loop(num_q_heads, num_kv_heads
         probs = torch.einsum("hd,lhd->hl", q[b], keys).mul(0.2).softmax(-1)
         expected = torch.einsum("hl,lhd->hd", probs, values)
         torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- extend attention
+# (new tokens, tokens cached before them) per request: fresh prompts, chunks after a cached
+# prefix, decodes (one new token, with and without a prefix), and chunks spanning two query
+# blocks and several key blocks.
+CHUNKS = [(7, 0), (1, 90), (33, 40), (1, 0), (70, 0), (66, 100)]
+
+
+def extend_batch(chunks, num_q_heads, num_kv_heads, head_dim, dtype):
+    """Chunks' queries packed; their requests' K/V (chunk included) already in scattered slots."""
+    q_lens = [new for new, _ in chunks]
+    _, k_cache, v_cache, req_to_token, req_rows, kv_lens = decode_batch(
+        [new + cached for new, cached in chunks], num_q_heads, num_kv_heads, head_dim, dtype)
+    cu_q = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max(q_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS + [(2, 2, 80)])  # + MHA, D not a power of 2
+def test_extend_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim):
+    args = extend_batch(CHUNKS, num_q_heads, num_kv_heads, head_dim, dtype) + (head_dim ** -0.5,)
+    assert_close(extend_attention_triton(*args), extend_attention_ref(*args), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
+def test_extend_attention_ref_matches_sdpa_over_each_full_sequence(num_q_heads, num_kv_heads, head_dim):
+    """Causal SDPA over a request's whole sequence; its last q_len rows are the chunk's output."""
+    _, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max_q_len = extend_batch(
+        CHUNKS, num_q_heads, num_kv_heads, head_dim, torch.float32)
+    full_q = [randn(new + cached, num_q_heads, head_dim) for new, cached in CHUNKS]
+    q = torch.cat([seq_q[cached:] for seq_q, (_, cached) in zip(full_q, CHUNKS)])
+    out = extend_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max_q_len, 0.3)
+    group = num_q_heads // num_kv_heads
+    for i, (row, (new, cached)) in enumerate(zip(req_rows.tolist(), CHUNKS)):
+        slots = req_to_token[row, :new + cached].long()
+        keys, values = (cache[slots].transpose(0, 1).repeat_interleave(group, 0) for cache in (k_cache, v_cache))
+        expected = F.scaled_dot_product_attention(full_q[i].transpose(0, 1), keys, values, is_causal=True, scale=0.3)
+        start = cu_q[i].item()
+        torch.testing.assert_close(out[start:start + new], expected.transpose(0, 1)[cached:], atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_ref_with_one_token_chunks_is_decode_attention():
+    chunks = [(1, cached) for cached in (0, 6, 40, 99)]
+    args = extend_batch(chunks, 4, 2, 64, torch.float32)
+    q, k_cache, v_cache, req_to_token, req_rows, _, kv_lens, _ = args
+    expected = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, kv_lens, int(kv_lens.max()), 0.2)
+    torch.testing.assert_close(extend_attention_ref(*args, 0.2), expected, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- penalties

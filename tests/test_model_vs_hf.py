@@ -18,7 +18,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 import lightllm_kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.model_runner import ModelRunner
+from lightllm.engine.model_runner import ModelRunner, run_step
 
 ATOL = RTOL = 1e-4
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=101)
@@ -80,13 +80,13 @@ def run_schedule(runner, prompts):
             seqs[i].append(tok)
 
     greedy = SamplingParams()
-    record([0, 1], runner.prefill([(0, prompts[0], greedy), (1, prompts[1], greedy)]))
-    record([0, 1], runner.decode([0, 1]))
-    record([2], runner.prefill([(2, prompts[2], greedy)]))
+    record([0, 1], run_step(runner, prompts=[(0, prompts[0], greedy), (1, prompts[1], greedy)]))
+    record([0, 1], run_step(runner, [0, 1]))
+    record([2], run_step(runner, prompts=[(2, prompts[2], greedy)]))
     for _ in range(3):
-        record([1, 0, 2], runner.decode([1, 0, 2]))
+        record([1, 0, 2], run_step(runner, [1, 0, 2]))
     runner.free([0])
-    record([2, 1], runner.decode([2, 1]))
+    record([2, 1], run_step(runner, [2, 1]))
     runner.free([1, 2])
     return steps
 
@@ -207,7 +207,7 @@ def test_shape_mismatch_is_named(tmp_path):
 
 TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_triton",
               "rotary_emb_": "rotary_emb_triton", "copy_kv": "copy_kv_triton",
-              "prefill_attention": "prefill_attention_triton", "decode_attention": "decode_attention_triton",
+              "extend_attention": "extend_attention_triton", "decode_attention": "decode_attention_triton",
               "silu_and_mul": "silu_and_mul_triton"}
 
 
@@ -230,7 +230,7 @@ def test_runner_refuses_bad_steps_and_keeps_its_state(tmp_path):
     make_model("llama_mha", tmp_path)
     runner = make_runner(tmp_path, tokens=32)
     greedy = SamplingParams()
-    runner.prefill([(0, [1, 2, 3], greedy)])
+    run_step(runner, prompts=[(0, [1, 2, 3], greedy)])
     before = runner.stats()
     bad_prefills = {
         "already running": [(0, [4], greedy)],
@@ -242,13 +242,14 @@ def test_runner_refuses_bad_steps_and_keeps_its_state(tmp_path):
     }
     for message, reqs in bad_prefills.items():
         with pytest.raises((ValueError, RuntimeError), match=message):
-            runner.prefill(reqs)
+            run_step(runner, prompts=reqs)
         assert runner.stats() == before and runner.token_table.free_count == 29
     with pytest.raises(ValueError, match="unknown"):
-        runner.decode([0, 7])
-    with pytest.raises(KeyError, match="unknown or repeated"):
-        runner.free([7])
+        run_step(runner, [0, 7])
+    runner.free([7])  # never added (as after a failed step): nothing to free
+    with pytest.raises(KeyError, match="repeated"):
+        runner.free([0, 0])
     assert runner.stats() == before
-    runner.decode([0])
+    run_step(runner, [0])
     runner.free([0])
     assert runner.stats()["tokens_used"] == 0 and runner.req_table.free_count == 8

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.model_runner import ModelRunner
+from lightllm.engine.model_runner import ModelRunner, run_step
 from lightllm.tools.default_model import ensure_default_model
 
 NEW_TOKENS = 32
@@ -51,11 +51,11 @@ def runner(model_dir):
 def generate(runner, prompts, first_id):
     """NEW_TOKENS greedy tokens for each prompt, all in one batch."""
     ids = list(range(first_id, first_id + len(prompts)))
-    out = runner.prefill([(i, p, SamplingParams()) for i, p in zip(ids, prompts)])
+    out = run_step(runner, prompts=[(i, p, SamplingParams()) for i, p in zip(ids, prompts)])
     tokens = [[tok] for tok, _ in out]
     logprobs = [lp for _, lp in out]
     for _ in range(NEW_TOKENS - 1):
-        for seq, (tok, lp) in zip(tokens, runner.decode(ids)):
+        for seq, (tok, lp) in zip(tokens, run_step(runner, ids)):
             seq.append(tok)
             logprobs.append(lp)
     runner.free(ids)

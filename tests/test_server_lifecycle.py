@@ -40,7 +40,7 @@ def test_help_documents_every_flag():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--batch_max_tokens", "10"], "--batch_max_tokens (10) must be at least --max_req_input_len (2048)"),
+        (["--chunked_prefill_size", "0"], "--chunked_prefill_size must be at least 1"),
         (["--max_req_input_len", "100", "--max_req_total_len", "50"], "--max_req_total_len must be larger"),
         (["--tp", "0"], "--tp must be at least 1"),
         (["--port", "eighty"], "invalid int value"),

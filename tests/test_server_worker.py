@@ -1,4 +1,5 @@
-"""The router's rpyc path to a model worker: same results as an in-process runner, and its cost."""
+"""The router's rpyc path to model workers: same results as an in-process runner, its cost,
+and the engine core over two tensor-parallel workers giving the tokens of one."""
 
 import logging
 import statistics
@@ -6,10 +7,14 @@ import time
 
 import pytest
 import torch
+from test_tp import free_port
 
-from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.model_runner import ModelRunner
-from lightllm.server.router.model_infer.worker import ModelWorkers
+from lightllm.engine.core import EngineCore
+from lightllm.engine.model_runner import ModelRunner, run_step
+from lightllm.engine.plan import StepPlan
+from lightllm.engine.scheduler import Scheduler
+from lightllm.engine.workers import ModelWorkers
+from lightllm.server.io_struct import GenerateReq, SamplingParams
 from lightllm.tools.bench_model import write_bench_model
 
 logger = logging.getLogger(__name__)
@@ -43,15 +48,15 @@ def test_worker_matches_in_process_runner_and_report_overhead(workers, tiny_dir)
     runner = ModelRunner(tiny_dir, world_size=1, **RUNNER_ARGS)
     batch = [(i, [10 + i, 20, 30 + 7 * i], SamplingParams(max_new_tokens=64, stop_sequences=["x"])) for i in range(8)]
     ids = [i for i, _, _ in batch]
-    assert list(workers.prefill(batch)) == runner.prefill(batch)
-    steps = [(list(workers.decode(ids)), runner.decode(ids)) for _ in range(10)]
+    assert run_step(workers, prompts=batch) == run_step(runner, prompts=batch)
+    steps = [(run_step(workers, ids), run_step(runner, ids)) for _ in range(10)]
     assert all(remote == local for remote, local in steps)
 
     ping = median_seconds(workers.ping, 300)
     remote, local = [], []
     for _ in range(40):  # interleaved, so that load from elsewhere hits both alike
-        remote.append(median_seconds(lambda: workers.decode(ids), 1))
-        local.append(median_seconds(lambda: runner.decode(ids), 1))
+        remote.append(median_seconds(lambda: run_step(workers, ids), 1))
+        local.append(median_seconds(lambda: run_step(runner, ids), 1))
     remote, local = statistics.median(remote), statistics.median(local)
     logger.info(
         "router -> rpyc -> worker: no-op round trip %.0f us; decode of %d requests %.2f ms via the worker, "
@@ -59,12 +64,38 @@ def test_worker_matches_in_process_runner_and_report_overhead(workers, tiny_dir)
         ping * 1e6, len(ids), remote * 1e3, local * 1e3, (remote - local) * 1e6,
     )
     assert ping < 0.01, "an rpyc round trip should take well under 10 ms on loopback"
-    workers.free(ids)
+    run_step(workers, prompts=[(99, [1], SamplingParams())])  # a step carries the frees
+    workers.step(StepPlan(-10**9, free=ids + [99], sync=True))
     runner.free(ids)
     assert workers.stats()["tokens_used"] == 0
 
 
 def test_runner_errors_come_back_as_exceptions(workers):
     with pytest.raises(Exception, match="unknown"):
-        workers.decode([12345])
+        run_step(workers, [12345])
     workers.ping()  # the worker keeps serving
+
+
+def engine_tokens(workers, prompts, overlap: bool) -> dict[int, list[int]]:
+    core = EngineCore(Scheduler(RUNNER_ARGS["max_total_token_num"], 16, 16), workers, eos_token_ids=[],
+                      overlap=overlap)
+    for i, p in enumerate(prompts):
+        core.add(GenerateReq(i, p, SamplingParams(max_new_tokens=8)))
+    tokens: dict[int, list[int]] = {}
+    for out in core.drain():
+        tokens.setdefault(out.req_id, []).append(out.token_id)
+    return tokens
+
+
+def test_engine_over_two_tp_workers_equals_one(workers, tiny_dir):
+    gen = torch.Generator().manual_seed(torch.seed())
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (3, 40, 17, 1)]
+    tp1 = engine_tokens(workers, prompts, overlap=True)
+    tp2_workers = ModelWorkers(tp=2, log_level="info")
+    try:
+        tp2_workers.load(model_dir=tiny_dir, world_size=2, nccl_port=free_port(), **RUNNER_ARGS)
+        tp2 = engine_tokens(tp2_workers, prompts, overlap=True)
+        assert tp2 == tp1 == engine_tokens(tp2_workers, prompts, overlap=False)
+        assert tp2_workers.stats()["tokens_used"] == 0
+    finally:
+        tp2_workers.shutdown()

@@ -51,37 +51,38 @@ def test_new_interface_keeps_one_step_in_flight():
     device = SimDevice(H100CostModel())
     prompt_len = random.randrange(2, 64)
     first = StepPlan(0, chunks=[Chunk(7, [5] * prompt_len, 0, True)])
-    assert device.step(first) is None  # launched; nothing finished before it
+    assert device.step(first) == []  # launched; nothing finished before it
     launched_at = time.perf_counter()
     second = StepPlan(1, decodes=[7])
-    result = device.step(second)
+    (result,) = device.step(second)
     assert result.step_id == 0 and [t.req_id for t in result.tokens] == [7]
     assert result.tokens[0].token_id == FILLER_TOKEN
     assert time.perf_counter() - launched_at >= H100CostModel().eager_floor_ms / 1000 * 0.9
-    final = device.step(StepPlan(2, free=[], sync=True))  # empty: only collects step 1
+    (final,) = device.step(StepPlan(2, free=[], sync=True))  # empty: only collects step 1
     assert final.step_id == 1 and device.context == {7: prompt_len + 1}
-    assert device.step(StepPlan(3, free=[7], sync=True)) is None and device.context == {}
+    assert device.step(StepPlan(3, free=[7], sync=True)) == [] and device.context == {}
     assert device.steps == 2
 
 
-def run_small(count: int, request_rate: float = math.inf):
+def run_small(count: int, request_rate: float = math.inf, flags: str = ""):
     rng = random.Random()
     requests = [SampledRequest("", [rng.randrange(3, 50000) for _ in range(rng.randrange(4, 200))], rng.randrange(2, 30))
                 for _ in range(count)]
-    summary = simulate(requests, sim_config(), request_rate=request_rate, seed=rng.randrange(1000),
+    summary = simulate(requests, sim_config(flags), request_rate=request_rate, seed=rng.randrange(1000),
                        max_total_token_num=20_000, eos_token_ids=[2])
     return requests, summary
 
 
 @pytest.mark.parametrize("request_rate", [math.inf, 200.0])
-def test_every_request_finishes_with_its_tokens_through_the_old_loop(request_rate):
-    requests, summary = run_small(20, request_rate)
+@pytest.mark.parametrize("flags", ["", "--disable_overlap --chunked_prefill_size 64"])
+def test_every_request_finishes_with_its_tokens_through_the_router_loop(request_rate, flags):
+    requests, summary = run_small(20, request_rate, flags)
     assert summary["completed"] == len(requests) and summary["failed"] == 0
     assert summary["total_output_tokens"] == sum(r.output_len for r in requests)
     assert summary["total_input_tokens"] == sum(r.prompt_len for r in requests)
     assert summary["kv_tokens_held_at_end"] == 0
     assert 0 < summary["device_busy_share"] <= 1
-    # The longest request needs one prefill and output_len - 1 decode steps, one after another.
+    # The longest request needs a prefill step and output_len - 1 decode steps, one after another.
     model = H100CostModel()
     longest = max(r.output_len for r in requests)
     floor_s = (model.eager_floor_ms + (longest - 1) * model.decode_fixed_ms) / 1000

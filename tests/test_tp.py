@@ -15,7 +15,7 @@ from test_model_vs_hf import make_model, make_runner, random_prompts, run_schedu
 
 from lightllm.models import ModelConfigError
 from lightllm.models.layers import split_even, split_kv_heads
-from lightllm.server.router.model_infer import model_runner, sampling
+from lightllm.engine import model_runner, sampling
 from lightllm.utils.dist import TPGroup
 
 ATOL = RTOL = 1e-4

@@ -1,7 +1,7 @@
 """Request rows: `req_to_token[row, i]` is the KV slot of the request's i-th token.
 
 With `padding_row`, one more row (index max_reqs) is never handed out: padding rows of a
-bucketed decode batch point there (see `model_infer/cuda_graph.py`).
+bucketed decode batch point there (see `lightllm/engine/cuda_graph.py`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ cumulative sum of `mem_state`.
 
 One more K/V row, `scratch_slot` (= size), lies outside the budget: it is never handed out,
 and padding rows of a bucketed decode batch write their K/V there (see
-`model_infer/cuda_graph.py`).
+`lightllm/engine/cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -75,13 +75,18 @@ class TokenTable:
         return torch.where(run.any(), run_slots, first_free)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return slots to the table. Checks on the device (one sync) that each was in use, once."""
+        """Return slots to the table. Off CUDA, checks that each was in use, once; on CUDA that
+        check would wait for the step in flight, so it is left to the CPU tests."""
         if slots.numel() == 0:
             return
         slots = slots.to(device=self.device, dtype=torch.int64)
+        if self.device.type != "cuda":
+            self._check_in_use(slots)
+        self.mem_state[slots] = 1
+        self.free_count += slots.numel()
+
+    def _check_in_use(self, slots: torch.Tensor) -> None:
         hits = torch.zeros_like(self.mem_state).index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
         if bool(((hits > 1) | ((hits > 0) & (self.mem_state != 0))).any()):
             raise DoubleFreeError(f"freeing {slots.numel()} slots of which some are already free "
                                   "or listed twice")
-        self.mem_state[slots] = 1
-        self.free_count += slots.numel()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, prefill_attention, rms_norm,
+from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, extend_attention, rms_norm,
                               rotary_emb_, silu_and_mul)
 
 from .config import ModelConfig, ModelConfigError
@@ -22,18 +22,28 @@ from .config import ModelConfig, ModelConfigError
 
 @dataclass
 class ForwardBatch:
-    """One step's metadata, already on the device (built by the model runner in one copy)."""
+    """One step's metadata, already on the device (built by the model runner in one copy).
 
-    is_prefill: bool
+    Tokens are packed decodes first (one per request), then prefill chunks. Every new token's
+    K/V is written to the token table first; attention then reads the requests' rows there."""
+
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its request
     slots: torch.Tensor  # [T] int64, KV slot of each new token
-    max_seqlen: int  # host-side bound on the requests' lengths
-    cu_seqlens: torch.Tensor | None = None  # prefill: [B+1] int32, packed prompt bounds
-    last_index: torch.Tensor | None = None  # prefill: [B] int64, each request's last token
-    req_to_token: torch.Tensor | None = None  # decode: [R, L] int32
-    req_rows: torch.Tensor | None = None  # decode: [B] int32
-    seq_lens: torch.Tensor | None = None  # decode: [B] int32, including the new token
+    req_to_token: torch.Tensor  # [R, L] int32
+    num_decodes: int
+    decode_rows: torch.Tensor | None = None  # [num_decodes] int32
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32, including the new token
+    decode_max_seqlen: int = 0  # host-side bound on decode_seq_lens
+    ext_rows: torch.Tensor | None = None  # [C] int32, one per chunk
+    ext_cu_q: torch.Tensor | None = None  # [C+1] int32, chunk bounds within the tokens after the decodes
+    ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
+    ext_max_q_len: int = 0  # host-side bound on chunk lengths
+    logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
+
+    @property
+    def has_chunks(self) -> bool:
+        return self.ext_max_q_len > 0
 
 
 def split_even(units: int, tp: TPGroup, what: str) -> tuple[int, int]:
@@ -169,7 +179,7 @@ class RotaryEmbedding:
 
 class Attention:
     """q/k/v projection (column-parallel, merged), rotary, KV written to the token table,
-    attention over the packed prompts (prefill) or the table rows (decode), o projection."""
+    attention over the requests' rows of the table, o projection."""
 
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str):
         d = cfg.head_dim
@@ -190,12 +200,22 @@ class Attention:
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
         rotary_emb_(q, k, *rope)
         copy_kv(k, v, k_cache, v_cache, batch.slots)
-        if batch.is_prefill:
-            o = prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, self.scale)
-        else:
-            o = decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_rows, batch.seq_lens,
-                                 batch.max_seqlen, self.scale)
-        return self.o(o.reshape(tokens, -1))
+        return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
+
+    def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """Decode rows through the split-K decode kernel, chunks through extend attention."""
+        n = batch.num_decodes
+        if not batch.has_chunks:
+            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.decode_rows,
+                                    batch.decode_seq_lens, batch.decode_max_seqlen, self.scale)
+        chunks = extend_attention(q[n:], k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
+                                  batch.ext_kv_lens, batch.ext_max_q_len, self.scale)
+        if n == 0:
+            return chunks
+        decodes = decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows,
+                                   batch.decode_seq_lens, batch.decode_max_seqlen, self.scale)
+        return torch.cat([decodes, chunks])
 
 
 class GatedMLP:

@@ -43,12 +43,12 @@ class LlamaModel:
         self.dtype = self.embed.weight.dtype
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
-        """fp32 logits [B, vocab] for the last token of each request."""
+        """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
         x, residual = self.embed(batch.input_ids), None
         rope = self.rotary(batch.positions)
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             x, residual = layer(x, residual, batch, rope, k_cache, v_cache)
-        if batch.last_index is not None:
-            x, residual = x[batch.last_index], residual[batch.last_index]
+        if batch.logit_index is not None:
+            x, residual = x[batch.logit_index], residual[batch.logit_index]
         h, _ = self.norm(x, residual)
         return self.lm_head(h)

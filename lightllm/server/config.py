@@ -39,11 +39,19 @@ class ServerConfig:
         default=None,
         metadata=_flag("KV-cache budget in tokens over all requests; absent: sized from free device memory (GPU) or a fixed figure (CPU) by the model runner"),
     )
-    batch_max_tokens: int | None = field(
-        default=None,
-        metadata=_flag("most prompt tokens prefilled in one step; absent: max_req_input_len"),
+    chunked_prefill_size: int = field(
+        default=4096,
+        metadata=_flag("most prompt tokens prefilled in one step, over all requests; longer prompts are prefilled in chunks over several steps, beside the running decodes (see docs/benchmarks.md for how the default was chosen)"),
     )
-    running_max_req_size: int = field(default=1000, metadata=_flag("most requests in the running batch"))
+    schedule_policy: str = field(
+        default="lpt",
+        metadata=_flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order (see docs/architecture.md)", choices=("lpt", "fcfs")),
+    )
+    disable_overlap: bool = field(
+        default=False,
+        metadata=_flag("plan each step only after the previous one's tokens are back (a synchronous loop, for debugging); by default the next step is planned while the device runs the current one"),
+    )
+    running_max_req_size: int = field(default=512, metadata=_flag("most requests in the running batch (and the largest CUDA-graph decode bucket); see docs/benchmarks.md for how the default was chosen"))
     tp: int = field(default=1, metadata=_flag("tensor-parallel degree: one model worker process per rank"))
     max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=_flag("longest prompt + max_new_tokens accepted"))
@@ -52,10 +60,6 @@ class ServerConfig:
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
-    router_max_wait_tokens: int = field(
-        default=6,
-        metadata=_flag("decode steps the router runs before it tries to admit waiting requests again"),
-    )
     disable_log_stats: bool = field(default=False, metadata=_flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=_flag("seconds between throughput logs (only when there was activity)"))
     health_timeout: float = field(default=10.0, metadata=_flag("seconds GET /health waits for its one-token generation"))
@@ -78,22 +82,13 @@ class ServerConfig:
         """Raise ValueError, naming the flag, for settings that cannot work together."""
         if self.max_req_input_len < 1 or self.max_req_total_len <= self.max_req_input_len:
             raise ValueError("--max_req_total_len must be larger than --max_req_input_len (both positive)")
-        if self.batch_max_tokens is not None and self.batch_max_tokens < self.max_req_input_len:
-            raise ValueError(
-                f"--batch_max_tokens ({self.batch_max_tokens}) must be at least --max_req_input_len "
-                f"({self.max_req_input_len}), or the longest prompts could never be prefilled"
-            )
         if self.max_total_token_num is not None and self.max_total_token_num < 2:
             raise ValueError("--max_total_token_num must be at least 2")
-        for name in ("tp", "running_max_req_size", "router_max_wait_tokens"):
+        for name in ("tp", "running_max_req_size", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         if self.log_stats_interval <= 0 or self.health_timeout <= 0:
             raise ValueError("--log_stats_interval and --health_timeout must be positive")
-
-    @property
-    def prefill_token_budget(self) -> int:
-        return self.batch_max_tokens if self.batch_max_tokens is not None else self.max_req_input_len
 
 
 def _cli_type(annotation) -> type:

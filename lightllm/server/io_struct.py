@@ -5,7 +5,7 @@ router -> detokenizer:         GenerateReq (forwarded once, before its first tok
                                AbortReq (forwarded, so that the detokenizer drops the request)
 detokenizer -> HTTP process:   BatchTextOut
 router -> HTTP process:        RouterStats (after the router's state changed)
-router -> model workers (rpyc): plain tuples built from these (see model_infer/worker.py)
+router -> model workers (rpyc): StepPlan / StepResult as plain tuples (see lightllm/engine/plan.py)
 children -> main process (start-up pipe): ProcessReady, RouterReady
 
 Only these small dataclasses are pickled across a socket.

@@ -17,7 +17,7 @@ import torch
 from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
 from lightllm_kernels.copy_kv import copy_kv_ref, copy_kv_triton
 from lightllm_kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton
-from lightllm_kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_emb import rotary_emb_ref, rotary_emb_triton
@@ -73,13 +73,18 @@ def case_silu_and_mul():
     return silu_and_mul_ref, silu_and_mul_triton, (randn(TOKENS, 2 * INTER),), BF16_TOL
 
 
-def case_prefill():
-    lens = [1, 100, 1000, 2995]  # ragged, 4096 tokens in all
-    cu_seqlens = torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
-    q = randn(TOKENS, NUM_Q_HEADS, HEAD_DIM)
-    k, v = randn(TOKENS, NUM_KV_HEADS, HEAD_DIM), randn(TOKENS, NUM_KV_HEADS, HEAD_DIM)
-    args = (q, k, v, cu_seqlens, max(lens), HEAD_DIM ** -0.5)
-    return prefill_attention_ref, prefill_attention_triton, args, BF16_TOL
+def case_extend():
+    """8 chunks of 512 new tokens (4096 in all), each after 512 cached tokens, in scattered slots."""
+    chunks, new, cached = 8, 512, 512
+    num_slots = chunks * (new + cached)
+    k_cache, v_cache = randn(num_slots, NUM_KV_HEADS, HEAD_DIM), randn(num_slots, NUM_KV_HEADS, HEAD_DIM)
+    req_to_token = torch.randperm(num_slots, device=DEVICE).to(torch.int32).view(chunks, new + cached)
+    req_rows = torch.randperm(chunks, device=DEVICE).to(torch.int32)
+    cu_q = torch.arange(chunks + 1, device=DEVICE, dtype=torch.int32) * new
+    kv_lens = torch.full((chunks,), new + cached, dtype=torch.int32, device=DEVICE)
+    q = randn(chunks * new, NUM_Q_HEADS, HEAD_DIM)
+    args = (q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, new, HEAD_DIM ** -0.5)
+    return extend_attention_ref, extend_attention_triton, args, BF16_TOL
 
 
 def decode_args(batch: int, context: int = DECODE_CONTEXT):
@@ -118,7 +123,7 @@ def case_random_uniform():
 
 CASES = {
     "rms_norm": case_rms_norm, "add_rms_norm": case_add_rms_norm, "rotary_emb_": case_rotary,
-    "copy_kv": case_copy_kv, "silu_and_mul": case_silu_and_mul, "prefill_attention": case_prefill,
+    "copy_kv": case_copy_kv, "silu_and_mul": case_silu_and_mul, "extend_attention": case_extend,
     "decode_attention": case_decode, "apply_penalties_": case_penalties, "random_uniform": case_random_uniform,
 }
 

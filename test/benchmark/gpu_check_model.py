@@ -3,8 +3,10 @@
     python test/benchmark/gpu_check_model.py
 
 For a few tiny random Llama-family models (GQA with llama3 rope, Qwen2 with q/k/v bias and
-tied embeddings) it prefills a mixed batch through ModelRunner on the GPU, decodes greedily,
-and compares with transformers' greedy `generate` on the same GPU and weights:
+tied embeddings) it prefills a mixed batch through ModelRunner on the GPU, decodes greedily
+(CUDA graphs), and also runs the engine core (chunked prefill beside running decodes, with one
+step in flight and without), and compares with transformers' greedy `generate` on the same GPU
+and weights:
 fp32 must agree token for token; bf16 is reported as the mean fraction of each sequence
 before the first differing token (bf16 rounding may flip near-ties). Exits 1 on any fp32 mismatch. Prints a markdown table.
 """
@@ -18,8 +20,10 @@ import tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.model_runner import ModelRunner
+from lightllm.engine.core import EngineCore
+from lightllm.engine.model_runner import ModelRunner, run_step
+from lightllm.engine.scheduler import Scheduler
+from lightllm.server.io_struct import GenerateReq, SamplingParams
 
 BASE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
             vocab_size=1000, head_dim=64)
@@ -44,14 +48,34 @@ def build(name: str, out_dir: str):
     return model
 
 
-def ours(model_dir: str, prompts: list[list[int]], dtype: str) -> list[list[int]]:
-    runner = ModelRunner(model_dir, max_total_token_num=4096, max_req_total_len=512, running_max_req_size=8,
-                         data_type=dtype, device="cuda")
+def make_runner(model_dir: str, dtype: str) -> ModelRunner:
+    return ModelRunner(model_dir, max_total_token_num=4096, max_req_total_len=512, running_max_req_size=8,
+                       data_type=dtype, device="cuda")
+
+
+def ours_engine(model_dir: str, prompts: list[list[int]], dtype: str, chunk: int, overlap: bool) -> list[list[int]]:
+    """Through the engine core: request 0 decodes alone for 3 steps, then the rest arrive."""
+    runner = make_runner(model_dir, dtype)
+    core = EngineCore(Scheduler(4096, chunk, 8), runner, eos_token_ids=[], overlap=overlap)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    out = [[t] for t, _ in runner.prefill([(i, p, params) for i, p in enumerate(prompts)])]
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    core.add(GenerateReq(0, prompts[0], params))
+    outs = core.step() + core.step() + core.step()
+    for i, p in enumerate(prompts[1:], 1):
+        core.add(GenerateReq(i, p, params))
+    for o in outs + core.drain():
+        out[o.req_id].append(o.token_id)
+    assert runner.stats()["tokens_used"] == 0, "tokens left in use after every request ended"
+    return [out[i] for i in range(len(prompts))]
+
+
+def ours(model_dir: str, prompts: list[list[int]], dtype: str) -> list[list[int]]:
+    runner = make_runner(model_dir, dtype)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out = [[t] for t, _ in run_step(runner, prompts=[(i, p, params) for i, p in enumerate(prompts)])]
     ids = list(range(len(prompts)))
     for _ in range(NEW_TOKENS - 1):
-        for seq, (t, _) in zip(out, runner.decode(ids)):
+        for seq, (t, _) in zip(out, run_step(runner, ids)):
             seq.append(t)
     runner.free(ids)
     assert runner.stats()["tokens_used"] == 0, "tokens left in use after freeing every request"
@@ -87,12 +111,18 @@ def main() -> int:
     for name in CASES:
         with tempfile.TemporaryDirectory() as d:
             model = build(name, d)
+            variants = {"runner": lambda dt: ours(d, prompts, dt),
+                        "engine chunk 64, overlap": lambda dt: ours_engine(d, prompts, dt, 64, True),
+                        "engine chunk 7, no overlap": lambda dt: ours_engine(d, prompts, dt, 7, False)}
             for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-                agree = agreement(ours(d, prompts, dtype_name), reference(model, prompts, dtype))
-                ok = agree == 1.0 or dtype is torch.bfloat16
-                failed |= not ok
-                rows.append(f"| {name} | {dtype_name} | {agree:.3f} | {'PASS' if ok else 'FAIL'} |")
-    print("| model | dtype | share of greedy tokens before the first difference from transformers | check |\n|---|---|---|---|")
+                expected = reference(model, prompts, dtype)
+                for variant, run in variants.items():
+                    agree = agreement(run(dtype_name), expected)
+                    ok = agree == 1.0 or dtype is torch.bfloat16
+                    failed |= not ok
+                    rows.append(f"| {name} | {variant} | {dtype_name} | {agree:.3f} | {'PASS' if ok else 'FAIL'} |")
+    print("| model | path | dtype | share of greedy tokens before the first difference from transformers | check |\n"
+          "|---|---|---|---|---|")
     print("\n".join(rows))
     return 1 if failed else 0
 

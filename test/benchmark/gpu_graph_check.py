@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.model_runner import ModelRunner
+from lightllm.engine.model_runner import ModelRunner, run_step
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=2, head_dim=64, vocab_size=1000,
@@ -70,7 +70,7 @@ def run_schedule(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[li
     while len(tokens) < len(SCHEDULE) or any(len(tokens[i]) < SCHEDULE[i][1] for i in tokens):
         joining = [i for i, (_, _, start) in enumerate(SCHEDULE) if start == step and i not in tokens]
         if joining:
-            for i, (tok, _) in zip(joining, runner.prefill([(i, prompts[i], params) for i in joining])):
+            for i, (tok, _) in zip(joining, run_step(runner, prompts=[(i, prompts[i], params) for i in joining])):
                 tokens[i] = [tok]
         finished = [i for i in tokens if len(tokens[i]) == SCHEDULE[i][1] and i in runner.reqs]
         if finished:
@@ -78,7 +78,7 @@ def run_schedule(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[li
         running = [i for i in tokens if len(tokens[i]) < SCHEDULE[i][1]]
         if running:
             sizes.append(len(running))
-            for i, (tok, _) in zip(running, runner.decode(running)):
+            for i, (tok, _) in zip(running, run_step(runner, running)):
                 tokens[i].append(tok)
         step += 1
     runner.free([i for i in tokens if i in runner.reqs])
@@ -138,9 +138,9 @@ def decode_ms(runner: ModelRunner, batch: int, first_id: int) -> float:
             for i in range(batch)]
     per_chunk = max(1, PREFILL_CHUNK_TOKENS // BENCH_CONTEXT)
     for start in range(0, batch, per_chunk):
-        runner.prefill(reqs[start: start + per_chunk])
+        run_step(runner, prompts=reqs[start: start + per_chunk])
     ids = [r[0] for r in reqs]
-    times = [timed(lambda: runner.decode(ids)) for _ in range(WARMUP + ITERS)]
+    times = [timed(lambda: run_step(runner, ids)) for _ in range(WARMUP + ITERS)]
     runner.free(ids)
     return 1000 * statistics.median(times[WARMUP:])
 

@@ -1,11 +1,10 @@
 """A stand-in for the model workers whose steps take the time the cost model gives, in wall time.
 
-Both interfaces the router loops use:
-- the old, blocking one (`ModelWorkers`): `prefill(reqs)`, `decode(req_ids)`, `free(req_ids)`,
-  `stats()`, `sentinels`, `shutdown()`: each call sleeps its step's cost, then answers;
-- the new one (engine core, `lightllm/engine/plan.py`): `step(plan)` launches the plan on a
-  simulated asynchronous device and answers with the previous step's result once that step has
-  finished (one step always in flight), or with this step's own when `plan.sync` is set.
+It speaks the model workers' interface to the engine core (`lightllm/engine/plan.py`):
+`step(plan)` launches the plan on a simulated asynchronous device and answers with the previous
+step's result once that step has finished (one step always in flight), or with this step's own
+too when `plan.sync` is set. (The calibration on the prefill-or-decode loop, before the engine
+core replaced it, used a blocking prefill/decode interface; see docs/benchmarks.md.)
 
 It tracks each request's context length (KV tokens) from the calls, which the cost model needs.
 Tokens are a filler id, never EOS unless `eos_after` asks for it; nothing is computed. What the
@@ -22,8 +21,7 @@ from dataclasses import dataclass
 from rpyc.core import brine
 
 from lightllm.engine.plan import (SampledToken, StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire,
-                                  result_to_wire, sampling_to_wire)
-from lightllm.server.io_struct import SamplingParams
+                                  result_to_wire)
 from sim_cost import H100CostModel, StepWork, causal_pairs
 
 FILLER_TOKEN = 1000
@@ -49,46 +47,10 @@ class SimDevice:
         self.device_free_at = 0.0
         self._pending: _Launched | None = None
 
-    # ---- the old, blocking interface (ModelWorkers) ----
-    sentinels: list = []
-
-    def prefill(self, reqs) -> tuple:
-        reqs = cross(to_wire(reqs))
-        work = StepWork(prefill_tokens=sum(len(p) for _, p, _ in reqs),
-                        attention_pairs=sum(causal_pairs(0, len(p)) for _, p, _ in reqs))
-        for req_id, prompt, _ in reqs:
-            self.context[req_id], self.generated[req_id] = len(prompt), 0
-        self._run_blocking(work)
-        return cross(tuple(self._next(req_id) for req_id, _, _ in reqs))
-
-    def decode(self, req_ids) -> tuple:
-        req_ids = cross(tuple(req_ids))
-        for req_id in req_ids:
-            self.context[req_id] += 1  # the fed token's KV is written, then attended to
-        self._run_blocking(StepWork(decode_reqs=len(req_ids), decode_context=sum(self.context[r] for r in req_ids)))
-        return cross(tuple(self._next(req_id) for req_id in req_ids))
-
-    def free(self, req_ids) -> None:
-        self._release(cross(tuple(req_ids)))
-        sleep_until(time.perf_counter() + self.cost.call_overhead_ms / 1000.0)
-
-    def stats(self) -> dict:
-        sleep_until(time.perf_counter() + self.cost.call_overhead_ms / 1000.0)
-        return {"tokens_used": sum(self.context.values())}
-
-    def shutdown(self) -> None:
-        pass
-
     def _release(self, req_ids) -> None:
         for req_id in req_ids:
-            del self.context[req_id], self.generated[req_id]
-
-    def _run_blocking(self, work: StepWork) -> None:
-        seconds = self.cost.step_ms(work) / 1000.0
-        self._account(seconds)
-        start = time.perf_counter() + self.cost.call_overhead_ms / 1000.0
-        self.device_free_at = start + seconds
-        sleep_until(self.device_free_at)
+            self.context.pop(req_id, None)
+            self.generated.pop(req_id, None)
 
     def _next(self, req_id: int) -> tuple[int, float]:
         self.generated[req_id] += 1
@@ -101,22 +63,19 @@ class SimDevice:
         self.steps += 1
 
     # ---- the new interface (engine core): one step in flight ----
-    def step(self, plan: StepPlan) -> StepResult | None:
+    def step(self, plan: StepPlan) -> list[StepResult]:
         plan = plan_from_wire(cross(plan_to_wire(plan)))
         half_trip = self.cost.call_overhead_ms / 2000.0
         self._release(plan.free)
-        previous, self._pending = self._pending, None
+        due = [self._pending] if self._pending is not None else []
+        self._pending = None
         launched = None if plan.empty else self._launch(plan, time.perf_counter() + half_trip)
-        if plan.sync and launched is not None:
-            assert previous is None, "a sync step would drop the pending result of the step before it"
-            previous = launched
+        if launched is not None and plan.sync:
+            due.append(launched)
         else:
             self._pending = launched
-        if previous is None:
-            sleep_until(time.perf_counter() + 2 * half_trip)
-            return None
-        sleep_until(previous.finish_at + half_trip)
-        return result_from_wire(cross(result_to_wire(previous.result)))
+        sleep_until(max([d.finish_at for d in due], default=time.perf_counter() + half_trip) + half_trip)
+        return [result_from_wire(cross(result_to_wire(d.result))) for d in due]
 
     def _launch(self, plan: StepPlan, arrives_at: float) -> _Launched:
         for req_id in plan.decodes:
@@ -134,15 +93,6 @@ class SimDevice:
         self.device_free_at = max(arrives_at, self.device_free_at) + seconds
         tokens = [SampledToken(r, *self._next(r)) for r in plan.sampled]
         return _Launched(self.device_free_at, StepResult(plan.step_id, tokens))
-
-
-def to_wire(value):
-    """Lists as nested tuples and SamplingParams as a tuple of its fields: what rpyc carries."""
-    if isinstance(value, SamplingParams):
-        return sampling_to_wire(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(to_wire(item) for item in value)
-    return value
 
 
 def cross(wire):

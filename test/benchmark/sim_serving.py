@@ -9,8 +9,8 @@ ShareGPT sample (same sampling, seed and arrival pattern, counted with the defau
 tokenizer as bench-8b has it), greedy, EOS ignored. A client thread sends them at their arrival
 times, a collector thread stands in for the detokenizer and timestamps each token. The figures are
 estimates: host work (router, scheduling, messages) is real time on this machine; HTTP,
-tokenization and detokenization are left out. Server settings: `--server-args "--batch_max_tokens
-16384"` (the server's own flags); the KV budget is the H100's unless given there.
+tokenization and detokenization are left out. Server settings: `--server-args "--chunked_prefill_size
+4096 --disable_overlap"` (the server's own flags); the KV budget is the H100's unless given there.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from sim_cost import H100CostModel  # noqa: E402
 from sim_device import SimDevice  # noqa: E402
 
 from lightllm.server.config import ServerConfig, parse_config  # noqa: E402
+from lightllm.server.router.manager import RouterManager, build_engine  # noqa: E402
 from lightllm.server.io_struct import AbortReq, BatchTokenOut, FinishReason, GenerateReq, SamplingParams  # noqa: E402
 
 logger = logging.getLogger("sim_serving")
@@ -49,21 +50,10 @@ TITLE = "Simulated H100 Serving Benchmark (estimates)"
 _run_ids = itertools.count()
 
 
-# ---- the loop under test: the one place that knows which router it drives ----
-def build_old_router(config: ServerConfig, device: SimDevice, max_total_token_num: int, eos_token_ids):
-    """Today's loop: prefill or decode per step, blocking worker calls."""
-    from lightllm.server.router.manager import RouterManager
-
-    return RouterManager(config, device, max_total_token_num, eos_token_ids)
-
-
-def build_new_router(config: ServerConfig, device: SimDevice, max_total_token_num: int, eos_token_ids):
-    """NEW LOOP GOES HERE: EngineCore(...) over `device` (its `step(plan)` interface), wrapped in the
-    thin router shell; return an object with `run_once()`."""
-    raise NotImplementedError("--loop new: the engine core's router builder is not written yet")
-
-
-LOOPS = {"old": build_old_router, "new": build_new_router}
+def build_router(config: ServerConfig, device: SimDevice, max_total_token_num: int, eos_token_ids):
+    """The router process's own shell and engine core, over the simulated device."""
+    core = build_engine(config, device, max_total_token_num, {"eos_token_ids": list(eos_token_ids), "vocab_size": None})
+    return RouterManager(config, core)
 
 
 @dataclass
@@ -177,15 +167,14 @@ class Collector:
         self.stats.close(linger=0)
 
 
-def simulate(requests: list[SampledRequest], config: ServerConfig, loop: str = "old",
-             request_rate: float = math.inf, seed: int = 0, cost: H100CostModel | None = None,
+def simulate(requests: list[SampledRequest], config: ServerConfig, request_rate: float = math.inf, seed: int = 0, cost: H100CostModel | None = None,
              max_total_token_num: int | None = None, eos_token_ids=(), progress: bool = False) -> dict:
     """Run the requests through the router loop against the simulated device; return the summary."""
     timelines = [Timeline(r) for r in requests]
     device = SimDevice(cost, eos_token_ids)
     budget = config.max_total_token_num or max_total_token_num or H100_MAX_TOTAL_TOKEN_NUM
     collector = Collector(config, timelines, progress)
-    router = LOOPS[loop](config, device, budget, eos_token_ids)
+    router = build_router(config, device, budget, eos_token_ids)
     threads = [threading.Thread(target=collector.run, name="collector", daemon=True),
                threading.Thread(target=send_requests, name="client", daemon=True,
                                 args=(config.router_address, timelines, arrival_delays(len(requests), request_rate, seed)))]
@@ -193,33 +182,27 @@ def simulate(requests: list[SampledRequest], config: ServerConfig, loop: str = "
     for thread in threads:
         thread.start()
     try:
-        while not collector.done.is_set():
+        while not collector.done.is_set() or not router.idle:  # then the last frees go out
             router.run_once()
     finally:
         for thread in threads:
             thread.join(timeout=5.0)
-        close_router(router)
+        router.close()
         collector.close()
     duration = collector.finished_at - start
     summary = summarize([t.result() for t in timelines], duration)
     return {**summary, "device_busy_s": device.busy_s, "device_busy_share": device.busy_s / duration,
-            "device_steps": device.steps, "max_total_token_num": budget, "loop": loop,
+            "device_steps": device.steps, "max_total_token_num": budget,
+            "overlap": not config.disable_overlap, "chunked_prefill_size": config.chunked_prefill_size,
             "kv_tokens_held_at_end": sum(device.context.values())}
-
-
-def close_router(router) -> None:
-    if hasattr(router, "close"):
-        router.close()
-        return
-    for name in ("_inbox", "_to_detokenizer", "_to_http"):  # today's RouterManager has no close()
-        getattr(router, name).close(linger=0)
 
 
 def format_sim_summary(summary: dict) -> str:
     lines = format_summary(summary, TITLE).splitlines()
     extra = [line("Device busy share:", summary["device_busy_share"]),
              line("Device steps:", summary["device_steps"]),
-             line("Loop:", summary["loop"])]
+             line("Chunked prefill size:", summary["chunked_prefill_size"]),
+             line("Overlap:", summary["overlap"])]
     return "\n".join(lines[:-1] + extra + lines[-1:])
 
 
@@ -247,8 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-prompts", type=int, default=1000, help="requests to send")
     add("--seed", type=int, default=0, help="seed of the sampling and of the arrival times")
     add("--request-rate", type=float, default=float("inf"), help="requests per second, Poisson arrivals; inf: all at once")
-    add("--loop", choices=sorted(LOOPS), default="old", help="which router loop to drive")
-    add("--server-args", default="", help='server flags for the router, e.g. "--batch_max_tokens 16384"')
+    add("--server-args", default="", help='server flags for the router, e.g. "--chunked_prefill_size 4096 --disable_overlap"')
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -261,10 +243,10 @@ def run(args) -> dict:
     else:
         requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
     cost = H100CostModel()
-    logger.info("simulating %d requests on the %s loop with %s", len(requests), args.loop, cost)
+    logger.info("simulating %d requests (server flags %r) with %s", len(requests), args.server_args, cost)
     load_before = os.getloadavg()[0]
     logger.info("host load average before the run: %.2f (host time is real: other work here slows it)", load_before)
-    summary = simulate(requests, sim_config(args.server_args), args.loop, args.request_rate, args.seed, cost,
+    summary = simulate(requests, sim_config(args.server_args), args.request_rate, args.seed, cost,
                        eos_token_ids=eos_ids(tokenizer), progress=not args.no_progress)
     load_after = os.getloadavg()[0]
     logger.info("host load average after the run: %.2f", load_after)

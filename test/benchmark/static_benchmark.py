@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from lightllm.server.io_struct import SamplingParams
-from lightllm.server.router.model_infer.model_runner import ModelRunner
+from lightllm.engine.model_runner import ModelRunner, run_step
 
 logger = logging.getLogger("static_benchmark")
 
@@ -107,7 +107,7 @@ class Bench:
         times = []
         for i in range(warmup + iters):
             reqs = self.new_reqs(batch, length)
-            seconds = timed(self.device, lambda: self.runner.prefill(reqs))
+            seconds = timed(self.device, lambda: run_step(self.runner, prompts=reqs))
             self.runner.free([r[0] for r in reqs])
             if i >= warmup:
                 times.append(seconds)
@@ -117,9 +117,9 @@ class Bench:
         reqs = self.new_reqs(batch, context)
         per_chunk = max(1, PREFILL_CHUNK_TOKENS // context)
         for start in range(0, batch, per_chunk):
-            self.runner.prefill(reqs[start : start + per_chunk])
+            run_step(self.runner, prompts=reqs[start : start + per_chunk])
         ids = [r[0] for r in reqs]
-        times = [timed(self.device, lambda: self.runner.decode(ids)) for _ in range(warmup + iters)]
+        times = [timed(self.device, lambda: run_step(self.runner, ids)) for _ in range(warmup + iters)]
         self.runner.free(ids)
         return 1000 * statistics.median(times[warmup:])
 

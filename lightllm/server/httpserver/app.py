@@ -189,7 +189,7 @@ async def info(request: Request) -> JSONResponse:
             "tp": config.tp,
             "max_req_input_len": config.max_req_input_len,
             "max_req_total_len": config.max_req_total_len,
-            "batch_max_tokens": config.prefill_token_budget,
+            "chunked_prefill_size": config.chunked_prefill_size,
             "running_max_req_size": config.running_max_req_size,
         }
     )

@@ -93,8 +93,8 @@ class DecodeGraphs:
     def _forward(self, bucket: int, max_seqlen: int) -> torch.Tensor:
         input_ids, positions, rows, seq_lens = self.meta[:, :bucket]
         slots = self.req_to_token[rows, positions].long()  # the runner wrote them before the step
-        batch = ForwardBatch(False, input_ids, positions, slots, max_seqlen, req_to_token=self.req_to_token,
-                             req_rows=rows.int(), seq_lens=seq_lens.int())
+        batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, num_decodes=bucket,
+                             decode_rows=rows.int(), decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen)
         return self.model.forward(batch, self.token_table)
 
     @torch.inference_mode()

@@ -1,13 +1,13 @@
 """Model workers: one process per tensor-parallel rank, each an rpyc service around its ModelRunner.
 
-The router reaches each worker over a socketpair (no port to choose) and calls every rank at
-once, then waits for all; rank 0's answer is used. rpyc would pass lists by reference, making
-every element access a round trip, so arguments and results cross as plain tuples.
+The engine core reaches each worker over a socketpair (no port to choose) and calls every rank
+at once, then waits for all; rank 0's answer is used. One `step` call a step: it carries the
+plan and brings back the previous step's tokens. rpyc would pass lists by reference, making
+every element access a round trip, so plans and results cross as plain tuples (`plan.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -18,23 +18,13 @@ import socket
 import rpyc
 from rpyc.core.stream import SocketStream
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.core import WorkerDied
+from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
 from lightllm.utils.process import init_child_process, stop_processes
 
 logger = logging.getLogger(__name__)
 
 RPYC_CONFIG = {"allow_pickle": False, "sync_request_timeout": None}
-_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
-
-
-class WorkerDied(RuntimeError):
-    """A model worker process is gone; the server cannot go on."""
-
-
-def describe_error(exc: Exception) -> str:
-    """One line: rpyc appends the remote traceback to the message of an exception it carries."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def to_wire(value):
@@ -43,15 +33,7 @@ def to_wire(value):
         return tuple((key, to_wire(item)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
         return tuple(to_wire(item) for item in value)
-    if isinstance(value, SamplingParams):
-        return to_wire([getattr(value, name) for name in _SAMPLING_FIELDS])
     return value
-
-
-def sampling_from_wire(values: tuple) -> SamplingParams:
-    params = dict(zip(_SAMPLING_FIELDS, values))
-    params["stop_sequences"] = list(params["stop_sequences"])
-    return SamplingParams(**params)
 
 
 class ModelWorkerService(rpyc.Service):
@@ -62,7 +44,7 @@ class ModelWorkerService(rpyc.Service):
     def exposed_load(self, runner_kwargs: tuple) -> tuple:
         import torch
 
-        from lightllm.server.router.model_infer.model_runner import ModelRunner  # torch: worker only
+        from lightllm.engine.model_runner import ModelRunner  # torch: worker only
 
         kwargs = dict(runner_kwargs)
         if not torch.cuda.is_available():
@@ -74,15 +56,8 @@ class ModelWorkerService(rpyc.Service):
         self.runner = ModelRunner(**kwargs)
         return self.runner.max_total_token_num, to_wire(self.runner.info)
 
-    def exposed_prefill(self, reqs: tuple) -> tuple:
-        batch = [(req_id, list(prompt), sampling_from_wire(sampling)) for req_id, prompt, sampling in reqs]
-        return to_wire(self.runner.prefill(batch))
-
-    def exposed_decode(self, req_ids: tuple) -> tuple:
-        return to_wire(self.runner.decode(list(req_ids)))
-
-    def exposed_free(self, req_ids: tuple) -> None:
-        self.runner.free(list(req_ids))
+    def exposed_step(self, plan: tuple) -> tuple:
+        return tuple(result_to_wire(r) for r in self.runner.step(plan_from_wire(plan)))
 
     def exposed_stats(self) -> tuple:
         return to_wire(self.runner.stats())
@@ -104,7 +79,7 @@ def run_model_worker(sock: socket.socket, parent_pid: int, log_level: str) -> No
 class ModelWorkers:
     """The router's handle on every rank."""
 
-    METHODS = ("load", "prefill", "decode", "free", "stats", "ping")
+    METHODS = ("load", "step", "stats", "ping")
 
     def __init__(self, tp: int, log_level: str):
         context = multiprocessing.get_context("spawn")
@@ -133,14 +108,8 @@ class ModelWorkers:
         max_total_token_num, info = self._gather(pending)
         return max_total_token_num, {key: list(v) if isinstance(v, tuple) else v for key, v in info}
 
-    def prefill(self, reqs: list[tuple[int, list[int], SamplingParams]]) -> tuple:
-        return self._call_all("prefill", to_wire(reqs))
-
-    def decode(self, req_ids: list[int]) -> tuple:
-        return self._call_all("decode", tuple(req_ids))
-
-    def free(self, req_ids: list[int]) -> None:
-        self._call_all("free", tuple(req_ids))
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        return [result_from_wire(r) for r in self._call_all("step", plan_to_wire(plan))]
 
     def stats(self) -> dict:
         return dict(self._gather([self._methods["stats"][0]()]))  # read-only: rank 0 is enough

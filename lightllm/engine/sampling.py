@@ -26,7 +26,7 @@ class SamplingState:
     """Host-side sampling state of one running request."""
 
     params: SamplingParams
-    generated: int = 0
+    generated: int = 0  # tokens sampled in launched steps (counted at launch, known without them)
     output_counts: dict[int, int] = field(default_factory=dict)  # kept only when penalties are used
 
     @property
@@ -35,7 +35,7 @@ class SamplingState:
         return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
     def record(self, token: int) -> None:
-        self.generated += 1
+        """Count a sampled token for the penalties (only those requests wait for their tokens)."""
         if self.uses_penalties:
             self.output_counts[token] = self.output_counts.get(token, 0) + 1
 

@@ -1,0 +1,108 @@
+"""Extend attention: the new tokens of each request (a prompt chunk, or one decode token) over
+everything that request holds in the token table, causal, GQA.
+
+Layout: the B chunks are packed without padding, request i owning q[cu_q[i]:cu_q[i+1]]. Their
+own K/V were written into the cache before the call, so keys are read only from the cache,
+through the request's row of req_to_token (slots need not be contiguous). A chunk of q_len
+tokens ends the request's kv_len cached tokens: its query j sits at position
+kv_len - q_len + j and sees positions 0..itself. A fresh prompt is the case kv_len == q_len,
+a decode the case q_len == 1. Requires q_len <= max_q_len and kv_len <= req_to_token.shape[1].
+"""
+import torch
+
+from ._triton import LOG2E, dot, tl, triton
+
+
+def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
+                         kv_lens: torch.Tensor, max_q_len: int, sm_scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; max_q_len is unused (only the kernel's grid needs it)."""
+    out = torch.empty_like(q)
+    bounds = cu_q.tolist()  # CPU path: host copies are fine here
+    for i, (row, kv_len) in enumerate(zip(req_rows.tolist(), kv_lens.tolist())):
+        start, end = bounds[i], bounds[i + 1]
+        slots = req_to_token[row, :kv_len].long()
+        out[start:end] = _attend_chunk(q[start:end], k_cache[slots], v_cache[slots], sm_scale).to(q.dtype)
+    return out
+
+
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q [q_len, Hq, D] are the last q_len of the kv_len positions of k/v [kv_len, Hk, D]."""
+    group = q.shape[1] // k.shape[1]
+    q_len, kv_len = q.shape[0], k.shape[0]
+    qs = q.float().transpose(0, 1)  # [Hq, q_len, D]
+    ks = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv_len, D]
+    vs = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    positions = torch.arange(kv_len - q_len, kv_len, device=q.device)
+    future = torch.arange(kv_len, device=q.device)[None, :] > positions[:, None]
+    probs = ((qs @ ks.transpose(1, 2)) * sm_scale).masked_fill(future, float("-inf")).softmax(-1)
+    return (probs @ vs).transpose(0, 1)
+
+
+@triton.jit
+def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr, scale_log2,
+                   q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
+                   o_token_stride, o_head_stride, req_to_token_stride, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
+    """One program: BLOCK_M queries of one request's chunk and one query head.
+
+    The grid is sized by the host bound max_q_len, so blocks past this chunk's length exist
+    and leave at once; nothing waits on the device to learn the real lengths."""
+    m_block, req, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + req).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + req + 1).to(tl.int64) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + req).to(tl.int64)
+    token_row = req_to_token_ptr + tl.load(req_rows_ptr + req).to(tl.int64) * req_to_token_stride
+    kv_head = head // GROUP
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    positions = kv_len - q_len + rows  # padding rows get positions >= kv_len; they are never stored
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * q_token_stride + head * q_head_stride + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: keys past this block's last query position never contribute. Every row sees
+    # position 0, so the running max is finite after the first block and no row divides by zero.
+    kv_end = tl.minimum(kv_len - q_len + (m_block + 1) * BLOCK_M, kv_len)
+    for first in range(0, kv_end, BLOCK_N):
+        cols = first + tl.arange(0, BLOCK_N)
+        col_mask = cols < kv_end
+        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)  # entries past kv_len may be unset
+        k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
+                    mask=col_mask[None, :] & dim_mask[:, None], other=0.0)
+        scores = dot(q, k, DOT_UPCAST) * scale_log2
+        scores = tl.where((positions[:, None] >= cols[None, :]) & col_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
+                    mask=col_mask[:, None] & dim_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (q_start + rows)[:, None] * o_token_stride + head * o_head_stride + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
+                            kv_lens: torch.Tensor, max_q_len: int, sm_scale: float) -> torch.Tensor:
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
+    _, num_q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(head_dim)
+    block_m, block_n, warps = (128, 64, 8) if block_d >= 128 else (64, 64, 4)
+    grid = (triton.cdiv(max_q_len, block_m), req_rows.shape[0], num_q_heads)
+    _extend_kernel[grid](q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, sm_scale * LOG2E,
+                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+                         v_cache.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
+                         GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
+                         BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, num_warps=warps, num_stages=2)
+    return out

@@ -1,0 +1,80 @@
+"""The engine core: the scheduler and the model workers it drives, one step always in flight.
+
+Each `step()` plans step N+1 from what the scheduler knows (tokens up to step N-1), launches it
+on every rank, and takes back step N's tokens while the device runs N+1. With `overlap` off,
+each step's tokens come back before the next is planned (a synchronous loop, for debugging).
+The router process and the offline API both run this class; it knows no sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lightllm.engine.request import Req
+from lightllm.engine.scheduler import Scheduler
+from lightllm.server.io_struct import FinishReason, GenerateReq, TokenOut
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDied(RuntimeError):
+    """A model worker process is gone; the engine cannot go on."""
+
+
+def describe_error(exc: Exception) -> str:
+    """One line: rpyc appends the remote traceback to the message of an exception it carries."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, workers, eos_token_ids, overlap: bool = True,
+                 vocab_size: int | None = None):
+        self.scheduler = scheduler
+        self._workers = workers  # ModelWorkers, or anything with step(plan) -> list[StepResult]
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._vocab_size = vocab_size
+        self._overlap = overlap
+        self._in_flight = False
+
+    def add(self, msg: GenerateReq) -> list[TokenOut]:
+        """Queue a request; a prompt the model cannot take ends at once with an error, here, so
+        that it never fails a step that other requests share."""
+        ids = msg.prompt_ids
+        if not ids or (self._vocab_size is not None and not 0 <= min(ids) <= max(ids) < self._vocab_size):
+            error = f"ValueError: prompt of {len(ids)} tokens with a token id out of range [0, {self._vocab_size})"
+            return [TokenOut(msg.req_id, -1, 0.0, FinishReason.ERROR, error=error)]
+        self.scheduler.add(Req(msg, self._eos_token_ids))
+        return []
+
+    def abort(self, req_id: int) -> bool:
+        return self.scheduler.abort(req_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self._in_flight or self.scheduler.has_work
+
+    def step(self) -> list[TokenOut]:
+        """Plan and launch one step; return the outputs of the steps that completed."""
+        plan = self.scheduler.schedule()
+        if plan.empty and not plan.free and not self._in_flight:
+            return []
+        plan.sync = not self._overlap or plan.empty
+        try:
+            results = self._workers.step(plan)
+        except WorkerDied:
+            raise
+        except Exception as exc:  # the engine failed: every request gets an error, serving goes on
+            logger.exception("model step %d failed", plan.step_id)
+            self._in_flight = False
+            return self.scheduler.fail_all(describe_error(exc))
+        self._in_flight = not plan.sync
+        return [out for result in results for out in self.scheduler.process(result)]
+
+    def drain(self) -> list[TokenOut]:
+        """Run until nothing waits, runs or is in flight (the offline API's loop)."""
+        outs = []
+        while self.has_work:
+            outs += self.step()
+        return outs
+

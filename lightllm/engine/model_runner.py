@@ -1,0 +1,357 @@
+"""The model runner: one per tensor-parallel rank, it owns the device.
+
+`step(plan)` turns a step plan into tensors in one place (`_upload`: one host-to-device copy),
+runs one forward over every request's new tokens (decodes first, then prefill chunks), samples,
+and leaves each sampled token on the device (`last_token[row]`), where the next step reads it
+as that request's input. The tokens come back to the host asynchronously: `step` launches its
+plan and then answers with the previous step's tokens, so the device always has a step queued.
+Every rank is called with the same plans and reaches the same state.
+
+On CUDA, kernel launches are asynchronous and the runner launches in the caller's thread; on
+the CPU every op runs to completion, so a single "device thread" stands in for the stream and
+the caller gets the previous step's tokens while the next one computes.
+
+With `cuda_graph` (the default) a step with no prefill chunk is padded to a bucket size and, on
+CUDA, replayed from a CUDA graph captured at start-up (`cuda_graph.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from lightllm.common import OutOfRowsError, OutOfTokensError, ReqTable, TokenTable
+from lightllm.engine.plan import Chunk, SampledToken, StepPlan, StepResult
+from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype
+from lightllm.utils.dist import init_tp
+
+from .cuda_graph import META_ROWS, DecodeGraphs, graph_memory_bytes
+from .sampling import SamplingBatch, SamplingState, host_lists, sample
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_TOKENS = 16384
+GPU_HEADROOM_FRACTION = 0.1  # of total memory, kept for activations, logits and the allocator
+GPU_HEADROOM_MIN_BYTES = 2 << 30
+
+
+@dataclass
+class RunningReq:
+    row: int  # in ReqTable.req_to_token
+    seq_len: int  # tokens whose K/V are in the cache (or written by a launched step)
+    prompt_len: int
+    sampling: SamplingState
+
+
+class LaunchedStep:
+    """A step whose tokens are on their way to the host (pinned buffer + event on CUDA)."""
+
+    def __init__(self, step_id: int, req_ids: list[int], host: torch.Tensor, event):
+        self.step_id, self.req_ids, self._host, self._event = step_id, req_ids, host, event
+        self.sampled_reqs: list[RunningReq] = []
+        self._tokens: list[tuple[int, float]] | None = None
+
+    def tokens(self) -> list[tuple[int, float]]:
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            host = self._host
+            self._tokens = list(zip(map(int, host[0].tolist()), host[1].tolist()))
+        return self._tokens
+
+    def result(self) -> StepResult:
+        return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in zip(self.req_ids, self.tokens())])
+
+
+def resolve_device(device: str | None, tp_rank: int) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", tp_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, max_total_token_num: int | None, max_req_total_len: int,
+                 running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
+                 tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
+                 cuda_graph: bool = True):
+        self.device = resolve_device(device, tp_rank)
+        capture = cuda_graph and self.device.type == "cuda"
+        self.tp = init_tp(tp_rank, world_size, nccl_port, self.device)
+        self.config = cfg = read_config(model_dir)
+        self._warn_long_context(max_req_total_len)
+        dtype = resolve_dtype(data_type, cfg, self.device)
+        self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,
+                                max_positions=max_req_total_len,
+                                load_format=load_format)
+        graph_bytes = graph_memory_bytes(running_max_req_size, cfg.vocab_size) if capture else 0
+        self.max_total_token_num = self._token_budget(max_total_token_num, graph_bytes)
+        self.max_req_total_len = max_req_total_len
+        self.token_table = TokenTable(self.max_total_token_num, cfg.num_layers, self.model.kv_heads,
+                                      cfg.head_dim, dtype, self.device)
+        self.req_table = ReqTable(running_max_req_size, max_req_total_len, self.device, padding_row=cuda_graph)
+        # The token each request feeds next, by request row (padding row included).
+        self.last_token = torch.zeros(running_max_req_size + 1, dtype=torch.int64, device=self.device)
+        self.graphs = (DecodeGraphs(self.model, self.token_table, self.req_table, running_max_req_size, capture)
+                       if cuda_graph else None)
+        self.reqs: dict[int, RunningReq] = {}
+        self._pending: Future | None = None  # the launched step whose tokens are not yet returned
+        self._last_launched: LaunchedStep | None = None
+        self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
+        self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
+                     "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
+                     "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir)}
+
+    def _warn_long_context(self, max_req_total_len: int) -> None:
+        cfg = self.config
+        if max_req_total_len > cfg.max_position_embeddings:
+            logger.warning("max_req_total_len %d exceeds the model's max_position_embeddings %d",
+                           max_req_total_len, cfg.max_position_embeddings)
+        if cfg.sliding_window and max_req_total_len > cfg.sliding_window:
+            logger.warning("attention is not windowed: tokens past sliding_window %d see the whole "
+                           "context, unlike the reference model", cfg.sliding_window)
+
+    def _token_budget(self, requested: int | None, graph_bytes: int) -> int:
+        """The KV budget; on CUDA what is free after the weights, less the headroom, which
+        includes what the decode graphs (captured after the KV cache) will take."""
+        if requested is not None:
+            return requested
+        if self.device.type != "cuda":
+            logger.info("max_total_token_num: %d (CPU default)", CPU_DEFAULT_TOKENS)
+            return CPU_DEFAULT_TOKENS
+        torch.cuda.empty_cache()  # blocks cached while loading would read as used
+        free, total = torch.cuda.mem_get_info(self.device)
+        headroom = max(GPU_HEADROOM_MIN_BYTES, int(total * GPU_HEADROOM_FRACTION)) + graph_bytes
+        cfg = self.config
+        per_token = 2 * cfg.num_layers * self.model.kv_heads * cfg.head_dim * self.model.dtype.itemsize
+        tokens = self.tp.min_int(max(0, (free - headroom) // per_token), self.device)
+        if tokens == 0:
+            raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free after "
+                               f"the weights, {headroom / 2**30:.1f} GiB kept as headroom")
+        logger.info("max_total_token_num: %d (%.1f GiB free after weights, %.1f GiB headroom, %d B/token)",
+                    tokens, free / 2**30, headroom / 2**30, per_token)
+        return tokens
+
+    # ---- the step ----
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        """Free, launch `plan`, and return the results of the steps now due: the previous one
+        (one step stays in flight), or every pending one with `plan.sync` or an empty plan."""
+        try:
+            job = self._submit(plan) if plan.free or not plan.empty else None
+            done = [] if self._pending is None else [self._pending.result().result()]
+            self._pending = None
+            if job is not None and (plan.sync or plan.empty):
+                launched = job.result()
+                done += [] if launched is None else [launched.result()]
+            elif job is not None:
+                self._pending = job
+            return done
+        except BaseException:
+            self._pending = None
+            raise
+
+    def _submit(self, plan: StepPlan) -> Future:
+        """Frees and launch run in order on the device thread (CPU) or here (CUDA)."""
+        if self._device_thread is not None:
+            return self._device_thread.submit(self._free_and_launch, plan)
+        future: Future = Future()
+        future.set_result(self._free_and_launch(plan))
+        return future
+
+    def _free_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
+        self.free(plan.free)
+        return None if plan.empty else self._launch(plan)
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
+        self._check(plan)
+        self._record_penalty_tokens()
+        for chunk in plan.chunks:
+            if chunk.start == 0:
+                self.reqs[chunk.req_id] = RunningReq(self.req_table.alloc(), 0, len(chunk.token_ids),
+                                                     SamplingState(chunk.sampling))
+        decodes = [self.reqs[i] for i in plan.decodes]
+        chunks = [(self.reqs[c.req_id], c) for c in plan.chunks]
+        sampled = decodes + [r for r, c in chunks if c.last]
+        ints, floats = host_lists([r.sampling for r in sampled])
+        use_graph = self.graphs is not None and not chunks
+        ints.update(self._graph_meta(decodes) if use_graph else _step_lists(decodes, chunks))
+        slots = self.token_table.alloc(plan.num_tokens)
+        t = self._upload(ints, floats)
+        for r in decodes:
+            r.seq_len += 1
+        for r, c in chunks:
+            r.seq_len += len(c.token_ids)
+        for r in sampled:
+            r.sampling.generated += 1
+        if use_graph:
+            logits = self._graph_forward(t, len(decodes), slots, max(r.seq_len for r in decodes))
+        else:
+            logits = self._forward(t, decodes, chunks, slots)
+        states = [r.sampling for r in sampled]
+        sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states))
+        tokens, logprobs = sample(logits, sampling)
+        rows = t["sample_rows"]
+        self.last_token[rows] = tokens
+        launched = LaunchedStep(plan.step_id, plan.sampled, *self._download(tokens, logprobs))
+        launched.sampled_reqs = sampled
+        self._last_launched = launched
+        return launched
+
+    def _record_penalty_tokens(self) -> None:
+        """Penalties need the previous step's tokens on the host: wait for them only then."""
+        last, self._last_launched = self._last_launched, None
+        if last is None or not any(r.sampling.uses_penalties for r in last.sampled_reqs):
+            return
+        for r, (token, _) in zip(last.sampled_reqs, last.tokens()):
+            if r.sampling.uses_penalties:
+                r.sampling.record(token)
+
+    def _graph_meta(self, decodes: list[RunningReq]) -> dict[str, list[int]]:
+        columns = ([0] * len(decodes), [r.seq_len for r in decodes], [r.row for r in decodes],
+                   [r.seq_len + 1 for r in decodes])
+        return {"meta": self.graphs.pad_meta(*columns), "sample_rows": [r.row for r in decodes]}
+
+    def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens
+        rows, positions = meta[2, :n], meta[1, :n]
+        meta[0, :n] = self.last_token[rows]
+        self.req_to_token_write(rows, positions, slots)
+        return self.graphs.run(meta, n, max_seqlen)
+
+    def _forward(self, t: dict[str, torch.Tensor], decodes, chunks, slots: torch.Tensor) -> torch.Tensor:
+        n_dec = len(decodes)
+        self.req_to_token_write(t["token_rows"], t["positions"], slots)
+        input_ids = torch.cat([self.last_token[t["decode_rows"]], t["chunk_ids"]])
+        batch = ForwardBatch(
+            input_ids, t["positions"], slots, self.req_table.req_to_token, num_decodes=n_dec,
+            decode_rows=t["decode_rows"].int(), decode_seq_lens=t["decode_seq_lens"].int(),
+            decode_max_seqlen=max((r.seq_len for r in decodes), default=0),
+            ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
+            ext_max_q_len=max((len(c.token_ids) for _, c in chunks), default=0),
+            logit_index=t["logit_index"])
+        return self.model.forward(batch, self.token_table)
+
+    def req_to_token_write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.req_table.req_to_token[rows, positions] = slots.int()
+
+    # ---- one place that turns lists into tensors, one place that reads results back ----
+
+    def _upload(self, ints: dict[str, list[int]], floats: dict[str, list[float]]) -> dict[str, torch.Tensor]:
+        """All of a step's metadata in one host-to-device copy: ints as int64, then floats as
+        float32 packed two per int64 slot; returns named device views."""
+        flat_ints = [v for values in ints.values() for v in values]
+        flat_floats = [v for values in floats.values() for v in values]
+        flat_floats += [0.0] * (len(flat_floats) % 2)
+        host = torch.cat([torch.tensor(flat_ints, dtype=torch.int64),
+                          torch.tensor(flat_floats, dtype=torch.float32).view(torch.int64)])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        out = _split(dev[: len(flat_ints)], ints)
+        out.update(_split(dev[len(flat_ints):].view(torch.float32), floats))
+        return out
+
+    def _download(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+        """(host buffer, event): float64 holds token ids exactly; on CUDA the copy is
+        asynchronous into pinned memory and the event says when it has landed."""
+        stacked = torch.stack([tokens.double(), logprobs.double()])
+        if self.device.type != "cuda":
+            return stacked, None
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    # ---- freeing ----
+
+    def free(self, req_ids: list[int]) -> None:
+        """Return the requests' slots and rows. Safe while their last step is still queued:
+        the device runs the frees and any later step in order (on the CPU: the device thread).
+        Ids the runner does not hold are skipped: a step that failed may not have added them."""
+        if len(set(req_ids)) != len(req_ids):
+            raise KeyError(f"cannot free requests {req_ids}: repeated ids")
+        req_ids = [i for i in req_ids if i in self.reqs]
+        if not req_ids:
+            return
+        running = [self.reqs.pop(i) for i in req_ids]
+        table = self.req_table.req_to_token
+        self.token_table.free(torch.cat([table[r.row, : r.seq_len] for r in running]))
+        for r in running:
+            self.req_table.free(r.row)
+
+    def stats(self) -> dict:
+        return {"tokens_used": self.token_table.used_count, "max_total_token_num": self.max_total_token_num,
+                "running_requests": len(self.reqs)}
+
+    # ---- checks before any state changes, so a refused step leaves the runner as it was ----
+
+    def _check(self, plan: StepPlan) -> None:
+        vocab = self.config.vocab_size
+        new = [c for c in plan.chunks if c.start == 0]
+        ids = plan.decodes + [c.req_id for c in plan.chunks]
+        if len(set(ids)) != len(ids) or any(c.req_id in self.reqs for c in new):
+            raise ValueError(f"step {plan.step_id}: request ids {ids} repeat or are already running")
+        unknown = [i for i in ids if i not in self.reqs and i not in {c.req_id for c in new}]
+        if unknown:
+            raise ValueError(f"step {plan.step_id}: unknown requests {unknown}")
+        for c in plan.chunks:
+            if not c.token_ids or c.start + len(c.token_ids) > self.max_req_total_len:
+                raise ValueError(f"request {c.req_id}: prompt of {c.start + len(c.token_ids)} tokens, must be "
+                                 f"1..{self.max_req_total_len}")
+            if min(c.token_ids) < 0 or max(c.token_ids) >= vocab:
+                raise ValueError(f"request {c.req_id}: token id out of range [0, {vocab})")
+        full = [i for i in plan.decodes if self.reqs[i].seq_len >= self.max_req_total_len]
+        if full:
+            raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")
+        if plan.num_tokens > self.token_table.free_count:
+            raise OutOfTokensError(f"step needs {plan.num_tokens} KV cache tokens, "
+                                   f"{self.token_table.free_count} free")
+        if len(new) > self.req_table.free_count:
+            raise OutOfRowsError(f"step needs {len(new)} request rows, {self.req_table.free_count} free")
+
+
+def _split(flat: torch.Tensor, lists: dict[str, list]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, values in lists.items():
+        out[name] = flat[offset: offset + len(values)]
+        offset += len(values)
+    return out
+
+
+def _step_lists(decodes: list[RunningReq], chunks: list) -> dict[str, list[int]]:
+    """Packed metadata: decodes first (one token each), then chunks; row and position per
+    token, per-chunk extend bounds, the logits rows to sample and their request rows."""
+    positions = [r.seq_len for r in decodes]
+    token_rows = [r.row for r in decodes]
+    chunk_ids, cu_q, kv_lens, logit_index = [], [0], [], list(range(len(decodes)))
+    for r, c in chunks:
+        n = len(c.token_ids)
+        chunk_ids.extend(c.token_ids)
+        positions.extend(range(c.start, c.start + n))
+        token_rows.extend([r.row] * n)
+        cu_q.append(cu_q[-1] + n)
+        kv_lens.append(c.start + n)
+        if c.last:
+            logit_index.append(len(decodes) + cu_q[-1] - 1)
+    sample_rows = [r.row for r in decodes] + [r.row for r, c in chunks if c.last]
+    return {"chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
+            "decode_rows": [r.row for r in decodes], "decode_seq_lens": [r.seq_len + 1 for r in decodes],
+            "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
+            "logit_index": logit_index, "sample_rows": sample_rows}
+
+
+_direct_steps = iter(range(-1, -(1 << 62), -1))  # ids of direct steps, apart from the scheduler's
+
+
+def run_step(runner: ModelRunner, decodes: list[int] = (), prompts: list[tuple] = ()) -> list[tuple[int, float]]:
+    """One synchronous step without a scheduler (tests and benchmarks): `decodes` are running
+    request ids, `prompts` whole prompts as (req_id, token ids, SamplingParams); returns
+    (token, logprob) per request, decodes first."""
+    chunks = [Chunk(req_id, list(ids), 0, True, params) for req_id, ids, params in prompts]
+    (result,) = runner.step(StepPlan(next(_direct_steps), list(decodes), chunks, sync=True))
+    return [(t.token_id, t.logprob) for t in result.tokens]

@@ -1,0 +1,68 @@
+"""A request as the engine core sees it: counters, a status, and its stop criteria.
+
+Counts are of what has been *scheduled*, not what has come back: with one step in flight the
+scheduler learns a step's tokens one step later, and the KV budget must cover what runs.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"  # admitted: its whole prompt is reserved, chunks still to run
+    DECODING = "decoding"  # its last chunk is scheduled; one decode a step from now on
+    FINISHED = "finished"
+
+
+class Req:
+    def __init__(self, msg: GenerateReq, eos_token_ids: frozenset[int]):
+        self.req_id = msg.req_id
+        self.prompt_ids = msg.prompt_ids
+        self.sampling: SamplingParams = msg.sampling
+        self.arrival_time = msg.arrival_time
+        self.prompt_len = len(msg.prompt_ids)
+        self.max_new_tokens = msg.sampling.max_new_tokens
+        self.prefilled = 0  # prompt tokens scheduled
+        self.decode_steps = 0  # decode steps scheduled; each writes one KV token
+        self.output_count = 0  # tokens received back
+        self.arrival_step = 0  # the scheduler's step count when it arrived
+        self.status = ReqStatus.WAITING
+        self._eos_token_ids = frozenset() if msg.sampling.ignore_eos else eos_token_ids
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots this request holds once every step scheduled so far has run."""
+        return self.prefilled + self.decode_steps
+
+    @property
+    def kv_cap(self) -> int:
+        """Most KV slots it can ever hold: its last token is sampled, never fed back."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def prompt_left(self) -> int:
+        return self.prompt_len - self.prefilled
+
+    @property
+    def needs_decode(self) -> bool:
+        """Decoding, and the steps scheduled so far do not yet sample max_new_tokens tokens.
+        A request that hit EOS in the step in flight still gets one more (never emitted)."""
+        return self.status is ReqStatus.DECODING and 1 + self.decode_steps < self.max_new_tokens
+
+    def append(self, token_id: int) -> FinishReason | None:
+        """Count one generated token; return why the request ends, if it does."""
+        assert self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING), self.status
+        self.output_count += 1
+        if token_id in self._eos_token_ids:
+            return FinishReason.EOS
+        if self.output_count >= self.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Req({self.req_id}, prompt={self.prefilled}/{self.prompt_len}, "
+                f"out={self.output_count}/{self.max_new_tokens}, {self.status.value})")
