@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -166,9 +167,12 @@ def run_server_phase(args, requests: list[SampledRequest], budget: Budget) -> di
         logger.info("server healthy after %.1f s", took)
         with time_limit(budget.limit(args.warmup_timeout), "server warm-up"):
             asyncio.run(warm_up(url, requests[: args.warmup_requests]))
-        # Every request is sent at t=0, so a per-request timeout of the phase limit ends the phase.
+        # A per-request timeout of the phase limit, less the time over which requests arrive
+        # (none at rate inf: every request is sent at t=0), ends the phase.
         limit = budget.limit(args.bench_timeout)
-        results, duration = asyncio.run(run_requests(url, requests, stream=True, timeout_s=limit))
+        spread = len(requests) / args.request_rate if math.isfinite(args.request_rate) else 0.0
+        results, duration = asyncio.run(run_requests(url, requests, stream=True, request_rate=args.request_rate,
+                                                     seed=args.seed, timeout_s=max(1.0, limit - spread)))
     finally:
         stop_server(server)
     return summarize(results, duration)
@@ -329,9 +333,11 @@ def report(args, ours: dict, theirs: dict, requests: list[SampledRequest]) -> No
     print(format_summary(ours, "LightLLM server"), flush=True)
     print(format_summary(theirs, "transformers continuous batching"), flush=True)
     table = markdown_table(ours, theirs)
-    print(f"\n{len(requests)} ShareGPT requests, all sent at once; ratio = LightLLM / transformers\n\n{table}\n")
+    arrival = "all sent at once" if math.isinf(args.request_rate) else f"server: {args.request_rate:g} req/s (Poisson)"
+    print(f"\n{len(requests)} ShareGPT requests, {arrival}; ratio = LightLLM / transformers\n\n{table}\n")
     (args.out_dir / "compare.md").write_text(table + "\n")
-    data = {"num_prompts": len(requests), "model": str(args.model), "lightllm": ours, "transformers": theirs}
+    data = {"num_prompts": len(requests), "request_rate": str(args.request_rate), "model": str(args.model),
+            "lightllm": ours, "transformers": theirs}
     (args.out_dir / "compare.json").write_text(json.dumps(data, indent=2))
     plot(ours, theirs, args.out_dir / "compare.png")
     logger.info("wrote compare.md, compare.json and compare.png to %s", args.out_dir)
@@ -350,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=None, help="server port (default: a free one)")
     add("--max-total-token-num", type=int, default=None, help="server KV budget (default: sized by the server)")
     add("--server-args", default="", help="extra server flags, one string")
+    add("--request-rate", type=float, default=math.inf,
+        help="server phase: requests per second, Poisson arrivals (seeded by --seed); inf: all at once")
     add("--device", default="cuda", help="device of the transformers model")
     add("--warmup-requests", type=int, default=32, help="short requests sent before each measured run")
     add("--start-timeout", type=float, default=150, help="seconds for the server to become healthy")
