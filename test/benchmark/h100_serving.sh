@@ -4,7 +4,8 @@
 #
 #   bash test/benchmark/h100_serving.sh [dry] ITEM...      ("serve" and quoted lists are accepted)
 #   ITEM = check | VARIANT:N[@RATE]
-#   VARIANT = old | new | new-nooverlap (--disable_overlap); N prompts from .gpu/requests-N.json
+#   VARIANT = old | new | new-nooverlap (--disable_overlap) | new-cSIZE (--chunked_prefill_size SIZE);
+#   N prompts from .gpu/requests-N.json
 #   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once)
 #
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/old (git archive of the
@@ -73,6 +74,7 @@ serve() {  # serve VARIANT:N[@RATE]
     old) path=$OLD_PATH; tree=$ROOT/.gpu/old ;;  # cwd too: `python -m` puts it first on sys.path
     new) ;;
     new-nooverlap) extra=--disable_overlap ;;
+    new-c[0-9]*) extra="--chunked_prefill_size ${variant#new-c}" ;;
     *) echo "unknown variant in $1" >&2; exit 2 ;;
   esac
   local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
