@@ -45,4 +45,24 @@ def dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")  # ieee only affects fp32 inputs: no TF32 rounding
 
 
-__all__ = ["HAS_TRITON", "LOG2E", "dot", "triton", "tl"]
+@triton.jit
+def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head, dims, dim_mask,
+                    k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, scale_log2,
+                    DOT_UPCAST: tl.constexpr):
+    """One step of the online softmax over a block of keys gathered through the token table:
+    the queries' running max m_i, sum l_i and output acc, updated with keys `cols` (valid where
+    col_mask) where `allowed` [rows, cols] lets a query see a key. Shared by the attention kernels."""
+    slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)  # entries past the length may be unset
+    k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
+                mask=col_mask[None, :] & dim_mask[:, None], other=0.0)
+    scores = tl.where(allowed, dot(q, k, DOT_UPCAST) * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
+                mask=col_mask[:, None] & dim_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "dot", "triton", "tl"]

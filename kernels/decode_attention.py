@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ._triton import LOG2E, dot, tl, triton
+from ._triton import LOG2E, attend_kv_block, tl, triton
 
 BLOCK_N = 64  # keys per inner step
 MIN_CHUNK = 64  # keys per split, at least
@@ -67,19 +67,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     for start in range(first, last, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_mask = cols < last
-        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
-                    mask=col_mask[None, :] & dim_mask[:, None], other=0.0)
-        scores = dot(q, k, DOT_UPCAST) * scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
-                    mask=col_mask[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, col_mask[None, :],
+                                        kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
+                                        v_head_stride, scale_log2, DOT_UPCAST)
     # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
     part = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
     tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None], mask=head_mask[:, None])

@@ -10,7 +10,7 @@ a decode the case q_len == 1. Requires q_len <= max_q_len and kv_len <= req_to_t
 """
 import torch
 
-from ._triton import LOG2E, dot, tl, triton
+from ._triton import LOG2E, attend_kv_block, tl, triton
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,19 +73,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
     for first in range(0, kv_end, BLOCK_N):
         cols = first + tl.arange(0, BLOCK_N)
         col_mask = cols < kv_end
-        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)  # entries past kv_len may be unset
-        k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
-                    mask=col_mask[None, :] & dim_mask[:, None], other=0.0)
-        scores = dot(q, k, DOT_UPCAST) * scale_log2
-        scores = tl.where((positions[:, None] >= cols[None, :]) & col_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
-                    mask=col_mask[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
-        m_i = m_new
+        allowed = (positions[:, None] >= cols[None, :]) & col_mask[None, :]
+        m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head,
+                                        dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
+                                        scale_log2, DOT_UPCAST)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + rows)[:, None] * o_token_stride + head * o_head_stride + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
