@@ -134,9 +134,9 @@ class Scheduler:
         """Admit the longest prefix of the waiting queue whose peak KV use fits (binary search:
         adding a request never lowers the peak), so a large request is never overtaken."""
         room = self.max_running - len(self.running)
-        candidates = self._admission_order()[:max(0, room)]
-        if not candidates:
+        if room <= 0 or not self.waiting:  # the common case of a full batch: no sort, no check
             return
+        candidates = self._admission_order()[:room]
         held, left = self._reservations(self.running + candidates)
         lo, hi = 0, len(candidates)  # lo fits; find the largest count that fits
         base = len(self.running)
