@@ -56,6 +56,10 @@ class ServerConfig:
     max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=_flag("longest prompt + max_new_tokens accepted"))
     nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers"))
+    max_request_body_bytes: int = field(
+        default=8 << 20,
+        metadata=_flag("largest request body accepted, in bytes; a larger one gets 413 before it is read (8 MiB: a 2048-token prompt is a few tens of kB)"),
+    )
     trust_remote_code: bool = field(default=False, metadata=_flag("allow the tokenizer to run code from the model directory"))
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
@@ -84,7 +88,7 @@ class ServerConfig:
             raise ValueError("--max_req_total_len must be larger than --max_req_input_len (both positive)")
         if self.max_total_token_num is not None and self.max_total_token_num < 2:
             raise ValueError("--max_total_token_num must be at least 2")
-        for name in ("tp", "running_max_req_size", "chunked_prefill_size"):
+        for name in ("tp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         if self.log_stats_interval <= 0 or self.health_timeout <= 0:

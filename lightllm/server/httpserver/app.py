@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
 from lightllm.server.config import ServerConfig
-from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed
+from lightllm.server.httpserver.body_limit import BodyLimit
+from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed, tokenize
 from lightllm.server.httpserver.manager import HttpServerManager
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
@@ -61,6 +62,7 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
         await state.manager.stop()
 
     app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     app.state.server = state
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(RequestValidationError, fastapi_validation_error)
@@ -112,7 +114,7 @@ async def start_generation(request: Request) -> Generation:
     start = time.monotonic()
     state: ServerState = request.app.state.server
     prompt, sampling = parse_generate(parse_json(await request.body()))
-    return Generation(request, state.tokenizer.encode(prompt), sampling, start)
+    return Generation(request, await tokenize(state.tokenizer.encode, prompt), sampling, start)
 
 
 async def generate(request: Request) -> Response:

@@ -46,6 +46,12 @@ class RequestTimer:
         self.metrics.finished[FinishReason.ABORT] += 1
 
 
+async def tokenize(fn, *args):
+    """Tokenization (and chat templates) off the event loop: a long prompt must not stall
+    other requests or /health. asyncio's default thread pool is sized for the machine."""
+    return await asyncio.to_thread(fn, *args)
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass

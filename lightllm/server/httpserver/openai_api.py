@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Generation
+from lightllm.server.httpserver.generation import Generation, tokenize
 from lightllm.server.httpserver.openai_params import OpenAIRequest, parse_chat, parse_completion
 from lightllm.server.httpserver.params import RequestError, parse_json
 from lightllm.server.io_struct import FinishReason, TextOut
@@ -47,7 +47,7 @@ async def completions(request: Request) -> Response:
     state = request.app.state.server
     parsed = parse_completion(parse_json(await request.body()), state.model_info["vocab_size"])
     check_model(parsed, state.config.served_model_name)
-    prompt_ids = state.tokenizer.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
+    prompt_ids = await tokenize(state.tokenizer.encode, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
     return await answer(request, parsed, prompt_ids, start, CompletionFormat)
 
 
@@ -56,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
     state = request.app.state.server
     parsed = parse_chat(parse_json(await request.body()))
     check_model(parsed, state.config.served_model_name)
-    prompt_ids = chat_prompt_ids(state.tokenizer, parsed.messages)
+    prompt_ids = await tokenize(chat_prompt_ids, state.tokenizer, parsed.messages)
     if not parsed.max_tokens_given:  # OpenAI's default: as many as the context leaves
         room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
         parsed.sampling.max_new_tokens = max(1, room)

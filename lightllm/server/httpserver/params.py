@@ -61,6 +61,11 @@ def parse_json(body: bytes) -> dict:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
+    try:  # JSON may escape lone UTF-16 surrogates ("\ud800"), which no tokenizer can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("request body holds text that is not valid Unicode (a lone surrogate such as "
+                           "\\ud800)") from None
     return data
 
 
