@@ -114,6 +114,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "'logprobs' = True is not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tool calling"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "'temperature' must be a number >= 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, 400, "'temperature' must be a number in [0, 2]"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "'stop' must be a list of non-empty strings"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "'stream' must be true or false"),
@@ -127,6 +128,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, 10**9]}, 400, "'prompt' token ids must be in [0, 49152)"),
     ({"prompt": "hi", "echo": True}, 400, "'echo' = True is not supported"),
     ({"prompt": "hi", "top_p": 2}, 400, "'top_p' must be a number in (0, 1]"),
+    ({"prompt": "hi", "temperature": 2.01}, 400, "'temperature' must be a number in [0, 2]"),
 ]
 
 

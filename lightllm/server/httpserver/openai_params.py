@@ -85,6 +85,9 @@ def check_fields(body: dict, own: set[str]) -> None:
             raise RequestError(f"'{name}' = {body[name]!r} is not supported: {why}")
 
 
+OPENAI_MAX_TEMPERATURE = 2.0  # /generate (TGI) has no upper bound; OpenAI's API stops at 2
+
+
 def parse_common(body: dict) -> OpenAIRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -96,6 +99,9 @@ def parse_common(body: dict) -> OpenAIRequest:
     include_usage = check_bool(options.get("include_usage") or False, "stream_options.include_usage")
     values = {ours: (name, body[name]) for name, ours in SAMPLING_NAMES.items() if name in body}
     sampling = build_sampling(values, do_sample=True)  # OpenAI samples unless temperature is 0
+    if sampling.temperature > OPENAI_MAX_TEMPERATURE:
+        raise RequestError(f"'temperature' must be a number in [0, {OPENAI_MAX_TEMPERATURE:g}] (OpenAI's range), "
+                           f"got {body['temperature']!r}")
     max_tokens_given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
     return OpenAIRequest(model, stream, include_usage, sampling, max_tokens_given)
 
