@@ -22,8 +22,8 @@ def random_prompts(vocab: int, lengths=PROMPT_LENS, seed=None) -> list[list[int]
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine(runner: ModelRunner, chunk: int, overlap: bool = True) -> EngineCore:
-    scheduler = Scheduler(runner.max_total_token_num, chunk, runner.req_table.max_reqs)
+def engine(runner: ModelRunner, chunk: int, overlap: bool = True, prefix_cache: bool = True) -> EngineCore:
+    scheduler = Scheduler(runner.max_total_token_num, chunk, runner.req_table.max_reqs, prefix_cache=prefix_cache)
     return EngineCore(scheduler, runner, eos_token_ids=[], overlap=overlap)
 
 
@@ -58,9 +58,16 @@ def hf_greedy(hf_model, prompts, new_tokens) -> dict[int, list[int]]:
     return out
 
 
-def assert_idle(runner: ModelRunner) -> None:
-    assert runner.token_table.used_count == 0 and not runner.reqs
-    assert runner.req_table.free_count == runner.req_table.max_reqs
+def assert_idle(core: EngineCore) -> None:
+    """No request holds a slot or a row; the slots in use are the prefix cache's, and a flush
+    frees every one (so the next engine on this runner starts empty)."""
+    runner = core._workers
+    assert not runner.reqs and runner.req_table.free_count == runner.req_table.max_reqs
+    assert runner.token_table.used_count == core.scheduler.cached_tokens
+    cached = core.scheduler.cached_tokens
+    assert core.scheduler.flush_cache() == cached
+    core.drain()
+    assert runner.token_table.used_count == 0 and not runner.nodes
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied"])
@@ -72,8 +79,9 @@ def test_chunked_prefill_with_running_decodes_equals_transformers(name, chunk, t
     expected = hf_greedy(hf_model, prompts, NEW_TOKENS)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     for stagger in (0, 3):  # alone, and beside a running decode
-        assert generate(engine(runner, chunk), prompts, params, stagger) == expected
-        assert_idle(runner)
+        core = engine(runner, chunk)
+        assert generate(core, prompts, params, stagger) == expected
+        assert_idle(core)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +99,10 @@ def default_hf(default_model_dir):
 def test_default_model_chunked_equals_transformers(chunk, default_runner, default_hf):
     prompts = random_prompts(default_hf.config.vocab_size, lengths=(40, 9, 23), seed=chunk)
     expected = hf_greedy(default_hf, prompts, 4)
-    got = generate(engine(default_runner, chunk), prompts, SamplingParams(max_new_tokens=4), stagger=2)
+    core = engine(default_runner, chunk)
+    got = generate(core, prompts, SamplingParams(max_new_tokens=4), stagger=2)
     assert got == expected
-    assert_idle(default_runner)
+    assert_idle(core)
 
 
 @pytest.mark.parametrize("params", [dict(), SAMPLED], ids=["greedy", "seeded"])
@@ -102,12 +111,16 @@ def test_overlap_on_and_off_and_sequential_give_the_same_tokens(params, tmp_path
     runner = make_runner(tmp_path, tokens=512)
     prompts = random_prompts(hf_model.config.vocab_size)
     sampling = SamplingParams(max_new_tokens=12, **params)
-    overlapped = generate(engine(runner, 16, overlap=True), prompts, sampling, stagger=2)
-    synchronous = generate(engine(runner, 16, overlap=False), prompts, sampling, stagger=2)
-    sequential = {i: generate(engine(runner, 16), [p], sampling)[0] for i, p in enumerate(prompts)}
-    assert overlapped == synchronous == sequential
-    assert all(len(t) == 12 for t in overlapped.values())
-    assert_idle(runner)
+    runs = []
+    for overlap in (True, False):
+        core = engine(runner, 16, overlap=overlap, prefix_cache=False)
+        runs.append(generate(core, prompts, sampling, stagger=2))
+        assert_idle(core)
+    core = engine(runner, 16, prefix_cache=False)
+    sequential = {i: generate(core, [p], sampling)[0] for i, p in enumerate(prompts)}
+    assert runs[0] == runs[1] == sequential
+    assert all(len(t) == 12 for t in sequential.values())
+    assert_idle(core)
 
 
 def test_an_abort_mid_prefill_frees_its_chunks(tmp_path):
@@ -120,5 +133,6 @@ def test_an_abort_mid_prefill_frees_its_chunks(tmp_path):
     assert 8 <= runner.token_table.used_count <= 16  # two chunks launched; one may still be in flight
     assert core.abort(0)
     assert core.drain() == []
-    assert_idle(runner)
+    assert core.scheduler.cached_tokens == 16  # its two computed chunks stay cached
+    assert_idle(core)
     assert not core.abort(0)  # already gone

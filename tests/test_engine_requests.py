@@ -22,8 +22,7 @@ class ScriptedRunner(FakeRunner):
     def step(self, plan: StepPlan):
         if any(self.poison in c.token_ids for c in plan.chunks):
             self._pending = None
-            for req_id in plan.free:
-                self.kv.pop(req_id, None)
+            self.apply(plan.ops)
             raise ValueError("poisoned prompt")
         self._sampled = iter(plan.sampled)
         return super().step(plan)
@@ -40,6 +39,12 @@ def request(req_id: int, prompt_len: int, max_new_tokens: int, **sampling) -> Ge
 
 def make_core(runner, budget=10_000, chunk=64, overlap=True):
     return EngineCore(Scheduler(budget, chunk, 1000), runner, eos_token_ids=[EOS], overlap=overlap)
+
+
+def idle(core, runner) -> bool:
+    """No request holds a slot; what is in use is exactly what the prefix cache holds."""
+    scheduler = core.scheduler
+    return runner.own == {} and runner.used == scheduler.slots_used == scheduler.cached_tokens and not scheduler.tokens_used
 
 
 def by_request(outs) -> dict[int, list]:
@@ -60,7 +65,7 @@ def test_requests_run_to_max_new_tokens_or_eos(overlap):
     assert [len(got[i]) for i in range(3)] == [5, 3, 5]
     assert [got[i][-1].finish_reason for i in range(3)] == [FinishReason.LENGTH, FinishReason.EOS, FinishReason.LENGTH]
     assert all(out.finish_reason is None for i in range(3) for out in got[i][:-1])
-    assert runner.kv == {} and core.scheduler.tokens_used == 0
+    assert idle(core, runner)
 
 
 def test_abort_frees_a_running_request_and_ignores_unknown_ids():
@@ -78,7 +83,7 @@ def test_abort_frees_a_running_request_and_ignores_unknown_ids():
     assert got[1][-1].finish_reason is FinishReason.LENGTH and len(got[1]) == 3
     assert all(out.finish_reason is None for out in got[0])  # no token after the abort
     assert not core.abort(1) and not core.abort(99)  # finished, never seen
-    assert runner.kv == {}
+    assert idle(core, runner)
 
 
 def test_abort_of_a_waiting_request_never_runs_it():
@@ -106,7 +111,7 @@ def test_a_failing_step_gets_errors_and_serving_goes_on():
     core.add(request(2, 4, 6))
     later = by_request(core.drain())
     assert len(later[2]) == 6 and later[2][-1].finish_reason is FinishReason.LENGTH
-    assert runner.kv == {}
+    assert idle(core, runner)
 
 
 def test_a_prompt_the_model_cannot_take_is_refused_alone():
@@ -117,4 +122,4 @@ def test_a_prompt_the_model_cannot_take_is_refused_alone():
     assert refused.req_id == 1 and refused.finish_reason is FinishReason.ERROR and "out of range" in refused.error
     assert core.add(GenerateReq(2, [], SamplingParams()))[0].finish_reason is FinishReason.ERROR
     got = by_request(core.drain())
-    assert set(got) == {0} and len(got[0]) == 5 and runner.kv == {}
+    assert set(got) == {0} and len(got[0]) == 5 and idle(core, runner)

@@ -104,7 +104,7 @@ def test_logits_match_transformers(name, tmp_path, captured_logits):
     assert len(captured_logits) == len(steps)
     for logits, seqs in zip(captured_logits, steps):
         torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
-    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 256, "running_requests": 0}
+    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 256, "running_requests": 0, "cache_nodes": 0}
     assert runner.token_table.free_count == int(runner.token_table.mem_state.sum()) == 256
 
 

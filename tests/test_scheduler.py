@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightllm.engine.core import EngineCore
-from lightllm.engine.plan import SampledToken, StepPlan, StepResult
+from lightllm.engine.plan import Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.engine.scheduler import AGING_STEPS, POLICIES, Scheduler, peak_token_usage
 from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
 
@@ -40,26 +40,65 @@ def test_peak_formula_matches_step_simulation():
 
 
 class FakeRunner:
-    """ModelRunner's step contract (free, launch, answer with the previous step unless sync)
-    with KV slots counted as the runner allocates them; EOS drawn at random."""
+    """ModelRunner's step contract (ops, launch, answer with the previous step unless sync) with
+    its KV slots mirrored position by position: each request's own positions and each cache
+    node's size. It checks what the real runner relies on: a prefix covers exactly the cached
+    positions, an insert or release touches only the request's own positions, a released
+    request leaves none behind, and the slots in use never exceed the budget. EOS drawn at random."""
 
     def __init__(self, budget: int, eos_rate: float, rng: random.Random):
         self.budget, self.eos_rate, self.rng = budget, eos_rate, rng
-        self.kv: dict[int, int] = {}
+        self.seq: dict[int, int] = {}  # req id -> positions written
+        self.own: dict[int, set[int]] = {}  # req id -> positions whose slots it owns
+        self.nodes: dict[int, int] = {}  # cache node id -> slots
         self.peak = 0
         self._pending: StepResult | None = None
 
+    @property
+    def kv(self) -> dict[int, int]:
+        return dict(self.seq)
+
+    @property
+    def used(self) -> int:
+        return sum(self.nodes.values()) + sum(len(p) for p in self.own.values())
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            if isinstance(op, Release):
+                seq, own = self.seq.pop(op.req_id), self.own.pop(op.req_id)
+                freed = set(range(op.start, seq if op.end < 0 else op.end))
+                assert freed <= own and own - freed == set(), (op, sorted(own - freed)[:5])
+            elif isinstance(op, Insert):
+                taken = set(range(op.start, op.end))
+                assert taken <= self.own[op.req_id] and op.node_id not in self.nodes, op
+                self.own[op.req_id] -= taken
+                self.nodes[op.node_id] = len(taken)
+            elif isinstance(op, Split):
+                assert 0 < op.at < self.nodes[op.node_id] and op.upper_id not in self.nodes, op
+                self.nodes[op.upper_id] = op.at
+                self.nodes[op.node_id] -= op.at
+            elif isinstance(op, Evict):
+                del self.nodes[op.node_id]
+            elif isinstance(op, Reset):
+                self.seq, self.own, self.nodes = {}, {}, {}
+
     def step(self, plan: StepPlan) -> list[StepResult]:
-        for req_id in plan.free:
-            self.kv.pop(req_id, None)  # a failed step may not have added it
+        self.apply(plan.ops)
         launched = None
         if not plan.empty:
             for req_id in plan.decodes:
-                self.kv[req_id] += 1
+                self.own[req_id].add(self.seq[req_id])
+                self.seq[req_id] += 1
             for chunk in plan.chunks:
-                assert (chunk.start == 0) == (chunk.req_id not in self.kv)
-                self.kv[chunk.req_id] = chunk.start + len(chunk.token_ids)
-            self.peak = max(self.peak, sum(self.kv.values()))
+                assert chunk.first == (chunk.req_id not in self.seq)
+                if chunk.first:
+                    assert sum(self.nodes[n] for n in chunk.prefix) == chunk.start, chunk
+                    self.seq[chunk.req_id], self.own[chunk.req_id] = chunk.start, set()
+                assert self.seq[chunk.req_id] == chunk.start
+                end = chunk.start + len(chunk.token_ids)
+                self.own[chunk.req_id] |= set(range(chunk.start, end))
+                self.seq[chunk.req_id] = end
+            self.peak = max(self.peak, self.used)
             assert self.peak <= self.budget, (self.peak, self.budget)
             launched = StepResult(plan.step_id, [SampledToken(i, self._token(), -1.0) for i in plan.sampled])
         done = [self._pending] if self._pending is not None else []
@@ -77,14 +116,23 @@ class FakeRunner:
 requests = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=30)
 
 
+def shared_prompt(rng: random.Random, length: int) -> list[int]:
+    """One of four long prefixes cut at a random point, then a few random tokens from a small
+    vocabulary: prompts share prefixes of every length and end inside each other's nodes."""
+    stems = [[10 + stem] * 40 + list(range(60)) for stem in range(4)]
+    cut = rng.randrange(length + 1)
+    return (stems[rng.randrange(4)][:cut] + [rng.randrange(3, 9) for _ in range(length)])[:length]
+
+
 @settings(max_examples=60, deadline=None)
 @given(requests, st.integers(1, 70), st.integers(0, 200), st.booleans(), st.sampled_from([0.0, 0.05]),
-       st.integers(1, 16), st.sampled_from(POLICIES), st.randoms(use_true_random=False))
+       st.integers(1, 16), st.sampled_from(POLICIES), st.booleans(), st.randoms(use_true_random=False))
 def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overlap, eos_rate, max_running, policy,
-                                                rng):
+                                                prefix_cache, rng):
     budget = max(p + n for p, n, _ in reqs) + extra_budget
     runner = FakeRunner(budget, eos_rate, rng)
-    core = EngineCore(Scheduler(budget, chunk, max_running, policy), runner, eos_token_ids=[EOS], overlap=overlap)
+    scheduler = Scheduler(budget, chunk, max_running, policy, prefix_cache=prefix_cache)
+    core = EngineCore(scheduler, runner, eos_token_ids=[EOS], overlap=overlap)
     arrivals = sorted(((at, i) for i, (_, _, at) in enumerate(reqs)), reverse=True)
     aborted = {i for i in range(len(reqs)) if rng.random() < 0.1}
     outs: dict[int, list] = {}
@@ -92,16 +140,23 @@ def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overl
         while arrivals and arrivals[-1][0] <= step:
             _, i = arrivals.pop()
             prompt_len, max_new, _ = reqs[i]
-            core.add(GenerateReq(i, [5] * prompt_len, SamplingParams(max_new_tokens=max_new)))
+            core.add(GenerateReq(i, shared_prompt(rng, prompt_len), SamplingParams(max_new_tokens=max_new)))
         if step == 15:
             for i in aborted:
                 core.abort(i)
         for out in core.step():
             outs.setdefault(out.req_id, []).append(out)
+        if scheduler.cache is not None:
+            scheduler.cache.check()
         if not arrivals and not core.has_work:
             break
         assert step < 5000, "the engine stalled"
-    assert runner.kv == {} and core.scheduler.tokens_used == 0
+    # Idle: nothing is any request's; what is used is exactly what is cached, and a flush frees it.
+    assert runner.own == {} and runner.used == scheduler.slots_used == scheduler.cached_tokens
+    assert scheduler.tokens_used == 0  # nothing referenced: all of it could be evicted
+    assert scheduler.flush_cache() == runner.used
+    core.drain()
+    assert runner.used == 0 and scheduler.slots_used == 0 and runner.nodes == {}
     for i, (_, max_new, _) in enumerate(reqs):
         got = outs.get(i, [])
         if i in aborted and (not got or got[-1].finish_reason is None):
@@ -148,3 +203,24 @@ def test_fcfs_admits_in_arrival_order():
         core.add(GenerateReq(i, [5] * 8, SamplingParams(max_new_tokens=rng.randrange(1, 100))))
     core.step()
     assert admitted_order(core.scheduler) == list(range(10))
+
+
+def test_cached_tokens_nobody_references_never_keep_a_request_out():
+    """Unreferenced cached tokens count as free: a request that fits once they are evicted is
+    admitted at once, and the eviction makes its room."""
+    budget = 100
+    rng = random.Random(0)
+    runner = FakeRunner(budget, 0.0, rng)
+    scheduler = Scheduler(budget, 16, 8)
+    core = EngineCore(scheduler, runner, eos_token_ids=[EOS])
+    for i in range(3):  # distinct prompts: 3 x 30 prompt + 4 fed-back output tokens stay cached
+        core.add(GenerateReq(i, [20 + i] * 30, SamplingParams(max_new_tokens=5)))
+    core.drain()
+    assert scheduler.cached_tokens > 60 and scheduler.tokens_used == 0
+    core.add(GenerateReq(10, [7] * 10, SamplingParams(max_new_tokens=40)))
+    core.step()
+    core.add(GenerateReq(11, [8] * 20, SamplingParams(max_new_tokens=20)))
+    core.step()
+    assert [req.req_id for req in scheduler.running] == [10, 11]
+    core.drain()
+    assert scheduler.cache.evicted_tokens > 0 and runner.peak <= budget

@@ -11,7 +11,7 @@ from test_tp import free_port
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.model_runner import ModelRunner, run_step
-from lightllm.engine.plan import StepPlan
+from lightllm.engine.plan import Release, StepPlan
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.workers import ModelWorkers
 from lightllm.server.io_struct import GenerateReq, SamplingParams
@@ -65,7 +65,7 @@ def test_worker_matches_in_process_runner_and_report_overhead(workers, tiny_dir)
     )
     assert ping < 0.01, "an rpyc round trip should take well under 10 ms on loopback"
     run_step(workers, prompts=[(99, [1], SamplingParams())])  # a step carries the frees
-    workers.step(StepPlan(-10**9, free=ids + [99], sync=True))
+    workers.step(StepPlan(-10**9, ops=[Release(i) for i in ids + [99]], sync=True))
     runner.free(ids)
     assert workers.stats()["tokens_used"] == 0
 
@@ -76,14 +76,21 @@ def test_runner_errors_come_back_as_exceptions(workers):
     workers.ping()  # the worker keeps serving
 
 
-def engine_tokens(workers, prompts, overlap: bool) -> dict[int, list[int]]:
-    core = EngineCore(Scheduler(RUNNER_ARGS["max_total_token_num"], 16, 16), workers, eos_token_ids=[],
-                      overlap=overlap)
-    for i, p in enumerate(prompts):
-        core.add(GenerateReq(i, p, SamplingParams(max_new_tokens=8)))
+def engine_tokens(workers, prompts, overlap: bool, prefix_cache: bool = True) -> dict[int, list[int]]:
+    """The prompts, then each again with a new ending (a prefix-cache hit when the cache is on);
+    afterwards the cache is flushed and every slot must be free."""
+    core = EngineCore(Scheduler(RUNNER_ARGS["max_total_token_num"], 16, 16, prefix_cache=prefix_cache), workers,
+                      eos_token_ids=[], overlap=overlap)
     tokens: dict[int, list[int]] = {}
-    for out in core.drain():
-        tokens.setdefault(out.req_id, []).append(out.token_id)
+    for round_ in range(2):
+        for i, p in enumerate(prompts):
+            core.add(GenerateReq(round_ * 100 + i, p + [7] * round_, SamplingParams(max_new_tokens=8)))
+        for out in core.drain():
+            tokens.setdefault(out.req_id, []).append(out.token_id)
+    assert (core.scheduler.prefix_hit_tokens > 0) == prefix_cache
+    core.scheduler.flush_cache()
+    core.drain()
+    assert workers.stats()["tokens_used"] == 0
     return tokens
 
 
@@ -96,6 +103,6 @@ def test_engine_over_two_tp_workers_equals_one(workers, tiny_dir):
         tp2_workers.load(model_dir=tiny_dir, world_size=2, nccl_port=free_port(), **RUNNER_ARGS)
         tp2 = engine_tokens(tp2_workers, prompts, overlap=True)
         assert tp2 == tp1 == engine_tokens(tp2_workers, prompts, overlap=False)
-        assert tp2_workers.stats()["tokens_used"] == 0
+        assert tp1 == engine_tokens(workers, prompts, overlap=True, prefix_cache=False)
     finally:
         tp2_workers.shutdown()

@@ -19,7 +19,8 @@ from sim_cost import H100_STATIC_POINTS, H100CostModel, StepWork, fit  # noqa: E
 from sim_device import FILLER_TOKEN, SimDevice  # noqa: E402
 from sim_serving import sim_config, simulate  # noqa: E402
 
-from lightllm.engine.plan import Chunk, StepPlan  # noqa: E402
+from lightllm.engine.plan import Chunk, Release, StepPlan  # noqa: E402
+from lightllm.server.io_struct import SamplingParams  # noqa: E402
 
 STATIC_TOLERANCE = 0.06  # relative; the largest residual of the fit is 5.7% (docs/benchmarks.md)
 
@@ -50,7 +51,7 @@ def test_step_time_grows_with_each_kind_of_work():
 def test_new_interface_keeps_one_step_in_flight():
     device = SimDevice(H100CostModel())
     prompt_len = random.randrange(2, 64)
-    first = StepPlan(0, chunks=[Chunk(7, [5] * prompt_len, 0, True)])
+    first = StepPlan(0, chunks=[Chunk(7, [5] * prompt_len, 0, True, SamplingParams())])
     assert device.step(first) == []  # launched; nothing finished before it
     launched_at = time.perf_counter()
     second = StepPlan(1, decodes=[7])
@@ -58,9 +59,9 @@ def test_new_interface_keeps_one_step_in_flight():
     assert result.step_id == 0 and [t.req_id for t in result.tokens] == [7]
     assert result.tokens[0].token_id == FILLER_TOKEN
     assert time.perf_counter() - launched_at >= H100CostModel().eager_floor_ms / 1000 * 0.9
-    (final,) = device.step(StepPlan(2, free=[], sync=True))  # empty: only collects step 1
+    (final,) = device.step(StepPlan(2, sync=True))  # empty: only collects step 1
     assert final.step_id == 1 and device.context == {7: prompt_len + 1}
-    assert device.step(StepPlan(3, free=[7], sync=True)) == [] and device.context == {}
+    assert device.step(StepPlan(3, ops=[Release(7)], sync=True)) == [] and device.context == {}
     assert device.steps == 2
 
 

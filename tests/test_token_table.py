@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightllm.common import DoubleFreeError, OutOfRowsError, OutOfTokensError, ReqTable, TokenTable
+from lightllm.common.req_table import OutOfRowsError, ReqTable
+from lightllm.common.token_table import DoubleFreeError, OutOfTokensError, TokenTable
 
 SIZE = 64
 

@@ -1,4 +1,3 @@
-from .req_table import OutOfRowsError, ReqTable
-from .token_table import DoubleFreeError, OutOfTokensError, TokenTable
-
-__all__ = ["TokenTable", "ReqTable", "OutOfTokensError", "DoubleFreeError", "OutOfRowsError"]
+"""KV bookkeeping: the token table (token_table.py), request rows (req_table.py) and the prefix
+cache's radix tree (radix_cache.py). Import from the modules: the radix tree is torch-free and
+runs in the router process, which never imports torch."""

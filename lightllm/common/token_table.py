@@ -85,6 +85,10 @@ class TokenTable:
         self.mem_state[slots] = 1
         self.free_count += slots.numel()
 
+    def free_all(self) -> None:
+        self.mem_state.fill_(1)
+        self.free_count = self.size
+
     def _check_in_use(self, slots: torch.Tensor) -> None:
         hits = torch.zeros_like(self.mem_state).index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
         if bool(((hits > 1) | ((hits > 0) & (self.mem_state != 0))).any()):

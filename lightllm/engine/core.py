@@ -57,7 +57,7 @@ class EngineCore:
     def step(self) -> list[TokenOut]:
         """Plan and launch one step; return the outputs of the steps that completed."""
         plan = self.scheduler.schedule()
-        if plan.empty and not plan.free and not self._in_flight:
+        if plan.empty and not plan.ops and not self._in_flight:
             return []
         plan.sync = not self._overlap or plan.empty
         try:

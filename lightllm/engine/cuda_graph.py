@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from lightllm.common import ReqTable, TokenTable
+from lightllm.common.req_table import ReqTable
+from lightllm.common.token_table import TokenTable
 from lightllm.models import ForwardBatch, LlamaModel
 
 logger = logging.getLogger(__name__)

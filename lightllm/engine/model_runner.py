@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lightllm.common import OutOfRowsError, OutOfTokensError, ReqTable, TokenTable
-from lightllm.engine.plan import Chunk, SampledToken, StepPlan, StepResult
+from lightllm.common.req_table import OutOfRowsError, ReqTable
+from lightllm.common.token_table import OutOfTokensError, TokenTable
+from lightllm.engine.plan import Chunk, Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype
 from lightllm.utils.dist import init_tp
 
@@ -41,8 +42,8 @@ GPU_HEADROOM_MIN_BYTES = 2 << 30
 @dataclass
 class RunningReq:
     row: int  # in ReqTable.req_to_token
+    prefix_len: int  # positions [0, prefix_len) came from prefix-cache nodes
     seq_len: int  # tokens whose K/V are in the cache (or written by a launched step)
-    prompt_len: int
     sampling: SamplingState
 
 
@@ -97,6 +98,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.token_table, self.req_table, running_max_req_size, capture)
                        if cuda_graph else None)
         self.reqs: dict[int, RunningReq] = {}
+        self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
@@ -140,7 +142,7 @@ class ModelRunner:
         """Free, launch `plan`, and return the results of the steps now due: the previous one
         (one step stays in flight), or every pending one with `plan.sync` or an empty plan."""
         try:
-            job = self._submit(plan) if plan.free or not plan.empty else None
+            job = self._submit(plan) if plan.ops or not plan.empty else None
             done = [] if self._pending is None else [self._pending.result().result()]
             self._pending = None
             if job is not None and (plan.sync or plan.empty):
@@ -154,15 +156,15 @@ class ModelRunner:
             raise
 
     def _submit(self, plan: StepPlan) -> Future:
-        """Frees and launch run in order on the device thread (CPU) or here (CUDA)."""
+        """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""
         if self._device_thread is not None:
-            return self._device_thread.submit(self._free_and_launch, plan)
+            return self._device_thread.submit(self._apply_and_launch, plan)
         future: Future = Future()
-        future.set_result(self._free_and_launch(plan))
+        future.set_result(self._apply_and_launch(plan))
         return future
 
-    def _free_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
-        self.free(plan.free)
+    def _apply_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
+        self.apply(plan.ops)
         return None if plan.empty else self._launch(plan)
 
     @torch.inference_mode()
@@ -170,8 +172,11 @@ class ModelRunner:
         self._check(plan)
         self._record_penalty_tokens()
         for chunk in plan.chunks:
-            if chunk.start == 0:
-                self.reqs[chunk.req_id] = RunningReq(self.req_table.alloc(), 0, len(chunk.token_ids),
+            if chunk.first:
+                row = self.req_table.alloc()
+                if chunk.prefix:
+                    self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
+                self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start,
                                                      SamplingState(chunk.sampling))
         decodes = [self.reqs[i] for i in plan.decodes]
         chunks = [(self.reqs[c.req_id], c) for c in plan.chunks]
@@ -267,32 +272,65 @@ class ModelRunner:
         event.record()
         return host, event
 
-    # ---- freeing ----
+    # ---- ops: ended requests and the prefix cache's nodes ----
+
+    def apply(self, ops: list) -> None:
+        """Apply a plan's ops in order. Safe while the steps that wrote those slots are still
+        queued: the device runs the ops and any later step in order (on the CPU: the device
+        thread). Every rank applies the same ops and ends up with the same slots."""
+        table = self.req_table.req_to_token
+        to_free = []
+        for op in ops:
+            if isinstance(op, Release):
+                r = self.reqs.pop(op.req_id)
+                end = r.seq_len if op.end < 0 else op.end
+                if not r.prefix_len <= op.start <= end <= r.seq_len:
+                    raise ValueError(f"release of request {op.req_id}: positions [{op.start}, {end}) of "
+                                     f"{r.seq_len} ({r.prefix_len} from the cache)")
+                to_free.append(table[r.row, op.start: end])
+                self.req_table.free(r.row)
+            elif isinstance(op, Insert):
+                r = self.reqs[op.req_id]
+                if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:
+                    raise ValueError(f"cache insert {op} of a request with {r.seq_len} tokens")
+                self.nodes[op.node_id] = table[r.row, op.start: op.end].clone()
+            elif isinstance(op, Split):
+                slots = self.nodes[op.node_id]
+                self.nodes[op.upper_id], self.nodes[op.node_id] = slots[: op.at], slots[op.at:]
+            elif isinstance(op, Evict):
+                to_free.append(self.nodes.pop(op.node_id))
+            elif isinstance(op, Reset):
+                self._reset()
+                to_free = []
+            else:
+                raise TypeError(f"unknown op {op!r}")
+        if to_free:
+            self.token_table.free(torch.cat(to_free))
+
+    def _reset(self) -> None:
+        for r in self.reqs.values():
+            self.req_table.free(r.row)
+        self.reqs.clear()
+        self.nodes.clear()
+        self.token_table.free_all()
+        self._last_launched = None
 
     def free(self, req_ids: list[int]) -> None:
-        """Return the requests' slots and rows. Safe while their last step is still queued:
-        the device runs the frees and any later step in order (on the CPU: the device thread).
-        Ids the runner does not hold are skipped: a step that failed may not have added them."""
+        """Release whole requests (tests and benchmarks that run without a scheduler); ids the
+        runner does not hold are skipped."""
         if len(set(req_ids)) != len(req_ids):
             raise KeyError(f"cannot free requests {req_ids}: repeated ids")
-        req_ids = [i for i in req_ids if i in self.reqs]
-        if not req_ids:
-            return
-        running = [self.reqs.pop(i) for i in req_ids]
-        table = self.req_table.req_to_token
-        self.token_table.free(torch.cat([table[r.row, : r.seq_len] for r in running]))
-        for r in running:
-            self.req_table.free(r.row)
+        self.apply([Release(i, self.reqs[i].prefix_len) for i in req_ids if i in self.reqs])
 
     def stats(self) -> dict:
         return {"tokens_used": self.token_table.used_count, "max_total_token_num": self.max_total_token_num,
-                "running_requests": len(self.reqs)}
+                "running_requests": len(self.reqs), "cache_nodes": len(self.nodes)}
 
     # ---- checks before any state changes, so a refused step leaves the runner as it was ----
 
     def _check(self, plan: StepPlan) -> None:
         vocab = self.config.vocab_size
-        new = [c for c in plan.chunks if c.start == 0]
+        new = [c for c in plan.chunks if c.first]
         ids = plan.decodes + [c.req_id for c in plan.chunks]
         if len(set(ids)) != len(ids) or any(c.req_id in self.reqs for c in new):
             raise ValueError(f"step {plan.step_id}: request ids {ids} repeat or are already running")
@@ -305,6 +343,9 @@ class ModelRunner:
                                  f"1..{self.max_req_total_len}")
             if min(c.token_ids) < 0 or max(c.token_ids) >= vocab:
                 raise ValueError(f"request {c.req_id}: token id out of range [0, {vocab})")
+            if c.first and (any(n not in self.nodes for n in c.prefix)
+                            or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
+                raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
         full = [i for i in plan.decodes if self.reqs[i].seq_len >= self.max_req_total_len]
         if full:
             raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")

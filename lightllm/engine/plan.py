@@ -1,7 +1,8 @@
 """What crosses the seam between the engine core (router process) and the model workers, per step.
 
-The scheduler writes a `StepPlan`; every rank's model runner turns it into tensors and runs one
-forward over all of it (decodes first, then prefill chunks). A worker's `step(plan)` launches the
+The scheduler writes a `StepPlan`; every rank's model runner first applies its `ops` in order
+(requests that ended, prefix-cache changes), then turns it into tensors and runs one forward
+over all of it (decodes first, then prefill chunks). A worker's `step(plan)` launches the
 plan and answers with the `StepResult` of the step before it (one step always in flight), or of
 this step when `plan.sync` is set. rpyc carries them as plain tuples (`to_wire`/`*_from_wire`).
 """
@@ -22,7 +23,62 @@ class Chunk:
     token_ids: list[int]
     start: int  # position of the first token = prompt tokens already in the cache
     last: bool  # ends the prompt: the step samples the request's first output token
-    sampling: SamplingParams | None = None  # on the first chunk (start == 0) only
+    sampling: SamplingParams | None = None  # on the request's first chunk only
+    # First chunk: the prefix-cache nodes, root first, whose slots hold positions [0, start).
+    prefix: tuple[int, ...] = ()
+
+    @property
+    def first(self) -> bool:
+        return self.sampling is not None
+
+
+# ---- ops: what the runner does before the step, in order (slots move between requests and
+# the prefix cache's nodes; see lightllm/common/radix_cache.py) ----
+
+
+@dataclass
+class Release:
+    """A request ends: its slots at positions [start, end) (end -1: all it holds from start)
+    go back to the token table, and its row is returned. Positions outside the range belong
+    to prefix-cache nodes."""
+
+    req_id: int
+    start: int = 0
+    end: int = -1
+
+
+@dataclass
+class Insert:
+    """Positions [start, end) of a running request's row become the slots of cache node `node_id`."""
+
+    req_id: int
+    start: int
+    end: int
+    node_id: int
+
+
+@dataclass
+class Split:
+    """Node `node_id` gives its first `at` slots to a new node `upper_id` (its new parent)."""
+
+    node_id: int
+    at: int
+    upper_id: int
+
+
+@dataclass
+class Evict:
+    """Node `node_id`'s slots go back to the token table."""
+
+    node_id: int
+
+
+@dataclass
+class Reset:
+    """Drop every request and node (after a failed step: start again from an empty cache)."""
+
+
+OPS = (Release, Insert, Split, Evict, Reset)
 
 
 @dataclass
@@ -30,7 +86,7 @@ class StepPlan:
     step_id: int
     decodes: list[int] = field(default_factory=list)  # req ids; each feeds its last sampled token (on the device)
     chunks: list[Chunk] = field(default_factory=list)
-    free: list[int] = field(default_factory=list)  # req ids whose slots and rows are freed before the step
+    ops: list = field(default_factory=list)  # applied in order before the step (OPS)
     sync: bool = False  # answer with this step's result instead of the previous one's
 
     @property
@@ -81,15 +137,18 @@ def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
 
 
 def plan_to_wire(plan: StepPlan) -> tuple:
-    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling)) for c in plan.chunks)
-    return plan.step_id, tuple(plan.decodes), chunks, tuple(plan.free), plan.sync
+    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix)
+                   for c in plan.chunks)
+    ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
+    return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync
 
 
 def plan_from_wire(wire: tuple) -> StepPlan:
-    step_id, decodes, chunks, free, sync = wire
+    step_id, decodes, chunks, ops, sync = wire
     return StepPlan(step_id, list(decodes),
-                    [Chunk(r, list(t), s, last, sampling_from_wire(p)) for r, t, s, last, p in chunks],
-                    list(free), sync)
+                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix))
+                     for r, t, s, last, p, prefix in chunks],
+                    [OPS[op[0]](*op[1:]) for op in ops], sync)
 
 
 def result_to_wire(result: StepResult | None) -> tuple | None:

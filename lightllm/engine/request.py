@@ -26,9 +26,15 @@ class Req:
         self.arrival_time = msg.arrival_time
         self.prompt_len = len(msg.prompt_ids)
         self.max_new_tokens = msg.sampling.max_new_tokens
-        self.prefilled = 0  # prompt tokens scheduled
+        self.prefilled = 0  # prompt tokens scheduled (or taken from the prefix cache)
+        self.cached = 0  # prompt tokens taken from the prefix cache (final at its first chunk)
+        self.started = False  # its first chunk is scheduled: the runner holds a row for it
+        # The deepest prefix-cache node it holds a reference on: positions [0, node.depth) of its
+        # KV are the cache's slots, the rest its own. None without the cache (or nothing cached).
+        self.node = None
+        self.grows_cache = True  # each chunk goes into the cache; off once one duplicated cached tokens
+        self.output_ids: list[int] = []  # tokens received back
         self.decode_steps = 0  # decode steps scheduled; each writes one KV token
-        self.output_count = 0  # tokens received back
         self.arrival_step = 0  # the scheduler's step count when it arrived
         self.status = ReqStatus.WAITING
         self._eos_token_ids = frozenset() if msg.sampling.ignore_eos else eos_token_ids
@@ -37,6 +43,15 @@ class Req:
     def kv_tokens(self) -> int:
         """KV slots this request holds once every step scheduled so far has run."""
         return self.prefilled + self.decode_steps
+
+    @property
+    def output_count(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def shared(self) -> int:
+        """Positions of its KV held by prefix-cache nodes (not its own)."""
+        return 0 if self.node is None else self.node.depth
 
     @property
     def kv_cap(self) -> int:
@@ -56,7 +71,7 @@ class Req:
     def append(self, token_id: int) -> FinishReason | None:
         """Count one generated token; return why the request ends, if it does."""
         assert self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING), self.status
-        self.output_count += 1
+        self.output_ids.append(token_id)
         if token_id in self._eos_token_ids:
             return FinishReason.EOS
         if self.output_count >= self.max_new_tokens:

@@ -1,9 +1,16 @@
-"""The scheduler: admission, prefill chunks and step plans. CPU bookkeeping only.
+"""The scheduler: admission, prefill chunks, the prefix cache and step plans. CPU bookkeeping only.
 
 Every step runs every decoding request once plus prefill chunks of admitted requests, in
 admission order, up to `chunk_budget` prompt tokens. Admission proves that the KV budget holds
 whatever happens next (see `peak_token_usage`): an admitted request's whole prompt is reserved
 at once, so a partly prefilled request never waits for room.
+
+With the prefix cache (`lightllm/common/radix_cache.py`) a request starts from the longest
+cached prefix of its prompt (matched again at its first chunk, so that requests admitted
+together share what the first of them computed); each chunk goes into the cache one step after
+it is scheduled, and an ended request's tokens stay cached instead of being freed. Cached tokens
+no running request references count as free: they are evicted, least recently used first, when
+a step needs their room.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import logging
 
 import numpy as np
 
-from lightllm.engine.plan import Chunk, StepPlan, StepResult
+from lightllm.common.radix_cache import Match, RadixCache
+from lightllm.engine.plan import Chunk, Release, Reset, StepPlan, StepResult
 from lightllm.engine.request import Req, ReqStatus
 from lightllm.server.io_struct import FinishReason, TokenOut
 
@@ -45,8 +53,49 @@ def peak_token_usage(tokens_held: np.ndarray, tokens_left: np.ndarray) -> int:
     return int(np.max(held_cumsum + left * position))
 
 
+class Attribution:
+    """Cached tokens that running requests reference, each node charged to the one of its
+    referrers that runs longest (the most steps left): the node is locked exactly as long as
+    that request runs, so `peak_token_usage` over (own + charged, left) bounds the batch."""
+
+    def __init__(self, held: np.ndarray, left: np.ndarray):
+        self.held, self.left = held, left
+        self.owner: dict = {}  # node -> (request index, tokens of it charged)
+
+    def charge(self, i: int, path: list) -> None:
+        for node, length in path:
+            owner = self.owner.get(node)
+            if owner is None:
+                self.owner[node] = (i, length)
+                self.held[i] += length
+                continue
+            j, charged = owner
+            if self.left[i] > self.left[j]:
+                self.held[j] -= charged
+                self.owner[node] = (i, max(charged, length))
+                self.held[i] += max(charged, length)
+            elif length > charged:  # a longer part of a node that will be split
+                self.owner[node] = (j, length)
+                self.held[j] += length - charged
+
+    def copy(self) -> Attribution:
+        out = Attribution(self.held.copy(), self.left)
+        out.owner = dict(self.owner)
+        return out
+
+
+def cache_path(node) -> list:
+    """(node, its length) from `node` up to the root (excluded)."""
+    out = []
+    while node is not None and node.parent is not None:
+        out.append((node, len(node.key)))
+        node = node.parent
+    return out
+
+
 class Scheduler:
-    def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt"):
+    def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
+                 prefix_cache: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.max_total_token_num = max_total_token_num
@@ -56,9 +105,13 @@ class Scheduler:
         self.waiting: dict[int, Req] = {}  # insertion-ordered: arrival order
         self.running: list[Req] = []  # admission order: prefill chunks follow it
         self._by_id: dict[int, Req] = {}
-        self._to_free: list[int] = []
-        self._in_steps: dict[int, list[Req]] = {}  # step id -> its requests, until its result is in
+        self._ops: list = []  # ops for the runner, in order; they ride on the next plan
+        self.cache = RadixCache(self._ops) if prefix_cache else None
+        self._growing: list[Req] = []  # requests whose chunk in the last plan joins the cache next
+        self._in_steps: set[int] = set()  # ids of steps planned whose result is not yet in
         self._next_step = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the cache (counter)
+        self.prefix_hit_tokens = 0  # of which found cached (counter)
 
     # ---- requests in and out ----
 
@@ -78,57 +131,133 @@ class Scheduler:
         return True
 
     def _end(self, req: Req) -> None:
-        """A running request ends: its slots go back with the next plan."""
+        """A running request ends: its slots go back (or into the cache) with the next plan."""
         self.running.remove(req)
         self._by_id.pop(req.req_id, None)
         req.status = ReqStatus.FINISHED
-        if req.prefilled:  # the runner has seen it
-            self._to_free.append(req.req_id)
+        node, req.node = req.node, None
+        start = 0 if node is None else node.depth
+        if req.started:  # the runner holds it
+            end = -1
+            if self.cache is not None and req.kv_tokens > start:
+                # Every position's token is known: a decode feeds a token whose result is in.
+                assert req.decode_steps <= req.output_count, req
+                tokens = req.prompt_ids[start: req.prefilled] + req.output_ids[: req.decode_steps]
+                duplicated, _ = self.cache.insert(node or self.cache.root, tokens, req.req_id, start)
+                end = start + duplicated
+            self._ops.append(Release(req.req_id, start, end))
+        if node is not None:
+            self.cache.unlock(node)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free)
+        return bool(self.waiting or self.running or self._ops)
 
     @property
     def tokens_used(self) -> int:
-        """KV slots held once the steps scheduled so far have run (prompts count when done)."""
-        return sum(req.kv_tokens for req in self.running)
+        """KV slots requests need once the steps scheduled so far have run (prompts count when
+        done): their own and the cached ones they reference. Unreferenced cached tokens are
+        free for this count (they are evicted when the room is needed)."""
+        locked = 0 if self.cache is None else self.cache.locked_tokens
+        return locked + sum(req.kv_tokens - req.shared for req in self.running)
+
+    @property
+    def slots_used(self) -> int:
+        """KV slots taken in the token table once the ops so far have run: tokens_used plus
+        the unreferenced cached tokens."""
+        return self.tokens_used + (0 if self.cache is None else self.cache.evictable_tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self.cache is None else self.cache.total_tokens
+
+    def flush_cache(self) -> int:
+        """Evict every cached token no running request references; returns how many."""
+        return 0 if self.cache is None else self.cache.evict(self.cache.total_tokens)
 
     # ---- planning ----
 
     def schedule(self) -> StepPlan:
+        self._grow_cache()
         self._admit()
-        plan = StepPlan(self._next_step, free=self._to_free)
-        self._to_free = []
-        reqs = []
+        plan = StepPlan(self._next_step)
         for req in self.running:
             if req.needs_decode:
                 req.decode_steps += 1
                 plan.decodes.append(req.req_id)
-                reqs.append(req)
         budget = self.chunk_budget
+        first_chunks = []
         for req in self.running:
             if budget == 0:
                 break
             if req.status is ReqStatus.PREFILLING:
+                if not req.started:
+                    self._start(req)
+                    first_chunks.append(req)
                 plan.chunks.append(self._chunk(req, min(budget, req.prompt_left)))
                 budget -= len(plan.chunks[-1].token_ids)
-                reqs.append(req)
+                if self.cache is not None and req.grows_cache:
+                    self._growing.append(req)
+        self._make_room()
+        for req, chunk in zip(first_chunks, (c for c in plan.chunks if c.first)):
+            chunk.prefix = tuple(node.node_id for node, _ in reversed(cache_path(req.node)))
+        plan.ops = list(self._ops)
+        self._ops.clear()
         if not plan.empty:
-            self._in_steps[plan.step_id] = reqs
+            self._in_steps.add(plan.step_id)
             self._next_step += 1
         return plan
+
+    def _start(self, req: Req) -> None:
+        """Its first chunk: take whatever more of its prompt is cached by now (requests admitted
+        with it may have computed it), and count the lookup."""
+        if self.cache is not None:
+            above = req.node or self.cache.root
+            found = self.cache.match(req.prompt_ids[req.prefilled: req.prompt_len - 1], above)
+            if found.length:
+                node = self.cache.take(found)
+                self.cache.lock(node, above=above)
+                req.node, req.prefilled = node, node.depth
+            self.prefix_queried_tokens += req.prompt_len
+            self.prefix_hit_tokens += req.prefilled
+        req.cached = req.prefilled
+        req.started = True
 
     def _chunk(self, req: Req, n: int) -> Chunk:
         start = req.prefilled
         req.prefilled += n
         last = req.prefilled == req.prompt_len
         chunk = Chunk(req.req_id, req.prompt_ids[start: start + n], start, last,
-                      req.sampling if start == 0 else None)
+                      req.sampling if start == req.cached else None)
         if last:
             req.status = ReqStatus.DECODING
-            req.prompt_ids = []  # the runner has them now
         return chunk
+
+    def _grow_cache(self) -> None:
+        """The chunks of the last plan go into the cache (their KV is computed before any later
+        step reads it), so that later requests with the same prefix skip them."""
+        growing, self._growing = self._growing, []
+        for req in growing:
+            if req.status is ReqStatus.FINISHED or not req.grows_cache:
+                continue  # an ended request was cached whole
+            start = req.shared
+            tokens = req.prompt_ids[start: req.prefilled]
+            duplicated, node = self.cache.insert(req.node or self.cache.root, tokens, req.req_id, start,
+                                                 after_match=False)
+            if node is not None:
+                self.cache.lock(node, above=node.parent)
+                req.node = node
+            elif duplicated:  # computed twice at once: its own copy stays its own until it ends
+                req.grows_cache = False
+
+    def _make_room(self) -> None:
+        """Evict unreferenced cached tokens until what the plan allocates fits."""
+        if self.cache is None or self.cache.evictable_tokens == 0:
+            return
+        need = self.slots_used - self.max_total_token_num
+        if need > 0:
+            freed = self.cache.evict(need)
+            assert freed >= need, f"KV budget: {need} tokens over, {freed} evictable"
 
     def _admit(self) -> None:
         """Admit the longest prefix of the waiting queue whose peak KV use fits (binary search:
@@ -137,12 +266,14 @@ class Scheduler:
         if room <= 0 or not self.waiting:  # the common case of a full batch: no sort, no check
             return
         candidates = self._admission_order()[:room]
-        held, left = self._reservations(self.running + candidates)
+        matches = None
+        if self.cache is not None and self.cache.total_tokens:
+            matches = [self.cache.match(req.prompt_ids[: req.prompt_len - 1]) for req in candidates]
+        fits = self._fits(candidates, matches)
         lo, hi = 0, len(candidates)  # lo fits; find the largest count that fits
-        base = len(self.running)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if peak_token_usage(held[: base + mid], left[: base + mid]) <= self.max_total_token_num:
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid - 1
@@ -152,6 +283,28 @@ class Scheduler:
             del self.waiting[req.req_id]
             req.status = ReqStatus.PREFILLING
             self.running.append(req)
+            if matches is not None:  # matched again: an earlier admission may have split a node
+                found = self.cache.match(req.prompt_ids[: req.prompt_len - 1])
+                if found.length:
+                    req.node = self.cache.take(found)
+                    self.cache.lock(req.node)
+                    req.prefilled = found.length
+
+    def _fits(self, candidates: list[Req], matches: list[Match] | None):
+        """fits(k): whether the running batch plus the first k candidates stays in budget."""
+        base = len(self.running)
+        held, left = self._reservations(self.running + candidates, matches)
+        running = Attribution(held, left)
+        for i, req in enumerate(self.running):
+            running.charge(i, cache_path(req.node))
+
+        def fits(k: int) -> bool:
+            charged = running.copy() if matches is not None else running
+            for i in range(k) if matches is not None else ():
+                charged.charge(base + i, matches[i].partial_nodes())
+            return peak_token_usage(charged.held[: base + k], left[: base + k]) <= self.max_total_token_num
+
+        return fits
 
     def _admission_order(self) -> list[Req]:
         """fcfs: arrival order. lpt: longest output budget first, so that long generations start
@@ -163,8 +316,9 @@ class Scheduler:
         aged = self._next_step - AGING_STEPS
         return sorted(waiting, key=lambda r: (r.arrival_step > aged, -r.max_new_tokens if r.arrival_step > aged else 0))
 
-    def _reservations(self, reqs: list[Req]) -> tuple[np.ndarray, np.ndarray]:
-        """(held, left) per request for `peak_token_usage`, in the order given (admission order).
+    def _reservations(self, reqs: list[Req], matches: list[Match] | None) -> tuple[np.ndarray, np.ndarray]:
+        """(own tokens, steps left) per request for `peak_token_usage`, in the order given
+        (admission order); cached tokens they reference are charged on top (`Attribution`).
 
         A prefilling request holds its whole prompt from admission; it starts to grow once its
         last chunk has run, within ceil(prompt tokens still to prefill up to it / chunk_budget)
@@ -173,23 +327,28 @@ class Scheduler:
         held = np.empty(len(reqs), dtype=np.int64)
         left = np.empty(len(reqs), dtype=np.int64)
         queued = 0
+        base = len(self.running)
         for i, req in enumerate(reqs):
+            shared = req.shared if i < base or matches is None else matches[i - base].length
             if req.status is ReqStatus.DECODING:
-                held[i], delay = req.kv_tokens, 0
+                positions, delay = req.kv_tokens, 0
             else:
-                queued += req.prompt_left
-                held[i], delay = req.prompt_len, -(-queued // self.chunk_budget)
-            left[i] = req.kv_cap - held[i] + delay + FREE_LAG_STEPS
+                queued += req.prompt_len - max(req.prefilled, shared)
+                positions, delay = req.prompt_len, -(-queued // self.chunk_budget)
+            held[i] = positions - shared
+            left[i] = req.kv_cap - positions + delay + FREE_LAG_STEPS
         return held, left
 
     # ---- results ----
 
     def process(self, result: StepResult) -> list[TokenOut]:
-        """Turn a step's tokens into outputs; end the requests that finished or failed."""
-        reqs = self._in_steps.pop(result.step_id)
+        """Turn a step's tokens into outputs; end the requests that finished."""
+        if result.step_id not in self._in_steps:
+            return []  # a step launched before the engine was reset: its requests are gone
+        self._in_steps.remove(result.step_id)
         if result.error is not None:
             logger.error("model step %d failed: %s", result.step_id, result.error)
-            return [self._fail(req, result.error) for req in reqs if req.status is not ReqStatus.FINISHED]
+            return self.fail_all(result.error)
         outs = []
         for token in result.tokens:
             req = self._by_id.get(token.req_id)
@@ -202,14 +361,15 @@ class Scheduler:
         return outs
 
     def fail_all(self, error: str) -> list[TokenOut]:
-        """Every request in flight or waiting ends with an error (the engine failed)."""
+        """The engine failed: every request ends with an error, and the runner starts again
+        from nothing (a failed step may have left its slots and the cache half-written)."""
+        reqs = self.running + list(self.waiting.values())
+        for req in reqs:
+            req.status = ReqStatus.FINISHED
+        self.running, self.waiting, self._by_id, self._growing = [], {}, {}, []
         self._in_steps.clear()
-        outs = [self._fail(req, error) for req in list(self.running)]
-        for req in list(self.waiting.values()):
-            self.abort(req.req_id)
-            outs.append(TokenOut(req.req_id, -1, 0.0, FinishReason.ERROR, error=error))
-        return outs
-
-    def _fail(self, req: Req, error: str) -> TokenOut:
-        self._end(req)
-        return TokenOut(req.req_id, -1, 0.0, FinishReason.ERROR, error=error)
+        self._ops.clear()
+        self._ops.append(Reset())
+        if self.cache is not None:
+            self.cache = RadixCache(self._ops)
+        return [TokenOut(req.req_id, -1, 0.0, FinishReason.ERROR, error=error) for req in reqs]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.common import TokenTable
+from lightllm.common.token_table import TokenTable
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig

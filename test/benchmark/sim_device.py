@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from rpyc.core import brine
 
-from lightllm.engine.plan import (SampledToken, StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire,
+from lightllm.engine.plan import (Release, Reset, SampledToken, StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire,
                                   result_to_wire)
 from sim_cost import H100CostModel, StepWork, causal_pairs
 
@@ -47,10 +47,15 @@ class SimDevice:
         self.device_free_at = 0.0
         self._pending: _Launched | None = None
 
-    def _release(self, req_ids) -> None:
-        for req_id in req_ids:
-            self.context.pop(req_id, None)
-            self.generated.pop(req_id, None)
+    def _release(self, ops) -> None:
+        """Requests that ended leave; the prefix cache's ops move no simulated work."""
+        for op in ops:
+            if isinstance(op, Release):
+                self.context.pop(op.req_id)
+                self.generated.pop(op.req_id)
+            elif isinstance(op, Reset):
+                self.context.clear()
+                self.generated.clear()
 
     def _next(self, req_id: int) -> tuple[int, float]:
         self.generated[req_id] += 1
@@ -66,7 +71,7 @@ class SimDevice:
     def step(self, plan: StepPlan) -> list[StepResult]:
         plan = plan_from_wire(cross(plan_to_wire(plan)))
         half_trip = self.cost.call_overhead_ms / 2000.0
-        self._release(plan.free)
+        self._release(plan.ops)
         due = [self._pending] if self._pending is not None else []
         self._pending = None
         launched = None if plan.empty else self._launch(plan, time.perf_counter() + half_trip)
@@ -81,7 +86,7 @@ class SimDevice:
         for req_id in plan.decodes:
             self.context[req_id] += 1
         for chunk in plan.chunks:
-            assert self.context.get(chunk.req_id, 0) == chunk.start, (chunk.req_id, chunk.start)
+            assert chunk.first or self.context[chunk.req_id] == chunk.start, (chunk.req_id, chunk.start)
             self.context[chunk.req_id] = chunk.start + len(chunk.token_ids)
             self.generated.setdefault(chunk.req_id, 0)
         work = StepWork(decode_reqs=len(plan.decodes),

@@ -1,0 +1,142 @@
+"""The prefix cache through the engine core and a real model runner (CPU): greedy text equals
+transformers and equals the cache-off text for a shared system prompt, multi-turn chats, a
+prompt that is a prefix of another, identical prompts at once and a prompt ending inside a
+cached node; seeded sampling is unchanged; under a small KV budget eviction runs, the budget
+holds and nothing leaks."""
+
+import pytest
+import torch
+from test_engine_core import assert_idle, engine, hf_greedy
+from test_model_vs_hf import make_model
+
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+
+VOCAB = 101
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf_model = make_model("llama_gqa_llama3_rope", path)
+    runner = ModelRunner(str(path), max_total_token_num=1024, max_req_total_len=160, running_max_req_size=8,
+                         device="cpu")
+    return hf_model, runner
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Client:
+    """Requests through one engine, with ids that never repeat."""
+
+    def __init__(self, core):
+        self.core, self.next_id = core, 0
+
+    def run(self, prompts, params: SamplingParams, staggered: bool = False) -> list[list[int]]:
+        """All prompts at once (or, `staggered`, each after the one before has prefilled)."""
+        ids, got = [], {}
+        for prompt in prompts:
+            ids.append(self.next_id)
+            self.core.add(GenerateReq(self.next_id, prompt, params))
+            self.next_id += 1
+            if staggered:
+                for out in self.core.step() + self.core.step():
+                    got.setdefault(out.req_id, []).append(out)
+        for out in self.core.drain():
+            got.setdefault(out.req_id, []).append(out)
+        assert all(got[i][-1].finish_reason is FinishReason.LENGTH for i in ids)
+        return [[o.token_id for o in got[i]] for i in ids]
+
+
+def hf(hf_model, prompts, new=NEW) -> list[list[int]]:
+    return list(hf_greedy(hf_model, prompts, new).values())
+
+
+def workloads() -> dict[str, list[list[int]]]:
+    system = tokens(1, 40)
+    long = tokens(2, 50)
+    return {
+        "shared system prompt": [system + tokens(10 + i, 5 + 3 * i) for i in range(5)],
+        "prefix of another": [long[:20], long, long[:35], long[:20] + tokens(3, 4)],
+        "identical at once": [long] * 3,
+        "ends inside a node": [long, long[:13], long[:29] + [7], long[:41]],
+    }
+
+
+@pytest.mark.parametrize("name", list(workloads()))
+def test_cache_equals_transformers_and_cache_off(name, tiny):
+    hf_model, runner = tiny
+    prompts = workloads()[name]
+    expected = hf(hf_model, prompts)
+    greedy = SamplingParams(max_new_tokens=NEW)
+    results = {}
+    for prefix_cache in (True, False):
+        core = engine(runner, chunk=16, prefix_cache=prefix_cache)
+        client = Client(core)
+        # Staggered: later prompts find earlier ones cached; then all again at once, all cached.
+        results[prefix_cache] = client.run(prompts, greedy, staggered=True) + client.run(prompts, greedy)
+        hits = core.scheduler.prefix_hit_tokens
+        assert (hits > 0) == prefix_cache
+        assert_idle(core)
+    assert results[True] == results[False] == expected + expected
+
+
+def test_multi_turn_conversation_reuses_its_history(tiny):
+    hf_model, runner = tiny
+    core = engine(runner, chunk=16)
+    client = Client(core)
+    history = tokens(20, 12)
+    for turn in range(4):
+        prompt = history + tokens(30 + turn, 7)
+        hits_before = core.scheduler.prefix_hit_tokens
+        (out,) = client.run([prompt], SamplingParams(max_new_tokens=NEW))
+        assert out == hf(hf_model, [prompt])[0]
+        if turn:  # the history came from the cache, all but the last answer token (never fed back)
+            assert core.scheduler.prefix_hit_tokens - hits_before == len(history) - 1
+        history = prompt + out
+    assert_idle(core)
+
+
+def test_seeded_sampling_is_the_same_with_the_cache(tiny):
+    _, runner = tiny
+    prompts = workloads()["shared system prompt"]
+    seeded = SamplingParams(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=77)
+    results = []
+    for prefix_cache in (True, False):
+        core = engine(runner, chunk=16, prefix_cache=prefix_cache)
+        client = Client(core)
+        results.append(client.run(prompts, seeded, staggered=True) + client.run(prompts, seeded))
+        assert_idle(core)
+    assert results[0] == results[1]
+
+
+def test_small_budget_evicts_and_holds(tmp_path):
+    hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
+    budget = 120
+    runner = ModelRunner(str(tmp_path), max_total_token_num=budget, max_req_total_len=64, running_max_req_size=4,
+                         device="cpu")
+    stems = [tokens(40 + s, 24) for s in range(3)]
+    prompts = [stems[i % 3] + tokens(50 + i, 6) for i in range(12)]  # 12 distinct, 3 shared stems
+    expected = hf(hf_model, prompts)
+    core = engine(runner, chunk=16)
+    used = []
+    runner_apply = runner.apply
+
+    def watch(ops):  # what the table holds before each step's allocation: never over budget
+        runner_apply(ops)
+        used.append(runner.token_table.used_count)
+
+    runner.apply = watch
+    client = Client(core)
+    try:
+        got = client.run(prompts[:6], SamplingParams(max_new_tokens=NEW), staggered=True)
+        got += client.run(prompts[6:], SamplingParams(max_new_tokens=NEW))
+    finally:
+        runner.apply = runner_apply
+    assert got == expected
+    assert core.scheduler.cache.evicted_tokens > 0 and core.scheduler.prefix_hit_tokens > 0
+    assert max(used) <= budget
+    assert_idle(core)
