@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from lightllm.utils.net import free_port
+from lightllm.utils.net import free_port, socket_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,25 @@ class Server:
     def model_workers(self) -> list[psutil.Process]:
         """Grandchildren: the router's children."""
         return [p for child in psutil.Process(self.proc.pid).children() for p in child.children()]
+
+    def router(self) -> psutil.Process:
+        """The main process's child that runs the model workers."""
+        (router,) = {worker.parent() for worker in self.model_workers()}
+        return router
+
+    def socket_dirs(self) -> list[Path]:
+        """The server's ZeroMQ socket directories in /tmp (one while it runs, none after)."""
+        return socket_dirs(self.proc.pid)
+
+    def health(self, timeout: float = 30.0) -> int | None:
+        """The status code of GET /health; None when nothing listens any more."""
+        try:
+            return requests.get(f"{self.url}/health", timeout=timeout).status_code
+        except requests.ConnectionError:
+            return None
+
+    def stream(self, body: dict, path: str = "/generate_stream", timeout: float = 120.0) -> requests.Response:
+        return requests.post(f"{self.url}{path}", data=json.dumps(body), stream=True, timeout=timeout)
 
     def post(self, path: str, body, timeout: float = 120.0) -> requests.Response:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)
@@ -96,6 +115,13 @@ class Server:
         self._log.close()
         assert not alive, f"processes outlived the server: {alive}"
         return code
+
+
+def sse_events(response: requests.Response):
+    """The JSON events of a text/event-stream response, each as it arrives."""
+    for line in response.iter_lines():
+        if line.startswith(b"data:"):
+            yield json.loads(line[len(b"data:"):])
 
 
 def start_server(args: list[str], log_path: Path) -> Server:

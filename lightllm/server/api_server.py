@@ -2,8 +2,10 @@
 
 The main process starts the router (which starts one model worker per tensor-parallel rank)
 and the detokenizer, waits until each reports ready, then serves HTTP itself. If a child
-process dies, the server stops with a logged reason and a non-zero exit status; Ctrl-C or
-SIGTERM stops every child.
+process dies, every open request ends with an error naming it, and the server stops with a
+non-zero exit status. SIGTERM or Ctrl-C drains: new requests get 503, open ones have
+--shutdown_timeout seconds to finish and then end with an error; then every child stops.
+The socket directory goes in every case (a SIGKILL's is removed by the next start).
 """
 
 # Spawned children import this module again (as __mp_main__): keep the imports at the top light.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightllm.server.config import ServerConfig, parse_config
-from lightllm.server.io_struct import RouterReady
+from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 from lightllm.utils.process import setup_logging, stop_processes
 
 logger = logging.getLogger("lightllm.server")
@@ -35,15 +37,16 @@ class Child:
     ready_pipe: multiprocessing.connection.Connection  # our end: the child sends one ready message
 
 
-def start_children(config: ServerConfig) -> list[Child]:
+def start_children(config: ServerConfig, heartbeat: RouterHeartbeat) -> list[Child]:
     from lightllm.server.detokenization.manager import start_detokenization_process
     from lightllm.server.router.manager import start_router_process
 
     context = multiprocessing.get_context("spawn")
     children = []
-    for name, target in (("router", start_router_process), ("detokenizer", start_detokenization_process)):
+    for name, target, extra in (("router", start_router_process, (heartbeat,)),
+                                ("detokenizer", start_detokenization_process, ())):
         ours, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=target, args=(config, theirs, os.getpid()), name=name)
+        process = context.Process(target=target, args=(config, theirs, os.getpid(), *extra), name=name)
         process.start()
         theirs.close()
         children.append(Child(name, process, ours))
@@ -77,32 +80,54 @@ def bind_http_socket(config: ServerConfig) -> socket.socket:
     return sock
 
 
-def serve_http(config: ServerConfig, tokenizer, ready: RouterReady, sock: socket.socket, children: list[Child]) -> int:
-    """Serve until Ctrl-C/SIGTERM (exit status 0) or until a child process dies (1)."""
+def serve_http(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: RouterHeartbeat,
+               sock: socket.socket, children: list[Child]) -> int:
+    """Serve until Ctrl-C/SIGTERM (exit status 0, after draining) or until a child process dies (1)."""
     import uvicorn
     import uvloop
 
     from lightllm.server.httpserver.app import create_app
 
-    app = create_app(config, tokenizer, ready)
+    app = create_app(config, tokenizer, ready, heartbeat)
+    manager = app.state.server.manager
+    # Every request has ended before uvicorn stops; this bounds the writing of their last bytes.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3))
     exit_code = 0
+    drain_task = None
 
     def on_child_exit(child: Child) -> None:
         nonlocal exit_code
         asyncio.get_running_loop().remove_reader(child.process.sentinel)
         child.process.join()
-        logger.error(
-            "the %s process (pid %d) exited with code %s; shutting the server down",
-            child.name, child.process.pid, child.process.exitcode,
-        )
+        reason = f"the {child.name} process (pid {child.process.pid}) exited with code {child.process.exitcode}"
+        logger.error("%s; shutting the server down", reason)
         exit_code = 1
+        manager.fail_all(reason)
         server.should_exit = True
+
+    async def drain() -> None:
+        logger.info("shutting down: new requests get 503; %d open ones have %g s to finish",
+                    manager.open_requests, config.shutdown_timeout)
+        manager.refuse_new("the server is shutting down")
+        if not await manager.wait_idle(config.shutdown_timeout):
+            logger.warning("ending %d requests still open after %g s", manager.open_requests, config.shutdown_timeout)
+            manager.fail_all("the server is shutting down")
+        server.should_exit = True
+
+    def begin_drain() -> None:
+        nonlocal drain_task
+        if drain_task is None:
+            drain_task = asyncio.ensure_future(drain())
+        else:  # a second signal: stop now
+            manager.fail_all("the server is shutting down")
+            server.should_exit = True
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
         for child in children:
             loop.add_reader(child.process.sentinel, on_child_exit, child)  # readable when it exits
+        # uvicorn's handler of SIGINT and SIGTERM; it runs between two bytecodes, so it only schedules.
+        server.handle_exit = lambda signum, frame: loop.call_soon_threadsafe(begin_drain)
         await server.serve(sockets=[sock])
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -133,7 +158,8 @@ def serve(config: ServerConfig) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
         return 1
-    children = start_children(config)
+    heartbeat = RouterHeartbeat(multiprocessing.get_context("spawn"))
+    children = start_children(config, heartbeat)
     try:
         from lightllm.server.httpserver.tokenizer import load_tokenizer
 
@@ -141,11 +167,13 @@ def serve(config: ServerConfig) -> int:
         ready = wait_until_ready(children)
         if ready is None:
             return 1
-        return serve_http(config, tokenizer, ready, sock, children)
+        return serve_http(config, tokenizer, ready, heartbeat, sock, children)
     except KeyboardInterrupt:
         return 0
     finally:
-        stop_processes([child.process for child in children])
+        # The router first stops its workers (waiting up to 5 s; a GPU worker's exit can take
+        # seconds): an equal wait here could kill it midway.
+        stop_processes([child.process for child in children], timeout=20.0)
         logger.info("server stopped")
 
 

@@ -66,7 +66,15 @@ class ServerConfig:
     disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
     disable_log_stats: bool = field(default=False, metadata=_flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=_flag("seconds between throughput logs (only when there was activity)"))
-    health_timeout: float = field(default=10.0, metadata=_flag("seconds GET /health waits for its one-token generation"))
+    health_timeout: float = field(default=10.0, metadata=_flag("seconds GET /health?generate=1 waits for its one-token generation"))
+    step_timeout: float = field(
+        default=120.0,
+        metadata=_flag("seconds one engine step may run before /health reports the engine stuck (503); well above the longest step (a 4096-token prefill of the default model on a 2-core CPU: about 50 s)"),
+    )
+    shutdown_timeout: float = field(
+        default=20.0,
+        metadata=_flag("seconds that running requests have to finish after SIGTERM or Ctrl-C (new ones get 503); the rest then end with an error event. Below Kubernetes' default 30 s grace period, so that they get it before a SIGKILL"),
+    )
     log_level: str = field(
         default="info",
         metadata=_flag("log level of every process", choices=("debug", "info", "warning", "error")),
@@ -91,8 +99,11 @@ class ServerConfig:
         for name in ("tp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
-        if self.log_stats_interval <= 0 or self.health_timeout <= 0:
-            raise ValueError("--log_stats_interval and --health_timeout must be positive")
+        for name in ("log_stats_interval", "health_timeout", "step_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive")
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown_timeout must not be negative")
 
 
 def _cli_type(annotation) -> type:

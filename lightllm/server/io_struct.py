@@ -4,7 +4,8 @@ HTTP process -> router:        GenerateReq, AbortReq
 router -> detokenizer:         GenerateReq (forwarded once, before its first token), BatchTokenOut,
                                AbortReq (forwarded, so that the detokenizer drops the request)
 detokenizer -> HTTP process:   BatchTextOut
-router -> HTTP process:        RouterStats (after the router's state changed)
+router -> HTTP process:        RouterStats (after the router's state changed), RouterFailed (its last word)
+router -> HTTP process (shared memory): RouterHeartbeat, read by /health
 router -> model workers (rpyc): StepPlan / StepResult as plain tuples (see lightllm/engine/plan.py)
 children -> main process (start-up pipe): ProcessReady, RouterReady
 
@@ -14,6 +15,7 @@ Only these small dataclasses are pickled across a socket.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 
@@ -106,3 +108,41 @@ class ProcessReady:
 class RouterReady:
     max_total_token_num: int  # the real figure, sized by the rank-0 model runner
     model_info: dict  # ModelRunner.info: architecture, dtype, vocab_size, eos_token_ids, ...
+
+
+@dataclass
+class RouterFailed:
+    error: str  # why the router stops (a model worker died, the engine raised): every open request ends with it
+
+
+class RouterHeartbeat:
+    """When the router's loop last turned, and when the step it is inside began (0: none).
+
+    Shared memory the router writes and /health reads, so that a health check never waits on the
+    loop it checks. Each value is one aligned double (no lock needed), and time.monotonic() is
+    one clock for every process of the machine (CLOCK_MONOTONIC on Linux).
+    """
+
+    INTERVAL = 1.0  # seconds an idle router sleeps at most before its loop turns anyway
+    TURN_TIMEOUT = 5.0  # seconds without a turn, outside a step, after which the loop counts as stuck
+
+    def __init__(self, context):
+        self._values = context.RawArray("d", 2)  # turned_at, step_started_at
+        self.turned()
+
+    def turned(self) -> None:
+        self._values[0], self._values[1] = time.monotonic(), 0.0
+
+    def step_started(self) -> None:
+        self._values[1] = time.monotonic()
+
+    def stalled(self, step_timeout: float) -> str | None:
+        """Why the loop looks stuck, or None while it turns (or is inside a step shorter than `step_timeout`)."""
+        now = time.monotonic()
+        step_started_at = self._values[1]  # first: the router writes turned_at before clearing it
+        turned_at = self._values[0]
+        if step_started_at and now - step_started_at > step_timeout:
+            return f"one engine step has run for {now - step_started_at:.0f} s (--step_timeout {step_timeout:g})"
+        if not step_started_at and now - turned_at > self.TURN_TIMEOUT:
+            return f"the router's loop has not turned for {now - turned_at:.0f} s"
+        return None

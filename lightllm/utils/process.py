@@ -44,7 +44,9 @@ def init_child_process(parent_pid: int, log_level: str) -> None:
 
 
 def stop_processes(processes, timeout: float = 5.0) -> None:
-    """SIGTERM all at once, then SIGKILL whichever lingers; always reaped (no zombie)."""
+    """SIGTERM all at once, then SIGKILL whichever lingers past `timeout`; always reaped (no zombie).
+
+    A process that stops children of its own needs a longer `timeout` than it gives them."""
     for process in processes:
         if process.is_alive():
             logger.debug("stopping %s (pid %s)", process.name, process.pid)
@@ -53,7 +55,7 @@ def stop_processes(processes, timeout: float = 5.0) -> None:
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
-            logger.warning("%s (pid %d) ignored SIGTERM; killing it", process.name, process.pid)
+            logger.warning("%s (pid %d) still runs %g s after SIGTERM; killing it", process.name, process.pid, timeout)
             process.kill()
         process.join()
         logger.debug("%s stopped (exit code %s)", process.name, process.exitcode)

@@ -38,6 +38,10 @@ class DetokenizationManager:
         self._to_http.setsockopt(zmq.SNDHWM, 0)
         self._to_http.connect(config.http_address)
 
+    def close(self) -> None:
+        for sock in (self._inbox, self._to_http):
+            sock.close(linger=0)  # a socket with unsent messages would otherwise hold the exit
+
     def serve_forever(self) -> None:
         while True:
             msg = self._inbox.recv_pyobj()  # blocks: an idle detokenizer uses no CPU
@@ -86,4 +90,7 @@ def start_detokenization_process(config: ServerConfig, ready_pipe, parent_pid: i
     manager = DetokenizationManager(config, load_tokenizer(config))
     ready_pipe.send(ProcessReady("detokenizer"))
     logger.info("detokenizer ready (pid %d)", os.getpid())
-    manager.serve_forever()
+    try:
+        manager.serve_forever()  # until SIGTERM (SystemExit)
+    finally:
+        manager.close()

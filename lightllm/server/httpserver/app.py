@@ -19,11 +19,11 @@ import lightllm
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.body_limit import BodyLimit
 from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed, tokenize
-from lightllm.server.httpserver.manager import HttpServerManager
+from lightllm.server.httpserver.manager import HttpServerManager, ServerUnavailable
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
 from lightllm.server.httpserver.params import Limits, RequestError, parse_generate, parse_json
-from lightllm.server.io_struct import FinishReason, RouterReady, SamplingParams, TextOut
+from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams, TextOut
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +40,12 @@ class ServerState:
     started: float  # wall-clock time of start-up
 
 
-def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
+def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: RouterHeartbeat) -> FastAPI:
     metrics = Metrics(ready.max_total_token_num)
     state = ServerState(
         config=config,
         tokenizer=tokenizer,
-        manager=HttpServerManager(config, metrics),
+        manager=HttpServerManager(config, metrics, heartbeat),
         metrics=metrics,
         limits=Limits(config.max_req_input_len, config.max_req_total_len, ready.max_total_token_num),
         model_info=ready.model_info,
@@ -69,6 +69,7 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(GenerationFailed, generation_failed)
     app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(ServerUnavailable, server_unavailable)
     app.add_api_route("/generate", generate, methods=["POST"])
     app.add_api_route("/generate_stream", generate_stream, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
@@ -100,6 +101,10 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 
 async def generation_failed(request: Request, exc: GenerationFailed) -> JSONResponse:
     return error_response(request, 500, f"generation failed: {exc}", "internal")
+
+
+async def server_unavailable(request: Request, exc: ServerUnavailable) -> JSONResponse:
+    return error_response(request, 503, str(exc), "unavailable")
 
 
 async def client_gone(request: Request, exc: ClientGone) -> Response:
@@ -159,9 +164,20 @@ async def generate_stream(request: Request) -> Response:
 # ---- /health, /info, /metrics ----
 
 
-async def health(request: Request) -> JSONResponse:
-    """200 when a one-token generation goes through every process in time, 503 otherwise."""
+async def health(request: Request, generate: bool = False) -> JSONResponse:
+    """200 while the router's loop turns and every process is up, busy or not; 503 otherwise,
+    at once. With ?generate=1, also a one-token generation through every process."""
     state: ServerState = request.app.state.server
+    problem = state.manager.health_problem()
+    if problem is None and generate:
+        problem = await one_token_problem(state)
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "error": problem}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+async def one_token_problem(state: ServerState) -> str | None:
+    """Why a one-token generation failed (None: it went through in time). It queues behind real work."""
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
     try:
         async with asyncio.timeout(state.config.health_timeout):
@@ -169,10 +185,10 @@ async def health(request: Request) -> JSONResponse:
                 async for out in stream:
                     pass
     except TimeoutError:
-        return JSONResponse({"status": "unhealthy", "error": f"no token within {state.config.health_timeout}s"}, 503)
-    if out.finish_reason is FinishReason.ERROR:
-        return JSONResponse({"status": "unhealthy", "error": out.error}, 503)
-    return JSONResponse({"status": "ok"})
+        return f"no token within {state.config.health_timeout}s"
+    except ServerUnavailable as exc:
+        return str(exc)
+    return out.error if out.finish_reason is FinishReason.ERROR else None
 
 
 async def info(request: Request) -> JSONResponse:

@@ -1,11 +1,14 @@
 """The router process: a thin shell that feeds the engine core from ZeroMQ and sends its tokens on.
 
-It sleeps on its socket (and on the workers' exit) whenever the engine has nothing to do.
+It sleeps on its socket (and on the workers' exit) whenever the engine has nothing to do, waking
+once a second to mark its heartbeat for /health. If a worker dies or the engine raises, it tells
+the HTTP process why (RouterFailed: every open request ends with that error) and exits.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -16,13 +19,22 @@ from lightllm.engine.core import EngineCore, WorkerDied, describe_error
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.workers import ModelWorkers
 from lightllm.server.config import ServerConfig
-from lightllm.server.io_struct import AbortReq, BatchTokenOut, GenerateReq, RouterReady, RouterStats
+from lightllm.server.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    GenerateReq,
+    RouterFailed,
+    RouterHeartbeat,
+    RouterReady,
+    RouterStats,
+)
 from lightllm.server.router.stats import ThroughputLog
 from lightllm.utils.process import init_child_process
 
 logger = logging.getLogger(__name__)
 
 STATS_PUBLISH_INTERVAL = 0.05  # seconds between RouterStats messages while busy
+FAILURE_LINGER_MS = 2000  # how long the exiting router tries to deliver RouterFailed
 
 
 def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
@@ -33,8 +45,10 @@ def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_
 
 
 class RouterManager:
-    def __init__(self, config: ServerConfig, core: EngineCore, sentinels: list[int] = ()):
+    def __init__(self, config: ServerConfig, core: EngineCore, sentinels: list[int] = (),
+                 heartbeat: RouterHeartbeat | None = None):
         self.core = core
+        self._heartbeat = heartbeat or RouterHeartbeat(multiprocessing)  # nobody reads it in the simulator
         self._max_total_token_num = core.scheduler.max_total_token_num
         self._throughput = None if config.disable_log_stats else ThroughputLog(config.log_stats_interval)
         self._stats_dirty = False  # something changed since the last RouterStats
@@ -59,8 +73,15 @@ class RouterManager:
             self._poller.register(sentinel, zmq.POLLIN)  # readable once the worker has exited
 
     def close(self) -> None:
+        """linger=0: the peers may be gone already, and a socket with unsent messages and the
+        default linger would hold the process at exit."""
         for sock in (self._inbox, self._to_detokenizer, self._to_http):
             sock.close(linger=0)
+
+    def report_failure(self, error: str) -> None:
+        """The router's last word to the HTTP process, which ends every open request with it."""
+        self._to_http.send_pyobj(RouterFailed(error))
+        self._to_http.close(linger=FAILURE_LINGER_MS)
 
     def serve_forever(self) -> None:
         while True:
@@ -70,7 +91,9 @@ class RouterManager:
         """One turn of the loop: wait (only when idle), receive, one engine step, emit."""
         self._wait_for_work()
         self._receive()
+        self._heartbeat.step_started()
         outs = self.core.step()
+        self._heartbeat.turned()
         if outs:
             self._to_detokenizer.send_pyobj(BatchTokenOut(outs))
             self._stats_dirty = True
@@ -89,13 +112,14 @@ class RouterManager:
         if any(sentinel in events for sentinel in self._sentinels):
             raise WorkerDied("a model worker exited")
 
-    def _idle_timeout_ms(self) -> int | None:
-        """None (sleep until a message) unless a throughput log is still due."""
-        if self._throughput is None:
-            return None
-        self._throughput.maybe_log(0, 0, 0, self._max_total_token_num)
-        due = self._throughput.seconds_until_due()
-        return None if due is None else max(0, int(due * 1000) + 1)
+    def _idle_timeout_ms(self) -> int:
+        """Until the next heartbeat, or sooner if a throughput log is due."""
+        due = RouterHeartbeat.INTERVAL
+        if self._throughput is not None:
+            self._throughput.maybe_log(0, 0, 0, self._max_total_token_num)
+            log_due = self._throughput.seconds_until_due()
+            due = due if log_due is None else min(due, log_due)
+        return max(0, int(due * 1000) + 1)
 
     def _receive(self) -> None:
         while True:
@@ -135,22 +159,39 @@ class RouterManager:
                                        self._max_total_token_num)
 
 
-def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int) -> None:
+def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat) -> None:
     """Entry of the router process: start the model workers, report RouterReady, serve."""
     init_child_process(parent_pid, config.log_level)
     workers = ModelWorkers(config.tp, config.log_level)
     try:
         max_total_token_num, info = load_model(workers, config)
         core = build_engine(config, workers, max_total_token_num, info)
-        manager = RouterManager(config, core, workers.sentinels)
+        manager = RouterManager(config, core, workers.sentinels, heartbeat)
         ready_pipe.send(RouterReady(max_total_token_num, info))
         logger.info("router ready (pid %d): max_total_token_num %d", os.getpid(), max_total_token_num)
-        manager.serve_forever()
-    except WorkerDied as exc:
+        serve(manager, workers)
+    except WorkerDied as exc:  # while loading: the main process sees the router exit before it is ready
         logger.error("%s; the router stops", workers.dead_worker_message(timeout=2.0) or exc)
         sys.exit(1)
     finally:
         workers.shutdown()
+
+
+def serve(manager: RouterManager, workers: ModelWorkers) -> None:
+    """Serve until SIGTERM (SystemExit) or a failure, which the HTTP process hears of first."""
+    try:
+        manager.serve_forever()
+    except WorkerDied as exc:
+        error = workers.dead_worker_message(timeout=2.0) or str(exc)
+        logger.error("%s; the router stops", error)
+        manager.report_failure(error)
+        sys.exit(1)
+    except Exception as exc:
+        logger.exception("the router failed")
+        manager.report_failure(f"the router failed: {describe_error(exc)}")
+        sys.exit(1)
+    finally:
+        manager.close()
 
 
 def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:

@@ -1,0 +1,185 @@
+"""Health that tells the truth, and failures and shutdowns that reach every client (issue 10).
+
+/health answers from the router's heartbeat: at once while the server is busy, 503 when the
+router's loop stops turning or a process dies. A dead worker or a SIGTERM ends every open
+request with an error the client sees; SIGTERM first lets running requests finish.
+"""
+
+import json
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from lightllm.server.io_struct import RouterHeartbeat
+from lightllm.tools.bench_model import write_bench_model
+from server_utils import sse_events, start_server
+
+LONG = {"max_new_tokens": 2500, "ignore_eos": True}  # far longer than any of these tests waits
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def busy_server(tiny_dir, tmp_path_factory):
+    """Room for 200 running requests of 1,000 tokens; more wait."""
+    args = ["--model_dir", str(tiny_dir), "--running_max_req_size", "200", "--max_total_token_num", "300000"]
+    server = start_server(args, tmp_path_factory.mktemp("busy") / "server.log")
+    yield server
+    assert server.stop() == 0
+
+
+def open_raw_requests(server, count: int, body: dict) -> list[socket.socket]:
+    """`count` /generate requests on connections of their own that nobody reads; closing one aborts it."""
+    data = json.dumps(body).encode()
+    head = f"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    connections = []
+    for _ in range(count):
+        connection = socket.create_connection(("127.0.0.1", server.port))
+        connection.sendall(head.encode() + data)
+        connections.append(connection)
+    return connections
+
+
+def timed_health(server, method: str = "GET") -> tuple[int, float]:
+    start = time.monotonic()
+    status = requests.request(method, f"{server.url}/health", timeout=30).status_code
+    return status, time.monotonic() - start
+
+
+def test_health_is_instant_with_200_running_and_1000_waiting(busy_server):
+    server = busy_server
+    connections = open_raw_requests(server, 1200, {"inputs": "busy", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}})
+    try:
+        server.wait_for(
+            lambda: server.metrics()["lightllm_running_requests"] == 200 and server.metrics()["lightllm_queue_size"] == 1000,
+            timeout=90, what="200 running and 1,000 waiting",
+        )
+        for method in ("GET", "HEAD", "GET", "GET", "GET"):
+            status, seconds = timed_health(server, method)
+            assert status == 200 and seconds < 1.0, (method, status, seconds)
+        stats = server.metrics()
+        assert stats["lightllm_running_requests"] == 200 and stats["lightllm_queue_size"] == 1000
+    finally:
+        for connection in connections:
+            connection.close()
+    idle = lambda: server.metrics()  # noqa: E731
+    server.wait_for(lambda: idle()["lightllm_kv_tokens_used"] == 0 and idle()["lightllm_running_requests"] == 0
+                    and idle()["lightllm_queue_size"] == 0, timeout=60, what="every request aborted, all tokens free")
+    assert requests.get(f"{server.url}/health?generate=1", timeout=30).json() == {"status": "ok"}
+
+
+def test_a_stopped_router_loop_is_unhealthy_until_it_turns_again(busy_server):
+    server = busy_server
+    router = server.router()
+    router.suspend()  # SIGSTOP: the process lives, its loop does not turn
+    try:
+        stopped = time.monotonic()
+        server.wait_for(lambda: server.health() == 503, timeout=10, what="/health 503")
+        # The last turn came up to one idle interval before the stop.
+        assert RouterHeartbeat.TURN_TIMEOUT - 2 * RouterHeartbeat.INTERVAL <= time.monotonic() - stopped < 10
+        body = requests.get(f"{server.url}/health", timeout=30).json()
+        assert body["status"] == "unhealthy" and "has not turned" in body["error"]
+    finally:
+        router.resume()
+    server.wait_for(lambda: server.health() == 200, timeout=10, what="/health 200 again")
+    assert server.generate("again", max_new_tokens=4)["count_output_tokens"] == 4
+
+
+def test_a_killed_worker_ends_every_open_request_with_an_error(tiny_dir, tmp_path):
+    server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
+    (socket_dir,) = server.socket_dirs()
+    family = server.processes()
+    streams = [server.stream({"inputs": f"stream {i}", "parameters": LONG}) for i in range(3)]
+    events = [sse_events(stream) for stream in streams]
+    firsts = [next(stream_events) for stream_events in events]
+    replies = []
+    posts = [threading.Thread(target=lambda i=i: replies.append(server.post("/generate", {"inputs": f"whole {i}", "parameters": LONG})))
+             for i in range(3)]
+    for post in posts:
+        post.start()
+    server.wait_for(lambda: server.metrics()["lightllm_running_requests"] == 6, what="6 requests running")
+
+    (worker,) = server.model_workers()
+    worker.kill()
+    statuses = []  # 503 while the server ends its requests, None once it no longer listens
+    server.wait_for(lambda: statuses.append(server.health()) or statuses[-1] != 200, timeout=10, what="/health fails")
+    lasts = [list(stream_events)[-1] for stream_events in events]
+    for post in posts:
+        post.join(timeout=30)
+
+    assert statuses[-1] in (503, None)
+    assert not any(first["finished"] for first in firsts)
+    for last in lasts:
+        assert last["finished"] and last["finish_reason"] == "error" and "exited with code" in last["error"]
+    assert len(replies) == 3
+    for reply in replies:
+        assert reply.status_code == 500 and "exited with code" in reply.json()["error"]
+    assert server.proc.wait(timeout=30) == 1
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive and not socket_dir.exists()
+    server.stop()
+
+
+def assert_clean_stop(server, code: int = 0) -> None:
+    assert server.proc.wait(timeout=60) == code
+    assert server.socket_dirs() == []
+    log = server.log_text()
+    for trouble in ("ZMQError", "Traceback", "after SIGTERM; killing it"):
+        assert trouble not in log
+    server.stop()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_sigterm_lets_running_requests_finish_then_ends_the_rest_with_an_error(tiny_dir, tmp_path):
+    """Of three running requests, a short stream finishes within --shutdown_timeout; a long stream
+    and a long non-streamed request are then ended with the error. The start removed the socket
+    directory of a server that is gone, and kept that of one that still runs."""
+    stale = Path(tempfile.mkdtemp(prefix=f"lightllm-{dead_pid()}-"))  # as a SIGKILLed server leaves it
+    (stale / "router").touch()
+    live = Path(tempfile.mkdtemp(prefix=f"lightllm-{psutil.Process().pid}-"))
+    try:
+        server = start_server(["--model_dir", str(tiny_dir), "--shutdown_timeout", "5"], tmp_path / "server.log")
+        assert not stale.exists() and live.exists() and len(server.socket_dirs()) == 1
+    finally:
+        live.rmdir()
+    replies = []
+    post = threading.Thread(target=lambda: replies.append(server.post("/generate", {"inputs": "whole", "parameters": LONG})))
+    short = {"max_new_tokens": 300, "ignore_eos": True}
+    with server.stream({"inputs": "finish me", "parameters": short}) as finishing, \
+            server.stream({"inputs": "cut me", "parameters": LONG}) as cut:
+        finishing_events, cut_events = sse_events(finishing), sse_events(cut)
+        firsts = [next(finishing_events), next(cut_events)]
+        post.start()
+        server.wait_for(lambda: server.metrics()["lightllm_running_requests"] == 3, what="3 requests running")
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.wait_for(lambda: server.health() == 503, timeout=10, what="/health 503 while draining")
+        refused = server.post("/generate", {"inputs": "too late"})
+        finished = list(finishing_events)
+        last = list(cut_events)[-1]
+        seconds = time.monotonic() - signalled
+    post.join(timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"] == "the server is shutting down"
+    assert not any(first["finished"] for first in firsts)
+    assert finished[-1]["finish_reason"] == "length" and 1 + len(finished) == 300 and "error" not in finished[-1]
+    assert 5.0 <= seconds < 10.0
+    assert last["finish_reason"] == "error" and last["error"] == "generation failed: the server is shutting down"
+    assert replies[0].status_code == 500 and "the server is shutting down" in replies[0].json()["error"]
+    assert_clean_stop(server)
