@@ -1,6 +1,8 @@
 """The front door against what a client can send: bodies past --max_request_body_bytes get 413
-before they are read, text that is not valid Unicode gets 400, and a long prompt is tokenized
-off the event loop (the server keeps answering /health meanwhile)."""
+before they are read, text that is not valid Unicode gets 400, a body that is not JSON gets 415
+(curl -d's form type holding JSON is read as JSON), a prompt longer than max_req_input_len
+tokens could spell is refused before it is tokenized, and prompts are tokenized off the event
+loop (the server keeps answering /health meanwhile)."""
 
 import http.client
 import json
@@ -9,8 +11,16 @@ import urllib.parse
 
 import pytest
 import requests
+from transformers import AutoTokenizer
 
 SURROGATE = "a \ud800 b"
+VALID_BODIES = {
+    "/generate": {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 4}},
+    "/generate_stream": {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 4}},
+    "/v1/completions": {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+}
+CURL_FORM_TYPE = "application/x-www-form-urlencoded"  # what `curl -d` sends without -H 'Content-Type: ...'
 
 
 def rss_bytes(pid: int) -> int:
@@ -79,25 +89,88 @@ def test_lone_surrogates_get_a_400(default_server, path, body):
     assert "not valid Unicode" in message
 
 
-def test_a_long_prompt_does_not_stall_health(default_server):
-    """A 1.5 MB prompt takes the tokenizer a while (and is then refused as too long); /health
-    answers meanwhile."""
+def error_message(path: str, response: requests.Response) -> str:
+    error = response.json()["error"]
+    return error["message"] if path.startswith("/v1/") else error
+
+
+@pytest.mark.parametrize("headers", [{"Content-Type": CURL_FORM_TYPE}, {}], ids=["curl -d", "no type"])
+def test_curl_d_and_a_missing_type_are_read_as_json(default_server, headers):
+    body = json.dumps(VALID_BODIES["/generate"])
+    as_json = requests.post(f"{default_server.url}/generate", data=body, timeout=60,
+                            headers={"Content-Type": "application/json"})
+    response = requests.post(f"{default_server.url}/generate", data=body, headers=headers, timeout=60)
+    assert response.request.headers.get("Content-Type") == headers.get("Content-Type")
+    assert response.status_code == as_json.status_code == 200
+    assert response.json()["generated_text"] == as_json.json()["generated_text"]
+
+
+@pytest.mark.parametrize("path", list(VALID_BODIES))
+@pytest.mark.parametrize("content_type", ["text/plain", "multipart/form-data; boundary=x", "application/xml"])
+def test_a_body_that_is_not_json_gets_415(default_server, path, content_type):
+    response = requests.post(f"{default_server.url}{path}", data=json.dumps(VALID_BODIES[path]), timeout=30,
+                             headers={"Content-Type": content_type})
+    assert response.status_code == 415
+    assert f"Content-Type '{content_type.split(';')[0]}' is not supported" in error_message(path, response)
+
+
+def test_a_real_form_gets_415(default_server):
+    response = requests.post(f"{default_server.url}/generate", data={"inputs": "hi"}, timeout=30)
+    assert response.request.headers["Content-Type"] == CURL_FORM_TYPE
+    assert response.status_code == 415 and "must hold JSON" in response.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def prompt_char_bound(default_model_dir) -> int:
+    """max_req_input_len (2048) tokens of at most the longest vocabulary entry's length each."""
+    vocab = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True).get_vocab()
+    return 2048 * max(map(len, vocab))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_past_the_character_bound_is_not_tokenized(default_server, prompt_char_bound, path):
+    def send(prompt: str) -> tuple[requests.Response, float]:
+        body = {
+            "/generate": {"inputs": prompt},
+            "/v1/completions": {"prompt": prompt},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt[:10]},
+                                                  {"role": "user", "content": prompt[10:]}]},
+        }[path]
+        start = time.monotonic()
+        response = requests.post(f"{default_server.url}{path}", json=body, timeout=60)
+        return response, time.monotonic() - start
+
+    at_bound, _ = send(("word " * prompt_char_bound)[:prompt_char_bound])
+    assert at_bound.status_code == 400 and "tokens, more than max_req_input_len" in error_message(path, at_bound)
+    past, _ = send("x" * (prompt_char_bound + 1))
+    assert past.status_code == 400
+    assert f"has {prompt_char_bound + 1} characters" in error_message(path, past)
+    assert "it was not tokenized" in error_message(path, past)
+    # 5 MB: tokenizing it takes seconds on this machine; refused at once.
+    huge, took = send("word " * 1_000_000)
+    assert huge.status_code == 400 and "it was not tokenized" in error_message(path, huge) and took < 0.5
+
+
+def test_prompts_are_tokenized_off_the_event_loop(default_server, prompt_char_bound):
+    """Prompts just under the character bound keep the tokenizer busy for a while, one after
+    another, each refused for its token count; /health answers meanwhile."""
     import threading
 
-    long_body = json.dumps({"inputs": "word " * 300_000})
-    answer = {}
+    body = json.dumps({"inputs": ("word " * prompt_char_bound)[:prompt_char_bound]})
+    statuses = []
 
     def send_long():
-        answer["status"] = requests.post(f"{default_server.url}/generate", data=long_body, timeout=120,
-                                         headers={"Content-Type": "application/json"}).status_code
+        for _ in range(12):
+            statuses.append(requests.post(f"{default_server.url}/generate", data=body, timeout=120,
+                                          headers={"Content-Type": "application/json"}).status_code)
 
     thread = threading.Thread(target=send_long)
     thread.start()
     health_times = []
-    while thread.is_alive() and len(health_times) < 20:
+    while thread.is_alive() and len(health_times) < 50:
         start = time.monotonic()
         assert requests.get(f"{default_server.url}/health", timeout=30).status_code == 200
         health_times.append(time.monotonic() - start)
     thread.join()
-    assert answer["status"] == 400  # past max_req_input_len
+    assert statuses == [400] * 12  # tokenized, then refused as longer than max_req_input_len
     assert len(health_times) >= 2 and max(health_times) < 0.5

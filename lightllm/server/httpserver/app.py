@@ -22,7 +22,8 @@ from lightllm.server.httpserver.generation import ClientGone, Generation, Genera
 from lightllm.server.httpserver.manager import HttpServerManager, ServerUnavailable
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
-from lightllm.server.httpserver.params import Limits, RequestError, parse_generate, parse_json
+from lightllm.server.httpserver.json_body import RequestError, add_json_route, describe_errors
+from lightllm.server.httpserver.params import GenerateRequest, Limits, check_prompt_chars, prompt_char_bound
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams, TextOut
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
         tokenizer=tokenizer,
         manager=HttpServerManager(config, metrics, heartbeat),
         metrics=metrics,
-        limits=Limits(config.max_req_input_len, config.max_req_total_len, ready.max_total_token_num),
+        limits=Limits(config.max_req_input_len, config.max_req_total_len, ready.max_total_token_num,
+                      prompt_char_bound(tokenizer, config.max_req_input_len)),
         model_info=ready.model_info,
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=ready.model_info["eos_token_ids"][:1] or [0],
@@ -70,8 +72,8 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
     app.add_exception_handler(GenerationFailed, generation_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(ServerUnavailable, server_unavailable)
-    app.add_api_route("/generate", generate, methods=["POST"])
-    app.add_api_route("/generate_stream", generate_stream, methods=["POST"])
+    add_json_route(app, "/generate", generate)
+    add_json_route(app, "/generate_stream", generate_stream)
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
@@ -92,7 +94,7 @@ async def request_error(request: Request, exc: RequestError) -> JSONResponse:
 
 async def fastapi_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     request.app.state.server.metrics.rejected += 1
-    return error_response(request, 422, "; ".join(str(e.get("msg", e)) for e in exc.errors()), "validation")
+    return error_response(request, 400, describe_errors(exc.errors()), "validation")
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -114,16 +116,16 @@ async def client_gone(request: Request, exc: ClientGone) -> Response:
 # ---- /generate and /generate_stream ----
 
 
-async def start_generation(request: Request) -> Generation:
-    """Validate a /generate body, tokenize its prompt and submit it."""
+async def start_generation(request: Request, body: GenerateRequest) -> Generation:
+    """Tokenize a /generate prompt (refused before if it is too long) and submit it."""
     start = time.monotonic()
     state: ServerState = request.app.state.server
-    prompt, sampling = parse_generate(parse_json(await request.body()))
-    return Generation(request, await tokenize(state.tokenizer.encode, prompt), sampling, start)
+    check_prompt_chars(len(body.inputs), state.limits)
+    return Generation(request, await tokenize(state.tokenizer.encode, body.inputs), body.parameters.sampling(), start)
 
 
-async def generate(request: Request) -> Response:
-    generation = await start_generation(request)
+async def generate(request: Request, body: GenerateRequest) -> Response:
+    generation = await start_generation(request, body)
     text, last = await generation.result()
     return JSONResponse(
         {
@@ -155,8 +157,8 @@ async def sse_events(outputs):
         yield sse_event(out, "".join(pieces) if out.finish_reason is not None else None)
 
 
-async def generate_stream(request: Request) -> Response:
-    generation = await start_generation(request)
+async def generate_stream(request: Request, body: GenerateRequest) -> Response:
+    generation = await start_generation(request, body)
     first = await generation.first()
     return StreamingResponse(sse_events(generation.outputs(first)), media_type="text/event-stream")
 

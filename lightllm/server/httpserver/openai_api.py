@@ -16,9 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightllm.server.httpserver.generation import Generation, tokenize
-from lightllm.server.httpserver.openai_params import OpenAIRequest, parse_chat, parse_completion
-from lightllm.server.httpserver.params import RequestError, parse_json
-from lightllm.server.io_struct import FinishReason, TextOut
+from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
+from lightllm.server.httpserver.params import check_prompt_chars
+from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
 
 # Our finish reasons in OpenAI's words: an EOS token and a stop sequence are both "stop".
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}
@@ -26,8 +27,8 @@ FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", Finis
 
 def add_openai_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    add_json_route(app, "/v1/completions", completions)
+    add_json_route(app, "/v1/chat/completions", chat_completions)
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -42,30 +43,36 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [model]})
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request, body: CompletionRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
-    parsed = parse_completion(parse_json(await request.body()), state.model_info["vocab_size"])
-    check_model(parsed, state.config.served_model_name)
-    prompt_ids = await tokenize(state.tokenizer.encode, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
-    return await answer(request, parsed, prompt_ids, start, CompletionFormat)
+    check_request(body, state)
+    prompt = body.prompt_value(state.model_info["vocab_size"])
+    if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), state.limits)
+        prompt = await tokenize(state.tokenizer.encode, prompt)
+    return await answer(request, body, body.sampling(), prompt, start, CompletionFormat)
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request, body: ChatRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
-    parsed = parse_chat(parse_json(await request.body()))
-    check_model(parsed, state.config.served_model_name)
-    prompt_ids = await tokenize(chat_prompt_ids, state.tokenizer, parsed.messages)
-    if not parsed.max_tokens_given:  # OpenAI's default: as many as the context leaves
+    check_request(body, state)
+    messages = body.template_messages()
+    check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
+    prompt_ids = await tokenize(chat_prompt_ids, state.tokenizer, messages)
+    sampling = body.sampling()
+    if not body.max_tokens_given:  # OpenAI's default: as many as the context leaves
         room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
-        parsed.sampling.max_new_tokens = max(1, room)
-    return await answer(request, parsed, prompt_ids, start, ChatFormat)
+        sampling.max_new_tokens = max(1, room)
+    return await answer(request, body, sampling, prompt_ids, start, ChatFormat)
 
 
-def check_model(parsed: OpenAIRequest, served: str) -> None:
-    if parsed.model is not None and parsed.model != served:
-        raise RequestError(f"model {parsed.model!r} does not exist; this server serves {served!r}", 404)
+def check_request(body: OpenAIBody, state) -> None:
+    body.check_supported()
+    served = state.config.served_model_name
+    if body.model is not None and body.model != served:
+        raise RequestError(f"model {body.model!r} does not exist; this server serves {served!r}", 404)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -79,14 +86,15 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-async def answer(request: Request, parsed: OpenAIRequest, prompt_ids: list[int], start: float, fmt) -> Response:
-    generation = Generation(request, prompt_ids, parsed.sampling, start)
+async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompt_ids: list[int], start: float,
+                 fmt) -> Response:
+    generation = Generation(request, prompt_ids, sampling, start)
     reply = fmt(f"{fmt.id_prefix}-{uuid.uuid4().hex}", request.app.state.server.config.served_model_name)
-    if not parsed.stream:
+    if not body.stream:
         text, last = await generation.result()
         return JSONResponse(reply.whole(text, last, usage(generation.prompt_len, last)))
     first = await generation.first()
-    events = stream_events(reply, generation, first, parsed.include_usage)
+    events = stream_events(reply, generation, first, body.include_usage)
     return StreamingResponse(events, media_type="text/event-stream")
 
 

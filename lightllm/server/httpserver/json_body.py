@@ -1,0 +1,151 @@
+"""How a POST body becomes the route's pydantic model, and how its mistakes become 4xx messages.
+
+`JSONBodyRoute` reads the body before FastAPI does: the content type is checked (415), the JSON
+is read strictly (no NaN or Infinity, no lone UTF-16 surrogates, an object at the top) and only
+then does FastAPI validate it against the model the route function declares, so /openapi.json
+describes every body while the errors keep this server's wording.
+
+Content types: JSON (`application/json`, `*+json`), none at all, and
+`application/x-www-form-urlencoded` when the body is JSON: that is what `curl -d '{...}'` sends
+without `-H 'Content-Type: application/json'`, the way most people first try an API. Anything
+else (text/plain, multipart, xml, a form that is not JSON) gets 415.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request, Response
+from fastapi.routing import APIRoute
+
+
+class RequestError(Exception):
+    """An error the client caused: answered with `status_code` and this message."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+CURL_FORM_TYPE = "application/x-www-form-urlencoded"
+
+
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def check_content_type(media: str) -> None:
+    if media in ("", "application/json", CURL_FORM_TYPE) or media.endswith("+json"):
+        return
+    raise RequestError(f"Content-Type {media!r} is not supported: send a JSON body (application/json)", 415)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    try:  # JSON may escape lone UTF-16 surrogates ("\ud800"), which no tokenizer can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("request body holds text that is not valid Unicode (a lone surrogate such as "
+                           "\\ud800)") from None
+    return data
+
+
+def read_json(content_type: str | None, body: bytes) -> dict:
+    media = media_type(content_type)
+    check_content_type(media)
+    try:
+        return parse_json(body)
+    except RequestError:
+        if media == CURL_FORM_TYPE:  # a real form, not curl -d '{...}'
+            raise RequestError(f"an {CURL_FORM_TYPE} body must hold JSON: send a JSON body (application/json)",
+                               415) from None
+        raise
+
+
+class ReadRequest(Request):
+    """A request whose body was read and parsed already; FastAPI takes `json()` as the body."""
+
+    def __init__(self, request: Request, body: bytes, data: dict):
+        # FastAPI parses only a body labelled JSON; the client's own label was checked by read_json.
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+        super().__init__({**request.scope, "headers": [*headers, (b"content-type", b"application/json")]},
+                         request.receive)
+        self._raw, self._data = body, data
+
+    async def body(self) -> bytes:
+        return self._raw
+
+    async def json(self) -> dict:
+        return self._data
+
+
+class JSONBodyRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def read_then_handle(request: Request) -> Response:
+            body = await request.body()
+            return await handler(ReadRequest(request, body, read_json(request.headers.get("content-type"), body)))
+
+        return read_then_handle
+
+
+ERROR_RESPONSES = {
+    400: {"description": "the body is not valid: the error says which field and why"},
+    413: {"description": "the body is larger than --max_request_body_bytes"},
+    415: {"description": "the body is not JSON"},
+}
+
+
+def add_json_route(app: FastAPI, path: str, endpoint) -> None:
+    """A POST route whose body is the pydantic model that `endpoint` declares."""
+    app.router.add_api_route(path, endpoint, methods=["POST"], route_class_override=JSONBodyRoute,
+                             responses=ERROR_RESPONSES)
+
+
+# ---- pydantic's errors as one message ----
+
+MAX_SHOWN_CHARS = 60
+UNION_MEMBER_NAMES = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "..."
+
+
+def _field_path(loc) -> str:
+    """('body', 'messages', 0, 'content', 'list[TextPart]', 0) -> messages[0].content[0]: a union's
+    member names (pydantic puts them in the path) are left out."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in UNION_MEMBER_NAMES:
+            path += f".{part}" if path else part
+    return path
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """One clause per field; a union's members each add what they expected."""
+    clauses: dict[str, list[str]] = {}
+    for error in errors:
+        where, kind = _field_path(error.get("loc", ())), error.get("type")
+        if kind == "extra_forbidden":
+            text = "unknown field"
+        elif kind == "missing":
+            text = "required"
+        else:
+            text = f"{error.get('msg', 'invalid')}, got {_shown(error.get('input'))}"
+        if text not in clauses.setdefault(where, []):
+            clauses[where].append(text)
+    return "; ".join(f"'{where}': {' or '.join(texts)}" for where, texts in clauses.items())
