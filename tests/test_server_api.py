@@ -75,7 +75,9 @@ def test_stream_joins_to_generate(server, params):
 def test_same_seed_same_output(server):
     params = {"do_sample": True, "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
     first = server.generate("Tell me a story", seed=1234, **params)
-    assert server.generate("Tell me a story", seed=1234, **params) == first
+    again = server.generate("Tell me a story", seed=1234, **params)
+    assert again["generated_text"] == first["generated_text"]
+    assert again["cached_tokens"] == again["prompt_tokens"] - 1  # served from the prefix cache
     others = {server.generate("Tell me a story", seed=s, **params)["generated_text"][0] for s in range(3)}
     assert len(others) > 1
 

@@ -355,7 +355,10 @@ class Scheduler:
             if req is None:  # ended while this step ran: its extra token is never emitted
                 continue
             reason = req.append(token.token_id)
-            outs.append(TokenOut(req.req_id, token.token_id, token.logprob, reason))
+            out = TokenOut(req.req_id, token.token_id, token.logprob, reason)
+            if req.output_count == 1:
+                out.cached_tokens = req.cached
+            outs.append(out)
             if reason is not None:
                 self._end(req)
         return outs

@@ -51,6 +51,10 @@ class ServerConfig:
         default=False,
         metadata=_flag("plan each step only after the previous one's tokens are back (a synchronous loop, for debugging); by default the next step is planned while the device runs the current one"),
     )
+    disable_prefix_cache: bool = field(
+        default=False,
+        metadata=_flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
+    )
     running_max_req_size: int = field(default=512, metadata=_flag("most requests in the running batch (and the largest CUDA-graph decode bucket); see docs/benchmarks.md for how the default was chosen"))
     tp: int = field(default=1, metadata=_flag("tensor-parallel degree: one model worker process per rank"))
     max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))

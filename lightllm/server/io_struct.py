@@ -67,6 +67,7 @@ class TokenOut:
     logprob: float
     finish_reason: FinishReason | None = None  # set on the request's last token
     error: str | None = None  # set with FinishReason.ERROR
+    cached_tokens: int = 0  # on the request's first token: prompt tokens the prefix cache supplied
 
 
 @dataclass
@@ -84,6 +85,7 @@ class TextOut:
     count_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    cached_tokens: int = 0  # as TokenOut: on the first token
 
 
 @dataclass
@@ -95,8 +97,11 @@ class BatchTextOut:
 class RouterStats:
     waiting_reqs: int
     running_reqs: int
-    tokens_used: int  # KV slots in use, as the rank-0 model runner counts them
+    tokens_used: int  # KV slots running requests need (their own and the cached ones they use)
     max_total_token_num: int
+    prefix_cached_tokens: int = 0  # KV slots the prefix cache holds (evicted when room is needed)
+    prefix_queried_tokens: int = 0  # counters since start: prompt tokens looked up in the cache
+    prefix_hit_tokens: int = 0  # ... and found there
 
 
 @dataclass

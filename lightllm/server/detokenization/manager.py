@@ -79,6 +79,7 @@ class DetokenizationManager:
             logprob=out.logprob,
             special=out.token_id in self._special_ids,
             count_output_tokens=len(decoder.ids),
+            cached_tokens=out.cached_tokens,
             finish_reason=finish_reason,
             error=out.error,
         )

@@ -133,6 +133,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
             "count_output_tokens": last.count_output_tokens,
             "finish_reason": last.finish_reason.value,
             "prompt_tokens": generation.prompt_len,
+            "cached_tokens": generation.timer.cached_tokens,
         }
     )
 

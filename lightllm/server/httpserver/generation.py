@@ -33,11 +33,13 @@ class RequestTimer:
     def __init__(self, metrics: Metrics, prompt_len: int, start: float):
         self.metrics, self.prompt_len, self.start = metrics, prompt_len, start
         self.first_token_seen = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied (told with the first token)
 
     def observe(self, out: TextOut) -> None:
         now = time.monotonic()
         if not self.first_token_seen:
             self.first_token_seen = True
+            self.cached_tokens = out.cached_tokens
             self.metrics.time_to_first_token.observe(now - self.start)
         if out.finish_reason is not None:
             self.metrics.observe_finished(out.finish_reason, self.prompt_len, out.count_output_tokens, now - self.start)

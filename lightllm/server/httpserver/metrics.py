@@ -65,8 +65,16 @@ class Metrics:
         lines += self.time_to_first_token.render() + self.e2e_latency.render()
         lines += _metric("lightllm_queue_size", "gauge", "Requests waiting for admission.", [("", stats.waiting_reqs)])
         lines += _metric("lightllm_running_requests", "gauge", "Requests in the running batch.", [("", stats.running_reqs)])
-        lines += _metric("lightllm_kv_tokens_used", "gauge", "KV cache tokens in use.", [("", stats.tokens_used)])
+        lines += _metric("lightllm_kv_tokens_used", "gauge", "KV cache tokens running requests use (their own and cached ones they share).",
+                         [("", stats.tokens_used)])
         lines += _metric("lightllm_kv_tokens_total", "gauge", "KV cache budget (max_total_token_num).", [("", stats.max_total_token_num)])
         ratio = stats.tokens_used / stats.max_total_token_num
         lines += _metric("lightllm_kv_tokens_used_ratio", "gauge", "KV cache tokens in use / budget.", [("", ratio)])
+        lines += _metric("lightllm_prefix_cache_tokens", "gauge",
+                         "KV cache tokens the prefix cache holds (not in use: evicted when room is needed).",
+                         [("", stats.prefix_cached_tokens)])
+        lines += _metric("lightllm_prefix_cache_queries_tokens_total", "counter",
+                         "Prompt tokens looked up in the prefix cache.", [("", stats.prefix_queried_tokens)])
+        lines += _metric("lightllm_prefix_cache_hits_tokens_total", "counter",
+                         "Prompt tokens found in the prefix cache (not computed).", [("", stats.prefix_hit_tokens)])
         return "\n".join(lines) + "\n"

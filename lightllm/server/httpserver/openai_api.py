@@ -92,15 +92,16 @@ async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, p
     reply = fmt(f"{fmt.id_prefix}-{uuid.uuid4().hex}", request.app.state.server.config.served_model_name)
     if not body.stream:
         text, last = await generation.result()
-        return JSONResponse(reply.whole(text, last, usage(generation.prompt_len, last)))
+        return JSONResponse(reply.whole(text, last, usage(generation, last)))
     first = await generation.first()
     events = stream_events(reply, generation, first, body.include_usage)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-def usage(prompt_len: int, last: TextOut) -> dict:
-    completion = last.count_output_tokens
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+def usage(generation: Generation, last: TextOut) -> dict:
+    prompt, completion = generation.prompt_len, last.count_output_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": generation.timer.cached_tokens}}
 
 
 async def stream_events(reply, generation: Generation, first: TextOut, include_usage: bool) -> AsyncIterator[str]:
@@ -113,7 +114,7 @@ async def stream_events(reply, generation: Generation, first: TextOut, include_u
         if out.text or out.finish_reason is not None:
             yield sse(reply.chunk(out.text, FINISH_REASONS.get(out.finish_reason)))
         if out.finish_reason is not None and include_usage:
-            yield sse(reply.usage_chunk(usage(generation.prompt_len, out)))
+            yield sse(reply.usage_chunk(usage(generation, out)))
     yield "data: [DONE]\n\n"
 
 

@@ -39,7 +39,7 @@ FAILURE_LINGER_MS = 2000  # how long the exiting router tries to deliver RouterF
 
 def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
-                          config.schedule_policy)
+                          config.schedule_policy, prefix_cache=not config.disable_prefix_cache)
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 
@@ -116,7 +116,7 @@ class RouterManager:
         """Until the next heartbeat, or sooner if a throughput log is due."""
         due = RouterHeartbeat.INTERVAL
         if self._throughput is not None:
-            self._throughput.maybe_log(0, 0, 0, self._max_total_token_num)
+            self._throughput.maybe_log(self._stats())
             log_due = self._throughput.seconds_until_due()
             due = due if log_due is None else min(due, log_due)
         return max(0, int(due * 1000) + 1)
@@ -149,14 +149,17 @@ class RouterManager:
         busy = not self.idle
         if not self._stats_dirty or (busy and now - self._last_publish < STATS_PUBLISH_INTERVAL):
             return
-        scheduler = self.core.scheduler
-        tokens_used = scheduler.tokens_used
-        stats = RouterStats(len(scheduler.waiting), len(scheduler.running), tokens_used, self._max_total_token_num)
+        stats = self._stats()
         self._to_http.send_pyobj(stats)
         self._stats_dirty, self._last_publish = False, now
         if self._throughput is not None:
-            self._throughput.maybe_log(len(scheduler.running), len(scheduler.waiting), tokens_used,
-                                       self._max_total_token_num)
+            self._throughput.maybe_log(stats)
+
+    def _stats(self) -> RouterStats:
+        scheduler = self.core.scheduler
+        return RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
+                           self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
+                           scheduler.prefix_hit_tokens)
 
 
 def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat) -> None:

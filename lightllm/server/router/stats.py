@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+from lightllm.server.io_struct import RouterStats
+
 logger = logging.getLogger(__name__)
 
 
@@ -14,6 +16,7 @@ class ThroughputLog:
         self._window_start: float | None = None  # None: nothing happened since the last log
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        self._prefix = (0, 0)  # (queried, hit) prompt tokens at the last log
 
     def count(self, prompt_tokens: int, generated_tokens: int) -> None:
         if self._window_start is None:
@@ -26,19 +29,25 @@ class ThroughputLog:
             return None
         return max(0.0, self._window_start + self._interval - time.monotonic())
 
-    def maybe_log(self, running: int, waiting: int, tokens_used: int, max_total_token_num: int) -> None:
+    def maybe_log(self, stats: RouterStats) -> None:
         due = self.seconds_until_due()
         if due is None or due > 0:
             return
         elapsed = time.monotonic() - self._window_start
+        queried = stats.prefix_queried_tokens - self._prefix[0]
+        hits = stats.prefix_hit_tokens - self._prefix[1]
+        self._prefix = (stats.prefix_queried_tokens, stats.prefix_hit_tokens)
         logger.info(
-            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV tokens %d/%d (%.1f%%)",
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV tokens %d/%d (%.1f%%), "
+            "prefix cache %d tokens, hit rate %.1f%%",
             self._prompt_tokens / elapsed,
             self._generated_tokens / elapsed,
-            running,
-            waiting,
-            tokens_used,
-            max_total_token_num,
-            100.0 * tokens_used / max_total_token_num,
+            stats.running_reqs,
+            stats.waiting_reqs,
+            stats.tokens_used,
+            stats.max_total_token_num,
+            100.0 * stats.tokens_used / stats.max_total_token_num,
+            stats.prefix_cached_tokens,
+            100.0 * hits / queried if queried else 0.0,
         )
         self._window_start, self._prompt_tokens, self._generated_tokens = None, 0, 0

@@ -1,0 +1,49 @@
+"""The prefix cache through the server (default model, cache on by default): a repeated prompt
+and a shared system prompt are served from the cache with the same greedy text; responses and
+/metrics report the cached tokens; idle, no KV token is in use and the cache keeps its tokens."""
+
+import requests
+
+SYSTEM = ("You are a helpful assistant for a small bakery. You answer questions about bread, cakes, "
+          "opening hours and prices, politely and in at most two sentences. ") * 3
+
+
+def metric(server, name: str) -> float:
+    return server.metrics()[name]
+
+
+def test_repeated_prompt_is_served_from_the_cache(default_server):
+    prompt = SYSTEM + "What do you sell?"
+    queried_before = metric(default_server, "lightllm_prefix_cache_queries_tokens_total")
+    hits_before = metric(default_server, "lightllm_prefix_cache_hits_tokens_total")
+    first = default_server.generate(prompt, max_new_tokens=8)
+    second = default_server.generate(prompt, max_new_tokens=8)
+    assert second["generated_text"] == first["generated_text"]
+    # Every prompt token but the last (whose logits the reply needs) comes from the cache.
+    assert second["cached_tokens"] == second["prompt_tokens"] - 1
+    default_server.wait_for(
+        lambda: metric(default_server, "lightllm_prefix_cache_queries_tokens_total") - queried_before
+        == 2 * first["prompt_tokens"], what="the lookups counted")
+    hits = metric(default_server, "lightllm_prefix_cache_hits_tokens_total") - hits_before
+    assert hits == first["cached_tokens"] + second["cached_tokens"]
+    default_server.wait_for(lambda: metric(default_server, "lightllm_kv_tokens_used") == 0, what="idle")
+    assert metric(default_server, "lightllm_prefix_cache_tokens") >= second["prompt_tokens"]
+
+
+def test_shared_system_prompt_reports_cached_tokens_in_openai_usage(default_server):
+    model = requests.get(f"{default_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def chat(question: str) -> dict:
+        body = {"model": model, "temperature": 0, "max_tokens": 6,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+        response = requests.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = chat("When do you open?")
+    again = chat("When do you open?")
+    other = chat("Do you bake rye bread?")
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    system_tokens = len(SYSTEM.split())  # a lower bound on its tokens
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= system_tokens
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
