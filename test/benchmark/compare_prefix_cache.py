@@ -1,0 +1,131 @@
+"""The prefix cache on against off, through the server, same requests, one run:
+
+    python test/benchmark/compare_prefix_cache.py --out-dir cmp \\
+        --bench "shared-prefix=--workload shared-prefix --prefix-groups 8 --prefix-group-size 8 --stream" \\
+        --bench "sharegpt=--requests saved.json --num-prompts 32 --stream" [--server-args "..."]
+
+For each --bench (NAME=benchmark_serving flags) a server is started with the cache on, then one
+with --disable_prefix_cache (same --server-args), and benchmark_serving runs against each; the
+table gives both and their ratio, with the hit rate read from /metrics. JSON per run in --out-dir,
+the table in OUT/summary.md, a plot in OUT/compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+import benchmark_serving  # noqa: E402
+from serving_client import wait_until_healthy  # noqa: E402
+
+from lightllm.utils.net import free_port  # noqa: E402
+
+logger = logging.getLogger("compare_prefix_cache")
+MODES = {"cache on": [], "cache off": ["--disable_prefix_cache"]}
+COLUMNS = [("req/s", "request_throughput", "{:.3f}"), ("output tok/s", "output_throughput", "{:.1f}"),
+           ("median TTFT ms", "median_ttft_ms", "{:.0f}"), ("median TPOT ms", "median_tpot_ms", "{:.0f}"),
+           ("duration s", "duration", "{:.1f}"), ("hit rate", "prefix_cache_hit_rate", "{:.1%}")]
+
+
+def serve(server_args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *server_args]
+    logger.info("starting %s", shlex.join(cmd))
+    process = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    asyncio.run(wait_until_healthy(url, 600, lambda: process.poll() is None))
+    return process, url
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def fmt(value, spec: str) -> str:
+    return "n/a" if value is None else spec.format(value)
+
+
+def table(results: dict) -> str:
+    head = "| workload | prefix cache | " + " | ".join(name for name, _, _ in COLUMNS) + " |"
+    lines = [head, "| --- | --- |" + " ---: |" * len(COLUMNS)]
+    for bench, runs in results.items():
+        on, off = runs.get("cache on"), runs.get("cache off")
+        for mode, summary in runs.items():
+            cells = [fmt(summary.get(key), spec) for _, key, spec in COLUMNS]
+            lines.append(f"| {bench} | {mode} | " + " | ".join(cells) + " |")
+        if on and off:
+            ratios = [fmt(on[key] / off[key] if on.get(key) and off.get(key) and key != "prefix_cache_hit_rate"
+                          else None, "{:.2f}x") for _, key, _ in COLUMNS]
+            lines.append(f"| {bench} | on / off | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, (label, key) in zip(axes, [("requests/s", "request_throughput"), ("median TTFT (ms)", "median_ttft_ms")]):
+        for offset, mode in ((-0.2, "cache off"), (0.2, "cache on")):
+            values = [results[n].get(mode, {}).get(key) or 0 for n in names]
+            ax.bar([i + offset for i in range(len(names))], values, width=0.4, label=mode)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel(label)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", action="append", required=True, help="NAME=benchmark_serving flags")
+    parser.add_argument("--server-args", default="", help="flags for both servers (besides --port)")
+    parser.add_argument("--out-dir", type=Path, default=Path("prefix_cache_cmp"))
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    failed = 0
+    for bench in args.bench:
+        name, _, flags = bench.partition("=")
+        results[name] = {}
+        for mode, extra in MODES.items():
+            tag = f"{name}-{mode.replace(' ', '-')}"
+            process, url = serve(shlex.split(args.server_args) + extra, args.out_dir / f"{tag}.log")
+            try:
+                started = time.perf_counter()
+                bench_args = benchmark_serving.parse_args(
+                    [*shlex.split(flags), "--base-url", url, "--result-json", str(args.out_dir / f"{tag}.json")])
+                summary = benchmark_serving.run(bench_args)
+                failed += summary["failed"]
+                results[name][mode] = summary
+                logger.info("%s: %.0f s", tag, time.perf_counter() - started)
+            finally:
+                stop(process)
+    text = table(results)
+    (args.out_dir / "summary.md").write_text(text + "\n")
+    (args.out_dir / "summary.json").write_text(json.dumps(results, indent=2, default=str))
+    plot(results, args.out_dir / "compare.png")
+    print(text, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
