@@ -188,6 +188,19 @@ def rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in server_processes(pid)) / 2**20
 
 
+def rss_by_role(pid: int) -> dict[str, float]:
+    """MiB per process of the server: main (HTTP), router, model workers, detokenizer."""
+    main = psutil.Process(pid)
+    roles = Counter({"main": main.memory_info().rss})
+    for child in main.children():
+        if "resource_tracker" in " ".join(child.cmdline()):
+            continue
+        workers = child.children()
+        roles["router" if workers else "detokenizer"] += child.memory_info().rss
+        roles["workers"] += sum(worker.memory_info().rss for worker in workers)
+    return {role: round(rss / 2**20) for role, rss in roles.items()}
+
+
 def listening_pid(port: int) -> int:
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
@@ -239,10 +252,19 @@ async def progress(deadline: float, seconds: float, outcomes: Outcomes) -> None:
             bar.set_postfix(dict(by_outcome))
 
 
-async def soak(url: str, seconds: float, concurrency: int, seed: int, outcomes: Outcomes, health_times: list[float]) -> None:
+async def memory_sampler(pid: int, deadline: float, samples: list[float]) -> None:
+    """The server's RSS once a minute during the soak (busy, so higher than idle)."""
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(60.0, max(0.0, deadline - time.monotonic())))
+        samples.append(rss_mib(pid))
+
+
+async def soak(url: str, pid: int, seconds: float, concurrency: int, seed: int, outcomes: Outcomes,
+               health_times: list[float], rss_samples: list[float]) -> None:
     deadline = time.monotonic() + seconds
     tasks = [client(url, seed * 1000 + i, deadline, outcomes) for i in range(concurrency)]
-    await asyncio.gather(*tasks, health_prober(url, deadline, health_times), progress(deadline, seconds, outcomes))
+    await asyncio.gather(*tasks, health_prober(url, deadline, health_times), progress(deadline, seconds, outcomes),
+                         memory_sampler(pid, deadline, rss_samples))
 
 
 # ---- the report ----
@@ -255,7 +277,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[float], elapsed: float) -> tuple[str, bool]:
+def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[float], rss_samples: list[float],
+           elapsed: float) -> tuple[str, bool]:
     lines = [f"Soak: {elapsed / 60:.1f} min, {args.concurrency} clients, seed {args.seed}, server {args.url}", ""]
     lines += ["| request | ok | rejected (4xx) | aborted | unexpected | p50 s | p99 s |", "|---|---|---|---|---|---|---|"]
     total = Counter()
@@ -274,6 +297,8 @@ def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[
         f"Requests: {sum(total.values())} ({sum(total.values()) / elapsed:.1f}/s); "
         f"/health: {len(health_times)} probes, p99 {percentile(health_times, 0.99) * 1000:.0f} ms, max {max(health_times, default=0) * 1000:.0f} ms",
         f"Server RSS (all processes), idle: {start['rss_mib']:.0f} MiB after warm-up, {end['rss_mib']:.0f} MiB at the end ({growth:+.1%})",
+        f"RSS by process, MiB: {start['by_role']} after warm-up, {end['by_role']} at the end",
+        f"RSS while busy, once a minute, MiB: {', '.join(f'{mib:.0f}' for mib in rss_samples)}",
         f"KV tokens in use, idle: {start['kv']:.0f} after warm-up, {end['kv']:.0f} at the end (of {end['kv_total']:.0f}); "
         f"requests running/waiting at the end: {end['running']:.0f}/{end['waiting']:.0f}",
     ]
@@ -287,22 +312,22 @@ def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[
 
 async def idle_state(url: str, pid: int) -> dict:
     sample = await wait_idle(url)
-    return {"rss_mib": rss_mib(pid), "kv": sample["lightllm_kv_tokens_used"], "kv_total": sample["lightllm_kv_tokens_total"],
+    return {"rss_mib": rss_mib(pid), "by_role": rss_by_role(pid), "kv": sample["lightllm_kv_tokens_used"], "kv_total": sample["lightllm_kv_tokens_total"],
             "running": sample["lightllm_running_requests"], "waiting": sample["lightllm_queue_size"]}
 
 
 def run(args) -> bool:
     pid = args.pid or listening_pid(int(args.url.rsplit(":", 1)[1].split("/")[0]))
     warmup = Outcomes()
-    asyncio.run(soak(args.url, args.warmup_s, args.concurrency, args.seed + 1, warmup, []))
+    asyncio.run(soak(args.url, pid, args.warmup_s, args.concurrency, args.seed + 1, warmup, [], []))
     start = asyncio.run(idle_state(args.url, pid))
     logger.info("after warm-up: %s", start)
-    outcomes, health_times = Outcomes(), []
+    outcomes, health_times, rss_samples = Outcomes(), [], []
     began = time.monotonic()
-    asyncio.run(soak(args.url, args.minutes * 60, args.concurrency, args.seed, outcomes, health_times))
+    asyncio.run(soak(args.url, pid, args.minutes * 60, args.concurrency, args.seed, outcomes, health_times, rss_samples))
     elapsed = time.monotonic() - began
     end = asyncio.run(idle_state(args.url, pid))
-    text, passed = report(args, outcomes, start, end, health_times, elapsed)
+    text, passed = report(args, outcomes, start, end, health_times, rss_samples, elapsed)
     print(text)
     if args.report:
         Path(args.report).write_text(text + "\n")
