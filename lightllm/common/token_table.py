@@ -38,8 +38,10 @@ class TokenTable:
         self.device = torch.device(device)
         self.scratch_slot = size
         shape = (size + 1, kv_heads, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # Zeroed, not just allocated: the pages are taken now, so the process's memory is its
+        # working size from the start and does not creep up as slots are first written.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.mem_state = torch.ones(size, dtype=torch.int32, device=self.device)
         self.free_count = size
         logger.info("token table: %d slots x %d layers x %d kv heads x %d dims (%s), %.2f GiB",

@@ -28,6 +28,7 @@ from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype
 from lightllm.utils.dist import init_tp
+from lightllm.utils.process import return_free_heap
 
 from .cuda_graph import META_ROWS, DecodeGraphs, graph_memory_bytes
 from .sampling import SamplingBatch, SamplingState, host_lists, sample
@@ -165,6 +166,8 @@ class ModelRunner:
 
     def _apply_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
         self.apply(plan.ops)
+        if plan.empty and not self.reqs and self.device.type == "cpu":
+            return_free_heap()  # idle: the memory of the busy steps goes back
         return None if plan.empty else self._launch(plan)
 
     @torch.inference_mode()

@@ -59,3 +59,14 @@ def stop_processes(processes, timeout: float = 5.0) -> None:
             process.kill()
         process.join()
         logger.debug("%s stopped (exit code %s)", process.name, process.exitcode)
+
+
+def return_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim). On the CPU a model
+    worker allocates activations of every step's shape; glibc keeps what they free, so an idle
+    worker would otherwise stay at its busiest size. A no-op where there is no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
