@@ -3,29 +3,40 @@
 # .gpu/old) against this working tree, on the same saved ShareGPT requests. From the repo root:
 #
 #   bash test/benchmark/h100_serving.sh [dry] ITEM...      ("serve" and quoted lists are accepted)
-#   ITEM = check | VARIANT:N[@RATE]
-#   VARIANT = old | new | new-nooverlap (--disable_overlap) | new-cSIZE (--chunked_prefill_size SIZE);
-#   N prompts from .gpu/requests-N.json
-#   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once)
+#   ITEM = check | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
+#   VARIANT = old | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
+#           | new-cSIZE (--chunked_prefill_size SIZE);
+#   VARIANT:N[@RATE]: gpu_compare's server phase on N prompts from .gpu/requests-N.json
+#   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once).
+#   VARIANT/WORKLOADS: one server, benchmark_serving.py once per workload in turn (all at once,
+#   streamed, hit rate from /metrics), after a warm-up of unrelated text and before a greedy probe
+#   whose tokens the table compares between servers (cache on against off);
+#   WORKLOAD = sharegpt-N (the saved requests, as above) | shared-prefix (32 groups x 32,
+#   1024-token prefix, 128-token questions) | multi-turn (32 conversations x 4 turns of 128
+#   tokens); both 256 output tokens, their text from .gpu/sharegpt-2000rec.json.
 #
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/old (git archive of the
 # old commit), .gpu/old_path/lightllm_kernels (copy of its kernels/), .gpu/bench-8b,
-# .gpu/requests-{1000,2000}.json. Everything stays within BUDGET_S (570 s) of the start; logs go
-# to $OUT/h100.tar.gz, the table to $OUT/summary.md and, last, to stdout. `dry` prints the commands;
-# MODEL=DIR NO_WHEELS=1 BUDGET_S=... run the plumbing elsewhere (CPU: MODEL=a tiny model, N=8).
+# .gpu/requests-{1000,2000}.json, .gpu/sharegpt-2000rec.json (the first 2000 ShareGPT records,
+# messages cut to the workloads' 4000 characters). Everything stays within BUDGET_S (570 s) of
+# the start; logs go to $OUT/h100.tar.gz, the table to $OUT/summary.md and, last, to stdout.
+# `dry` prints the commands; MODEL=DIR NO_WHEELS=1 BUDGET_S=... run the plumbing elsewhere
+# (CPU: MODEL=a tiny model, N=8; SHARED_PREFIX/MULTI_TURN=benchmark_serving flags shrink those).
 set -euo pipefail
 
 ROOT=$(pwd)
 DRY=0; [[ ${1:-} == dry ]] && { DRY=1; shift; }
 OUT=${OUT:-/tmp/h100_out}; WORK=${WORK:-/tmp/h100}; MODEL=${MODEL:-$ROOT/.gpu/bench-8b}
+DATASET=${DATASET:-$ROOT/.gpu/sharegpt-2000rec.json}
+SHARED_PREFIX=${SHARED_PREFIX:-}; MULTI_TURN=${MULTI_TURN:-}  # extra flags for those workloads
 END=$((SECONDS + ${BUDGET_S:-570}))
 read -r -a ITEMS <<< "$*"
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 NEW_PATH=$ROOT:$ROOT/.gpu/new_path:/tmp/site
 OLD_PATH=$ROOT/.gpu/old:$ROOT/.gpu/old_path:/tmp/site
-ENTRIES=() CHECKS=()
-trap save EXIT  # logs come back whatever happens
+ENTRIES=() RUNS=() CHECKS=() SERVER=
+trap 'stop_server; save' EXIT  # logs come back whatever happens; no server outlives the call
 
 do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
 left() { echo $((END - SECONDS - 10)); }
@@ -67,16 +78,22 @@ free_gpu() {  # wait for the last server's processes to leave the GPU; kill, by 
   echo "GPU still held by $pids: killing them"; kill -9 $pids 2>/dev/null || true; sleep 3
 }
 
-serve() {  # serve VARIANT:N[@RATE]
-  local variant=${1%%:*} rest=${1#*:} rate=inf path=$NEW_PATH tree=$ROOT extra="" rc=0
-  local n=${rest%%@*}; [[ $rest == *@* ]] && rate=${rest#*@}
-  case $variant in
+flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags) of the caller
+  path=$NEW_PATH tree=$ROOT extra=""
+  case $1 in
     old) path=$OLD_PATH; tree=$ROOT/.gpu/old ;;  # cwd too: `python -m` puts it first on sys.path
     new) ;;
     new-nooverlap) extra=--disable_overlap ;;
-    new-c[0-9]*) extra="--chunked_prefill_size ${variant#new-c}" ;;
-    *) echo "unknown variant in $1" >&2; exit 2 ;;
+    new-nocache) extra=--disable_prefix_cache ;;
+    new-c[0-9]*) extra="--chunked_prefill_size ${1#new-c}" ;;
+    *) echo "unknown variant: $1" >&2; exit 2 ;;
   esac
+}
+
+serve() {  # serve VARIANT:N[@RATE]
+  local variant=${1%%:*} rest=${1#*:} rate=inf path tree extra rc=0
+  local n=${rest%%@*}; [[ $rest == *@* ]] && rate=${rest#*@}
+  flags_of "$variant"
   local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
   local name=$variant-$n; [[ $rate != inf ]] && name+=-r$rate
   local dir=$WORK/$name; mkdir -p "$dir"; ENTRIES+=("$name|$variant|$n|$rate")
@@ -98,9 +115,127 @@ serve() {  # serve VARIANT:N[@RATE]
   free_gpu; save
 }
 
-table() {  # one markdown row per entry: figures from compare.json, GPU busy over the benchmark window
-  python3 - "$WORK" "${ENTRIES[@]}" <<'PY'
-import json, re, sys
+requests_file() { local f=$ROOT/.gpu/requests-$1.json; [[ -f $f ]] && echo "$f" || echo "$ROOT/.gpu/requests-2000.json"; }
+
+healthy() {  # healthy PORT: GET /health answers 200 (bash's /dev/tcp: no client needed)
+  local status=
+  { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
+  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  read -r -t 10 status <&3 || true
+  exec 3>&-
+  [[ $status == *" 200 "* ]]
+}
+
+start_server() {  # start_server DIR SECONDS: the caller's variant in a session of its own; sets SERVER, url
+  local port=$((20000 + RANDOM % 20000)) deadline=$((SECONDS + $2))
+  url=http://127.0.0.1:$port
+  # No job control here, so setsid execs in place: $! is the server's pid and its session's id.
+  (cd "$tree" && exec env PYTHONPATH="$path" setsid python3 -m lightllm.server.api_server --model_dir "$MODEL" \
+    --tp 1 --host 127.0.0.1 --port "$port" --load_format dummy --data_type bfloat16 $extra) > "$1/server.log" 2>&1 &
+  SERVER=$!
+  until healthy "$port"; do
+    if ! kill -0 "$SERVER" 2>/dev/null || ((SECONDS > deadline)); then
+      echo "server not healthy within $2 s or dead: see server.log"; stop_server; return 1
+    fi
+    sleep 1
+  done
+}
+
+stop_server() {  # SIGTERM to the server alone (it drains, then ends its processes); its session's rest
+  [[ -n $SERVER ]] || return 0  # gets SIGKILL after 40 s
+  kill -TERM "$SERVER" 2>/dev/null || true
+  local i; for i in $(seq 40); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null || true
+  wait "$SERVER" 2>/dev/null || true; SERVER=
+}
+
+workload() {  # workload DIR TAG WORKLOAD: benchmark_serving.py against $url; DIR/TAG.{json,log,window}
+  local args=(--base-url "$url" --model "$MODEL" --stream --no-progress) t rc=0
+  case $3 in
+    sharegpt-[0-9]*) args+=(--requests "$(requests_file "${3#sharegpt-}")" --num-prompts "${3#sharegpt-}" --seed 0)
+      t=$((40 + ${3#sharegpt-} * 6 / 100)) ;;
+    shared-prefix) args+=(--workload shared-prefix --dataset "$DATASET" --seed 0 $SHARED_PREFIX); t=150 ;;
+    multi-turn) args+=(--workload multi-turn --turn-len 128 --dataset "$DATASET" --seed 0 $MULTI_TURN); t=120 ;;
+    warm-up) args+=(--workload shared-prefix --dataset "$DATASET" --seed 99 --prefix-groups 2 --prefix-group-size 8
+      --prefix-len 256 --question-len 64 --output-len 32); t=60 ;;  # unrelated text: nothing the runs hit
+    *) echo "unknown workload: $3" >&2; exit 2 ;;
+  esac
+  t=$(( t < $(left) - 30 ? t : $(left) - 30 ))
+  if ((t < 20)); then echo "$2: skipped (no time left)" | tee "$1/$2.log"; return; fi
+  [[ $3 == warm-up ]] || RUNS+=("$variant|$3|$1/$2")  # $variant: the caller's
+  date +%s.%N > "$1/$2.window"
+  timeout -k 10 $((t + 30)) env PYTHONPATH="$NEW_PATH" python3 "$ROOT/test/benchmark/benchmark_serving.py" \
+    "${args[@]}" --timeout "$t" --result-json "$1/$2.json" > "$1/$2.log" 2>&1 || rc=$?
+  date +%s.%N >> "$1/$2.window"
+  echo "$2: rc $rc; $(grep -E '^(Request throughput|Failed requests|Cache hit rate)' "$1/$2.log" | tr -s ' ' | paste -sd';' || true)"
+}
+
+probe() {  # probe DIR: greedy tokens of a long prompt and of 4 continuations of it, all sent twice, one by one
+  timeout -k 5 100 env PYTHONPATH="$NEW_PATH" python3 - "$url" "$(requests_file 1000)" "$1/probe.json" \
+    > "$1/probe.log" 2>&1 <<'PY' || echo "probe failed: see probe.log"
+import json, re, sys, urllib.request
+url, requests_path, out = sys.argv[1:]
+sample = json.load(open(requests_path))[:100]
+long = max((r for r in sample if len(r["prompt_ids"]) <= 900), key=lambda r: len(r["prompt_ids"]))["prompt"]
+tails = [r["prompt"] for r in sorted(sample, key=lambda r: len(r["prompt_ids"]))[:4]]
+prompts = [long] + [f"{long}\n\n{tail}" for tail in tails]
+
+def hit_tokens():
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    found = re.search(r"^lightllm_prefix_cache_hits_tokens_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else float("nan")
+
+def generate(prompt):
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 32, "ignore_eos": True, "do_sample": False}}
+    request = urllib.request.Request(f"{url}/generate_stream", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    ids, logprobs = [], []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for raw in response:
+            text = raw.decode().strip()
+            if text.startswith("data:") and text[5:].strip() != "[DONE]":
+                event = json.loads(text[5:])
+                if event.get("error"):
+                    raise RuntimeError(event["error"])
+                ids.append(event["token"]["id"])
+                logprobs.append(event["token"]["logprob"])
+    return {"ids": ids, "logprobs": logprobs}
+
+before = hit_tokens()
+passes = [[generate(p) for p in prompts] for _ in range(2)]
+hits = hit_tokens() - before
+json.dump({"passes": passes, "hit_tokens": hits}, open(out, "w"))
+print(f"probe: {len(prompts)} prompts x 2 passes of 32 tokens; {hits:.0f} prompt tokens hit the cache")
+PY
+}
+
+bench() {  # bench VARIANT/WORKLOAD[,WORKLOAD...]: one server, a warm-up, the workloads in turn, the probe
+  local variant=${1%%/*} path tree extra url wl i=0 smi
+  local name=${1//\//-}; name=${name//,/+}
+  local dir=$WORK/$name wls; mkdir -p "$dir"
+  IFS=, read -r -a wls <<< "${1#*/}"
+  flags_of "$variant"
+  echo "== $name: server $extra, then warm-up ${wls[*]} probe"
+  if ((DRY)); then echo "+ (cd $tree && PYTHONPATH=$path setsid python3 -m lightllm.server.api_server ... $extra)"; return; fi
+  if (($(left) < 150)); then echo "$name: skipped, $(left) s left" | tee "$dir/server.log"; return; fi
+  $(command -v stdbuf > /dev/null && echo stdbuf -oL) nvidia-smi --query-gpu=timestamp,utilization.gpu \
+    --format=csv,noheader,nounits -lms 200 > "$dir/gpu.csv" 2> /dev/null &
+  smi=$!
+  local t0=$SECONDS
+  if start_server "$dir" $(( $(left) < 200 ? $(left) : 200 )); then
+    echo "$name: healthy after $((SECONDS - t0)) s"
+    workload "$dir" warm-up warm-up
+    for wl in "${wls[@]}"; do workload "$dir" "$((i++))-$wl" "$wl"; done
+    probe "$dir"
+  fi
+  stop_server
+  kill "$smi" 2>/dev/null || true; wait "$smi" 2>/dev/null || true
+  free_gpu; save
+}
+
+table() {  # markdown: gpu_compare rows, workload rows, cache on/off ratios, the probe's comparison
+  python3 - "$WORK" "${ENTRIES[@]/#/serve|}" "${RUNS[@]/#/bench|}" <<'PY'
+import json, re, statistics, sys
 from datetime import datetime
 from pathlib import Path
 
@@ -110,36 +245,107 @@ def stamp(text, fmt):
     except ValueError:
         return None
 
-def num(summary, key):
+def num(summary, key, spec="{:.2f}"):
     value = summary.get(key)
-    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+    return spec.format(value) if isinstance(value, (int, float)) else "-"
 
-print("| variant | requests | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms | GPU busy % |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-for entry in sys.argv[2:]:
-    name, variant, n, rate = entry.split("|")
-    d = Path(sys.argv[1]) / name
+def load(path):
     try:
-        s = json.loads((d / "compare.json").read_text())["lightllm"]
-    except (OSError, ValueError, KeyError):
-        s = {}
-    requests = n if rate == "inf" else f"{n} @ {rate} req/s"
-    requests += f" ({s['failed']} failed)" if s.get("failed") else "" if s else " (no result: see run.log)"
-    log = (d / "run.log").read_text(errors="replace") if (d / "run.log").exists() else ""
-    window = []  # from the end of the warm-up to the server's stop: the measured run
-    for pattern in ("warm-up: ", "stopping the server"):
-        m = re.search(r"^(\S+ \S+) .*" + pattern, log, re.M)
-        window.append(m and stamp(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
-    busy = []
-    if (d / "gpu.csv").exists() and all(window):
-        for row in (d / "gpu.csv").read_text().splitlines():
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+def busy(gpu_csv, start, end):  # mean nvidia-smi utilisation between two epoch times
+    samples = []
+    if gpu_csv.exists() and start and end:
+        for row in gpu_csv.read_text().splitlines():
             parts = [p.strip() for p in row.split(",")]
             when = stamp(parts[0], "%Y/%m/%d %H:%M:%S.%f") if len(parts) == 2 else None
-            if when and window[0] <= when <= window[1] and parts[1].isdigit():
-                busy.append(int(parts[1]))
-    gpu = f"{sum(busy) / len(busy):.1f} ({len(busy)} samples)" if busy else "-"
-    print(f"| {variant} | {requests} | {num(s, 'request_throughput')} | {num(s, 'output_throughput')} | "
-          f"{num(s, 'median_ttft_ms')} | {num(s, 'median_tpot_ms')} | {num(s, 'p99_tpot_ms')} | {gpu} |")
+            if when and start <= when <= end and parts[1].isdigit():
+                samples.append(int(parts[1]))
+    return f"{statistics.mean(samples):.1f} ({len(samples)} samples)" if samples else "-"
+
+def serve_rows(entries):
+    print("| variant | requests | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms | GPU busy % |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, variant, n, rate in entries:
+        d = work / name
+        s = load(d / "compare.json").get("lightllm", {})
+        requests = n if rate == "inf" else f"{n} @ {rate} req/s"
+        requests += f" ({s['failed']} failed)" if s.get("failed") else "" if s else " (no result: see run.log)"
+        log = (d / "run.log").read_text(errors="replace") if (d / "run.log").exists() else ""
+        window = []  # from the end of the warm-up to the server's stop: the measured run
+        for pattern in ("warm-up: ", "stopping the server"):
+            m = re.search(r"^(\S+ \S+) .*" + pattern, log, re.M)
+            window.append(m and stamp(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
+        print(f"| {variant} | {requests} | {num(s, 'request_throughput')} | {num(s, 'output_throughput')} | "
+              f"{num(s, 'median_ttft_ms')} | {num(s, 'median_tpot_ms')} | {num(s, 'p99_tpot_ms')} | "
+              f"{busy(d / 'gpu.csv', *window)} |")
+
+def bench_rows(runs):
+    print("| variant | workload | requests | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms "
+          "| hit rate % | GPU busy % |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for variant, workload, base in runs:
+        s, base = load(Path(base + ".json")), Path(base)
+        requests = f"{s['completed']}" + (f" ({s['failed']} failed)" if s["failed"] else "") if s else "no result"
+        rate = s.get("prefix_cache_hit_rate")
+        window = [float(t) for t in base.with_suffix(".window").read_text().split()] if base.with_suffix(".window").exists() else []
+        print(f"| {variant} | {workload} | {requests} | {num(s, 'request_throughput')} | {num(s, 'output_throughput')} | "
+              f"{num(s, 'median_ttft_ms')} | {num(s, 'median_tpot_ms')} | {num(s, 'p99_tpot_ms')} | "
+              f"{'-' if rate is None else f'{100 * rate:.1f}'} | {busy(base.parent / 'gpu.csv', *(window + [None, None])[:2])} |")
+
+def ratio_rows(runs):  # the first run of each workload with the cache on against off
+    first = {}
+    for variant, workload, base in runs:
+        first.setdefault((variant, workload), load(Path(base + ".json")))
+    pairs = [(w, first[("new", w)], first[("new-nocache", w)]) for v, w in first if v == "new" and ("new-nocache", w) in first]
+    if not pairs:
+        return
+    keys = ("request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms")
+    print("\n| cache on / off | req/s | output tok/s | median TTFT | median TPOT |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for workload, on, off in pairs:
+        cells = [f"{on[k] / off[k]:.3f}" if on.get(k) and off.get(k) else "-" for k in keys]
+        print(f"| {workload} | " + " | ".join(cells) + " |")
+
+def agree(a, b):  # leading tokens equal, and the largest logprob difference over them
+    same = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), min(len(a["ids"]), len(b["ids"])))
+    gap = max((abs(x - y) for x, y in zip(a["logprobs"][:same], b["logprobs"][:same])), default=0.0)
+    return same, len(a["ids"]) == len(b["ids"]) == same, gap
+
+def probe_lines(runs):  # greedy tokens: cache on against off, and the cache's second pass against its first
+    probes = {}
+    for variant, _, base in runs:
+        probes.setdefault(variant, load(Path(base).parent / "probe.json"))
+    on, off = probes.get("new"), probes.get("new-nocache")
+    comparisons = []
+    if on and off:
+        comparisons += [(f"pass {p + 1}, cache on vs off", on["passes"][p], off["passes"][p]) for p in (0, 1)]
+    if on:
+        comparisons.append(("cache on, pass 2 vs pass 1", on["passes"][1], on["passes"][0]))
+    if not comparisons:
+        return
+    print()
+    for label, a, b in comparisons:
+        results = [agree(x, y) for x, y in zip(a, b)]
+        equal = sum(whole for _, whole, _ in results)
+        print(f"- probe, {label}: {equal}/{len(results)} requests with all 32 greedy tokens equal "
+              f"(equal leading tokens: {[same for same, _, _ in results]}; largest logprob difference over them "
+              f"{max(gap for _, _, gap in results):.4f})")
+    print(f"- probe, prompt tokens hit: " + ", ".join(f"{v} {p.get('hit_tokens', float('nan')):.0f}" for v, p in probes.items() if p))
+
+work = Path(sys.argv[1])
+entries = [a.split("|") for a in sys.argv[2:]]
+serve = [e[1:] for e in entries if e[0] == "serve"]
+runs = [e[1:] for e in entries if e[0] == "bench"]
+if serve:
+    serve_rows(serve)
+if runs:
+    print() if serve else None
+    bench_rows(runs)
+    ratio_rows(runs)
+    probe_lines(runs)
 PY
 }
 
@@ -148,6 +354,7 @@ for item in "${ITEMS[@]}"; do
   case $item in
     serve) ;;
     check) check ;;
+    */*) bench "$item" ;;
     *:*) serve "$item" ;;
     *) echo "unknown item: $item" >&2; exit 2 ;;
   esac
@@ -155,5 +362,5 @@ done
 {
   echo "new = this working tree, old = .gpu/old; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo 'no GPU')"
   if ((${#CHECKS[@]})); then printf -- '- %s\n' "${CHECKS[@]}"; echo; fi
-  if ((${#ENTRIES[@]})); then table; fi
+  if ((${#ENTRIES[@]} + ${#RUNS[@]})); then table; fi
 } | tee "$OUT/summary.md"
