@@ -40,9 +40,13 @@ def random_requests(n: int, seed: int) -> list[tuple[str, int]]:
 
 
 def outputs(server, requests, concurrency: int) -> list[dict]:
+    """The answers, less `cached_tokens`: how much of a prompt the prefix cache held depends on
+    what ran before, the answer must not."""
     def run(request):
         prompt, max_new_tokens = request
-        return server.generate(prompt, max_new_tokens=max_new_tokens)
+        answer = server.generate(prompt, max_new_tokens=max_new_tokens)
+        assert 0 <= answer.pop("cached_tokens") < answer["prompt_tokens"]
+        return answer
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(run, requests))
