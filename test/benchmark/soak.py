@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,7 +381,7 @@ def main() -> int:
 
     port = free_port()
     args.url = f"http://127.0.0.1:{port}"
-    server = start_server(args.server_args.split(), port, Path(f"soak-server-{port}.log"))
+    server = start_server(args.server_args.split(), port, Path(tempfile.gettempdir()) / f"soak-server-{port}.log")
     try:
         args.pid = server.pid
         passed = run(args)
