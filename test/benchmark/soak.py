@@ -22,8 +22,8 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import tempfile
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
