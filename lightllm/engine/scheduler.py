@@ -200,12 +200,14 @@ class Scheduler:
             if req.status is ReqStatus.PREFILLING:
                 if not req.started:
                     self._take_cached(req)
-                    if computing and self._probe(req) in computing:
+                probe = self._probe(req) if self.cache is not None else None
+                if not req.started:
+                    if probe is not None and probe in computing:
                         continue  # a chunk of this step computes its next tokens: take them cached next step
                     self._start(req)
                     first_chunks.append(req)
-                if self.cache is not None and self._probe(req) is not None:
-                    computing.add(self._probe(req))
+                if probe is not None:
+                    computing.add(probe)
                 plan.chunks.append(self._chunk(req, min(budget, req.prompt_left)))
                 budget -= len(plan.chunks[-1].token_ids)
                 if self.cache is not None and req.grows_cache:

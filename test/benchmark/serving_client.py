@@ -159,14 +159,19 @@ async def run_requests(
     """Send every request; return their results (in request order) and the wall time."""
     raise_open_file_limit()
     sender = Sender(url, stream, max_concurrency, timeout_s, len(requests), progress)
+    return await send_at_arrivals(sender, len(requests), request_rate, seed, lambda i: sender.send(requests[i]))
+
+
+async def send_at_arrivals(sender: Sender, count: int, request_rate: float, seed: int, start_one) -> tuple[list, float]:
+    """Start `start_one(i)` for i in 0..count-1 at the arrival times; their results in that
+    order and the wall time. Closes the sender."""
     try:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(sender.send(requests[i])) async for i in arrivals(len(requests), request_rate, seed)]
+        tasks = [asyncio.create_task(start_one(i)) async for i in arrivals(count, request_rate, seed)]
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        return list(results), time.perf_counter() - start
     finally:
         await sender.close()
-    return list(results), duration
 
 
 async def converse(
@@ -204,16 +209,9 @@ async def run_conversations(
     raise_open_file_limit()
     total = sum(len(messages) for messages in conversations)
     sender = Sender(url, stream, max_concurrency, timeout_s, total, progress)
-    try:
-        start = time.perf_counter()
-        tasks = [
-            asyncio.create_task(converse(sender, conversations[i], output_len, count_tokens))
-            async for i in arrivals(len(conversations), request_rate, seed)
-        ]
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    finally:
-        await sender.close()
+    results, duration = await send_at_arrivals(
+        sender, len(conversations), request_rate, seed,
+        lambda i: converse(sender, conversations[i], output_len, count_tokens))
     return [result for turns in results for result in turns], duration
 
 
