@@ -120,19 +120,23 @@ class StepResult:
 # ---- rpyc passes lists by reference (a round trip per element): plans cross as nested tuples ----
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+_CONTAINER_FIELDS = {f.name: type(f.default_factory()) for f in dataclasses.fields(SamplingParams)
+                     if f.default_factory is not dataclasses.MISSING}  # list or dict: cross as tuples
 
 
 def sampling_to_wire(params: SamplingParams | None) -> tuple | None:
     if params is None:
         return None
-    return tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(params, n) for n in _SAMPLING_FIELDS))
+    return tuple(tuple(v.items()) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
+                 for v in (getattr(params, n) for n in _SAMPLING_FIELDS))
 
 
 def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
     if values is None:
         return None
     params = dict(zip(_SAMPLING_FIELDS, values))
-    params["stop_sequences"] = list(params["stop_sequences"])
+    for name, kind in _CONTAINER_FIELDS.items():
+        params[name] = kind(params[name])
     return SamplingParams(**params)
 
 

@@ -33,6 +33,18 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int = 0  # the HTTP process draws one when the client gives none
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling
+    # Log probabilities, always of the model's raw logits (before logit_bias, penalties, temperature):
+    top_logprobs: int = 0  # per generated token, the k most likely tokens too (the sampled one always)
+    prompt_logprobs: int | None = None  # per prompt token (from the 2nd) its logprob and the top k; the
+    # prefix cache is not used for such a request (every position's logits are computed)
+    # Structured output: "" (none), "json_object", "json_schema" (grammar: the schema as JSON text),
+    # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar); compiled by xgrammar.
+    grammar_kind: str = ""
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +80,11 @@ class TokenOut:
     finish_reason: FinishReason | None = None  # set on the request's last token
     error: str | None = None  # set with FinishReason.ERROR
     cached_tokens: int = 0  # on the request's first token: prompt tokens the prefix cache supplied
+    queue_time: float = 0.0  # on the first token: seconds from arrival until its first chunk was scheduled
+    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs: (token, logprob)
+    # On the first token, with SamplingParams.prompt_logprobs: per prompt position from the 2nd,
+    # (its token's logprob, [(token, logprob)] top k).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -86,6 +103,10 @@ class TextOut:
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0  # as TokenOut: on the first token
+    queue_time: float = 0.0  # as TokenOut
+    # As TokenOut, with each token's text: (token, text, logprob)
+    top_logprobs: list[tuple[int, str, float]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, str, float]]]] | None = None
 
 
 @dataclass

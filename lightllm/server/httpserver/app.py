@@ -1,30 +1,30 @@
-"""The HTTP API: /generate, /generate_stream, /health, /info, /metrics; the OpenAI-style /v1/*
-routes are in openai_api.py."""
+"""The HTTP app: /health, /info, /metrics and the error handlers; /generate and /generate_stream
+are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.body_limit import BodyLimit
-from lightllm.server.httpserver.generation import ClientGone, Generation, GenerationFailed, tokenize
+from lightllm.server.httpserver.generate_api import add_generate_routes
+from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
 from lightllm.server.httpserver.manager import HttpServerManager, ServerUnavailable
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
-from lightllm.server.httpserver.json_body import RequestError, add_json_route, describe_errors
-from lightllm.server.httpserver.params import GenerateRequest, Limits, check_prompt_chars, prompt_char_bound
-from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams, TextOut
+from lightllm.server.httpserver.json_body import RequestError, describe_errors
+from lightllm.server.httpserver.params import Limits, prompt_char_bound
+from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
     app.add_exception_handler(GenerationFailed, generation_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(ServerUnavailable, server_unavailable)
-    add_json_route(app, "/generate", generate)
-    add_json_route(app, "/generate_stream", generate_stream)
+    add_generate_routes(app)
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
@@ -111,57 +110,6 @@ async def server_unavailable(request: Request, exc: ServerUnavailable) -> JSONRe
 
 async def client_gone(request: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)  # nobody reads it; the request was aborted
-
-
-# ---- /generate and /generate_stream ----
-
-
-async def start_generation(request: Request, body: GenerateRequest) -> Generation:
-    """Tokenize a /generate prompt (refused before if it is too long) and submit it."""
-    start = time.monotonic()
-    state: ServerState = request.app.state.server
-    check_prompt_chars(len(body.inputs), state.limits)
-    return Generation(request, await tokenize(state.tokenizer.encode, body.inputs), body.parameters.sampling(), start)
-
-
-async def generate(request: Request, body: GenerateRequest) -> Response:
-    generation = await start_generation(request, body)
-    text, last = await generation.result()
-    return JSONResponse(
-        {
-            "generated_text": [text],
-            "count_output_tokens": last.count_output_tokens,
-            "finish_reason": last.finish_reason.value,
-            "prompt_tokens": generation.prompt_len,
-            "cached_tokens": generation.timer.cached_tokens,
-        }
-    )
-
-
-def sse_event(out: TextOut, full_text: str | None) -> str:
-    event = {
-        "token": {"id": out.token_id, "text": out.text, "logprob": out.logprob, "special": out.special},
-        "generated_text": full_text,
-        "finished": out.finish_reason is not None,
-        "finish_reason": out.finish_reason.value if out.finish_reason is not None else None,
-    }
-    if out.error is not None:
-        event["error"], event["error_type"] = f"generation failed: {out.error}", "internal"
-    return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
-
-
-async def sse_events(outputs):
-    """One event per token; the last carries the full text."""
-    pieces = []
-    async for out in outputs:
-        pieces.append(out.text)
-        yield sse_event(out, "".join(pieces) if out.finish_reason is not None else None)
-
-
-async def generate_stream(request: Request, body: GenerateRequest) -> Response:
-    generation = await start_generation(request, body)
-    first = await generation.first()
-    return StreamingResponse(sse_events(generation.outputs(first)), media_type="text/event-stream")
 
 
 # ---- /health, /info, /metrics ----

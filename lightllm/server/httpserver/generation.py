@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from lightllm.server.httpserver.metrics import Metrics
+from lightllm.server.httpserver.metrics import RequestTimer
 from lightllm.server.httpserver.params import check_lengths
 from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
 
@@ -25,27 +24,6 @@ class ClientGone(Exception):
 
 class GenerationFailed(Exception):
     """The engine failed this request; the message says why."""
-
-
-class RequestTimer:
-    """Time to first token and end-to-end latency, from arrival at the HTTP server."""
-
-    def __init__(self, metrics: Metrics, prompt_len: int, start: float):
-        self.metrics, self.prompt_len, self.start = metrics, prompt_len, start
-        self.first_token_seen = False
-        self.cached_tokens = 0  # prompt tokens the prefix cache supplied (told with the first token)
-
-    def observe(self, out: TextOut) -> None:
-        now = time.monotonic()
-        if not self.first_token_seen:
-            self.first_token_seen = True
-            self.cached_tokens = out.cached_tokens
-            self.metrics.time_to_first_token.observe(now - self.start)
-        if out.finish_reason is not None:
-            self.metrics.observe_finished(out.finish_reason, self.prompt_len, out.count_output_tokens, now - self.start)
-
-    def observe_abort(self) -> None:
-        self.metrics.finished[FinishReason.ABORT] += 1
 
 
 async def tokenize(fn, *args):

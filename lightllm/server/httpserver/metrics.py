@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 
-from lightllm.server.io_struct import FinishReason, RouterStats
+from lightllm.server.io_struct import FinishReason, RouterStats, TextOut
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -78,3 +79,24 @@ class Metrics:
         lines += _metric("lightllm_prefix_cache_hits_tokens_total", "counter",
                          "Prompt tokens found in the prefix cache (not computed).", [("", stats.prefix_hit_tokens)])
         return "\n".join(lines) + "\n"
+
+
+class RequestTimer:
+    """Time to first token and end-to-end latency, from arrival at the HTTP server."""
+
+    def __init__(self, metrics: Metrics, prompt_len: int, start: float):
+        self.metrics, self.prompt_len, self.start = metrics, prompt_len, start
+        self.first_token_seen = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied (told with the first token)
+
+    def observe(self, out: TextOut) -> None:
+        now = time.monotonic()
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.cached_tokens = out.cached_tokens
+            self.metrics.time_to_first_token.observe(now - self.start)
+        if out.finish_reason is not None:
+            self.metrics.observe_finished(out.finish_reason, self.prompt_len, out.count_output_tokens, now - self.start)
+
+    def observe_abort(self) -> None:
+        self.metrics.finished[FinishReason.ABORT] += 1
