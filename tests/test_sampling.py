@@ -18,7 +18,7 @@ def to_batch(states):
 
 def run(logits, params_list, steps=None):
     states = [SamplingState(p, generated=s) for p, s in zip(params_list, steps or [0] * len(params_list))]
-    return sample(logits.clone(), to_batch(states))
+    return sample(logits.clone(), to_batch(states))[:2]
 
 
 def random_logits(batch, vocab, seed):
@@ -54,7 +54,7 @@ def test_top_k_one_is_greedy():
     batch = to_batch(states)
     batch.greedy.zero_()  # force the sampling path, which must reach the same answer
     batch.all_greedy = False
-    tokens, _ = sample(logits.clone(), batch)
+    tokens, _, _ = sample(logits.clone(), batch)
     assert torch.equal(tokens, logits.argmax(-1))
 
 
@@ -63,7 +63,7 @@ def test_tiny_top_p_is_greedy():
     params = [SamplingParams(do_sample=True, temperature=0.8, top_p=1e-6, seed=i) for i in range(16)]
     tokens, logprobs = run(logits, params)
     assert torch.equal(tokens, logits.argmax(-1))
-    expected = torch.log_softmax(logits / 0.8, -1).gather(1, tokens[:, None]).squeeze(1)
+    expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)  # raw: before temperature
     torch.testing.assert_close(logprobs, expected)
 
 
@@ -123,13 +123,14 @@ def test_penalties_match_direct_computation():
         for t in tokens:
             state.record(t)
     penalised = logits.clone()
-    tokens, logprobs = sample(penalised, to_batch(states))
+    tokens, logprobs, _ = sample(penalised, to_batch(states))
     expected = torch.stack([penalised_python(logits[b], states[b].output_counts, p.presence_penalty,
                                              p.frequency_penalty, p.repetition_penalty)
                             for b, p in enumerate(params)])
     torch.testing.assert_close(penalised, expected)
     assert torch.equal(tokens, expected.argmax(-1))
-    torch.testing.assert_close(logprobs, torch.log_softmax(expected, -1).gather(1, tokens[:, None]).squeeze(1))
+    # logprobs are of the raw logits, before the penalties
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
     assert not torch.equal(expected[0], logits[0]) and torch.equal(expected[1], logits[1])
 
 
@@ -145,3 +146,74 @@ def test_huge_seeds_fit_int64():
     ints, _ = host_lists([SamplingState(SamplingParams(seed=2**64 - 1)), SamplingState(SamplingParams(seed=2**63))])
     assert ints["seeds"] == [-1, -(2**63)]
     assert math.isfinite(run(random_logits(1, 10, 5), [SamplingParams(do_sample=True, seed=2**64 - 1)])[1].item())
+
+
+def sample_full(logits, params_list, steps=None, eos=()):
+    states = [SamplingState(p, generated=s) for p, s in zip(params_list, steps or [0] * len(params_list))]
+    ints, floats = host_lists(states, eos)
+    tensors = {k: torch.tensor(v, dtype=torch.int64) for k, v in ints.items()}
+    tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in floats.items()})
+    batch = SamplingBatch.from_tensors(tensors, all_greedy=all(p.greedy for p in params_list),
+                                       top_logprobs=max(p.top_logprobs for p in params_list))
+    return sample(logits.clone(), batch)
+
+
+def test_top_logprobs_are_the_raw_top_k_sorted_and_hold_the_chosen_token():
+    logits = random_logits(6, 300, 11)
+    params = [SamplingParams(top_logprobs=k, do_sample=bool(k % 2), temperature=0.7, seed=k,
+                             repetition_penalty=1.2 if k == 3 else 1.0) for k in (1, 2, 3, 5, 20, 0)]
+    tokens, logprobs, (top_ids, top_lps) = sample_full(logits, params)
+    raw = torch.log_softmax(logits, -1)
+    assert top_ids.shape == (6, 20)
+    torch.testing.assert_close(top_lps, raw.gather(1, top_ids))
+    assert torch.all(top_lps[:, :-1] >= top_lps[:, 1:])  # sorted, most likely first
+    torch.testing.assert_close(top_lps[:, 0], raw.max(-1).values)
+    torch.testing.assert_close(logprobs, raw.gather(1, tokens[:, None]).squeeze(1))
+    for b, p in enumerate(params):
+        if p.greedy and p.top_logprobs:
+            assert top_ids[b, 0] == tokens[b]
+
+
+def test_logit_bias_moves_the_choice_and_not_the_logprob():
+    logits = random_logits(2, 100, 12)
+    target = int(logits[0].argmin())
+    params = [SamplingParams(logit_bias={target: 100.0}), SamplingParams(logit_bias={int(logits[1].argmax()): -100.0})]
+    tokens, logprobs, _ = sample_full(logits, params)
+    assert tokens[0] == target
+    assert tokens[1] == logits[1].topk(2).indices[1]
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = random_logits(3, 50, 13)
+    logits[:, 7] = 50.0  # the EOS id below: the most likely token by far
+    logits[:, 9] = 40.0  # a stop token id
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[9])] * 2 + [SamplingParams(min_tokens=2, ignore_eos=True)]
+    tokens, _, _ = sample_full(logits, params, steps=[1, 2, 0], eos=(7,))
+    assert tokens[0] not in (7, 9)  # one token generated: both banned
+    assert tokens[1] == 7  # two generated: free again
+    assert tokens[2] == 7  # ignore_eos: EOS ends nothing, so it is not banned
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_min_p_keeps_only_tokens_that_likely(min_p):
+    vocab, draws = 40, 400
+    logits = random_logits(1, vocab, 14).expand(draws, vocab).contiguous()
+    params = [SamplingParams(do_sample=True, min_p=min_p, seed=s) for s in range(draws)]
+    tokens, _, _ = sample_full(logits, params)
+    probs = torch.softmax(logits[0], -1)
+    allowed = probs >= min_p * probs.max()
+    assert allowed[tokens].all()
+    assert len(set(tokens.tolist())) > 1 or allowed.sum() == 1
+
+
+def test_prompt_logprobs_are_the_log_softmax_at_the_next_tokens():
+    from lightllm.engine.sampling import prompt_logprobs
+
+    logits = random_logits(5, 60, 15)
+    targets = torch.tensor([3, 59, 0, 7, 7])
+    chosen, (ids, values) = prompt_logprobs(logits, targets, 4)
+    raw = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(chosen, raw.gather(1, targets[:, None]).squeeze(1))
+    torch.testing.assert_close(values, raw.topk(4).values)
+    assert prompt_logprobs(logits, targets, 0)[1] is None

@@ -40,12 +40,26 @@ class EngineCore:
     def add(self, msg: GenerateReq) -> list[TokenOut]:
         """Queue a request; a prompt the model cannot take ends at once with an error, here, so
         that it never fails a step that other requests share."""
-        ids = msg.prompt_ids
-        if not ids or (self._vocab_size is not None and not 0 <= min(ids) <= max(ids) < self._vocab_size):
-            error = f"ValueError: prompt of {len(ids)} tokens with a token id out of range [0, {self._vocab_size})"
-            return [TokenOut(msg.req_id, -1, 0.0, FinishReason.ERROR, error=error)]
+        error = self._refusal(msg)
+        if error is not None:
+            return [TokenOut(msg.req_id, -1, 0.0, FinishReason.ERROR, error=f"ValueError: {error}")]
         self.scheduler.add(Req(msg, self._eos_token_ids))
         return []
+
+    def _refusal(self, msg: GenerateReq) -> str | None:
+        ids, vocab, p = msg.prompt_ids, self._vocab_size, msg.sampling
+        if not ids:
+            return "empty prompt"
+        if vocab is None:
+            return None
+        if not 0 <= min(ids) <= max(ids) < vocab:
+            return f"prompt of {len(ids)} tokens with a token id out of range [0, {vocab})"
+        others = [*p.stop_token_ids, *p.logit_bias]
+        if others and not 0 <= min(others) <= max(others) < vocab:
+            return f"stop_token_ids or logit_bias name a token id out of range [0, {vocab})"
+        if max(p.top_logprobs, p.prompt_logprobs or 0) > vocab:
+            return f"more top logprobs asked for than the vocabulary's {vocab} tokens"
+        return None
 
     def abort(self, req_id: int) -> bool:
         return self.scheduler.abort(req_id)

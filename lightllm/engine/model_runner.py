@@ -31,7 +31,7 @@ from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
 
 from .cuda_graph import META_ROWS, DecodeGraphs, graph_memory_bytes
-from .sampling import SamplingBatch, SamplingState, host_lists, sample
+from .sampling import SamplingBatch, SamplingState, host_lists, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -46,26 +46,49 @@ class RunningReq:
     prefix_len: int  # positions [0, prefix_len) came from prefix-cache nodes
     seq_len: int  # tokens whose K/V are in the cache (or written by a launched step)
     sampling: SamplingState
+    prompt_logprobs: list | None = None  # (logprob, top) per prompt position from the 2nd, as computed
 
 
 class LaunchedStep:
-    """A step whose tokens are on their way to the host (pinned buffer + event on CUDA)."""
+    """A step whose tokens are on their way to the host (pinned buffers + event on CUDA).
 
-    def __init__(self, step_id: int, req_ids: list[int], host: torch.Tensor, event):
-        self.step_id, self.req_ids, self._host, self._event = step_id, req_ids, host, event
-        self.sampled_reqs: list[RunningReq] = []
+    `host` is [2 + 2k, B] float64: token ids, their logprobs, then the top k ids and logprobs;
+    `prompt_parts` are (request, host tensors of prompt_logprobs()) of the chunks that asked."""
+
+    def __init__(self, step_id: int, req_ids: list[int], sampled_reqs: list[RunningReq], host: torch.Tensor,
+                 prompt_parts: list, event):
+        self.step_id, self.req_ids, self.sampled_reqs = step_id, req_ids, sampled_reqs
+        self._host, self._prompt_parts, self._event = host, prompt_parts, event
+        self.prompt_done: set[int] = set()  # req ids whose last chunk (with prompt logprobs) is in this step
         self._tokens: list[tuple[int, float]] | None = None
 
     def tokens(self) -> list[tuple[int, float]]:
         if self._tokens is None:
             if self._event is not None:
                 self._event.synchronize()
-            host = self._host
-            self._tokens = list(zip(map(int, host[0].tolist()), host[1].tolist()))
+            self._tokens = list(zip(map(int, self._host[0].tolist()), self._host[1].tolist()))
         return self._tokens
 
     def result(self) -> StepResult:
-        return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in zip(self.req_ids, self.tokens())])
+        tokens = self.tokens()
+        for r, chosen, top in self._prompt_parts:
+            r.prompt_logprobs.extend(zip(chosen.tolist(), _top_lists(top, len(chosen))))
+        out = []
+        k = (self._host.shape[0] - 2) // 2
+        tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k:].T) if k else None, len(tokens))
+        for req_id, r, (token, logprob), top in zip(self.req_ids, self.sampled_reqs, tokens, tops):
+            wanted = r.sampling.params.top_logprobs
+            prompt = tuple(r.prompt_logprobs) if req_id in self.prompt_done else None
+            out.append(SampledToken(req_id, token, logprob, top[:wanted] if wanted else None, prompt))
+        return StepResult(self.step_id, out)
+
+
+def _top_lists(top, n: int) -> list[tuple]:
+    """Per row ((token, logprob), ...) of top = (ids [n, k], logprobs [n, k]) on the host, or ()."""
+    if top is None:
+        return [()] * n
+    ids, values = top
+    return [tuple(zip(map(int, i), v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def resolve_device(device: str | None, tp_rank: int) -> torch.device:
@@ -102,6 +125,7 @@ class ModelRunner:
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
+        self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
@@ -173,20 +197,23 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         self._check(plan)
-        self._record_penalty_tokens()
+        self._record_previous_tokens()
         for chunk in plan.chunks:
             if chunk.first:
                 row = self.req_table.alloc()
                 if chunk.prefix:
                     self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
-                self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start,
-                                                     SamplingState(chunk.sampling))
+                state = SamplingState(chunk.sampling, matcher=self._matcher(chunk.sampling))
+                self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
+                                                     [] if chunk.sampling.prompt_logprobs is not None else None)
         decodes = [self.reqs[i] for i in plan.decodes]
         chunks = [(self.reqs[c.req_id], c) for c in plan.chunks]
         sampled = decodes + [r for r, c in chunks if c.last]
-        ints, floats = host_lists([r.sampling for r in sampled])
+        states = [r.sampling for r in sampled]
+        ints, floats = host_lists(states, self.config.eos_token_ids)
         use_graph = self.graphs is not None and not chunks
         ints.update(self._graph_meta(decodes) if use_graph else _step_lists(decodes, chunks))
+        grammar = self._grammar_masks(states)
         slots = self.token_table.alloc(plan.num_tokens)
         t = self._upload(ints, floats)
         for r in decodes:
@@ -199,24 +226,61 @@ class ModelRunner:
             logits = self._graph_forward(t, len(decodes), slots, max(r.seq_len for r in decodes))
         else:
             logits = self._forward(t, decodes, chunks, slots)
-        states = [r.sampling for r in sampled]
-        sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states))
-        tokens, logprobs = sample(logits, sampling)
-        rows = t["sample_rows"]
-        self.last_token[rows] = tokens
-        launched = LaunchedStep(plan.step_id, plan.sampled, *self._download(tokens, logprobs))
-        launched.sampled_reqs = sampled
+        top_k = max((s.params.top_logprobs for s in states), default=0)
+        sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states), top_logprobs=top_k,
+                                              grammar=grammar)
+        tokens, logprobs, top = sample(logits[: len(sampled)], sampling)
+        self.last_token[t["sample_rows"]] = tokens
+        parts = self._prompt_logprobs(logits[len(sampled):], t, chunks)
+        host, host_parts, event = self._download(tokens, logprobs, top, parts)
+        launched = LaunchedStep(plan.step_id, plan.sampled, sampled, host, host_parts, event)
+        launched.prompt_done = {c.req_id for r, c in chunks if c.last and r.prompt_logprobs is not None}
         self._last_launched = launched
         return launched
 
-    def _record_penalty_tokens(self) -> None:
-        """Penalties need the previous step's tokens on the host: wait for them only then."""
+    def _matcher(self, params):
+        """The grammar matcher of a request with structured output (grammars compiled once, cached)."""
+        if not params.grammar_kind:
+            return None
+        if self._grammars is None:
+            from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
+
+            self._grammars = Grammars(self.info["model_dir"], self.config.vocab_size)
+        return self._grammars.matcher(params.grammar_kind, params.grammar)
+
+    def _grammar_masks(self, states: list[SamplingState]) -> tuple | None:
+        """(bitmask, rows) on the device for the constrained requests of the batch, or None."""
+        rows = [b for b, s in enumerate(states) if s.matcher is not None and not s.matcher.terminated]
+        if not rows:
+            return None
+        from lightllm.engine.grammar import allocate_bitmask
+
+        bitmask = allocate_bitmask(len(rows), self.config.vocab_size)
+        for i, b in enumerate(rows):
+            states[b].matcher.fill(bitmask, i)
+        return bitmask.to(self.device, non_blocking=True), torch.tensor(rows, device=self.device)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, t: dict, chunks) -> list:
+        """(request, chosen, top) per chunk that wants prompt logprobs; its rows follow the sampled ones."""
+        parts, offset = [], 0
+        targets = t.get("prompt_targets")
+        for r, c in chunks:
+            if r.prompt_logprobs is None:
+                continue
+            n = len(c.token_ids) - (1 if c.last else 0)
+            chosen, top = prompt_logprobs(logits[offset: offset + n], targets[offset: offset + n],
+                                          r.sampling.params.prompt_logprobs)
+            parts.append((r, chosen, top))
+            offset += n
+        return parts
+
+    def _record_previous_tokens(self) -> None:
+        """Penalties and grammars need the previous step's tokens on the host: wait for them only then."""
         last, self._last_launched = self._last_launched, None
-        if last is None or not any(r.sampling.uses_penalties for r in last.sampled_reqs):
+        if last is None or not any(r.sampling.needs_tokens for r in last.sampled_reqs):
             return
         for r, (token, _) in zip(last.sampled_reqs, last.tokens()):
-            if r.sampling.uses_penalties:
-                r.sampling.record(token)
+            r.sampling.record(token)
 
     def _graph_meta(self, decodes: list[RunningReq]) -> dict[str, list[int]]:
         columns = ([0] * len(decodes), [r.seq_len for r in decodes], [r.row for r in decodes],
@@ -263,17 +327,21 @@ class ModelRunner:
         out.update(_split(dev[len(flat_ints):].view(torch.float32), floats))
         return out
 
-    def _download(self, tokens: torch.Tensor, logprobs: torch.Tensor):
-        """(host buffer, event): float64 holds token ids exactly; on CUDA the copy is
-        asynchronous into pinned memory and the event says when it has landed."""
-        stacked = torch.stack([tokens.double(), logprobs.double()])
+    def _download(self, tokens: torch.Tensor, logprobs: torch.Tensor, top, parts: list):
+        """(host buffer, host prompt parts, event): float64 holds token ids exactly; on CUDA the
+        copies are asynchronous into pinned memory and the event says when they have landed."""
+        rows = [tokens.double()[None], logprobs.double()[None]]
+        if top is not None:
+            rows += [top[0].T.double(), top[1].T.double()]
+        stacked = torch.cat(rows)
         if self.device.type != "cuda":
-            return stacked, None
-        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
+            return stacked, parts, None
+        host = _pinned_copy(stacked)
+        host_parts = [(r, _pinned_copy(chosen), None if top is None else tuple(map(_pinned_copy, top)))
+                      for r, chosen, top in parts]
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return host, host_parts, event
 
     # ---- ops: ended requests and the prefix cache's nodes ----
 
@@ -359,6 +427,12 @@ class ModelRunner:
             raise OutOfRowsError(f"step needs {len(new)} request rows, {self.req_table.free_count} free")
 
 
+def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
 def _split(flat: torch.Tensor, lists: dict[str, list]) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
     for name, values in lists.items():
@@ -369,24 +443,34 @@ def _split(flat: torch.Tensor, lists: dict[str, list]) -> dict[str, torch.Tensor
 
 def _step_lists(decodes: list[RunningReq], chunks: list) -> dict[str, list[int]]:
     """Packed metadata: decodes first (one token each), then chunks; row and position per
-    token, per-chunk extend bounds, the logits rows to sample and their request rows."""
+    token, per-chunk extend bounds, the logits rows to sample and their request rows, then the
+    rows (and next tokens) of the chunks that want prompt logprobs."""
     positions = [r.seq_len for r in decodes]
     token_rows = [r.row for r in decodes]
     chunk_ids, cu_q, kv_lens, logit_index = [], [0], [], list(range(len(decodes)))
+    prompt_rows, prompt_targets = [], []
     for r, c in chunks:
         n = len(c.token_ids)
         chunk_ids.extend(c.token_ids)
         positions.extend(range(c.start, c.start + n))
         token_rows.extend([r.row] * n)
+        first = len(decodes) + cu_q[-1]
         cu_q.append(cu_q[-1] + n)
         kv_lens.append(c.start + n)
         if c.last:
             logit_index.append(len(decodes) + cu_q[-1] - 1)
+        if r.prompt_logprobs is not None:  # row j predicts the chunk's token j + 1 (then the next chunk's first)
+            targets = c.token_ids[1:] + ([] if c.last else [c.next_id])
+            prompt_rows.extend(range(first, first + len(targets)))
+            prompt_targets.extend(targets)
     sample_rows = [r.row for r in decodes] + [r.row for r, c in chunks if c.last]
-    return {"chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
-            "decode_rows": [r.row for r in decodes], "decode_seq_lens": [r.seq_len + 1 for r in decodes],
-            "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
-            "logit_index": logit_index, "sample_rows": sample_rows}
+    lists = {"chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
+             "decode_rows": [r.row for r in decodes], "decode_seq_lens": [r.seq_len + 1 for r in decodes],
+             "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
+             "logit_index": logit_index + prompt_rows, "sample_rows": sample_rows}
+    if prompt_targets:
+        lists["prompt_targets"] = prompt_targets
+    return lists
 
 
 _direct_steps = iter(range(-1, -(1 << 62), -1))  # ids of direct steps, apart from the scheduler's

@@ -26,6 +26,7 @@ class Chunk:
     sampling: SamplingParams | None = None  # on the request's first chunk only
     # First chunk: the prefix-cache nodes, root first, whose slots hold positions [0, start).
     prefix: tuple[int, ...] = ()
+    next_id: int = -1  # the prompt token after this chunk (not the last), for prompt logprobs
 
     @property
     def first(self) -> bool:
@@ -108,6 +109,8 @@ class SampledToken:
     req_id: int
     token_id: int
     logprob: float
+    top: tuple | None = None  # ((token, logprob), ...) when the request asks for top logprobs
+    prompt: tuple | None = None  # with its first token, when asked: ((logprob, top), ...) per prompt token from the 2nd
 
 
 @dataclass
@@ -141,7 +144,7 @@ def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
 
 
 def plan_to_wire(plan: StepPlan) -> tuple:
-    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix)
+    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id)
                    for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
     return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync
@@ -150,15 +153,15 @@ def plan_to_wire(plan: StepPlan) -> tuple:
 def plan_from_wire(wire: tuple) -> StepPlan:
     step_id, decodes, chunks, ops, sync = wire
     return StepPlan(step_id, list(decodes),
-                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix))
-                     for r, t, s, last, p, prefix in chunks],
+                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id)
+                     for r, t, s, last, p, prefix, next_id in chunks],
                     [OPS[op[0]](*op[1:]) for op in ops], sync)
 
 
 def result_to_wire(result: StepResult | None) -> tuple | None:
     if result is None:
         return None
-    return result.step_id, tuple((t.req_id, t.token_id, t.logprob) for t in result.tokens), result.error
+    return result.step_id, tuple((t.req_id, t.token_id, t.logprob, t.top, t.prompt) for t in result.tokens), result.error
 
 
 def result_from_wire(wire: tuple | None) -> StepResult | None:

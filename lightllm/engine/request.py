@@ -37,7 +37,11 @@ class Req:
         self.decode_steps = 0  # decode steps scheduled; each writes one KV token
         self.arrival_step = 0  # the scheduler's step count when it arrived
         self.status = ReqStatus.WAITING
+        self.queue_time = 0.0  # seconds from arrival until its first chunk was scheduled
+        # Prompt logprobs need every position's logits: such a request computes its whole prompt.
+        self.uses_cache = msg.sampling.prompt_logprobs is None
         self._eos_token_ids = frozenset() if msg.sampling.ignore_eos else eos_token_ids
+        self._stop_token_ids = frozenset(msg.sampling.stop_token_ids)
 
     @property
     def kv_tokens(self) -> int:
@@ -74,6 +78,8 @@ class Req:
         self.output_ids.append(token_id)
         if token_id in self._eos_token_ids:
             return FinishReason.EOS
+        if token_id in self._stop_token_ids:
+            return FinishReason.STOP
         if self.output_count >= self.max_new_tokens:
             return FinishReason.LENGTH
         return None

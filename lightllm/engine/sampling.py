@@ -1,4 +1,6 @@
-"""Token choice for one step: penalties, then greedy or seeded top-k/top-p sampling.
+"""Token choice for one step: logit biases, grammar masks, min_tokens bans and penalties, then
+greedy or seeded top-k/top-p/min-p sampling. Log probabilities (of the sampled token and the top
+k) are of the model's raw logits, before any of these (vLLM's default).
 
 The random draw for request b at step s (tokens it has generated so far) uses
 u = random_uniform(seed_b, s, vocab), a counter hash, and picks argmax(p / -log(u)) (the
@@ -28,16 +30,24 @@ class SamplingState:
     params: SamplingParams
     generated: int = 0  # tokens sampled in launched steps (counted at launch, known without them)
     output_counts: dict[int, int] = field(default_factory=dict)  # kept only when penalties are used
+    matcher: object = None  # grammar.Matcher of a request with structured output
 
     @property
     def uses_penalties(self) -> bool:
         p = self.params
         return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Its next step depends on the token sampled before (penalty counts, grammar state)."""
+        return self.matcher is not None or self.uses_penalties
+
     def record(self, token: int) -> None:
-        """Count a sampled token for the penalties (only those requests wait for their tokens)."""
+        """Take a sampled token on the host: count it for the penalties, advance the grammar."""
         if self.uses_penalties:
             self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        if self.matcher is not None and not self.matcher.terminated:
+            self.matcher.accept(token)
 
 
 def _signed64(seed: int) -> int:
@@ -58,8 +68,29 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
                   repetition=[s.params.repetition_penalty for s in states])
 
 
-def host_lists(states: list[SamplingState]) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
-    """The batch's sampling inputs as named int and float lists (one entry per request)."""
+def _bias_lists(states: list[SamplingState], ints: dict, floats: dict) -> None:
+    rows = [b for b, s in enumerate(states) for _ in s.params.logit_bias]
+    if rows:
+        ints.update(bias_rows=rows, bias_ids=[t for s in states for t in s.params.logit_bias])
+        floats.update(bias_values=[v for s in states for v in s.params.logit_bias.values()])
+
+
+def _ban_lists(states: list[SamplingState], eos_token_ids, ints: dict) -> None:
+    """Tokens that would end a request before its min_tokens: (row, token) pairs set to -inf."""
+    rows, ids = [], []
+    for b, s in enumerate(states):
+        p = s.params
+        if s.generated < p.min_tokens:
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+            rows += [b] * len(banned)
+            ids += banned
+    if rows:
+        ints.update(ban_rows=rows, ban_ids=ids)
+
+
+def host_lists(states: list[SamplingState], eos_token_ids=()) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """The batch's sampling inputs as named int and float lists (one entry per request; the
+    optional sparse ones only when some request uses them)."""
     greedy = [s.params.greedy for s in states]
     ints = {"seeds": [_signed64(s.params.seed) for s in states],
             "steps": [s.generated for s in states],
@@ -67,8 +98,12 @@ def host_lists(states: list[SamplingState]) -> tuple[dict[str, list[int]], dict[
             "greedy": [int(g) for g in greedy]}
     floats = {"temperatures": [1.0 if g else s.params.temperature for s, g in zip(states, greedy)],
               "top_ps": [s.params.top_p for s in states]}
+    if any(s.params.min_p > 0.0 for s in states):
+        floats["min_ps"] = [s.params.min_p for s in states]
     if any(s.uses_penalties for s in states):
         _penalty_lists(states, ints, floats)
+    _bias_lists(states, ints, floats)
+    _ban_lists(states, eos_token_ids, ints)
     return ints, floats
 
 
@@ -83,42 +118,81 @@ class SamplingBatch:
     temperatures: torch.Tensor
     top_ps: torch.Tensor
     all_greedy: bool
-    penalties: tuple | None  # (presence, frequency, repetition, ids, counts, offsets)
+    penalties: tuple | None = None  # (presence, frequency, repetition, ids, counts, offsets)
+    min_ps: torch.Tensor | None = None
+    bias: tuple | None = None  # (rows, token ids, values)
+    bans: tuple | None = None  # (rows, token ids)
+    grammar: tuple | None = None  # (bitmask int32 [R, ceil(V/32)], rows [R]): allowed tokens of constrained rows
+    top_logprobs: int = 0  # the most top logprobs any request wants
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], all_greedy: bool) -> "SamplingBatch":
-        penalties = None
+    def from_tensors(cls, t: dict[str, torch.Tensor], all_greedy: bool, top_logprobs: int = 0,
+                     grammar: tuple | None = None) -> "SamplingBatch":
+        penalties = bias = bans = None
         if "penalty_ids" in t:
             penalties = (t["presence"], t["frequency"], t["repetition"], t["penalty_ids"].int(),
                          t["penalty_counts"].int(), t["penalty_offsets"].int())
+        if "bias_rows" in t:
+            bias = (t["bias_rows"], t["bias_ids"], t["bias_values"])
+        if "ban_rows" in t:
+            bans = (t["ban_rows"], t["ban_ids"])
         return cls(t["seeds"], t["steps"], t["top_ks"], t["greedy"].bool(), t["temperatures"], t["top_ps"],
-                   all_greedy, penalties)
+                   all_greedy, penalties, t.get("min_ps"), bias, bans, grammar, top_logprobs)
+
+    @property
+    def changes_logits(self) -> bool:
+        return any(x is not None for x in (self.penalties, self.bias, self.bans, self.grammar))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids int64 [B], their logprobs fp32 [B]) from fp32 logits [B, V] (modified in place)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch):
+    """(token ids int64 [B], their logprobs fp32 [B], top) from fp32 logits [B, V] (modified in
+    place); top is None or (token ids [B, k], logprobs [B, k]) with k = batch.top_logprobs.
+    Log probabilities are those of the raw logits."""
+    raw = logits.clone() if batch.changes_logits else logits
+    lse = torch.logsumexp(raw, -1)
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if batch.grammar is not None:
+        from lightllm.engine.grammar import apply_bitmask_
+
+        apply_bitmask_(logits, *batch.grammar)
+    if batch.bans is not None:
+        logits.index_put_(batch.bans, torch.tensor(float("-inf"), device=logits.device))
     if batch.penalties is not None:
         apply_penalties_(logits, *batch.penalties)
-    greedy_tokens = logits.argmax(-1)
-    if batch.all_greedy:
-        return greedy_tokens, _logprobs(logits, greedy_tokens)
-    scaled = logits / batch.temperatures[:, None]
-    tokens = torch.where(batch.greedy, greedy_tokens, _sample_filtered(scaled, batch))
-    return tokens, _logprobs(scaled, tokens)
+    tokens = logits.argmax(-1)
+    if not batch.all_greedy:
+        scaled = logits / batch.temperatures[:, None]
+        tokens = torch.where(batch.greedy, tokens, _sample_filtered(scaled, batch))
+    logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+    top = None
+    if batch.top_logprobs:
+        values, ids = raw.topk(batch.top_logprobs, -1)
+        top = (ids, values - lse[:, None])
+    return tokens, logprobs, top
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """Logprobs of the prompt tokens `targets` [P] under raw logits [P, V], and the top k."""
+    lse = torch.logsumexp(logits, -1)
+    chosen = logits.gather(1, targets[:, None]).squeeze(1) - lse
+    if not k:
+        return chosen, None
+    values, ids = logits.topk(k, -1)
+    return chosen, (ids, values - lse[:, None])
 
 
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Seeded draw from softmax(scaled) restricted to top_k, then to the top_p nucleus."""
+    """Seeded draw from softmax(scaled) restricted to top_k, to min_p and then to the top_p nucleus."""
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(-1, descending=True)
     probs = sorted_logits.softmax(-1)
     rank = torch.arange(vocab, device=scaled.device)
     top_ks = torch.where(batch.top_ks > 0, batch.top_ks, vocab)
     probs = probs.masked_fill(rank[None, :] >= top_ks[:, None], 0.0)
+    if batch.min_ps is not None:  # min_p of the most likely token's probability (sorted first)
+        probs = probs.masked_fill(probs < batch.min_ps[:, None] * probs[:, :1], 0.0)
     # top_p over the top-k renormalised distribution; the best token always stays
     cum_before = (probs.cumsum(-1) - probs) / probs.sum(-1, keepdim=True)
     probs = probs.masked_fill((cum_before >= batch.top_ps[:, None]) & (rank[None, :] > 0), 0.0)

@@ -17,6 +17,7 @@ a step needs their room.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -225,7 +226,7 @@ class Scheduler:
     def _take_cached(self, req: Req) -> None:
         """Before its first chunk: take whatever more of its prompt is cached by now (requests
         admitted with it may have computed it)."""
-        if self.cache is None:
+        if self.cache is None or not req.uses_cache:
             return
         above = req.node or self.cache.root
         found = self.cache.match(req.prompt_ids[req.prefilled: req.prompt_len - 1], above)
@@ -236,7 +237,7 @@ class Scheduler:
 
     def _probe(self, req: Req) -> tuple | None:
         """Where its next chunk starts and its first SHARE_PROBE tokens (None: too short to matter)."""
-        if req.prompt_left <= SHARE_PROBE:
+        if req.prompt_left <= SHARE_PROBE or not req.uses_cache:
             return None
         return req.prefilled, tuple(req.prompt_ids[req.prefilled: req.prefilled + SHARE_PROBE])
 
@@ -247,6 +248,8 @@ class Scheduler:
             self.prefix_hit_tokens += req.prefilled
         req.cached = req.prefilled
         req.started = True
+        if req.arrival_time > 0:
+            req.queue_time = max(0.0, time.time() - req.arrival_time)
 
     def _chunk(self, req: Req, n: int) -> Chunk:
         start = req.prefilled
@@ -254,6 +257,8 @@ class Scheduler:
         last = req.prefilled == req.prompt_len
         chunk = Chunk(req.req_id, req.prompt_ids[start: start + n], start, last,
                       req.sampling if start == req.cached else None)
+        if not last and not req.uses_cache:
+            chunk.next_id = req.prompt_ids[req.prefilled]
         if last:
             req.status = ReqStatus.DECODING
         return chunk
@@ -293,7 +298,8 @@ class Scheduler:
         candidates = self._admission_order()[:room]
         matches = None
         if self.cache is not None and self.cache.total_tokens:
-            matches = [self.cache.match(req.prompt_ids[: req.prompt_len - 1]) for req in candidates]
+            matches = [self.cache.match(req.prompt_ids[: req.prompt_len - 1] if req.uses_cache else [])
+                       for req in candidates]
         fits = self._fits(candidates, matches)
         lo, hi = 0, len(candidates)  # lo fits; find the largest count that fits
         while lo < hi:
@@ -308,7 +314,7 @@ class Scheduler:
             del self.waiting[req.req_id]
             req.status = ReqStatus.PREFILLING
             self.running.append(req)
-            if matches is not None:  # matched again: an earlier admission may have split a node
+            if matches is not None and req.uses_cache:  # matched again: an earlier admission may have split a node
                 found = self.cache.match(req.prompt_ids[: req.prompt_len - 1])
                 if found.length:
                     req.node = self.cache.take(found)
@@ -380,9 +386,9 @@ class Scheduler:
             if req is None:  # ended while this step ran: its extra token is never emitted
                 continue
             reason = req.append(token.token_id)
-            out = TokenOut(req.req_id, token.token_id, token.logprob, reason)
+            out = TokenOut(req.req_id, token.token_id, token.logprob, reason, top_logprobs=token.top)
             if req.output_count == 1:
-                out.cached_tokens = req.cached
+                out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
             outs.append(out)
             if reason is not None:
                 self._end(req)

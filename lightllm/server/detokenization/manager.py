@@ -80,9 +80,19 @@ class DetokenizationManager:
             special=out.token_id in self._special_ids,
             count_output_tokens=len(decoder.ids),
             cached_tokens=out.cached_tokens,
+            queue_time=out.queue_time,
+            top_logprobs=None if out.top_logprobs is None else self._with_text(out.top_logprobs),
+            prompt_logprobs=None if out.prompt_logprobs is None else [
+                (logprob, self._with_text(top)) for logprob, top in out.prompt_logprobs],
             finish_reason=finish_reason,
             error=out.error,
         )
+
+    def _with_text(self, top) -> list[tuple[int, str, float]]:
+        """(token, its text alone, logprob): the text as OpenAI's logprobs show each token."""
+        texts = self._tokenizer.batch_decode([[token] for token, _ in top], skip_special_tokens=False,
+                                             clean_up_tokenization_spaces=False) if top else []
+        return [(token, text, logprob) for (token, logprob), text in zip(top, texts)]
 
 
 def start_detokenization_process(config: ServerConfig, ready_pipe, parent_pid: int) -> None:
