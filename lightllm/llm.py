@@ -1,0 +1,523 @@
+"""The offline Python API in vLLM's shape: `LLM` and `SamplingParams`, running the engine core
+in this process, with no HTTP server and no sockets.
+
+    from lightllm import LLM, SamplingParams
+
+    llm = LLM()  # the default model; or LLM("/path/to/hf/model", max_total_token_num=4096)
+    outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(outputs[0].outputs[0].text)
+
+`generate` submits every prompt (each of its n choices is one engine request) at once and
+steps the engine until all have ended: the scheduler admits them as the KV budget allows. Each
+choice is detokenized as its tokens arrive (IncrementalDecoder); a stop string ends it here and
+aborts it in the engine. See docs/offline.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from lightllm.engine.core import describe_error
+from lightllm.server.config import ServerConfig
+from lightllm.server.detokenization.decoder import IncrementalDecoder
+from lightllm.server.io_struct import FinishReason, GenerateReq, TokenOut
+from lightllm.server.io_struct import SamplingParams as EngineSampling
+
+logger = logging.getLogger(__name__)
+
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy: dividing logits by it overflows float32
+FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                  FinishReason.ABORT: "abort"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# name -> (accepts the value?, what it must be)
+_CHECKS = {
+    "n": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "temperature": (lambda v: _is_real(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "-1 or 0 (the whole vocabulary) or a positive integer"),
+    "min_p": (lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "seed": (lambda v: v is None or _is_int(v), "None or an integer"),
+    "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 1), "None (as many as the context leaves) or an integer >= 1"),
+    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
+    "prompt_logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
+    "presence_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "repetition_penalty": (lambda v: _is_real(v) and v > 0, "a number > 0 (1: none)"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "True or False"),
+}
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's sampling parameters, names and defaults; checked when made (ValueError)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    json_schema: dict | str | None = None  # structured output: a JSON schema (dict or JSON text)
+    regex: str | None = None  # structured output: the text matches this regular expression
+
+    def __post_init__(self):
+        for name, (accepts, what) in _CHECKS.items():
+            if not accepts(getattr(self, name)):
+                raise ValueError(f"SamplingParams.{name} must be {what}, not {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self._check_stops()
+        self._check_logit_bias()
+        self._grammar()
+
+    def _check_stops(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops)):
+            raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, not {self.stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (integers >= 0), not {ids!r}")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict)
+                                 or not all(_is_int(t) and t >= 0 and _is_real(b) for t, b in bias.items())):
+            raise ValueError(f"SamplingParams.logit_bias must map token ids (integers >= 0) to finite numbers, not {bias!r}")
+
+    def _grammar(self) -> tuple[str, str]:
+        """(grammar_kind, grammar) for the engine."""
+        if self.json_schema is not None and self.regex is not None:
+            raise ValueError("SamplingParams: give json_schema or regex, not both")
+        if self.regex is not None:
+            if not isinstance(self.regex, str) or not self.regex:
+                raise ValueError(f"SamplingParams.regex must be a non-empty string, not {self.regex!r}")
+            return "regex", self.regex
+        if self.json_schema is None:
+            return "", ""
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"SamplingParams.json_schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"SamplingParams.json_schema must be a JSON schema (an object), not {schema!r}")
+        return "json_schema", json.dumps(schema)
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+    def to_engine(self, index: int = 0) -> EngineSampling:
+        """The engine's parameters for choice `index`: its seed is seed + index (seed None: one
+        drawn at random). Only choice 0 asks for prompt logprobs (they are the same for all,
+        and they keep a request out of the prefix cache). max_tokens must be set by now."""
+        assert self.max_tokens is not None, "LLM.generate fills in max_tokens=None from the prompt length"
+        greedy = self.temperature < GREEDY_BELOW
+        kind, grammar = self._grammar()
+        seed = secrets.randbelow(2**31) if self.seed is None else self.seed
+        return EngineSampling(
+            do_sample=not greedy, temperature=1.0 if greedy else float(self.temperature), top_p=float(self.top_p),
+            top_k=self.top_k if self.top_k > 0 else -1, min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty), max_new_tokens=self.max_tokens,
+            stop_sequences=self.stop_list, ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            seed=seed + index, min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or ()),
+            logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
+            top_logprobs=self.logprobs or 0, prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+            grammar_kind=kind, grammar=grammar)
+
+
+@dataclass
+class Logprob:
+    logprob: float  # of the model's raw logits (before logit_bias, penalties and temperature)
+    rank: int | None = None  # 1: the most likely token; None: not among the top k asked for
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float  # sum of the sampled tokens' logprobs
+    logprobs: list[dict[int, Logprob]] | None  # per generated token: the sampled one first, then the top k
+    finish_reason: str | None = None  # "stop" (EOS, a stop string or stop token), "length"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # None for the first position
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+def logprob_dict(token_id: int, logprob: float, top, text_of) -> dict[int, Logprob]:
+    """{token: Logprob} for one position: `token_id` first (its rank if it is in `top`), then
+    the top k as (token, logprob) pairs, most likely first."""
+    ranked = {t: Logprob(lp, rank, text_of(t)) for rank, (t, lp) in enumerate(top or (), 1)}
+    mine = ranked.get(token_id)
+    return {token_id: Logprob(logprob, mine.rank if mine else None, text_of(token_id)), **ranked}
+
+
+@dataclass
+class _Choice:
+    """One engine request: choice `index` of a prompt, detokenized as its tokens arrive."""
+
+    index: int
+    req_id: int
+    decoder: IncrementalDecoder
+    stops: list[str]
+    skip_special_tokens: bool
+    logprobs: list | None
+    pieces: list[str] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, out: TokenOut, text_of) -> None:
+        last = out.finish_reason is not None
+        self.pieces.append(self.decoder.add(out.token_id, last=last))
+        self.cumulative_logprob += out.logprob
+        if self.logprobs is not None:
+            self.logprobs.append(logprob_dict(out.token_id, out.logprob, out.top_logprobs, text_of))
+        if self.decoder.stopped:
+            self.finish_reason, self.stop_reason = "stop", self._matched_stop(text_of)
+        elif last:
+            self.finish_reason = FINISH_REASONS[out.finish_reason]
+            self.stop_reason = out.token_id if out.finish_reason is FinishReason.STOP else None
+
+    def _matched_stop(self, text_of) -> str | None:
+        """The stop string the decoder cut at: the earliest in the whole text (ties: list order),
+        as earlier text was checked token by token and held none."""
+        full = text_of(self.decoder.ids, self.skip_special_tokens)
+        found = [(full.find(s), i) for i, s in enumerate(self.stops) if s in full]
+        return self.stops[min(found)[1]] if found else None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, "".join(self.pieces), list(self.decoder.ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+
+@dataclass
+class _Prompt:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    choices: list[_Choice]
+    prompt_logprobs: list | None = None
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, self.prompt_logprobs,
+                             [c.output() for c in self.choices], all(c.finish_reason for c in self.choices))
+
+
+class _Progress:
+    """Prompts finished out of the total, with token throughput since the start."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = tqdm(total=total, desc="Processed prompts", unit="prompt", disable=not enabled)
+        self._start = time.perf_counter()
+        self._in = self._out = 0
+
+    def prompt_done(self, prompt: _Prompt) -> None:
+        self._in += len(prompt.prompt_ids)
+        self._out += sum(len(c.decoder.ids) for c in prompt.choices)
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        self._bar.set_postfix_str(f"in {self._in / elapsed:.0f} tok/s, out {self._out / elapsed:.0f} tok/s",
+                                  refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def engine_config(model: str | Path | None, **settings) -> ServerConfig:
+    """The ServerConfig for an offline engine; a setting that is no ServerConfig field is a TypeError."""
+    names = {f.name for f in dataclasses.fields(ServerConfig) if not f.metadata.get("internal")}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise TypeError(f"LLM() got unknown settings {', '.join(unknown)}: they must be ServerConfig fields "
+                        "(the server's flags without the dashes)")
+    if model is None:
+        from lightllm.tools.default_model import ensure_default_model
+
+        model = ensure_default_model()
+    if not Path(model).is_dir():
+        raise ValueError(f"model {str(model)!r} is not a directory: give a local Hugging Face model directory")
+    config = ServerConfig(model_dir=str(model), **settings)
+    config.check()
+    return config
+
+
+class _LocalWorker:
+    """tp=1: a ModelRunner in this process, loaded through the router's load_model."""
+
+    runner = None
+
+    def load(self, **runner_kwargs) -> tuple[int, dict]:
+        from lightllm.engine.model_runner import ModelRunner  # torch: only once a model is loaded
+
+        self.runner = ModelRunner(**runner_kwargs)
+        return self.runner.max_total_token_num, self.runner.info
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def start_engine(config: ServerConfig):
+    """(workers, EngineCore, model info), built the way the router builds them."""
+    from lightllm.engine.workers import ModelWorkers
+    from lightllm.server.router.manager import build_engine, load_model
+
+    workers = _LocalWorker() if config.tp == 1 else ModelWorkers(config.tp, config.log_level)
+    try:
+        max_total_token_num, info = load_model(workers, config)
+    except SystemExit as exc:  # load_model ends the router process; here the caller gets the error
+        cause = exc.__context__
+        reason = describe_error(cause) if isinstance(cause, Exception) else "see the log"
+        workers.shutdown()
+        raise RuntimeError(f"cannot load the model from {config.model_dir}: {reason}") from cause
+    except BaseException:
+        workers.shutdown()
+        raise
+    core = build_engine(config, workers.runner if config.tp == 1 else workers, max_total_token_num, info)
+    return workers, core, info
+
+
+class LLM:
+    """An engine core with its model, in this process (tp=1) or in tp worker processes."""
+
+    def __init__(self, model: str | Path | None = None, *, tp: int = 1, dtype: str = "auto",
+                 max_total_token_num: int | None = None, tokenizer_mode: str = "auto",
+                 trust_remote_code: bool = False, seed: int | None = 0, **engine_kwargs):
+        from lightllm.server.httpserver.params import Limits, prompt_char_bound
+        from lightllm.server.httpserver.tokenizer import load_tokenizer
+
+        self.config = engine_config(model, tp=tp, data_type=dtype, max_total_token_num=max_total_token_num,
+                                    tokenizer_mode=tokenizer_mode, trust_remote_code=trust_remote_code,
+                                    **engine_kwargs)
+        self.tokenizer = load_tokenizer(self.config)
+        self._workers, self.engine, self.model_info = start_engine(self.config)
+        budget = self.engine.scheduler.max_total_token_num
+        self.limits = Limits(self.config.max_req_input_len, self.config.max_req_total_len, budget,
+                             prompt_char_bound(self.tokenizer, self.config.max_req_input_len))
+        self._seeds = random.Random(seed) if seed is not None else None  # for requests without a seed
+        self._req_ids = itertools.count()
+        self._prompt_ids = itertools.count()
+        self._open: dict[int, tuple[_Prompt, _Choice]] = {}
+        self._token_text: dict[int, str] = {}
+        logger.info("LLM ready: %s, tp %d, max_total_token_num %d", self.config.model_dir, tp, budget)
+
+    # ---- life cycle ----
+
+    def shutdown(self) -> None:
+        """Free the model and its workers; the LLM cannot generate afterwards."""
+        if self._workers is not None:
+            self._workers.shutdown()
+            self._workers = self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- generation ----
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt (a string, token ids, or {"prompt_token_ids": ids} / {"prompt": text});
+        `sampling_params`: one for all, or one per prompt. Outputs come in prompt order."""
+        inputs = [self._prompt_input(p) for p in _as_list(prompts)]
+        return self._run(inputs, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} dicts) or a list of them,
+        through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        inputs = [self._chat_input(c, add_generation_prompt) for c in conversations]
+        return self._run(inputs, sampling_params, use_tqdm)
+
+    def _prompt_input(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._checked_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._checked_ids(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict with 'prompt_token_ids' "
+                         f"or 'prompt', not {prompt!r}")
+
+    def _checked_ids(self, ids) -> list[int]:
+        vocab = self.model_info["vocab_size"]
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be a list of integers in [0, {vocab})")
+        return list(ids)
+
+    def _chat_input(self, conversation, add_generation_prompt: bool) -> tuple[str, list[int]]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the model {self.config.model_dir} has no chat template; use generate()")
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
+            raise ValueError(f"the chat template rejected the messages: {exc}") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+
+    def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if self.engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        params = _per_prompt(sampling_params, len(inputs))
+        # Every prompt is checked before any is submitted.
+        prepared = [self._prepare(text, ids, p, i) for i, ((text, ids), p) in enumerate(zip(inputs, params))]
+        progress = _Progress(len(prepared), use_tqdm)
+        try:
+            for prompt, engine_params in prepared:
+                self._submit(prompt, engine_params)
+            while self.engine.has_work:
+                for out in self.engine.step():
+                    self._take(out, progress)
+            assert not self._open, f"the engine went idle with requests open: {list(self._open)}"
+        except BaseException:
+            self._abort_open()
+            raise
+        finally:
+            progress.close()
+        return [prompt.output() for prompt, _ in prepared]
+
+    def _prepare(self, text: str | None, ids: list[int], params: SamplingParams,
+                 i: int) -> tuple[_Prompt, list[EngineSampling]]:
+        """The prompt's choices and the engine's parameters for each; ValueError if it cannot run."""
+        from lightllm.server.httpserver.json_body import RequestError
+        from lightllm.server.httpserver.params import check_lengths
+
+        if params.max_tokens is None:  # as many as the context leaves
+            room = min(self.limits.max_req_total_len, self.limits.max_total_token_num) - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(1, room))
+        if params.seed is None and self._seeds is not None:
+            params = dataclasses.replace(params, seed=self._seeds.randrange(2**31))
+        engine_params = [params.to_engine(index) for index in range(params.n)]
+        try:
+            check_lengths(len(ids), engine_params[0], self.limits)
+        except RequestError as exc:
+            raise ValueError(f"prompt {i} ({(text or '')[:40]!r}): {exc}") from None
+        stops = params.stop_list
+        choices = [_Choice(index, next(self._req_ids), IncrementalDecoder(self.tokenizer, params.skip_special_tokens, stops),
+                           stops, params.skip_special_tokens, [] if params.logprobs is not None else None)
+                   for index in range(params.n)]
+        return _Prompt(str(next(self._prompt_ids)), text, ids, choices), engine_params
+
+    def _submit(self, prompt: _Prompt, engine_params: list[EngineSampling]) -> None:
+        now = time.monotonic()
+        for choice, sampling in zip(prompt.choices, engine_params):
+            self._open[choice.req_id] = (prompt, choice)
+            for out in self.engine.add(GenerateReq(choice.req_id, prompt.prompt_ids, sampling, now)):
+                self._take(out, None)
+
+    def _take(self, out: TokenOut, progress: _Progress | None) -> None:
+        entry = self._open.get(out.req_id)
+        if entry is None:  # ended here by a stop string: a token of the step that was in flight
+            return
+        prompt, choice = entry
+        if out.finish_reason is FinishReason.ERROR:
+            raise RuntimeError(f"request {prompt.request_id} (choice {choice.index}) failed in the engine: {out.error}")
+        if out.prompt_logprobs is not None:
+            prompt.prompt_logprobs = self._prompt_logprobs(prompt.prompt_ids, out.prompt_logprobs)
+        choice.add(out, self._text_of)
+        if choice.finish_reason is None:
+            return
+        del self._open[out.req_id]
+        if out.finish_reason is None:  # a stop string: the engine would go on
+            self.engine.abort(out.req_id)
+        if progress is not None and all(c.finish_reason for c in prompt.choices):
+            progress.prompt_done(prompt)
+
+    def _abort_open(self) -> None:
+        """After an error or an interrupt: end every open request, so that the engine is idle."""
+        open_ids, self._open = list(self._open), {}
+        try:
+            for req_id in open_ids:
+                self.engine.abort(req_id)
+            self.engine.drain()
+        except Exception:
+            logger.exception("the engine failed while its requests were aborted")
+
+    def _prompt_logprobs(self, ids: list[int], positions) -> list[dict[int, Logprob] | None]:
+        """From the engine's (token's logprob, top k) per position from the 2nd."""
+        return [None] + [logprob_dict(token, lp, top, self._text_of) for token, (lp, top) in zip(ids[1:], positions)]
+
+    def _text_of(self, token, skip_special_tokens: bool = False):
+        """The text of one token id (cached), or of a list of ids."""
+        if isinstance(token, list):
+            return self.tokenizer.decode(token, skip_special_tokens=skip_special_tokens,
+                                         clean_up_tokenization_spaces=False)
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
+
+
+def _as_list(prompts) -> list:
+    """One prompt (a string, a dict, or a list of token ids) or a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params: one SamplingParams, or a list of {count} (one per prompt)")
+    return params

@@ -1,0 +1,243 @@
+"""The offline API (lightllm/llm.py) on the default model, one LLM for the module: greedy
+generate equals transformers' greedy decoding on the same weights; n choices follow their seeds;
+a batch of mixed parameters gives what each prompt gives alone; stop strings, chat, errors;
+and afterwards the engine holds nothing."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightllm import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+LOGPROB_ATOL = 2e-3  # fp32 both; our attention sums in another order than transformers'
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    with LLM(default_model_dir, max_total_token_num=4096, max_req_input_len=256, max_req_total_len=512,
+             running_max_req_size=8) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32, local_files_only=True)
+    return tokenizer, model.eval()
+
+
+def hf_greedy(hf, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    _, model = hf
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' raw logits: row i is the distribution of token i + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(hf[1](torch.tensor([ids])).logits[0].float(), -1)
+
+
+def assert_idle(llm: LLM) -> None:
+    """No request waits, runs or holds a KV slot; flushing the prefix cache frees every slot."""
+    engine, runner = llm.engine, llm.engine._workers
+    assert not engine.has_work and engine.scheduler.tokens_used == 0
+    assert runner.stats()["running_requests"] == 0
+    engine.scheduler.flush_cache()
+    engine.drain()
+    assert runner.stats()["tokens_used"] == 0
+
+
+def texts(output) -> list[str]:
+    return [c.text for c in output.outputs]
+
+
+def test_greedy_equals_transformers(llm, hf):
+    tokenizer, _ = hf
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.prompt_token_ids == tokenizer.encode(prompt)
+        expected = hf_greedy(hf, output.prompt_token_ids, NEW_TOKENS)
+        (choice,) = output.outputs
+        assert choice.token_ids == expected
+        assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+        ended_by_eos = expected[-1] == tokenizer.eos_token_id
+        assert choice.finish_reason == ("stop" if ended_by_eos else "length") and choice.stop_reason is None
+        assert output.finished and choice.logprobs is None and output.prompt_logprobs is None
+        rows = hf_logprobs(hf, output.prompt_token_ids + expected)[len(output.prompt_token_ids) - 1:]
+        want = rows[torch.arange(len(expected)), expected].sum().item()
+        assert choice.cumulative_logprob == pytest.approx(want, abs=LOGPROB_ATOL * len(expected))
+    assert_idle(llm)
+
+
+def test_token_id_prompts_and_dicts_equal_text_prompts(llm):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    by_text, by_ids, by_dict = llm.generate([PROMPTS[0], ids, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == by_dict.outputs[0].token_ids
+
+
+def test_n_greedy_choices_are_identical(llm):
+    (output,) = llm.generate(PROMPTS[1], SamplingParams(n=3, temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) == 1
+    alone = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert output.outputs[0].token_ids == alone.token_ids
+
+
+def test_n_seeded_choices_differ_and_follow_the_seed(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=NEW_TOKENS, ignore_eos=True)
+    (first,) = llm.generate(PROMPTS[2], params, use_tqdm=False)
+    (again,) = llm.generate(PROMPTS[2], params, use_tqdm=False)
+    assert len(set(texts(first))) == 3
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
+    assert all(len(c.token_ids) == NEW_TOKENS and c.finish_reason == "length" for c in first.outputs)
+    # choice i is the request with seed + i
+    single = dataclasses.replace(params, n=1, seed=1235)
+    assert llm.generate(PROMPTS[2], single, use_tqdm=False)[0].outputs[0].token_ids == first.outputs[1].token_ids
+    other = llm.generate(PROMPTS[2], dataclasses.replace(params, seed=99), use_tqdm=False)[0]
+    assert texts(other) != texts(first)
+
+
+def test_mixed_batch_equals_each_prompt_alone(llm):
+    params = [SamplingParams(temperature=0, max_tokens=5),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, repetition_penalty=1.3, presence_penalty=0.5)]
+    batch = llm.generate(PROMPTS, params, use_tqdm=False)
+    alone = [llm.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(PROMPTS, params)]
+    assert [o.prompt for o in batch] == PROMPTS
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
+    assert len(batch[1].outputs[0].token_ids) == 9
+    assert all(len(o.outputs[0].token_ids) <= sp.max_tokens for o, sp in zip(batch, params))
+    assert_idle(llm)
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    full = full[0].outputs[0]
+    stop = full.text[len(full.text) // 2:][:3]  # three characters from the middle
+    assert stop.strip()
+    (output,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                        stop=["@@never@@", stop]), use_tqdm=False)
+    choice = output.outputs[0]
+    assert choice.text == full.text[: full.text.index(stop)]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
+    assert choice.token_ids == full.token_ids[: len(choice.token_ids)] and len(choice.token_ids) < 16
+    assert_idle(llm)  # the engine request was aborted when its text hit the stop string
+
+
+def test_chat_equals_generate_on_the_templated_prompt(llm, hf):
+    tokenizer, _ = hf
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}]
+    (chat,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    templated = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert chat.prompt_token_ids == list(templated["input_ids"])
+    (plain,) = llm.generate({"prompt_token_ids": chat.prompt_token_ids}, GREEDY, use_tqdm=False)
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    both = llm.chat([conversation, [{"role": "user", "content": "Hi"}]], GREEDY, use_tqdm=False)
+    assert both[0].outputs[0].token_ids == chat.outputs[0].token_ids and len(both) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(n=0),
+                                 dict(max_tokens=0), dict(min_p=1.5), dict(stop=[""]), dict(logprobs=-1),
+                                 dict(logit_bias={"a": 1.0}), dict(json_schema="{not json"),
+                                 dict(json_schema={}, regex="a+"), dict(min_tokens=9, max_tokens=4),
+                                 dict(stop_token_ids=[-1]), dict(seed=1.5)])
+def test_bad_sampling_params_raise_value_error(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_bad_requests_raise_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="max_req_input_len"):
+        llm.generate([PROMPTS[0], [5] * 300], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_req_total_len"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=600), use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2, llm.model_info["vocab_size"]]], use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_unknown_settings_and_bad_model_dirs_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="chunk_size"):
+        LLM(tmp_path, chunk_size=8)
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(tmp_path / "missing")
+
+
+def test_an_engine_failure_raises_and_leaves_the_engine_usable(llm, monkeypatch):
+    runner = llm.engine._workers
+    real_step, calls = runner.step, []
+
+    def fail_once(plan):
+        calls.append(plan.step_id)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real_step(plan)
+
+    monkeypatch.setattr(runner, "step", fail_once)
+    with pytest.raises(RuntimeError, match=r"request \d+ \(choice 0\) failed in the engine: RuntimeError: injected"):
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert_idle(llm)
+    again = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_import_lightllm_stays_light():
+    code = ("import sys, lightllm; assert 'torch' not in sys.modules; "
+            "from lightllm import LLM, SamplingParams; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture(scope="module")
+def engine_logprobs(llm):
+    """Whether the engine returns top logprobs (TokenOut.top_logprobs) yet."""
+    (output,) = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1, logprobs=2), use_tqdm=False)
+    return len(output.outputs[0].logprobs[0]) > 1
+
+
+def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf, engine_logprobs):
+    if not engine_logprobs:
+        pytest.skip("the engine does not return top logprobs yet")
+    k = 3
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=k, prompt_logprobs=k)
+    (output,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    choice, prompt_ids = output.outputs[0], output.prompt_token_ids
+    rows = hf_logprobs(hf, prompt_ids + choice.token_ids)
+    assert len(choice.logprobs) == len(choice.token_ids)
+    for j, (token, entry) in enumerate(zip(choice.token_ids, choice.logprobs)):
+        check_position(entry, token, rows[len(prompt_ids) - 1 + j], k)
+        assert entry[token].rank == 1  # greedy on raw logits: the sampled token is the most likely
+        assert entry[token].decoded_token == llm.tokenizer.decode([token])
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt_ids)
+    for i in range(1, len(prompt_ids)):
+        check_position(output.prompt_logprobs[i], prompt_ids[i], rows[i - 1], k)
+
+
+def check_position(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
+    """`entry` holds `token` first, then transformers' top k in order, with their logprobs."""
+    top = row.topk(k)
+    assert list(entry)[0] == token
+    ranked = {t: lp for t, lp in entry.items() if lp.rank is not None}
+    assert [t for t, lp in sorted(ranked.items(), key=lambda item: item[1].rank)] == top.indices.tolist()
+    assert set(entry) - {token} <= set(top.indices.tolist())
+    for t, lp in entry.items():
+        assert lp.logprob == pytest.approx(row[t].item(), abs=LOGPROB_ATOL)
+    if token not in ranked:
+        assert entry[token].rank is None and row[token] <= top.values[-1]
