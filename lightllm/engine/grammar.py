@@ -1,0 +1,181 @@
+"""Structured output: a request's grammar as a mask over the next token.
+
+xgrammar compiles a JSON schema, a regex or an EBNF grammar against the tokenizer's vocabulary
+once, and then answers "which tokens may come next" for a request's current state in well under
+a millisecond per token (its precomputed per-state token sets and its persistent stack make that
+cheap), as a packed bitmask of int32 words, bit j of word i allowing token 32 * i + j.
+
+Where the mask is applied: in the sampler, after logit_bias and before penalties and
+temperature, so that a masked token is impossible whatever the sampling parameters are.
+
+How a request's matcher advances: the runner accepts each sampled token into the request's
+`Matcher` before it fills that request's next mask. With one step in flight, a constrained
+request therefore waits on the host for its previous token before its next step is planned,
+as requests with penalties already do. A refused token (`accept` returns False) ends the request.
+
+`check_grammar` is all the HTTP process needs (no tokenizer). xgrammar is imported lazily, inside
+functions: the GPU machine and most requests never need it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json_object", "json_schema", "regex", "ebnf")
+CACHE_SIZE = 64  # compiled grammars kept per model runner (least recently used dropped first)
+_MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgrammar's
+_ANY_OBJECT = '{"type": "object"}'
+# xgrammar's C++ errors start "[hh:mm:ss] /path/file.cc:123: " and at times "Check failed: (...) is false: "
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+
+
+class GrammarError(ValueError):
+    """A grammar a user sent that cannot be used; the message is one line, for a 4xx."""
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    text = _XGRAMMAR_PREFIX.sub("", text)
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
+
+
+def _build(kind: str, spec: str):
+    """The xgrammar.Grammar of (kind, spec); raises GrammarError when the user's spec is wrong."""
+    if kind not in KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind == "json_object" and spec:
+        raise GrammarError("a json_object grammar takes no spec (any JSON object is allowed)")
+    if kind == "json_schema":
+        try:
+            json.loads(spec)
+        except (ValueError, RecursionError) as e:
+            raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+    import xgrammar
+
+    parse = {"json_object": lambda _: xgrammar.Grammar.from_json_schema(_ANY_OBJECT),
+             "json_schema": xgrammar.Grammar.from_json_schema,
+             "regex": xgrammar.Grammar.from_regex,
+             "ebnf": xgrammar.Grammar.from_ebnf}[kind]
+    try:
+        return parse(spec)
+    except RuntimeError as e:  # xgrammar's parse errors (InvalidJSONError is one too)
+        raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
+
+
+def check_grammar(kind: str, spec: str) -> None:
+    """Raise GrammarError (one-line message) unless `kind` is known and `spec` parses as one.
+
+    No tokenizer needed: a few milliseconds, once xgrammar is imported (about 1.5 s, on first use).
+    """
+    _build(kind, spec)
+
+
+class Matcher:
+    """The grammar state of one running request."""
+
+    def __init__(self, compiled, kind: str):
+        import xgrammar
+
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._kind = kind
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (and a warning) if the grammar does not allow it."""
+        if self._matcher.accept_token(token_id):
+            return True
+        logger.warning("token %d is not allowed by the request's %s grammar", token_id, self._kind)
+        return False
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into bitmask[row] (a bitmask from `allocate_bitmask`)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted: nothing more may follow."""
+        return self._matcher.is_terminated()
+
+
+class Grammars:
+    """Compiles grammars for one model's tokenizer (one per model runner) and makes matchers.
+
+    The tokenizer's xgrammar view (TokenizerInfo, about 0.2 s on top of loading the tokenizer)
+    is built on first use, so that a server that never sees a grammar never pays for it.
+    `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's length;
+    `stop_token_ids` default to the tokenizer's EOS.
+    """
+
+    def __init__(self, model_dir: str, vocab_size: int, *, stop_token_ids: list[int] | None = None):
+        self.model_dir, self.vocab_size, self.stop_token_ids = str(model_dir), vocab_size, stop_token_ids
+        self._compiler = None
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
+
+    def _make_compiler(self):
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self.stop_token_ids)
+        # our LRU below is the cache (xgrammar's own would keep a second copy of each grammar)
+        return xgrammar.GrammarCompiler(info, cache_enabled=False)
+
+    def compile(self, kind: str, spec: str):
+        """The compiled grammar of (kind, spec), from the cache when it is there."""
+        key = (kind, spec)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.compiler.compile_grammar(_build(kind, spec))
+            self._compiled[key] = compiled
+        self._compiled.move_to_end(key)
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, kind: str, spec: str) -> Matcher:
+        return Matcher(self.compile(kind, spec), kind)
+
+
+def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """int32 [batch, ceil(vocab_size / 32)] on the CPU, every token allowed (xgrammar's layout)."""
+    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Set to -inf each logit whose bit is 0, in rows `rows` of logits (all rows if None).
+
+    logits: fp32 [B, V], CPU or CUDA; bitmask: int32 [B', ceil(V / 32)] from `allocate_bitmask`,
+    moved to logits' device here; `rows` (integer, either device) index both.
+    """
+    assert bitmask.shape[-1] * 32 >= logits.shape[-1], "the bitmask must cover every logit"
+    if logits.device.type not in ("cpu", "cuda"):
+        apply_bitmask_reference_(logits, bitmask, rows)
+        return
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1],
+                                         indices=rows)
+
+
+def apply_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Plain-torch `apply_bitmask_`: unpack each int32 word into its 32 bits, lowest bit first."""
+    vocab = logits.shape[-1]
+    rows = torch.arange(logits.shape[0]) if rows is None else rows
+    rows = rows.to(logits.device)
+    words = bitmask.to(logits.device)[rows]  # [R, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [R, W * 32] -> [R, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

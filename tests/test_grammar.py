@@ -1,0 +1,174 @@
+"""Structured output: the validator, the compile cache, the masks, and decoding under a grammar."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from lightllm.engine.grammar import (CACHE_SIZE, GrammarError, Grammars, allocate_bitmask, apply_bitmask_,
+                                     apply_bitmask_reference_, check_grammar)
+
+VOCAB = 49152  # the default model's config.json
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "color"]}
+REGEX = r"[A-Z][a-z]{2,6}-\d{3}"
+
+GOOD = [("json_object", ""), ("json_schema", json.dumps(SCHEMA)), ("json_schema", "{}"),
+        ("regex", REGEX), ("ebnf", 'root ::= "yes" | "no" | item\nitem ::= [0-9]+')]
+BAD = [("yaml", "a: 1", "unknown grammar kind"),
+       ("json_object", "{}", "takes no spec"),
+       ("json_schema", '{"type": "object"', "not valid JSON"),
+       ("json_schema", "[1, 2]", "should be an object"),
+       ("json_schema", '{"type": "foo"}', "Unsupported type"),
+       ("regex", "(ab", "not closed"),
+       ("regex", "[a-", "Unclosed"),
+       ("ebnf", 'item ::= "a"', "root"),
+       ("ebnf", "root ::= missing", "not defined")]
+
+
+@pytest.mark.parametrize("kind,spec", GOOD)
+def test_check_grammar_accepts(kind, spec):
+    check_grammar(kind, spec)
+
+
+@pytest.mark.parametrize("kind,spec,hint", BAD)
+def test_check_grammar_rejects_with_a_one_line_message(kind, spec, hint):
+    with pytest.raises(GrammarError, match=re.escape(hint)) as err:
+        check_grammar(kind, spec)
+    message = str(err.value)
+    assert "\n" not in message and not message.startswith("[")  # xgrammar's "[time] file.cc:line:" is cut
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tensors here are one row each: a second thread only adds contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def grammars(default_model_dir):
+    return Grammars(default_model_dir, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def closing_bias(tokenizer):
+    """Random logits plus this end quickly: EOS and tokens that close a string or an object are
+    favoured, whitespace (which JSON allows without limit between elements) is not."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    bias = torch.zeros(VOCAB)
+    bias[[i for i, t in enumerate(texts) if '"' in t or "}" in t]] = 6.0
+    bias[[i for i, t in enumerate(texts) if t.isspace()]] = -6.0
+    bias[tokenizer.eos_token_id] = 20.0
+    return bias
+
+
+def decode(grammars, tokenizer, bias, kind, spec, seed, max_steps=200):
+    """Sample random biased logits under the grammar's mask until it terminates; the text."""
+    matcher = grammars.matcher(kind, spec)
+    bitmask = allocate_bitmask(1, VOCAB)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = []
+    for _ in range(max_steps):
+        matcher.fill(bitmask, 0)
+        logits = torch.randn(1, VOCAB, generator=gen) + bias
+        apply_bitmask_(logits, bitmask, None)
+        refused = (logits[0] == float("-inf")).nonzero()[:, 0]
+        assert 0 < len(refused) < VOCAB
+        outside = refused[torch.randint(len(refused), (1,), generator=gen)].item()
+        assert not matcher.accept(outside), f"token {outside} is outside the mask but was accepted"
+        token = torch.multinomial(logits.softmax(-1), 1, generator=gen).item()
+        assert matcher.accept(token)
+        if matcher.terminated:
+            assert token == tokenizer.eos_token_id
+            return tokenizer.decode(tokens)
+        tokens.append(token)
+    raise AssertionError(f"no end after {max_steps} tokens: {tokenizer.decode(tokens)!r}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_json_schema_output_validates(grammars, tokenizer, closing_bias, seed):
+    value = json.loads(decode(grammars, tokenizer, closing_bias, "json_schema", json.dumps(SCHEMA), seed))
+    assert isinstance(value, dict) and set(value) == {"name", "age", "color"}  # strict: no other keys
+    assert isinstance(value["name"], str)
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+    assert value["color"] in SCHEMA["properties"]["color"]["enum"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_json_object_output_is_an_object(grammars, tokenizer, closing_bias, seed):
+    assert isinstance(json.loads(decode(grammars, tokenizer, closing_bias, "json_object", "", seed)), dict)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_regex_output_matches(grammars, tokenizer, closing_bias, seed):
+    text = decode(grammars, tokenizer, closing_bias, "regex", REGEX, seed)
+    assert re.fullmatch(REGEX, text), text
+
+
+def test_compile_cache(grammars, monkeypatch):
+    schema = json.dumps(SCHEMA)
+    assert grammars.compile("json_schema", schema) is grammars.compile("json_schema", schema)
+    assert grammars.compile("regex", "a+") is not grammars.compile("regex", "b+")
+    monkeypatch.setattr("lightllm.engine.grammar.CACHE_SIZE", 2)
+    first = grammars.compile("regex", "x1")
+    second = grammars.compile("regex", "x2")
+    assert grammars.compile("regex", "x1") is first  # used again: now the most recent
+    grammars.compile("regex", "x3")  # evicts x2, the least recently used
+    assert len(grammars._compiled) == 2
+    assert grammars.compile("regex", "x1") is first
+    assert grammars.compile("regex", "x2") is not second
+    assert CACHE_SIZE >= 2
+
+
+def test_matcher_rejects_a_bad_spec(grammars):
+    with pytest.raises(GrammarError, match="not closed"):
+        grammars.matcher("regex", "(ab")
+
+
+def test_allocate_bitmask_is_xgrammars_layout():
+    import xgrammar
+
+    for vocab in (100, VOCAB):
+        assert torch.equal(allocate_bitmask(3, vocab), xgrammar.allocate_token_bitmask(3, vocab))
+
+
+def _expected(logits, bitmask, rows):
+    """Bit by bit in Python: the oracle for both implementations."""
+    out = logits.clone()
+    for r in rows:
+        for j in range(logits.shape[1]):
+            if (int(bitmask[r, j // 32]) & 0xFFFFFFFF) >> (j % 32) & 1 == 0:
+                out[r, j] = float("-inf")
+    return out
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [100, 32 * 7])
+@pytest.mark.parametrize("rows", [None, [0, 3]])
+def test_apply_bitmask_matches_reference(device, vocab, rows):
+    gen = torch.Generator().manual_seed(vocab + len(rows or ()))
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31, (5, (vocab + 31) // 32), generator=gen, dtype=torch.int64).int()
+    expected = _expected(logits, bitmask, range(5) if rows is None else rows)
+    assert (expected == float("-inf")).any() and (expected != float("-inf")).any()
+    row_tensor = None if rows is None else torch.tensor(rows)
+    for apply in (apply_bitmask_, apply_bitmask_reference_):
+        out = logits.to(device)
+        apply(out, bitmask, row_tensor)
+        assert torch.equal(out.cpu(), expected), apply.__name__
