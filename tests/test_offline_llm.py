@@ -122,9 +122,14 @@ def test_mixed_batch_equals_each_prompt_alone(llm):
     assert_idle(llm)
 
 
-def test_stop_string_ends_the_text_before_it(llm):
-    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    full = full[0].outputs[0]
+@pytest.fixture(scope="module")
+def full(llm):
+    """PROMPTS[1] continued greedily for 16 tokens."""
+    output = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    return output[0].outputs[0]
+
+
+def test_stop_string_ends_the_text_before_it(llm, full):
     stop = full.text[len(full.text) // 2:][:3]  # three characters from the middle
     assert stop.strip()
     (output,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
@@ -134,6 +139,16 @@ def test_stop_string_ends_the_text_before_it(llm):
     assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
     assert choice.token_ids == full.token_ids[: len(choice.token_ids)] and len(choice.token_ids) < 16
     assert_idle(llm)  # the engine request was aborted when its text hit the stop string
+
+
+def test_stop_token_ids_end_with_that_token(llm, full):
+    at = next(i for i, t in enumerate(full.token_ids) if i >= 3 and t not in full.token_ids[:i])
+    stop_id = full.token_ids[at]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id])
+    choice = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert choice.token_ids == full.token_ids[: at + 1]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", stop_id)
+    assert choice.text == llm.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
 
 
 def test_chat_equals_generate_on_the_templated_prompt(llm, hf):
@@ -205,16 +220,7 @@ def test_import_lightllm_stays_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.fixture(scope="module")
-def engine_logprobs(llm):
-    """Whether the engine returns top logprobs (TokenOut.top_logprobs) yet."""
-    (output,) = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1, logprobs=2), use_tqdm=False)
-    return len(output.outputs[0].logprobs[0]) > 1
-
-
-def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf, engine_logprobs):
-    if not engine_logprobs:
-        pytest.skip("the engine does not return top logprobs yet")
+def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf):
     k = 3
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=k, prompt_logprobs=k)
     (output,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
@@ -228,6 +234,19 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf, engine_logprob
     assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt_ids)
     for i in range(1, len(prompt_ids)):
         check_position(output.prompt_logprobs[i], prompt_ids[i], rows[i - 1], k)
+
+
+def test_sampled_logprobs_are_of_the_raw_logits(llm, hf):
+    """Hot sampling picks tokens outside the top 1: those carry rank None, every logprob is
+    transformers' log_softmax of the unscaled logits, and cumulative_logprob is their sum."""
+    params = SamplingParams(temperature=1.8, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    (output,) = llm.generate(PROMPTS[2], params, use_tqdm=False)
+    choice, prompt_ids = output.outputs[0], output.prompt_token_ids
+    rows = hf_logprobs(hf, prompt_ids + choice.token_ids)[len(prompt_ids) - 1:]
+    for j, (token, entry) in enumerate(zip(choice.token_ids, choice.logprobs)):
+        check_position(entry, token, rows[j], 1)
+    assert any(entry[token].rank is None for token, entry in zip(choice.token_ids, choice.logprobs))
+    assert choice.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(choice.token_ids, choice.logprobs)))
 
 
 def check_position(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
