@@ -59,8 +59,10 @@ def _build(kind: str, spec: str):
             raise GrammarError(f"json_schema is not valid JSON: {e}") from None
     import xgrammar
 
-    parse = {"json_object": lambda _: xgrammar.Grammar.from_json_schema(_ANY_OBJECT),
-             "json_schema": xgrammar.Grammar.from_json_schema,
+    # Compact JSON (no free whitespace between tokens): a small model can otherwise emit
+    # whitespace until max_new_tokens.
+    parse = {"json_object": lambda _: xgrammar.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False),
+             "json_schema": lambda s: xgrammar.Grammar.from_json_schema(s, any_whitespace=False),
              "regex": xgrammar.Grammar.from_regex,
              "ebnf": xgrammar.Grammar.from_ebnf}[kind]
     try:

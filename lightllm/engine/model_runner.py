@@ -245,7 +245,8 @@ class ModelRunner:
         if self._grammars is None:
             from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
 
-            self._grammars = Grammars(self.info["model_dir"], self.config.vocab_size)
+            self._grammars = Grammars(self.info["model_dir"], self.config.vocab_size,
+                                      stop_token_ids=list(self.config.eos_token_ids))
         return self._grammars.matcher(params.grammar_kind, params.grammar)
 
     def _grammar_masks(self, states: list[SamplingState]) -> tuple | None:
@@ -255,9 +256,9 @@ class ModelRunner:
             return None
         from lightllm.engine.grammar import allocate_bitmask
 
-        bitmask = allocate_bitmask(len(rows), self.config.vocab_size)
-        for i, b in enumerate(rows):
-            states[b].matcher.fill(bitmask, i)
+        bitmask = allocate_bitmask(len(states), self.config.vocab_size)  # rows of the other requests stay unread
+        for b in rows:
+            states[b].matcher.fill(bitmask, b)
         return bitmask.to(self.device, non_blocking=True), torch.tensor(rows, device=self.device)
 
     def _prompt_logprobs(self, logits: torch.Tensor, t: dict, chunks) -> list:

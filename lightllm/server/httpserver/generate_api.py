@@ -1,5 +1,11 @@
 """TGI's text-generation routes: POST /generate (one JSON answer) and /generate_stream (server-sent
-events, one per token)."""
+events, one per token).
+
+/generate answers {"generated_text": [one text per sequence], "count_output_tokens",
+"finish_reason", "prompt_tokens", "cached_tokens"} (the counts and reason of the first sequence)
+and, with `details`, TGI's details: per token its id, text, logprob and special flag, the top
+tokens with `top_n_tokens`, the prompt's tokens (`prefill`) with `decoder_input_details`, and the
+other sequences of `n` as `best_of_sequences`."""
 
 from __future__ import annotations
 
@@ -9,10 +15,10 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Generation, tokenize
-from lightllm.server.httpserver.json_body import add_json_route
-from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars
-from lightllm.server.io_struct import TextOut
+from lightllm.server.httpserver.generation import Choice, Generation, off_loop, tokenize
+from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
+from lightllm.server.io_struct import SamplingParams, TextOut
 
 
 def add_generate_routes(app: FastAPI) -> None:
@@ -20,49 +26,95 @@ def add_generate_routes(app: FastAPI) -> None:
     add_json_route(app, "/generate_stream", generate_stream)
 
 
-async def start_generation(request: Request, body: GenerateRequest) -> Generation:
+async def start_generation(request: Request, body: GenerateRequest) -> tuple[Generation, SamplingParams]:
     """Tokenize a /generate prompt (refused before if it is too long) and submit it."""
     start = time.monotonic()
     state = request.app.state.server
+    params = body.parameters
     check_prompt_chars(len(body.inputs), state.limits)
-    return Generation(request, await tokenize(state.tokenizer.encode, body.inputs), body.parameters.sampling(), start)
+    check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids)
+    sampling = await off_loop(params.sampling)
+    prompt_ids = await tokenize(state.tokenizer.encode, body.inputs)
+    return Generation(request, prompt_ids, sampling, start, params.n or 1), sampling
 
 
 async def generate(request: Request, body: GenerateRequest) -> Response:
-    generation = await start_generation(request, body)
-    text, last = await generation.result()
-    return JSONResponse(
-        {
-            "generated_text": [text],
-            "count_output_tokens": last.count_output_tokens,
-            "finish_reason": last.finish_reason.value,
-            "prompt_tokens": generation.prompt_len,
-            "cached_tokens": generation.timer.cached_tokens,
-        }
-    )
+    generation, sampling = await start_generation(request, body)
+    choices = await generation.result()
+    first = choices[0]
+    answer = {
+        "generated_text": [choice.text for choice in choices],
+        "count_output_tokens": first.last.count_output_tokens,
+        "finish_reason": first.last.finish_reason.value,
+        "prompt_tokens": generation.prompt_len,
+        "cached_tokens": generation.timer.cached_tokens,
+    }
+    if body.parameters.details:
+        tokenizer = request.app.state.server.tokenizer
+        answer["details"] = details(tokenizer, first, sampling.seed, generation.prompt_ids)
+        if len(choices) > 1:
+            answer["details"]["best_of_sequences"] = [
+                {"generated_text": c.text, **details(tokenizer, c, sampling.seed + c.index, generation.prompt_ids)}
+                for c in choices[1:]]
+    return JSONResponse(answer)
 
 
-def sse_event(out: TextOut, full_text: str | None) -> str:
+def details(tokenizer, choice: Choice, seed: int, prompt_ids: list[int]) -> dict:
+    """TGI's details of one sequence."""
+    out = {"finish_reason": choice.last.finish_reason.value, "generated_tokens": choice.last.count_output_tokens,
+           "seed": seed, "tokens": [token_entry(o.token_id, token_text(tokenizer, o.token_id), o.logprob, o.special)
+                                    for o in choice.outputs]}
+    prompt = choice.outputs[0].prompt_logprobs
+    if prompt is not None:
+        texts = tokenizer.batch_decode([[i] for i in prompt_ids], skip_special_tokens=False)
+        logprobs = [None] + [logprob for logprob, _ in prompt]
+        out["prefill"] = [{"id": i, "text": t, "logprob": lp} for i, t, lp in zip(prompt_ids, texts, logprobs)]
+    if any(o.top_logprobs for o in choice.outputs):
+        out["top_tokens"] = [top_entries(o) for o in choice.outputs]
+    return out
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_entry(token_id: int, text: str, logprob: float, special: bool) -> dict:
+    return {"id": token_id, "text": text, "logprob": logprob, "special": special}
+
+
+def top_entries(out: TextOut) -> list[dict]:
+    return [token_entry(i, text, lp, False) for i, text, lp in out.top_logprobs or ()]
+
+
+def sse_event(out: TextOut, full_text: str | None, detailed: bool, seed: int) -> str:
     event = {
         "token": {"id": out.token_id, "text": out.text, "logprob": out.logprob, "special": out.special},
         "generated_text": full_text,
         "finished": out.finish_reason is not None,
         "finish_reason": out.finish_reason.value if out.finish_reason is not None else None,
     }
+    if out.top_logprobs is not None:
+        event["top_tokens"] = top_entries(out)
+    if detailed and out.finish_reason is not None:
+        event["details"] = {"finish_reason": out.finish_reason.value, "generated_tokens": out.count_output_tokens,
+                            "seed": seed}
     if out.error is not None:
         event["error"], event["error_type"] = f"generation failed: {out.error}", "internal"
     return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def sse_events(outputs):
+async def sse_events(outputs, detailed: bool, seed: int):
     """One event per token; the last carries the full text."""
     pieces = []
-    async for out in outputs:
+    async for _, out in outputs:
         pieces.append(out.text)
-        yield sse_event(out, "".join(pieces) if out.finish_reason is not None else None)
+        yield sse_event(out, "".join(pieces) if out.finish_reason is not None else None, detailed, seed)
 
 
 async def generate_stream(request: Request, body: GenerateRequest) -> Response:
-    generation = await start_generation(request, body)
-    first = await generation.first()
-    return StreamingResponse(sse_events(generation.outputs(first)), media_type="text/event-stream")
+    if (body.parameters.n or 1) > 1:
+        raise RequestError("'n' > 1 is not supported by /generate_stream: use /generate, or /v1/completions with stream")
+    generation, sampling = await start_generation(request, body)
+    firsts = await generation.first()
+    events = sse_events(generation.outputs(firsts), bool(body.parameters.details), sampling.seed)
+    return StreamingResponse(events, media_type="text/event-stream")

@@ -1,7 +1,7 @@
 """One request's life on the HTTP side, shared by every endpoint that generates text.
 
-`Generation` submits the token ids, times the request for /metrics, and hands back either the
-whole text or its outputs one by one. A client that disconnects aborts its request (the router
+`Generation` submits the token ids (n times for n choices), times the request for /metrics, and
+hands back either the whole choices or their outputs one by one. A client that disconnects aborts its request (the router
 frees its KV tokens); a request that fails in the engine raises GenerationFailed (a 5xx).
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -26,10 +28,14 @@ class GenerationFailed(Exception):
     """The engine failed this request; the message says why."""
 
 
-async def tokenize(fn, *args):
-    """Tokenization (and chat templates) off the event loop: a long prompt must not stall
-    other requests or /health. asyncio's default thread pool is sized for the machine."""
+async def off_loop(fn, *args):
+    """Work that can take a while off the event loop, so that it does not stall other requests
+    or /health: tokenization and chat templates (a long prompt), reading a grammar (xgrammar's
+    first import takes about 1.5 s). asyncio's default thread pool is sized for the machine."""
     return await asyncio.to_thread(fn, *args)
+
+
+tokenize = off_loop
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -53,58 +59,115 @@ async def unless_disconnected(request: Request, coro):
     return work.result()
 
 
-class Generation:
-    """A submitted request: its output stream and its timer. `start` is the request's arrival."""
+@dataclass
+class Choice:
+    """One finished sequence of a request: its text and every output (for logprobs)."""
 
-    def __init__(self, request: Request, prompt_ids: list[int], sampling: SamplingParams, start: float):
+    index: int
+    text: str
+    outputs: list[TextOut]
+
+    @property
+    def last(self) -> TextOut:
+        return self.outputs[-1]
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of n draws with seed + index, so that the choices differ and a seed gives them again."""
+    return sampling if index == 0 else dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)
+
+
+class Generation:
+    """A submitted request with n choices (n requests in the engine; the prefix cache shares the
+    prompt's KV between them, computed once): their output streams and timers. `start` is the
+    request's arrival."""
+
+    def __init__(self, request: Request, prompt_ids: list[int], sampling: SamplingParams, start: float, n: int = 1):
         state = request.app.state.server
         check_lengths(len(prompt_ids), sampling, state.limits)
+        if n > 1:
+            state.manager.check_queue(n)
         self.request = request
+        self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
-        self.timer = RequestTimer(state.metrics, self.prompt_len, start)
-        self.stream = state.manager.generate(prompt_ids, sampling)
+        self.timers = [RequestTimer(state.metrics, self.prompt_len, start) for _ in range(n)]
+        self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i)) for i in range(n)]
 
-    async def result(self) -> tuple[str, TextOut]:
-        """The whole text and the last output."""
-        text, last = await self._guarded(self._collect())
-        if last.finish_reason is FinishReason.ERROR:
-            raise GenerationFailed(last.error)
-        return text, last
+    @property
+    def timer(self) -> RequestTimer:
+        return self.timers[0]
 
-    async def first(self) -> TextOut:
-        """Wait for the first output before answering, so that a failed prefill is still a clean 5xx."""
-        first = await self._guarded(anext(self.stream))
-        self.timer.observe(first)
-        if first.finish_reason is FinishReason.ERROR:
-            await self.stream.aclose()
-            raise GenerationFailed(first.error)
-        return first
+    async def result(self) -> list[Choice]:
+        """Every choice, whole."""
+        choices = await self._guarded(asyncio.gather(*(self._collect(i) for i in range(len(self.streams)))))
+        for choice in choices:
+            if choice.last.finish_reason is FinishReason.ERROR:
+                raise GenerationFailed(choice.last.error)
+        return choices
 
-    async def outputs(self, first: TextOut) -> AsyncIterator[TextOut]:
-        """`first` and every later output up to the last. Cancelled or closed early: the client left."""
-        out = first
+    async def first(self) -> list[TextOut]:
+        """Wait for every choice's first output before answering, so that a failed prefill is still a clean 5xx."""
+        firsts = await self._guarded(asyncio.gather(*(anext(stream) for stream in self.streams)))
+        for timer, out in zip(self.timers, firsts):
+            timer.observe(out)
+        failed = [out for out in firsts if out.finish_reason is FinishReason.ERROR]
+        if failed:
+            for stream in self.streams:
+                await stream.aclose()
+            raise GenerationFailed(failed[0].error)
+        return firsts
+
+    async def outputs(self, firsts: list[TextOut]) -> AsyncIterator[tuple[int, TextOut]]:
+        """(choice index, output) from `firsts` on, up to every choice's last, in the order they
+        come. Cancelled or closed early: the client left, and every choice is aborted."""
+        if len(self.streams) == 1:
+            async for out in self._choice_outputs(0, firsts[0]):
+                yield 0, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            async for out in self._choice_outputs(i, firsts[i]):
+                await merged.put((i, out))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(self.streams))]
         try:
-            async with contextlib.aclosing(self.stream):
+            for _ in pumps:  # until one last output per choice
+                while True:
+                    i, out = await merged.get()
+                    yield i, out
+                    if out.finish_reason is not None:
+                        break
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _choice_outputs(self, i: int, first: TextOut) -> AsyncIterator[TextOut]:
+        out, stream, timer = first, self.streams[i], self.timers[i]
+        try:
+            async with contextlib.aclosing(stream):
                 while out.finish_reason is None:
                     yield out
-                    out = await anext(self.stream)
-                    self.timer.observe(out)
+                    out = await anext(stream)
+                    timer.observe(out)
         finally:
             if out.finish_reason is None:
-                self.timer.observe_abort()
+                timer.observe_abort()
         yield out
 
-    async def _collect(self) -> tuple[str, TextOut]:
-        pieces = []
-        async with contextlib.aclosing(self.stream):
-            async for out in self.stream:
-                self.timer.observe(out)
-                pieces.append(out.text)
-        return "".join(pieces), out
+    async def _collect(self, i: int) -> Choice:
+        outputs = []
+        async with contextlib.aclosing(self.streams[i]):
+            async for out in self.streams[i]:
+                self.timers[i].observe(out)
+                outputs.append(out)
+        return Choice(i, "".join(out.text for out in outputs), outputs)
 
     async def _guarded(self, coro):
         try:
             return await unless_disconnected(self.request, coro)
         except ClientGone:
-            self.timer.observe_abort()
+            for timer in self.timers:
+                timer.observe_abort()
             raise

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Generation, tokenize
+from lightllm.server.httpserver.generation import Choice, Generation, off_loop, tokenize
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
@@ -51,7 +51,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     if isinstance(prompt, str):
         check_prompt_chars(len(prompt), state.limits)
         prompt = await tokenize(state.tokenizer.encode, prompt)
-    return await answer(request, body, body.sampling(), prompt, start, CompletionFormat)
+    fmt = CompletionFormat(state.tokenizer, body, prompt)
+    return await answer(request, body, await off_loop(body.sampling), prompt, start, fmt)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
@@ -61,15 +62,15 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     messages = body.template_messages()
     check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
     prompt_ids = await tokenize(chat_prompt_ids, state.tokenizer, messages)
-    sampling = body.sampling()
+    sampling = await off_loop(body.sampling)
     if not body.max_tokens_given:  # OpenAI's default: as many as the context leaves
         room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
         sampling.max_new_tokens = max(1, room)
-    return await answer(request, body, sampling, prompt_ids, start, ChatFormat)
+    return await answer(request, body, sampling, prompt_ids, start, ChatFormat(state.tokenizer, body))
 
 
 def check_request(body: OpenAIBody, state) -> None:
-    body.check_supported()
+    body.check_supported(state.model_info["vocab_size"])
     served = state.config.served_model_name
     if body.model is not None and body.model != served:
         raise RequestError(f"model {body.model!r} does not exist; this server serves {served!r}", 404)
@@ -87,34 +88,39 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompt_ids: list[int], start: float,
-                 fmt) -> Response:
-    generation = Generation(request, prompt_ids, sampling, start)
-    reply = fmt(f"{fmt.id_prefix}-{uuid.uuid4().hex}", request.app.state.server.config.served_model_name)
+                 fmt: CompletionFormat) -> Response:
+    generation = Generation(request, prompt_ids, sampling, start, body.choices)
+    fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=request.app.state.server.config.served_model_name)
     if not body.stream:
-        text, last = await generation.result()
-        return JSONResponse(reply.whole(text, last, usage(generation, last)))
-    first = await generation.first()
-    events = stream_events(reply, generation, first, body.include_usage)
+        choices = await generation.result()
+        return JSONResponse(fmt.whole(choices, usage(generation, [c.last for c in choices])))
+    firsts = await generation.first()
+    events = stream_events(fmt, generation, firsts, body.include_usage)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-def usage(generation: Generation, last: TextOut) -> dict:
-    prompt, completion = generation.prompt_len, last.count_output_tokens
+def usage(generation: Generation, lasts: list[TextOut]) -> dict:
+    prompt, completion = generation.prompt_len, sum(last.count_output_tokens for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": generation.timer.cached_tokens}}
 
 
-async def stream_events(reply, generation: Generation, first: TextOut, include_usage: bool) -> AsyncIterator[str]:
-    for chunk in reply.opening():
-        yield sse(chunk)
-    async for out in generation.outputs(first):
+async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: list[TextOut],
+                        include_usage: bool) -> AsyncIterator[str]:
+    for i in range(len(firsts)):
+        for chunk in fmt.opening(i):
+            yield sse(chunk)
+    lasts = {}
+    async for i, out in generation.outputs(firsts):
         if out.finish_reason is FinishReason.ERROR:  # the last output: no usage follows
             yield sse(openai_error(f"generation failed: {out.error}", "internal", 500))
             continue
-        if out.text or out.finish_reason is not None:
-            yield sse(reply.chunk(out.text, FINISH_REASONS.get(out.finish_reason)))
-        if out.finish_reason is not None and include_usage:
-            yield sse(reply.usage_chunk(usage(generation, out)))
+        if out.text or out.finish_reason is not None or fmt.logprobs:
+            yield sse(fmt.chunk(i, out))
+        if out.finish_reason is not None:
+            lasts[i] = out
+    if include_usage and len(lasts) == len(firsts):
+        yield sse(fmt.usage_chunk(usage(generation, list(lasts.values()))))
     yield "data: [DONE]\n\n"
 
 
@@ -127,29 +133,67 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text, as logprobs show them."""
+    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 class CompletionFormat:
-    """The bodies of /v1/completions: `text_completion` objects."""
+    """The bodies of /v1/completions: `text_completion` objects, with OpenAI's legacy logprobs
+    (tokens, token_logprobs, top_logprobs, text_offset); with echo the prompt comes first."""
 
     id_prefix = "cmpl"
 
-    def __init__(self, reply_id: str, model: str):
-        self.head = {"id": reply_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    def __init__(self, tokenizer, body: CompletionRequest, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.head = {"id": "", "object": "text_completion", "created": int(time.time()), "model": ""}
+        self.logprobs = body.wants_logprobs
+        self.echo = bool(body.echo)
+        self.prompt_ids = prompt_ids
+        self.prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False) if self.echo else ""
+        self._echoed: set[int] = set()  # choices whose stream has sent the prompt
 
-    def whole(self, text: str, last: TextOut, usage: dict) -> dict:
-        return {**self.head, "choices": [self._choice(text, FINISH_REASONS[last.finish_reason])], "usage": usage}
+    def whole(self, choices: list[Choice], usage: dict) -> dict:
+        body = [self._choice(c.index, self.prompt_text + c.text, FINISH_REASONS[c.last.finish_reason],
+                             self._logprobs(c.outputs, echo=self.echo, offset=0)) for c in choices]
+        return {**self.head, "choices": body, "usage": usage}
 
-    def opening(self) -> list[dict]:
+    def opening(self, index: int) -> list[dict]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return {**self.head, "choices": [self._choice(text, finish_reason)]}
+    def chunk(self, index: int, out: TextOut) -> dict:
+        echo = self.echo and index not in self._echoed
+        self._echoed.add(index)
+        text = (self.prompt_text if echo else "") + out.text
+        return {**self.head, "choices": [self._choice(index, text, FINISH_REASONS.get(out.finish_reason),
+                                                      self._logprobs([out], echo=echo, offset=0))]}
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self.head, "choices": [], "usage": usage}
 
     @staticmethod
-    def _choice(text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(index: int, text: str, finish_reason: str | None, logprobs) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, outputs: list[TextOut], echo: bool, offset: int) -> dict | None:
+        if not self.logprobs:
+            return None
+        tokens, chosen, tops = [], [], []
+        if echo:  # the prompt's tokens: the first has no logprob (nothing before it)
+            tokens += token_texts(self.tokenizer, self.prompt_ids)
+            prompt = outputs[0].prompt_logprobs or []
+            chosen += [None] + [logprob for logprob, _ in prompt]
+            tops += [None] + [{text: lp for _, text, lp in top} | {t: lp}
+                              for (lp, top), t in zip(prompt, tokens[1:])]
+        texts = token_texts(self.tokenizer, [out.token_id for out in outputs])
+        tokens += texts
+        chosen += [out.logprob for out in outputs]
+        tops += [{text: lp for _, text, lp in out.top_logprobs or ()} | {t: out.logprob} for out, t in zip(outputs, texts)]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
 class ChatFormat(CompletionFormat):
@@ -157,20 +201,37 @@ class ChatFormat(CompletionFormat):
 
     id_prefix = "chatcmpl"
 
-    def __init__(self, reply_id: str, model: str):
-        super().__init__(reply_id, model)
-        self.head["object"] = "chat.completion.chunk"
+    def __init__(self, tokenizer, body: ChatRequest):
+        self.tokenizer = tokenizer
+        self.head = {"id": "", "object": "chat.completion.chunk", "created": int(time.time()), "model": ""}
+        self.logprobs = body.wants_logprobs
 
-    def whole(self, text: str, last: TextOut, usage: dict) -> dict:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": FINISH_REASONS[last.finish_reason]}
-        return {**self.head, "object": "chat.completion", "choices": [choice], "usage": usage}
+    def whole(self, choices: list[Choice], usage: dict) -> dict:
+        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self._chat_logprobs(c.outputs), "finish_reason": FINISH_REASONS[c.last.finish_reason]}
+                for c in choices]
+        return {**self.head, "object": "chat.completion", "choices": body, "usage": usage}
 
-    def opening(self) -> list[dict]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
+    def opening(self, index: int) -> list[dict]:
+        return [self._delta(index, {"role": "assistant", "content": ""}, None, None)]
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return self._delta({"content": text} if text else {}, finish_reason)
+    def chunk(self, index: int, out: TextOut) -> dict:
+        return self._delta(index, {"content": out.text} if out.text else {}, FINISH_REASONS.get(out.finish_reason),
+                           self._chat_logprobs([out]))
 
-    def _delta(self, delta: dict, finish_reason: str | None) -> dict:
-        return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    def _delta(self, index: int, delta: dict, finish_reason: str | None, logprobs) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self.head, "choices": [choice]}
+
+    def _chat_logprobs(self, outputs: list[TextOut]) -> dict | None:
+        if not self.logprobs:
+            return None
+        texts = token_texts(self.tokenizer, [out.token_id for out in outputs])
+        content = [{**_entry(text, out.logprob),
+                    "top_logprobs": [_entry(t, lp) for _, t, lp in out.top_logprobs or ()]}
+                   for out, text in zip(outputs, texts)]
+        return {"content": content, "refusal": None}
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

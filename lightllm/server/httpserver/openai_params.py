@@ -2,19 +2,21 @@
 ranges.
 
 Sampling follows OpenAI's defaults (temperature 1.0, so sampling unless temperature is 0). vLLM's
-extensions top_k, repetition_penalty, ignore_eos and skip_special_tokens are accepted too. Fields
-that would change the answer in ways this server cannot honour (n > 1, logprobs, tools, ...) are
-described with OpenAI's types and refused with a 400 rather than silently ignored.
+extensions top_k, min_p, min_tokens, stop_token_ids, repetition_penalty, ignore_eos and
+skip_special_tokens are accepted too. Fields that would change the answer in ways this server
+cannot honour (tools, best_of, suffix, ...) are described with OpenAI's types and refused with a
+400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.httpserver.params import INT32_MAX, STRICT, NonEmptyStr, StopSequences, to_sampling
+from lightllm.server.httpserver.params import INT32_MAX, STRICT, NonEmptyStr, StopSequences, check_token_ids, checked_grammar, to_sampling
 from lightllm.server.io_struct import SamplingParams
 
 # the client's name -> ours
@@ -31,9 +33,11 @@ SAMPLING_NAMES = {
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens",
+    "min_p": "min_p",
+    "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids",
 }
-ONE_CHOICE = "this server returns one choice per request"
-NO_LOGPROBS = "log probabilities are only in /generate_stream's events"
+MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
 # Fields of a message or content part beyond those read here (name, tool_calls, ...) change nothing.
 LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -43,15 +47,40 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = LENIENT
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="a JSON schema; absent: any JSON value")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> tuple[str, str]:
+        """(SamplingParams.grammar_kind, grammar), checked by xgrammar (a bad schema is a 400)."""
+        if self.type == "text":
+            return "", ""
+        if self.type == "json_object":
+            kind, spec = "json_object", ""
+        elif self.json_schema is None:
+            raise RequestError("'response_format': type 'json_schema' needs a 'json_schema' object")
+        elif self.json_schema.schema_ is None:
+            kind, spec = "json_object", ""
+        else:
+            kind, spec = "json_schema", json.dumps(self.json_schema.schema_)
+        return kind, checked_grammar(kind, spec)
+
+
 class OpenAIBody(BaseModel):
     """The fields both endpoints share."""
 
     model_config = STRICT
     # name -> (accepts the value?, why not)
-    UNSUPPORTED: ClassVar[dict] = {
-        "n": (lambda v: v in (None, 1), ONE_CHOICE),
-        "logit_bias": (lambda v: not v, "logit biases are not supported"),
-    }
+    UNSUPPORTED: ClassVar[dict] = {}
 
     model: str | None = None
     stream: bool | None = None
@@ -63,8 +92,12 @@ class OpenAIBody(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: StopSequences | None = None
-    n: int | None = Field(None, ge=1, le=128, description="only 1 is supported")
-    logit_bias: dict[str, Annotated[int, Field(ge=-100, le=100)]] | None = Field(None, description="not supported")
+    n: int | None = Field(None, ge=1, le=128, description="choices to generate; the prompt is computed once")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit")
+    response_format: ResponseFormat | None = Field(
+        None, description="{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'schema': ...}}: "
+                          "the output follows it (xgrammar)")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -74,16 +107,36 @@ class OpenAIBody(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="token ids that end the text")
 
-    def check_supported(self) -> None:
+    def check_supported(self, vocab_size: int) -> None:
         for name, (accepts, why) in self.UNSUPPORTED.items():
             value = getattr(self, name)
             if not accepts(value):
                 raise RequestError(f"'{name}' = {value!r} is not supported: {why}")
+        check_token_ids(vocab_size, self.logit_bias, self.stop_token_ids)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     def sampling(self) -> SamplingParams:
         given = {ours: value for name, ours in SAMPLING_NAMES.items() if (value := getattr(self, name, None)) is not None}
+        if self.logit_bias:
+            given["logit_bias"] = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        if self.response_format is not None:
+            given["grammar_kind"], given["grammar"] = self.response_format.grammar()
+        given.update(self.logprob_fields())
         return to_sampling(given, do_sample=True)  # OpenAI samples unless temperature is 0
+
+    def logprob_fields(self) -> dict:
+        return {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -96,18 +149,26 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 class CompletionRequest(OpenAIBody):
     UNSUPPORTED: ClassVar[dict] = {
         **OpenAIBody.UNSUPPORTED,
-        "best_of": (lambda v: v in (None, 1), ONE_CHOICE),
-        "echo": (lambda v: v in (None, False), "the prompt is not echoed"),
+        "best_of": (lambda v: v in (None, 1), "use n: every choice is returned"),
         "suffix": (lambda v: v is None, "there is no insertion mode"),
-        "logprobs": (lambda v: v in (None, 0), NO_LOGPROBS),
     }
 
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr | TokenIds], Field(min_length=1, max_length=1)] = (
         Field(description="a string or token ids; one prompt per request"))
     best_of: int | None = Field(None, ge=0, le=20, description="only 1 is supported")
-    echo: bool | None = Field(None, description="only false is supported")
+    echo: bool | None = Field(None, description="the prompt comes first in each choice's text (and logprobs)")
     suffix: str | None = Field(None, description="not supported")
-    logprobs: int | None = Field(None, ge=0, le=5, description="only 0 is supported")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="the sampled token's logprob and the k most likely tokens', per token")
+
+    def logprob_fields(self) -> dict:
+        if self.logprobs is None:
+            return {}
+        return {"top_logprobs": self.logprobs, **({"prompt_logprobs": self.logprobs} if self.echo else {})}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def prompt_value(self, vocab_size: int) -> str | list[int]:
         """A string or token ids (a one-element list holds either)."""
@@ -141,23 +202,29 @@ class Message(BaseModel):
 class ChatRequest(OpenAIBody):
     UNSUPPORTED: ClassVar[dict] = {
         **OpenAIBody.UNSUPPORTED,
-        "logprobs": (lambda v: v in (None, False), NO_LOGPROBS),
-        "top_logprobs": (lambda v: v in (None, 0), NO_LOGPROBS),
         "tools": (lambda v: not v, "tool calling is not supported"),
         "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
         "functions": (lambda v: not v, "function calling is not supported"),
-        "response_format": (lambda v: v in (None, {"type": "text"}), "only plain text responses are supported"),
     }
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = Field(None, description="only false is supported")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0 is supported")
+    logprobs: bool | None = Field(None, description="each generated token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: the k most likely tokens at each position too")
     tools: list[dict] | None = Field(None, description="not supported")
     tool_choice: str | dict | None = Field(None, description="only 'none' and 'auto' are supported")
     functions: list[dict] | None = Field(None, description="not supported")
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = Field(None, description="only {'type': 'text'} is supported")
+
+    def logprob_fields(self) -> dict:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true")
+        return {"top_logprobs": self.top_logprobs or 0} if self.logprobs else {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
     @property
     def max_tokens_given(self) -> bool:

@@ -5,9 +5,10 @@ A field left out or null takes SamplingParams' default (io_struct.py), written t
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +32,49 @@ class Limits:
     max_prompt_chars: int  # see prompt_char_bound
 
 
+class Grammar(BaseModel):
+    """TGI's `grammar`: {"type": "json", "value": a JSON schema ({} for any JSON object)} or
+    {"type": "regex", "value": a pattern}."""
+
+    model_config = STRICT
+    type: Literal["json", "regex"]
+    value: dict | NonEmptyStr
+
+    def sampling_fields(self) -> dict:
+        if self.type == "regex":
+            if not isinstance(self.value, str):
+                raise RequestError("'grammar': a regex grammar's value is a string")
+            kind, spec = "regex", self.value
+        else:
+            schema = json.loads(self.value) if isinstance(self.value, str) else self.value
+            kind, spec = ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
+        return {"grammar_kind": kind, "grammar": checked_grammar(kind, spec)}
+
+
+def checked_grammar(kind: str, spec: str) -> str:
+    """`spec`, once xgrammar has read it; a bad one is a 400."""
+    from lightllm.engine.grammar import GrammarError, check_grammar  # xgrammar: only when asked for
+
+    try:
+        check_grammar(kind, spec)
+    except GrammarError as exc:
+        raise RequestError(f"the {kind.replace('_', ' ')} cannot be used for structured output: {exc}") from None
+    return spec
+
+
+def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_token_ids: list[int] | None) -> None:
+    for token in logit_bias or {}:
+        if not token.isdigit() or int(token) >= vocab_size:
+            raise RequestError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {token!r}")
+    if any(token >= vocab_size for token in stop_token_ids or ()):
+        raise RequestError(f"'stop_token_ids' must be in [0, {vocab_size})")
+
+
+MAX_TOP_TOKENS = 20
+# GenerateParameters fields that are not SamplingParams fields (read by sampling() or the route)
+ROUTE_FIELDS = {"n", "details", "decoder_input_details", "top_n_tokens", "grammar", "logit_bias"}
+
+
 class GenerateParameters(BaseModel):
     model_config = STRICT
 
@@ -46,9 +90,29 @@ class GenerateParameters(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     seed: int | None = Field(None, ge=0, lt=2**63, description="default: drawn at random")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens less likely than min_p x the most likely")
+    min_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids are not sampled before this many tokens")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="token ids that end the text")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit")
+    n: int | None = Field(None, ge=1, le=128, description="sequences to generate (generated_text holds them all); "
+                                                           "not with /generate_stream")
+    details: bool | None = Field(None, description="per-token ids, texts and logprobs in 'details' (TGI)")
+    decoder_input_details: bool | None = Field(None, description="with details: the prompt tokens' logprobs ('prefill')")
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_TOKENS, description="the n most likely tokens per position")
+    grammar: Grammar | None = Field(None, description="structured output: the text follows a JSON schema or a regex")
 
     def sampling(self) -> SamplingParams:
-        return to_sampling(self.model_dump(exclude_none=True))
+        given = self.model_dump(exclude_none=True, exclude=ROUTE_FIELDS)
+        if self.logit_bias:
+            given["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+        if self.top_n_tokens:
+            given["top_logprobs"] = self.top_n_tokens
+        if self.decoder_input_details:
+            given["prompt_logprobs"] = self.top_n_tokens or 0
+        if self.grammar is not None:
+            given.update(self.grammar.sampling_fields())
+        return to_sampling(given)
 
 
 def to_sampling(given: dict, **fixed) -> SamplingParams:
