@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 
 from lightllm.utils.net import ipc_addresses
+
+API_KEY_ENV = "LIGHTLLM_API_KEY"
 
 
 def _flag(help_text: str, **extra) -> dict:
@@ -60,6 +63,15 @@ class ServerConfig:
     max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=_flag("longest prompt + max_new_tokens accepted"))
     nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers"))
+    max_queued_requests: int = field(
+        default=4096,
+        metadata=_flag("most open requests that have not yet had their first token (waiting for admission or in prefill); one more gets 429 with Retry-After at once, before it reaches the router. Twice the largest burst of the repo's benchmarks (2,000 requests at once): a bound on memory and on waiting, not on throughput"),
+    )
+    api_key: str | None = field(
+        default=None,
+        repr=False,  # never in a log line
+        metadata=_flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info and /metrics; absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
+    )
     max_request_body_bytes: int = field(
         default=8 << 20,
         metadata=_flag("largest request body accepted, in bytes; a larger one gets 413 before it is read (8 MiB: a 2048-token prompt is a few tens of kB)"),
@@ -100,7 +112,7 @@ class ServerConfig:
             raise ValueError("--max_req_total_len must be larger than --max_req_input_len (both positive)")
         if self.max_total_token_num is not None and self.max_total_token_num < 2:
             raise ValueError("--max_total_token_num must be at least 2")
-        for name in ("tp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes"):
+        for name in ("tp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         for name in ("log_stats_interval", "health_timeout", "step_timeout"):
@@ -108,6 +120,8 @@ class ServerConfig:
                 raise ValueError(f"--{name} must be positive")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown_timeout must not be negative")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api_key must not be empty")
 
 
 def _cli_type(annotation) -> type:
@@ -139,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
+    """The flags, and the environment variables (read only here) for settings not given as flags."""
     parser = build_parser()
     config = ServerConfig(**vars(parser.parse_args(argv)))
+    if config.api_key is None:  # read after parsing, so that --help never shows it
+        config.api_key = os.environ.get(API_KEY_ENV) or None
     try:
         config.check()
     except ValueError as exc:
