@@ -21,8 +21,8 @@ import prefix_workloads as pw  # noqa: E402
 from serving_client import run_conversations  # noqa: E402
 from serving_metrics import format_summary, prefix_cache_figures, summarize, unlabelled_samples  # noqa: E402
 
-QUERIES = "lightllm_prefix_cache_queries_tokens_total"
-HITS = "lightllm_prefix_cache_hits_tokens_total"
+QUERIES = "lightllm:prefix_cache_queries_tokens_total"
+HITS = "lightllm:prefix_cache_hits_tokens_total"
 # Plain words and a few multi-byte ones, so that some cuts fall inside a UTF-8 character.
 VOCABULARY = "the cache keeps every prompt prefix it has seen and serves naïve café 東京 über 🙂 tokens".split()
 
@@ -146,7 +146,7 @@ class FakeServer:
         return response
 
     async def metrics(self, request):
-        lines = ["# TYPE lightllm_requests_total counter", 'lightllm_requests_total{finish_reason="length"} 3']
+        lines = ["# TYPE lightllm:request_success_total counter", 'lightllm:request_success_total{finished_reason="length"} 3']
         lines += [f"{name} {value}" for name, value in self.counters.items()]
         return web.Response(text="\n".join(lines) + "\n")
 

@@ -92,7 +92,7 @@ def test_stop_sequence_cuts_the_text(server, hf_greedy):
     events = stream_events(server, prompt, max_new_tokens=MAX_NEW_TOKENS, stop_sequences=[stop])
     assert "".join(e["token"]["text"] for e in events) == text[: text.index(stop)]
     assert events[-1]["finish_reason"] == "stop"
-    server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"] == 0, what="stopped requests freed")
+    server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0, what="stopped requests freed")
 
 
 BAD_INPUTS = [
@@ -161,36 +161,36 @@ def test_metrics(server):
     server.generate("count me", max_new_tokens=3, ignore_eos=True)
     server.post("/generate", {"inputs": ""})
     after = server.metrics()
-    assert after['lightllm_requests_total{finish_reason="length"}'] == before['lightllm_requests_total{finish_reason="length"}'] + 1
-    assert after["lightllm_requests_rejected_total"] == before["lightllm_requests_rejected_total"] + 1
-    assert after["lightllm_generation_tokens_total"] == before["lightllm_generation_tokens_total"] + 3
-    assert after["lightllm_time_to_first_token_seconds_count"] == before["lightllm_time_to_first_token_seconds_count"] + 1
-    assert after["lightllm_e2e_request_latency_seconds_count"] == before["lightllm_e2e_request_latency_seconds_count"] + 1
-    assert after['lightllm_e2e_request_latency_seconds_bucket{le="+Inf"}'] == after["lightllm_e2e_request_latency_seconds_count"]
-    assert after["lightllm_kv_tokens_total"] == requests.get(f"{server.url}/info", timeout=10).json()["max_total_token_num"]
-    for name in ("lightllm_queue_size", "lightllm_running_requests", "lightllm_kv_tokens_used_ratio"):
+    assert after['lightllm:request_success_total{finished_reason="length"}'] == before['lightllm:request_success_total{finished_reason="length"}'] + 1
+    assert after["lightllm:requests_rejected_total"] == before["lightllm:requests_rejected_total"] + 1
+    assert after["lightllm:generation_tokens_total"] == before["lightllm:generation_tokens_total"] + 3
+    assert after["lightllm:time_to_first_token_seconds_count"] == before["lightllm:time_to_first_token_seconds_count"] + 1
+    assert after["lightllm:e2e_request_latency_seconds_count"] == before["lightllm:e2e_request_latency_seconds_count"] + 1
+    assert after['lightllm:e2e_request_latency_seconds_bucket{le="+Inf"}'] == after["lightllm:e2e_request_latency_seconds_count"]
+    assert after["lightllm:kv_cache_capacity_tokens"] == requests.get(f"{server.url}/info", timeout=10).json()["max_total_token_num"]
+    for name in ("lightllm:num_requests_waiting", "lightllm:num_requests_running", "lightllm:kv_cache_usage_perc"):
         assert name in after
 
 
 def test_client_disconnect_frees_its_tokens(server):
-    aborted = server.metrics()['lightllm_requests_total{finish_reason="abort"}']
+    aborted = server.metrics()['lightllm:request_success_total{finished_reason="abort"}']
     body = {"inputs": "Count from one to a thousand:", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
     with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as response:
         lines = response.iter_lines()
         events = [next(line for line in lines if line) for _ in range(3)]
         assert all(not json.loads(e[len(b"data:"):])["finished"] for e in events)
-        in_use = server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"], what="tokens in use")
+        in_use = server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"], what="tokens in use")
         assert in_use > 0
     # Leaving the `with` closed the connection mid-stream.
     server.wait_for(
-        lambda: server.metrics()["lightllm_kv_tokens_used"] == 0 and server.metrics()["lightllm_running_requests"] == 0,
+        lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0 and server.metrics()["lightllm:num_requests_running"] == 0,
         what="the disconnected request freed",
     )
-    assert server.metrics()['lightllm_requests_total{finish_reason="abort"}'] == aborted + 1
+    assert server.metrics()['lightllm:request_success_total{finished_reason="abort"}'] == aborted + 1
 
 
 def test_idle_server_uses_almost_no_cpu(server):
-    server.wait_for(lambda: server.metrics()["lightllm_running_requests"] == 0, what="idle")
+    server.wait_for(lambda: server.metrics()["lightllm:num_requests_running"] == 0, what="idle")
     procs = server.processes()
     assert len(procs) >= 4  # main, router, detokenizer, model worker
 

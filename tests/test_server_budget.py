@@ -45,12 +45,12 @@ def test_many_long_requests_fit_a_small_budget(server):
         sampler.join()
     assert [r["count_output_tokens"] for r in results] == [n for _, n in requests]
     assert all(r["finish_reason"] == "length" for r in results)
-    used = [s["lightllm_kv_tokens_used"] for s in samples]
+    used = [s["lightllm:kv_cache_used_tokens"] for s in samples]
     assert max(used) <= BUDGET
     assert max(used) > BUDGET / 2, "the budget was never under pressure: the test proves nothing"
-    assert max(s["lightllm_queue_size"] for s in samples) > 0, "requests had to wait for admission"
+    assert max(s["lightllm:num_requests_waiting"] for s in samples) > 0, "requests had to wait for admission"
     server.wait_for(
-        lambda: (m := server.metrics())["lightllm_kv_tokens_used"] == 0 and m["lightllm_running_requests"] == 0,
+        lambda: (m := server.metrics())["lightllm:kv_cache_used_tokens"] == 0 and m["lightllm:num_requests_running"] == 0,
         what="every token free when idle",
     )
 

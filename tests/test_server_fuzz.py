@@ -127,6 +127,6 @@ def test_generated_requests_get_no_5xx(server):
                 "route: %s", tally.requests, len(tally.statuses), took, tally.seconds_waiting, json.dumps(tally.summary()))
     assert tally.requests >= MIN_REQUESTS and set(tally.statuses) == routes
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-    server.wait_for(lambda: (m := server.metrics())["lightllm_kv_tokens_used"] == 0 and m["lightllm_running_requests"] == 0,
+    server.wait_for(lambda: (m := server.metrics())["lightllm:kv_cache_used_tokens"] == 0 and m["lightllm:num_requests_running"] == 0,
                     what="every fuzzed request freed")
     assert greedy_text(server.url) == before

@@ -62,20 +62,20 @@ def test_health_is_instant_with_200_running_and_1000_waiting(busy_server):
     connections = open_raw_requests(server, 1200, {"inputs": "busy", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}})
     try:
         server.wait_for(
-            lambda: server.metrics()["lightllm_running_requests"] == 200 and server.metrics()["lightllm_queue_size"] == 1000,
+            lambda: server.metrics()["lightllm:num_requests_running"] == 200 and server.metrics()["lightllm:num_requests_waiting"] == 1000,
             timeout=90, what="200 running and 1,000 waiting",
         )
         for method in ("GET", "HEAD", "GET", "GET", "GET"):
             status, seconds = timed_health(server, method)
             assert status == 200 and seconds < 1.0, (method, status, seconds)
         stats = server.metrics()
-        assert stats["lightllm_running_requests"] == 200 and stats["lightllm_queue_size"] == 1000
+        assert stats["lightllm:num_requests_running"] == 200 and stats["lightllm:num_requests_waiting"] == 1000
     finally:
         for connection in connections:
             connection.close()
     idle = lambda: server.metrics()  # noqa: E731
-    server.wait_for(lambda: idle()["lightllm_kv_tokens_used"] == 0 and idle()["lightllm_running_requests"] == 0
-                    and idle()["lightllm_queue_size"] == 0, timeout=60, what="every request aborted, all tokens free")
+    server.wait_for(lambda: idle()["lightllm:kv_cache_used_tokens"] == 0 and idle()["lightllm:num_requests_running"] == 0
+                    and idle()["lightllm:num_requests_waiting"] == 0, timeout=60, what="every request aborted, all tokens free")
     assert requests.get(f"{server.url}/health?generate=1", timeout=30).json() == {"status": "ok"}
 
 
@@ -108,7 +108,7 @@ def test_a_killed_worker_ends_every_open_request_with_an_error(tiny_dir, tmp_pat
              for i in range(3)]
     for post in posts:
         post.start()
-    server.wait_for(lambda: server.metrics()["lightllm_running_requests"] == 6, what="6 requests running")
+    server.wait_for(lambda: server.metrics()["lightllm:num_requests_running"] == 6, what="6 requests running")
 
     (worker,) = server.model_workers()
     worker.kill()
@@ -167,7 +167,7 @@ def test_sigterm_lets_running_requests_finish_then_ends_the_rest_with_an_error(t
         finishing_events, cut_events = sse_events(finishing), sse_events(cut)
         firsts = [next(finishing_events), next(cut_events)]
         post.start()
-        server.wait_for(lambda: server.metrics()["lightllm_running_requests"] == 3, what="3 requests running")
+        server.wait_for(lambda: server.metrics()["lightllm:num_requests_running"] == 3, what="3 requests running")
         signalled = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         server.wait_for(lambda: server.health() == 503, timeout=10, what="/health 503 while draining")

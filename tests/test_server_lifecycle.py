@@ -125,6 +125,6 @@ def test_a_failing_request_gets_a_500_and_the_others_go_on(tmp_path):
         error = openai_failed.json()["error"]
         assert error["type"] == "internal" and "out of range" in error["message"]
         assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-        server.wait_for(lambda: server.metrics()["lightllm_kv_tokens_used"] == 0, what="all tokens free")
+        server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0, what="all tokens free")
     finally:
         assert server.stop() == 0

@@ -159,16 +159,16 @@ def test_bad_requests_get_a_clear_error(default_server, client, model_name):
 
 
 def test_closed_stream_frees_its_tokens(default_server, client, model_name):
-    aborted = default_server.metrics()['lightllm_requests_total{finish_reason="abort"}']
+    aborted = default_server.metrics()['lightllm:request_success_total{finished_reason="abort"}']
     stream = client.chat.completions.create(
         model=model_name, messages=CHATS[0], max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
     )
     for _, _ in zip(range(4), stream):
         pass
-    assert default_server.metrics()["lightllm_kv_tokens_used"] > 0
+    assert default_server.metrics()["lightllm:kv_cache_used_tokens"] > 0
     stream.close()
     default_server.wait_for(
-        lambda: (m := default_server.metrics())["lightllm_kv_tokens_used"] == 0 and m["lightllm_running_requests"] == 0,
+        lambda: (m := default_server.metrics())["lightllm:kv_cache_used_tokens"] == 0 and m["lightllm:num_requests_running"] == 0,
         what="the closed stream's request freed",
     )
-    assert default_server.metrics()['lightllm_requests_total{finish_reason="abort"}'] == aborted + 1
+    assert default_server.metrics()['lightllm:request_success_total{finished_reason="abort"}'] == aborted + 1

@@ -29,8 +29,8 @@ LATENCY_METRICS = (  # (key, printed name, section title)
 )
 WIDTH = 50
 PREFIX_CACHE_COUNTERS = {  # summary key: /metrics counter
-    "prefix_cache_queries_tokens": "lightllm_prefix_cache_queries_tokens_total",
-    "prefix_cache_hits_tokens": "lightllm_prefix_cache_hits_tokens_total",
+    "prefix_cache_queries_tokens": "lightllm:prefix_cache_queries_tokens_total",
+    "prefix_cache_hits_tokens": "lightllm:prefix_cache_hits_tokens_total",
 }
 NO_COUNTERS = "n/a (not on /metrics)"
 

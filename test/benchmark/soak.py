@@ -226,8 +226,8 @@ async def wait_idle(url: str, timeout_s: float = 120.0) -> dict[str, float]:
     async with aiohttp.ClientSession() as session:
         while True:
             sample = await metrics(session, url)
-            idle = sample["lightllm_running_requests"] == 0 and sample["lightllm_queue_size"] == 0
-            if (idle and sample["lightllm_kv_tokens_used"] == 0) or time.monotonic() > deadline:
+            idle = sample["lightllm:num_requests_running"] == 0 and sample["lightllm:num_requests_waiting"] == 0
+            if (idle and sample["lightllm:kv_cache_used_tokens"] == 0) or time.monotonic() > deadline:
                 return sample
             await asyncio.sleep(0.5)  # polling interval
 
@@ -313,8 +313,8 @@ def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[
 
 async def idle_state(url: str, pid: int) -> dict:
     sample = await wait_idle(url)
-    return {"rss_mib": rss_mib(pid), "by_role": rss_by_role(pid), "kv": sample["lightllm_kv_tokens_used"], "kv_total": sample["lightllm_kv_tokens_total"],
-            "running": sample["lightllm_running_requests"], "waiting": sample["lightllm_queue_size"]}
+    return {"rss_mib": rss_mib(pid), "by_role": rss_by_role(pid), "kv": sample["lightllm:kv_cache_used_tokens"], "kv_total": sample["lightllm:kv_cache_capacity_tokens"],
+            "running": sample["lightllm:num_requests_running"], "waiting": sample["lightllm:num_requests_waiting"]}
 
 
 def run(args) -> bool:

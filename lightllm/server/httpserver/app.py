@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
@@ -20,7 +20,7 @@ from lightllm.server.httpserver.body_limit import BodyLimit
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
 from lightllm.server.httpserver.manager import HttpServerManager, ServerUnavailable
-from lightllm.server.httpserver.metrics import Metrics
+from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
 from lightllm.server.httpserver.json_body import RequestError, describe_errors
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
@@ -87,12 +87,12 @@ def error_response(request: Request, status_code: int, message: str, error_type:
 
 
 async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-    request.app.state.server.metrics.rejected += 1
+    request.app.state.server.metrics.rejected.inc()
     return error_response(request, exc.status_code, str(exc), "validation")
 
 
 async def fastapi_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    request.app.state.server.metrics.rejected += 1
+    request.app.state.server.metrics.rejected.inc()
     return error_response(request, 400, describe_errors(exc.errors()), "validation")
 
 
@@ -164,6 +164,6 @@ async def info(request: Request) -> JSONResponse:
     )
 
 
-async def metrics_text(request: Request) -> PlainTextResponse:
+async def metrics_text(request: Request) -> Response:
     metrics: Metrics = request.app.state.server.metrics
-    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    return Response(metrics.render(), media_type=CONTENT_TYPE)

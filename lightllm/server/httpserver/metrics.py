@@ -1,102 +1,126 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: counters, histograms, gauges."""
+"""/metrics through prometheus_client, under the names that dashboards built for vLLM read
+(`vllm:` becomes `lightllm:`); docs/api.md lists every family.
+
+Each app has a registry of its own (tests run several apps in one process). The HTTP process
+counts requests and times them (RequestTimer); the router's figures arrive as RouterStats
+messages, kept as they come and turned into samples only when /metrics is read.
+"""
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections import Counter
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from lightllm.server.io_struct import FinishReason, RouterStats, TextOut
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets=LATENCY_BUCKETS):
-        self.name, self.help_text, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.total}", f"{self.name}_count {cumulative}"]
-        return lines
-
-
-def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    return lines + [f"{name}{labels} {value}" for labels, value in samples]
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the format generate_latest writes
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# A decode step: about 10 ms on a GPU, up to seconds on a CPU or behind a long prefill chunk.
+TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                          0.75, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
+    """The families the HTTP process writes itself; `router` holds the router's last report."""
+
     def __init__(self, max_total_token_num: int):
-        self.finished = Counter({reason: 0 for reason in FinishReason})
-        self.rejected = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.time_to_first_token = Histogram(
-            "lightllm_time_to_first_token_seconds", "Time from request arrival to its first token."
-        )
-        self.e2e_latency = Histogram(
-            "lightllm_e2e_request_latency_seconds", "Time from request arrival to its last token."
-        )
+        self.registry = registry = CollectorRegistry()
         self.router = RouterStats(0, 0, 0, max_total_token_num)
+        self.request_success = Counter("lightllm:request_success", "Finished requests, by finish reason.",
+                                       ["finished_reason"], registry=registry)
+        for reason in FinishReason:  # every reason from the start, at 0
+            self.request_success.labels(reason.value)
+        self.rejected = Counter("lightllm:requests_rejected", "Requests refused as invalid (4xx).", registry=registry)
+        self.queue_full = Counter("lightllm:requests_queue_full",
+                                  "Requests refused with 429 because --max_queued_requests were queued.", registry=registry)
+        self.queued = Gauge("lightllm:num_requests_queued",
+                            "Open requests without their first token yet (the count --max_queued_requests bounds).",
+                            registry=registry)
+        self.prompt_tokens = Counter("lightllm:prompt_tokens", "Prompt tokens, counted at each request's first token.",
+                                     registry=registry)
+        self.generation_tokens = Counter("lightllm:generation_tokens", "Generated tokens, counted as they arrive.",
+                                         registry=registry)
+        self.time_to_first_token = Histogram("lightllm:time_to_first_token_seconds",
+                                             "Time from arrival at the HTTP server to the first token.",
+                                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.time_per_output_token = Histogram("lightllm:time_per_output_token_seconds",
+                                               "Time between two consecutive tokens of a request.",
+                                               buckets=TOKEN_INTERVAL_BUCKETS, registry=registry)
+        self.e2e_latency = Histogram("lightllm:e2e_request_latency_seconds",
+                                     "Time from arrival at the HTTP server to the last token (not for aborted requests).",
+                                     buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_time = Histogram("lightllm:request_queue_time_seconds",
+                                    "Time from arrival at the router to the first scheduled chunk of the prompt.",
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        registry.register(RouterCollector(self))
 
-    def observe_finished(self, reason: FinishReason, prompt_tokens: int, output_tokens: int, latency: float) -> None:
-        self.finished[reason] += 1
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += output_tokens
-        self.e2e_latency.observe(latency)
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
-    def render(self) -> str:
-        stats = self.router
-        by_reason = [(f'{{finish_reason="{reason.value}"}}', count) for reason, count in self.finished.items()]
-        lines = _metric("lightllm_requests_total", "counter", "Finished requests by finish reason.", by_reason)
-        lines += _metric("lightllm_requests_rejected_total", "counter", "Requests refused as invalid (4xx).", [("", self.rejected)])
-        lines += _metric("lightllm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)])
-        lines += _metric("lightllm_generation_tokens_total", "counter", "Generated tokens of finished requests.", [("", self.generation_tokens)])
-        lines += self.time_to_first_token.render() + self.e2e_latency.render()
-        lines += _metric("lightllm_queue_size", "gauge", "Requests waiting for admission.", [("", stats.waiting_reqs)])
-        lines += _metric("lightllm_running_requests", "gauge", "Requests in the running batch.", [("", stats.running_reqs)])
-        lines += _metric("lightllm_kv_tokens_used", "gauge", "KV cache tokens running requests use (their own and cached ones they share).",
-                         [("", stats.tokens_used)])
-        lines += _metric("lightllm_kv_tokens_total", "gauge", "KV cache budget (max_total_token_num).", [("", stats.max_total_token_num)])
-        ratio = stats.tokens_used / stats.max_total_token_num
-        lines += _metric("lightllm_kv_tokens_used_ratio", "gauge", "KV cache tokens in use / budget.", [("", ratio)])
-        lines += _metric("lightllm_prefix_cache_tokens", "gauge",
-                         "KV cache tokens the prefix cache holds (not in use: evicted when room is needed).",
-                         [("", stats.prefix_cached_tokens)])
-        lines += _metric("lightllm_prefix_cache_queries_tokens_total", "counter",
-                         "Prompt tokens looked up in the prefix cache.", [("", stats.prefix_queried_tokens)])
-        lines += _metric("lightllm_prefix_cache_hits_tokens_total", "counter",
-                         "Prompt tokens found in the prefix cache (not computed).", [("", stats.prefix_hit_tokens)])
-        return "\n".join(lines) + "\n"
+
+class RouterCollector:
+    """The router's last RouterStats as samples, made when /metrics is read."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self):
+        stats = self._metrics.router
+        yield GaugeMetricFamily("lightllm:num_requests_running", "Requests in the running batch.",
+                                value=stats.running_reqs)
+        yield GaugeMetricFamily("lightllm:num_requests_waiting", "Requests in the router waiting for admission.",
+                                value=stats.waiting_reqs)
+        yield GaugeMetricFamily("lightllm:kv_cache_usage_perc",
+                                "KV cache tokens running requests use / the budget (0..1; prefix-cached tokens no "
+                                "request uses count as free).", value=stats.tokens_used / stats.max_total_token_num)
+        yield GaugeMetricFamily("lightllm:kv_cache_used_tokens",
+                                "KV cache tokens running requests use (their own and the cached ones they share).",
+                                value=stats.tokens_used)
+        yield GaugeMetricFamily("lightllm:kv_cache_capacity_tokens", "KV cache budget in tokens (max_total_token_num).",
+                                value=stats.max_total_token_num)
+        yield GaugeMetricFamily("lightllm:prefix_cache_tokens",
+                                "KV cache tokens the prefix cache holds (evicted when room is needed).",
+                                value=stats.prefix_cached_tokens)
+        yield CounterMetricFamily("lightllm:prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                                  value=stats.prefix_queried_tokens)
+        yield CounterMetricFamily("lightllm:prefix_cache_hits_tokens",
+                                  "Prompt tokens found in the prefix cache (not computed).", value=stats.prefix_hit_tokens)
 
 
 class RequestTimer:
-    """Time to first token and end-to-end latency, from arrival at the HTTP server."""
+    """One request's counts and times, from its arrival at the HTTP server (`start`, monotonic).
+    `observe` takes every output in order; `observe_abort` marks a request ended early."""
 
     def __init__(self, metrics: Metrics, prompt_len: int, start: float):
         self.metrics, self.prompt_len, self.start = metrics, prompt_len, start
         self.first_token_seen = False
         self.cached_tokens = 0  # prompt tokens the prefix cache supplied (told with the first token)
+        self._last_time = start  # of the last output that carried tokens
+        self._tokens_seen = 0
 
     def observe(self, out: TextOut) -> None:
         now = time.monotonic()
-        if not self.first_token_seen:
-            self.first_token_seen = True
-            self.cached_tokens = out.cached_tokens
-            self.metrics.time_to_first_token.observe(now - self.start)
+        new_tokens = out.count_output_tokens - self._tokens_seen  # <= 0 in an error output (fail_all's count is 0)
+        if new_tokens > 0:
+            if self.first_token_seen:
+                self.metrics.time_per_output_token.observe((now - self._last_time) / new_tokens)
+            else:
+                self._observe_first(out, now)
+            self.metrics.generation_tokens.inc(new_tokens)
+            self._tokens_seen, self._last_time = out.count_output_tokens, now
         if out.finish_reason is not None:
-            self.metrics.observe_finished(out.finish_reason, self.prompt_len, out.count_output_tokens, now - self.start)
+            self.metrics.request_success.labels(out.finish_reason.value).inc()
+            self.metrics.e2e_latency.observe(now - self.start)
+
+    def _observe_first(self, out: TextOut, now: float) -> None:
+        self.first_token_seen = True
+        self.cached_tokens = out.cached_tokens
+        self.metrics.prompt_tokens.inc(self.prompt_len)
+        self.metrics.time_to_first_token.observe(now - self.start)
+        self.metrics.queue_time.observe(out.queue_time)
 
     def observe_abort(self) -> None:
-        self.metrics.finished[FinishReason.ABORT] += 1
+        self.metrics.request_success.labels(FinishReason.ABORT.value).inc()

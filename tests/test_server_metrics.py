@@ -1,0 +1,137 @@
+"""/metrics families (metrics.py) without a server: what RequestTimer counts from a request's
+outputs, the router's figures as samples, and one registry per app.
+
+test_server_api.py::test_metrics reads them through a running server."""
+
+import random
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lightllm.server.httpserver import metrics as metrics_module
+from lightllm.server.httpserver.metrics import Metrics, RequestTimer
+from lightllm.server.io_struct import FinishReason, RouterStats, TextOut
+
+
+def samples(metrics: Metrics) -> dict:
+    """Every sample of the rendered text, by name and labels (as the Prometheus text parser reads it)."""
+    found = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            found[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return found
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock(1000.0)
+    monkeypatch.setattr(metrics_module.time, "monotonic", clock)
+    return clock
+
+
+def token(count: int, finish: FinishReason | None = None, **extra) -> TextOut:
+    return TextOut(req_id=7, token_id=count, text="x", logprob=0.0, special=False, count_output_tokens=count,
+                   finish_reason=finish, **extra)
+
+
+def test_a_request_is_counted_and_timed_from_its_outputs(clock):
+    metrics = Metrics(max_total_token_num=1000)
+    prompt_len, start = random.randint(1, 500), clock.now
+    timer = RequestTimer(metrics, prompt_len, start)
+    ttft, queue_time = random.uniform(0.01, 2.0), random.uniform(0.0, 1.0)
+    gaps = [random.uniform(0.001, 0.2) for _ in range(random.randint(2, 20))]
+    clock.now += ttft
+    timer.observe(token(1, cached_tokens=3, queue_time=queue_time))
+    for i, gap in enumerate(gaps, start=2):
+        clock.now += gap
+        timer.observe(token(i, FinishReason.LENGTH if i == len(gaps) + 1 else None))
+
+    got = samples(metrics)
+    assert timer.cached_tokens == 3
+    assert got["lightllm:prompt_tokens_total"] == prompt_len
+    assert got["lightllm:generation_tokens_total"] == len(gaps) + 1
+    assert got['lightllm:request_success_total{finished_reason="length"}'] == 1
+    assert got["lightllm:time_to_first_token_seconds_count"] == 1
+    assert got["lightllm:time_to_first_token_seconds_sum"] == pytest.approx(ttft)
+    assert got["lightllm:request_queue_time_seconds_sum"] == pytest.approx(queue_time)
+    # One observation per interval between two tokens.
+    assert got["lightllm:time_per_output_token_seconds_count"] == len(gaps)
+    assert got["lightllm:time_per_output_token_seconds_sum"] == pytest.approx(sum(gaps))
+    assert got["lightllm:e2e_request_latency_seconds_sum"] == pytest.approx(ttft + sum(gaps))
+    largest_gap_bucket = min(b for b in metrics_module.TOKEN_INTERVAL_BUCKETS if b >= max(gaps))
+    assert got[f'lightllm:time_per_output_token_seconds_bucket{{le="{largest_gap_bucket}"}}'] == len(gaps)
+
+
+def test_an_output_of_several_tokens_counts_each_interval_as_its_share(clock):
+    metrics = Metrics(max_total_token_num=1000)
+    timer = RequestTimer(metrics, 5, clock.now)
+    clock.now += 0.5
+    timer.observe(token(1))
+    clock.now += 0.3
+    timer.observe(token(4, FinishReason.EOS))
+    got = samples(metrics)
+    assert got["lightllm:generation_tokens_total"] == 4
+    assert got["lightllm:time_per_output_token_seconds_count"] == 1
+    assert got["lightllm:time_per_output_token_seconds_sum"] == pytest.approx(0.1)
+
+
+def test_errors_and_aborts_are_finish_reasons_too(clock):
+    metrics = Metrics(max_total_token_num=1000)
+    failed = RequestTimer(metrics, 4, clock.now)
+    failed.observe(token(1))
+    failed.observe(token(2))
+    # fail_all ends open requests with an error output that counts no tokens.
+    failed.observe(TextOut(7, -1, "", 0.0, False, 0, FinishReason.ERROR, error="worker died"))
+    aborted = RequestTimer(metrics, 4, clock.now)
+    aborted.observe(token(1))
+    aborted.observe_abort()
+    got = samples(metrics)
+    assert got['lightllm:request_success_total{finished_reason="error"}'] == 1
+    assert got['lightllm:request_success_total{finished_reason="abort"}'] == 1
+    assert got["lightllm:generation_tokens_total"] == 3
+    assert got["lightllm:prompt_tokens_total"] == 8
+    assert got["lightllm:e2e_request_latency_seconds_count"] == 1  # the aborted request has no last token
+
+
+def test_every_finish_reason_is_there_from_the_start():
+    got = samples(Metrics(max_total_token_num=1000))
+    for reason in FinishReason:
+        assert got[f'lightllm:request_success_total{{finished_reason="{reason.value}"}}'] == 0
+
+
+def test_the_routers_figures_become_gauges_and_counters():
+    metrics = Metrics(max_total_token_num=1000)
+    used, capacity = random.randint(0, 4000), 4000
+    metrics.router = RouterStats(waiting_reqs=3, running_reqs=5, tokens_used=used, max_total_token_num=capacity,
+                                 prefix_cached_tokens=11, prefix_queried_tokens=900, prefix_hit_tokens=400)
+    got = samples(metrics)
+    assert got["lightllm:num_requests_waiting"] == 3 and got["lightllm:num_requests_running"] == 5
+    assert got["lightllm:kv_cache_usage_perc"] == pytest.approx(used / capacity)
+    assert got["lightllm:kv_cache_used_tokens"] == used and got["lightllm:kv_cache_capacity_tokens"] == capacity
+    assert got["lightllm:prefix_cache_tokens"] == 11
+    assert got["lightllm:prefix_cache_queries_tokens_total"] == 900
+    assert got["lightllm:prefix_cache_hits_tokens_total"] == 400
+    types = {family.name: family.type for family in text_string_to_metric_families(metrics.render().decode())}
+    assert types["lightllm:prefix_cache_hits_tokens"] == "counter" and types["lightllm:kv_cache_usage_perc"] == "gauge"
+
+
+def test_each_app_has_its_own_registry():
+    first, second = Metrics(max_total_token_num=10), Metrics(max_total_token_num=10)
+    first.rejected.inc()
+    first.queue_full.inc(2)
+    assert samples(first)["lightllm:requests_rejected_total"] == 1
+    assert samples(first)["lightllm:requests_queue_full_total"] == 2
+    assert samples(second)["lightllm:requests_rejected_total"] == 0
+    assert samples(second)["lightllm:requests_queue_full_total"] == 0
+    global_names = {family.name for family in prometheus_client.REGISTRY.collect()}
+    assert not any(name.startswith("lightllm:") for name in global_names)
