@@ -19,7 +19,7 @@ from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.body_limit import BodyLimit
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
-from lightllm.server.httpserver.manager import HttpServerManager, ServerUnavailable
+from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
 from lightllm.server.httpserver.json_body import RequestError, describe_errors
@@ -72,6 +72,7 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
     app.add_exception_handler(GenerationFailed, generation_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(ServerUnavailable, server_unavailable)
+    app.add_exception_handler(QueueFull, queue_full)
     add_generate_routes(app)
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/info", info, methods=["GET"])
@@ -108,6 +109,13 @@ async def server_unavailable(request: Request, exc: ServerUnavailable) -> JSONRe
     return error_response(request, 503, str(exc), "unavailable")
 
 
+async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+    request.app.state.server.metrics.queue_full.inc()
+    response = error_response(request, 429, str(exc), "queue_full")
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
 async def client_gone(request: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)  # nobody reads it; the request was aborted
 
@@ -132,7 +140,9 @@ async def one_token_problem(state: ServerState) -> str | None:
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
     try:
         async with asyncio.timeout(state.config.health_timeout):
-            async with contextlib.aclosing(state.manager.generate(state.health_prompt_ids, sampling)) as stream:
+            # Not bounded by --max_queued_requests: a full queue is a busy server, not a broken one.
+            stream = state.manager.generate(state.health_prompt_ids, sampling, bounded=False)
+            async with contextlib.aclosing(stream):
                 async for out in stream:
                     pass
     except TimeoutError:

@@ -2,7 +2,9 @@
 
 It also keeps what /health reports: the router's heartbeat, and why new requests are refused
 once the server shuts down or one of its processes failed (then every open request has already
-ended with that error).
+ended with that error). And it bounds the queue: a request that would make more than
+--max_queued_requests open requests wait for their first token is refused at once (QueueFull,
+a 429), before it reaches the router.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
 
 from lightllm.server.config import ServerConfig
+from lightllm.server.httpserver.json_body import RequestError
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.io_struct import (
     AbortReq,
@@ -38,6 +43,18 @@ class ServerUnavailable(Exception):
     """The server takes no new requests (it is shutting down, or a process failed): a 503."""
 
 
+class QueueFull(Exception):
+    """--max_queued_requests requests wait already: a 429 that asks to come back in `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+MAX_RETRY_AFTER = 60  # seconds
+QUEUE_EXITS_KEPT = 64  # the recent first tokens that Retry-After's rate is measured over
+
+
 class HttpServerManager:
     def __init__(self, config: ServerConfig, metrics: Metrics, heartbeat: RouterHeartbeat):
         self._config = config
@@ -45,6 +62,9 @@ class HttpServerManager:
         self._heartbeat = heartbeat
         self._req_ids = itertools.count()
         self._outputs: dict[int, asyncio.Queue[TextOut]] = {}
+        self._queued: set[int] = set()  # open requests without their first output yet
+        self._queue_exits: deque[float] = deque(maxlen=QUEUE_EXITS_KEPT)  # when the last ones got it
+        metrics.queued.set_function(lambda: len(self._queued))
         self._idle = asyncio.Event()  # set while no request is open
         self._idle.set()
         self._refusing: str | None = None  # why new requests get a 503
@@ -73,6 +93,26 @@ class HttpServerManager:
     @property
     def open_requests(self) -> int:
         return len(self._outputs)
+
+    def check_queue(self, count: int = 1) -> None:
+        """Raise QueueFull if `count` more requests would make more than --max_queued_requests wait
+        for their first output (RequestError if `count` alone is more)."""
+        limit = self._config.max_queued_requests
+        if count > limit:
+            raise RequestError(f"{count} requests at once can never be queued: --max_queued_requests is {limit}")
+        excess = len(self._queued) + count - limit
+        if excess > 0:
+            raise QueueFull(f"the server is busy: {len(self._queued)} requests wait for their first token "
+                            f"(--max_queued_requests={limit}); retry later", self._retry_after(excess))
+
+    def _retry_after(self, excess: int) -> int:
+        """Seconds until `excess` queued requests have had their first output, at the rate the last
+        QUEUE_EXITS_KEPT had theirs; 1 to MAX_RETRY_AFTER."""
+        exits = self._queue_exits
+        span = exits[-1] - exits[0] if len(exits) > 1 else 0.0
+        if span <= 0:
+            return 1
+        return min(MAX_RETRY_AFTER, max(1, math.ceil(excess * span / (len(exits) - 1))))
 
     def health_problem(self) -> str | None:
         """Why the server is unhealthy (None: healthy). Never waits: a busy server answers at once."""
@@ -105,6 +145,9 @@ class HttpServerManager:
                     queue = self._outputs.get(out.req_id)
                     if queue is not None:  # else: its client has gone
                         queue.put_nowait(out)
+                    if out.req_id in self._queued:
+                        self._queued.remove(out.req_id)
+                        self._queue_exits.append(time.monotonic())
             elif isinstance(msg, RouterStats):
                 self.metrics.router = msg
             elif isinstance(msg, RouterFailed):
@@ -113,14 +156,19 @@ class HttpServerManager:
             else:
                 logger.error("unexpected message %r", type(msg).__name__)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TextOut]:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *,
+                       bounded: bool = True) -> AsyncIterator[TextOut]:
         """Yield the request's outputs until its last one. Leaving early (the client went away,
-        a timeout) aborts it in the router, which frees its KV tokens."""
+        a timeout) aborts it in the router, which frees its KV tokens. `bounded`: refused with
+        QueueFull when the queue is full (the /health probe is not)."""
         if self._refusing is not None:
             raise ServerUnavailable(self._refusing)
+        if bounded:
+            self.check_queue()
         req_id = next(self._req_ids)
         queue: asyncio.Queue[TextOut] = asyncio.Queue()
         self._outputs[req_id] = queue
+        self._queued.add(req_id)
         self._idle.clear()
         self._to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time()))
         finish_reason = None
@@ -131,6 +179,7 @@ class HttpServerManager:
                 yield out
         finally:
             del self._outputs[req_id]
+            self._queued.discard(req_id)
             if not self._outputs:
                 self._idle.set()
             # After a stop sequence the router still runs the request: it only learns of it here.
