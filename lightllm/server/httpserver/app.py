@@ -1,5 +1,6 @@
 """The HTTP app: /health, /info, /metrics and the error handlers; /generate and /generate_stream
-are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py."""
+are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py, /tokenize and /detokenize
+in tokenize_api.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
 from lightllm.server.httpserver.json_body import RequestError, describe_errors
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
+from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
     add_openai_routes(app)
+    add_tokenize_routes(app)
     return app
 
 
