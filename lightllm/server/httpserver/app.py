@@ -1,6 +1,6 @@
 """The HTTP app: /health, /info, /metrics and the error handlers; /generate and /generate_stream
 are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py, /tokenize and /detokenize
-in tokenize_api.py."""
+in tokenize_api.py, the --api_key check in auth.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
 from lightllm.server.config import ServerConfig
+from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
@@ -67,6 +68,8 @@ def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
 
     app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
+    if config.api_key is not None:  # added last, so it runs first: a keyless body is never read
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
     app.state.server = state
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(RequestValidationError, fastapi_validation_error)
