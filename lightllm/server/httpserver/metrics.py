@@ -53,7 +53,7 @@ class Metrics:
                                      "Time from arrival at the HTTP server to the last token (not for aborted requests).",
                                      buckets=LATENCY_BUCKETS, registry=registry)
         self.queue_time = Histogram("lightllm:request_queue_time_seconds",
-                                    "Time from arrival at the router to the first scheduled chunk of the prompt.",
+                                    "Time from the hand-off to the router to the scheduling of the prompt's first chunk.",
                                     buckets=LATENCY_BUCKETS, registry=registry)
         registry.register(RouterCollector(self))
 
