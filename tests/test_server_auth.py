@@ -1,19 +1,38 @@
-"""--api_key (or $LIGHTLLM_API_KEY): every route but /health, /info and /metrics needs
-`Authorization: Bearer KEY`; without it, 401 before the body is read. The key is never logged."""
+"""The two guards in front of the router, on one server: the API key and the queue bound.
 
+--api_key (or $LIGHTLLM_API_KEY): every route but /health, /info and /metrics needs
+`Authorization: Bearer KEY`; without it, 401 before the body is read. The key is never logged.
+
+--max_queued_requests: a request that would make more than that many open requests wait for
+their first token gets 429 with Retry-After at once, and never reaches the router. The manager
+is first driven over its real sockets with this test as the router, then the server gets a burst.
+"""
+
+import asyncio
+import concurrent.futures
 import json
 import secrets
+import shutil
 import socket
+import time
 
 import pytest
 import requests
+import zmq
+import zmq.asyncio
 
-from lightllm.server.config import API_KEY_ENV, build_parser, parse_config
+from lightllm.server.config import API_KEY_ENV, ServerConfig, build_parser, parse_config
 from lightllm.server.httpserver.auth import presented_key
+from lightllm.server.httpserver.json_body import RequestError
+from lightllm.server.httpserver.manager import HttpServerManager, QueueFull
+from lightllm.server.httpserver.metrics import Metrics
+from lightllm.server.io_struct import BatchTextOut, GenerateReq, SamplingParams, TextOut
 from lightllm.tools.bench_model import write_bench_model
-from server_utils import start_server
+from server_utils import sse_events, start_server
 
 KEY = f"sk-test-{secrets.token_hex(16)}"
+BEARER = {"Authorization": f"Bearer {KEY}"}
+MAX_QUEUED = 3
 
 
 def test_the_key_comes_from_the_flag_else_the_environment(monkeypatch):
@@ -37,20 +56,78 @@ def test_the_bearer_token_is_read_from_the_header(header, token):
     assert presented_key([(b"host", b"x"), (b"authorization", header)]) == token
 
 
+def first_output(req_id: int) -> BatchTextOut:
+    return BatchTextOut([TextOut(req_id, 11, "a", 0.0, False, 1)])
+
+
+async def manager_scenario() -> None:
+    config = ServerConfig(max_queued_requests=2)
+    config.allocate_addresses()
+    router = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    router.bind(config.router_address)
+    to_http = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+    manager = HttpServerManager(config, Metrics(max_total_token_num=100), heartbeat=None)
+    await manager.start()
+    to_http.connect(config.http_address)
+    try:
+        manager.check_queue(2)
+        with pytest.raises(RequestError):  # more than the limit at once can never fit
+            manager.check_queue(3)
+        streams = [manager.generate([1, 2], SamplingParams()) for _ in range(2)]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        sent = [await router.recv_pyobj() for _ in streams]
+        assert all(isinstance(req, GenerateReq) for req in sent)
+        assert manager.metrics.registry.get_sample_value("lightllm:num_requests_queued") == 2
+
+        with pytest.raises(QueueFull) as refused:
+            await anext(manager.generate([3], SamplingParams()))
+        assert refused.value.retry_after == 1  # no request has left the queue yet: no rate to go by
+        with pytest.raises(QueueFull):
+            manager.check_queue()
+        await to_http.send_pyobj(first_output(sent[0].req_id))
+        assert (await firsts[0]).count_output_tokens == 1
+        manager.check_queue()  # the first request is running: one place is free
+        with pytest.raises(QueueFull):
+            manager.check_queue(2)
+
+        third = manager.generate([4], SamplingParams())
+        third_first = asyncio.ensure_future(anext(third))
+        admitted = await router.recv_pyobj()
+        # Only the accepted requests reached the router, in order.
+        assert [req.prompt_ids for req in sent] + [admitted.prompt_ids] == [[1, 2], [1, 2], [4]]
+        # A request that ends before its first token leaves the queue too.
+        for waiting in (firsts[1], third_first):  # as a client that goes away does
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        manager.check_queue(2)
+        assert manager.metrics.registry.get_sample_value("lightllm:num_requests_queued") == 0
+    finally:
+        await manager.stop()
+        router.close(linger=0)
+        to_http.close(linger=0)
+        shutil.rmtree(config.socket_dir, ignore_errors=True)
+
+
+def test_the_manager_refuses_past_max_queued_requests_and_sends_nothing():
+    asyncio.run(manager_scenario())
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The key through the environment, as the help advises; debug logging, to show that no line has it."""
+    """The key through the environment, as the help advises, and debug logging, to show that no
+    line has it; a queue of 3 in front of a batch of 2."""
     model_dir = write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
-    args = ["--model_dir", str(model_dir), "--log_level", "debug", "--max_request_body_bytes", "1000"]
+    args = ["--model_dir", str(model_dir), "--log_level", "debug", "--max_request_body_bytes", "1000",
+            "--max_queued_requests", str(MAX_QUEUED), "--running_max_req_size", "2"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(API_KEY_ENV, KEY)
-        server = start_server(args, tmp_path_factory.mktemp("auth") / "server.log")
+        server = start_server(args, tmp_path_factory.mktemp("guarded") / "server.log")
     yield server
     assert server.stop() == 0
     assert KEY not in server.log_text()
 
 
-BEARER = {"Authorization": f"Bearer {KEY}"}
 # Each protected route with a body it accepts.
 ROUTES = [
     ("POST", "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
@@ -117,3 +194,59 @@ def test_the_key_is_checked_before_the_body_is_read(server):
     # With the key, the same broken body is a 400 from the JSON checks.
     response = requests.post(f"{server.url}/generate", data=b"{not json", headers=BEARER, timeout=30)
     assert response.status_code == 400 and response.json()["error_type"] == "validation"
+
+
+MAX_NEW_TOKENS = 200
+SLOW = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}  # two at a time: the rest wait for admission
+
+
+def send(server, i: int) -> tuple[str, requests.Response, int | None]:
+    """One request of the burst: its route, its answer, and the tokens it got (None if refused)."""
+    route = ("/generate", "/generate_stream", "/v1/completions")[i % 3]
+    if route == "/v1/completions":
+        body = {"prompt": f"burst {i}", "max_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "temperature": 0}
+    else:
+        body = {"inputs": f"burst {i}", "parameters": SLOW}
+    response = requests.post(f"{server.url}{route}", json=body, headers=BEARER, stream=True, timeout=120)
+    if response.status_code != 200:
+        return route, response, None
+    if route == "/generate_stream":
+        return route, response, len(list(sse_events(response)))
+    reply = response.json()
+    return route, response, reply["usage"]["completion_tokens"] if route == "/v1/completions" else reply["count_output_tokens"]
+
+
+def test_a_burst_past_the_queue_gets_429_and_every_accepted_request_completes(server):
+    burst = 15
+    refused_before = server.metrics()["lightllm:requests_queue_full_total"]
+    with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+        futures = [pool.submit(send, server, i) for i in range(burst)]
+        queued = []
+        while not all(future.done() for future in futures):
+            stats = server.metrics()
+            queued.append((stats["lightllm:num_requests_queued"], stats["lightllm:num_requests_waiting"]))
+            time.sleep(0.02)  # polling interval, not synchronisation
+        results = [future.result() for future in futures]
+
+    accepted = [(route, response, tokens) for route, response, tokens in results if response.status_code == 200]
+    refused = [(route, response) for route, response, _ in results if response.status_code != 200]
+    assert refused and len(accepted) >= MAX_QUEUED
+    for route, response, tokens in accepted:
+        assert tokens == MAX_NEW_TOKENS, (route, tokens)
+    for route, response in refused:
+        assert response.status_code == 429, (route, response.text)
+        assert 1 <= int(response.headers["Retry-After"]) <= 60
+        body = json.loads(response.content)
+        message = body["error"]["message"] if route.startswith("/v1/") else body["error"]
+        assert f"max_queued_requests={MAX_QUEUED}" in message
+    # The bound holds at every moment: in the HTTP server, and so in the router.
+    assert max(q for q, _ in queued) <= MAX_QUEUED and max(w for _, w in queued) <= MAX_QUEUED
+    after = server.metrics()
+    assert after["lightllm:requests_queue_full_total"] == refused_before + len(refused)
+    assert after['lightllm:request_success_total{finished_reason="length"}'] >= len(accepted)
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    server.wait_for(lambda: (m := server.metrics())["lightllm:kv_cache_used_tokens"] == 0
+                    and m["lightllm:num_requests_queued"] == 0, what="every request done")
+    after_burst = {"inputs": "after the burst", "parameters": {"max_new_tokens": 2}}
+    reply = requests.post(f"{server.url}/generate", json=after_burst, headers=BEARER, timeout=60).json()
+    assert reply["count_output_tokens"] == 2
