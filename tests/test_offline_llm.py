@@ -4,6 +4,8 @@ a batch of mixed parameters gives what each prompt gives alone; stop strings, ch
 and afterwards the engine holds nothing."""
 
 import dataclasses
+import json
+import re
 import subprocess
 import sys
 
@@ -161,6 +163,22 @@ def test_chat_equals_generate_on_the_templated_prompt(llm, hf):
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     both = llm.chat([conversation, [{"role": "user", "content": "Hi"}]], GREEDY, use_tqdm=False)
     assert both[0].outputs[0].token_ids == chat.outputs[0].token_ids and len(both) == 2
+
+
+def test_structured_output_and_logit_bias_reach_the_engine(llm):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    pattern = r"[0-9]{3}-[0-9]{4}"
+    params = [SamplingParams(temperature=0, max_tokens=40, json_schema=schema),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=20, regex=pattern),
+              SamplingParams(temperature=0, max_tokens=4, logit_bias={42: 100.0})]
+    as_json, as_regex, biased = llm.generate(["A person as JSON:", "My phone number is", "Hello"], params,
+                                            use_tqdm=False)
+    value = json.loads(as_json.outputs[0].text)
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    assert re.fullmatch(pattern, as_regex.outputs[0].text)
+    assert as_json.outputs[0].finish_reason == as_regex.outputs[0].finish_reason == "stop"
+    assert biased.outputs[0].token_ids == [42] * 4
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(n=0),
