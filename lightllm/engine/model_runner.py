@@ -91,20 +91,22 @@ def _top_lists(top, n: int) -> list[tuple]:
     return [tuple(zip(map(int, i), v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
-def resolve_device(device: str | None, tp_rank: int) -> torch.device:
+def resolve_device(device: str | None, local_rank: int) -> torch.device:
     if device is not None:
         return torch.device(device)
-    return torch.device("cuda", tp_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, *, max_total_token_num: int | None, max_req_total_len: int,
                  running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
-                 cuda_graph: bool = True):
-        self.device = resolve_device(device, tp_rank)
+                 cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None):
+        """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
+        `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines."""
+        self.device = resolve_device(device, tp_rank if local_rank is None else local_rank)
         capture = cuda_graph and self.device.type == "cuda"
-        self.tp = init_tp(tp_rank, world_size, nccl_port, self.device)
+        self.tp = init_tp(tp_rank, world_size, nccl_port, self.device, dist_init_addr)
         self.config = cfg = read_config(model_dir)
         self._warn_long_context(max_req_total_len)
         dtype = resolve_dtype(data_type, cfg, self.device)

@@ -6,6 +6,8 @@ process dies, every open request ends with an error naming it, and the server st
 non-zero exit status. SIGTERM or Ctrl-C drains: new requests get 503, open ones have
 --shutdown_timeout seconds to finish and then end with an error; then every child stops.
 The socket directory goes in every case (a SIGKILL's is removed by the next start).
+With --nnodes > 1, node 0 runs as above and drives the other nodes' ranks too; a node with
+--node_rank > 0 runs only its model workers (`node.py`).
 """
 
 # Spawned children import this module again (as __mp_main__): keep the imports at the top light.
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
 
         config.model_dir = str(ensure_default_model())
     config.served_model_name = config.served_model_name or Path(config.model_dir).resolve().name
+    if config.node_rank > 0:
+        from lightllm.server.node import serve_node
+
+        return serve_node(config)
     config.allocate_addresses()
     try:
         return serve(config)

@@ -62,7 +62,13 @@ class ServerConfig:
     tp: int = field(default=1, metadata=_flag("tensor-parallel degree: one model worker process per rank"))
     max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=_flag("longest prompt + max_new_tokens accepted"))
-    nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers"))
+    nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers on one machine (over several: --dist_init_addr)"))
+    nnodes: int = field(default=1, metadata=_flag("machines the --tp ranks span, tp / nnodes on each (see docs/architecture.md, 'Scaling past one machine')"))
+    node_rank: int = field(default=0, metadata=_flag("this machine's index: 0 serves HTTP and drives every rank; the others run only their ranks' model workers"))
+    dist_init_addr: str | None = field(default=None, metadata=_flag("HOST:PORT where node 0's router hosts the rendezvous of the nodes (a torch.distributed TCPStore); required with --nnodes > 1"))
+    dist_timeout: float = field(default=300.0, metadata=_flag("seconds node 0 waits for the other nodes to join, and they for node 0 to answer; then start-up ends with an error"))
+    worker_host: str | None = field(default=None, metadata=_flag("nodes > 0: address their model workers listen on for node 0's router; absent: this machine's address on the route to --dist_init_addr"))
+    worker_port: int = field(default=0, metadata=_flag("nodes > 0: port of the first local rank's model worker (the next rank PORT+1, ...); 0: any free port, published through the rendezvous"))
     max_queued_requests: int = field(
         default=4096,
         metadata=_flag("most open requests that have not yet had their first token (waiting for admission or in prefill); one more gets 429 with Retry-After at once, before it reaches the router. Twice the largest burst of the repo's benchmarks (2,000 requests at once): a bound on memory and on waiting, not on throughput"),
@@ -122,6 +128,21 @@ class ServerConfig:
             raise ValueError("--shutdown_timeout must not be negative")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api_key must not be empty")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--node_rank must be at least 0 and below --nnodes (at least 1)")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} must be divisible by --nnodes {self.nnodes}")
+        if self.dist_timeout <= 0:
+            raise ValueError("--dist_timeout must be positive")
+        if not 0 <= self.worker_port < 65536:
+            raise ValueError("--worker_port must be a port number (0: any)")
+        if self.nnodes > 1:
+            host, sep, port = (self.dist_init_addr or "").rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError("--dist_init_addr HOST:PORT is required with --nnodes > 1")
 
 
 def _cli_type(annotation) -> type:

@@ -1,14 +1,33 @@
-"""Tensor-parallel process group: gloo on CPU, NCCL on CUDA, localhost only."""
+"""Tensor-parallel process group (gloo on CPU, NCCL on CUDA) and how its ranks find each other.
+
+One machine: the ranks meet at tcp://127.0.0.1:<nccl_port>.
+Several machines (--nnodes): node 0's router hosts a TCPStore at --dist_init_addr for as long as
+it runs. In it (`Rendezvous`): the router's token and the layout (tp, nnodes), written by node 0;
+each rank's rpyc address `worker/<rank>`, written by the node that runs it; and, under the
+prefix `tp/`, the keys of torch.distributed's own rendezvous of the process group. The keys name
+ranks, never machines, and the ports are chosen at start: another engine needs only another
+--dist_init_addr.
+"""
 
 from __future__ import annotations
 
 import logging
+import secrets
+import socket
+import threading
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+TOKEN_KEY = "router_token"
+LAYOUT_KEY = "layout"
+TP_PREFIX = "tp"
+LIVENESS_TIMEOUT = 3.0  # seconds the store may take to answer a node > 0 before node 0 counts as gone
 
 
 @dataclass(frozen=True)
@@ -39,8 +58,10 @@ class TPGroup:
         return int(t.item())
 
 
-def init_tp(rank: int, world_size: int, port: int, device: torch.device | str) -> TPGroup:
-    """Join the localhost TP group (a no-op for world_size 1) and return this rank's TPGroup."""
+def init_tp(rank: int, world_size: int, port: int, device: torch.device | str,
+            dist_init_addr: str | None = None) -> TPGroup:
+    """Join the TP group (a no-op for world_size 1) and return this rank's TPGroup: on localhost
+    at `port`, or through the store at `dist_init_addr` (HOST:PORT) when the group spans machines."""
     if not 0 <= rank < world_size:
         raise ValueError(f"tp rank {rank} is outside the group of {world_size}")
     device = torch.device(device)
@@ -50,8 +71,139 @@ def init_tp(rank: int, world_size: int, port: int, device: torch.device | str) -
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                device_id=device if device.type == "cuda" else None)
-        logger.info("tp rank %d/%d joined (%s, port %d)", rank, world_size, backend, port)
+        if dist_init_addr is None:
+            where = {"init_method": f"tcp://127.0.0.1:{port}"}
+        else:
+            host, store_port = split_address(dist_init_addr)
+            where = {"store": dist.PrefixStore(TP_PREFIX, dist.TCPStore(host, store_port, is_master=False))}
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None, **where)
+        logger.info("tp rank %d/%d joined (%s, %s)", rank, world_size, backend, dist_init_addr or f"port {port}")
     return TPGroup(rank, world_size)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'HOST:PORT' (or '[IPv6]:PORT') -> (host, port); ValueError naming the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def route_address(address: str) -> str:
+    """This machine's address on the route to `address` (HOST:PORT): what a peer there can reach.
+    A UDP connect sends nothing; it only picks the interface."""
+    host, port = split_address(address)
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return probe.getsockname()[0]
+
+
+class JoinError(RuntimeError):
+    """A node could not join the group; the message says which one and why, for the user."""
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the tensor-parallel ranks spread over machines: node n runs ranks n*k .. n*k+k-1,
+    k = tp / nnodes. Fields are named after their flags."""
+
+    tp: int
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str
+    dist_timeout: float  # seconds every node has to join
+
+    @classmethod
+    def of(cls, config) -> NodeLayout:
+        return cls(config.tp, config.nnodes, config.node_rank, config.dist_init_addr, config.dist_timeout)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    def ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+class Rendezvous:
+    """The store at --dist_init_addr, as node 0 (`host`) or another node (`join`) sees it."""
+
+    def __init__(self, store: dist.TCPStore, layout: NodeLayout, token: str):
+        self.store, self.layout, self.token = store, layout, token
+        self._deadline = time.monotonic() + layout.dist_timeout
+
+    @classmethod
+    def host(cls, layout: NodeLayout) -> Rendezvous:
+        """Node 0: open the store (on every interface) and write a fresh token and the layout."""
+        host, port = split_address(layout.dist_init_addr)
+        try:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=layout.dist_timeout))
+        except dist.DistError as exc:
+            raise JoinError(f"cannot open the rendezvous at --dist_init_addr {layout.dist_init_addr}: "
+                            f"{str(exc).splitlines()[0]}") from None
+        token = secrets.token_hex(16)
+        store.set(TOKEN_KEY, token)
+        store.set(LAYOUT_KEY, _layout_value(layout))
+        logger.info("rendezvous open at %s: waiting up to %g s for %d more nodes",
+                    layout.dist_init_addr, layout.dist_timeout, layout.nnodes - 1)
+        return cls(store, layout, token)
+
+    @classmethod
+    def join(cls, layout: NodeLayout) -> Rendezvous:
+        """A node > 0: reach node 0's store (retrying until --dist_timeout) and check the layout."""
+        host, port = split_address(layout.dist_init_addr)
+        timeout = timedelta(seconds=layout.dist_timeout)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            store.wait([TOKEN_KEY], timeout)
+            token, theirs = store.get(TOKEN_KEY).decode(), store.get(LAYOUT_KEY).decode()
+        except dist.DistError:
+            raise JoinError(f"node 0 did not answer at {layout.dist_init_addr} within "
+                            f"{layout.dist_timeout:g} s (--dist_timeout)") from None
+        if theirs != _layout_value(layout):
+            tp, nnodes = theirs.split()
+            raise JoinError(f"node 0 runs --tp {tp} --nnodes {nnodes}, this node was started with "
+                            f"--tp {layout.tp} --nnodes {layout.nnodes}")
+        return cls(store, layout, token)
+
+    def publish_worker(self, rank: int, host: str, port: int) -> None:
+        key, mine = f"worker/{rank}", f"{host}:{port}"
+        if self.store.compare_set(key, "", mine).decode() != mine:
+            raise JoinError(f"another node joined as --node_rank {self.layout.node_of(rank)} already")
+
+    def worker_address(self, rank: int) -> tuple[str, int]:
+        """The rpyc address of `rank` (on a node > 0), once its node has published it."""
+        remaining = max(0.01, self._deadline - time.monotonic())
+        try:
+            self.store.wait([f"worker/{rank}"], timedelta(seconds=remaining))
+        except dist.DistError:
+            raise JoinError(f"node {self.layout.node_of(rank)} did not join within "
+                            f"{self.layout.dist_timeout:g} s (--dist_timeout)") from None
+        return split_address(self.store.get(f"worker/{rank}").decode())
+
+    def node0_answers(self) -> bool:
+        """Whether the store answers within LIVENESS_TIMEOUT with the token this node joined
+        under (a restarted node 0 writes a new one). The read runs in a thread of its own: a
+        TCPStore read waits forever on a peer that stopped or vanished without closing."""
+        answer = []
+        reader = threading.Thread(target=self._read_token, args=(answer,), name="node0-poll", daemon=True)
+        reader.start()
+        reader.join(LIVENESS_TIMEOUT)
+        return answer == [self.token]
+
+    def _read_token(self, answer: list) -> None:
+        try:
+            answer.append(self.store.get(TOKEN_KEY).decode())
+        except dist.DistError:
+            pass  # node 0 closed the store
+
+
+def _layout_value(layout: NodeLayout) -> str:
+    return f"{layout.tp} {layout.nnodes}"

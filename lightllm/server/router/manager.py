@@ -165,7 +165,7 @@ class RouterManager:
 def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat) -> None:
     """Entry of the router process: start the model workers, report RouterReady, serve."""
     init_child_process(parent_pid, config.log_level)
-    workers = ModelWorkers(config.tp, config.log_level)
+    workers = start_workers(config)
     try:
         max_total_token_num, info = load_model(workers, config)
         core = build_engine(config, workers, max_total_token_num, info)
@@ -197,6 +197,19 @@ def serve(manager: RouterManager, workers: ModelWorkers) -> None:
         manager.close()
 
 
+def start_workers(config: ServerConfig) -> ModelWorkers:
+    """One worker per rank here; with --nnodes, also those of the other nodes once they join."""
+    if config.nnodes == 1:
+        return ModelWorkers(config.tp, config.log_level)
+    from lightllm.utils.dist import JoinError, NodeLayout  # torch: only a multi-node router needs it
+
+    try:
+        return ModelWorkers(config.tp, config.log_level, NodeLayout.of(config))
+    except JoinError as exc:  # the main process sees the router exit before it is ready
+        logger.error("%s; the router stops", exc)
+        sys.exit(1)
+
+
 def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:
     try:
         return workers.load(
@@ -209,6 +222,7 @@ def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:
             cuda_graph=not config.disable_cuda_graph,
             world_size=config.tp,
             nccl_port=config.nccl_port,
+            dist_init_addr=config.dist_init_addr if config.nnodes > 1 else None,
         )
     except WorkerDied:
         raise
