@@ -1,0 +1,190 @@
+"""Tensor parallelism over two "nodes" on this machine: two launches of the api_server module
+(node 0: HTTP, router, detokenizer and rank 0; node 1: rank 1 alone), gloo over loopback, the
+tiny random model. The greedy tokens of --tp 2 --nnodes 2 are those of --tp 1; node 1 follows
+node 0 out; a node that never comes ends the start-up of the one waiting for it.
+"""
+
+import dataclasses
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import psutil
+import pytest
+
+from lightllm import LLM, SamplingParams
+from lightllm.engine.workers import accept_router, token_authenticator
+from lightllm.tools.bench_model import write_bench_model
+from lightllm.utils.dist import LIVENESS_TIMEOUT, NodeLayout, Rendezvous
+from lightllm.utils.net import free_port
+from server_utils import Server, start_server
+
+WORDS = "the a model token cache batch river stone light 你好 café 🤖 runs quickly slowly over under".split()
+MAX_NEW_TOKENS = 12
+FOLLOW_SECONDS = 10.0  # a node > 0 must exit this soon after node 0 stops
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny"))
+
+
+def node_args(tiny_dir: str, node_rank: int, dist_init_addr: str, dist_timeout: float = 120) -> list[str]:
+    return ["--model_dir", tiny_dir, "--tp", "2", "--nnodes", "2", "--node_rank", str(node_rank),
+            "--dist_init_addr", dist_init_addr, "--dist_timeout", str(dist_timeout)]
+
+
+def greedy_tokens(server: Server, prompts: list[str]) -> list[list[int]]:
+    """The token ids of each prompt's answer, sent together so that the steps batch them."""
+    def run(prompt):
+        answer = server.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, details=True)
+        return [token["id"] for token in answer["details"]["tokens"]]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(run, prompts))
+
+
+def tp1_greedy_tokens(tiny_dir: str, prompts: list[str]) -> list[list[int]]:
+    """The same through the engine at --tp 1, in this process (the offline API runs the router's
+    engine core and a ModelRunner; a third server would cost this 2-core machine ~15 s)."""
+    with LLM(tiny_dir) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def family(server: Server) -> list[psutil.Process]:
+    try:
+        return server.processes()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_two_nodes_give_the_tokens_of_one_and_node1_follows_node0_out(tiny_dir, tmp_path):
+    rng = random.Random()
+    prompts = [" ".join(rng.choices(WORDS, k=rng.randrange(1, 30))) for _ in range(4)]
+    dist_init_addr = f"127.0.0.1:{free_port()}"
+    node1 = Server(node_args(tiny_dir, 1, dist_init_addr), tmp_path / "node1.log")
+    node0 = None
+    try:
+        node0 = start_server(node_args(tiny_dir, 0, dist_init_addr), tmp_path / "node0.log")
+        assert greedy_tokens(node0, prompts) == tp1_greedy_tokens(tiny_dir, prompts)
+        node1_family = family(node1)  # its main process, the worker of rank 1, multiprocessing's helper
+        assert len(node1_family) >= 2
+
+        assert node0.stop() == 0
+        stopped = time.monotonic()
+        node1.proc.wait(timeout=FOLLOW_SECONDS)
+        assert time.monotonic() - stopped < FOLLOW_SECONDS
+        _, alive = psutil.wait_procs(node1_family, timeout=FOLLOW_SECONDS)
+        assert not alive
+        assert "node 0's router hung up" in node1.log_text()
+    finally:
+        if node0 is not None:
+            node0.stop()
+        node1.stop()
+
+
+def wait_collecting_family(server: Server, timeout: float) -> list[psutil.Process]:
+    """Wait for the server's main process to exit; every process seen in its family meanwhile."""
+    seen = {}
+    deadline = time.monotonic() + timeout
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        seen.update((p.pid, p) for p in family(server))
+        time.sleep(0.1)  # polling interval, not synchronisation
+    return list(seen.values())
+
+
+def test_a_missing_node_ends_start_up_with_a_clear_message(tiny_dir, tmp_path):
+    """Node 0 waits for a node 1 that never comes; node 1 (another group) for a node 0 that never
+    answers. Both stop with status 1 once --dist_timeout has passed, and leave no process."""
+    lonely0 = Server(node_args(tiny_dir, 0, f"127.0.0.1:{free_port()}", dist_timeout=3), tmp_path / "node0.log")
+    missing0 = f"127.0.0.1:{free_port()}"
+    lonely1 = Server(node_args(tiny_dir, 1, missing0, dist_timeout=2), tmp_path / "node1.log")
+    try:
+        seen = wait_collecting_family(lonely0, timeout=60)
+        assert lonely0.proc.wait(timeout=60) == 1
+        assert lonely1.proc.wait(timeout=60) == 1
+        assert "node 1 did not join within 3 s (--dist_timeout)" in lonely0.log_text()
+        assert f"node 0 did not answer at {missing0} within 2 s (--dist_timeout)" in lonely1.log_text()
+        assert len(seen) >= 3  # main, router, detokenizer (and rank 0's worker)
+        _, alive = psutil.wait_procs(seen, timeout=10)
+        assert not alive
+    finally:
+        lonely0.stop()
+        lonely1.stop()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "3", "--nnodes", "2", "--dist_init_addr", "127.0.0.1:1"], "--tp 3 must be divisible by --nnodes 2"),
+        (["--tp", "2", "--nnodes", "2"], "--dist_init_addr HOST:PORT is required with --nnodes > 1"),
+        (["--tp", "2", "--nnodes", "2", "--dist_init_addr", "host"], "--dist_init_addr HOST:PORT is required"),
+        (["--nnodes", "2", "--node_rank", "2", "--tp", "2"], "--node_rank must be at least 0 and below --nnodes"),
+    ],
+)
+def test_node_flags_that_cannot_work_fail_at_once(args, message):
+    result = subprocess.run([sys.executable, "-m", "lightllm.server.api_server", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_a_worker_serves_only_the_connection_that_brings_the_token():
+    token = b"0123456789abcdef0123456789abcdef"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        accepted = []
+        thread = threading.Thread(target=lambda: accepted.append(
+            accept_router(listener, token_authenticator(token, timeout=1.0))))
+        thread.start()
+        address = listener.getsockname()
+        strangers = [socket.create_connection(address) for _ in range(3)]
+        strangers[0].sendall(b"x" * len(token))  # wrong
+        strangers[1].sendall(token[:-1])  # too short: times out
+        strangers[2].close()  # nothing at all
+        for stranger in strangers[:2]:
+            stranger.settimeout(5.0)
+            assert stranger.recv(1) == b""  # closed by the worker
+            stranger.close()
+        router = socket.create_connection(address)
+        router.sendall(token + b"rpyc")
+        thread.join(10)
+        assert not thread.is_alive() and len(accepted) == 1
+        with accepted[0] as sock:
+            assert sock.recv(4) == b"rpyc"  # the bytes after the token are left to rpyc
+        router.close()
+
+
+def host_rendezvous(layout: NodeLayout, opened) -> None:
+    rendezvous = Rendezvous.host(layout)
+    opened.set()
+    rendezvous.store.wait(["never"], timedelta(seconds=120))  # serve until the test kills this process
+
+
+def test_node0_counts_as_gone_when_its_store_stops_answering():
+    """A node 0 that stops without closing anything (frozen here, as a vanished machine looks):
+    the poll of a node > 0 says so within LIVENESS_TIMEOUT instead of waiting forever."""
+    layout = NodeLayout(tp=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{free_port()}", dist_timeout=30)
+    context = multiprocessing.get_context("spawn")
+    opened = context.Event()
+    node0 = context.Process(target=host_rendezvous, args=(layout, opened), daemon=True)
+    node0.start()
+    try:
+        assert opened.wait(60)
+        joined = Rendezvous.join(dataclasses.replace(layout, node_rank=1))
+        assert joined.node0_answers()
+        os.kill(node0.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert not joined.node0_answers()
+        assert time.monotonic() - start < LIVENESS_TIMEOUT + 1
+    finally:
+        node0.kill()
+        node0.join()
