@@ -93,3 +93,16 @@ def test_stop_token_ids_and_min_tokens(model):
     assert len(outs) > first_at + 1 or outs[-1].finish_reason is not FinishReason.STOP
     assert outs[first_at].token_id != stop
     assert_idle(core)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_and_a_one_token_last_chunk(model):
+    hf_model, runner = model
+    core = engine(runner, chunk=4)
+    prompts = random_prompts(hf_model.config.vocab_size, lengths=(1, 5), seed=7)
+    outs = run(core, [(i, p, SamplingParams(max_new_tokens=2, prompt_logprobs=1)) for i, p in enumerate(prompts)])
+    assert outs[0][0].prompt_logprobs == ()
+    expected = hf_log_softmax(hf_model, prompts[1])
+    got = outs[1][0].prompt_logprobs
+    assert len(got) == 4
+    assert all(abs(lp - expected[p, prompts[1][p + 1]].item()) < TOL for p, (lp, _) in enumerate(got))
+    assert_idle(core)

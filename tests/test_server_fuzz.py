@@ -39,7 +39,9 @@ GREEDY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens":
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    args = ["--model_dir", str(default_model_dir), "--max_req_input_len", "48", "--max_req_total_len", "52"]
+    # A small queue bound: n up to 128 choices of fuzzed requests would otherwise flood 2 cores (n > 16 is a 400)
+    args = ["--model_dir", str(default_model_dir), "--max_req_input_len", "48", "--max_req_total_len", "52",
+            "--max_queued_requests", "16"]
     server = start_server(args, tmp_path_factory.mktemp("fuzz") / "server.log")
     yield server
     assert server.stop() == 0

@@ -112,9 +112,14 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content may be null only for role 'assistant'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "'messages[0].content[0].type': Input should be 'text', got 'image_url'"),
-    ({"messages": HI, "n": 2}, 400, "'n' = 2 is not supported"),
+    ({"messages": HI, "n": 129}, 400, "'n': Input should be less than or equal to 128"),
     ({"messages": HI, "n": 0}, 400, "'n': Input should be greater than or equal to 1"),
-    ({"messages": HI, "logprobs": True}, 400, "'logprobs' = True is not supported"),
+    ({"messages": HI, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs': Input should be less than or equal to 20"),
+    ({"messages": HI, "logit_bias": {"x": 1}}, 400, "'logit_bias' keys must be token ids in [0, 49152)"),
+    ({"messages": HI, "stop_token_ids": [49152]}, 400, "'stop_token_ids' must be in [0, 49152)"),
+    ({"messages": HI, "response_format": {"type": "json_schema"}}, 400, "needs a 'json_schema' object"),
+    ({"messages": HI, "response_format": {"type": "xml"}}, 400, "'response_format.type': Input should be"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tool calling"),
     ({"messages": HI, "temperature": -1}, 400, "'temperature': Input should be greater than or equal to 0"),
     ({"messages": HI, "temperature": 2.5}, 400, "'temperature': Input should be less than or equal to 2"),
@@ -136,7 +141,8 @@ BAD_COMPLETIONS = [
     ({"prompt": ["one", "two"]}, 400, "List should have at most 1 item"),
     ({"prompt": [1, 10**9]}, 400, "'prompt' token ids must be in [0, 49152)"),
     ({"prompt": [1, -1]}, 400, "'prompt[1]': Input should be greater than or equal to 0"),
-    ({"prompt": "hi", "echo": True}, 400, "'echo' = True is not supported"),
+    ({"prompt": "hi", "best_of": 2}, 400, "'best_of' = 2 is not supported"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "'logprobs': Input should be less than or equal to 20"),
     ({"prompt": "hi", "top_p": 2}, 400, "'top_p': Input should be less than or equal to 1"),
     ({"prompt": "hi", "temperature": 2.01}, 400, "'temperature': Input should be less than or equal to 2"),
     ({"prompt": "hi", "best_of": 21}, 400, "'best_of': Input should be less than or equal to 20"),
@@ -154,7 +160,7 @@ def test_bad_requests_get_a_clear_error(default_server, client, model_name):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=CHATS[0])
     with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.chat.completions.create(model=model_name, messages=CHATS[0], n=3)
+        client.chat.completions.create(model=model_name, messages=CHATS[0], tools=[{"type": "function", "function": {"name": "f"}}])
     assert client.completions.create(model=model_name, prompt="still serving", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -268,9 +268,9 @@ class ModelRunner:
         parts, offset = [], 0
         targets = t.get("prompt_targets")
         for r, c in chunks:
-            if r.prompt_logprobs is None:
-                continue
             n = len(c.token_ids) - (1 if c.last else 0)
+            if r.prompt_logprobs is None or n == 0:  # a one-token last chunk: its row is the sampled one
+                continue
             chosen, top = prompt_logprobs(logits[offset: offset + n], targets[offset: offset + n],
                                           r.sampling.params.prompt_logprobs)
             parts.append((r, chosen, top))

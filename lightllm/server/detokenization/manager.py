@@ -24,6 +24,8 @@ from lightllm.utils.process import init_child_process
 
 logger = logging.getLogger(__name__)
 
+SIGNAL_CHECK_MS = 500  # an idle detokenizer wakes this often (to let a SIGTERM handler run)
+
 
 class DetokenizationManager:
     def __init__(self, config: ServerConfig, tokenizer):
@@ -44,7 +46,11 @@ class DetokenizationManager:
 
     def serve_forever(self) -> None:
         while True:
-            msg = self._inbox.recv_pyobj()  # blocks: an idle detokenizer uses no CPU
+            # Wait in short polls, not one blocking recv: SIGTERM may be delivered to another thread
+            # (the tokenizer's), and Python runs its handler only when the main thread returns to it.
+            if not self._inbox.poll(SIGNAL_CHECK_MS):
+                continue
+            msg = self._inbox.recv_pyobj()
             if isinstance(msg, GenerateReq):
                 self._start(msg)
             elif isinstance(msg, BatchTokenOut):

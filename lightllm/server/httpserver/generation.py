@@ -85,13 +85,14 @@ class Generation:
     def __init__(self, request: Request, prompt_ids: list[int], sampling: SamplingParams, start: float, n: int = 1):
         state = request.app.state.server
         check_lengths(len(prompt_ids), sampling, state.limits)
-        if n > 1:
+        if n > 1:  # all choices or none: refused together, here, when the queue has no room for n
             state.manager.check_queue(n)
         self.request = request
         self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.timers = [RequestTimer(state.metrics, self.prompt_len, start) for _ in range(n)]
-        self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i)) for i in range(n)]
+        self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i), bounded=n == 1)
+                        for i in range(n)]
 
     @property
     def timer(self) -> RequestTimer:

@@ -46,7 +46,12 @@ class Grammar(BaseModel):
                 raise RequestError("'grammar': a regex grammar's value is a string")
             kind, spec = "regex", self.value
         else:
-            schema = json.loads(self.value) if isinstance(self.value, str) else self.value
+            try:
+                schema = json.loads(self.value) if isinstance(self.value, str) else self.value
+            except ValueError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise RequestError("'grammar': a json grammar's value is a JSON schema: an object, or its text")
             kind, spec = ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
         return {"grammar_kind": kind, "grammar": checked_grammar(kind, spec)}
 

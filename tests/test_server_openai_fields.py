@@ -1,0 +1,188 @@
+"""The new OpenAI fields through OpenAI's own Python client, on the default model (fp32 on the CPU):
+n, logprobs/top_logprobs, echo, logit_bias, seed, stop_token_ids, min_p, min_tokens,
+stream_options.include_usage and response_format; and /generate's details (TGI)."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+TOL = 1e-3
+PROMPT = "The capital of France is"
+# A system prompt longer than SHARE_PROBE tokens, so that n choices share its KV through the prefix cache.
+LONG = ("You are a careful assistant who answers questions about geography in short sentences, "
+        "with one fact per sentence and no lists. Question: which river flows through Paris? Answer:")
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                           "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["answer", "score"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32, local_files_only=True)
+    return tokenizer, model
+
+
+def hf_log_softmax(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf[1](torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_n_greedy_choices_are_identical_and_share_the_prompt(default_server, client, model_name, hf):
+    before = default_server.metrics()
+    reply = client.completions.create(model=model_name, prompt=LONG, n=4, temperature=0, max_tokens=6)
+    after = default_server.metrics()
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+    assert len({c.text for c in reply.choices}) == 1
+    prompt_len = len(hf[0].encode(LONG))
+    assert reply.usage.prompt_tokens == prompt_len
+    assert reply.usage.completion_tokens == 4 * 6 or {c.finish_reason for c in reply.choices} == {"stop"}
+    # the prompt is computed once: the other three choices take all of it but its last token from the cache
+    hits = after["lightllm:prefix_cache_hits_tokens_total"] - before["lightllm:prefix_cache_hits_tokens_total"]
+    assert hits >= 3 * (prompt_len - 1)
+
+
+def test_seeded_n_choices_differ_and_reproduce(client, model_name):
+    def draw(seed):
+        reply = client.completions.create(model=model_name, prompt=PROMPT, n=3, temperature=1.0, seed=seed,
+                                          max_tokens=12)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = draw(7)
+    assert len(set(first)) > 1
+    assert draw(7) == first
+    assert draw(8) != first
+
+
+def test_completion_logprobs_and_echo_equal_transformers(client, model_name, hf):
+    reply = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=5, logprobs=3,
+                                      echo=True)
+    (choice,) = reply.choices
+    assert choice.text.startswith(PROMPT)
+    prompt_ids = hf[0].encode(PROMPT)
+    lp = choice.logprobs
+    n_prompt = len(prompt_ids)
+    assert len(lp.tokens) == n_prompt + 5 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    generated = hf[0].encode(choice.text[len(PROMPT):])
+    expected = hf_log_softmax(hf, prompt_ids + generated[:4])
+    for pos in range(1, n_prompt + 4):
+        token = (prompt_ids + generated)[pos]
+        assert abs(lp.token_logprobs[pos] - expected[pos - 1, token].item()) < TOL, pos
+        top = lp.top_logprobs[pos]
+        assert lp.tokens[pos] in top and len(top) in (3, 4)  # the top 3 and the chosen token
+        best = sorted(top.values(), reverse=True)[:3]
+        assert abs(best[0] - expected[pos - 1].max().item()) < TOL
+
+
+def test_chat_logprobs_top_k_sorted_with_the_greedy_token_first(client, model_name):
+    messages = [{"role": "user", "content": "What is AI?"}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=6,
+                                           logprobs=True, top_logprobs=4)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        top = [t.logprob for t in entry.top_logprobs]
+        assert len(top) == 4 and top == sorted(top, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    plain = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=6,
+                                           logprobs=True)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * 6
+    assert [e.logprob for e in plain.choices[0].logprobs.content] == pytest.approx([e.logprob for e in content], abs=TOL)
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids(client, model_name, hf):
+    tokenizer = hf[0]
+    eos = tokenizer.eos_token_id
+    # EOS pushed to the top: min_tokens holds it back for exactly 3 tokens
+    reply = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=10,
+                                      logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert (reply.usage.completion_tokens, reply.choices[0].finish_reason) == (4, "stop")
+    forced = tokenizer.encode(" Paris")[0]
+    reply = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=3,
+                                      logit_bias={str(forced): 100})
+    assert reply.choices[0].text == tokenizer.decode([forced] * 3)
+    greedy = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=8, logprobs=0)
+    tokens = greedy.choices[0].logprobs.tokens
+    stop_id = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(tokens[2]))[0]
+    stopped = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=8,
+                                        extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
+    sampled = client.completions.create(model=model_name, prompt=PROMPT, temperature=1.0, seed=3, max_tokens=8,
+                                        extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == greedy.choices[0].text  # min_p 1: only the most likely token is left
+
+
+def test_stream_n_with_usage(client, model_name):
+    stream = client.completions.create(model=model_name, prompt=PROMPT, n=2, temperature=0, max_tokens=5, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, usage = {0: "", 1: ""}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts[0] == texts[1] != ""
+    assert usage.completion_tokens == 10 and usage.total_tokens == usage.prompt_tokens + 10
+
+
+def test_json_schema_output_in_a_batch_with_free_requests(client, model_name):
+    messages = [{"role": "user", "content": "Is the sky blue? Reply in JSON with an answer and a score."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+
+    def constrained(seed):
+        return client.chat.completions.create(model=model_name, messages=messages, max_tokens=40, seed=seed,
+                                              response_format=response_format)
+
+    def free(seed):
+        return client.chat.completions.create(model=model_name, messages=messages, max_tokens=20, seed=seed)
+
+    with ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(constrained if i % 2 == 0 else free, i) for i in range(6)]
+        replies = [job.result() for job in jobs]
+    for i, reply in enumerate(replies):
+        if i % 2 == 0:
+            value = json.loads(reply.choices[0].message.content)
+            assert set(value) == {"answer", "score"} and value["answer"] in ("yes", "no")
+            assert isinstance(value["score"], int) and 0 <= value["score"] <= 9
+    anything = client.chat.completions.create(model=model_name, messages=messages, max_tokens=40,
+                                              response_format={"type": "json_object"}, temperature=0)
+    content = anything.choices[0].message.content
+    assert content.startswith("{")  # a free-form object may run past max_tokens; if it ends, it parses
+    assert anything.choices[0].finish_reason == "length" or isinstance(json.loads(content), dict)
+    with pytest.raises(openai.BadRequestError, match="structured output"):
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+
+
+def test_generate_details_and_grammar(default_server, hf):
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "details": True, "decoder_input_details": True,
+                                             "top_n_tokens": 2, "n": 2}}
+    reply = default_server.post("/generate", body).json()
+    assert len(reply["generated_text"]) == 2 and reply["generated_text"][0] == reply["generated_text"][1]
+    details = reply["details"]
+    prompt_ids = hf[0].encode(PROMPT)
+    assert [t["id"] for t in details["prefill"]] == prompt_ids and details["prefill"][0]["logprob"] is None
+    assert len(details["tokens"]) == 4 and all(len(top) == 2 for top in details["top_tokens"])
+    assert [t["id"] for t in details["tokens"]] == [t["id"] for t in details["best_of_sequences"][0]["tokens"]]
+    expected = hf_log_softmax(hf, prompt_ids)
+    assert abs(details["prefill"][1]["logprob"] - expected[0, prompt_ids[1]].item()) < TOL
+    regex = default_server.post("/generate", {"inputs": "My phone number is", "parameters": {
+        "max_new_tokens": 12, "grammar": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}}}).json()
+    assert len(regex["generated_text"][0]) == 8 and regex["generated_text"][0][3] == "-"
+    bad = default_server.post("/generate_stream", {"inputs": PROMPT, "parameters": {"n": 2}})
+    assert bad.status_code == 400 and "n" in bad.json()["error"]
