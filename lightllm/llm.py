@@ -28,7 +28,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lightllm.engine.core import describe_error
 from lightllm.server.config import ServerConfig
 from lightllm.server.detokenization.decoder import IncrementalDecoder
 from lightllm.server.io_struct import FinishReason, GenerateReq, TokenOut
@@ -308,17 +307,11 @@ class _LocalWorker:
 
 def start_engine(config: ServerConfig):
     """(workers, EngineCore, model info), built the way the router builds them."""
-    from lightllm.engine.workers import ModelWorkers
-    from lightllm.server.router.manager import build_engine, load_model
+    from lightllm.server.router.manager import build_engine, load_model, start_workers
 
-    workers = _LocalWorker() if config.tp == 1 else ModelWorkers(config.tp, config.log_level)
+    workers = _LocalWorker() if config.tp == 1 else start_workers(config)
     try:
-        max_total_token_num, info = load_model(workers, config)
-    except SystemExit as exc:  # load_model ends the router process; here the caller gets the error
-        cause = exc.__context__
-        reason = describe_error(cause) if isinstance(cause, Exception) else "see the log"
-        workers.shutdown()
-        raise RuntimeError(f"cannot load the model from {config.model_dir}: {reason}") from cause
+        max_total_token_num, info = load_model(workers, config)  # ModelLoadError (a RuntimeError) says why not
     except BaseException:
         workers.shutdown()
         raise

@@ -21,8 +21,8 @@ import prefix_workloads as pw  # noqa: E402
 from serving_client import run_conversations  # noqa: E402
 from serving_metrics import format_summary, prefix_cache_figures, summarize, unlabelled_samples  # noqa: E402
 
-QUERIES = "lightllm:prefix_cache_queries_tokens_total"
-HITS = "lightllm:prefix_cache_hits_tokens_total"
+QUERIES = "lightllm:prefix_cache_queries_total"
+HITS = "lightllm:prefix_cache_hits_total"
 # Plain words and a few multi-byte ones, so that some cuts fall inside a UTF-8 character.
 VOCABULARY = "the cache keeps every prompt prefix it has seen and serves naïve café 東京 über 🙂 tokens".split()
 
@@ -204,7 +204,7 @@ def test_prefix_cache_counters_are_read_from_prometheus_text_or_reported_absent(
     assert unlabelled_samples(text, [QUERIES, HITS]) == {QUERIES: 1500.0, HITS: 600.0}
     figures = prefix_cache_figures({QUERIES: 1000.0, HITS: 200.0}, {QUERIES: 1500.0, HITS: 600.0})
     assert figures == {
-        "prefix_cache_queries_tokens": 500, "prefix_cache_hits_tokens": 400, "prefix_cache_hit_rate": 0.8
+        "prefix_cache_queries": 500, "prefix_cache_hits": 400, "prefix_cache_hit_rate": 0.8
     }
     summary = {**summarize([], 1.0), **figures}
     assert "Cache hit rate (%):                      80.00" in format_summary(summary)
@@ -228,7 +228,7 @@ def test_the_script_reports_the_workload_and_the_counters_growth(workload, datas
     result = json.loads((tmp_path / "result.json").read_text())
     sent = 6  # 3 groups x 2 requests, or 3 conversations x 2 turns; the 2 warm-ups come before
     assert (result["completed"], result["failed"]) == (sent, 0) and len(fake.answers) == sent + 2
-    assert result["prefix_cache_queries_tokens"] == 10 * sent and result["prefix_cache_hits_tokens"] == 4 * sent
+    assert result["prefix_cache_queries"] == 10 * sent and result["prefix_cache_hits"] == 4 * sent
     assert result["prefix_cache_hit_rate"] == pytest.approx(0.4)
     expected = {"workload": workload, "output_len": 4}
     expected |= {"groups": 3, "group_size": 2, "prefix_len": 32} if workload == "shared-prefix" else {"turns": 2}
@@ -249,6 +249,6 @@ def test_both_workloads_against_the_real_server(default_server, dataset, default
         result = json.loads(out.read_text())
         assert (result["completed"], result["failed"]) == (4, 0)
         assert result["total_output_tokens"] == 4 * 8 and result["median_ttft_ms"] > 0
-        if result["prefix_cache_hits_tokens"] is not None and workload == "multi-turn":
-            assert result["prefix_cache_hits_tokens"] >= 2 * 16  # turn 2 resends turn 1's prompt
+        if result["prefix_cache_hits"] is not None and workload == "multi-turn":
+            assert result["prefix_cache_hits"] >= 2 * 16  # turn 2 resends turn 1's prompt
     assert "Median TTFT (ms):" in capsys.readouterr().out

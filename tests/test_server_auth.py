@@ -64,9 +64,9 @@ async def manager_scenario() -> None:
     config = ServerConfig(max_queued_requests=2)
     config.allocate_addresses()
     router = zmq.asyncio.Context.instance().socket(zmq.PULL)
-    router.bind(config.router_address)
+    router.bind(config.router_addresses[0])
     to_http = zmq.asyncio.Context.instance().socket(zmq.PUSH)
-    manager = HttpServerManager(config, Metrics(max_total_token_num=100), heartbeat=None)
+    manager = HttpServerManager(config, Metrics([100]), heartbeats=[])
     await manager.start()
     to_http.connect(config.http_address)
     try:

@@ -45,7 +45,7 @@ def token(count: int, finish: FinishReason | None = None, **extra) -> TextOut:
 
 
 def test_a_request_is_counted_and_timed_from_its_outputs(clock):
-    metrics = Metrics(max_total_token_num=1000)
+    metrics = Metrics([1000])
     prompt_len, start = random.randint(1, 500), clock.now
     timer = RequestTimer(metrics, prompt_len, start)
     ttft, queue_time = random.uniform(0.01, 2.0), random.uniform(0.0, 1.0)
@@ -73,7 +73,7 @@ def test_a_request_is_counted_and_timed_from_its_outputs(clock):
 
 
 def test_an_output_of_several_tokens_counts_each_interval_as_its_share(clock):
-    metrics = Metrics(max_total_token_num=1000)
+    metrics = Metrics([1000])
     timer = RequestTimer(metrics, 5, clock.now)
     clock.now += 0.5
     timer.observe(token(1))
@@ -86,7 +86,7 @@ def test_an_output_of_several_tokens_counts_each_interval_as_its_share(clock):
 
 
 def test_errors_and_aborts_are_finish_reasons_too(clock):
-    metrics = Metrics(max_total_token_num=1000)
+    metrics = Metrics([1000])
     failed = RequestTimer(metrics, 4, clock.now)
     failed.observe(token(1))
     failed.observe(token(2))
@@ -104,29 +104,29 @@ def test_errors_and_aborts_are_finish_reasons_too(clock):
 
 
 def test_every_finish_reason_is_there_from_the_start():
-    got = samples(Metrics(max_total_token_num=1000))
+    got = samples(Metrics([1000]))
     for reason in FinishReason:
         assert got[f'lightllm:request_success_total{{finished_reason="{reason.value}"}}'] == 0
 
 
 def test_the_routers_figures_become_gauges_and_counters():
-    metrics = Metrics(max_total_token_num=1000)
+    metrics = Metrics([1000])
     used, capacity = random.randint(0, 4000), 4000
-    metrics.router = RouterStats(waiting_reqs=3, running_reqs=5, tokens_used=used, max_total_token_num=capacity,
+    metrics.routers[0] = RouterStats(waiting_reqs=3, running_reqs=5, tokens_used=used, max_total_token_num=capacity,
                                  prefix_cached_tokens=11, prefix_queried_tokens=900, prefix_hit_tokens=400)
     got = samples(metrics)
     assert got["lightllm:num_requests_waiting"] == 3 and got["lightllm:num_requests_running"] == 5
     assert got["lightllm:kv_cache_usage_perc"] == pytest.approx(used / capacity)
     assert got["lightllm:kv_cache_used_tokens"] == used and got["lightllm:kv_cache_capacity_tokens"] == capacity
     assert got["lightllm:prefix_cache_tokens"] == 11
-    assert got["lightllm:prefix_cache_queries_tokens_total"] == 900
-    assert got["lightllm:prefix_cache_hits_tokens_total"] == 400
+    assert got["lightllm:prefix_cache_queries_total"] == 900
+    assert got["lightllm:prefix_cache_hits_total"] == 400
     types = {family.name: family.type for family in text_string_to_metric_families(metrics.render().decode())}
-    assert types["lightllm:prefix_cache_hits_tokens"] == "counter" and types["lightllm:kv_cache_usage_perc"] == "gauge"
+    assert types["lightllm:prefix_cache_hits"] == "counter" and types["lightllm:kv_cache_usage_perc"] == "gauge"
 
 
 def test_each_app_has_its_own_registry():
-    first, second = Metrics(max_total_token_num=10), Metrics(max_total_token_num=10)
+    first, second = Metrics([10]), Metrics([10])
     first.rejected.inc()
     first.queue_full.inc(2)
     assert samples(first)["lightllm:requests_rejected_total"] == 1

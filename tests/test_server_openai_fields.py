@@ -52,7 +52,7 @@ def test_n_greedy_choices_are_identical_and_share_the_prompt(default_server, cli
     assert reply.usage.prompt_tokens == prompt_len
     assert reply.usage.completion_tokens == 4 * 6 or {c.finish_reason for c in reply.choices} == {"stop"}
     # the prompt is computed once: the other three choices take all of it but its last token from the cache
-    hits = after["lightllm:prefix_cache_hits_tokens_total"] - before["lightllm:prefix_cache_hits_tokens_total"]
+    hits = after["lightllm:prefix_cache_hits_total"] - before["lightllm:prefix_cache_hits_total"]
     assert hits >= 3 * (prompt_len - 1)
 
 

@@ -14,17 +14,17 @@ def metric(server, name: str) -> float:
 
 def test_repeated_prompt_is_served_from_the_cache(default_server):
     prompt = SYSTEM + "What do you sell?"
-    queried_before = metric(default_server, "lightllm:prefix_cache_queries_tokens_total")
-    hits_before = metric(default_server, "lightllm:prefix_cache_hits_tokens_total")
+    queried_before = metric(default_server, "lightllm:prefix_cache_queries_total")
+    hits_before = metric(default_server, "lightllm:prefix_cache_hits_total")
     first = default_server.generate(prompt, max_new_tokens=8)
     second = default_server.generate(prompt, max_new_tokens=8)
     assert second["generated_text"] == first["generated_text"]
     # Every prompt token but the last (whose logits the reply needs) comes from the cache.
     assert second["cached_tokens"] == second["prompt_tokens"] - 1
     default_server.wait_for(
-        lambda: metric(default_server, "lightllm:prefix_cache_queries_tokens_total") - queried_before
+        lambda: metric(default_server, "lightllm:prefix_cache_queries_total") - queried_before
         == 2 * first["prompt_tokens"], what="the lookups counted")
-    hits = metric(default_server, "lightllm:prefix_cache_hits_tokens_total") - hits_before
+    hits = metric(default_server, "lightllm:prefix_cache_hits_total") - hits_before
     assert hits == first["cached_tokens"] + second["cached_tokens"]
     default_server.wait_for(lambda: metric(default_server, "lightllm:kv_cache_used_tokens") == 0, what="idle")
     assert metric(default_server, "lightllm:prefix_cache_tokens") >= second["prompt_tokens"]

@@ -196,13 +196,18 @@ class ModelWorkers:
 
     METHODS = ("load", "step", "stats", "ping")
 
-    def __init__(self, tp: int, log_level: str, layout: NodeLayout | None = None):
-        """`layout`: given when the ranks span machines."""
+    def __init__(self, tp: int, log_level: str, layout: NodeLayout | None = None, replica: int = 0,
+                 replicas: int = 1):
+        """`layout`: given when the ranks span machines. `replica` of `replicas` (--dp) engines on
+        this machine: its ranks take devices replica * tp on, and the machine's cores are shared
+        by every replica's workers."""
         self.processes: list[multiprocessing.Process] = []
         self._conns: list[rpyc.Connection] = []
         self._remote: list[RemoteWorker] = []
         self._rendezvous = None  # node 0 hosts it for as long as the workers run
         self._ranks_per_node = tp if layout is None else layout.ranks_per_node
+        self._first_device = replica * self._ranks_per_node
+        self._workers_on_node = self._ranks_per_node * replicas
         try:
             for rank in range(self._ranks_per_node):
                 self._conns.append(self._spawn(rank, log_level))
@@ -220,7 +225,7 @@ class ModelWorkers:
         mine, theirs = socket.socketpair()
         process = multiprocessing.get_context("spawn").Process(
             target=run_model_worker,
-            args=(theirs, os.getpid(), log_level, self._ranks_per_node),
+            args=(theirs, os.getpid(), log_level, self._workers_on_node),
             name=f"model_worker_{rank}",
             daemon=True,
         )
@@ -253,7 +258,8 @@ class ModelWorkers:
 
     def load(self, **runner_kwargs) -> tuple[int, dict]:
         calls = self._methods["load"]
-        pending = [call(to_wire({**runner_kwargs, "tp_rank": rank, "local_rank": rank % self._ranks_per_node}))
+        pending = [call(to_wire({**runner_kwargs, "tp_rank": rank,
+                                 "local_rank": self._first_device + rank % self._ranks_per_node}))
                    for rank, call in enumerate(calls)]
         max_total_token_num, info = self._gather(pending)
         return max_total_token_num, {key: list(v) if isinstance(v, tuple) else v for key, v in info}

@@ -1,8 +1,8 @@
 """Entry point: `python -m lightllm.server.api_server [flags]` (`--help` lists them).
 
-The main process starts the router (which starts one model worker per tensor-parallel rank)
-and the detokenizer, waits until each reports ready, then serves HTTP itself. If a child
-process dies, every open request ends with an error naming it, and the server stops with a
+The main process starts the router (which starts one model worker per tensor-parallel rank;
+one router per --dp replica) and the detokenizer, waits until each reports ready, then serves
+HTTP itself. If a child process dies, every open request ends with an error naming it, and the server stops with a
 non-zero exit status. SIGTERM or Ctrl-C drains: new requests get 503, open ones have
 --shutdown_timeout seconds to finish and then end with an error; then every child stops.
 The socket directory goes in every case (a SIGKILL's is removed by the next start).
@@ -39,14 +39,19 @@ class Child:
     ready_pipe: multiprocessing.connection.Connection  # our end: the child sends one ready message
 
 
-def start_children(config: ServerConfig, heartbeat: RouterHeartbeat) -> list[Child]:
+def router_name(replica: int, replicas: int) -> str:
+    return "router" if replicas == 1 else f"router {replica}"
+
+
+def start_children(config: ServerConfig, heartbeats: list[RouterHeartbeat]) -> list[Child]:
+    """One router per --dp replica (each starts its model workers), and the detokenizer."""
     from lightllm.server.detokenization.manager import start_detokenization_process
     from lightllm.server.router.manager import start_router_process
 
     context = multiprocessing.get_context("spawn")
     children = []
-    for name, target, extra in (("router", start_router_process, (heartbeat,)),
-                                ("detokenizer", start_detokenization_process, ())):
+    routers = [(router_name(d, config.dp), start_router_process, (heartbeat, d)) for d, heartbeat in enumerate(heartbeats)]
+    for name, target, extra in (*routers, ("detokenizer", start_detokenization_process, ())):
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(target=target, args=(config, theirs, os.getpid(), *extra), name=name)
         process.start()
@@ -55,8 +60,8 @@ def start_children(config: ServerConfig, heartbeat: RouterHeartbeat) -> list[Chi
     return children
 
 
-def wait_until_ready(children: list[Child]) -> RouterReady | None:
-    """Block until every child reports ready (None if one dies first); return the router's report."""
+def wait_until_ready(children: list[Child]) -> list[RouterReady] | None:
+    """Block until every child reports ready (None if one dies first); return the routers' reports."""
     waiting = {child.ready_pipe: child for child in children}
     reports = {}
     while waiting:
@@ -71,7 +76,7 @@ def wait_until_ready(children: list[Child]) -> RouterReady | None:
                     child.name, child.process.pid, child.process.exitcode,
                 )
                 return None
-    return reports["router"]
+    return [report for report in reports.values() if isinstance(report, RouterReady)]
 
 
 def bind_http_socket(config: ServerConfig) -> socket.socket:
@@ -82,7 +87,7 @@ def bind_http_socket(config: ServerConfig) -> socket.socket:
     return sock
 
 
-def serve_http(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: RouterHeartbeat,
+def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat],
                sock: socket.socket, children: list[Child]) -> int:
     """Serve until Ctrl-C/SIGTERM (exit status 0, after draining) or until a child process dies (1)."""
     import uvicorn
@@ -90,7 +95,7 @@ def serve_http(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: R
 
     from lightllm.server.httpserver.app import create_app
 
-    app = create_app(config, tokenizer, ready, heartbeat)
+    app = create_app(config, tokenizer, ready, heartbeats)
     manager = app.state.server.manager
     # Every request has ended before uvicorn stops; this bounds the writing of their last bytes.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3))
@@ -164,8 +169,8 @@ def serve(config: ServerConfig) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
         return 1
-    heartbeat = RouterHeartbeat(multiprocessing.get_context("spawn"))
-    children = start_children(config, heartbeat)
+    heartbeats = [RouterHeartbeat(multiprocessing.get_context("spawn")) for _ in range(config.dp)]
+    children = start_children(config, heartbeats)
     try:
         from lightllm.server.httpserver.tokenizer import load_tokenizer
 
@@ -173,7 +178,7 @@ def serve(config: ServerConfig) -> int:
         ready = wait_until_ready(children)
         if ready is None:
             return 1
-        return serve_http(config, tokenizer, ready, heartbeat, sock, children)
+        return serve_http(config, tokenizer, ready, heartbeats, sock, children)
     except KeyboardInterrupt:
         return 0
     finally:

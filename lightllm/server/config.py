@@ -60,6 +60,7 @@ class ServerConfig:
     )
     running_max_req_size: int = field(default=512, metadata=_flag("most requests in the running batch (and the largest CUDA-graph decode bucket); see docs/benchmarks.md for how the default was chosen"))
     tp: int = field(default=1, metadata=_flag("tensor-parallel degree: one model worker process per rank"))
+    dp: int = field(default=1, metadata=_flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1) and each request goes to the least loaded one"))
     max_req_input_len: int = field(default=2048, metadata=_flag("longest prompt accepted, in tokens"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=_flag("longest prompt + max_new_tokens accepted"))
     nccl_port: int = field(default=28765, metadata=_flag("port of the torch.distributed rendezvous between model workers on one machine (over several: --dist_init_addr)"))
@@ -103,14 +104,14 @@ class ServerConfig:
     )
 
     # Filled in by the main process at start.
-    router_address: str = field(default="", metadata={"internal": True})  # router's PULL socket
+    router_addresses: list[str] = field(default_factory=list, metadata={"internal": True})  # each replica's router's PULL socket
     detokenization_address: str = field(default="", metadata={"internal": True})  # detokenizer's PULL socket
     http_address: str = field(default="", metadata={"internal": True})  # HTTP process's PULL socket
-    socket_dir: str = field(default="", metadata={"internal": True})  # holds the three, removed at exit
+    socket_dir: str = field(default="", metadata={"internal": True})  # holds them all, removed at exit
 
     def allocate_addresses(self) -> None:
-        self.socket_dir, addresses = ipc_addresses(["router", "detokenization", "http"])
-        self.router_address, self.detokenization_address, self.http_address = addresses
+        self.socket_dir, addresses = ipc_addresses([f"router{d}" for d in range(self.dp)] + ["detokenization", "http"])
+        *self.router_addresses, self.detokenization_address, self.http_address = addresses
 
     def check(self) -> None:
         """Raise ValueError, naming the flag, for settings that cannot work together."""
@@ -118,7 +119,8 @@ class ServerConfig:
             raise ValueError("--max_req_total_len must be larger than --max_req_input_len (both positive)")
         if self.max_total_token_num is not None and self.max_total_token_num < 2:
             raise ValueError("--max_total_token_num must be at least 2")
-        for name in ("tp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes", "max_queued_requests"):
+        for name in ("tp", "dp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes",
+                     "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         for name in ("log_stats_interval", "health_timeout", "step_timeout"):
@@ -135,6 +137,9 @@ class ServerConfig:
             raise ValueError("--node_rank must be at least 0 and below --nnodes (at least 1)")
         if self.tp % self.nnodes:
             raise ValueError(f"--tp {self.tp} must be divisible by --nnodes {self.nnodes}")
+        if self.dp > 1 and self.nnodes > 1:
+            raise ValueError("--dp > 1 runs replicas on one machine; over several, run one server per replica "
+                             "(see docs/architecture.md)")
         if self.dist_timeout <= 0:
             raise ValueError("--dist_timeout must be positive")
         if not 0 <= self.worker_port < 65536:

@@ -123,6 +123,7 @@ class RouterStats:
     prefix_cached_tokens: int = 0  # KV slots the prefix cache holds (evicted when room is needed)
     prefix_queried_tokens: int = 0  # counters since start: prompt tokens looked up in the cache
     prefix_hit_tokens: int = 0  # ... and found there
+    replica: int = 0  # which engine (--dp) reports
 
 
 @dataclass

@@ -182,7 +182,7 @@ prompts = [long] + [f"{long}\n\n{tail}" for tail in tails]
 
 def hit_tokens():
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    found = re.search(r"^lightllm:prefix_cache_hits_tokens_total (\S+)$", text, re.M)
+    found = re.search(r"^lightllm:prefix_cache_hits_total (\S+)$", text, re.M)
     return float(found.group(1)) if found else float("nan")
 
 def generate(prompt):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
-from compare_prefix_cache import serve, stop  # noqa: E402
+from compare_servers import serve, stop  # noqa: E402
 from serving_client import run_requests, warm_up  # noqa: E402
 from sharegpt import SampledRequest, load_sharegpt_requests  # noqa: E402
 
@@ -92,7 +92,7 @@ class Offline:
 
 
 class Server:
-    """A server subprocess (compare_prefix_cache.serve) on a free port."""
+    """A server subprocess (compare_servers.serve) on a free port."""
 
     def __init__(self, args, model_dir: str, warmup: list[SampledRequest]):
         server_args = ["--model_dir", model_dir, "--max_total_token_num", str(args.max_total_token_num),

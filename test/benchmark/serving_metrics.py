@@ -29,8 +29,8 @@ LATENCY_METRICS = (  # (key, printed name, section title)
 )
 WIDTH = 50
 PREFIX_CACHE_COUNTERS = {  # summary key: /metrics counter
-    "prefix_cache_queries_tokens": "lightllm:prefix_cache_queries_tokens_total",
-    "prefix_cache_hits_tokens": "lightllm:prefix_cache_hits_tokens_total",
+    "prefix_cache_queries": "lightllm:prefix_cache_queries_total",
+    "prefix_cache_hits": "lightllm:prefix_cache_hits_total",
 }
 NO_COUNTERS = "n/a (not on /metrics)"
 
@@ -115,7 +115,7 @@ def prefix_cache_figures(before: dict[str, float], after: dict[str, float]) -> d
     for key, name in PREFIX_CACHE_COUNTERS.items():
         present = name in before and name in after
         figures[key] = round(after[name] - before[name]) if present else None  # token counts
-    queried, hits = figures["prefix_cache_queries_tokens"], figures["prefix_cache_hits_tokens"]
+    queried, hits = figures["prefix_cache_queries"], figures["prefix_cache_hits"]
     figures["prefix_cache_hit_rate"] = None if None in (queried, hits) else hits / max(queried, 1)
     return figures
 
@@ -159,7 +159,7 @@ def prefix_cache_lines(summary: dict) -> list[str]:
     rate = summary["prefix_cache_hit_rate"]
     return [
         "Prefix Cache (server counters)".center(WIDTH, "-"),
-        line("Queried prompt tokens:", summary["prefix_cache_queries_tokens"], NO_COUNTERS),
-        line("Cache hit tokens:", summary["prefix_cache_hits_tokens"], NO_COUNTERS),
+        line("Queried prompt tokens:", summary["prefix_cache_queries"], NO_COUNTERS),
+        line("Cache hit tokens:", summary["prefix_cache_hits"], NO_COUNTERS),
         line("Cache hit rate (%):", None if rate is None else 100.0 * rate, NO_COUNTERS),
     ]

@@ -81,7 +81,7 @@ def sim_config(server_args: str = "") -> ServerConfig:
     config = parse_config(shlex.split(server_args))
     config.disable_log_stats = True
     name = next(_run_ids)
-    config.router_address = f"inproc://sim-router-{name}"
+    config.router_addresses = [f"inproc://sim-router-{name}"]
     config.detokenization_address = f"inproc://sim-detokenizer-{name}"
     config.http_address = f"inproc://sim-http-{name}"
     return config
@@ -116,7 +116,7 @@ class Collector:
         self.tokens.bind(config.detokenization_address)
         self.stats = context.socket(zmq.PULL)
         self.stats.bind(config.http_address)
-        self._router_address = config.router_address
+        self._router_address = config.router_addresses[0]
         self.timelines = timelines
         self.done = threading.Event()
         self.finished_at: float | None = None
@@ -177,7 +177,7 @@ def simulate(requests: list[SampledRequest], config: ServerConfig, request_rate:
     router = build_router(config, device, budget, eos_token_ids)
     threads = [threading.Thread(target=collector.run, name="collector", daemon=True),
                threading.Thread(target=send_requests, name="client", daemon=True,
-                                args=(config.router_address, timelines, arrival_delays(len(requests), request_rate, seed)))]
+                                args=(config.router_addresses[0], timelines, arrival_delays(len(requests), request_rate, seed)))]
     start = time.perf_counter()
     for thread in threads:
         thread.start()

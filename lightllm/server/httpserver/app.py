@@ -44,18 +44,21 @@ class ServerState:
     started: float  # wall-clock time of start-up
 
 
-def create_app(config: ServerConfig, tokenizer, ready: RouterReady, heartbeat: RouterHeartbeat) -> FastAPI:
-    metrics = Metrics(ready.max_total_token_num)
+def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat]) -> FastAPI:
+    """`ready` and `heartbeats`: one per --dp replica."""
+    capacities = [r.max_total_token_num for r in ready]
+    metrics = Metrics(capacities)
+    model_info = ready[0].model_info
     state = ServerState(
         config=config,
         tokenizer=tokenizer,
-        manager=HttpServerManager(config, metrics, heartbeat),
+        manager=HttpServerManager(config, metrics, heartbeats),
         metrics=metrics,
-        limits=Limits(config.max_req_input_len, config.max_req_total_len, ready.max_total_token_num,
+        limits=Limits(config.max_req_input_len, config.max_req_total_len, min(capacities),
                       prompt_char_bound(tokenizer, config.max_req_input_len)),
-        model_info=ready.model_info,
+        model_info=model_info,
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
-        health_prompt_ids=ready.model_info["eos_token_ids"][:1] or [0],
+        health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
         started=time.time(),
     )
 
@@ -172,6 +175,7 @@ async def info(request: Request) -> JSONResponse:
             "max_position_embeddings": model.get("max_position_embeddings"),
             "max_total_token_num": state.limits.max_total_token_num,
             "tp": config.tp,
+            "dp": config.dp,
             "max_req_input_len": config.max_req_input_len,
             "max_req_total_len": config.max_req_total_len,
             "chunked_prefill_size": config.chunked_prefill_size,

@@ -56,10 +56,13 @@ QUEUE_EXITS_KEPT = 64  # the recent first tokens that Retry-After's rate is meas
 
 
 class HttpServerManager:
-    def __init__(self, config: ServerConfig, metrics: Metrics, heartbeat: RouterHeartbeat):
+    def __init__(self, config: ServerConfig, metrics: Metrics, heartbeats: list[RouterHeartbeat]):
         self._config = config
         self.metrics = metrics
-        self._heartbeat = heartbeat
+        self._heartbeats = heartbeats  # one per --dp replica
+        # Load of each replica: KV tokens its open requests may take (prompt + max_new_tokens),
+        # known here at once, unlike the routers' reports, which lag.
+        self._load = [0] * config.dp
         self._req_ids = itertools.count()
         self._outputs: dict[int, asyncio.Queue[TextOut]] = {}
         self._queued: set[int] = set()  # open requests without their first output yet
@@ -73,9 +76,12 @@ class HttpServerManager:
     async def start(self) -> None:
         """Open the sockets inside the running event loop and start routing replies."""
         # Sending never waits (unbounded queue), so a plain socket is fine inside the event loop.
-        self._to_router = zmq.Context.instance().socket(zmq.PUSH)
-        self._to_router.setsockopt(zmq.SNDHWM, 0)
-        self._to_router.connect(self._config.router_address)
+        self._to_routers = []
+        for address in self._config.router_addresses:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(address)
+            self._to_routers.append(sock)
         self._inbox = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._inbox.setsockopt(zmq.RCVHWM, 0)
         self._inbox.bind(self._config.http_address)
@@ -88,7 +94,8 @@ class HttpServerManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._receiver
         self._inbox.close(linger=0)
-        self._to_router.close(linger=0)
+        for sock in self._to_routers:
+            sock.close(linger=0)
 
     @property
     def open_requests(self) -> int:
@@ -116,7 +123,20 @@ class HttpServerManager:
 
     def health_problem(self) -> str | None:
         """Why the server is unhealthy (None: healthy). Never waits: a busy server answers at once."""
-        return self._refusing or self._heartbeat.stalled(self._config.step_timeout)
+        if self._refusing is not None:
+            return self._refusing
+        for replica, heartbeat in enumerate(self._heartbeats):
+            stalled = heartbeat.stalled(self._config.step_timeout)
+            if stalled is not None:
+                return stalled if len(self._heartbeats) == 1 else f"replica {replica}: {stalled}"
+        return None
+
+    def _pick_replica(self) -> int:
+        """The replica whose open requests may take the smallest share of its KV budget."""
+        if len(self._load) == 1:
+            return 0
+        capacity = [stats.max_total_token_num for stats in self.metrics.routers]
+        return min(range(len(self._load)), key=lambda d: (self._load[d] / capacity[d], d))
 
     def refuse_new(self, reason: str) -> None:
         if self._refusing is None:
@@ -149,7 +169,7 @@ class HttpServerManager:
                         self._queued.remove(out.req_id)
                         self._queue_exits.append(time.monotonic())
             elif isinstance(msg, RouterStats):
-                self.metrics.router = msg
+                self.metrics.routers[msg.replica] = msg
             elif isinstance(msg, RouterFailed):
                 logger.error("the router failed: %s; ending %d open requests", msg.error, self.open_requests)
                 self.fail_all(msg.error)
@@ -170,7 +190,11 @@ class HttpServerManager:
         self._outputs[req_id] = queue
         self._queued.add(req_id)
         self._idle.clear()
-        self._to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time()))
+        replica, cost = self._pick_replica(), len(prompt_ids) + sampling.max_new_tokens
+        self._load[replica] += cost
+        self.metrics.routed.labels(str(replica)).inc()
+        to_router = self._to_routers[replica]
+        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time()))
         finish_reason = None
         try:
             while finish_reason is None:
@@ -180,8 +204,9 @@ class HttpServerManager:
         finally:
             del self._outputs[req_id]
             self._queued.discard(req_id)
+            self._load[replica] -= cost
             if not self._outputs:
                 self._idle.set()
             # After a stop sequence the router still runs the request: it only learns of it here.
-            if finish_reason in (None, FinishReason.STOP) and not self._to_router.closed:
-                self._to_router.send_pyobj(AbortReq(req_id))
+            if finish_reason in (None, FinishReason.STOP) and not to_router.closed:
+                to_router.send_pyobj(AbortReq(req_id))

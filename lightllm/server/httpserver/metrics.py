@@ -24,11 +24,16 @@ TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0
 
 
 class Metrics:
-    """The families the HTTP process writes itself; `router` holds the router's last report."""
+    """The families the HTTP process writes itself; `routers` holds each replica's (--dp) last
+    report, sized by the KV budget each reported at start (`capacities`)."""
 
-    def __init__(self, max_total_token_num: int):
+    def __init__(self, capacities: list[int]):
         self.registry = registry = CollectorRegistry()
-        self.router = RouterStats(0, 0, 0, max_total_token_num)
+        self.routers = [RouterStats(0, 0, 0, capacity, replica=d) for d, capacity in enumerate(capacities)]
+        self.routed = Counter("lightllm:replica_requests_routed", "Requests sent to each engine replica (--dp).",
+                              ["replica"], registry=registry)
+        for d in range(len(capacities)):
+            self.routed.labels(str(d))
         self.request_success = Counter("lightllm:request_success", "Finished requests, by finish reason.",
                                        ["finished_reason"], registry=registry)
         for reason in FinishReason:  # every reason from the start, at 0
@@ -62,13 +67,18 @@ class Metrics:
 
 
 class RouterCollector:
-    """The router's last RouterStats as samples, made when /metrics is read."""
+    """The routers' last RouterStats as samples, made when /metrics is read: the families below
+    total every replica (--dp); lightllm:replica_* give each one's share."""
 
     def __init__(self, metrics: Metrics):
         self._metrics = metrics
 
     def collect(self):
-        stats = self._metrics.router
+        routers = self._metrics.routers
+        stats = RouterStats(*(sum(getattr(r, name) for r in routers)
+                              for name in ("waiting_reqs", "running_reqs", "tokens_used", "max_total_token_num",
+                                           "prefix_cached_tokens", "prefix_queried_tokens", "prefix_hit_tokens")))
+        yield from self._replicas(routers)
         yield GaugeMetricFamily("lightllm:num_requests_running", "Requests in the running batch.",
                                 value=stats.running_reqs)
         yield GaugeMetricFamily("lightllm:num_requests_waiting", "Requests in the router waiting for admission.",
@@ -84,10 +94,25 @@ class RouterCollector:
         yield GaugeMetricFamily("lightllm:prefix_cache_tokens",
                                 "KV cache tokens the prefix cache holds (evicted when room is needed).",
                                 value=stats.prefix_cached_tokens)
-        yield CounterMetricFamily("lightllm:prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+        yield CounterMetricFamily("lightllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                   value=stats.prefix_queried_tokens)
-        yield CounterMetricFamily("lightllm:prefix_cache_hits_tokens",
+        yield CounterMetricFamily("lightllm:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed).", value=stats.prefix_hit_tokens)
+
+
+    @staticmethod
+    def _replicas(routers: list[RouterStats]):
+        families = (("lightllm:replica_num_requests_running", "Requests in each replica's running batch.",
+                     lambda r: r.running_reqs),
+                    ("lightllm:replica_num_requests_waiting", "Requests waiting in each replica's router.",
+                     lambda r: r.waiting_reqs),
+                    ("lightllm:replica_kv_cache_usage_perc", "Each replica's KV cache tokens in use / its budget.",
+                     lambda r: r.tokens_used / r.max_total_token_num))
+        for name, help_text, value in families:
+            family = GaugeMetricFamily(name, help_text, labels=["replica"])
+            for r in routers:
+                family.add_metric([str(r.replica)], value(r))
+            yield family
 
 
 class RequestTimer:

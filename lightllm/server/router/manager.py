@@ -37,6 +37,10 @@ STATS_PUBLISH_INTERVAL = 0.05  # seconds between RouterStats messages while busy
 FAILURE_LINGER_MS = 2000  # how long the exiting router tries to deliver RouterFailed
 
 
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded (wrong directory, flags or memory): the message says why."""
+
+
 def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache)
@@ -46,8 +50,9 @@ def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_
 
 class RouterManager:
     def __init__(self, config: ServerConfig, core: EngineCore, sentinels: list[int] = (),
-                 heartbeat: RouterHeartbeat | None = None):
+                 heartbeat: RouterHeartbeat | None = None, replica: int = 0):
         self.core = core
+        self.replica = replica
         self._heartbeat = heartbeat or RouterHeartbeat(multiprocessing)  # nobody reads it in the simulator
         self._max_total_token_num = core.scheduler.max_total_token_num
         self._throughput = None if config.disable_log_stats else ThroughputLog(config.log_stats_interval)
@@ -60,7 +65,7 @@ class RouterManager:
         context = zmq.Context.instance()
         self._inbox = context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.RCVHWM, 0)
-        self._inbox.bind(config.router_address)
+        self._inbox.bind(config.router_addresses[self.replica])
         self._to_detokenizer = context.socket(zmq.PUSH)
         self._to_detokenizer.setsockopt(zmq.SNDHWM, 0)
         self._to_detokenizer.connect(config.detokenization_address)
@@ -159,22 +164,27 @@ class RouterManager:
         scheduler = self.core.scheduler
         return RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
                            self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
-                           scheduler.prefix_hit_tokens)
+                           scheduler.prefix_hit_tokens, self.replica)
 
 
-def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat) -> None:
-    """Entry of the router process: start the model workers, report RouterReady, serve."""
+def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat,
+                         replica: int = 0) -> None:
+    """Entry of a router process (one per --dp replica): start its model workers, report
+    RouterReady, serve."""
     init_child_process(parent_pid, config.log_level)
-    workers = start_workers(config)
+    workers = start_workers(config, replica)
     try:
-        max_total_token_num, info = load_model(workers, config)
+        max_total_token_num, info = load_model(workers, config, replica)
         core = build_engine(config, workers, max_total_token_num, info)
-        manager = RouterManager(config, core, workers.sentinels, heartbeat)
+        manager = RouterManager(config, core, workers.sentinels, heartbeat, replica)
         ready_pipe.send(RouterReady(max_total_token_num, info))
         logger.info("router ready (pid %d): max_total_token_num %d", os.getpid(), max_total_token_num)
         serve(manager, workers)
     except WorkerDied as exc:  # while loading: the main process sees the router exit before it is ready
         logger.error("%s; the router stops", workers.dead_worker_message(timeout=2.0) or exc)
+        sys.exit(1)
+    except ModelLoadError as exc:
+        logger.error("%s", exc)
         sys.exit(1)
     finally:
         workers.shutdown()
@@ -197,10 +207,10 @@ def serve(manager: RouterManager, workers: ModelWorkers) -> None:
         manager.close()
 
 
-def start_workers(config: ServerConfig) -> ModelWorkers:
+def start_workers(config: ServerConfig, replica: int = 0) -> ModelWorkers:
     """One worker per rank here; with --nnodes, also those of the other nodes once they join."""
     if config.nnodes == 1:
-        return ModelWorkers(config.tp, config.log_level)
+        return ModelWorkers(config.tp, config.log_level, replica=replica, replicas=config.dp)
     from lightllm.utils.dist import JoinError, NodeLayout  # torch: only a multi-node router needs it
 
     try:
@@ -210,7 +220,7 @@ def start_workers(config: ServerConfig) -> ModelWorkers:
         sys.exit(1)
 
 
-def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:
+def load_model(workers: ModelWorkers, config: ServerConfig, replica: int = 0) -> tuple[int, dict]:
     try:
         return workers.load(
             model_dir=config.model_dir,
@@ -221,12 +231,11 @@ def load_model(workers: ModelWorkers, config: ServerConfig) -> tuple[int, dict]:
             load_format=config.load_format,
             cuda_graph=not config.disable_cuda_graph,
             world_size=config.tp,
-            nccl_port=config.nccl_port,
+            nccl_port=config.nccl_port + replica,  # each replica's ranks are a group of their own
             dist_init_addr=config.dist_init_addr if config.nnodes > 1 else None,
         )
     except WorkerDied:
         raise
     except Exception as exc:  # the model directory or the flags are wrong: say so, once
         logger.debug("model loading failed", exc_info=True)
-        logger.error("cannot load the model from %s: %s", config.model_dir, describe_error(exc))
-        sys.exit(1)
+        raise ModelLoadError(f"cannot load the model from {config.model_dir}: {describe_error(exc)}") from exc

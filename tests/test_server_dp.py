@@ -1,0 +1,81 @@
+"""--dp: engine replicas behind one HTTP endpoint, on this CPU with the tiny model. Greedy answers
+equal --dp 1's, both replicas receive work, and a replica whose worker dies ends the server
+cleanly: every open request gets its error, no process is left."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import requests
+import pytest
+
+from lightllm.tools.bench_model import write_bench_model
+from server_utils import sse_events, start_server
+
+PROMPTS = [f"request number {i} asks about the weather in city {i}" for i in range(8)]
+LONG = {"max_new_tokens": 2500, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+def greedy_tokens(server) -> list[list[int]]:
+    """Every prompt's greedy token ids, sent at once so that they batch (and spread over replicas)."""
+    def one(prompt):
+        reply = server.generate(prompt, max_new_tokens=12, details=True)
+        return [t["id"] for t in reply["details"]["tokens"]]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def routed(server) -> list[float]:
+    samples = server.metrics()
+    return [samples[f'lightllm:replica_requests_routed_total{{replica="{d}"}}'] for d in range(2)]
+
+
+def test_two_replicas_answer_as_one_and_share_the_work(tiny_dir, tmp_path):
+    one = start_server(["--model_dir", str(tiny_dir)], tmp_path / "dp1.log")
+    try:
+        expected = greedy_tokens(one)
+    finally:
+        assert one.stop() == 0
+    two = start_server(["--model_dir", str(tiny_dir), "--dp", "2"], tmp_path / "dp2.log")
+    try:
+        assert len(two.model_workers()) == 2 and requests.get(f"{two.url}/info", timeout=10).json()["dp"] == 2
+        assert greedy_tokens(two) == expected
+        counts = routed(two)
+        assert sum(counts) == len(PROMPTS) and min(counts) >= 1, counts
+        samples = two.metrics()
+        assert samples["lightllm:num_requests_running"] == 0 and samples["lightllm:kv_cache_used_tokens"] == 0
+        assert 'lightllm:replica_kv_cache_usage_perc{replica="1"}' in samples
+    finally:
+        assert two.stop() == 0
+
+
+def test_a_dead_replica_ends_the_server_with_every_request_answered(tiny_dir, tmp_path):
+    server = start_server(["--model_dir", str(tiny_dir), "--dp", "2"], tmp_path / "server.log")
+    family = server.processes()
+    streams = [server.stream({"inputs": f"stream {i}", "parameters": LONG}) for i in range(4)]
+    events = [sse_events(stream) for stream in streams]
+    firsts = [next(e) for e in events]
+    replies = []
+    post = threading.Thread(target=lambda: replies.append(server.post("/generate", {"inputs": "whole",
+                                                                                    "parameters": LONG})))
+    post.start()
+    server.wait_for(lambda: server.metrics()["lightllm:num_requests_running"] == 5, what="5 requests running")
+    assert min(routed(server)) >= 1
+    server.model_workers()[0].kill()
+    lasts = [list(e)[-1] for e in events]
+    post.join(timeout=60)
+    assert not any(first["finished"] for first in firsts)
+    # the dead replica's requests end with its error; the other replica's end as the server stops
+    for last in lasts:
+        assert last["finished"] and last["finish_reason"] == "error", last
+    assert len(replies) == 1 and replies[0].status_code == 500
+    assert server.proc.wait(timeout=60) == 1
+    gone, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive and server.socket_dirs() == []
+    server.stop()
