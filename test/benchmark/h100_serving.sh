@@ -3,7 +3,9 @@
 # .gpu/old) against this working tree, on the same saved ShareGPT requests. From the repo root:
 #
 #   bash test/benchmark/h100_serving.sh [dry] ITEM...      ("serve" and quoted lists are accepted)
-#   ITEM = check | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
+#   ITEM = check | api | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
+#   api: the new server on MODEL, test/benchmark/gpu_api_check.py against it (logprobs, n, seed,
+#   logit_bias, min_tokens, stop_token_ids, echo, /generate details, /metrics), one line per check.
 #   VARIANT = old | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
 #           | new-cSIZE (--chunked_prefill_size SIZE);
 #   VARIANT:N[@RATE]: gpu_compare's server phase on N prompts from .gpu/requests-N.json
@@ -19,7 +21,8 @@
 # old commit), .gpu/old_path/lightllm_kernels (copy of its kernels/), .gpu/bench-8b,
 # .gpu/requests-{1000,2000}.json, .gpu/sharegpt-2000rec.json (the first 2000 ShareGPT records,
 # messages cut to the workloads' 4000 characters). Everything stays within BUDGET_S (570 s) of
-# the start; logs go to $OUT/h100.tar.gz, the table to $OUT/summary.md and, last, to stdout.
+# the start; logs go to $OUT/h100.tar.gz (from $WORK, default /tmp/h100, emptied first; a repeated
+# item's folder is NAME-2, NAME-3, ...), the table to $OUT/summary.md and, last, to stdout.
 # `dry` prints the commands; MODEL=DIR NO_WHEELS=1 BUDGET_S=... run the plumbing elsewhere
 # (CPU: MODEL=a tiny model, N=8; SHARED_PREFIX/MULTI_TURN=benchmark_serving flags shrink those).
 set -euo pipefail
@@ -36,13 +39,19 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 NEW_PATH=$ROOT:$ROOT/.gpu/new_path:/tmp/site
 OLD_PATH=$ROOT/.gpu/old:$ROOT/.gpu/old_path:/tmp/site
 ENTRIES=() RUNS=() CHECKS=() SERVER=
+declare -A TAKEN=()  # names of this call's result folders: a repeated item gets NAME-2, NAME-3, ...
 trap 'stop_server; save' EXIT  # logs come back whatever happens; no server outlives the call
 
 do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
 left() { echo $((END - SECONDS - 10)); }
+unique() {  # unique NAME: sets UNIQUE to NAME, or to NAME-K if this call already has it (no subshell)
+  local k=2; UNIQUE=$1; while [[ -n ${TAKEN[$UNIQUE]:-} ]]; do UNIQUE=$1-$((k++)); done
+  TAKEN[$UNIQUE]=1
+}
 save() { ((DRY)) || tar -czf "$OUT/h100.tar.gz" -C "$WORK" --exclude=requests.json --exclude=compare.png . || true; }
 
 setup() {
+  ((DRY)) || find "$WORK" -mindepth 1 -maxdepth 1 -exec rm -rf {} +  # logs of this call only
   [[ -n ${NO_WHEELS:-} ]] || do_or_say python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$ROOT"/.whl/*.whl
   do_or_say rm -rf "$ROOT/.gpu/new_path"
@@ -67,6 +76,32 @@ check() {
     tests/test_decode_buckets.py
   step gpu_check_model 120 python3 test/benchmark/gpu_check_model.py
   step bench_kernels 90 python3 test/benchmark/bench_kernels.py --out "$WORK/check/kernels.json"
+}
+
+api() {  # the new server, gpu_api_check.py against it: one CHECKS line per API check
+  local variant=new path tree extra url rc=0 dir line t
+  unique api; dir=$WORK/$UNIQUE
+  flags_of new; mkdir -p "$dir"
+  echo "== api: server, then gpu_api_check.py"
+  if ((DRY)); then
+    echo "+ (cd $tree && PYTHONPATH=$path setsid python3 -m lightllm.server.api_server ... $extra) > $dir/server.log"
+    echo "+ timeout -k 10 T env PYTHONPATH=$NEW_PATH python3 test/benchmark/gpu_api_check.py --url URL --model-dir $MODEL > $dir/api.log"
+    return
+  fi
+  if (($(left) < 120)); then CHECKS+=("api: skipped (no time left)"); echo "${CHECKS[-1]}"; return; fi
+  local t0=$SECONDS
+  if start_server "$dir" $(( $(left) < 200 ? $(left) : 200 )); then
+    echo "api: server healthy after $((SECONDS - t0)) s"
+    t=$(( $(left) - 50 < 150 ? $(left) - 50 : 150 ))  # room for the server's stop
+    timeout -k 10 "$t" env PYTHONPATH="$NEW_PATH" python3 "$ROOT/test/benchmark/gpu_api_check.py" --url "$url" \
+      --model-dir "$MODEL" > "$dir/api.log" 2>&1 || rc=$?
+    while IFS= read -r line; do CHECKS+=("api: $line"); echo "${CHECKS[-1]}"; done < <(grep -E '^(PASS|FAIL) ' "$dir/api.log")
+    CHECKS+=("api: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -v '^\s*$' "$dir/api.log" | tail -1 || true)")
+  else
+    CHECKS+=("api: FAIL: server not healthy or dead (api/server.log: $(grep -v '^\s*$' "$dir/server.log" | tail -1 || true))")
+  fi
+  echo "${CHECKS[-1]}"
+  stop_server; free_gpu; save
 }
 
 free_gpu() {  # wait for the last server's processes to leave the GPU; kill, by pid, any that stay
@@ -96,6 +131,7 @@ serve() {  # serve VARIANT:N[@RATE]
   flags_of "$variant"
   local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
   local name=$variant-$n; [[ $rate != inf ]] && name+=-r$rate
+  unique "$name"; name=$UNIQUE
   local dir=$WORK/$name; mkdir -p "$dir"; ENTRIES+=("$name|$variant|$n|$rate")
   # ~60 s start (dummy weights, graph capture) + ~35 s per 1000 requests at once + arrivals, with room.
   local t; t=$(awk -v n="$n" -v r="$rate" -v l="$(left)" \
@@ -211,7 +247,7 @@ PY
 
 bench() {  # bench VARIANT/WORKLOAD[,WORKLOAD...]: one server, a warm-up, the workloads in turn, the probe
   local variant=${1%%/*} path tree extra url wl i=0 smi
-  local name=${1//\//-}; name=${name//,/+}
+  local name=${1//\//-}; name=${name//,/+}; unique "$name"; name=$UNIQUE
   local dir=$WORK/$name wls; mkdir -p "$dir"
   IFS=, read -r -a wls <<< "${1#*/}"
   flags_of "$variant"
@@ -354,6 +390,7 @@ for item in "${ITEMS[@]}"; do
   case $item in
     serve) ;;
     check) check ;;
+    api) api ;;
     */*) bench "$item" ;;
     *:*) serve "$item" ;;
     *) echo "unknown item: $item" >&2; exit 2 ;;
