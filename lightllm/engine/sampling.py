@@ -68,24 +68,29 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
                   repetition=[s.params.repetition_penalty for s in states])
 
 
-def _bias_lists(states: list[SamplingState], ints: dict, floats: dict) -> None:
-    rows = [b for b, s in enumerate(states) for _ in s.params.logit_bias]
-    if rows:
-        ints.update(bias_rows=rows, bias_ids=[t for s in states for t in s.params.logit_bias])
-        floats.update(bias_values=[v for s in states for v in s.params.logit_bias.values()])
-
-
-def _ban_lists(states: list[SamplingState], eos_token_ids, ints: dict) -> None:
-    """Tokens that would end a request before its min_tokens: (row, token) pairs set to -inf."""
-    rows, ids = [], []
+def _optional_lists(states: list[SamplingState], eos_token_ids, ints: dict, floats: dict) -> None:
+    """Sparse inputs, in one pass (most batches have none): logit biases as (row, token, value),
+    min_p per row, and the tokens that would end a request before its min_tokens as (row, token)
+    pairs set to -inf."""
+    bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p = [], [], [], [], [], False
     for b, s in enumerate(states):
         p = s.params
+        if p.logit_bias:
+            bias_rows += [b] * len(p.logit_bias)
+            bias_ids += p.logit_bias
+            bias_values += p.logit_bias.values()
         if s.generated < p.min_tokens:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
-            rows += [b] * len(banned)
-            ids += banned
-    if rows:
-        ints.update(ban_rows=rows, ban_ids=ids)
+            ban_rows += [b] * len(banned)
+            ban_ids += banned
+        min_p = min_p or p.min_p > 0.0
+    if bias_rows:
+        ints.update(bias_rows=bias_rows, bias_ids=bias_ids)
+        floats.update(bias_values=bias_values)
+    if ban_rows:
+        ints.update(ban_rows=ban_rows, ban_ids=ban_ids)
+    if min_p:
+        floats["min_ps"] = [s.params.min_p for s in states]
 
 
 def host_lists(states: list[SamplingState], eos_token_ids=()) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
@@ -98,12 +103,9 @@ def host_lists(states: list[SamplingState], eos_token_ids=()) -> tuple[dict[str,
             "greedy": [int(g) for g in greedy]}
     floats = {"temperatures": [1.0 if g else s.params.temperature for s, g in zip(states, greedy)],
               "top_ps": [s.params.top_p for s in states]}
-    if any(s.params.min_p > 0.0 for s in states):
-        floats["min_ps"] = [s.params.min_p for s in states]
     if any(s.uses_penalties for s in states):
         _penalty_lists(states, ints, floats)
-    _bias_lists(states, ints, floats)
-    _ban_lists(states, eos_token_ids, ints)
+    _optional_lists(states, eos_token_ids, ints, floats)
     return ints, floats
 
 
@@ -139,17 +141,14 @@ class SamplingBatch:
         return cls(t["seeds"], t["steps"], t["top_ks"], t["greedy"].bool(), t["temperatures"], t["top_ps"],
                    all_greedy, penalties, t.get("min_ps"), bias, bans, grammar, top_logprobs)
 
-    @property
-    def changes_logits(self) -> bool:
-        return any(x is not None for x in (self.penalties, self.bias, self.bans, self.grammar))
-
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):
     """(token ids int64 [B], their logprobs fp32 [B], top) from fp32 logits [B, V] (modified in
     place); top is None or (token ids [B, k], logprobs [B, k]) with k = batch.top_logprobs.
     Log probabilities are those of the raw logits."""
-    raw = logits.clone() if batch.changes_logits else logits
-    lse = torch.logsumexp(raw, -1)
+    # Raw log-probabilities first (one kernel, as before logprobs were raw); the logits are
+    # modified in place below, so they are read from this.
+    logp = torch.log_softmax(logits, -1)
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)
@@ -165,11 +164,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     if not batch.all_greedy:
         scaled = logits / batch.temperatures[:, None]
         tokens = torch.where(batch.greedy, tokens, _sample_filtered(scaled, batch))
-    logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+    logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
     top = None
     if batch.top_logprobs:
-        values, ids = raw.topk(batch.top_logprobs, -1)
-        top = (ids, values - lse[:, None])
+        values, ids = logp.topk(batch.top_logprobs, -1)
+        top = (ids, values)
     return tokens, logprobs, top
 
 
