@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_TOKENS = 16384
 GPU_HEADROOM_FRACTION = 0.1  # of total memory, kept for activations, logits and the allocator
 GPU_HEADROOM_MIN_BYTES = 2 << 30
+# On the CPU, glibc keeps the pages that a step's activations free, and under steady load the
+# worker is never idle: its RSS grew ~50 MiB/min with the heap in use flat (docs/benchmarks.md,
+# soak). Give them back every this many steps too (about 2-10 ms each).
+CPU_TRIM_EVERY_STEPS = 100
 
 
 @dataclass
@@ -129,6 +133,7 @@ class ModelRunner:
         self._last_launched: LaunchedStep | None = None
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
+        self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir)}
@@ -192,9 +197,16 @@ class ModelRunner:
 
     def _apply_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
         self.apply(plan.ops)
-        if plan.empty and not self.reqs and self.device.type == "cpu":
-            return_free_heap()  # idle: the memory of the busy steps goes back
+        if self.device.type == "cpu":
+            self._trim_heap(idle=plan.empty and not self.reqs)
         return None if plan.empty else self._launch(plan)
+
+    def _trim_heap(self, idle: bool) -> None:
+        """When idle, and every CPU_TRIM_EVERY_STEPS steps under load (see there)."""
+        self._steps_since_trim += 1
+        if idle or self._steps_since_trim >= CPU_TRIM_EVERY_STEPS:
+            return_free_heap()
+            self._steps_since_trim = 0
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> LaunchedStep:
