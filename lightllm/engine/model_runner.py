@@ -75,6 +75,8 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         tokens = self.tokens()
+        if self._host.shape[0] == 2 and not self._prompt_parts and not self.prompt_done:  # no logprobs asked for
+            return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in zip(self.req_ids, tokens)])
         for r, chosen, top in self._prompt_parts:
             r.prompt_logprobs.extend(zip(chosen.tolist(), _top_lists(top, len(chosen))))
         out = []
@@ -265,6 +267,8 @@ class ModelRunner:
 
     def _grammar_masks(self, states: list[SamplingState]) -> tuple | None:
         """(bitmask, rows) on the device for the constrained requests of the batch, or None."""
+        if self._grammars is None:  # no request has asked for structured output yet
+            return None
         rows = [b for b, s in enumerate(states) if s.matcher is not None and not s.matcher.terminated]
         if not rows:
             return None

@@ -15,7 +15,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Choice, Generation, off_loop, tokenize
+from lightllm.server.httpserver.generation import Choice, Generation, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
 from lightllm.server.io_struct import SamplingParams, TextOut
@@ -34,7 +34,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     check_prompt_chars(len(body.inputs), state.limits)
     check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids)
     sampling = await off_loop(params.sampling)
-    prompt_ids = await tokenize(state.tokenizer.encode, body.inputs)
+    prompt_ids = await off_loop(state.tokenizer.encode, body.inputs)
     return Generation(request, prompt_ids, sampling, start, params.n or 1), sampling
 
 

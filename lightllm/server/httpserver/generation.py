@@ -35,9 +35,6 @@ async def off_loop(fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
-tokenize = off_loop
-
-
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Choice, Generation, off_loop, tokenize
+from lightllm.server.httpserver.generation import Choice, Generation, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
@@ -50,7 +50,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     prompt = body.prompt_value(state.model_info["vocab_size"])
     if isinstance(prompt, str):
         check_prompt_chars(len(prompt), state.limits)
-        prompt = await tokenize(state.tokenizer.encode, prompt)
+        prompt = await off_loop(state.tokenizer.encode, prompt)
     fmt = CompletionFormat(state.tokenizer, body, prompt)
     return await answer(request, body, await off_loop(body.sampling), prompt, start, fmt)
 
@@ -61,7 +61,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     check_request(body, state)
     messages = body.template_messages()
     check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
-    prompt_ids = await tokenize(chat_prompt_ids, state.tokenizer, messages)
+    prompt_ids = await off_loop(chat_prompt_ids, state.tokenizer, messages)
     sampling = await off_loop(body.sampling)
     if not body.max_tokens_given:  # OpenAI's default: as many as the context leaves
         room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from lightllm.server.httpserver.generation import tokenize
+from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_api import chat_prompt_ids
 from lightllm.server.httpserver.openai_params import Message
@@ -68,15 +68,15 @@ async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONRespons
     if body.prompt is not None:
         check_prompt_chars(len(body.prompt), state.limits)
         add_special = body.add_special_tokens is not False
-        ids = await tokenize(lambda: state.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        ids = await off_loop(lambda: state.tokenizer.encode(body.prompt, add_special_tokens=add_special))
     else:
         messages = [message.for_template(i) for i, message in enumerate(body.messages)]
         check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
         tokenizer = TemplateOptions(state.tokenizer, add_generation_prompt=body.add_generation_prompt is not False)
-        ids = await tokenize(chat_prompt_ids, tokenizer, messages)
+        ids = await off_loop(chat_prompt_ids, tokenizer, messages)
     reply = {"count": len(ids), "max_model_len": state.limits.max_req_total_len, "tokens": ids}
     if body.return_token_strs:
-        reply["token_strs"] = await tokenize(state.tokenizer.convert_ids_to_tokens, ids)
+        reply["token_strs"] = await off_loop(state.tokenizer.convert_ids_to_tokens, ids)
     return JSONResponse(reply)
 
 
@@ -89,7 +89,7 @@ async def detokenize_route(request: Request, body: DetokenizeRequest) -> JSONRes
                            f"{state.limits.max_req_total_len}, the longest sequence this server handles")
     if any(not 0 <= token < vocab_size for token in body.tokens):
         raise RequestError(f"'tokens' must be token ids in [0, {vocab_size})")
-    return JSONResponse({"prompt": await tokenize(state.tokenizer.decode, body.tokens)})
+    return JSONResponse({"prompt": await off_loop(state.tokenizer.decode, body.tokens)})
 
 
 class TemplateOptions:
