@@ -3,30 +3,36 @@
     python test/benchmark/sim_cost.py          # fit, print the coefficients and the residuals
 
 The points are the static benchmark's H100 tables in docs/benchmarks.md (engine alone, CUDA graphs
-on, bench-8b in bf16). Two kinds of step, two formulas:
+on, bench-8b in bf16) and two eager steps profiled on the H100. Two kinds of step, two formulas:
 
 - decode only (replayed from a CUDA graph, padded to its batch bucket):
       fixed + per_req * bucket(B) + kv_read * (context tokens of the batch)
   fixed is streaming the 16 GB of weights once (5.4 ms at copy speed) plus graph launch;
   per_req the GEMM rows and sampling of one more request; kv_read one context token's K and V
   (128 KiB over 32 layers: 44 ns at 3 TB/s).
-- with prefill (eager, not captured):
-      max(eager_floor, fixed + per_token * tokens + attention * pairs + kv_read * decode context)
-  pairs = sum over chunks of (query token, key token) pairs under the causal mask. An eager
-  forward is launched kernel by kernel from Python: when the device finishes sooner than the host
-  launches (1 x 128 tokens: 22.7 ms, though 1 x 1024 takes only 26.2 ms), the launches set the
-  time, hence the max. Decodes that ride in such a step count as tokens of its GEMMs.
+- with prefill (eager, not captured), two times that overlap:
+      device  prefill_fixed + per_token * tokens + attention * pairs + kv_read * decode context
+      host    eager_host + (eager_decode_host if the step also carries decodes)
+  pairs = sum over chunks of (query token, key token) pairs under the causal mask; decodes that
+  ride in such a step count as tokens of its GEMMs. An eager forward is launched kernel by kernel
+  from Python, and the worker's call returns only when the last kernel is launched: that host
+  time blocks the caller, and a step alone takes max(host, device). A mixed step launches the
+  decode attention (and a cat) in every layer on top of the extend path, hence the second term.
 
 On top, `call_overhead_ms`: host time of one router <-> worker call (see its comment).
 
-Coefficients are found by least squares on relative error (numpy.linalg.lstsq, rows scaled by
-1 / measured time), so that 7 ms and 200 ms points weigh alike.
+The host terms solve the two eager rows that test/benchmark/profile_step.py measured on the H100
+on 2026-11-23 (H100_EAGER_POINTS: wall time of one synchronous step alone). The device terms are
+fitted to the static points whose fitted device time exceeds the eager host time (the others are
+host-bound and say nothing about the device), repeated until that set stops changing.
+Fits are least squares on relative error (numpy.linalg.lstsq, rows scaled by 1 / measured time),
+so that 7 ms and 200 ms points weigh alike.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -108,9 +114,30 @@ H100_STATIC_POINTS = (  # docs/benchmarks.md, "Static benchmark (engine alone, C
 
 
 @dataclass(frozen=True)
+class EagerPoint:
+    """One eager step alone, synchronous: its wall time and its device busy time (the union of
+    its kernels' times under torch.profiler), from test/benchmark/profile_step.py."""
+
+    label: str
+    work: StepWork
+    wall_ms: float
+    device_ms: float
+    source: str
+
+
+_PROFILE = "profile_step.py (2026-11-23)"
+H100_EAGER_POINTS = (  # docs/benchmarks.md, "Simulated-GPU benchmark": the eager host time
+    EagerPoint("prefill 1 x 128", StepWork(prefill_tokens=128, attention_pairs=causal_pairs(0, 128)),
+               20.99, 6.72, _PROFILE),
+    # 64 decodes of 256-token prompts (context ~257: each timed step adds one) and one 512-token chunk
+    EagerPoint("64 decodes + 1 x 512", StepWork(64, 64 * 257, 512, causal_pairs(0, 512)), 31.50, 15.17, _PROFILE),
+)
+
+
+@dataclass(frozen=True)
 class H100CostModel:
-    """Step times (ms) of bench-8b on one H100; the defaults are the fit to H100_STATIC_POINTS
-    (`python test/benchmark/sim_cost.py` refits and prints them)."""
+    """Step times (ms) of bench-8b on one H100; the defaults are the fit to H100_STATIC_POINTS and
+    H100_EAGER_POINTS (`python test/benchmark/sim_cost.py` refits and prints them)."""
 
     decode_fixed_ms: float = 6.73
     decode_per_req_ms: float = 0.016608
@@ -118,7 +145,8 @@ class H100CostModel:
     prefill_fixed_ms: float = 1.7336
     prefill_per_token_ms: float = 0.022468
     attention_ms_per_pair: float = 2.7052e-06
-    eager_floor_ms: float = 22.669
+    eager_host_ms: float = 20.99  # host launch of an eager forward (prefill chunks only)
+    eager_decode_host_ms: float = 10.51  # more launches when it also carries decodes
     # Host, not device, and not fitted: one router <-> worker rpyc round trip, which the static
     # benchmark (runner called in process) does not see. On the H100 one request streamed at
     # 6.93 ms a token against a 6.59 ms decode step (same lease): 0.34 ms of pipeline a step, of
@@ -126,17 +154,32 @@ class H100CostModel:
     call_overhead_ms: float = 0.12
 
     def step_ms(self, work: StepWork) -> float:
+        """A step alone, synchronous (what the static benchmark measures)."""
+        return max(self.host_ms(work), self.device_ms(work))
+
+    def host_ms(self, work: StepWork) -> float:
+        """Time the worker's call is blocked launching an eager step; a graph replay's launch is
+        part of decode_fixed_ms."""
+        if work.prefill_tokens == 0:
+            return 0.0
+        return self.eager_host_ms + (self.eager_decode_host_ms if work.decode_reqs else 0.0)
+
+    def device_ms(self, work: StepWork) -> float:
         if work.prefill_tokens == 0:
             return self.decode_ms(work) if work.decode_reqs else 0.0
-        device = (self.prefill_fixed_ms
-                  + self.prefill_per_token_ms * (work.prefill_tokens + work.decode_reqs)
-                  + self.attention_ms_per_pair * work.attention_pairs
-                  + self.kv_read_ms_per_token * work.decode_context)
-        return max(self.eager_floor_ms, device)
+        return (self.prefill_fixed_ms
+                + self.prefill_per_token_ms * (work.prefill_tokens + work.decode_reqs)
+                + self.attention_ms_per_pair * work.attention_pairs
+                + self.kv_read_ms_per_token * work.decode_context)
 
     def decode_ms(self, work: StepWork) -> float:
         return (self.decode_fixed_ms + self.decode_per_req_ms * decode_bucket(work.decode_reqs)
                 + self.kv_read_ms_per_token * work.decode_context)
+
+    def with_eager_host_scale(self, scale: float) -> "H100CostModel":
+        """The same device with eager steps launched `scale` times as slowly (0: as cheaply as a graph)."""
+        return replace(self, eager_host_ms=self.eager_host_ms * scale,
+                       eager_decode_host_ms=self.eager_decode_host_ms * scale)
 
 
 def _relative_lstsq(rows: list[list[float]], ms: list[float]) -> np.ndarray:
@@ -151,28 +194,32 @@ def _fit_decode(points: list[StaticPoint]) -> dict:
     return {"decode_fixed_ms": fixed, "decode_per_req_ms": per_req, "kv_read_ms_per_token": kv}
 
 
-def _fit_prefill(points: list[StaticPoint], kv_read: float) -> dict:
-    """The smallest k prefills set the eager floor (their mean), the rest fit the device terms;
-    keep the k with the least squared relative error."""
-    points = sorted(points, key=lambda p: p.work.prefill_tokens)
-    best, best_error = None, np.inf
-    for k in range(0, len(points) - 2):
-        floor = float(np.mean([p.ms for p in points[:k]])) if k else 0.0
-        compute = points[k:]
-        rows = [[1.0, p.work.prefill_tokens, p.work.attention_pairs] for p in compute]
-        fixed, per_token, per_pair = _relative_lstsq(rows, [p.ms for p in compute])
-        model = H100CostModel(0, 0, kv_read, fixed, per_token, per_pair, floor, 0)
-        error = sum((model.step_ms(p.work) / p.ms - 1) ** 2 for p in points)
-        if error < best_error:
-            best, best_error = model, error
-    return {key: asdict(best)[key] for key in
-            ("prefill_fixed_ms", "prefill_per_token_ms", "attention_ms_per_pair", "eager_floor_ms")}
+def _fit_eager_host(points: list[EagerPoint]) -> dict:
+    rows = [[1.0, 1.0 if p.work.decode_reqs else 0.0] for p in points]
+    host, decode_host = _relative_lstsq(rows, [p.wall_ms for p in points])
+    return {"eager_host_ms": host, "eager_decode_host_ms": decode_host}
 
 
-def fit(points=H100_STATIC_POINTS) -> H100CostModel:
+def _fit_prefill_device(points: list[StaticPoint], kv_read: float, host: dict) -> dict:
+    """Least squares over the device-bound prefills; a point is device-bound when the fit puts
+    its device time above its host time. Start from all of them, repeat until the set is stable."""
+    bound = points
+    for _ in range(len(points)):
+        rows = [[1.0, p.work.prefill_tokens, p.work.attention_pairs] for p in bound]
+        fixed, per_token, per_pair = _relative_lstsq(rows, [p.ms for p in bound])
+        model = H100CostModel(0, 0, kv_read, fixed, per_token, per_pair, **host)
+        now = [p for p in points if model.device_ms(p.work) > model.host_ms(p.work)]
+        if now == bound:
+            break
+        bound = now
+    return {"prefill_fixed_ms": fixed, "prefill_per_token_ms": per_token, "attention_ms_per_pair": per_pair}
+
+
+def fit(points=H100_STATIC_POINTS, eager=H100_EAGER_POINTS) -> H100CostModel:
     decode = _fit_decode([p for p in points if p.phase == "decode"])
-    prefill = _fit_prefill([p for p in points if p.phase == "prefill"], decode["kv_read_ms_per_token"])
-    return H100CostModel(**{key: float(value) for key, value in {**decode, **prefill}.items()},
+    host = _fit_eager_host(list(eager))
+    prefill = _fit_prefill_device([p for p in points if p.phase == "prefill"], decode["kv_read_ms_per_token"], host)
+    return H100CostModel(**{key: float(value) for key, value in {**decode, **prefill, **host}.items()},
                          call_overhead_ms=H100CostModel.call_overhead_ms)
 
 
@@ -181,7 +228,7 @@ def residuals(model: H100CostModel, points=H100_STATIC_POINTS) -> list[dict]:
             for p in points]
 
 
-def format_fit(model: H100CostModel, points=H100_STATIC_POINTS) -> str:
+def format_fit(model: H100CostModel, points=H100_STATIC_POINTS, eager=H100_EAGER_POINTS) -> str:
     lines = ["H100CostModel(", *(f"    {key}={value:.5g}," for key, value in asdict(model).items()), ")",
              "| phase | batch | length | measured ms | model ms | error | source |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -190,6 +237,10 @@ def format_fit(model: H100CostModel, points=H100_STATIC_POINTS) -> str:
                      f"{r['error']:+.1%} | {r['source']} |")
     errors = np.abs([r["error"] for r in residuals(model, points)])
     lines.append(f"max |error| {errors.max():.1%}, rms {np.sqrt(np.mean(errors ** 2)):.1%}")
+    lines += ["", "| eager step | wall ms | model ms | device ms | model device ms | source |",
+              "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines += [f"| {p.label} | {p.wall_ms:.2f} | {model.step_ms(p.work):.2f} | {p.device_ms:.2f} | "
+              f"{model.device_ms(p.work):.2f} | {p.source} |" for p in eager]
     return "\n".join(lines)
 
 

@@ -3,7 +3,10 @@
 It speaks the model workers' interface to the engine core (`lightllm/engine/plan.py`):
 `step(plan)` launches the plan on a simulated asynchronous device and answers with the previous
 step's result once that step has finished (one step always in flight), or with this step's own
-too when `plan.sync` is set. (The calibration on the prefill-or-decode loop, before the engine
+too when `plan.sync` is set. Launching an eager step (one with prefill chunks) holds the call for
+the cost model's host time H, as the real worker's Python launches do: the step's kernels start
+as they are launched, so it finishes at max(device free + D, call start + H), and the caller can
+plan the next step only after H. (The calibration on the prefill-or-decode loop, before the engine
 core replaced it, used a blocking prefill/decode interface; see docs/benchmarks.md.)
 
 It tracks each request's context length (KV tokens) from the calls, which the cost model needs.
@@ -63,10 +66,6 @@ class SimDevice:
             return self.eos_token, FILLER_LOGPROB
         return FILLER_TOKEN, FILLER_LOGPROB
 
-    def _account(self, seconds: float) -> None:
-        self.busy_s += seconds
-        self.steps += 1
-
     # ---- the new interface (engine core): one step in flight ----
     def step(self, plan: StepPlan) -> list[StepResult]:
         plan = plan_from_wire(cross(plan_to_wire(plan)))
@@ -74,15 +73,19 @@ class SimDevice:
         self._release(plan.ops)
         due = [self._pending] if self._pending is not None else []
         self._pending = None
-        launched = None if plan.empty else self._launch(plan, time.perf_counter() + half_trip)
+        arrives_at = time.perf_counter() + half_trip
+        launched, launched_at = None, arrives_at
+        if not plan.empty:
+            launched, launched_at = self._launch(plan, arrives_at)
         if launched is not None and plan.sync:
             due.append(launched)
         else:
             self._pending = launched
-        sleep_until(max([d.finish_at for d in due], default=time.perf_counter() + half_trip) + half_trip)
+        sleep_until(max([launched_at] + [d.finish_at for d in due]) + half_trip)
         return [result_from_wire(cross(result_to_wire(d.result))) for d in due]
 
-    def _launch(self, plan: StepPlan, arrives_at: float) -> _Launched:
+    def _launch(self, plan: StepPlan, arrives_at: float) -> tuple[_Launched, float]:
+        """The step on the device, and when its last kernel has been launched."""
         for req_id in plan.decodes:
             self.context[req_id] += 1
         for chunk in plan.chunks:
@@ -93,11 +96,13 @@ class SimDevice:
                         decode_context=sum(self.context[r] for r in plan.decodes),
                         prefill_tokens=sum(len(c.token_ids) for c in plan.chunks),
                         attention_pairs=sum(causal_pairs(c.start, len(c.token_ids)) for c in plan.chunks))
-        seconds = self.cost.step_ms(work) / 1000.0
-        self._account(seconds)
-        self.device_free_at = max(arrives_at, self.device_free_at) + seconds
+        device_s, launched_at = self.cost.device_ms(work) / 1000.0, arrives_at + self.cost.host_ms(work) / 1000.0
+        self.busy_s += device_s
+        self.steps += 1
+        # Kernels queue behind the previous step and cannot run before they are launched.
+        self.device_free_at = max(max(arrives_at, self.device_free_at) + device_s, launched_at)
         tokens = [SampledToken(r, *self._next(r)) for r in plan.sampled]
-        return _Launched(self.device_free_at, StepResult(plan.step_id, tokens))
+        return _Launched(self.device_free_at, StepResult(plan.step_id, tokens)), launched_at
 
 
 def cross(wire):

@@ -11,6 +11,8 @@ times, a collector thread stands in for the detokenizer and timestamps each toke
 estimates: host work (router, scheduling, messages) is real time on this machine; HTTP,
 tokenization and detokenization are left out. Server settings: `--server-args "--chunked_prefill_size
 4096 --disable_overlap"` (the server's own flags); the KV budget is the H100's unless given there.
+`--eager-host-scale S` charges S times the measured host launch time of steps with prefill chunks
+(0: launched as cheaply as a decode graph, an estimate of what cutting that host time would give).
 """
 
 from __future__ import annotations
@@ -232,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--request-rate", type=float, default=float("inf"), help="requests per second, Poisson arrivals; inf: all at once")
     add("--server-args", default="", help='server flags for the router, e.g. "--chunked_prefill_size 4096 --disable_overlap"')
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
+    add("--eager-host-scale", type=float, default=1.0,
+        help="scale the host launch time of steps with prefill chunks (0: launched as cheaply as a decode graph)")
     add("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -242,7 +246,7 @@ def run(args) -> dict:
         requests = read_requests(args.requests)[: args.num_prompts]
     else:
         requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
-    cost = H100CostModel()
+    cost = H100CostModel().with_eager_host_scale(args.eager_host_scale)
     logger.info("simulating %d requests (server flags %r) with %s", len(requests), args.server_args, cost)
     load_before = os.getloadavg()[0]
     logger.info("host load average before the run: %.2f (host time is real: other work here slows it)", load_before)
