@@ -62,7 +62,9 @@ class TokenTable:
         if n <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         slots = self._pick_slots(n)
-        self.mem_state[slots] = 0
+        # index_fill_ takes the value as a kernel argument; `mem_state[slots] = 0` would copy a
+        # CPU scalar to the device, which waits for the step in flight (0.5 ms a decode step, H100)
+        self.mem_state.index_fill_(0, slots, 0)
         self.free_count -= n
         return slots
 
@@ -84,7 +86,7 @@ class TokenTable:
         slots = slots.to(device=self.device, dtype=torch.int64)
         if self.device.type != "cuda":
             self._check_in_use(slots)
-        self.mem_state[slots] = 1
+        self.mem_state.index_fill_(0, slots, 1)
         self.free_count += slots.numel()
 
     def free_all(self) -> None:

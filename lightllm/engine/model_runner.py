@@ -17,6 +17,7 @@ CUDA, replayed from a CUDA graph captured at start-up (`cuda_graph.py`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
 
 from .cuda_graph import META_ROWS, DecodeGraphs, graph_memory_bytes
+from .step_trace import StepTrace
 from .sampling import SamplingBatch, SamplingState, host_lists, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -107,9 +109,11 @@ class ModelRunner:
     def __init__(self, model_dir: str, *, max_total_token_num: int | None, max_req_total_len: int,
                  running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
-                 cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None):
+                 cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
+                 step_trace: str | None = None):
         """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
-        `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines."""
+        `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
+        `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py)."""
         self.device = resolve_device(device, tp_rank if local_rank is None else local_rank)
         capture = cuda_graph and self.device.type == "cuda"
         self.tp = init_tp(tp_rank, world_size, nccl_port, self.device, dist_init_addr)
@@ -136,6 +140,10 @@ class ModelRunner:
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
+        self._trace = None
+        if step_trace:
+            self._trace = StepTrace(step_trace if world_size == 1 else f"{step_trace}.rank{tp_rank}", self.device)
+            atexit.register(self._trace.close)
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir)}
@@ -213,6 +221,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         self._check(plan)
+        traced = self._trace.begin() if self._trace is not None else None
         self._record_previous_tokens()
         for chunk in plan.chunks:
             if chunk.first:
@@ -252,6 +261,9 @@ class ModelRunner:
         launched = LaunchedStep(plan.step_id, plan.sampled, sampled, host, host_parts, event)
         launched.prompt_done = {c.req_id for r, c in chunks if c.last and r.prompt_logprobs is not None}
         self._last_launched = launched
+        if traced is not None:
+            self._trace.end(traced, plan.step_id, len(decodes), sum(len(c.token_ids) for _, c in chunks), len(chunks),
+                            use_graph)
         return launched
 
     def _matcher(self, params):

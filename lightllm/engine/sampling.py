@@ -157,7 +157,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
 
         apply_bitmask_(logits, *batch.grammar)
     if batch.bans is not None:
-        logits.index_put_(batch.bans, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(batch.bans, logits.new_full((), float("-inf")))  # made on the device: no host copy
     if batch.penalties is not None:
         apply_penalties_(logits, *batch.penalties)
     tokens = logits.argmax(-1)

@@ -38,7 +38,7 @@ class LlamaModel:
         self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
         head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
             weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
-        self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size, tied=cfg.tie_word_embeddings)
         self.kv_heads = self.layers[0].attn.kv_heads  # per rank
         self.dtype = self.embed.weight.dtype
 

@@ -87,6 +87,7 @@ class ServerConfig:
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
+    step_trace: str | None = field(default=None, metadata=_flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/step_trace.py"))
     disable_log_stats: bool = field(default=False, metadata=_flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=_flag("seconds between throughput logs (only when there was activity)"))
     health_timeout: float = field(default=10.0, metadata=_flag("seconds GET /health?generate=1 waits for its one-token generation"))

@@ -3,10 +3,14 @@
 # .gpu/old) against this working tree, on the same saved ShareGPT requests. From the repo root:
 #
 #   bash test/benchmark/h100_serving.sh [dry] ITEM...      ("serve" and quoted lists are accepted)
-#   ITEM = check | api | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
+#   ITEM = check | api | profile | single | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
+#   profile: test/benchmark/profile_step.py on MODEL (decode steps at batch 1 and 256 kernel by
+#   kernel against their floor, eager steps' host time), its tables in $OUT/profile.md.
+#   single: the new server (with --step_trace), test/benchmark/single_request.py (256 tokens, 5 requests one by one).
+#   VARIANT new-trace: new with --step_trace $WORK/steps.jsonl (summarise: test/benchmark/step_trace.py).
 #   api: the new server on MODEL, test/benchmark/gpu_api_check.py against it (logprobs, n, seed,
 #   logit_bias, min_tokens, stop_token_ids, echo, /generate details, /metrics), one line per check.
-#   VARIANT = old | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
+#   VARIANT = old | base (.gpu/base: a git archive of HEAD, kernels in .gpu/base_path) | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
 #           | new-cSIZE (--chunked_prefill_size SIZE);
 #   VARIANT:N[@RATE]: gpu_compare's server phase on N prompts from .gpu/requests-N.json
 #   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once).
@@ -104,6 +108,24 @@ api() {  # the new server, gpu_api_check.py against it: one CHECKS line per API 
   stop_server; free_gpu; save
 }
 
+single() {  # the new server alone, one request at a time: batch-1 TTFT and TPOT through every process
+  local variant=new path tree extra url rc=0 dir
+  unique single; dir=$WORK/$UNIQUE
+  flags_of new; mkdir -p "$dir"; extra="--step_trace $dir/steps.jsonl"
+  echo "== single: server, then single_request.py"
+  if ((DRY)); then echo "+ single_request.py --url URL --max-new-tokens 256 --repeat 5 > $dir/single.log"; return; fi
+  if (($(left) < 120)); then CHECKS+=("single: skipped (no time left)"); echo "${CHECKS[-1]}"; return; fi
+  if start_server "$dir" $(( $(left) < 200 ? $(left) : 200 )); then
+    timeout -k 10 120 env PYTHONPATH="$NEW_PATH" python3 "$ROOT/test/benchmark/single_request.py" --url "$url" \
+      --max-new-tokens 256 --repeat 5 > "$dir/single.log" 2>&1 || rc=$?
+    CHECKS+=("single: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -E '^\| median' "$dir/single.log" || true)")
+  else
+    CHECKS+=("single: FAIL: server not healthy or dead")
+  fi
+  echo "${CHECKS[-1]}"
+  stop_server; free_gpu; save
+}
+
 free_gpu() {  # wait for the last server's processes to leave the GPU; kill, by pid, any that stay
   local pids i
   for i in $(seq 30); do
@@ -118,8 +140,10 @@ flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags)
   case $1 in
     old) path=$OLD_PATH; tree=$ROOT/.gpu/old ;;  # cwd too: `python -m` puts it first on sys.path
     new) ;;
+    base) path=$ROOT/.gpu/base:$ROOT/.gpu/base_path:/tmp/site; tree=$ROOT/.gpu/base ;;  # git archive of HEAD
     new-nooverlap) extra=--disable_overlap ;;
     new-nocache) extra=--disable_prefix_cache ;;
+    new-trace) extra="--step_trace $WORK/steps.jsonl" ;;  # the device's per-step timeline
     new-c[0-9]*) extra="--chunked_prefill_size ${1#new-c}" ;;
     *) echo "unknown variant: $1" >&2; exit 2 ;;
   esac
@@ -391,6 +415,8 @@ for item in "${ITEMS[@]}"; do
     serve) ;;
     check) check ;;
     api) api ;;
+    single) single ;;
+    profile) step profile 330 python3 test/benchmark/profile_step.py --model "$MODEL" --out-md "$OUT/profile.md" $PROFILE_ARGS ;;
     */*) bench "$item" ;;
     *:*) serve "$item" ;;
     *) echo "unknown item: $item" >&2; exit 2 ;;

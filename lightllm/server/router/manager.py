@@ -230,6 +230,7 @@ def load_model(workers: ModelWorkers, config: ServerConfig, replica: int = 0) ->
             data_type=config.data_type,
             load_format=config.load_format,
             cuda_graph=not config.disable_cuda_graph,
+            step_trace=config.step_trace and (f"{config.step_trace}.replica{replica}" if replica else config.step_trace),
             world_size=config.tp,
             nccl_port=config.nccl_port + replica,  # each replica's ranks are a group of their own
             dist_init_addr=config.dist_init_addr if config.nnodes > 1 else None,

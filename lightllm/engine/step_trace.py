@@ -1,0 +1,77 @@
+"""A per-step timeline of the device, for finding where it idles (`--step_trace PATH`).
+
+Each launched step records when the device began and finished it (CUDA events on the GPU; on
+the CPU the device thread's clock around the step), how long the host took to launch it, and
+its shape. Lines go to a JSON-lines file in batches, once the device has passed them:
+
+    {"step": 12, "decodes": 250, "chunk_tokens": 3846, "chunks": 9, "graph": false,
+     "launch_ms": 24.1, "start_ms": 5021.3, "end_ms": 5130.8}
+
+`start_ms` and `end_ms` are on one clock per process (ms since the trace began). The device idled
+before a step by `start_ms - previous end_ms`: the time between the previous step's end and the
+moment the host had this one launched. `test/benchmark/step_trace.py` summarises a file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+FLUSH_EVERY = 64  # steps between writes: the events of a step in flight are not ready yet
+
+
+class StepTrace:
+    def __init__(self, path: str, device: torch.device):
+        self.file = open(path, "a", buffering=1 << 16)
+        self.cuda = device.type == "cuda"
+        self._t0 = time.perf_counter()
+        self._ref = None
+        if self.cuda:
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record()
+        self._pending: list[dict] = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return (time.perf_counter() - self._t0) * 1000
+
+    def begin(self) -> dict:
+        """Call before the step's first device work; returns the record `end` completes."""
+        return {"host_start": time.perf_counter(), "start": self._mark()}
+
+    def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool) -> None:
+        record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
+                      launch_ms=(time.perf_counter() - record.pop("host_start")) * 1000, end=self._mark())
+        self._pending.append(record)
+        if len(self._pending) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self, wait: bool = False) -> None:
+        """Write the steps the device has finished (all of them with `wait`)."""
+        done = 0
+        for record in self._pending:
+            if self.cuda:
+                if wait:
+                    record["end"].synchronize()
+                elif not record["end"].query():
+                    break
+                start, end = (self._ref.elapsed_time(record["start"]), self._ref.elapsed_time(record["end"]))
+            else:
+                start, end = record["start"], record["end"]
+            line = {k: v for k, v in record.items() if k not in ("start", "end")}
+            line.update(start_ms=round(start, 3), end_ms=round(end, 3), launch_ms=round(line["launch_ms"], 3))
+            self.file.write(json.dumps(line) + "\n")
+            done += 1
+        del self._pending[:done]
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        self.flush(wait=True)
+        self.file.close()

@@ -1,0 +1,61 @@
+"""The step trace (`--step_trace`): one line per launched step with its shape and device times,
+and the summary script's accounting of busy and idle time."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightllm.engine.model_runner import ModelRunner, run_step
+from lightllm.server.io_struct import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
+import step_trace  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from lightllm.tools.bench_model import write_bench_model
+
+    return write_bench_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+
+
+def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    runner = ModelRunner(str(tiny_model), max_total_token_num=2048, max_req_total_len=256, running_max_req_size=4,
+                         data_type="float32", device="cpu", step_trace=str(path))
+    params = SamplingParams(max_new_tokens=64)
+    sent = [(0, 7, 1)]  # (decodes, chunk tokens, chunks) of each step, in order
+    run_step(runner, prompts=[(1, list(range(1, 8)), params)])
+    for _ in range(3):
+        run_step(runner, [1])
+        sent.append((1, 0, 0))
+    run_step(runner, [1], prompts=[(2, list(range(1, 21)), params), (3, [5, 6, 7], params)])
+    sent.append((1, 23, 2))
+    runner._trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(s["decodes"], s["chunk_tokens"], s["chunks"]) for s in lines] == sent
+    assert [s["graph"] for s in lines] == [chunks == 0 for _, _, chunks in sent]
+    for s in lines:
+        assert 0 <= s["start_ms"] <= s["end_ms"] and s["launch_ms"] >= 0
+    for before, after in zip(lines, lines[1:]):
+        assert before["end_ms"] <= after["start_ms"]  # the CPU device thread runs steps one at a time
+
+
+def test_summary_splits_idle_by_the_step_that_waited():
+    steps = [
+        {"step": 1, "decodes": 0, "chunk_tokens": 3000, "chunks": 4, "graph": False, "launch_ms": 20, "start_ms": 0, "end_ms": 50},
+        {"step": 2, "decodes": 8, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 50, "end_ms": 60},
+        {"step": 3, "decodes": 8, "chunk_tokens": 100, "chunks": 1, "graph": False, "launch_ms": 20, "start_ms": 72, "end_ms": 80},
+        {"step": 4, "decodes": 8, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 81, "end_ms": 90},
+        {"step": 5, "decodes": 1, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 5090, "end_ms": 5100},
+    ]
+    s = step_trace.summarise(steps, long_gap_ms=1000)
+    assert s["wall_ms"] == 5100 and s["busy_ms"] == 50 + 10 + 8 + 9 + 10
+    assert s["idle_ms"] == 12 + 1 and s["long_idle_ms"] == 5000
+    assert s["groups"]["with chunks, <= 256 chunk tokens"]["idle_before_ms"] == 12
+    assert s["groups"]["decode only (graph)"]["idle_before_ms"] == 1
+    assert s["groups"]["with chunks, <= 4096 chunk tokens"]["steps"] == 1
+    text = step_trace.table(s)
+    assert "with chunks, <= 256 chunk tokens | 1 |" in text
