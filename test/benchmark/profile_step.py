@@ -58,7 +58,9 @@ TRITON_GROUPS = {  # kernel name fragment -> group
 
 def is_gemm(name: str) -> bool:
     lowered = name.lower()
-    return any(s in lowered for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas"))
+    if "reduce" in lowered:  # cuBLAS's split-K reduction: part of the GEMM before it
+        return False
+    return any(s in lowered for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas"))
 
 
 def group_of(name: str) -> str:
@@ -66,6 +68,8 @@ def group_of(name: str) -> str:
         if fragment in name:
             return group
     lowered = name.lower()
+    if "splitkreduce" in lowered:
+        return "GEMM split-K reduction"
     if any(s in lowered for s in ("softmax", "argmax", "reduce", "gather", "topk", "sort", "max")):
         return "sampler and reductions"
     if "memcpy" in lowered or "memset" in lowered:
@@ -83,16 +87,28 @@ def device_kernels(prof) -> list[tuple[str, float, float]]:
 
 
 def label_kernels(kernels: list[tuple[str, float, float]], num_layers: int) -> list[tuple[str, float, float]]:
-    """Group names, with the projection GEMMs named by their order: qkv, o, gate_up, down per
-    layer, then the LM head (the forward's order)."""
-    labelled, gemm_index = [], 0
-    for name, start, end in kernels:
-        if is_gemm(name):
-            which = GEMM_NAMES[gemm_index % 4] if gemm_index < 4 * num_layers else "lm_head"
-            labelled.append((f"GEMM {which}", start, end))
-            gemm_index += 1
+    """Group names; a projection GEMM is named by the kernels around it, as the layer orders
+    them: norm -> qkv -> rotary, attention -> o, norm -> gate_up -> silu, silu -> down, and the
+    last norm -> LM head (whichever cuBLAS kernel serves each)."""
+    groups = [None if is_gemm(name) else group_of(name) for name, _, _ in kernels]
+    labelled = []
+    for i, (name, start, end) in enumerate(kernels):
+        if groups[i] is not None:
+            labelled.append((groups[i], start, end))
+            continue
+        before = next((g for g in reversed(groups[:i]) if g and not g.startswith("GEMM split")), "")
+        after = next((g for g in groups[i + 1:] if g and not g.startswith("GEMM split")), "")
+        if before.startswith("attention"):
+            which = "o"
+        elif before.startswith("silu"):
+            which = "down"
+        elif after.startswith("silu"):
+            which = "gate_up"
+        elif after.startswith("rotary"):
+            which = "qkv"
         else:
-            labelled.append((group_of(name), start, end))
+            which = "lm_head"
+        labelled.append((f"GEMM {which}", start, end))
     return labelled
 
 
