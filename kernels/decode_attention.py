@@ -11,10 +11,16 @@ import torch
 
 from ._triton import LOG2E, attend_kv_block, tl, triton
 
-BLOCK_N = 64  # keys per inner step
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
 WAVES = 4  # stage-1 programs to aim for, per SM
+# (keys per inner step, warps, pipeline stages) of stage 1: with one split per request (large
+# batches) small programs keep more of them in flight per SM; split requests (small batches) do
+# better with wider blocks. Measured on an H100 with test/benchmark/tune_decode_attention.py, 8B
+# heads, context 1024: batch 256 at 0.96 of the KV stream's copy-speed floor (0.82 with the old
+# single setting 64/4/2), batch 64 at 0.89 (0.61).
+WHOLE_LAUNCH = (64, 2, 2)
+SPLIT_LAUNCH = (128, 4, 2)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,15 +111,20 @@ def _programs_per_wave(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device) -> tuple[int, int]:
-    """(num_splits, chunk) from host ints only, so choosing them never waits on the GPU.
+def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int,
+                device: torch.device) -> tuple[int, int, tuple[int, int, int]]:
+    """(num_splits, chunk, (BLOCK_N, warps, stages)) from host ints only, so choosing them
+    never waits on the GPU.
 
     Large batches already fill the GPU with one program per (request, kv head); small ones
-    split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK."""
+    split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK
+    and a multiple of the block."""
     wanted = triton.cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
-    num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, MIN_CHUNK)))
-    chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), BLOCK_N) * BLOCK_N
-    return triton.cdiv(max_seqlen, chunk), chunk
+    launch = SPLIT_LAUNCH if wanted > 1 else WHOLE_LAUNCH
+    block_n = launch[0]
+    num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, max(MIN_CHUNK, block_n))))
+    chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), block_n) * block_n
+    return triton.cdiv(max_seqlen, chunk), chunk, launch
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -123,7 +134,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    splits, chunk = _split_plan(batch, num_kv_heads, max_seqlen, q.device)
+    splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, max_seqlen, q.device)
     block_d = triton.next_power_of_2(head_dim)
     part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
@@ -132,7 +143,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, sm_scale * LOG2E, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, DOT_UPCAST=dot_upcast, num_warps=4, num_stages=2)
+        BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=dot_upcast, num_warps=warps,
+        num_stages=stages)
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_q_heads)](
         part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,

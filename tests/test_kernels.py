@@ -179,7 +179,7 @@ def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     # WAVES drives the split plan: 0 gives one chunk per request, 64 several, so the merge is tested.
     monkeypatch.setattr(decode_module, "WAVES", waves)
     seq_lens = PROMPT_LENS + [200]
-    num_splits, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
+    num_splits, _, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
     assert (num_splits > 1) == (waves > 1)
     args = decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype) + (max(seq_lens), head_dim ** -0.5)
     assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[dtype])

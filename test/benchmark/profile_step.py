@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--load-format", default="dummy")
     add("--dtype", default="bfloat16")
     add("--device", default=None)
-    add("--max-total-token-num", type=int, default=200000, help="KV budget; leaves room for the GEMM timings")
+    add("--max-total-token-num", type=int, default=300000, help="KV budget: 256 x 1024 decode context and the eager steps fit, room is left for the GEMM timings")
     add("--max-req-total-len", type=int, default=3072, help="the server's default")
     add("--running-max-req-size", type=int, default=512, help="the server's default (graph buckets)")
     add("--batches", type=int_list, default=[1, 256])
