@@ -1,7 +1,7 @@
 """Presence, frequency and repetition penalties over each request's generated-token counts."""
 import torch
 
-from ._triton import tl, triton
+from ._triton import fast_launch, tl, triton
 
 
 def apply_penalties_ref(logits: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
@@ -21,6 +21,7 @@ def apply_penalties_ref(logits: torch.Tensor, presence: torch.Tensor, frequency:
     logits[rows, ids] = picked
 
 
+@fast_launch
 @triton.jit
 def _apply_penalties_kernel(logits_ptr, presence_ptr, frequency_ptr, repetition_ptr, token_ids_ptr,
                             token_counts_ptr, cu_offsets_ptr, logits_stride, BLOCK: tl.constexpr):

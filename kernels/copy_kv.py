@@ -1,7 +1,7 @@
 """Scatter the new tokens' K and V into their cache slots."""
 import torch
 
-from ._triton import tl, triton
+from ._triton import fast_launch, tl, triton
 
 
 def copy_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -21,6 +21,7 @@ def _copy_rows(src_ptr, dst_ptr, token, slot, src_token_stride, src_head_stride,
     tl.store(dst_ptr + slot * dst_slot_stride + heads * dst_head_stride + dims, rows, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _copy_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_token_stride, k_head_stride,
                     v_token_stride, v_head_stride, k_cache_stride, k_cache_head_stride, v_cache_stride,

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ._triton import LOG2E, attend_kv_block, tl, triton
+from ._triton import LOG2E, attend_kv_block, fast_launch, tl, triton
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -42,6 +42,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
+@fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
                          part_lse_ptr, scale_log2, chunk, q_batch_stride, q_head_stride, k_slot_stride,
@@ -82,6 +83,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
 
 
+@fast_launch
 @triton.jit
 def _decode_merge_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, chunk, o_batch_stride, o_head_stride,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,

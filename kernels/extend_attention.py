@@ -10,7 +10,7 @@ a decode the case q_len == 1. Requires q_len <= max_q_len and kv_len <= req_to_t
 """
 import torch
 
-from ._triton import LOG2E, attend_kv_block, tl, triton
+from ._triton import LOG2E, attend_kv_block, fast_launch, tl, triton
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -39,6 +39,7 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     return (probs @ vs).transpose(0, 1)
 
 
+@fast_launch
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr, scale_log2,
                    q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,

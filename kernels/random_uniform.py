@@ -7,7 +7,7 @@ and Triton produce the same bits without relying on wrapping arithmetic.
 """
 import torch
 
-from ._triton import tl, triton
+from ._triton import fast_launch, tl, triton
 
 # murmur3 fmix32 multipliers and the golden-ratio Weyl increment, as (high 16, low 16) bits.
 _MIX1 = (0x85EB, 0xCA6B)
@@ -68,6 +68,7 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
+@fast_launch
 @triton.jit
 def _random_uniform_kernel(seeds_ptr, steps_ptr, u_ptr, vocab, u_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -1,7 +1,7 @@
 """RMSNorm (Llama): y = weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32."""
 import torch
 
-from ._triton import tl, triton
+from ._triton import fast_launch, tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -16,6 +16,7 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(residual, weight, eps)
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, hidden, x_stride, residual_stride, y_stride, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):

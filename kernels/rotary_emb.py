@@ -1,7 +1,7 @@
 """Rotary position embedding, in place, HF Llama "rotate_half" layout (i pairs with i + D/2)."""
 import torch
 
-from ._triton import tl, triton
+from ._triton import fast_launch, tl, triton
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -29,6 +29,7 @@ def _rotate_heads(ptr, token, token_stride, head_stride, num_heads, cos, sin,
     tl.store(first + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
                    cos_stride, sin_stride, num_q_heads, num_kv_heads,

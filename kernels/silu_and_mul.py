@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import tl, triton
+from ._triton import fast_launch, tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -10,6 +10,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)
 
 
+@fast_launch
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

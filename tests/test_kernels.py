@@ -337,3 +337,67 @@ def test_random_uniform_stream_is_stable():
     u = random_uniform_ref(torch.tensor([0, 1234, -7]), torch.tensor([0, 5, 2**33]), 3)
     assert (u * 2**24).long().tolist() == [[9620015, 3987171, 1774717], [4316197, 10932725, 14830879],
                                            [12743387, 10385101, 14386489]]
+
+
+# ---- the fast launch path (kernels/_triton.py) ----
+
+class _FakeTensor:
+    is_cuda = True
+
+    def __init__(self, address):
+        self.address, self.dtype = address, torch.bfloat16
+
+    def data_ptr(self):
+        return self.address
+
+
+class _FakeJit:
+    """Stands in for a @triton.jit kernel: records Triton-path launches and direct launches."""
+
+    arg_names = ["x_ptr", "n", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.triton_calls, self.direct_calls = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.triton_calls.append((grid, args, kwargs))
+            fake = self
+
+            class Compiled:
+                def __getitem__(self, launch_grid):
+                    return lambda *values: fake.direct_calls.append((launch_grid, values))
+            return Compiled()
+        return run
+
+
+def test_fast_launch_compiles_once_per_specialisation_and_passes_every_parameter():
+    from lightllm_kernels._triton import _FastKernel
+
+    jit = _FakeJit()
+    kernel = _FastKernel(jit)
+    aligned, misaligned = _FakeTensor(4096), _FakeTensor(4098)
+    kernel[(4,)](aligned, 32, BLOCK=64, FLAG=True, num_warps=4)  # compiles through Triton
+    kernel[(4,)](aligned, 48, BLOCK=64, FLAG=True, num_warps=4)  # same specialisation: direct
+    kernel[(2, 3)](aligned, 17, BLOCK=64, FLAG=True, num_warps=4)  # 17 is not a multiple of 16: Triton
+    kernel[(4,)](misaligned, 32, BLOCK=64, FLAG=True, num_warps=4)  # another alignment: Triton
+    kernel[(4,)](aligned, 32, BLOCK=128, FLAG=True, num_warps=4)  # another constexpr: Triton
+    kernel[(4,)](aligned, 1, BLOCK=64, FLAG=True, num_warps=4)  # 1 is specialised apart: Triton
+    kernel[(2, 3)](aligned, 33, BLOCK=64, FLAG=True, num_warps=4)  # as the third: direct
+    assert [args[1] for _, args, _ in jit.triton_calls] == [32, 17, 32, 32, 1]
+    assert jit.direct_calls == [((4, 1, 1), (aligned, 48, 64, True)), ((2, 3, 1), (aligned, 33, 64, True))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast launch path is taken for CUDA tensors only")
+def test_fast_launch_on_the_gpu_matches_the_reference():
+    from lightllm_kernels.rms_norm import _rms_norm_kernel
+
+    weight = randn(4096, dtype=torch.bfloat16)
+    for rows in (8, 8, 24):  # the second call reuses the first's kernel
+        x = randn(rows, 4096, dtype=torch.bfloat16)
+        assert_close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dict(atol=2e-2, rtol=2e-2))
+    flat = randn(8 * 4096 + 1, dtype=torch.bfloat16)
+    x = flat[1:].view(8, 4096)  # 2 bytes past an aligned start: compiled apart
+    assert x.data_ptr() % 16 != 0
+    assert_close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dict(atol=2e-2, rtol=2e-2))
+    assert len(_rms_norm_kernel._compiled) >= 2

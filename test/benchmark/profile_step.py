@@ -346,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host-steps", type=int, default=10)
     add("--top", type=int, default=15)
     add("--no-cuda-graph", action="store_true")
+    add("--triton-launch", choices=("fast", "triton"), default="fast",
+        help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
     add("--out-md", type=Path, default=None)
     return parser
 
@@ -353,13 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.triton_launch == "triton":
+        import lightllm_kernels._triton
+
+        lightllm_kernels._triton.FAST_LAUNCH = False
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
                          cuda_graph=not args.no_cuda_graph)
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
-    lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", ""]
+    lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+             f"Triton launches: {args.triton_launch}", ""]
     bench = Bench(runner, seed=0)
     print("\n".join(lines), flush=True)
     for section in [lambda b=b: decode_section(runner, bench, b, args.context, bandwidth, args) for b in args.batches] + [
