@@ -82,3 +82,72 @@ def test_kv_heads_split_or_replicate():
         split_kv_heads(3, TPGroup(0, 2))
     with pytest.raises(ModelConfigError, match="num_attention_heads = 9 is not divisible"):
         split_even(9, TPGroup(0, 2), "num_attention_heads")
+
+
+# ---- CUDA: tp 2 through the decode CUDA graphs (skipped without two GPUs) ----
+# The ranks all-reduce through symmetric memory here (one-shot: 256-byte messages), NCCL
+# gathers the logits; decode steps of 2 and 3 requests replay the graphs of buckets 2 and 4.
+
+
+def cuda_runner(model_dir, rank=0, world_size=1, port=0):
+    return model_runner.ModelRunner(str(model_dir), max_total_token_num=256, max_req_total_len=64,
+                                    running_max_req_size=8, device=f"cuda:{rank}", tp_rank=rank,
+                                    world_size=world_size, nccl_port=port)
+
+
+def cuda_tp_worker(rank, world_size, port, model_dirs, out_file):
+    seen = capture_logits()
+    results = []
+    for d in model_dirs:
+        seen.clear()
+        runner = cuda_runner(d, rank, world_size, port)
+        assert runner.tp.symmetric is not None, "symmetric memory was not set up (see the log)"
+        run_schedule(runner, random_prompts(3))
+        results.append([logits.cpu() for logits in seen])
+    if rank == 0:
+        torch.save(results, out_file)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_cuda_graphs_match_tp1(tmp_path):
+    dirs = [tmp_path / name for name in TP_CASES]
+    for name, d in zip(TP_CASES, dirs):
+        make_model(name, d)
+    out_file = tmp_path / "tp2.pt"
+    mp.spawn(cuda_tp_worker, args=(2, free_port(), dirs, out_file), nprocs=2, join=True)
+    tp2 = torch.load(out_file)
+    original_sample = model_runner.sample
+    try:
+        seen = capture_logits()
+        tp1 = []
+        for d in dirs:
+            seen.clear()
+            run_schedule(cuda_runner(d), random_prompts(3))
+            tp1.append([logits.cpu() for logits in seen])
+    finally:
+        model_runner.sample = original_sample
+    for name, ours, reference in zip(TP_CASES, tp2, tp1):
+        assert len(ours) == len(reference) == 7, name
+        for a, b in zip(ours, reference):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_bench_70b_is_llama_3_1_70b_and_splits_over_4_and_8_ranks(default_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lightllm.models import read_config
+    from lightllm.tools.bench_model import write_bench_model
+
+    model_dir = write_bench_model(tmp_path / "bench-70b", "70b", tokenizer_dir=default_model_dir)
+    cfg = read_config(model_dir)
+    shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.head_dim)
+    assert shape == (80, 8192, 64, 8, 28672, 128)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.rope_scaling["factor"] == 8.0 and cfg.rope_scaling["original_max_position_embeddings"] == 8192
+    assert cfg.vocab_size == len(AutoTokenizer.from_pretrained(model_dir, local_files_only=True)) == 49152
+    assert not cfg.tie_word_embeddings and cfg.torch_dtype == "bfloat16"
+    assert not list(model_dir.glob("*.safetensors"))  # served with --load_format dummy
+    for tp in (4, 8):
+        assert [split_kv_heads(8, TPGroup(r, tp)) for r in range(tp)] == [(r * 8 // tp, 8 // tp) for r in range(tp)]
+        assert split_even(64, TPGroup(tp - 1, tp), "num_attention_heads") == ((tp - 1) * 64 // tp, 64 // tp)
+        assert split_even(28672, TPGroup(tp - 1, tp), "intermediate_size")[1] == 28672 // tp

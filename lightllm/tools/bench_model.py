@@ -1,12 +1,17 @@
 """Model directories for benchmarks and CPU tests, with the default model's tokenizer.
 
-    python -m lightllm.tools.bench_model --out DIR [--preset 8b|tiny]
+    python -m lightllm.tools.bench_model --out DIR [--preset 8b|70b|tiny] [--tokenizer DIR]
 
 8b ("bench-8b"): the Llama-3.1-8B shape (llama3 rope scaling, untied embeddings, bfloat16)
     with the default model's 49152-token vocabulary and no weight files: the server loads it
     with `--load_format dummy`, so a GPU benchmark needs neither a download nor 16 GB of disk.
+70b ("bench-70b"): the same for Llama-3.1-70B's shape (80 layers, hidden 8192, 64 heads,
+    8 KV heads, intermediate 28672): 141 GB of bf16 weights, served at --tp 4 or 8.
 tiny: a 2-layer model of the same family with seeded random float32 weights, small enough
     to serve on a CPU in tests of the server and the benchmark client.
+
+The tokenizer comes from the default model, or from `--tokenizer DIR` (any directory with
+its files, such as a bench-8b directory): where there is no network, as on the GPU machines.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ SHAPES = {
         num_key_value_heads=8,
         head_dim=128,
     ),
+    "70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -48,7 +61,7 @@ SHAPES = {
         head_dim=16,
     ),
 }
-DTYPES = {"8b": "bfloat16", "tiny": "float32"}  # tiny: exact comparisons with transformers
+DTYPES = {"8b": "bfloat16", "70b": "bfloat16", "tiny": "float32"}  # tiny: exact comparisons with transformers
 
 
 def make_config(preset: str, tokenizer_dir: Path):
@@ -88,12 +101,13 @@ def save_config_only(config, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def write_bench_model(out: Path, preset: str = "8b", seed: int = 0) -> Path:
-    """Write the `preset` model directory into `out` and return it."""
+def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
+    """Write the `preset` model directory into `out` and return it; the tokenizer's files come
+    from `tokenizer_dir`, else from the default model."""
     if preset not in SHAPES:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(SHAPES)}")
     out = Path(out)
-    tokenizer_dir = ensure_default_model()
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else ensure_default_model()
     config = make_config(preset, tokenizer_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
@@ -121,9 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="model directory to write")
     parser.add_argument("--preset", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny preset's random weights")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="directory to copy the tokenizer from (default: the default model's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(write_bench_model(args.out, args.preset, args.seed))
+    print(write_bench_model(args.out, args.preset, args.seed, args.tokenizer))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from lightllm.utils.allreduce import AllReducePath, SymmetricAllReduce, setup_symmetric
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +34,24 @@ LIVENESS_TIMEOUT = 3.0  # seconds the store may take to answer a node > 0 before
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in the tensor-parallel group; collectives are no-ops for one rank."""
+    """This rank's place in the tensor-parallel group; collectives are no-ops for one rank.
+    `symmetric`: the symmetric-memory all-reduce for small messages on one machine (allreduce.py),
+    None where every message goes through torch.distributed."""
 
     rank: int = 0
     world_size: int = 1
+    symmetric: SymmetricAllReduce | None = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(x)
+        """The sum of x over the ranks: x itself, reduced in place, or a new tensor."""
+        if self.world_size == 1:
+            return x
+        path = AllReducePath.COLLECTIVE if self.symmetric is None else self.symmetric.path(x)
+        if path is AllReducePath.ONE_SHOT:
+            return self.symmetric.one_shot(x)
+        if path is AllReducePath.TWO_SHOT:
+            return self.symmetric.two_shot(x)
+        dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -58,10 +70,15 @@ class TPGroup:
         return int(t.item())
 
 
+_symmetric: SymmetricAllReduce | None = None  # set up once per process, with its group
+
+
 def init_tp(rank: int, world_size: int, port: int, device: torch.device | str,
             dist_init_addr: str | None = None) -> TPGroup:
     """Join the TP group (a no-op for world_size 1) and return this rank's TPGroup: on localhost
-    at `port`, or through the store at `dist_init_addr` (HOST:PORT) when the group spans machines."""
+    at `port`, or through the store at `dist_init_addr` (HOST:PORT) when the group spans machines.
+    On one machine's GPUs the group also gets its symmetric-memory all-reduce (allreduce.py)."""
+    global _symmetric
     if not 0 <= rank < world_size:
         raise ValueError(f"tp rank {rank} is outside the group of {world_size}")
     device = torch.device(device)
@@ -79,7 +96,8 @@ def init_tp(rank: int, world_size: int, port: int, device: torch.device | str,
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None, **where)
         logger.info("tp rank %d/%d joined (%s, %s)", rank, world_size, backend, dist_init_addr or f"port {port}")
-    return TPGroup(rank, world_size)
+        _symmetric = setup_symmetric(device, world_size, single_node=dist_init_addr is None)
+    return TPGroup(rank, world_size, _symmetric)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -110,7 +110,7 @@ def load_requests(args) -> list[SampledRequest]:
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(args.model), "--tp", "1"]
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(args.model), "--tp", str(args.tp)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--load_format", "dummy", "--data_type", "bfloat16"]
     if args.max_total_token_num:
         cmd += ["--max_total_token_num", str(args.max_total_token_num)]
@@ -355,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out-dir", type=Path, required=True)
     add("--port", type=int, default=None, help="server port (default: a free one)")
     add("--max-total-token-num", type=int, default=None, help="server KV budget (default: sized by the server)")
+    add("--tp", type=int, default=1, help="the server's tensor-parallel degree (GPUs)")
     add("--server-args", default="", help="extra server flags, one string")
     add("--request-rate", type=float, default=math.inf,
         help="server phase: requests per second, Poisson arrivals (seeded by --seed); inf: all at once")

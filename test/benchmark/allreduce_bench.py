@@ -1,0 +1,323 @@
+"""The tensor-parallel all-reduce against NCCL: time per call by message size, eagerly and inside
+CUDA graphs, with every path's sums checked against NCCL's; and, with --profile-model, where one
+decode step's time goes at tp N (compute, all-reduce, gaps), with symmetric memory and without.
+
+    python test/benchmark/allreduce_bench.py --world-size 2                    # sizes 1 KiB .. 64 MiB
+    python test/benchmark/allreduce_bench.py --world-size 2 --sizes '' --profile-model .gpu/bench-8b
+    python test/benchmark/allreduce_bench.py --device cpu --world-size 2 --sizes 1024,65536
+
+One process per rank (torch.multiprocessing spawn, no torchrun), joined through init_tp as the
+server's model workers are. Sizes are message bytes (K and M suffixes: KiB, MiB) of --dtype. The
+size table's columns, in us per call (the slowest rank's): NCCL (gloo on the CPU); one-shot and
+two-shot through a symmetric buffer as large as the largest size, whatever the server's cap;
+"chosen", what TPGroup.all_reduce does in the server (its path in brackets); each eagerly (a
+loop of calls between two events) and inside a CUDA graph (--graph-calls calls captured once,
+replayed --graph-replays times). "sums" says whether every path's result equals NCCL's:
+bitwise for 2 ranks (a + b in either order), within the dtype's rounding beyond. Exit status 1
+when one does not.
+
+The profile (CUDA; the CPU runs its plumbing): for each of --profile-modes (tp1: one GPU;
+nccl: every message through NCCL, LIGHTLLM_SYMM_MEM_ALL_REDUCE=0; symmetric: the server's
+choice) the ranks load the model (dummy weights), prefill --batches requests of --context
+tokens and time synchronous decode steps (run_step: upload, graph replay, sampling); rank 0 then
+profiles --profile-steps of them. Per step: device busy time, split into all-reduce kernels,
+all-gather (the LM head's logits) and the rest (compute, copies into the symmetric buffer
+included), and gaps (the step's wall time in which no kernel runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+from lightllm.utils.allreduce import SYMMETRIC_ENV, AllReducePath, SymmetricAllReduce  # noqa: E402
+from lightllm.utils.dist import TPGroup, init_tp  # noqa: E402
+from lightllm.utils.net import free_port  # noqa: E402
+
+logger = logging.getLogger("allreduce_bench")
+
+DEFAULT_SIZES = ",".join(f"{1 << k}K" if k < 10 else f"{1 << (k - 10)}M" for k in range(17))  # 1K .. 64M
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_sizes(text: str) -> list[int]:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s) for s in text.upper().split(",") if s]
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
+
+
+# ---- time per call by size ----
+
+
+def methods(group: TPGroup, bench: SymmetricAllReduce | None) -> dict:
+    """name -> fn(x) returning the sum (each may write into x)."""
+    def collective(x):
+        dist.all_reduce(x)
+        return x
+
+    out = {"collective": collective}
+    if bench is not None:
+        out.update({"one-shot": bench.one_shot, "two-shot": bench.two_shot})
+    out["chosen"] = group.all_reduce
+    return out
+
+
+def eager_us(fn, x: torch.Tensor, iters: int) -> float:
+    work = x.clone()
+    for _ in range(3):
+        fn(work)
+    if x.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn(work)
+        end.record()
+        end.synchronize()
+        return 1000 * start.elapsed_time(end) / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn(work)
+    return 1e6 * (time.perf_counter() - begin) / iters
+
+
+def graph_us(fn, x: torch.Tensor, calls: int, replays: int) -> float:
+    """Per call, `calls` calls captured in one graph (values are not checked here: they grow)."""
+    work = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(work)  # NCCL's communicator and the kernels' first launch, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn(work)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return 1000 * start.elapsed_time(end) / (calls * replays)
+
+
+def same_sum(got: torch.Tensor, reference: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """NCCL's sum bitwise for two ranks (a + b in either order). Beyond, the summation orders
+    differ; each sum must then lie within the rounding bound of any order: n u sum |x_r|."""
+    if len(inputs) == 2:
+        return torch.equal(got, reference)
+    exact = torch.stack([x.double() for x in inputs]).sum(0)
+    magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(got.dtype, 2.0 ** -24)
+    return bool(((got.double() - exact).abs() <= len(inputs) * u * magnitude + 1e-30).all())
+
+
+def size_row(group: TPGroup, bench, nbytes: int, args, device: torch.device) -> dict:
+    dtype, world = DTYPES[args.dtype], group.world_size
+    gen = torch.Generator().manual_seed(1000 * args.seed + group.rank)
+    x = torch.randn(nbytes // dtype.itemsize, generator=gen).to(dtype).to(device)
+    reference, inputs = x.clone(), [torch.empty_like(x) for _ in range(world)]
+    dist.all_reduce(reference)
+    dist.all_gather(inputs, x)
+    path = AllReducePath.COLLECTIVE if group.symmetric is None else group.symmetric.path(x)
+    row = {"bytes": nbytes, "path": path.value, "sums": True}
+    for name, fn in methods(group, bench).items():
+        if name in ("one-shot", "two-shot") and nbytes > bench.capacity:
+            continue
+        row["sums"] &= same_sum(fn(x.clone()), reference, inputs)
+        row[f"{name} eager"] = eager_us(fn, x, args.iters)
+        if device.type == "cuda":
+            row[f"{name} graph"] = graph_us(fn, x, args.graph_calls, args.graph_replays)
+    return row
+
+
+def slowest_rank(row: dict, device: torch.device) -> dict:
+    """Times: the largest over the ranks; sums: whether they held on every rank."""
+    keys = [k for k in row if k.endswith(("eager", "graph"))]
+    values = torch.tensor([row[k] for k in keys] + [-float(row["sums"])], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {**row, **dict(zip(keys, values[:-1].tolist())), "sums": values[-1].item() < 0}
+
+
+def sizes_worker(rank: int, args, port: int, results) -> None:
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    group = init_tp(rank, args.world_size, port, device)
+    bench = None
+    if group.symmetric is not None:
+        capacity = -(-max(args.sizes) // 16) * 16
+        bench = group.symmetric if capacity <= group.symmetric.capacity else \
+            SymmetricAllReduce.create(device, args.world_size, capacity)
+    for nbytes in args.sizes:
+        row = slowest_rank(size_row(group, bench, nbytes, args, device), device)
+        if rank == 0:
+            results.append(row)
+            logger.info("%s: %s", human(nbytes), row)
+    dist.destroy_process_group()
+
+
+def sizes_table(rows: list[dict], args) -> list[str]:
+    names = ["collective", "one-shot", "two-shot", "chosen"]
+    kinds = ["eager", "graph"] if args.device == "cuda" else ["eager"]
+    collective = "NCCL" if args.device == "cuda" else "gloo"
+    heads = [f"{collective if n == 'collective' else n} {k} us" for k in kinds for n in names]
+    agree = (f"equal to {collective}'s, bitwise" if args.world_size == 2 else
+             f"within n u sum|x| of the exact sum, as {collective}'s (summation orders differ)")
+    lines = [f"### All-reduce, {args.world_size} ranks, {args.dtype}: us per call (slowest rank)", "",
+             f"sums: every path's result {agree}.", "",
+             "| message | " + " | ".join(heads) + f" | chosen path | chosen / {collective} ({kinds[-1]}) | sums |",
+             "| --- |" + " ---: |" * len(heads) + " --- | ---: | --- |"]
+    for row in rows:
+        cells = [f"{row[f'{n} {k}']:.1f}" if f"{n} {k}" in row else "-" for k in kinds for n in names]
+        kind = kinds[-1]
+        ratio = f"{row[f'chosen {kind}'] / row[f'collective {kind}']:.2f}"
+        sums = "ok" if row["sums"] else "**DIFFERENT**"
+        lines.append(f"| {human(row['bytes'])} | " + " | ".join(cells) + f" | {row['path']} | {ratio} | {sums} |")
+    return lines + [""]
+
+
+# ---- one decode step at tp N ----
+
+
+def comm_kind(name: str) -> str | None:
+    flat = name.lower().replace("_", "")
+    return "all-reduce" if "allreduce" in flat else "all-gather" if "allgather" in flat else None
+
+
+def step_breakdown(kernels: list, steps: int, step_ms: float) -> dict:
+    from profile_step import busy_us
+
+    comm = {"all-reduce": [], "all-gather": []}
+    compute = []
+    for kernel in kernels:
+        kind = comm_kind(kernel[0])
+        (comm[kind] if kind else compute).append(kernel)
+    if not kernels:  # the CPU: no device timeline
+        return dict.fromkeys(("busy", "compute", "all-reduce", "all-reduce calls", "all-gather", "gaps"))
+    busy = busy_us(kernels) / steps
+    return {"busy": busy, "compute": busy_us(compute) / steps, "all-reduce": busy_us(comm["all-reduce"]) / steps,
+            "all-reduce calls": len(comm["all-reduce"]) / steps, "all-gather": busy_us(comm["all-gather"]) / steps,
+            "gaps": max(0.0, 1000 * step_ms - busy)}
+
+
+def profile_worker(rank: int, args, mode: str, world_size: int, port: int, results) -> None:
+    from profile_step import device_kernels, profile_steps, replay_ms
+    from static_benchmark import Bench, sync, timed
+
+    from lightllm.engine.model_runner import ModelRunner, run_step
+
+    os.environ[SYMMETRIC_ENV] = "0" if mode == "nccl" else "1"  # read by init_tp's set-up
+    device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    longest = max(args.batches) * (args.context + args.iters + args.profile_steps + 16)
+    runner = ModelRunner(str(args.profile_model), max_total_token_num=longest, max_req_total_len=args.context + 1024,
+                         running_max_req_size=max(args.batches), data_type=args.profile_dtype, load_format="dummy",
+                         tp_rank=rank, world_size=world_size, nccl_port=port, device=device)
+    bench = Bench(runner, seed=0)  # the same requests on every rank
+    for batch in args.batches:
+        reqs = bench.new_reqs(batch, args.context)
+        per_chunk = max(1, 16384 // args.context)
+        for start in range(0, batch, per_chunk):
+            run_step(runner, prompts=reqs[start: start + per_chunk])
+        ids = [r[0] for r in reqs]
+        step = lambda: run_step(runner, ids)  # noqa: E731
+        step_ms = 1000 * statistics.median(timed(runner.device, step) for _ in range(args.iters))
+        replay = replay_ms(runner, batch, args.iters) if runner.device.type == "cuda" else None
+        if rank == 0:
+            prof = profile_steps(step, args.profile_steps)
+            row = {"mode": mode, "batch": batch, "step ms": step_ms, "replay ms": replay}
+            results.append({**row, **step_breakdown(device_kernels(prof), args.profile_steps, step_ms)})
+        else:
+            for _ in range(args.profile_steps):
+                step()
+            sync(runner.device)
+        runner.free(ids)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def profile_table(rows: list[dict], args) -> list[str]:
+    lines = [f"### One decode step of {Path(args.profile_model).name}, context {args.context}: where the time goes",
+             "", "| all-reduce | batch | engine step ms | graph replay ms | device busy us | compute us "
+             "| all-reduce us (calls) | all-gather us | gaps us |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    def cell(value, spec=".0f"):
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['step ms']:.3f} | {cell(r['replay ms'], '.3f')} | "
+                     f"{cell(r['busy'])} | {cell(r['compute'])} | {cell(r['all-reduce'])} "
+                     f"({cell(r['all-reduce calls'])}) | {cell(r['all-gather'])} | {cell(r['gaps'])} |")
+    return lines + [""]
+
+
+# ---- main ----
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--world-size", type=int, default=2)
+    add("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), help="message bytes ('': none)")
+    add("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add("--iters", type=int, default=50, help="eager calls timed per size; decode steps timed per batch")
+    add("--graph-calls", type=int, default=10)
+    add("--graph-replays", type=int, default=20)
+    add("--seed", type=int, default=0)
+    add("--profile-model", type=Path, default=None, help="model directory (dummy weights) for the decode profile")
+    add("--profile-modes", default="tp1,nccl,symmetric")
+    add("--profile-dtype", default="bfloat16")
+    add("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 64, 256])
+    add("--context", type=int, default=1024)
+    add("--profile-steps", type=int, default=5)
+    add("--out-md", type=Path, default=None, help="also write the tables here")
+    return parser
+
+
+def spawn(fn, nprocs: int, *args) -> list:
+    with mp.Manager() as manager:
+        results = manager.list()
+        mp.spawn(fn, args=(*args, free_port(), results), nprocs=nprocs, join=True)
+        return list(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} here")
+    lines, ok = [], True
+    if args.sizes:
+        rows = spawn(sizes_worker, args.world_size, args)
+        ok = all(row["sums"] for row in rows)
+        lines += sizes_table(rows, args)
+    if args.profile_model is not None:
+        rows = []
+        for mode in args.profile_modes.split(","):
+            world = 1 if mode == "tp1" else args.world_size
+            rows += spawn(profile_worker, world, args, mode, world)
+        lines += profile_table(rows, args)
+    text = "\n".join(lines)
+    if args.out_md:
+        args.out_md.write_text(text + "\n")
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+#!/usr/bin/env bash
+# One device call on a machine of several GPUs (docs/multi_gpu.md): tensor parallelism checked
+# against one GPU, and measured. From the repo root:
+#
+#   bash test/benchmark/multi_gpu.sh [dry] ITEM...          (a quoted list is accepted)
+#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl]:REQUESTS | single-tpN[-nccl]
+#   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
+#     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
+#     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
+#   allreduce: allreduce_bench.py over the largest group of 2, 4 or 8 GPUs here: us per call by
+#     message size, NCCL / one-shot / two-shot / chosen, eager and in CUDA graphs; sums against NCCL.
+#   profile-tpN: allreduce_bench.py's decode profile of MODEL (batch 1, 64, 256; context 1024): tp 1
+#     (not for bench-70b), tp N through NCCL only, tp N as served: compute, all-reduce, gaps.
+#   serve-tpN[-nccl]:R: gpu_compare.py's server phase at --tp N, R ShareGPT requests from
+#     .gpu/requests-R.json (else the first R of requests-2000.json), all at once, streamed;
+#     GPU busy: nvidia-smi's utilisation over GPUs 0..N-1 during the measured run.
+#   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
+#     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
+#   -nccl: every all-reduce through NCCL (LIGHTLLM_SYMM_MEM_ALL_REDUCE=0), the "before".
+#
+# MODEL = bench-8b (.gpu/bench-8b, the default) | bench-70b (written to /tmp/bench-70b here by
+# lightllm.tools.bench_model: config and tokenizer, dummy weights) | a model directory.
+# Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b (also the
+# tokenizer of the models written here), .gpu/requests-1000.json. Everything stays within
+# BUDGET_S (570 s) of the start; logs go to $OUT/multi_gpu.tar.gz (from $WORK, default
+# /tmp/multi_gpu, emptied first), the tables to $OUT/summary.md and, last, to stdout.
+# `dry` prints the commands. On the CPU (the plumbing, tiny model, gloo): NO_WHEELS=1 MODEL=DIR
+# DEVICE=cpu GPUS=2 CHECK_TESTS=0 (skip check's pytest), SINGLE_TOKENS=16.
+set -euo pipefail
+
+ROOT=$(pwd)
+DRY=0; [[ ${1:-} == dry ]] && { DRY=1; shift; }
+OUT=${OUT:-/tmp/multi_gpu_out}; WORK=${WORK:-/tmp/multi_gpu}; MODEL=${MODEL:-bench-8b}
+DEVICE=${DEVICE:-cuda}; SINGLE_TOKENS=${SINGLE_TOKENS:-256}
+END=$((SECONDS + ${BUDGET_S:-570}))
+read -r -a ITEMS <<< "$*"
+mkdir -p "$OUT" "$WORK"
+# NVLink multicast stays off: on the shared hosts it can take every GPU down (KINDS.md). No
+# item uses it; set here too, since each server and test starts from this environment.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$ROOT:$ROOT/.gpu/new_path:/tmp/site
+GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
+CHECKS=() ROWS=() SERVER= MODEL_DIR=
+trap 'stop_server; save' EXIT  # logs come back whatever happens; no server outlives the call
+
+do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
+left() { echo $((END - SECONDS - 10)); }
+save() { ((DRY)) || tar -czf "$OUT/multi_gpu.tar.gz" -C "$WORK" --exclude=requests.json . || true; }
+note() { CHECKS+=("$1"); echo "$1"; }
+
+setup() {
+  ((DRY)) || find "$WORK" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
+  [[ -n ${NO_WHEELS:-} ]] || do_or_say python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site "$ROOT"/.whl/*.whl
+  do_or_say rm -rf "$ROOT/.gpu/new_path"
+  do_or_say mkdir -p "$ROOT/.gpu/new_path"
+  do_or_say cp -r "$ROOT/kernels" "$ROOT/.gpu/new_path/lightllm_kernels"  # imported as lightllm_kernels
+  case $MODEL in
+    bench-8b) MODEL_DIR=$ROOT/.gpu/bench-8b ;;
+    bench-70b) MODEL_DIR=/tmp/bench-70b
+      do_or_say python3 -m lightllm.tools.bench_model --out "$MODEL_DIR" --preset 70b --tokenizer "$ROOT/.gpu/bench-8b" ;;
+    *) MODEL_DIR=$MODEL ;;
+  esac
+  if ((DRY)) || [[ $DEVICE != cuda ]]; then return; fi
+  nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv,noheader || true
+  nvidia-smi topo -m > "$WORK/topo.txt" 2>&1 || true  # how the GPUs are linked (NV18: NVLink)
+  python3 - > "$WORK/bandwidth.txt" <<'PY' || true
+import sys, torch
+sys.path.insert(0, "test/benchmark")
+from static_benchmark import copy_bandwidth
+print(copy_bandwidth(torch.device("cuda", 0), 1 << 30) / 1e9)  # GB/s, read + write
+PY
+}
+
+step() {  # step NAME SECONDS CMD...: one check, time-bounded, its log in $WORK/check
+  local name=$1 t=$2 rc=0; shift 2
+  t=$(( t < $(left) ? t : $(left) ))
+  mkdir -p "$WORK/check"
+  if ((DRY)); then echo "+ timeout -k 10 $t $* > $WORK/check/$name.log"; return; fi
+  if ((t < 20)); then note "$name: skipped (no time left)"; return; fi
+  timeout -k 10 "$t" "$@" > "$WORK/check/$name.log" 2>&1 || rc=$?
+  note "$name: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -v '^\s*$' "$WORK/check/$name.log" | tail -1 || true)"
+  save
+}
+
+enough_gpus() {  # enough_gpus N ITEM: false (and a note) when this machine has fewer than N GPUs
+  ((DRY || $1 <= GPUS)) && return
+  note "$2: skipped ($1 GPUs needed, $GPUS here)"; return 1
+}
+
+start_server() {  # start_server DIR TP SECONDS ENV FLAGS...: a server in a session of its own; sets SERVER, url
+  local dir=$1 tp=$2 deadline=$((SECONDS + $3)) env=$4 port=$((20000 + RANDOM % 20000)); shift 4
+  url=http://127.0.0.1:$port
+  if ((DRY)); then echo "+ env $env setsid python3 -m lightllm.server.api_server --tp $tp --port $port $* > $dir/server.log"; return; fi
+  # No job control here, so setsid execs in place: $! is the server's pid and its session's id.
+  env $env setsid python3 -m lightllm.server.api_server --tp "$tp" --host 127.0.0.1 --port "$port" "$@" \
+    > "$dir/server.log" 2>&1 &
+  SERVER=$!
+  until healthy "$port"; do
+    if ! kill -0 "$SERVER" 2>/dev/null || ((SECONDS > deadline)); then
+      echo "server not healthy within $3 s or dead: see $dir/server.log"; stop_server; return 1
+    fi
+    sleep 1
+  done
+}
+
+healthy() {  # healthy PORT: GET /health answers 200 (bash's /dev/tcp: no client needed)
+  local status=
+  { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
+  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  read -r -t 10 status <&3 || true
+  exec 3>&-
+  [[ $status == *" 200 "* ]]
+}
+
+stop_server() {  # SIGTERM to the server (it drains and ends its processes); its session's rest gets SIGKILL after 40 s
+  [[ -n $SERVER ]] || return 0
+  kill -TERM "$SERVER" 2>/dev/null || true
+  local i; for i in $(seq 40); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null || true
+  wait "$SERVER" 2>/dev/null || true; SERVER=
+}
+
+gpu_log() {  # gpu_log FILE: nvidia-smi's utilisation of every GPU every 200 ms, until killed; echoes its pid
+  [[ $DEVICE == cuda ]] || { echo ""; return; }
+  $(command -v stdbuf > /dev/null && echo stdbuf -oL) nvidia-smi --query-gpu=timestamp,index,utilization.gpu \
+    --format=csv,noheader,nounits -lms 200 > "$1" 2> /dev/null &
+  echo $!
+}
+
+parse() {  # parse ITEM: sets tp, env (NCCL-only for -nccl) and name from NAME-tpN[-nccl][:R]
+  local head=${1%%:*}
+  tp=${head#*-tp}; tp=${tp%-nccl}; name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1
+  [[ $head == *-nccl ]] && env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=0
+  [[ $tp =~ ^[0-9]+$ ]] || { echo "bad item $1: no tensor-parallel degree" >&2; exit 2; }
+}
+
+check() {  # check-tpN: unit tests on the GPUs, then greedy tokens of --tp N against --tp 1
+  local tp env name dir tiny
+  parse "$1"; dir=$WORK/$name; mkdir -p "$dir"; tiny=$WORK/tiny
+  enough_gpus "$tp" "$name" || return 0
+  [[ ${CHECK_TESTS:-1} == 0 ]] || step "$name-pytest" 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_allreduce.py tests/test_tp.py -k "not 70b"  # the 70b test needs the default model (network)
+  do_or_say python3 -m lightllm.tools.bench_model --out "$tiny" --preset tiny --tokenizer "$ROOT/.gpu/bench-8b"
+  ((DRY)) || python3 - "$dir/prompts.json" <<'PY'
+import json, random, sys
+words = "the a model token cache batch river stone light runs over under 你好 café".split()
+rng = random.Random()  # fresh prompts each call; both servers get the same ones
+json.dump([" ".join(rng.choices(words, k=rng.randrange(1, 40))) for _ in range(16)], open(sys.argv[1], "w"))
+PY
+  greedy "$dir" 1 "$tiny" && greedy "$dir" "$tp" "$tiny" || { note "$name: FAIL: a server did not answer (see $dir)"; return 0; }
+  ((DRY)) && return
+  note "$name: $(python3 - "$dir" "$tp" <<'PY'
+import json, sys
+d, tp = sys.argv[1], sys.argv[2]
+one, many = (json.load(open(f"{d}/tokens-tp{n}.json")) for n in ("1", tp))
+same = sum(a == b for a, b in zip(one, many))
+print(f"{'PASS' if same == len(one) == len(many) else 'FAIL'}: greedy tokens of --tp {tp} equal --tp 1's "
+      f"for {same}/{len(one)} prompts (tiny model, fp32, 32 tokens each, sent together)")
+PY
+)"
+}
+
+greedy() {  # greedy DIR TP MODEL: the tokens of DIR/prompts.json from a --tp TP server, into DIR/tokens-tpTP.json
+  local dir=$1 url rc=0
+  mkdir -p "$dir/tp$2"
+  start_server "$dir/tp$2" "$2" 150 LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 --model_dir "$3" --data_type float32 || return 1
+  ((DRY)) && return
+  timeout -k 5 100 python3 - "$url" "$dir/prompts.json" "$dir/tokens-tp$2.json" > "$dir/tp$2/client.log" 2>&1 <<'PY' || rc=$?
+import json, sys, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+url, prompts, out = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3]
+
+def tokens(prompt):
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 32, "do_sample": False, "ignore_eos": True, "details": True}}
+    request = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    answer = json.load(urllib.request.urlopen(request, timeout=60))
+    return [token["id"] for token in answer["details"]["tokens"]]
+
+with ThreadPoolExecutor(len(prompts)) as pool:
+    json.dump(list(pool.map(tokens, prompts)), open(out, "w"))
+PY
+  stop_server
+  return $rc
+}
+
+serve() {  # serve-tpN[-nccl]:R: gpu_compare.py's server phase
+  local tp env name n=${1#*:} smi rc=0
+  parse "$1"; name+=-$n
+  enough_gpus "$tp" "$name" || return 0
+  local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
+  local dir=$WORK/$name; mkdir -p "$dir"; ROWS+=("serve|$name|$tp")
+  # start (dummy weights, graph capture: ~20 s for bench-8b, more for 70B) + ~35 s per 1000 requests at once.
+  local t; t=$(( 150 + n * 15 / 100 )); t=$(( t < $(left) ? t : $(left) ))
+  if ((t < 90)); then echo "$name: skipped, $t s left" | tee "$dir/run.log"; return; fi
+  local cmd=(timeout -k 15 $((t + 25)) env "$env" python3 "$ROOT/test/benchmark/gpu_compare.py" --model "$MODEL_DIR"
+    --tp "$tp" --requests "$requests" --num-prompts "$n" --skip-transformers --out-dir "$dir" --start-timeout 240
+    --total-timeout "$t" --bench-timeout "$t" ${SERVE_ARGS:-})
+  [[ $DEVICE == cuda ]] || cmd+=(--device cpu "--server-args=--data_type float32")
+  echo "== $name: ${t} s at most"
+  if ((DRY)); then echo "+ ${cmd[*]@Q} > $dir/run.log"; return; fi
+  smi=$(gpu_log "$dir/gpu.csv")
+  "${cmd[@]}" > "$dir/run.log" 2>&1 || rc=$?
+  [[ -z $smi ]] || { kill "$smi" 2>/dev/null || true; wait "$smi" 2>/dev/null || true; }
+  echo "$name: rc $rc; $(grep -m1 'server healthy' "$dir/run.log" | sed 's/.*: //' || true)"
+  save
+}
+
+single() {  # single-tpN[-nccl]: batch-1 latency through every process
+  local tp env name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
+  parse "$1"; dir=$WORK/$name; mkdir -p "$dir"
+  enough_gpus "$tp" "$name" || return 0
+  [[ $DEVICE == cuda ]] || flags=(--data_type float32)
+  ROWS+=("single|$name|$tp")
+  echo "== $name: server, then single_request.py"
+  if ((!DRY && $(left) < 120)); then note "$name: skipped (no time left)"; return; fi
+  if start_server "$dir" "$tp" 240 "$env" --model_dir "$MODEL_DIR" "${flags[@]}"; then
+    if ((DRY)); then echo "+ single_request.py --url $url --max-new-tokens $SINGLE_TOKENS --repeat 5 > $dir/single.log"; return; fi
+    timeout -k 10 150 python3 "$ROOT/test/benchmark/single_request.py" --url "$url" \
+      --max-new-tokens "$SINGLE_TOKENS" --repeat 5 > "$dir/single.log" 2>&1 || rc=$?
+    note "$name: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -E '^\| median' "$dir/single.log" || true)"
+  else
+    note "$name: FAIL: server not healthy or dead"
+  fi
+  stop_server; save
+}
+
+profile() {  # profile-tpN: allreduce_bench.py's decode profile
+  local tp env name modes=tp1,nccl,symmetric
+  parse "$1"; enough_gpus "$tp" "$name" || return 0
+  [[ $MODEL == bench-70b ]] && modes=nccl,symmetric  # 141 GB of weights: not on one GPU
+  step "$name" 420 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$tp" --sizes '' \
+    --profile-model "$MODEL_DIR" --profile-modes "${PROFILE_MODES:-$modes}" --out-md "$WORK/$name.md" ${PROFILE_ARGS:-}
+}
+
+allreduce() {
+  local n; for n in 8 4 2; do ((n <= GPUS)) && break; done
+  enough_gpus "$n" allreduce || return 0
+  step allreduce 240 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$n" \
+    --out-md "$WORK/allreduce.md" ${ALLREDUCE_ARGS:-}
+}
+
+table() {  # markdown: serve and single rows, the ratios the issues ask for
+  python3 - "$WORK" "$MODEL_DIR" "${ROWS[@]}" <<'PY'
+import json, re, statistics, sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, "test/benchmark")
+work, model_dir, rows = Path(sys.argv[1]), sys.argv[2], [r.split("|") for r in sys.argv[3:]]
+
+def stamp(text, fmt):
+    try:
+        return datetime.strptime(text, fmt).timestamp()
+    except ValueError:
+        return None
+
+def busy(d, tp):  # mean utilisation of GPUs 0..tp-1, from the warm-up's end to the server's stop
+    log = (d / "run.log").read_text(errors="replace") if (d / "run.log").exists() else ""
+    window = []
+    for pattern in ("warm-up: ", "stopping the server"):
+        m = re.search(r"^(\S+ \S+) .*" + pattern, log, re.M)
+        window.append(m and stamp(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
+    samples = []
+    if (d / "gpu.csv").exists() and all(window):
+        for line in (d / "gpu.csv").read_text().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            when = len(parts) == 3 and stamp(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+            if when and window[0] <= when <= window[1] and parts[1].isdigit() and int(parts[1]) < tp and parts[2].isdigit():
+                samples.append(int(parts[2]))
+    return f"{statistics.mean(samples):.1f}" if samples else "-"
+
+def floor_ms(tp):  # batch-1 TPOT's floor: this GPU's share of the weights over the copy bandwidth
+    try:
+        from static_benchmark import weight_bytes
+        from lightllm.models import read_config
+        gbs = float((work / "bandwidth.txt").read_text().split()[-1])
+        return weight_bytes(read_config(model_dir), 2) / tp / (gbs * 1e9) * 1e3
+    except Exception:
+        return None
+
+def fmt(value, spec=".2f"):
+    return "-" if value is None else format(value, spec)
+
+serve, single = {}, {}
+for kind, name, tp in rows:
+    d = work / name
+    if kind == "serve":
+        try:
+            s = json.loads((d / "compare.json").read_text())["lightllm"]
+        except (OSError, ValueError, KeyError):
+            s = {}
+        serve[name] = (int(tp), s, busy(d, int(tp)))
+    else:
+        m = (d / "single.log").exists() and re.search(r"^\| median \| ([\d.]+) \| ([\d.]+) \|", (d / "single.log").read_text(), re.M)
+        single[name] = (int(tp), float(m.group(1)) if m else None, float(m.group(2)) if m else None)
+
+if serve:
+    print("| server | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms | failed | GPU busy % |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (tp, s, b) in serve.items():
+        print(f"| {name} | {fmt(s.get('request_throughput'))} | {fmt(s.get('output_throughput'), '.0f')} | "
+              f"{fmt(s.get('median_ttft_ms'))} | {fmt(s.get('median_tpot_ms'))} | {fmt(s.get('p99_tpot_ms'))} | "
+              f"{s.get('failed', '-')} | {b} |")
+    print()
+if single:
+    print("| server | batch-1 TTFT ms | batch-1 TPOT ms | TPOT floor ms (weights per GPU / copy bandwidth) | floor / TPOT |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, (tp, ttft, tpot) in single.items():
+        f = floor_ms(tp)
+        print(f"| {name} | {fmt(ttft, '.1f')} | {fmt(tpot)} | {fmt(f)} | {fmt(f / tpot if f and tpot else None)} |")
+    print()
+
+def ratios(table, key, label):
+    """Each row against the same item at the group's smallest tp (the tp 1 or tp 4 row), and
+    each row against its -nccl twin (the all-reduce's own gain)."""
+    groups = {}
+    for name, entry in table.items():
+        groups.setdefault(re.sub(r"tp\d+(-nccl)?", "", name), []).append((name, entry))
+    for members in groups.values():
+        base_name, base = min(members, key=lambda m: (m[1][0], "-nccl" in m[0]))
+        for name, entry in members:
+            twin = table.get(name.replace(f"tp{entry[0]}", f"tp{entry[0]}-nccl", 1))
+            pairs = [(base_name, base)] if entry[0] > base[0] else []
+            pairs += [(name.replace(f"tp{entry[0]}", f"tp{entry[0]}-nccl", 1), twin)] if twin else []
+            for other_name, other in pairs:
+                if key(entry) and key(other):
+                    print(f"- {label}: {name} / {other_name} = {key(entry) / key(other):.3f}")
+
+
+ratios(serve, lambda e: e[1].get("request_throughput"), "req/s")
+ratios(serve, lambda e: e[1].get("output_throughput"), "output tok/s")
+ratios(single, lambda e: e[2], "batch-1 TPOT")
+PY
+}
+
+setup
+for item in "${ITEMS[@]}"; do
+  case $item in
+    check-tp*) check "$item" ;;
+    allreduce) allreduce ;;
+    profile-tp*) profile "$item" ;;
+    serve-tp*:*) serve "$item" ;;
+    single-tp*) single "$item" ;;
+    *) echo "unknown item: $item" >&2; exit 2 ;;
+  esac
+done
+((DRY)) && exit 0
+names=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs || true)
+{
+  echo "this working tree on ${names:-no GPU}; MODEL $MODEL"
+  [[ -s $WORK/topo.txt ]] && { echo; echo '```'; cat "$WORK/topo.txt"; echo '```'; }
+  [[ -s $WORK/bandwidth.txt ]] && echo "GPU 0 copy bandwidth (read + write): $(tail -1 "$WORK/bandwidth.txt") GB/s"
+  echo
+  if ((${#CHECKS[@]})); then printf -- '- %s\n' "${CHECKS[@]}"; echo; fi
+  for md in "$WORK"/allreduce.md "$WORK"/profile-tp*.md; do [[ -f $md ]] && cat "$md"; done
+  if ((${#ROWS[@]})); then table; fi
+} | tee "$OUT/summary.md"

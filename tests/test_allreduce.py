@@ -1,0 +1,270 @@
+"""The tensor-parallel all-reduce (lightllm/utils/allreduce.py, TPGroup.all_reduce).
+
+On any machine: which path a message takes (by size, dtype, group size, device, machines), that
+every failure to set symmetric memory up ends in NCCL with one log line, that everything imports
+without CUDA and without torch's symmetric memory, and that two gloo ranks give exact sums.
+With two or more GPUs: every path's sums against NCCL's, eagerly and replayed from a CUDA graph.
+"""
+
+import logging
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightllm.utils import allreduce
+from lightllm.utils.allreduce import (ANOTHER_RANK, ONE_SHOT_MAX_BYTES, SYMMETRIC_MAX_BYTES, AllReducePath,
+                                      choose_path, setup_symmetric, symmetric_unsupported)
+from lightllm.utils.dist import TPGroup, init_tp
+from lightllm.utils.net import free_port
+
+KiB, MiB = 1 << 10, 1 << 20
+ONE, TWO, COLLECTIVE = AllReducePath.ONE_SHOT, AllReducePath.TWO_SHOT, AllReducePath.COLLECTIVE
+GPUS = torch.cuda.device_count()
+
+
+def decode_bytes(batch: int, hidden: int, itemsize: int = 2) -> int:
+    return batch * hidden * itemsize
+
+
+# ---- the choice, as pure functions ----
+
+@pytest.mark.parametrize("world_size", sorted(ONE_SHOT_MAX_BYTES))
+def test_decode_messages_take_symmetric_memory_and_prefill_takes_nccl(world_size):
+    def path(nbytes, dtype=torch.bfloat16):
+        return choose_path(nbytes, dtype, world_size, SYMMETRIC_MAX_BYTES)
+
+    assert path(decode_bytes(1, 4096)) is ONE  # bench-8b, batch 1: 8 KiB
+    assert path(decode_bytes(1, 8192)) is ONE  # bench-70b, batch 1
+    assert path(decode_bytes(512, 8192)) is TWO  # the largest default bucket of a 70B model: 8 MiB
+    assert path(decode_bytes(8192, 4096)) is COLLECTIVE  # a prefill chunk of 8192 tokens: 64 MiB
+    limit = ONE_SHOT_MAX_BYTES[world_size]
+    assert (path(limit), path(limit + 16)) == (ONE, TWO)
+    assert (path(SYMMETRIC_MAX_BYTES), path(SYMMETRIC_MAX_BYTES + 16)) == (TWO, COLLECTIVE)
+    assert path(decode_bytes(1, 4096, 4), torch.float32) is ONE
+
+
+def test_messages_the_kernels_do_not_take_go_to_nccl():
+    assert choose_path(8 * KiB, torch.float16, 2, SYMMETRIC_MAX_BYTES) is COLLECTIVE  # no fp16 kernel
+    assert choose_path(8 * KiB + 2, torch.bfloat16, 2, SYMMETRIC_MAX_BYTES) is COLLECTIVE  # not 16-byte aligned
+    assert choose_path(8 * KiB, torch.bfloat16, 2, 0) is COLLECTIVE  # no buffer
+
+
+def test_one_shot_limits_shrink_as_the_group_grows():
+    limits = [ONE_SHOT_MAX_BYTES[n] for n in sorted(ONE_SHOT_MAX_BYTES)]
+    assert limits == sorted(limits, reverse=True) and limits[-1] < SYMMETRIC_MAX_BYTES
+
+
+def test_which_groups_may_try_symmetric_memory():
+    assert symmetric_unsupported("cuda", 2, single_node=True, enabled=True) is None
+    assert symmetric_unsupported("cuda", 8, single_node=True, enabled=True) is None
+    assert "gloo" in symmetric_unsupported("cpu", 2, single_node=True, enabled=True)
+    assert "--nnodes" in symmetric_unsupported("cuda", 4, single_node=False, enabled=True)
+    assert "3 ranks" in symmetric_unsupported("cuda", 3, single_node=True, enabled=True)
+    assert allreduce.SYMMETRIC_ENV in symmetric_unsupported("cuda", 2, single_node=True, enabled=False)
+
+
+def test_the_environment_switch(monkeypatch):
+    monkeypatch.delenv(allreduce.SYMMETRIC_ENV, raising=False)
+    assert allreduce.symmetric_enabled()
+    monkeypatch.setenv(allreduce.SYMMETRIC_ENV, "0")
+    assert not allreduce.symmetric_enabled()
+
+
+# ---- set-up failures: NCCL, one log line ----
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """setup_symmetric's group calls answered as rank 0 of a group whose other ranks agree."""
+    monkeypatch.setattr(allreduce.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(allreduce, "_peer_access_problem", lambda device: None)
+    monkeypatch.setattr(allreduce, "_agree", lambda reason, device: reason)
+    monkeypatch.delenv(allreduce.SYMMETRIC_ENV, raising=False)
+
+
+def warnings_of(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_cpu_groups_set_up_nothing_and_say_nothing(caplog):
+    assert setup_symmetric(torch.device("cpu"), 2, single_node=True) is None
+    assert warnings_of(caplog) == []
+
+
+def test_a_failed_set_up_means_nccl_and_one_line(one_rank, monkeypatch, caplog):
+    def fail(*args):
+        raise RuntimeError("CUDA driver error: peer mapping refused\nmore detail")
+
+    monkeypatch.setattr(allreduce.SymmetricAllReduce, "create", fail)
+    assert setup_symmetric(torch.device("cuda", 0), 2, single_node=True) is None
+    assert warnings_of(caplog) == ["all-reduce: NCCL for every message (symmetric memory off: set-up failed: "
+                                   "RuntimeError: CUDA driver error: peer mapping refused)"]
+
+
+def test_without_symmetric_memory_in_torch(one_rank, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import fails
+    assert setup_symmetric(torch.device("cuda", 0), 2, single_node=True) is None
+    (line,) = warnings_of(caplog)
+    assert "_symmetric_memory" in line
+
+
+def test_a_failure_on_another_rank_turns_it_off_here(one_rank, monkeypatch, caplog):
+    monkeypatch.setattr(allreduce.SymmetricAllReduce, "create", lambda *args: "ready here")
+    monkeypatch.setattr(allreduce, "_agree", lambda reason, device: reason or ANOTHER_RANK)
+    assert setup_symmetric(torch.device("cuda", 0), 2, single_node=True) is None
+    assert warnings_of(caplog) == [f"all-reduce: NCCL for every message (symmetric memory off: {ANOTHER_RANK})"]
+
+
+def test_several_machines_never_try(one_rank, monkeypatch, caplog):
+    monkeypatch.setattr(allreduce.SymmetricAllReduce, "create", lambda *args: pytest.fail("tried"))
+    assert setup_symmetric(torch.device("cuda", 0), 4, single_node=False) is None
+    (line,) = warnings_of(caplog)
+    assert "--nnodes > 1" in line
+
+
+class Recorder:
+    """A stand-in SymmetricAllReduce that sends every message down `path`."""
+
+    def __init__(self, path):
+        self.chosen, self.calls = path, []
+
+    def path(self, x):
+        return self.chosen
+
+    def one_shot(self, x):
+        self.calls.append("one-shot")
+        return x + 1
+
+    def two_shot(self, x):
+        self.calls.append("two-shot")
+        return x.add_(2)
+
+
+@pytest.mark.parametrize("path,expected", [(ONE, 1.0), (TWO, 2.0)])
+def test_tp_group_sends_each_message_down_its_path(path, expected):
+    recorder = Recorder(path)
+    x = torch.zeros(4)
+    assert torch.equal(TPGroup(0, 2, recorder).all_reduce(x), torch.full((4,), expected))
+    assert recorder.calls == [path.value]
+    assert TPGroup(0, 1, recorder).all_reduce(x) is x and len(recorder.calls) == 1  # one rank: nothing
+
+
+# ---- imports with neither CUDA nor symmetric memory ----
+
+def test_everything_imports_without_symmetric_memory():
+    code = ("import sys; sys.modules['torch.distributed._symmetric_memory'] = None\n"
+            "import lightllm.utils.allreduce, lightllm.utils.dist, lightllm.models, lightllm.engine.model_runner\n"
+            "from lightllm.utils.dist import TPGroup\n"
+            "import torch; x = torch.ones(3); assert TPGroup().all_reduce(x) is x\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+
+
+# ---- gloo: two processes ----
+
+SIZES = (1, 7, 64, 4096, 65536 + 3)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rank_input(seed: int, rank: int, numel: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(numel, generator=gen).to(dtype).to(device)
+
+
+def gloo_worker(rank, world_size, port, seed, results):
+    group = init_tp(rank, world_size, port, "cpu")
+    assert group.symmetric is None
+    for numel in SIZES:
+        for dtype in DTYPES:
+            got = group.all_reduce(rank_input(seed, rank, numel, dtype))
+            expected = rank_input(seed, 0, numel, dtype) + rank_input(seed, 1, numel, dtype)
+            results[(rank, numel, str(dtype))] = torch.equal(got, expected)
+    dist.destroy_process_group()
+
+
+def test_gloo_sums_of_two_ranks():
+    seed = random.randrange(1 << 20)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(gloo_worker, args=(2, free_port(), seed, results), nprocs=2, join=True)
+        results = dict(results)
+    assert len(results) == 2 * len(SIZES) * len(DTYPES)
+    assert all(results.values()), [key for key, ok in results.items() if not ok]
+
+
+# ---- CUDA: symmetric memory against NCCL (skipped without two GPUs) ----
+
+def gpu_world_size() -> int:
+    return max((n for n in ONE_SHOT_MAX_BYTES if n <= GPUS), default=0)
+
+
+# bytes of bf16 / fp32 messages: one-shot, two-shot (for every group size), past the buffer
+GPU_SIZES = (16, 8 * KiB, 256 * KiB, 2 * MiB + 16 * 3, SYMMETRIC_MAX_BYTES, SYMMETRIC_MAX_BYTES + 16 * KiB)
+
+
+def cuda_worker(rank, world_size, port, seed, results):
+    device = torch.device("cuda", rank)
+    group = init_tp(rank, world_size, port, device)
+    results[(rank, "set up")] = group.symmetric is not None
+    if group.symmetric is None:
+        return
+    for nbytes in GPU_SIZES:
+        for dtype in DTYPES:
+            inputs = [rank_input(seed, r, nbytes // dtype.itemsize, dtype, device) for r in range(world_size)]
+            reference = inputs[rank].clone()
+            dist.all_reduce(reference)
+            path = group.symmetric.path(inputs[rank])
+            got = group.all_reduce(inputs[rank].clone())
+            results[(rank, nbytes, str(dtype), path.value, "eager")] = same_sum(got, reference, inputs)
+            replayed = [rank_input(seed + 1, r, nbytes // dtype.itemsize, dtype, device) for r in range(world_size)]
+            reference = replayed[rank].clone()
+            dist.all_reduce(reference)
+            results[(rank, nbytes, str(dtype), path.value, "graph")] = same_sum(
+                graph_all_reduce(group, inputs[rank], replayed[rank]), reference, replayed)
+    dist.destroy_process_group()
+
+
+def graph_all_reduce(group: TPGroup, x: torch.Tensor, then: torch.Tensor) -> torch.Tensor:
+    """group.all_reduce captured in a CUDA graph on x, replayed on `then`."""
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        group.all_reduce(static.clone())  # warm-up: NCCL's communicator for this size
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = group.all_reduce(static)
+    static.copy_(then)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
+
+
+def same_sum(got: torch.Tensor, reference: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """NCCL's sum bitwise for two ranks (a + b in either order). Beyond, the summation orders
+    differ; each sum must then lie within the rounding bound of any order: n u sum |x_r|,
+    u the dtype's unit roundoff."""
+    if len(inputs) == 2:
+        return torch.equal(got, reference)
+    exact = torch.stack([x.double() for x in inputs]).sum(0)
+    magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    u = 2.0 ** -8 if got.dtype == torch.bfloat16 else 2.0 ** -24
+    return bool(((got.double() - exact).abs() <= len(inputs) * u * magnitude + 1e-30).all())
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_symmetric_sums_equal_nccl_eager_and_in_graphs():
+    world_size, seed = gpu_world_size(), random.randrange(1 << 20)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(cuda_worker, args=(world_size, free_port(), seed, results), nprocs=world_size, join=True)
+        results = dict(results)
+    assert all(results[(r, "set up")] for r in range(world_size)), "symmetric memory was not set up"
+    paths = {key[3] for key in results if len(key) == 5}
+    assert paths == {p.value for p in AllReducePath}, paths
+    assert all(results.values()), [key for key, ok in results.items() if not ok]
