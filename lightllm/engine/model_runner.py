@@ -115,6 +115,10 @@ class ModelRunner:
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
         `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py)."""
         self.device = resolve_device(device, tp_rank if local_rank is None else local_rank)
+        if self.device.type == "cuda":
+            # Triton launches on the current device's stream, whatever the tensors' device: a
+            # --dp replica's worker (tp 1, GPU d > 0) must make its GPU the current one too.
+            torch.cuda.set_device(self.device)
         capture = cuda_graph and self.device.type == "cuda"
         self.tp = init_tp(tp_rank, world_size, nccl_port, self.device, dist_init_addr)
         self.config = cfg = read_config(model_dir)
