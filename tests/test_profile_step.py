@@ -1,0 +1,32 @@
+"""test/benchmark/profile_step.py runs end to end on the CPU (tiny model) and reports what it
+promises: per decode batch the step one in flight, alone, and the host's launch time against
+the floor, then the eager steps."""
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
+import profile_step  # noqa: E402
+
+
+def test_profile_step_reports_every_measure(tmp_path):
+    from lightllm.tools.bench_model import write_bench_model
+
+    model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "profile.md"
+    assert profile_step.main([
+        "--model", str(model), "--device", "cpu", "--dtype", "float32", "--batches", "1,3", "--context", "16",
+        "--iters", "2", "--warmup", "1", "--host-steps", "2", "--mixed-decodes", "2", "--mixed-chunk", "8",
+        "--max-req-total-len", "512", "--running-max-req-size", "4", "--max-total-token-num", "2048",
+        "--out-md", str(out)]) == 0
+    text = out.read_text()
+    number = r"\d+\.\d+"
+    for batch in (1, 3):
+        section = text.split(f"### Decode, batch {batch}, context 16")[1].split("###")[0]
+        for measure in ("engine step, one in flight", "engine step alone", "host launch of a step"):
+            assert re.search(rf"\| {measure}[^|]*\| {number} \|", section), (batch, measure)
+        floor, measured = re.search(rf"one in flight[^|]*\| ({number}) \| ({number}) \|", section).groups()[::-1]
+        assert 0 < float(floor) and 0 < float(measured)
+    assert re.search(rf"\| prefill 1 x 128 \| {number} \|", text)
+    assert re.search(rf"\| mixed: 2 decodes \+ 1 x 8 \| {number} \|", text)
