@@ -59,3 +59,11 @@ def test_summary_splits_idle_by_the_step_that_waited():
     assert s["groups"]["with chunks, <= 4096 chunk tokens"]["steps"] == 1
     text = step_trace.table(s)
     assert "with chunks, <= 256 chunk tokens | 1 |" in text
+
+
+def test_plot_writes_a_png(tmp_path):
+    steps = [{"step": i, "decodes": 4, "chunk_tokens": 64 * (i % 2), "chunks": i % 2, "graph": i % 2 == 0,
+              "launch_ms": 1.0, "start_ms": 10.0 * i, "end_ms": 10.0 * i + 8} for i in range(6)]
+    path = tmp_path / "timeline.png"
+    step_trace.plot(steps, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
