@@ -2,14 +2,16 @@
 
     python test/benchmark/sim_cost.py          # fit, print the coefficients and the residuals
 
-The points are the static benchmark's H100 tables in docs/benchmarks.md (engine alone, CUDA graphs
-on, bench-8b in bf16) and two eager steps profiled on the H100. Two kinds of step, two formulas:
+The points are H100 measurements of bench-8b in bf16 (docs/benchmarks.md): decode steps and eager
+steps that test/benchmark/profile_step.py profiled at 6bfa73e and 9d728fa, and the static
+benchmark's prefills. Two kinds of step, two formulas:
 
 - decode only (replayed from a CUDA graph, padded to its batch bucket):
-      fixed + per_req * bucket(B) + kv_read * (context tokens of the batch)
-  fixed is streaming the 16 GB of weights once (5.4 ms at copy speed) plus graph launch;
-  per_req the GEMM rows and sampling of one more request; kv_read one context token's K and V
-  (128 KiB over 32 layers: 44 ns at 3 TB/s).
+      max(fixed + per_req * bucket(B), per_token * bucket(B)) + kv_read * (context tokens of the batch)
+  fixed is streaming the ~15 GB of weights a step reads (5.0 ms at copy speed, `weight_read_ms`)
+  plus the latency-bound small kernels; per_req the GEMM rows and sampling of one more request;
+  per_token the prefill's (compute-bound rows, which bind past ~330 requests); kv_read one
+  context token's K and V (128 KiB over 32 layers: 44 ns at 3 TB/s).
 - with prefill (eager, not captured), two times that overlap:
       device  prefill_fixed + per_token * tokens + attention * pairs + kv_read * decode context
       host    eager_host + (eager_decode_host if the step also carries decodes)
@@ -21,12 +23,14 @@ on, bench-8b in bf16) and two eager steps profiled on the H100. Two kinds of ste
 
 On top, `call_overhead_ms`: host time of one router <-> worker call (see its comment).
 
-The host terms solve the two eager rows that test/benchmark/profile_step.py measured on the H100
-on 2026-11-23 (H100_EAGER_POINTS: wall time of one synchronous step alone). The device terms are
-fitted to the static points whose fitted device time exceeds the eager host time (the others are
+The decode terms: kv_read is the decode attention kernel's time per context token (its KV stream,
+H100_KV_STREAM), then fixed and per_req solve the two decode steps one in flight (H100_DECODE_POINTS:
+the device's period as the engine core runs steps). The host terms solve the two eager rows
+(H100_EAGER_POINTS: wall time of one synchronous step alone). The prefill device terms are fitted
+to the static prefills whose fitted device time exceeds the eager host time (the others are
 host-bound and say nothing about the device), repeated until that set stops changing.
 Fits are least squares on relative error (numpy.linalg.lstsq, rows scaled by 1 / measured time),
-so that 7 ms and 200 ms points weigh alike.
+so that 5 ms and 200 ms points weigh alike. `with_fp8` prices what-ifs on top of the fit.
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ class StepWork:
 
 
 @dataclass(frozen=True)
-class StaticPoint:
-    """One row of the static benchmark: a prefill of `batch` x `length` or a decode at `context`."""
+class StepPoint:
+    """One measured step: a prefill of `batch` x `length` alone, synchronous (the static
+    benchmark), or a decode of `batch` requests at context `length`, steps one in flight."""
 
     phase: str  # "prefill" or "decode"
     batch: int
@@ -91,26 +96,31 @@ class StaticPoint:
         return StepWork(decode_reqs=self.batch, decode_context=self.batch * self.length)
 
 
+# Static benchmark, "Static benchmark (engine alone, CUDA graphs on)". Only its device-bound
+# prefills are kept: not measured since, and of their kernels only the o/down GEMMs' weight layout
+# changed (3df4290, chosen at decode sizes). Dropped: the 1 x 128 prefill
+# (host-bound, and its host time was Triton's old launch path) and every decode point: they time a
+# step alone, synchronous (launch, a host-device sync since removed, and sampling in series with the
+# device), with decode attention's old launch settings and the old o/down/LM-head layout.
 _MAIN, _AGAIN = "720458a", "94a5e24 (2026-11-22)"
-H100_STATIC_POINTS = (  # docs/benchmarks.md, "Static benchmark (engine alone, CUDA graphs on)"
-    StaticPoint("prefill", 1, 128, 22.669, _MAIN),
-    StaticPoint("prefill", 1, 1024, 26.153, _MAIN),
-    StaticPoint("prefill", 8, 128, 24.919, _MAIN),
-    StaticPoint("prefill", 8, 1024, 197.145, _MAIN),
-    StaticPoint("decode", 1, 128, 6.842, _MAIN),
-    StaticPoint("decode", 1, 1024, 6.831, _MAIN),
-    StaticPoint("decode", 1, 4096, 6.971, _MAIN),
-    StaticPoint("decode", 8, 1024, 7.503, _MAIN),
-    StaticPoint("decode", 32, 1024, 8.835, _MAIN),
-    StaticPoint("decode", 64, 1024, 10.680, _MAIN),
-    StaticPoint("decode", 64, 4096, 19.245, _MAIN),
-    StaticPoint("decode", 128, 1024, 14.851, _MAIN),
-    StaticPoint("decode", 256, 128, 12.350, _MAIN),
-    StaticPoint("decode", 256, 1024, 23.685, _MAIN),
-    StaticPoint("prefill", 1, 1024, 26.167, _AGAIN),
-    StaticPoint("decode", 1, 1024, 6.589, _AGAIN),
-    StaticPoint("decode", 64, 1024, 10.143, _AGAIN),
+H100_PREFILL_POINTS = (
+    StepPoint("prefill", 1, 1024, 26.153, _MAIN),
+    StepPoint("prefill", 8, 128, 24.919, _MAIN),
+    StepPoint("prefill", 8, 1024, 197.145, _MAIN),
+    StepPoint("prefill", 1, 1024, 26.167, _AGAIN),
 )
+
+# profile_step.py's "engine step, one in flight" (the server's loop) at 6bfa73e, context 1024.
+_TUNED = "6bfa73e profile_step.py (2026-11-23)"
+H100_DECODE_POINTS = (
+    StepPoint("decode", 1, 1024, 5.661, _TUNED),
+    StepPoint("decode", 256, 1024, 18.962, _TUNED),
+)
+H100_STEP_POINTS = H100_PREFILL_POINTS + H100_DECODE_POINTS
+
+# The same profiles' decode attention split kernel (the one that streams the KV), ms a step, by
+# the batch's context tokens: 0.96 of reading 128 KiB a token at copy speed between the two.
+H100_KV_STREAM = ((1 * 1024, 0.194), (256 * 1024, 12.058))
 
 
 @dataclass(frozen=True)
@@ -125,33 +135,36 @@ class EagerPoint:
     source: str
 
 
-_PROFILE = "profile_step.py (2026-11-23)"
-H100_EAGER_POINTS = (  # docs/benchmarks.md, "Simulated-GPU benchmark": the eager host time
+_FAST_LAUNCH = "9d728fa profile_step.py (2026-11-23)"  # Triton kernels launched directly
+H100_EAGER_POINTS = (  # docs/benchmarks.md, "Triton's launch path (9d728fa)"
     EagerPoint("prefill 1 x 128", StepWork(prefill_tokens=128, attention_pairs=causal_pairs(0, 128)),
-               20.99, 6.72, _PROFILE),
+               11.65, 6.70, _FAST_LAUNCH),
     # 64 decodes of 256-token prompts (context ~257: each timed step adds one) and one 512-token chunk
-    EagerPoint("64 decodes + 1 x 512", StepWork(64, 64 * 257, 512, causal_pairs(0, 512)), 31.50, 15.17, _PROFILE),
+    EagerPoint("64 decodes + 1 x 512", StepWork(64, 64 * 257, 512, causal_pairs(0, 512)), 17.75, 15.35, _FAST_LAUNCH),
 )
 
 
 @dataclass(frozen=True)
 class H100CostModel:
-    """Step times (ms) of bench-8b on one H100; the defaults are the fit to H100_STATIC_POINTS and
-    H100_EAGER_POINTS (`python test/benchmark/sim_cost.py` refits and prints them)."""
+    """Step times (ms) of bench-8b on one H100; the defaults are the fit to H100_STEP_POINTS,
+    H100_KV_STREAM and H100_EAGER_POINTS (`python test/benchmark/sim_cost.py` refits and prints them)."""
 
-    decode_fixed_ms: float = 6.73
-    decode_per_req_ms: float = 0.016608
-    kv_read_ms_per_token: float = 4.4751e-05
+    decode_fixed_ms: float = 5.6088
+    decode_per_req_ms: float = 0.0056353
+    kv_read_ms_per_token: float = 4.5435e-05
     prefill_fixed_ms: float = 1.7336
     prefill_per_token_ms: float = 0.022468
     attention_ms_per_pair: float = 2.7052e-06
-    eager_host_ms: float = 20.99  # host launch of an eager forward (prefill chunks only)
-    eager_decode_host_ms: float = 10.51  # more launches when it also carries decodes
+    eager_host_ms: float = 11.65  # host launch of an eager forward (prefill chunks only)
+    eager_decode_host_ms: float = 6.10  # more launches when it also carries decodes
     # Host, not device, and not fitted: one router <-> worker rpyc round trip, which the static
     # benchmark (runner called in process) does not see. On the H100 one request streamed at
     # 6.93 ms a token against a 6.59 ms decode step (same lease): 0.34 ms of pipeline a step, of
     # which the simulation already spends 0.22 ms on this CPU (router loop, serialization).
     call_overhead_ms: float = 0.12
+    # Not fitted: the part of decode_fixed_ms that streams the weights (a step reads ~15 GB of
+    # bf16 weights, at ~3.0 TB/s), which the fp8 what-if halves.
+    weight_read_ms: float = 5.0
 
     def step_ms(self, work: StepWork) -> float:
         """A step alone, synchronous (what the static benchmark measures)."""
@@ -173,13 +186,25 @@ class H100CostModel:
                 + self.kv_read_ms_per_token * work.decode_context)
 
     def decode_ms(self, work: StepWork) -> float:
-        return (self.decode_fixed_ms + self.decode_per_req_ms * decode_bucket(work.decode_reqs)
-                + self.kv_read_ms_per_token * work.decode_context)
+        """The rows cost at least as many prefill tokens: past ~330 requests a step's GEMMs are
+        compute-bound, and the line through batches 1 and 256 would have them beat the prefill's
+        715 TFLOP/s."""
+        bucket = decode_bucket(work.decode_reqs)
+        rows = max(self.decode_fixed_ms + self.decode_per_req_ms * bucket, self.prefill_per_token_ms * bucket)
+        return rows + self.kv_read_ms_per_token * work.decode_context
 
     def with_eager_host_scale(self, scale: float) -> "H100CostModel":
         """The same device with eager steps launched `scale` times as slowly (0: as cheaply as a graph)."""
         return replace(self, eager_host_ms=self.eager_host_ms * scale,
                        eager_decode_host_ms=self.eager_decode_host_ms * scale)
+
+    def with_fp8(self, weights: bool = False, kv_cache: bool = False) -> "H100CostModel":
+        """What-if estimates, not fits: fp8 weights halve the weight read of every decode step
+        (compute, prefill's and the rows' roofline, unchanged); an fp8 KV cache halves every KV read."""
+        fixed = self.decode_fixed_ms - (self.weight_read_ms / 2 if weights else 0.0)
+        kv_read = self.kv_read_ms_per_token / (2 if kv_cache else 1)
+        return replace(self, decode_fixed_ms=fixed, kv_read_ms_per_token=kv_read,
+                       weight_read_ms=self.weight_read_ms / (2 if weights else 1))
 
 
 def _relative_lstsq(rows: list[list[float]], ms: list[float]) -> np.ndarray:
@@ -188,9 +213,13 @@ def _relative_lstsq(rows: list[list[float]], ms: list[float]) -> np.ndarray:
     return coef
 
 
-def _fit_decode(points: list[StaticPoint]) -> dict:
-    rows = [[1.0, decode_bucket(p.batch), p.work.decode_context] for p in points]
-    fixed, per_req, kv = _relative_lstsq(rows, [p.ms for p in points])
+def _fit_decode(points: list[StepPoint], kv_stream) -> dict:
+    """kv_read from the attention kernel's growth with context; the rest of each step is
+    fixed + per_req * bucket. Two points, two coefficients: exactly determined."""
+    (context_a, ms_a), (context_b, ms_b) = kv_stream
+    kv = (ms_b - ms_a) / (context_b - context_a)
+    rows = [[1.0, decode_bucket(p.batch)] for p in points]
+    fixed, per_req = _relative_lstsq(rows, [p.ms - kv * p.work.decode_context for p in points])
     return {"decode_fixed_ms": fixed, "decode_per_req_ms": per_req, "kv_read_ms_per_token": kv}
 
 
@@ -200,7 +229,7 @@ def _fit_eager_host(points: list[EagerPoint]) -> dict:
     return {"eager_host_ms": host, "eager_decode_host_ms": decode_host}
 
 
-def _fit_prefill_device(points: list[StaticPoint], kv_read: float, host: dict) -> dict:
+def _fit_prefill_device(points: list[StepPoint], kv_read: float, host: dict) -> dict:
     """Least squares over the device-bound prefills; a point is device-bound when the fit puts
     its device time above its host time. Start from all of them, repeat until the set is stable."""
     bound = points
@@ -215,20 +244,19 @@ def _fit_prefill_device(points: list[StaticPoint], kv_read: float, host: dict) -
     return {"prefill_fixed_ms": fixed, "prefill_per_token_ms": per_token, "attention_ms_per_pair": per_pair}
 
 
-def fit(points=H100_STATIC_POINTS, eager=H100_EAGER_POINTS) -> H100CostModel:
-    decode = _fit_decode([p for p in points if p.phase == "decode"])
+def fit(points=H100_STEP_POINTS, eager=H100_EAGER_POINTS, kv_stream=H100_KV_STREAM) -> H100CostModel:
+    decode = _fit_decode([p for p in points if p.phase == "decode"], kv_stream)
     host = _fit_eager_host(list(eager))
     prefill = _fit_prefill_device([p for p in points if p.phase == "prefill"], decode["kv_read_ms_per_token"], host)
-    return H100CostModel(**{key: float(value) for key, value in {**decode, **prefill, **host}.items()},
-                         call_overhead_ms=H100CostModel.call_overhead_ms)
+    return H100CostModel(**{key: float(value) for key, value in {**decode, **prefill, **host}.items()})
 
 
-def residuals(model: H100CostModel, points=H100_STATIC_POINTS) -> list[dict]:
+def residuals(model: H100CostModel, points=H100_STEP_POINTS) -> list[dict]:
     return [{**asdict(p), "model_ms": model.step_ms(p.work), "error": model.step_ms(p.work) / p.ms - 1}
             for p in points]
 
 
-def format_fit(model: H100CostModel, points=H100_STATIC_POINTS, eager=H100_EAGER_POINTS) -> str:
+def format_fit(model: H100CostModel, points=H100_STEP_POINTS, eager=H100_EAGER_POINTS) -> str:
     lines = ["H100CostModel(", *(f"    {key}={value:.5g}," for key, value in asdict(model).items()), ")",
              "| phase | batch | length | measured ms | model ms | error | source |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]

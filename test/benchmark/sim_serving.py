@@ -13,6 +13,8 @@ tokenization and detokenization are left out. Server settings: `--server-args "-
 4096 --disable_overlap"` (the server's own flags); the KV budget is the H100's unless given there.
 `--eager-host-scale S` charges S times the measured host launch time of steps with prefill chunks
 (0: launched as cheaply as a decode graph, an estimate of what cutting that host time would give).
+`--fp8-weights` / `--fp8-kv-cache` price what-ifs (`H100CostModel.with_fp8`): every decode step's
+weight read halved, every KV read halved; the KV budget is left as it is.
 """
 
 from __future__ import annotations
@@ -236,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--eager-host-scale", type=float, default=1.0,
         help="scale the host launch time of steps with prefill chunks (0: launched as cheaply as a decode graph)")
+    add("--fp8-weights", action="store_true", help="what-if: every decode step reads half the weight bytes")
+    add("--fp8-kv-cache", action="store_true", help="what-if: every KV read (decode attention) reads half the bytes")
     add("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -246,7 +250,7 @@ def run(args) -> dict:
         requests = read_requests(args.requests)[: args.num_prompts]
     else:
         requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
-    cost = H100CostModel().with_eager_host_scale(args.eager_host_scale)
+    cost = H100CostModel().with_eager_host_scale(args.eager_host_scale).with_fp8(args.fp8_weights, args.fp8_kv_cache)
     logger.info("simulating %d requests (server flags %r) with %s", len(requests), args.server_args, cost)
     load_before = os.getloadavg()[0]
     logger.info("host load average before the run: %.2f (host time is real: other work here slows it)", load_before)
