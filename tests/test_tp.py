@@ -55,23 +55,29 @@ def tp_worker(rank, world_size, port, model_dirs, out_file):
         torch.save(results, out_file)
 
 
-def test_tp2_matches_tp1(tmp_path):
+def assert_tp2_matches_tp1(tmp_path, worker, tp1_logits):
+    """`worker` on 2 ranks over TP_CASES' models (rank 0 saves its logits), against
+    `tp1_logits(model_dir, seen)` in this process: the same 7 steps' logits, within ATOL/RTOL."""
     dirs = [tmp_path / name for name in TP_CASES]
     for name, d in zip(TP_CASES, dirs):
         make_model(name, d)
     out_file = tmp_path / "tp2.pt"
-    mp.spawn(tp_worker, args=(2, free_port(), dirs, out_file), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), dirs, out_file), nprocs=2, join=True)
     tp2 = torch.load(out_file)
     original_sample = model_runner.sample
     try:
         seen = capture_logits()
-        tp1 = [schedule_logits(d, seen) for d in dirs]
+        tp1 = [tp1_logits(d, seen) for d in dirs]
     finally:
         model_runner.sample = original_sample
     for name, ours, reference in zip(TP_CASES, tp2, tp1):
         assert len(ours) == len(reference) == 7, name
         for a, b in zip(ours, reference):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_tp2_matches_tp1(tmp_path):
+    assert_tp2_matches_tp1(tmp_path, tp_worker, schedule_logits)
 
 
 def test_kv_heads_split_or_replicate():
@@ -95,41 +101,24 @@ def cuda_runner(model_dir, rank=0, world_size=1, port=0):
                                     world_size=world_size, nccl_port=port)
 
 
+def cuda_schedule_logits(model_dir, seen, **kw):
+    seen.clear()
+    runner = cuda_runner(model_dir, **kw)
+    assert runner.tp.world_size == 1 or runner.tp.symmetric is not None, "symmetric memory was not set up (see the log)"
+    run_schedule(runner, random_prompts(3))
+    return [logits.cpu() for logits in seen]
+
+
 def cuda_tp_worker(rank, world_size, port, model_dirs, out_file):
     seen = capture_logits()
-    results = []
-    for d in model_dirs:
-        seen.clear()
-        runner = cuda_runner(d, rank, world_size, port)
-        assert runner.tp.symmetric is not None, "symmetric memory was not set up (see the log)"
-        run_schedule(runner, random_prompts(3))
-        results.append([logits.cpu() for logits in seen])
+    results = [cuda_schedule_logits(d, seen, rank=rank, world_size=world_size, port=port) for d in model_dirs]
     if rank == 0:
         torch.save(results, out_file)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp2_cuda_graphs_match_tp1(tmp_path):
-    dirs = [tmp_path / name for name in TP_CASES]
-    for name, d in zip(TP_CASES, dirs):
-        make_model(name, d)
-    out_file = tmp_path / "tp2.pt"
-    mp.spawn(cuda_tp_worker, args=(2, free_port(), dirs, out_file), nprocs=2, join=True)
-    tp2 = torch.load(out_file)
-    original_sample = model_runner.sample
-    try:
-        seen = capture_logits()
-        tp1 = []
-        for d in dirs:
-            seen.clear()
-            run_schedule(cuda_runner(d), random_prompts(3))
-            tp1.append([logits.cpu() for logits in seen])
-    finally:
-        model_runner.sample = original_sample
-    for name, ours, reference in zip(TP_CASES, tp2, tp1):
-        assert len(ours) == len(reference) == 7, name
-        for a, b in zip(ours, reference):
-            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=name)
+    assert_tp2_matches_tp1(tmp_path, cuda_tp_worker, cuda_schedule_logits)
 
 
 def test_bench_70b_is_llama_3_1_70b_and_splits_over_4_and_8_ranks(default_model_dir, tmp_path):

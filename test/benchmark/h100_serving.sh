@@ -46,8 +46,7 @@ ENTRIES=() RUNS=() CHECKS=() SERVER=
 declare -A TAKEN=()  # names of this call's result folders: a repeated item gets NAME-2, NAME-3, ...
 trap 'stop_server; save' EXIT  # logs come back whatever happens; no server outlives the call
 
-do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
-left() { echo $((END - SECONDS - 10)); }
+. "$ROOT/test/benchmark/gpu_lib.sh"  # do_or_say, left, install_kit, healthy, wait_healthy, stop_server
 unique() {  # unique NAME: sets UNIQUE to NAME, or to NAME-K if this call already has it (no subshell)
   local k=2; UNIQUE=$1; while [[ -n ${TAKEN[$UNIQUE]:-} ]]; do UNIQUE=$1-$((k++)); done
   TAKEN[$UNIQUE]=1
@@ -56,11 +55,7 @@ save() { ((DRY)) || tar -czf "$OUT/h100.tar.gz" -C "$WORK" --exclude=requests.js
 
 setup() {
   ((DRY)) || find "$WORK" -mindepth 1 -maxdepth 1 -exec rm -rf {} +  # logs of this call only
-  [[ -n ${NO_WHEELS:-} ]] || do_or_say python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$ROOT"/.whl/*.whl
-  do_or_say rm -rf "$ROOT/.gpu/new_path"
-  do_or_say mkdir -p "$ROOT/.gpu/new_path"
-  do_or_say cp -r "$ROOT/kernels" "$ROOT/.gpu/new_path/lightllm_kernels"  # imported as lightllm_kernels
+  install_kit
   ((DRY)) || { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader || true; }
 }
 
@@ -177,15 +172,6 @@ serve() {  # serve VARIANT:N[@RATE]
 
 requests_file() { local f=$ROOT/.gpu/requests-$1.json; [[ -f $f ]] && echo "$f" || echo "$ROOT/.gpu/requests-2000.json"; }
 
-healthy() {  # healthy PORT: GET /health answers 200 (bash's /dev/tcp: no client needed)
-  local status=
-  { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
-  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
-  read -r -t 10 status <&3 || true
-  exec 3>&-
-  [[ $status == *" 200 "* ]]
-}
-
 start_server() {  # start_server DIR SECONDS: the caller's variant in a session of its own; sets SERVER, url
   local port=$((20000 + RANDOM % 20000)) deadline=$((SECONDS + $2))
   url=http://127.0.0.1:$port
@@ -193,20 +179,7 @@ start_server() {  # start_server DIR SECONDS: the caller's variant in a session 
   (cd "$tree" && exec env PYTHONPATH="$path" setsid python3 -m lightllm.server.api_server --model_dir "$MODEL" \
     --tp 1 --host 127.0.0.1 --port "$port" --load_format dummy --data_type bfloat16 $extra) > "$1/server.log" 2>&1 &
   SERVER=$!
-  until healthy "$port"; do
-    if ! kill -0 "$SERVER" 2>/dev/null || ((SECONDS > deadline)); then
-      echo "server not healthy within $2 s or dead: see server.log"; stop_server; return 1
-    fi
-    sleep 1
-  done
-}
-
-stop_server() {  # SIGTERM to the server alone (it drains, then ends its processes); its session's rest
-  [[ -n $SERVER ]] || return 0  # gets SIGKILL after 40 s
-  kill -TERM "$SERVER" 2>/dev/null || true
-  local i; for i in $(seq 40); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- "-$SERVER" 2>/dev/null || true
-  wait "$SERVER" 2>/dev/null || true; SERVER=
+  wait_healthy "$port" "$deadline" "$1/server.log"
 }
 
 workload() {  # workload DIR TAG WORKLOAD: benchmark_serving.py against $url; DIR/TAG.{json,log,window}

@@ -44,18 +44,13 @@ GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
 CHECKS=() ROWS=() SERVER= MODEL_DIR=
 trap 'stop_server; save' EXIT  # logs come back whatever happens; no server outlives the call
 
-do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
-left() { echo $((END - SECONDS - 10)); }
+. "$ROOT/test/benchmark/gpu_lib.sh"  # do_or_say, left, install_kit, healthy, wait_healthy, stop_server
 save() { ((DRY)) || tar -czf "$OUT/multi_gpu.tar.gz" -C "$WORK" --exclude=requests.json . || true; }
 note() { CHECKS+=("$1"); echo "$1"; }
 
 setup() {
   ((DRY)) || find "$WORK" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
-  [[ -n ${NO_WHEELS:-} ]] || do_or_say python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site "$ROOT"/.whl/*.whl
-  do_or_say rm -rf "$ROOT/.gpu/new_path"
-  do_or_say mkdir -p "$ROOT/.gpu/new_path"
-  do_or_say cp -r "$ROOT/kernels" "$ROOT/.gpu/new_path/lightllm_kernels"  # imported as lightllm_kernels
+  install_kit
   case $MODEL in
     bench-8b) MODEL_DIR=$ROOT/.gpu/bench-8b ;;
     bench-70b) MODEL_DIR=/tmp/bench-70b
@@ -97,29 +92,7 @@ start_server() {  # start_server DIR TP SECONDS ENV FLAGS...: a server in a sess
   env $env setsid python3 -m lightllm.server.api_server --tp "$tp" --host 127.0.0.1 --port "$port" "$@" \
     > "$dir/server.log" 2>&1 &
   SERVER=$!
-  until healthy "$port"; do
-    if ! kill -0 "$SERVER" 2>/dev/null || ((SECONDS > deadline)); then
-      echo "server not healthy within $3 s or dead: see $dir/server.log"; stop_server; return 1
-    fi
-    sleep 1
-  done
-}
-
-healthy() {  # healthy PORT: GET /health answers 200 (bash's /dev/tcp: no client needed)
-  local status=
-  { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
-  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
-  read -r -t 10 status <&3 || true
-  exec 3>&-
-  [[ $status == *" 200 "* ]]
-}
-
-stop_server() {  # SIGTERM to the server (it drains and ends its processes); its session's rest gets SIGKILL after 40 s
-  [[ -n $SERVER ]] || return 0
-  kill -TERM "$SERVER" 2>/dev/null || true
-  local i; for i in $(seq 40); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- "-$SERVER" 2>/dev/null || true
-  wait "$SERVER" 2>/dev/null || true; SERVER=
+  wait_healthy "$port" "$deadline" "$dir/server.log"
 }
 
 gpu_log() {  # gpu_log FILE: nvidia-smi's utilisation of every GPU every 200 ms, until killed; echoes its pid

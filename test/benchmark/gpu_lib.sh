@@ -1,0 +1,39 @@
+# Shell pieces shared by the one-call device scripts (h100_serving.sh, multi_gpu.sh); source it.
+# The caller sets ROOT, DRY, END (SECONDS at which its budget ends) and SERVER (empty).
+
+do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
+left() { echo $((END - SECONDS - 10)); }
+
+install_kit() {  # the wheels the GPU image lacks into /tmp/site (unless NO_WHEELS), kernels/ as lightllm_kernels
+  [[ -n ${NO_WHEELS:-} ]] || do_or_say python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site "$ROOT"/.whl/*.whl
+  do_or_say rm -rf "$ROOT/.gpu/new_path"
+  do_or_say mkdir -p "$ROOT/.gpu/new_path"
+  do_or_say cp -r "$ROOT/kernels" "$ROOT/.gpu/new_path/lightllm_kernels"  # imported as lightllm_kernels
+}
+
+healthy() {  # healthy PORT: GET /health answers 200 (bash's /dev/tcp: no client needed)
+  local status=
+  { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
+  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  read -r -t 10 status <&3 || true
+  exec 3>&-
+  [[ $status == *" 200 "* ]]
+}
+
+wait_healthy() {  # wait_healthy PORT DEADLINE LOG: until $SERVER answers; stops it and fails if it dies or DEADLINE passes
+  until healthy "$1"; do
+    if ! kill -0 "$SERVER" 2>/dev/null || ((SECONDS > $2)); then
+      echo "server not healthy in time or dead: see $3"; stop_server; return 1
+    fi
+    sleep 1
+  done
+}
+
+stop_server() {  # SIGTERM to the server alone (it drains, then ends its processes); its session's rest
+  [[ -n $SERVER ]] || return 0  # gets SIGKILL after 40 s
+  kill -TERM "$SERVER" 2>/dev/null || true
+  local i; for i in $(seq 40); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null || true
+  wait "$SERVER" 2>/dev/null || true; SERVER=
+}
