@@ -113,16 +113,16 @@ def _programs_per_wave(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int,
-                device: torch.device) -> tuple[int, int, tuple[int, int, int]]:
+def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device,
+                launch: tuple[int, int, int] | None = None) -> tuple[int, int, tuple[int, int, int]]:
     """(num_splits, chunk, (BLOCK_N, warps, stages)) from host ints only, so choosing them
-    never waits on the GPU.
+    never waits on the GPU; `launch` overrides the settings (tune_decode_attention.py).
 
     Large batches already fill the GPU with one program per (request, kv head); small ones
     split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK
     and a multiple of the block."""
     wanted = triton.cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
-    launch = SPLIT_LAUNCH if wanted > 1 else WHOLE_LAUNCH
+    launch = launch or (SPLIT_LAUNCH if wanted > 1 else WHOLE_LAUNCH)
     block_n = launch[0]
     num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, max(MIN_CHUNK, block_n))))
     chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), block_n) * block_n

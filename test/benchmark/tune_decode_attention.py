@@ -19,24 +19,16 @@ import sys
 
 import torch
 
-from lightllm_kernels.decode_attention import (LOG2E, MAX_SPLITS, MIN_CHUNK, WAVES, _decode_merge_kernel,
-                                               _decode_split_kernel, _programs_per_wave, decode_attention_ref,
-                                               decode_attention_triton, triton)
+from lightllm_kernels.decode_attention import (LOG2E, _decode_merge_kernel, _decode_split_kernel, _split_plan,
+                                               decode_attention_ref, decode_attention_triton, triton)
+from static_benchmark import copy_bandwidth
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def split_plan(batch: int, max_seqlen: int, block_n: int, device) -> tuple[int, int]:
-    """decode_attention's plan with another BLOCK_N (chunks stay multiples of it)."""
-    wanted = triton.cdiv(WAVES * _programs_per_wave(device), batch * NUM_KV_HEADS)
-    num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, max(MIN_CHUNK, block_n))))
-    chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), block_n) * block_n
-    return triton.cdiv(max_seqlen, chunk), chunk
-
-
 def launch(q, k_cache, v_cache, req_to_token, rows, seq_lens, max_seqlen, scale, block_n, warps, stages):
     batch, num_q_heads, head_dim = q.shape
-    splits, chunk = split_plan(batch, max_seqlen, block_n, q.device)
+    splits, chunk, _ = _split_plan(batch, k_cache.shape[1], max_seqlen, q.device, (block_n, warps, stages))
     group = num_q_heads // k_cache.shape[1]
     part_o = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
@@ -61,12 +53,6 @@ def time_us(fn, iters: int = 50) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters * 1000
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (time_us(lambda: dst.copy_(src), 10) / 1e6)
 
 
 def case(batch: int, context: int, max_seqlen: int):
@@ -94,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no GPU", file=sys.stderr)
         return 1
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"), 1 << 30)
     scale = HEAD_DIM ** -0.5
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; context {args.context}, max_seqlen {args.max_seqlen}\n")
     print("| batch | BLOCK_N | warps | stages | us | floor fraction | max abs error |")
