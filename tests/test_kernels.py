@@ -12,6 +12,8 @@ from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penaltie
 from lightllm_kernels.copy_kv import copy_kv_ref, copy_kv_triton
 from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton
+from lightllm_kernels.fp8_linear import (FP8_MAX, SMALL_M_MAX, fp8_gemm_small_m, fp8_linear_ref, fp8_linear_triton,
+                                         quantize_fp8_rows_ref, quantize_fp8_rows_triton, quantize_fp8_weight)
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_emb import rotary_emb_ref, rotary_emb_triton
@@ -401,3 +403,57 @@ def test_fast_launch_on_the_gpu_matches_the_reference():
     assert x.data_ptr() % 16 != 0
     assert_close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dict(atol=2e-2, rtol=2e-2))
     assert len(_rms_norm_kernel._compiled) >= 2
+
+
+# ---------------------------------------------------------------- fp8 linear
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 200])
+def test_quantize_fp8_rows_triton_matches_ref(dtype, width):
+    x = randn(4, width, dtype=dtype) * 5
+    x[1] = 0  # a row of zeros: scale MIN_SCALE, all zeros, no NaN
+    x[2, :width // 2] *= 1e-4  # values in e4m3's subnormal range after scaling
+    q, scale = quantize_fp8_rows_triton(x)
+    q_ref, scale_ref = quantize_fp8_rows_ref(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())  # -0 and +0 compare equal
+
+
+def test_quantize_fp8_ref_rounds_to_the_nearest_e4m3_value():
+    x = torch.randn(6, 128) * torch.logspace(-3, 3, 6)[:, None]
+    q, scale = quantize_fp8_rows_ref(x)
+    assert torch.equal(q.float().abs().amax(1), torch.full((6,), FP8_MAX))  # each row's max maps to 448
+    scaled = x / scale
+    # e4m3: 3 mantissa bits, so half a step is 2^-4 of the value; below 2^-6 the step is 2^-9
+    bound = torch.maximum(scaled.abs() * 2**-4, torch.full_like(scaled, 2**-10))
+    assert ((q.float() - scaled).abs() <= bound * (1 + 1e-6)).all()
+    w_q, w_scale = quantize_fp8_weight(x)
+    assert torch.equal(w_q.float(), q.float()) and torch.equal(w_scale, scale.t())  # weights: the same per row
+
+
+def fp8_inputs(m, n, k):
+    x = randn(m, k, dtype=torch.bfloat16)
+    w_q, w_scale = quantize_fp8_weight(randn(n, k) * 0.05)
+    return x, w_q.to(DEVICE), w_scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("m,plan", [(1, None), (5, (16, 32, 64, 1)), (16, (16, 64, 64, 3)), (33, None),
+                                    (33, (64, 32, 128, 2))])
+def test_fp8_gemm_small_m_matches_ref(m, plan):
+    x, w_q, w_scale = fp8_inputs(m, 96, 320)  # K = 5 blocks of 64: the last split is shorter
+    q, scale = quantize_fp8_rows_triton(x)
+    got = fp8_gemm_small_m(q, scale, w_q, w_scale, torch.bfloat16, plan=plan)
+    assert_close(got, fp8_linear_ref(x, w_q, w_scale), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("m", [3, SMALL_M_MAX + 3])  # the Triton kernel, then cuBLAS's scaled GEMM
+def test_fp8_linear_triton_matches_ref(m):
+    x, w_q, w_scale = fp8_inputs(m, 48, 128)
+    assert_close(fp8_linear_triton(x, w_q, w_scale), fp8_linear_ref(x, w_q, w_scale), TOL[torch.bfloat16])
+
+
+def test_fp8_linear_ref_is_close_to_the_unquantised_product():
+    x, w = torch.randn(8, 256), torch.randn(64, 256) * 0.05
+    w_q, w_scale = quantize_fp8_weight(w)
+    exact = x @ w.t()
+    err = (fp8_linear_ref(x, w_q, w_scale) - exact).norm() / exact.norm()
+    assert 1e-3 < err < 0.06  # e4m3 rounding of both operands: a few percent, never none

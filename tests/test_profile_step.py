@@ -30,3 +30,30 @@ def test_profile_step_reports_every_measure(tmp_path):
         assert 0 < float(floor) and 0 < float(measured)
     assert re.search(rf"\| prefill 1 x 128 \| {number} \|", text)
     assert re.search(rf"\| mixed: 2 decodes \+ 1 x 8 \| {number} \|", text)
+
+
+def test_fp8_kernels_are_labelled_by_their_place_in_the_layer():
+    names = ["_rms_norm_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel", "_reduce_splits_kernel",
+             "_rotary_kernel", "_copy_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+             "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel", "_rms_norm_kernel", "_quantize_rows_kernel",
+             "sm90_xmma_gemm_e4m3", "_silu_and_mul_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel",
+             "_reduce_splits_kernel", "_rms_norm_kernel", "nvjet_sm90_tst_lm"]
+    labels = [g for g, _, _ in profile_step.label_kernels([(n, i, i + 1) for i, n in enumerate(names)], 1)]
+    assert [g for g in labels if g.startswith("GEMM") and "split" not in g] == [
+        "GEMM qkv", "GEMM o", "GEMM gate_up", "GEMM down", "GEMM lm_head"]
+    assert labels.count("fp8 input quantisation") == 4 and labels.count("GEMM split-K reduction") == 2
+
+
+def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
+    import dataclasses
+
+    from lightllm.models import read_config
+    from lightllm.tools.bench_model import write_bench_model
+    from static_benchmark import weight_bytes
+
+    cfg = read_config(write_bench_model(tmp_path / "tiny", "tiny", seed=0))
+    fp8 = dataclasses.replace(cfg, quantization="fp8")
+    d, kv = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    projections = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads * d * 2 + 2 * kv)
+                                    + 3 * cfg.hidden_size * cfg.intermediate_size)
+    assert weight_bytes(cfg, 2) - weight_bytes(fp8, 2) == projections

@@ -20,7 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -110,7 +110,7 @@ class ModelRunner:
                  running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
                  cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
-                 step_trace: str | None = None):
+                 step_trace: str | None = None, quantization: str | None = None):
         """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
         `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py)."""
@@ -121,7 +121,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         capture = cuda_graph and self.device.type == "cuda"
         self.tp = init_tp(tp_rank, world_size, nccl_port, self.device, dist_init_addr)
-        self.config = cfg = read_config(model_dir)
+        self.config = cfg = replace(read_config(model_dir), quantization=quantization)
         self._warn_long_context(max_req_total_len)
         dtype = resolve_dtype(data_type, cfg, self.device)
         self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,

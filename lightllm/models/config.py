@@ -54,6 +54,7 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    quantization: str | None = None  # the server's --quantization: how the layers store their projections
 
 
 def read_json(path: Path) -> dict:

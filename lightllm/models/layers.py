@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, extend_attention, rms_norm,
+from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, extend_attention, fp8_linear, rms_norm,
                               rotary_emb_, silu_and_mul)
+from lightllm_kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
 
@@ -65,19 +66,45 @@ def split_kv_heads(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * num_kv_heads // tp.world_size, 1
 
 
+class Fp8Weight:
+    """x W^T with W [out, in] stored in fp8, one scale per output row (`--quantization fp8`):
+    `fp8_linear` quantises x per token and multiplies on fp8 tensor cores (kernels/fp8_linear.py)."""
+
+    def __init__(self, weight: torch.Tensor):
+        out_features, in_features = weight.shape
+        if out_features % 16 or in_features % 16:  # cuBLAS's fp8 GEMM takes no other sizes
+            raise ModelConfigError(f"--quantization fp8 needs projection sizes divisible by 16; this rank has "
+                                   f"{out_features}x{in_features}")
+        if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9):
+            raise ModelConfigError("--quantization fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
+        self.weight, self.scale = quantize_fp8_weight(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.scale)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
 class ColumnParallelLinear:
     """y = x W^T + b over this rank's output rows; several checkpoint matrices (q/k/v,
     gate/up) are concatenated into one weight so that one GEMM serves them all."""
 
-    def __init__(self, weights, parts: list[tuple[str, int, int, int]], in_features: int, bias: bool):
+    def __init__(self, weights, parts: list[tuple[str, int, int, int]], in_features: int, bias: bool,
+                 quantization: str | None = None):
         # parts: (checkpoint prefix, full output size, first row kept, rows kept)
-        self.weight = torch.cat([weights.get(f"{name}.weight", (out, in_features), 0, start, count)
-                                 for name, out, start, count in parts])
+        weight = torch.cat([weights.get(f"{name}.weight", (out, in_features), 0, start, count)
+                            for name, out, start, count in parts])
         self.bias = torch.cat([weights.get(f"{name}.bias", (out,), 0, start, count)
                                for name, out, start, count in parts]) if bias else None
+        self.fp8 = Fp8Weight(weight) if quantization == "fp8" else None
+        self.weight = None if self.fp8 else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.fp8 is None:
+            return F.linear(x, self.weight, self.bias)
+        return _add_bias(self.fp8(x), self.bias)
 
 
 class RowParallelLinear:
@@ -89,14 +116,16 @@ class RowParallelLinear:
     51.4 against 59.1; docs/benchmarks.md, "Batch-1 decode")."""
 
     def __init__(self, weights, tp: TPGroup, name: str, out_features: int, in_features: int,
-                 start: int, count: int, bias: bool):
+                 start: int, count: int, bias: bool, quantization: str | None = None):
         self.tp = tp
-        self.weight_t = weights.get(f"{name}.weight", (out_features, in_features), 1, start, count).t().contiguous()
+        weight = weights.get(f"{name}.weight", (out_features, in_features), 1, start, count)
+        self.fp8 = Fp8Weight(weight) if quantization == "fp8" else None
+        self.weight_t = None if self.fp8 else weight.t().contiguous()
         self.bias = weights.get(f"{name}.bias", (out_features,)) if bias else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(x @ self.weight_t)
-        return y if self.bias is None else y + self.bias
+        y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
+        return _add_bias(self.tp.all_reduce(y), self.bias)
 
 
 def vocab_shard(weights, tp: TPGroup, name: str, vocab: int, hidden: int) -> torch.Tensor:
@@ -196,9 +225,10 @@ class Attention:
         kv_start, self.kv_heads = split_kv_heads(cfg.num_kv_heads, tp)
         kv_parts = [(f"{prefix}.{n}_proj", cfg.num_kv_heads * d, kv_start * d, self.kv_heads * d) for n in "kv"]
         q_part = (f"{prefix}.q_proj", cfg.num_heads * d, q_start * d, self.q_heads * d)
-        self.qkv = ColumnParallelLinear(weights, [q_part] + kv_parts, cfg.hidden_size, cfg.qkv_bias)
+        self.qkv = ColumnParallelLinear(weights, [q_part] + kv_parts, cfg.hidden_size, cfg.qkv_bias,
+                                        cfg.quantization)
         self.o = RowParallelLinear(weights, tp, f"{prefix}.o_proj", cfg.hidden_size, cfg.num_heads * d,
-                                   q_start * d, self.q_heads * d, cfg.o_bias)
+                                   q_start * d, self.q_heads * d, cfg.o_bias, cfg.quantization)
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(d)
 
@@ -234,9 +264,9 @@ class GatedMLP:
         inter = cfg.intermediate_size
         start, count = split_even(inter, tp, "intermediate_size")
         parts = [(f"{prefix}.{n}_proj", inter, start, count) for n in ("gate", "up")]
-        self.gate_up = ColumnParallelLinear(weights, parts, cfg.hidden_size, bias=False)
+        self.gate_up = ColumnParallelLinear(weights, parts, cfg.hidden_size, False, cfg.quantization)
         self.down = RowParallelLinear(weights, tp, f"{prefix}.down_proj", cfg.hidden_size, inter,
-                                      start, count, bias=False)
+                                      start, count, False, cfg.quantization)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(silu_and_mul(self.gate_up(h)))

@@ -85,6 +85,10 @@ class ServerConfig:
     )
     trust_remote_code: bool = field(default=False, metadata=_flag("allow the tokenizer to run code from the model directory"))
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
+    quantization: str | None = field(
+        default=None,
+        metadata=_flag("fp8: store the four projections of every layer in fp8 (e4m3, one scale per output row, quantised at load) and quantise their inputs per token: half the weight bytes a decode step reads and fp8 tensor cores for prefill (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference). The embedding, the LM head, norms and the KV cache stay in --data_type. See docs/benchmarks.md for throughput and accuracy", choices=("fp8",)),
+    )
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
     step_trace: str | None = field(default=None, metadata=_flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/step_trace.py"))

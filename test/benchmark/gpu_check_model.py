@@ -8,7 +8,10 @@ tied embeddings) it prefills a mixed batch through ModelRunner on the GPU, decod
 step in flight and without), and compares with transformers' greedy `generate` on the same GPU
 and weights:
 fp32 must agree token for token; bf16 is reported as the mean fraction of each sequence
-before the first differing token (bf16 rounding may flip near-ties). Exits 1 on any fp32 mismatch. Prints a markdown table.
+before the first differing token (bf16 rounding may flip near-ties). Exits 1 on any fp32 mismatch.
+`--quantization fp8` (fp32 activations) is compared with the same model on the CPU, whose torch
+reference path tests/test_fp8.py holds to transformers with the same rounding: reported, and
+a failure below half agreement (an fp32 difference may flip one fp8 rounding). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def build(name: str, out_dir: str):
     return model
 
 
-def make_runner(model_dir: str, dtype: str) -> ModelRunner:
+def make_runner(model_dir: str, dtype: str, device: str = "cuda", quantization: str | None = None) -> ModelRunner:
     return ModelRunner(model_dir, max_total_token_num=4096, max_req_total_len=512, running_max_req_size=8,
-                       data_type=dtype, device="cuda")
+                       data_type=dtype, device=device, quantization=quantization)
 
 
 def ours_engine(model_dir: str, prompts: list[list[int]], dtype: str, chunk: int, overlap: bool) -> list[list[int]]:
@@ -73,8 +76,8 @@ def ours_engine(model_dir: str, prompts: list[list[int]], dtype: str, chunk: int
     return [out[i] for i in range(len(prompts))]
 
 
-def ours(model_dir: str, prompts: list[list[int]], dtype: str) -> list[list[int]]:
-    runner = make_runner(model_dir, dtype)
+def ours(model_dir: str, prompts: list[list[int]], dtype: str, **runner_kw) -> list[list[int]]:
+    runner = make_runner(model_dir, dtype, **runner_kw)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     out = [[t] for t, _ in run_step(runner, prompts=[(i, p, params) for i, p in enumerate(prompts)])]
     ids = list(range(len(prompts)))
@@ -125,6 +128,11 @@ def main() -> int:
                     ok = agree == 1.0 or dtype is torch.bfloat16
                     failed |= not ok
                     rows.append(f"| {name} | {variant} | {dtype_name} | {agree:.3f} | {'PASS' if ok else 'FAIL'} |")
+            agree = agreement(ours(d, prompts, "float32", quantization="fp8"),
+                              ours(d, prompts, "float32", device="cpu", quantization="fp8"))
+            failed |= agree < 0.5
+            rows.append(f"| {name} | runner, fp8 (against the CPU's fp8) | float32 | {agree:.3f} | "
+                        f"{'PASS' if agree >= 0.5 else 'FAIL'} |")
     print("| model | path | dtype | share of greedy tokens before the first difference from transformers | check |\n"
           "|---|---|---|---|---|")
     print("\n".join(rows))

@@ -6,12 +6,13 @@
 #   ITEM = check | api | profile | single | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
 #   profile: test/benchmark/profile_step.py on MODEL (decode steps at batch 1 and 256 kernel by
 #   kernel against their floor, eager steps' host time), its tables in $OUT/profile.md.
+#   fp8gemm: test/benchmark/fp8_gemm_bench.py $FP8_ARGS (bf16 against fp8 projection GEMMs), its table in $OUT/fp8_gemm.md.
 #   single: the new server (with --step_trace), test/benchmark/single_request.py (256 tokens, 5 requests one by one).
 #   VARIANT new-trace: new with --step_trace $WORK/steps.jsonl (summarise: test/benchmark/step_trace.py).
 #   api: the new server on MODEL, test/benchmark/gpu_api_check.py against it (logprobs, n, seed,
 #   logit_bias, min_tokens, stop_token_ids, echo, /generate details, /metrics), one line per check.
 #   VARIANT = old | base (.gpu/base: a git archive of HEAD, kernels in .gpu/base_path) | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
-#           | new-cSIZE (--chunked_prefill_size SIZE);
+#           | new-cSIZE (--chunked_prefill_size SIZE) | new-fp8 (--quantization fp8) | new-fp8-trace | new-fp8-cSIZE;
 #   VARIANT:N[@RATE]: gpu_compare's server phase on N prompts from .gpu/requests-N.json
 #   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once).
 #   VARIANT/WORKLOADS: one server, benchmark_serving.py once per workload in turn (all at once,
@@ -140,6 +141,9 @@ flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags)
     new-nocache) extra=--disable_prefix_cache ;;
     new-trace) extra="--step_trace $WORK/steps.jsonl" ;;  # the device's per-step timeline
     new-c[0-9]*) extra="--chunked_prefill_size ${1#new-c}" ;;
+    new-fp8) extra="--quantization fp8" ;;
+    new-fp8-trace) extra="--quantization fp8 --step_trace $WORK/steps.jsonl" ;;
+    new-fp8-c[0-9]*) extra="--quantization fp8 --chunked_prefill_size ${1#new-fp8-c}" ;;
     *) echo "unknown variant: $1" >&2; exit 2 ;;
   esac
 }
@@ -390,6 +394,7 @@ for item in "${ITEMS[@]}"; do
     api) api ;;
     single) single ;;
     profile) step profile 330 python3 test/benchmark/profile_step.py --model "$MODEL" --out-md "$OUT/profile.md" $PROFILE_ARGS ;;
+    fp8gemm) step fp8_gemm 330 python3 test/benchmark/fp8_gemm_bench.py --out-md "$OUT/fp8_gemm.md" ${FP8_ARGS:-} ;;
     */*) bench "$item" ;;
     *:*) serve "$item" ;;
     *) echo "unknown item: $item" >&2; exit 2 ;;

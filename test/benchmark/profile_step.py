@@ -53,14 +53,16 @@ GEMM_NAMES = ("qkv", "o", "gate_up", "down")
 TRITON_GROUPS = {  # kernel name fragment -> group
     "_decode_split": "attention (decode)", "_decode_merge": "attention (decode)", "_extend": "attention (extend)",
     "_rms_norm": "rms norm (+ residual)", "_rotary": "rotary", "_copy_kv": "kv write", "_silu": "silu*mul",
+    "_quantize_rows": "fp8 input quantisation", "_reduce_splits": "GEMM split-K reduction",
 }
+SKIPPED_NEIGHBOURS = ("GEMM split", "fp8 input")  # between a projection GEMM and the kernels that name it
 
 
 def is_gemm(name: str) -> bool:
     lowered = name.lower()
     if "reduce" in lowered:  # cuBLAS's split-K reduction: part of the GEMM before it
         return False
-    return any(s in lowered for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas"))
+    return any(s in lowered for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")) or "_fp8_gemm" in name
 
 
 def group_of(name: str) -> str:
@@ -91,13 +93,14 @@ def label_kernels(kernels: list[tuple[str, float, float]], num_layers: int) -> l
     them: norm -> qkv -> rotary, attention -> o, norm -> gate_up -> silu, silu -> down, and the
     last norm -> LM head (whichever cuBLAS kernel serves each)."""
     groups = [None if is_gemm(name) else group_of(name) for name, _, _ in kernels]
+    named = [g if g and not g.startswith(SKIPPED_NEIGHBOURS) else None for g in groups]
     labelled = []
     for i, (name, start, end) in enumerate(kernels):
         if groups[i] is not None:
             labelled.append((groups[i], start, end))
             continue
-        before = next((g for g in reversed(groups[:i]) if g and not g.startswith("GEMM split")), "")
-        after = next((g for g in groups[i + 1:] if g and not g.startswith("GEMM split")), "")
+        before = next((g for g in reversed(named[:i]) if g), "")
+        after = next((g for g in named[i + 1:] if g), "")
         if before.startswith("attention"):
             which = "o"
         elif before.startswith("silu"):
@@ -330,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--model", type=Path, required=True)
     add("--load-format", default="dummy")
+    add("--quantization", choices=("fp8",), default=None, help="the server's --quantization (no GEMM tables: "
+        "test/benchmark/fp8_gemm_bench.py times those)")
     add("--dtype", default="bfloat16")
     add("--device", default=None)
     add("--max-total-token-num", type=int, default=300000, help="KV budget: 256 x 1024 decode context and the eager steps fit, room is left for the GEMM timings")
@@ -362,16 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
-                         cuda_graph=not args.no_cuda_graph)
+                         cuda_graph=not args.no_cuda_graph, quantization=args.quantization)
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
-    lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+    lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
              f"Triton launches: {args.triton_launch}", ""]
     bench = Bench(runner, seed=0)
     print("\n".join(lines), flush=True)
     for section in [lambda b=b: decode_section(runner, bench, b, args.context, bandwidth, args) for b in args.batches] + [
             lambda: eager_section(runner, bench, args)] + [
-            lambda m=m: gemm_table(runner, m, bandwidth, args.iters) for m in args.gemm_m if runner.device.type == "cuda"]:
+            lambda m=m: gemm_table(runner, m, bandwidth, args.iters) for m in args.gemm_m
+            if runner.device.type == "cuda" and not args.quantization]:
         part = section()
         print("\n".join(part), flush=True)  # each section as soon as it is measured
         lines += part

@@ -74,13 +74,14 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
 
 def weight_bytes(cfg, itemsize: int) -> int:
     """Bytes of weights a decode step reads: all but the embedding table (one row per token),
-    which the LM head reads in full when it is tied. `cfg` is a lightllm ModelConfig."""
+    which the LM head reads in full when it is tied. `cfg` is a lightllm ModelConfig; with
+    `quantization` fp8 the projections take one byte a parameter."""
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = cfg.hidden_size * (q_out + 2 * kv_out) + q_out * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    per_layer = attention + mlp + 2 * cfg.hidden_size
-    params = cfg.num_layers * per_layer + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
-    return params * itemsize
+    projection_itemsize = 1 if getattr(cfg, "quantization", None) == "fp8" else itemsize
+    rest = cfg.num_layers * 2 * cfg.hidden_size + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
+    return cfg.num_layers * (attention + mlp) * projection_itemsize + rest * itemsize
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:

@@ -1,0 +1,160 @@
+"""fp8 against bf16 projection GEMMs at the engine's batch sizes: is `--quantization fp8` worth it?
+
+    python test/benchmark/fp8_gemm_bench.py [--shapes 8b] [--ms 1,8,...] [--out-md fp8_gemm.md]
+
+For each projection of the model shape (qkv, o, gate_up, down) and each M (tokens in the step):
+bf16 `F.linear` (the column-parallel layers' call) and `x @ Wt` (the row-parallel layers'),
+the fp8 path split into its two launches (per-token quantisation, `torch._scaled_mm` with
+row-wise scales) and whole (`fp8_linear`), each timed in a CUDA graph of 20 calls (as decode
+steps run) with `triton.testing.do_bench_cudagraph`; achieved bandwidth against the weight bytes
+and TFLOP/s; and the fp8 result's relative error against the bf16 GEMM on the same inputs.
+CUDA only.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, fp8_linear_triton, quantize_fp8_rows_triton,
+                                         quantize_fp8_weight, small_m_plan)
+
+logger = logging.getLogger("fp8_gemm_bench")
+
+SHAPES = {  # name -> [(projection, N, K)]
+    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "70b-tp8": [("qkv", 1280, 8192), ("o", 8192, 1024), ("gate_up", 7168, 8192), ("down", 8192, 3584)],
+}
+
+
+def timed_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Mean time of one call within a CUDA graph of `calls` (as a decode step's kernels run)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles, and fast_launch keeps the kernel, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (calls * replays)
+
+
+def one_row(name: str, n: int, k: int, m: int) -> dict:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_t = w.t().contiguous()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_fp8_weight(w)
+    xq, xs = quantize_fp8_rows_triton(x)
+    ref = F.linear(x, w).float()
+    got = fp8_linear_triton(x, wq, ws).float()
+    row = {
+        "proj": name, "M": m,
+        "bf16 linear": timed_us(lambda: F.linear(x, w)),
+        "bf16 x@Wt": timed_us(lambda: x @ w_t),
+        "quant": timed_us(lambda: quantize_fp8_rows_triton(x)),
+        "scaled_mm": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                       out_dtype=torch.bfloat16)),
+        "small_m": timed_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)) if m <= 256 else float("nan"),
+        "fp8_linear": timed_us(lambda: fp8_linear_triton(x, wq, ws)),
+        "rel err": ((got - ref).norm() / ref.norm()).item(),
+    }
+    best_bf16 = min(row["bf16 linear"], row["bf16 x@Wt"])
+    row["speedup"] = best_bf16 / row["fp8_linear"]
+    gemm = min(row["scaled_mm"], row["small_m"]) if m <= 256 else row["scaled_mm"]
+    row["fp8 GB/s"] = n * k / (gemm * 1e3)
+    row["fp8 TFLOP/s"] = 2 * m * n * k / (gemm * 1e6)
+    row["bf16 TFLOP/s"] = 2 * m * n * k / (best_bf16 * 1e6)
+    return row
+
+
+COLUMNS = ["proj", "M", "bf16 linear", "bf16 x@Wt", "quant", "scaled_mm", "small_m", "fp8_linear", "speedup", "fp8 GB/s",
+           "fp8 TFLOP/s", "bf16 TFLOP/s", "rel err"]
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(v):
+        return f"{v:.4f}" if isinstance(v, float) and v < 1 else f"{v:.1f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def tune(shapes, ms: list[int]) -> list[str]:
+    """Time small_m_plan's choices around the default for each shape and M; the best five each."""
+    lines = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, n, k in shapes:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_fp8_weight(w)
+        for m in ms:
+            xq, xs = quantize_fp8_rows_triton(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            ref = fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16).float()
+            results = []
+            for block_n in (32, 64, 128):
+                for block_k in (128, 256, 512):
+                    for waves in (1, 2, 4):
+                        for warps, stages in ((4, 3), (4, 4), (8, 4)):
+                            plan = small_m_plan(m, n, k, num_sms, block_n, block_k, waves)
+                            run = functools.partial(fp8_gemm_small_m, xq, xs, wq, ws, torch.bfloat16, plan, warps, stages)
+                            try:
+                                assert torch.allclose(run().float(), ref, rtol=1e-2, atol=1e-2)
+                                results.append((timed_us(run), plan, waves, warps, stages))
+                            except Exception as e:  # a config Triton cannot compile (shared memory)
+                                logger.info("%s M=%d %s: %s", name, m, plan, str(e).splitlines()[0][:120])
+            default = timed_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16))
+            results.sort(key=lambda r: r[0])
+            lines.append(f"{name} M={m}: default {default:.1f} us ({n * k / default / 1e3:.0f} GB/s); best: "
+                         + "; ".join(f"{t:.1f} us {p} waves {wv} warps {wp} stages {st}" for t, p, wv, wp, st in results[:5]))
+            logger.info(lines[-1])
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--ms", default="1,8,32,64,128,256,512,1024,4096")
+    parser.add_argument("--out-md", default=None)
+    parser.add_argument("--tune", default="", help="M values to tune the small-M kernel at (e.g. 1,16,64)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        logger.error("fp8_gemm_bench needs a CUDA GPU")
+        return 2
+    torch.manual_seed(0)
+    tuned = tune(SHAPES[args.shapes], [int(m) for m in args.tune.split(",")]) if args.tune else []
+    rows = []
+    for name, n, k in SHAPES[args.shapes]:
+        for m in map(int, args.ms.split(",")):
+            try:
+                rows.append(one_row(name, n, k, m))
+            except RuntimeError as e:  # a shape cuBLAS refuses: say so, time the rest
+                logger.error("%s M=%d: %s", name, m, e)
+                continue
+            logger.info("%s M=%d: bf16 %.1f us, fp8 %.1f us", name, m, min(rows[-1]["bf16 linear"],
+                        rows[-1]["bf16 x@Wt"]), rows[-1]["fp8_linear"])
+    table = format_table(rows)
+    text = "\n".join(tuned + [f"{torch.cuda.get_device_name()} torch {torch.__version__}, times in us "
+                                f"(CUDA graph of 20 calls)", table])
+    print(text)
+    if args.out_md:
+        with open(args.out_md, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
