@@ -11,7 +11,7 @@ from .apply_penalties import apply_penalties_ref, apply_penalties_triton
 from .copy_kv import copy_kv_ref, copy_kv_triton
 from .decode_attention import decode_attention_ref, decode_attention_triton
 from .extend_attention import extend_attention_ref, extend_attention_triton
-from .fp8_linear import fp8_linear_ref, fp8_linear_triton
+from .fp8_linear import fp8_gemm_ref, fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_emb import rotary_emb_ref, rotary_emb_triton
@@ -40,8 +40,9 @@ silu_and_mul = _by_device(silu_and_mul_ref, silu_and_mul_triton)
 apply_penalties_ = _by_device(apply_penalties_ref, apply_penalties_triton)
 random_uniform = _by_device(random_uniform_ref, random_uniform_triton)
 fp8_linear = _by_device(fp8_linear_ref, fp8_linear_triton)
+fp8_gemm = _by_device(fp8_gemm_ref, fp8_gemm_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_emb_", "copy_kv", "extend_attention", "decode_attention",
-    "silu_and_mul", "apply_penalties_", "random_uniform", "fp8_linear",
+    "silu_and_mul", "apply_penalties_", "random_uniform", "fp8_linear", "fp8_gemm",
 ]

@@ -38,7 +38,7 @@ def quantize_fp8_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), still in fp32, so
     that the cast to fp8 is exact: Triton's interpreter (the CPU tests) drops the carry when its
     cast rounds a mantissa up (127.9 -> 64), the GPU's cast rounds like torch."""
@@ -58,7 +58,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, x_stride, q_stride, fp
     mask = cols < width
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, min_scale)
-    q = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
+    q = round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
     tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -74,10 +74,16 @@ def quantize_fp8_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
+def fp8_gemm_ref(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """q fp8 [M, K] with scale [M, 1] (quantize_fp8_rows' output), weight fp8 [N, K] with
+    weight_scale [1, N] -> [M, N] in out_dtype."""
+    return ((q.float() @ weight.float().t()) * scale * weight_scale).to(out_dtype)
+
+
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp32), weight fp8 [N, K], weight_scale [1, N] -> [M, N] in x's dtype."""
-    q, scale = quantize_fp8_rows_ref(x)
-    return ((q.float() @ weight.float().t()) * scale * weight_scale).to(x.dtype)
+    return fp8_gemm_ref(*quantize_fp8_rows_ref(x), weight, weight_scale, x.dtype)
 
 
 
@@ -178,8 +184,12 @@ def fp8_gemm_small_m(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def fp8_gemm_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    if q.shape[0] <= SMALL_M_MAX:
+        return fp8_gemm_small_m(q, scale, weight, weight_scale, out_dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
+
+
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_fp8_rows_triton(x)
-    if x.shape[0] <= SMALL_M_MAX:
-        return fp8_gemm_small_m(q, scale, weight, weight_scale, x.dtype)
-    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
+    return fp8_gemm_triton(*quantize_fp8_rows_triton(x), weight, weight_scale, x.dtype)

@@ -1,25 +1,34 @@
-"""RMSNorm (Llama): y = weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32."""
+"""RMSNorm (Llama): y = weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32.
+
+With `fp8_out` the output is y quantised per row for an fp8 projection (quantize_fp8_rows: the
+pair (fp8 rows, scales)), in the same launch: under `--quantization fp8` the q/k/v and gate/up
+projections take their input from a norm, and a launch saved is about 3 us of the device and
+60 us of the host in an eager step (H100)."""
 import torch
 
 from ._triton import fast_launch, tl, triton
+from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, round_to_e4m3
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False):
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     # Like HF Llama: cast the normalised value to x's dtype before scaling by the weight.
-    return (weight * normed.to(x.dtype)).to(x.dtype)
+    y = (weight * normed.to(x.dtype)).to(x.dtype)
+    return quantize_fp8_rows_ref(y) if fp8_out else y
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     fp8_out: bool = False):
     residual.add_(x)
-    return rms_norm_ref(residual, weight, eps)
+    return rms_norm_ref(residual, weight, eps, fp8_out)
 
 
 @fast_launch
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, hidden, x_stride, residual_stride, y_stride, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, x_stride, residual_stride, y_stride,
+                     eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -30,26 +39,36 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, hidden, x_stride, r
         tl.store(residual_ptrs, summed, mask=mask)
         x = summed.to(tl.float32)  # normalise the stored (rounded) residual, as the reference does
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    normed = (x * inv_rms).to(y_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # x's dtype, as the reference
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * y_stride + cols, (normed * weight).to(y_ptr.dtype.element_ty), mask=mask)
+    y = normed * weight
+    if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, min_scale)
+        y = round_to_e4m3(tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max))
+        tl.store(scale_ptr + row, scale)
+    tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     fp8_out: bool):
     assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
     tokens, hidden = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(tokens, hidden, dtype=FP8 if fp8_out else x.dtype, device=x.device)
+    scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else y  # unused without fp8
     block = triton.next_power_of_2(hidden)
     has_residual = residual is not None
     residual = residual if has_residual else x  # unused pointer when there is no residual
-    _rms_norm_kernel[(tokens,)](x, residual, weight, y, hidden, x.stride(0), residual.stride(0), y.stride(0), eps,
-                                HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=min(max(block // 512, 1), 16))
-    return y
+    _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, hidden, x.stride(0), residual.stride(0), y.stride(0),
+                                eps, FP8_MAX, MIN_SCALE, HAS_RESIDUAL=has_residual, FP8_OUT=fp8_out, BLOCK=block,
+                                num_warps=min(max(block // 512, 1), 16))
+    return (y, scale) if fp8_out else y
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps)
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False):
+    return _launch_rms_norm(x, None, weight, eps, fp8_out)
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch_rms_norm(x, residual, weight, eps)
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        fp8_out: bool = False):
+    return _launch_rms_norm(x, residual, weight, eps, fp8_out)

@@ -457,3 +457,28 @@ def test_fp8_linear_ref_is_close_to_the_unquantised_product():
     exact = x @ w.t()
     err = (fp8_linear_ref(x, w_q, w_scale) - exact).norm() / exact.norm()
     assert 1e-3 < err < 0.06  # e4m3 rounding of both operands: a few percent, never none
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_out_triton_matches_ref(dtype, with_residual):
+    x, weight = randn(5, 96, dtype=dtype), randn(96, dtype=dtype)
+    residual = randn(5, 96, dtype=dtype) if with_residual else None
+    if with_residual:
+        residual_ref = residual.clone()
+        q, scale = add_rms_norm_triton(x, residual, weight, 1e-5, fp8_out=True)
+        q_ref, scale_ref = add_rms_norm_ref(x, residual_ref, weight, 1e-5, fp8_out=True)
+        torch.testing.assert_close(residual, residual_ref)
+    else:
+        q, scale = rms_norm_triton(x, weight, 1e-5, fp8_out=True)
+        q_ref, scale_ref = rms_norm_ref(x, weight, 1e-5, fp8_out=True)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 1)
+    # The norm's own rounding (the interpreter's bf16 cast, summation order) may move a value
+    # across an fp8 rounding boundary: a step of 2^-3 relative at most, and rarely.
+    # scale: a row's largest |y| / 448; bf16 y is rounded twice (normed, then times the weight),
+    # toward zero in the interpreter: two bf16 steps of 2^-7 at most.
+    torch.testing.assert_close(scale, scale_ref, rtol=2e-5 if dtype is torch.float32 else 2 * 2**-7, atol=0)
+    torch.testing.assert_close(q.float() * scale, q_ref.float() * scale_ref, rtol=0.13, atol=1e-6)
+    assert (q.float() == q_ref.float()).float().mean() > 0.9
+    if not with_residual:  # the reference is the norm, then quantize_fp8_rows
+        assert torch.equal(quantize_fp8_rows_ref(rms_norm_ref(x, weight, 1e-5))[0].float(), q_ref.float())

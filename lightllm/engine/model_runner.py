@@ -100,8 +100,10 @@ def _top_lists(top, n: int) -> list[tuple]:
 
 
 def resolve_device(device: str | None, local_rank: int) -> torch.device:
+    """The rank's device; a bare "cuda" means the current GPU, named by its index (set_device needs one)."""
     if device is not None:
-        return torch.device(device)
+        chosen = torch.device(device)
+        return torch.device("cuda", torch.cuda.current_device()) if chosen == torch.device("cuda") else chosen
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 

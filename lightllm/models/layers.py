@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, extend_attention, fp8_linear, rms_norm,
-                              rotary_emb_, silu_and_mul)
+from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, extend_attention, fp8_gemm, fp8_linear,
+                              rms_norm, rotary_emb_, silu_and_mul)
 from lightllm_kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
@@ -68,7 +68,8 @@ def split_kv_heads(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
 
 class Fp8Weight:
     """x W^T with W [out, in] stored in fp8, one scale per output row (`--quantization fp8`):
-    `fp8_linear` quantises x per token and multiplies on fp8 tensor cores (kernels/fp8_linear.py)."""
+    `fp8_linear` quantises x per token and multiplies on fp8 tensor cores (kernels/fp8_linear.py).
+    x may come quantised already, as the pair (fp8 rows, scales) an RMSNorm with fp8_out returns."""
 
     def __init__(self, weight: torch.Tensor):
         out_features, in_features = weight.shape
@@ -77,9 +78,12 @@ class Fp8Weight:
                                    f"{out_features}x{in_features}")
         if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9):
             raise ModelConfigError("--quantization fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
+        self.out_dtype = weight.dtype
         self.weight, self.scale = quantize_fp8_weight(weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if isinstance(x, tuple):
+            return fp8_gemm(*x, self.weight, self.scale, self.out_dtype)
         return fp8_linear(x, self.weight, self.scale)
 
 
@@ -168,15 +172,18 @@ class ParallelLMHead:
 
 
 class RMSNorm:
-    def __init__(self, weights, name: str, hidden: int, eps: float):
+    """fp8_out: the norm feeds fp8 projections and returns its output quantised for them."""
+
+    def __init__(self, weights, name: str, hidden: int, eps: float, fp8_out: bool = False):
         self.weight = weights.get(name, (hidden,))
         self.eps = eps
+        self.fp8_out = fp8_out
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
         """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps), x
-        return add_rms_norm(x, residual, self.weight, self.eps), residual
+            return rms_norm(x, self.weight, self.eps, self.fp8_out), x
+        return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -232,10 +239,12 @@ class Attention:
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(d)
 
-    def __call__(self, h: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, h, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        tokens, d = h.shape[0], self.head_dim
-        q, k, v = self.qkv(h).split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
+        qkv = self.qkv(h)
+        tokens, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
         rotary_emb_(q, k, *rope)
         copy_kv(k, v, k_cache, v_cache, batch.slots)

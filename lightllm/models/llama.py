@@ -15,10 +15,12 @@ from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm,
 class DecoderLayer:
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int):
         prefix = f"model.layers.{index}"
-        self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps)
+        fp8 = cfg.quantization == "fp8"  # the norms feed the q/k/v and gate/up projections their fp8 input
+        self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps,
+                                  fp8)
         self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn")
         self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size,
-                                 cfg.rms_norm_eps)
+                                 cfg.rms_norm_eps, fp8)
         self.mlp = GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
 
     def __call__(self, x, residual, batch: ForwardBatch, rope, k_cache, v_cache):

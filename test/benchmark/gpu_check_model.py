@@ -10,8 +10,11 @@ and weights:
 fp32 must agree token for token; bf16 is reported as the mean fraction of each sequence
 before the first differing token (bf16 rounding may flip near-ties). Exits 1 on any fp32 mismatch.
 `--quantization fp8` (fp32 activations) is compared with the same model on the CPU, whose torch
-reference path tests/test_fp8.py holds to transformers with the same rounding: reported, and
-a failure below half agreement (an fp32 difference may flip one fp8 rounding). Prints a markdown table.
+reference path tests/test_fp8.py holds to transformers with the same rounding: the logits of one
+prefill step (all prompts: cuBLAS's scaled GEMM; the short ones alone: the small-M Triton GEMM)
+must agree within 1% of their largest magnitude with the same top token (greedy sequences are
+not compared: an fp32 difference that flips one fp8 rounding is a 6% step, and these random
+models' near-ties then part the texts within a few tokens). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -89,6 +92,23 @@ def ours(model_dir: str, prompts: list[list[int]], dtype: str, **runner_kw) -> l
     return out
 
 
+def fp8_prefill_gap(model_dir: str, prompts: list[list[int]]) -> tuple[float, bool]:
+    """One fp8 prefill step on the GPU and on the CPU: max |difference| / max |logit|, same argmax."""
+    from lightllm.engine import model_runner
+
+    logits = []
+    real_sample = model_runner.sample
+    model_runner.sample = lambda x, batch: logits.append(x.float().cpu()) or real_sample(x, batch)
+    try:
+        for device in ("cuda", "cpu"):
+            runner = make_runner(model_dir, "float32", device=device, quantization="fp8")
+            run_step(runner, prompts=[(i, p, SamplingParams()) for i, p in enumerate(prompts)])
+    finally:
+        model_runner.sample = real_sample
+    gpu, cpu = logits
+    return ((gpu - cpu).abs().max() / cpu.abs().max()).item(), torch.equal(gpu.argmax(-1), cpu.argmax(-1))
+
+
 def reference(model, prompts: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
     model = model.to("cuda", dtype)
     outs = []
@@ -128,11 +148,12 @@ def main() -> int:
                     ok = agree == 1.0 or dtype is torch.bfloat16
                     failed |= not ok
                     rows.append(f"| {name} | {variant} | {dtype_name} | {agree:.3f} | {'PASS' if ok else 'FAIL'} |")
-            agree = agreement(ours(d, prompts, "float32", quantization="fp8"),
-                              ours(d, prompts, "float32", device="cpu", quantization="fp8"))
-            failed |= agree < 0.5
-            rows.append(f"| {name} | runner, fp8 (against the CPU's fp8) | float32 | {agree:.3f} | "
-                        f"{'PASS' if agree >= 0.5 else 'FAIL'} |")
+            for label, batch in (("all prompts", prompts), ("short prompts (small-M GEMM)", prompts[:1])):
+                gap, same_top = fp8_prefill_gap(d, batch)
+                ok = gap < 0.01 and same_top
+                failed |= not ok
+                rows.append(f"| {name} | fp8 prefill logits, {label}: largest gap / largest logit, same top token "
+                            f"(against the CPU's fp8) | float32 | {gap:.2e}, {same_top} | {'PASS' if ok else 'FAIL'} |")
     print("| model | path | dtype | share of greedy tokens before the first difference from transformers | check |\n"
           "|---|---|---|---|---|")
     print("\n".join(rows))
