@@ -10,11 +10,14 @@ and weights:
 fp32 must agree token for token; bf16 is reported as the mean fraction of each sequence
 before the first differing token (bf16 rounding may flip near-ties). Exits 1 on any fp32 mismatch.
 `--quantization fp8` (fp32 activations) is compared with the same model on the CPU, whose torch
-reference path tests/test_fp8.py holds to transformers with the same rounding: the logits of one
-prefill step (all prompts: cuBLAS's scaled GEMM; the short ones alone: the small-M Triton GEMM)
-must agree within 1% of their largest magnitude with the same top token (greedy sequences are
-not compared: an fp32 difference that flips one fp8 rounding is a 6% step, and these random
-models' near-ties then part the texts within a few tokens). Prints a markdown table.
+reference path tests/test_fp8.py holds to transformers with the same rounding, by the logits of
+one prefill step (all prompts: cuBLAS's scaled GEMM; the first alone: the small-M Triton GEMM).
+The two cannot be held to fp32 closeness: an fp32 difference in summation order that moves one
+value across an fp8 rounding boundary changes it by up to 6%, and these random models carry that
+to a few % of the logits (seen on the CPU too, Triton kernels under the interpreter against the
+references: 3% over 172 tokens, 2e-7 over 5). So the check is that quantisation costs the GPU
+no more than the CPU: the GPU's fp8 logits are no further from the GPU's unquantised ones than
+1.5x the CPU's distance (+0.01), with the same top token. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -92,21 +95,28 @@ def ours(model_dir: str, prompts: list[list[int]], dtype: str, **runner_kw) -> l
     return out
 
 
-def fp8_prefill_gap(model_dir: str, prompts: list[list[int]]) -> tuple[float, bool]:
-    """One fp8 prefill step on the GPU and on the CPU: max |difference| / max |logit|, same argmax."""
+def fp8_prefill_errors(model_dir: str, prompts: list[list[int]]) -> tuple[float, float, bool]:
+    """One prefill step, fp8 and unquantised, on the GPU and on the CPU: each device's max |fp8 -
+    unquantised| / max |unquantised|, and whether the two fp8 runs pick the same top tokens."""
     from lightllm.engine import model_runner
 
-    logits = []
+    logits = {}
     real_sample = model_runner.sample
-    model_runner.sample = lambda x, batch: logits.append(x.float().cpu()) or real_sample(x, batch)
     try:
         for device in ("cuda", "cpu"):
-            runner = make_runner(model_dir, "float32", device=device, quantization="fp8")
-            run_step(runner, prompts=[(i, p, SamplingParams()) for i, p in enumerate(prompts)])
+            for quantization in ("fp8", None):
+                model_runner.sample = lambda x, batch, key=(device, quantization): (
+                    logits.__setitem__(key, x.float().cpu()) or real_sample(x, batch))
+                runner = make_runner(model_dir, "float32", device=device, quantization=quantization)
+                run_step(runner, prompts=[(i, p, SamplingParams()) for i, p in enumerate(prompts)])
     finally:
         model_runner.sample = real_sample
-    gpu, cpu = logits
-    return ((gpu - cpu).abs().max() / cpu.abs().max()).item(), torch.equal(gpu.argmax(-1), cpu.argmax(-1))
+
+    def err(device):
+        exact = logits[(device, None)]
+        return ((logits[(device, "fp8")] - exact).abs().max() / exact.abs().max()).item()
+
+    return err("cuda"), err("cpu"), torch.equal(logits[("cuda", "fp8")].argmax(-1), logits[("cpu", "fp8")].argmax(-1))
 
 
 def reference(model, prompts: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
@@ -148,12 +158,13 @@ def main() -> int:
                     ok = agree == 1.0 or dtype is torch.bfloat16
                     failed |= not ok
                     rows.append(f"| {name} | {variant} | {dtype_name} | {agree:.3f} | {'PASS' if ok else 'FAIL'} |")
-            for label, batch in (("all prompts", prompts), ("short prompts (small-M GEMM)", prompts[:1])):
-                gap, same_top = fp8_prefill_gap(d, batch)
-                ok = gap < 0.01 and same_top
+            for label, batch in (("all prompts", prompts), ("the first prompt (small-M GEMM)", prompts[:1])):
+                gpu_err, cpu_err, same_top = fp8_prefill_errors(d, batch)
+                ok = gpu_err <= 1.5 * cpu_err + 0.01 and same_top
                 failed |= not ok
-                rows.append(f"| {name} | fp8 prefill logits, {label}: largest gap / largest logit, same top token "
-                            f"(against the CPU's fp8) | float32 | {gap:.2e}, {same_top} | {'PASS' if ok else 'FAIL'} |")
+                rows.append(f"| {name} | fp8 prefill, {label}: distance from unquantised on the GPU, on the CPU; "
+                            f"same top token as the CPU's fp8 | float32 | {gpu_err:.3f}, {cpu_err:.3f}, {same_top} | "
+                            f"{'PASS' if ok else 'FAIL'} |")
     print("| model | path | dtype | share of greedy tokens before the first difference from transformers | check |\n"
           "|---|---|---|---|---|")
     print("\n".join(rows))
