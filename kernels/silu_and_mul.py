@@ -1,13 +1,18 @@
-"""Gated MLP activation: silu(gate) * up, with x = [gate | up] along the last dim."""
+"""Gated MLP activation: silu(gate) * up, with x = [gate | up] along the last dim.
+
+With `fp8_out` the output is quantised per row for the fp8 down projection (quantize_fp8_rows'
+pair), in the same launch (see rms_norm.py)."""
 import torch
 import torch.nn.functional as F
 
 from ._triton import fast_launch, tl, triton
+from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, round_to_e4m3
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
     inter = x.shape[-1] // 2
-    return (F.silu(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)
+    y = (F.silu(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)
+    return quantize_fp8_rows_ref(y) if fp8_out else y
 
 
 @fast_launch
@@ -22,10 +27,34 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.cons
     tl.store(y_ptr + row * y_stride + cols, (silu * up).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+@fast_launch
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride, fp8_max, min_scale,
+                             BLOCK: tl.constexpr):
+    """One row whole (BLOCK >= inter): its largest |y| scales it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the reference
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, min_scale)
+    q = round_to_e4m3(tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max))
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
     assert x.stride(-1) == 1
     tokens, width = x.shape
     inter = width // 2
+    if fp8_out:
+        q = torch.empty(tokens, inter, dtype=FP8, device=x.device)
+        scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(inter)
+        _silu_and_mul_fp8_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
+                                            BLOCK=block, num_warps=min(max(block // 1024, 1), 16))
+        return q, scale
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,

@@ -277,5 +277,6 @@ class GatedMLP:
         self.down = RowParallelLinear(weights, tp, f"{prefix}.down_proj", cfg.hidden_size, inter,
                                       start, count, False, cfg.quantization)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(h)))
+    def __call__(self, h) -> torch.Tensor:
+        """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
+        return self.down(silu_and_mul(self.gate_up(h), self.down.fp8 is not None))
