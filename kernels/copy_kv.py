@@ -1,7 +1,7 @@
 """Scatter the new tokens' K and V into their cache slots."""
 import torch
 
-from ._triton import fast_launch, tl, triton
+from ._triton import fast_launch, next_power_of_2, tl, triton
 
 
 def copy_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,5 +42,5 @@ def copy_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     tokens, num_heads, head_dim = k.shape
     _copy_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads,
-                               HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-                               BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+                               HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_heads),
+                               BLOCK_D=next_power_of_2(head_dim), num_warps=4)

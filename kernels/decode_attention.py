@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ._triton import LOG2E, attend_kv_block, fast_launch, tl, triton
+from ._triton import attend_kv_block, cdiv, fast_launch, LOG2E, next_power_of_2, tl, triton
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -121,12 +121,12 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
     Large batches already fill the GPU with one program per (request, kv head); small ones
     split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK
     and a multiple of the block."""
-    wanted = triton.cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
+    wanted = cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
     launch = launch or (SPLIT_LAUNCH if wanted > 1 else WHOLE_LAUNCH)
     block_n = launch[0]
-    num_splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seqlen, max(MIN_CHUNK, block_n))))
-    chunk = triton.cdiv(triton.cdiv(max_seqlen, num_splits), block_n) * block_n
-    return triton.cdiv(max_seqlen, chunk), chunk, launch
+    num_splits = max(1, min(wanted, MAX_SPLITS, cdiv(max_seqlen, max(MIN_CHUNK, block_n))))
+    chunk = cdiv(cdiv(max_seqlen, num_splits), block_n) * block_n
+    return cdiv(max_seqlen, chunk), chunk, launch
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,18 +137,18 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, max_seqlen, q.device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
     dot_upcast = not q.is_cuda
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, sm_scale * LOG2E, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        req_to_token.stride(0), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=dot_upcast, num_warps=warps,
         num_stages=stages)
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_q_heads)](
         part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
     return out

@@ -10,7 +10,7 @@ a decode the case q_len == 1. Requires q_len <= max_q_len and kv_len <= req_to_t
 """
 import torch
 
-from ._triton import LOG2E, attend_kv_block, fast_launch, tl, triton
+from ._triton import attend_kv_block, cdiv, fast_launch, LOG2E, next_power_of_2, tl, triton
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,9 +89,9 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
     _, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     block_m, block_n, warps = (128, 64, 8) if block_d >= 128 else (64, 64, 4)
-    grid = (triton.cdiv(max_q_len, block_m), req_rows.shape[0], num_q_heads)
+    grid = (cdiv(max_q_len, block_m), req_rows.shape[0], num_q_heads)
     _extend_kernel[grid](q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, sm_scale * LOG2E,
                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                          v_cache.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ._triton import dot, fast_launch, tl, triton
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -68,7 +68,7 @@ def quantize_fp8_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     rows, width = x.shape
     q = torch.empty(rows, width, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(width)
+    block = next_power_of_2(width)
     _quantize_rows_kernel[(rows,)](x, q, scale, width, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE, BLOCK=block,
                                    num_warps=min(max(block // 1024, 1), 16))
     return q, scale
@@ -103,15 +103,15 @@ def small_m_plan(m: int, n: int, k: int, num_sms: int, block_n: int | None = Non
     8% of it (test/benchmark/fp8_gemm_bench.py --tune, 8B shapes, M = 1 and 48): at M <= 16 two
     waves, and columns in blocks of 32 when a layer is wide enough to fill them without splitting
     K (gate_up: 41.8 against 50.3 us); above, one wave, since each split's fp32 partial grows with M."""
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, next_power_of_2(m))
     if waves is None:
         waves = 2 if m <= 16 else 1
     if block_n is None:
-        block_n = 32 if m <= 16 and triton.cdiv(n, 64) >= 2 * num_sms else 64
-    col_blocks = triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    splits = max(1, min(k_blocks, triton.cdiv(waves * num_sms, col_blocks)))
-    splits = triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))  # equal slices, none empty
+        block_n = 32 if m <= 16 and cdiv(n, 64) >= 2 * num_sms else 64
+    col_blocks = cdiv(n, block_n)
+    k_blocks = cdiv(k, block_k)
+    splits = max(1, min(k_blocks, cdiv(waves * num_sms, col_blocks)))
+    splits = cdiv(k_blocks, cdiv(k_blocks, splits))  # equal slices, none empty
     return block_m, block_n, block_k, splits
 
 
@@ -169,17 +169,17 @@ def fp8_gemm_small_m(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     n = weight.shape[0]
     num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
     block_m, block_n, block_k, splits = plan or small_m_plan(m, n, k, num_sms)
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    k_per_split = cdiv(cdiv(k, block_k), splits) * block_k
     out = torch.empty(m, n, dtype=out_dtype, device=q.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
-    grid = (triton.cdiv(n, block_n), splits)
+    grid = (cdiv(n, block_n), splits)
     _fp8_gemm_small_m_kernel[grid](q, scale, weight, weight_scale, part, m, n, k, k_per_split, q.stride(0),
                                    weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=splits > 1,
                                    DOT_UPCAST=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        block = min(triton.next_power_of_2(n), 1024)
-        _reduce_splits_kernel[(m, triton.cdiv(n, block))](part, scale, weight_scale, out, n, splits, part.stride(0),
+        block = min(next_power_of_2(n), 1024)
+        _reduce_splits_kernel[(m, cdiv(n, block))](part, scale, weight_scale, out, n, splits, part.stride(0),
                                                           part.stride(1), out.stride(0), BLOCK=block, num_warps=4)
     return out
 

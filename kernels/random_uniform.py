@@ -7,7 +7,7 @@ and Triton produce the same bits without relying on wrapping arithmetic.
 """
 import torch
 
-from ._triton import fast_launch, tl, triton
+from ._triton import cdiv, fast_launch, tl, triton
 
 # murmur3 fmix32 multipliers and the golden-ratio Weyl increment, as (high 16, low 16) bits.
 _MIX1 = (0x85EB, 0xCA6B)
@@ -87,6 +87,6 @@ def _random_uniform_kernel(seeds_ptr, steps_ptr, u_ptr, vocab, u_stride, BLOCK: 
 def random_uniform_triton(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     u = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     block = 1024
-    _random_uniform_kernel[(seeds.shape[0], triton.cdiv(vocab, block))](seeds, steps, u, vocab, u.stride(0),
+    _random_uniform_kernel[(seeds.shape[0], cdiv(vocab, block))](seeds, steps, u, vocab, u.stride(0),
                                                                         BLOCK=block, num_warps=4)
     return u

@@ -1,7 +1,7 @@
 """Rotary position embedding, in place, HF Llama "rotate_half" layout (i pairs with i + D/2)."""
 import torch
 
-from ._triton import fast_launch, tl, triton
+from ._triton import fast_launch, next_power_of_2, tl, triton
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -49,6 +49,6 @@ def rotary_emb_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     half = head_dim // 2
     _rotary_kernel[(tokens,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                               cos.stride(0), sin.stride(0), num_q_heads, num_kv_heads,
-                              HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-                              BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-                              BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+                              HALF=half, BLOCK_HQ=next_power_of_2(num_q_heads),
+                              BLOCK_HK=next_power_of_2(num_kv_heads),
+                              BLOCK_HALF=next_power_of_2(half), num_warps=4)

@@ -5,7 +5,7 @@ pair), in the same launch (see rms_norm.py)."""
 import torch
 import torch.nn.functional as F
 
-from ._triton import fast_launch, tl, triton
+from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
 from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, round_to_e4m3
 
 
@@ -51,12 +51,12 @@ def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
     if fp8_out:
         q = torch.empty(tokens, inter, dtype=FP8, device=x.device)
         scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(inter)
+        block = next_power_of_2(inter)
         _silu_and_mul_fp8_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
                                             BLOCK=block, num_warps=min(max(block // 1024, 1), 16))
         return q, scale
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,
+    block = min(next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,
                                                               num_warps=4)
     return y

@@ -523,3 +523,15 @@ def test_silu_and_mul_fp8_out_triton_matches_ref(dtype):
     torch.testing.assert_close(q.float() * scale, q_ref.float() * scale_ref, rtol=0.13, atol=1e-6)
     assert (q.float() == q_ref.float()).float().mean() > 0.9
     assert torch.equal(quantize_fp8_rows_ref(silu_and_mul_ref(x))[0].float(), q_ref.float())
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    import triton
+
+    from lightllm_kernels._triton import cdiv, next_power_of_2
+
+    for n in range(0, 70000, 7):
+        for d in (1, 16, 64, 132, 1024):
+            assert cdiv(n, d) == triton.cdiv(n, d)
+        if n:
+            assert next_power_of_2(n) == triton.next_power_of_2(n)
