@@ -126,12 +126,14 @@ def shared_prompt(rng: random.Random, length: int) -> list[int]:
 
 @settings(max_examples=60, deadline=None)
 @given(requests, st.integers(1, 70), st.integers(0, 200), st.booleans(), st.sampled_from([0.0, 0.05]),
-       st.integers(1, 16), st.sampled_from(POLICIES), st.booleans(), st.randoms(use_true_random=False))
+       st.one_of(st.integers(1, 16), st.just(32)), st.sampled_from(POLICIES), st.booleans(), st.sampled_from([0, 3]),
+       st.randoms(use_true_random=False))
 def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overlap, eos_rate, max_running, policy,
-                                                prefix_cache, rng):
+                                                prefix_cache, admission_wait_steps, rng):
     budget = max(p + n for p, n, _ in reqs) + extra_budget
     runner = FakeRunner(budget, eos_rate, rng)
-    scheduler = Scheduler(budget, chunk, max_running, policy, prefix_cache=prefix_cache)
+    scheduler = Scheduler(budget, chunk, max_running, policy, prefix_cache=prefix_cache,
+                          admission_wait_steps=admission_wait_steps)
     core = EngineCore(scheduler, runner, eos_token_ids=[EOS], overlap=overlap)
     arrivals = sorted(((at, i) for i, (_, _, at) in enumerate(reqs)), reverse=True)
     aborted = {i for i in range(len(reqs)) if rng.random() < 0.1}
@@ -194,6 +196,35 @@ def test_lpt_admits_long_generations_first_and_ages_the_rest():
     for n, out in enumerate(outs):
         first_token.setdefault(out.req_id, n)
     assert first_token[0] < first_token[1] < first_token[2]
+
+
+def admission_steps(wait: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """32 running slots, 32 requests ending one a step, 24 more waiting: (step, free slots before)
+    of each admission after the first, and each request's token count."""
+    core = EngineCore(Scheduler(100_000, 4096, 32, "fcfs", admission_wait_steps=wait),
+                      FakeRunner(100_000, 0.0, random.Random(0)), eos_token_ids=[EOS])
+    for i in range(56):
+        core.add(GenerateReq(i, [5] * 4, SamplingParams(max_new_tokens=i + 2 if i < 32 else 40)))
+    admissions, tokens = [], {}
+    for step in range(400):
+        waiting, room = len(core.scheduler.waiting), 32 - len(core.scheduler.running)
+        for out in core.step():
+            tokens[out.req_id] = tokens.get(out.req_id, 0) + 1
+        if step and len(core.scheduler.waiting) < waiting:
+            admissions.append((step, room))
+        if not core.has_work:
+            break
+    return admissions, tokens
+
+
+def test_admission_wait_gathers_freed_slots_into_fewer_prefill_steps():
+    eager, tokens_eager = admission_steps(0)
+    gathered, tokens = admission_steps(4)
+    assert tokens == tokens_eager == {i: (i + 2 if i < 32 else 40) for i in range(56)}  # everyone served in full
+    assert len(gathered) <= len(eager) / 2  # one slot frees a step: admitted every step without the wait
+    # An admission comes 4 steps after the last, or once 32 / 16 = 2 slots are free, never earlier.
+    for (before, _), (step, room) in zip(gathered, gathered[1:]):
+        assert step - before >= 4 or room >= 2
 
 
 def test_fcfs_admits_in_arrival_order():

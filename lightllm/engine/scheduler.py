@@ -32,6 +32,9 @@ POLICIES = ("lpt", "fcfs")
 # Under "lpt", a request that has waited this many steps is admitted before any younger one.
 AGING_STEPS = 256
 
+# With admission_wait_steps, free slots are gathered while fewer than max_running / this are free.
+ADMISSION_ROOM_DIVISOR = 16
+
 # A finished request's slots are freed by the plan after the step whose result shows it
 # finished: up to two steps after its last scheduled decode when a step is in flight.
 FREE_LAG_STEPS = 1
@@ -102,13 +105,18 @@ def cache_path(node) -> list:
 
 class Scheduler:
     def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, admission_wait_steps: int = 0):
+        """admission_wait_steps: while requests decode and fewer slots are free than
+        max_running / ADMISSION_ROOM_DIVISOR (and than requests waiting), admit at most once in
+        that many steps, so that slots freed one by one are filled by one prefill step, not one each."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.max_total_token_num = max_total_token_num
         self.chunk_budget = chunk_budget
         self.max_running = max_running
         self.policy = policy
+        self.admission_wait_steps = admission_wait_steps
+        self._last_admission_step = 0
         self.waiting: dict[int, Req] = {}  # insertion-ordered: arrival order
         self.running: list[Req] = []  # admission order: prefill chunks follow it
         self._by_id: dict[int, Req] = {}
@@ -295,6 +303,8 @@ class Scheduler:
         room = self.max_running - len(self.running)
         if room <= 0 or not self.waiting:  # the common case of a full batch: no sort, no check
             return
+        if self._gathering_room(room):
+            return
         candidates = self._admission_order()[:room]
         matches = None
         if self.cache is not None and self.cache.total_tokens:
@@ -310,6 +320,8 @@ class Scheduler:
                 hi = mid - 1
         if lo == 0 and not self.running and candidates[0].kv_cap <= self.max_total_token_num:
             lo = 1  # alone, a request never holds more than its cap: the delay term is moot
+        if lo:
+            self._last_admission_step = self._next_step
         for req in candidates[:lo]:
             del self.waiting[req.req_id]
             req.status = ReqStatus.PREFILLING
@@ -320,6 +332,15 @@ class Scheduler:
                     req.node = self.cache.take(found)
                     self.cache.lock(req.node)
                     req.prefilled = found.length
+
+    def _gathering_room(self, room: int) -> bool:
+        """Whether to leave the free slots empty this step: every admission into a decoding batch
+        costs a step with a prefill chunk, which runs eagerly (no CUDA graph), so new requests
+        come in groups while the batch is nearly full."""
+        if not self.admission_wait_steps or not self.running:
+            return False
+        wanted = min(max(1, self.max_running // ADMISSION_ROOM_DIVISOR), len(self.waiting))
+        return room < wanted and self._next_step - self._last_admission_step < self.admission_wait_steps
 
     def _fits(self, candidates: list[Req], matches: list[Match] | None):
         """fits(k): whether the running batch plus the first k candidates stays in budget."""

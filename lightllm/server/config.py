@@ -58,6 +58,10 @@ class ServerConfig:
         default=False,
         metadata=_flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
     )
+    admission_wait_steps: int = field(
+        default=8,
+        metadata=_flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
+    )
     running_max_req_size: int = field(default=512, metadata=_flag("most requests in the running batch (and the largest CUDA-graph decode bucket); see docs/benchmarks.md for how the default was chosen"))
     tp: int = field(default=1, metadata=_flag("tensor-parallel degree: one model worker process per rank"))
     dp: int = field(default=1, metadata=_flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1) and each request goes to the least loaded one"))
@@ -128,6 +132,8 @@ class ServerConfig:
                      "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
+        if self.admission_wait_steps < 0:
+            raise ValueError("--admission_wait_steps must be 0 or more")
         for name in ("log_stats_interval", "health_timeout", "step_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive")

@@ -43,7 +43,8 @@ class ModelLoadError(RuntimeError):
 
 def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
-                          config.schedule_policy, prefix_cache=not config.disable_prefix_cache)
+                          config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
+                          admission_wait_steps=config.admission_wait_steps)
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 
