@@ -49,6 +49,15 @@ def round_to_e4m3(v):
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
+@triton.jit
+def quantize_row(y, fp8_max, min_scale):
+    """One row (fp32, masked entries 0) -> (its e4m3 values still in fp32, its scale), as
+    quantize_fp8_rows_ref: the largest |y| maps to 448. Shared by the kernels that quantise
+    their own output (rms_norm, silu_and_mul)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, min_scale)
+    return round_to_e4m3(tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max)), scale
+
+
 @fast_launch
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, x_stride, q_stride, fp8_max, min_scale,
@@ -57,8 +66,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, x_stride, q_stride, fp
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, min_scale)
-    q = round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
+    q, scale = quantize_row(x, fp8_max, min_scale)
     tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

@@ -7,7 +7,7 @@ projections take their input from a norm, and a launch saved is about 3 us of th
 import torch
 
 from ._triton import fast_launch, next_power_of_2, tl, triton
-from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, round_to_e4m3
+from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, quantize_row
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False):
@@ -44,8 +44,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
     y = normed * weight
     if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, min_scale)
-        y = round_to_e4m3(tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max))
+        y, scale = quantize_row(y, fp8_max, min_scale)
         tl.store(scale_ptr + row, scale)
     tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 

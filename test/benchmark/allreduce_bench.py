@@ -41,6 +41,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
+from static_benchmark import graph_call_us  # noqa: E402
+
 from lightllm.utils.allreduce import SYMMETRIC_ENV, AllReducePath, SymmetricAllReduce  # noqa: E402
 from lightllm.utils.dist import TPGroup, init_tp  # noqa: E402
 from lightllm.utils.net import free_port  # noqa: E402
@@ -97,24 +99,7 @@ def eager_us(fn, x: torch.Tensor, iters: int) -> float:
 def graph_us(fn, x: torch.Tensor, calls: int, replays: int) -> float:
     """Per call, `calls` calls captured in one graph (values are not checked here: they grow)."""
     work = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(work)  # NCCL's communicator and the kernels' first launch, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn(work)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return 1000 * start.elapsed_time(end) / (calls * replays)
+    return graph_call_us(lambda: fn(work), calls, replays)
 
 
 def same_sum(got: torch.Tensor, reference: torch.Tensor, inputs: list[torch.Tensor]) -> bool:

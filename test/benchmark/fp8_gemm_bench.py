@@ -6,7 +6,7 @@ For each projection of the model shape (qkv, o, gate_up, down) and each M (token
 bf16 `F.linear` (the column-parallel layers' call) and `x @ Wt` (the row-parallel layers'),
 the fp8 path split into its two launches (per-token quantisation, `torch._scaled_mm` with
 row-wise scales) and whole (`fp8_linear`), each timed in a CUDA graph of 20 calls (as decode
-steps run) with `triton.testing.do_bench_cudagraph`; achieved bandwidth against the weight bytes
+steps run) with static_benchmark.graph_call_us; achieved bandwidth against the weight bytes
 and TFLOP/s; and the fp8 result's relative error against the bf16 GEMM on the same inputs.
 CUDA only.
 """
@@ -16,9 +16,13 @@ import argparse
 import functools
 import logging
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+from static_benchmark import graph_call_us  # noqa: E402
 
 from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, fp8_linear_triton, quantize_fp8_rows_triton,
                                          quantize_fp8_weight, small_m_plan)
@@ -35,27 +39,6 @@ SMALL_M_TIMED = 128  # the small-M kernel is timed up to here (twice the M it se
 # its one row block needs more shared memory than an H100 has
 
 
-def timed_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Mean time of one call within a CUDA graph of `calls` (as a decode step's kernels run)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles, and fast_launch keeps the kernel, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (calls * replays)
-
-
 def one_row(name: str, n: int, k: int, m: int) -> dict:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     w_t = w.t().contiguous()
@@ -66,14 +49,14 @@ def one_row(name: str, n: int, k: int, m: int) -> dict:
     got = fp8_linear_triton(x, wq, ws).float()
     row = {
         "proj": name, "M": m,
-        "bf16 linear": timed_us(lambda: F.linear(x, w)),
-        "bf16 x@Wt": timed_us(lambda: x @ w_t),
-        "quant": timed_us(lambda: quantize_fp8_rows_triton(x)),
-        "scaled_mm": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+        "bf16 linear": graph_call_us(lambda: F.linear(x, w)),
+        "bf16 x@Wt": graph_call_us(lambda: x @ w_t),
+        "quant": graph_call_us(lambda: quantize_fp8_rows_triton(x)),
+        "scaled_mm": graph_call_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
                                                        out_dtype=torch.bfloat16)),
-        "small_m": (timed_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)) if m <= SMALL_M_TIMED
+        "small_m": (graph_call_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)) if m <= SMALL_M_TIMED
                     else float("nan")),
-        "fp8_linear": timed_us(lambda: fp8_linear_triton(x, wq, ws)),
+        "fp8_linear": graph_call_us(lambda: fp8_linear_triton(x, wq, ws)),
         "rel err": ((got - ref).norm() / ref.norm()).item(),
     }
     best_bf16 = min(row["bf16 linear"], row["bf16 x@Wt"])
@@ -117,10 +100,10 @@ def tune(shapes, ms: list[int]) -> list[str]:
                             run = functools.partial(fp8_gemm_small_m, xq, xs, wq, ws, torch.bfloat16, plan, warps, stages)
                             try:
                                 assert torch.allclose(run().float(), ref, rtol=1e-2, atol=1e-2)
-                                results.append((timed_us(run), plan, waves, warps, stages))
+                                results.append((graph_call_us(run), plan, waves, warps, stages))
                             except Exception as e:  # a config Triton cannot compile (shared memory)
                                 logger.info("%s M=%d %s: %s", name, m, plan, str(e).splitlines()[0][:120])
-            default = timed_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16))
+            default = graph_call_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16))
             results.sort(key=lambda r: r[0])
             lines.append(f"{name} M={m}: default {default:.1f} us ({n * k / default / 1e3:.0f} GB/s); best: "
                          + "; ".join(f"{t:.1f} us {p} waves {wv} warps {wp} stages {st}" for t, p, wv, wp, st in results[:5]))

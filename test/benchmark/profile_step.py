@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_benchmark import Bench, copy_bandwidth, int_list, kv_bytes_per_token, sync, timed, weight_bytes  # noqa: E402
+from static_benchmark import (Bench, copy_bandwidth, int_list, kv_bytes_per_token, replay_us, sync, timed,  # noqa: E402
+                              weight_bytes)
 
 from lightllm.engine.model_runner import ModelRunner, run_step  # noqa: E402
 from lightllm.engine.plan import StepPlan  # noqa: E402
@@ -195,15 +196,7 @@ def replay_ms(runner: ModelRunner, batch: int, iters: int) -> float | None:
     graphs = runner.graphs
     if graphs is None or not graphs.graphs:
         return None
-    graph = graphs.graphs[graphs.bucket(batch)]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return replay_us(graphs.graphs[graphs.bucket(batch)], iters) / 1000
 
 
 _plan_ids = iter(range(-(1 << 40), 0))

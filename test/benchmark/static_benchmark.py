@@ -63,6 +63,33 @@ def timed(device: torch.device, fn) -> float:
     return time.perf_counter() - start
 
 
+def replay_us(graph, replays: int) -> float:
+    """Mean microseconds of one replay of a captured CUDA graph, timed with CUDA events."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / replays
+
+
+def graph_call_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Mean microseconds of one call of `fn` within a CUDA graph of `calls` (as a decode step's
+    kernels run). The first call runs outside the capture: compiles, NCCL's communicator."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return replay_us(graph, replays) / calls
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting the read and the write."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
