@@ -8,13 +8,12 @@ import functools
 from typing import Callable
 
 from .apply_penalties import apply_penalties_ref, apply_penalties_triton
-from .copy_kv import copy_kv_ref, copy_kv_triton
 from .decode_attention import decode_attention_ref, decode_attention_triton
 from .extend_attention import extend_attention_ref, extend_attention_triton
 from .fp8_linear import fp8_gemm_ref, fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from .rotary_emb import rotary_emb_ref, rotary_emb_triton
+from .rotary_kv import rotary_kv_ref, rotary_kv_triton
 from .silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -32,8 +31,7 @@ def _by_device(ref: Callable, triton_fn: Callable) -> Callable:
 
 rms_norm = _by_device(rms_norm_ref, rms_norm_triton)
 add_rms_norm = _by_device(add_rms_norm_ref, add_rms_norm_triton)
-rotary_emb_ = _by_device(rotary_emb_ref, rotary_emb_triton)
-copy_kv = _by_device(copy_kv_ref, copy_kv_triton)
+rotary_kv_ = _by_device(rotary_kv_ref, rotary_kv_triton)
 extend_attention = _by_device(extend_attention_ref, extend_attention_triton)
 decode_attention = _by_device(decode_attention_ref, decode_attention_triton)
 silu_and_mul = _by_device(silu_and_mul_ref, silu_and_mul_triton)
@@ -43,6 +41,6 @@ fp8_linear = _by_device(fp8_linear_ref, fp8_linear_triton)
 fp8_gemm = _by_device(fp8_gemm_ref, fp8_gemm_triton)
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "rotary_emb_", "copy_kv", "extend_attention", "decode_attention",
+    "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "apply_penalties_", "random_uniform", "fp8_linear", "fp8_gemm",
 ]

@@ -3,7 +3,8 @@
 The Triton version is split-K ("flash-decoding"): stage 1 splits each request's keys into
 chunks and, per (request, kv head, chunk), computes a partial softmax for all the query heads
 of that kv group at once, so each K/V row is read once per group; stage 2 merges the chunks
-by their log-sum-exp. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
+by their log-sum-exp. Large batches keep one chunk per request: stage 1 then writes the output
+and stage 2 is not launched. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
 """
 import functools
 
@@ -25,8 +26,9 @@ SPLIT_LAUNCH = (128, 4, 2)
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                         max_seqlen: int, sm_scale: float) -> torch.Tensor:
-    """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]]."""
+                         max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]]. The result
+    [B, Hq, D] goes to `out` where given (a slice of the step's attention output), else a new tensor."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     positions = torch.arange(max_seqlen, device=q.device)
@@ -38,22 +40,24 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
     probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    result = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    return result if out is None else out.copy_(result)
 
 
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, scale_log2, chunk, q_batch_stride, q_head_stride, k_slot_stride,
-                         k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride,
-                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         part_lse_ptr, o_ptr, scale_log2, chunk, q_batch_stride, q_head_stride, k_slot_stride,
+                         k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
+                         o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          DOT_UPCAST: tl.constexpr):
     """Partial attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     Writes the chunk's normalised output and its log2-sum-exp2 per query head; empty chunks
-    (past this request's length) write nothing, stage 2 does not read them."""
+    (past this request's length) write nothing, stage 2 does not read them. With one chunk per
+    request (NUM_SPLITS == 1, large batches) the output is final: it goes straight to o and
+    there is no stage 2."""
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     first = split * chunk
@@ -77,6 +81,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
         m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, col_mask[None, :],
                                         kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
                                         v_head_stride, scale_log2, DOT_UPCAST)
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + req.to(tl.int64) * o_batch_stride + heads[:, None] * o_head_stride + dims[None, :],
+                 (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+        return
     # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
     part = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
     tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None], mask=head_mask[:, None])
@@ -131,24 +139,29 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                            max_seqlen: int, sm_scale: float) -> torch.Tensor:
+                            max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None,
+                            launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """As decode_attention_ref; `launch` overrides stage 1's (BLOCK_N, warps, stages) (tune_decode_attention.py)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, max_seqlen, q.device)
+    splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, max_seqlen, q.device, launch)
     block_d = next_power_of_2(head_dim)
-    part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
-    dot_upcast = not q.is_cuda
+    out = torch.empty_like(q) if out is None else out
+    assert out.stride(-1) == 1
+    # One split writes `out` directly; the partials are then never touched (`out` stands in).
+    part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device) \
+        if splits > 1 else out
+    part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, sm_scale * LOG2E, chunk,
+        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, sm_scale * LOG2E, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=dot_upcast, num_warps=warps,
-        num_stages=stages)
-    out = torch.empty_like(q)
-    _decode_merge_kernel[(batch, num_q_heads)](
-        part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
+        req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=not q.is_cuda,
+        num_warps=warps, num_stages=stages)
+    if splits > 1:
+        _decode_merge_kernel[(batch, num_q_heads)](
+            part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
     return out

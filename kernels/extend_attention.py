@@ -15,9 +15,11 @@ from ._triton import attend_kv_block, cdiv, fast_launch, LOG2E, next_power_of_2,
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
-                         kv_lens: torch.Tensor, max_q_len: int, sm_scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; max_q_len is unused (only the kernel's grid needs it)."""
-    out = torch.empty_like(q)
+                         kv_lens: torch.Tensor, max_q_len: int, sm_scale: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; max_q_len is unused (only the kernel's grid needs it).
+    The result [T, Hq, D] goes to `out` where given (a slice of the step's attention output)."""
+    out = torch.empty_like(q) if out is None else out
     bounds = cu_q.tolist()  # CPU path: host copies are fine here
     for i, (row, kv_len) in enumerate(zip(req_rows.tolist(), kv_lens.tolist())):
         start, end = bounds[i], bounds[i + 1]
@@ -85,10 +87,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
 
 def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
-                            kv_lens: torch.Tensor, max_q_len: int, sm_scale: float) -> torch.Tensor:
-    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
+                            kv_lens: torch.Tensor, max_q_len: int, sm_scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     _, num_q_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == out.stride(-1) == 1
     block_d = next_power_of_2(head_dim)
     block_m, block_n, warps = (128, 64, 8) if block_d >= 128 else (64, 64, 4)
     grid = (cdiv(max_q_len, block_m), req_rows.shape[0], num_q_heads)

@@ -206,7 +206,7 @@ def test_shape_mismatch_is_named(tmp_path):
 
 
 TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_triton",
-              "rotary_emb_": "rotary_emb_triton", "copy_kv": "copy_kv_triton",
+              "rotary_kv_": "rotary_kv_triton",
               "extend_attention": "extend_attention_triton", "decode_attention": "decode_attention_triton",
               "silu_and_mul": "silu_and_mul_triton"}
 

@@ -34,7 +34,7 @@ def test_profile_step_reports_every_measure(tmp_path):
 
 def test_fp8_kernels_are_labelled_by_their_place_in_the_layer():
     names = ["_rms_norm_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel", "_reduce_splits_kernel",
-             "_rotary_kernel", "_copy_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+             "_rotary_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
              "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel", "_rms_norm_kernel", "_quantize_rows_kernel",
              "sm90_xmma_gemm_e4m3", "_silu_and_mul_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel",
              "_reduce_splits_kernel", "_rms_norm_kernel", "nvjet_sm90_tst_lm"]

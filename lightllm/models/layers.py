@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import (add_rms_norm, copy_kv, decode_attention, extend_attention, fp8_gemm, fp8_linear,
-                              rms_norm, rotary_emb_, silu_and_mul)
+from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear, rms_norm,
+                              rotary_kv_, silu_and_mul)
 from lightllm_kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
@@ -246,24 +246,22 @@ class Attention:
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
-        rotary_emb_(q, k, *rope)
-        copy_kv(k, v, k_cache, v_cache, batch.slots)
+        rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        """Decode rows through the split-K decode kernel, chunks through extend attention."""
+        """Decode rows through the split-K decode kernel, chunks through extend attention, each
+        writing its rows of one output (no concatenation: one launch and copy fewer a layer)."""
         n = batch.num_decodes
-        if not batch.has_chunks:
-            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.decode_rows,
-                                    batch.decode_seq_lens, batch.decode_max_seqlen, self.scale)
-        chunks = extend_attention(q[n:], k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
-                                  batch.ext_kv_lens, batch.ext_max_q_len, self.scale)
-        if n == 0:
-            return chunks
-        decodes = decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows,
-                                   batch.decode_seq_lens, batch.decode_max_seqlen, self.scale)
-        return torch.cat([decodes, chunks])
+        out = torch.empty_like(q)
+        if n:
+            decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows, batch.decode_seq_lens,
+                             batch.decode_max_seqlen, self.scale, out=out[:n])
+        if batch.has_chunks:
+            extend_attention(q[n:], k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
+                             batch.ext_kv_lens, batch.ext_max_q_len, self.scale, out=out[n:])
+        return out
 
 
 class GatedMLP:

@@ -15,12 +15,11 @@ import torch
 
 # Names come from the submodules: the package's public functions shadow the module names.
 from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
-from lightllm_kernels.copy_kv import copy_kv_ref, copy_kv_triton
 from lightllm_kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton
 from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from lightllm_kernels.rotary_emb import rotary_emb_ref, rotary_emb_triton
+from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
 from lightllm_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 DEVICE = "cuda"
@@ -56,17 +55,12 @@ def case_add_rms_norm():
     return add_rms_norm_ref, add_rms_norm_triton, (x, residual, weight, 1e-5), BF16_TOL
 
 
-def case_rotary():
-    q, k = randn(TOKENS, NUM_Q_HEADS, HEAD_DIM), randn(TOKENS, NUM_KV_HEADS, HEAD_DIM)
+def case_rotary_kv():
+    q, k, v = (randn(TOKENS, heads, HEAD_DIM) for heads in (NUM_Q_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
     angles = torch.rand(TOKENS, HEAD_DIM // 2, device=DEVICE) * 4096
-    return rotary_emb_ref, rotary_emb_triton, (q, k, angles.cos(), angles.sin()), BF16_TOL
-
-
-def case_copy_kv():
-    k, v = randn(TOKENS, NUM_KV_HEADS, HEAD_DIM), randn(TOKENS, NUM_KV_HEADS, HEAD_DIM)
     k_cache, v_cache = randn(65536, NUM_KV_HEADS, HEAD_DIM), randn(65536, NUM_KV_HEADS, HEAD_DIM)
     slots = torch.randperm(65536, device=DEVICE)[:TOKENS].to(torch.int32)
-    return copy_kv_ref, copy_kv_triton, (k, v, k_cache, v_cache, slots), EXACT
+    return rotary_kv_ref, rotary_kv_triton, (q, k, v, angles.cos(), angles.sin(), k_cache, v_cache, slots), BF16_TOL
 
 
 def case_silu_and_mul():
@@ -122,8 +116,8 @@ def case_random_uniform():
 
 
 CASES = {
-    "rms_norm": case_rms_norm, "add_rms_norm": case_add_rms_norm, "rotary_emb_": case_rotary,
-    "copy_kv": case_copy_kv, "silu_and_mul": case_silu_and_mul, "extend_attention": case_extend,
+    "rms_norm": case_rms_norm, "add_rms_norm": case_add_rms_norm, "rotary_kv_": case_rotary_kv,
+    "silu_and_mul": case_silu_and_mul, "extend_attention": case_extend,
     "decode_attention": case_decode, "apply_penalties_": case_penalties, "random_uniform": case_random_uniform,
 }
 

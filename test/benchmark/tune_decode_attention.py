@@ -7,7 +7,7 @@ KV stream's floor.
 The cases are the decode CUDA graphs' (split plan from the server's max_req_total_len, 3072 by
 default), each request's slots a contiguous run of the token table as the allocator gives them,
 Llama-3.1-8B's heads (32 query, 8 KV, 128 dims, bf16). Prints one markdown table: microseconds per
-call (split + merge, CUDA-event timed) and the floor fraction (the K/V bytes over the measured
+call (stage 1, and the merge where keys are split; CUDA-event timed) and the floor fraction (the K/V bytes over the measured
 device-to-device copy bandwidth, divided by the time). GPU only.
 """
 
@@ -19,29 +19,10 @@ import sys
 
 import torch
 
-from lightllm_kernels.decode_attention import (LOG2E, _decode_merge_kernel, _decode_split_kernel, _split_plan,
-                                               decode_attention_ref, decode_attention_triton, triton)
+from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from static_benchmark import copy_bandwidth
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
-def launch(q, k_cache, v_cache, req_to_token, rows, seq_lens, max_seqlen, scale, block_n, warps, stages):
-    batch, num_q_heads, head_dim = q.shape
-    splits, chunk, _ = _split_plan(batch, k_cache.shape[1], max_seqlen, q.device, (block_n, warps, stages))
-    group = num_q_heads // k_cache.shape[1]
-    part_o = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(batch, k_cache.shape[1], splits)](
-        q, k_cache, v_cache, req_to_token, rows, seq_lens, part_o, part_lse, scale * LOG2E, chunk,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=False, num_warps=warps, num_stages=stages)
-    out = torch.empty_like(q)
-    _decode_merge_kernel[(batch, num_q_heads)](
-        part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=head_dim,
-        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
-    return out
 
 
 def time_us(fn, iters: int = 50) -> float:
@@ -96,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         for block_n, warps, stages in itertools.product(map(int, args.block_n.split(",")), map(int, args.warps.split(",")),
                                                         map(int, args.stages.split(","))):
             try:
-                run = lambda: launch(q, k, v, table, rows, lens, args.max_seqlen, scale, block_n, warps, stages)  # noqa: E731
+                run = lambda: decode_attention_triton(q, k, v, table, rows, lens, args.max_seqlen, scale,  # noqa: E731
+                                                      launch=(block_n, warps, stages))
                 error = (run().float() - ref).abs().max().item()
                 us = time_us(run)
             except Exception as exc:  # out of shared memory and the like: that setting is out
