@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -118,11 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=("fp8",), default=None)
     parser.add_argument("--decodes", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=96, help="tokens; above 64 the fp8 GEMMs are cuBLAS's")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="count a model of this many layers (the model's config otherwise; dummy weights)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("set TRITON_INTERPRET=1: the Triton kernels run on the CPU under the interpreter")
-    runner = make_runner(args.model, args.load_format, args.quantization)
-    counts = count_step(runner, args.decodes, args.chunk)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.layers is not None:
+            model = Path(shutil.copytree(args.model, Path(tmp) / args.model.name, ignore=shutil.ignore_patterns("*.safetensors")))
+            config = json.loads((model / "config.json").read_text())
+            (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": args.layers}))
+        runner = make_runner(model, "dummy" if args.layers is not None else args.load_format, args.quantization)
+        counts = count_step(runner, args.decodes, args.chunk)
     num_layers = runner.config.num_layers
     print(f"Eager step of {args.decodes} decodes and a {args.chunk}-token chunk, {args.model.name}, "
           f"{num_layers} layers{', fp8 projections' if args.quantization else ''}:\n")
