@@ -159,14 +159,15 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
     the queries' running max m_i, sum l_i and output acc, updated with keys `cols` (valid where
     col_mask) where `allowed` [rows, cols] lets a query see a key. Shared by the attention kernels."""
     slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)  # entries past the length may be unset
+    # K/V in the queries' dtype: an fp8 cache (--kv_cache_dtype fp8_e4m3) is widened here, as it is read
     k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
-                mask=col_mask[None, :] & dim_mask[:, None], other=0.0)
+                mask=col_mask[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)
     scores = tl.where(allowed, dot(q, k, DOT_UPCAST) * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
-                mask=col_mask[:, None] & dim_mask[None, :], other=0.0)
+                mask=col_mask[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 

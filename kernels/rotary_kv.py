@@ -5,6 +5,7 @@ reads keys only from the cache, so k itself is left as it came. Layout: HF Llama
 import torch
 
 from ._triton import fast_launch, next_power_of_2, tl, triton
+from .fp8_linear import FP8, FP8_MAX, round_to_e4m3
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -21,13 +22,30 @@ def rotary_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     slots [T]; cos/sin [T, D/2] are each token's angles."""
     q.copy_(_rotated(q, cos, sin))
     slots = slots.long()
-    k_cache[slots] = _rotated(k, cos, sin).to(k_cache.dtype)
-    v_cache[slots] = v
+    k_cache[slots] = to_cache(_rotated(k, cos, sin), k_cache.dtype)
+    v_cache[slots] = to_cache(v, v_cache.dtype)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: an fp8 cache (--kv_cache_dtype fp8_e4m3) holds each value rounded
+    to the nearest e4m3 with no scale (values past +-448 saturate), as vLLM's fp8 cache does
+    without calibrated scales: K and V of the Llama family stay well inside that range."""
+    if dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
+
+
+@triton.jit
+def _stored(x, dst, TO_FP8: tl.constexpr):
+    """x (fp32) in dst's dtype; to fp8 as to_cache rounds (the interpreter's own cast does not)."""
+    if TO_FP8:
+        x = round_to_e4m3(tl.clamp(x, -448.0, 448.0))
+    return x.to(dst.dtype.element_ty)
 
 
 @triton.jit
 def _rotate_heads(src, dst, num_heads, src_head_stride, dst_head_stride, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, TO_FP8: tl.constexpr):
     """One token's heads from src rotated into dst (the same place for q)."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -36,17 +54,19 @@ def _rotate_heads(src, dst, num_heads, src_head_stride, dst_head_stride, cos, si
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     out = dst + heads * dst_head_stride + dims
-    tl.store(out, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(out, _stored(x1 * cos - x2 * sin, dst, TO_FP8), mask=mask)
+    tl.store(out + HALF, _stored(x2 * cos + x1 * sin, dst, TO_FP8), mask=mask)
 
 
 @triton.jit
 def _copy_heads(src, dst, num_heads, src_head_stride, dst_head_stride,
-                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TO_FP8: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (dims < HEAD_DIM)
     rows = tl.load(src + heads * src_head_stride + dims, mask=mask)
+    if TO_FP8:
+        rows = _stored(rows.to(tl.float32), dst, TO_FP8)
     tl.store(dst + heads * dst_head_stride + dims, rows, mask=mask)
 
 
@@ -57,24 +77,25 @@ def _rotary_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cach
                       cos_stride, sin_stride, k_cache_stride, k_cache_head_stride, v_cache_stride,
                       v_cache_head_stride, num_q_heads, num_kv_heads,
                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + token * cos_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * sin_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     q = q_ptr + token * q_token_stride
-    _rotate_heads(q, q, num_q_heads, q_head_stride, q_head_stride, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(q, q, num_q_heads, q_head_stride, q_head_stride, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF, False)
     _rotate_heads(k_ptr + token * k_token_stride, k_cache_ptr + slot * k_cache_stride, num_kv_heads, k_head_stride,
-                  k_cache_head_stride, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+                  k_cache_head_stride, cos, sin, HALF, BLOCK_HK, BLOCK_HALF, KV_FP8)
     _copy_heads(v_ptr + token * v_token_stride, v_cache_ptr + slot * v_cache_stride, num_kv_heads, v_head_stride,
-                v_cache_head_stride, 2 * HALF, BLOCK_HK, BLOCK_D)
+                v_cache_head_stride, 2 * HALF, BLOCK_HK, BLOCK_D, KV_FP8)
 
 
 def rotary_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
-    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and v.dtype == v_cache.dtype
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
+    assert v.dtype == v_cache.dtype or v_cache.dtype == FP8
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -83,4 +104,4 @@ def rotary_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                                  k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                  num_q_heads, num_kv_heads, HALF=half, BLOCK_HQ=next_power_of_2(num_q_heads),
                                  BLOCK_HK=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(half),
-                                 BLOCK_D=next_power_of_2(head_dim), num_warps=4)
+                                 BLOCK_D=next_power_of_2(head_dim), KV_FP8=k_cache.dtype == FP8, num_warps=4)

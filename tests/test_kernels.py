@@ -115,6 +115,26 @@ def test_rotary_kv_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim
     assert torch.equal(v_cache, v_cache_ref) and torch.equal(k, k_before)  # v copied exactly, k left as it was
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_kv_into_an_fp8_cache_triton_matches_ref(dtype):
+    """--kv_cache_dtype fp8_e4m3: k and v rounded to the nearest e4m3 value, saturating at 448."""
+    q, k, v = qkv_views(7, 4, 2, 64, dtype)
+    v[0, 0, :3] = torch.tensor([1000.0, -600.0, 3e-4], dtype=dtype)  # saturates both ways; a subnormal
+    cos, sin = random_cos_sin(7, 64)
+    k_cache, v_cache = (torch.zeros(20, 2, 64, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2))
+    slots = torch.randperm(20, device=DEVICE)[:7]
+    q_ref, k_cache_ref, v_cache_ref = q.clone(), k_cache.clone(), v_cache.clone()
+    rotary_kv_ref(q_ref, k, v, cos, sin, k_cache_ref, v_cache_ref, slots)
+    rotary_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert_close(q, q_ref, TOL[dtype])
+    assert torch.equal(v_cache.float(), v_cache_ref.float())
+    assert v_cache_ref[slots[0], 0, :2].float().tolist() == [448.0, -448.0]
+    assert torch.equal(v_cache_ref[slots].float(), v.float().clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    # k: the same fp32 rotation on both sides, unless summation order moves a value across a rounding boundary
+    assert (k_cache.float() == k_cache_ref.float()).float().mean() > 0.99
+    assert_close(k_cache, k_cache_ref, dict(atol=2**-9, rtol=0.13))
+
+
 def test_rotary_kv_ref_matches_transformers_and_writes_only_the_slots():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -181,6 +201,18 @@ def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     assert decode_attention_triton(*args, out=out) is out
     assert_close(out, decode_attention_ref(*args), ATTN_TOL[dtype])
     assert buffer[[0, -1]].isnan().all() and buffer[:, num_q_heads].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_over_an_fp8_cache_triton_matches_ref(dtype):
+    """The kernels widen fp8 K/V to the queries' dtype as they read them; the references to fp32."""
+    fp8 = torch.float8_e4m3fn
+    q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(PROMPT_LENS + [200], 4, 2, 64, dtype)
+    args = (q, k_cache.to(fp8), v_cache.to(fp8), req_to_token, req_rows, lens, 200, 0.125)
+    assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[dtype])
+    q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max_q_len = extend_batch(CHUNKS, 4, 2, 64, dtype)
+    args = (q, k_cache.to(fp8), v_cache.to(fp8), req_to_token, req_rows, cu_q, kv_lens, max_q_len, 0.125)
+    assert_close(extend_attention_triton(*args), extend_attention_ref(*args), ATTN_TOL[dtype])
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)

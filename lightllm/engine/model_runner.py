@@ -27,7 +27,7 @@ import torch
 from lightllm.common.req_table import OutOfRowsError, ReqTable
 from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
-from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype
+from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
 
@@ -112,7 +112,7 @@ class ModelRunner:
                  running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
                  cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
-                 step_trace: str | None = None, quantization: str | None = None):
+                 step_trace: str | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto"):
         """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
         `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py)."""
@@ -129,11 +129,12 @@ class ModelRunner:
         self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,
                                 max_positions=max_req_total_len,
                                 load_format=load_format)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, dtype, self.device)
         graph_bytes = graph_memory_bytes(running_max_req_size, cfg.vocab_size) if capture else 0
         self.max_total_token_num = self._token_budget(max_total_token_num, graph_bytes)
         self.max_req_total_len = max_req_total_len
         self.token_table = TokenTable(self.max_total_token_num, cfg.num_layers, self.model.kv_heads,
-                                      cfg.head_dim, dtype, self.device)
+                                      cfg.head_dim, self.kv_dtype, self.device)
         self.req_table = ReqTable(running_max_req_size, max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running_max_req_size + 1, dtype=torch.int64, device=self.device)
@@ -175,7 +176,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         headroom = max(GPU_HEADROOM_MIN_BYTES, int(total * GPU_HEADROOM_FRACTION)) + graph_bytes
         cfg = self.config
-        per_token = 2 * cfg.num_layers * self.model.kv_heads * cfg.head_dim * self.model.dtype.itemsize
+        per_token = 2 * cfg.num_layers * self.model.kv_heads * cfg.head_dim * self.kv_dtype.itemsize
         tokens = self.tp.min_int(max(0, (free - headroom) // per_token), self.device)
         if tokens == 0:
             raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free after "

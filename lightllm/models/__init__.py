@@ -10,7 +10,7 @@ import torch
 from lightllm.utils.dist import TPGroup
 
 from .config import (SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError, read_config,
-                     resolve_dtype)
+                     resolve_dtype, resolve_kv_dtype)
 from .layers import ForwardBatch
 from .llama import LlamaModel
 from .weights import CheckpointWeights, DummyWeights, WeightLoadError
@@ -37,4 +37,4 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tp
 
 
 __all__ = ["ModelConfig", "ModelConfigError", "WeightLoadError", "ForwardBatch", "LlamaModel",
-           "read_config", "resolve_dtype", "load_model", "SUPPORTED_ARCHITECTURES"]
+           "read_config", "resolve_dtype", "resolve_kv_dtype", "load_model", "SUPPORTED_ARCHITECTURES"]

@@ -163,3 +163,15 @@ def resolve_dtype(data_type: str, config: ModelConfig, device: torch.device) -> 
         raise ModelConfigError(f"unsupported data type {data_type!r}; supported: auto, "
                                f"{', '.join(_DTYPES)}")
     return _DTYPES[data_type]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's (auto) or fp8 e4m3, which the attention kernels widen as
+    they read it; Triton converts e4m3 on compute capability 8.9 and above only."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype != "fp8_e4m3":
+        raise ModelConfigError(f"kv_cache_dtype must be auto or fp8_e4m3, got {kv_cache_dtype!r}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ModelConfigError("--kv_cache_dtype fp8_e4m3 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
+    return torch.float8_e4m3fn

@@ -93,6 +93,10 @@ class ServerConfig:
         default=None,
         metadata=_flag("fp8: store the four projections of every layer in fp8 (e4m3, one scale per output row, quantised at load) and quantise their inputs per token: half the weight bytes a decode step reads and fp8 tensor cores for prefill (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference). The embedding, the LM head, norms and the KV cache stay in --data_type. See docs/benchmarks.md for throughput and accuracy", choices=("fp8",)),
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_flag("auto: the KV cache in --data_type; fp8_e4m3: one byte a value (K and V rounded to e4m3, no scale: values past +-448 saturate), so twice the tokens in the same memory and half the bytes decode attention reads (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference)", choices=("auto", "fp8_e4m3")),
+    )
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
     step_trace: str | None = field(default=None, metadata=_flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/step_trace.py"))

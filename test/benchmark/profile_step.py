@@ -254,7 +254,7 @@ def decode_section(runner: ModelRunner, bench: Bench, batch: int, context: int, 
     step = lambda: run_step(runner, ids)  # noqa: E731
     times = [timed(runner.device, step) for _ in range(args.warmup + args.iters)][args.warmup:]
     step_ms = 1000 * statistics.median(times)
-    floor_ms = 1000 * (weight_bytes(cfg, itemsize) + batch * context * kv_bytes_per_token(cfg, itemsize)) / bandwidth
+    floor_ms = 1000 * (weight_bytes(cfg, itemsize) + batch * context * kv_bytes_per_token(cfg, runner.kv_dtype.itemsize)) / bandwidth
     replay = replay_ms(runner, batch, args.iters) if runner.device.type == "cuda" else None
     host = [f"Host, {args.host_steps} engine steps one in flight (cProfile, own time):", ""]
     host += host_profile(lambda: runner.step(StepPlan(next(_plan_ids), list(ids))), args.host_steps, args.top)
@@ -328,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--load-format", default="dummy")
     add("--quantization", choices=("fp8",), default=None, help="the server's --quantization (no GEMM tables: "
         "test/benchmark/fp8_gemm_bench.py times those)")
+    add("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto", help="the server's --kv_cache_dtype")
     add("--dtype", default="bfloat16")
     add("--device", default=None)
     add("--max-total-token-num", type=int, default=300000, help="KV budget: 256 x 1024 decode context and the eager steps fit, room is left for the GEMM timings")
@@ -360,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
-                         cuda_graph=not args.no_cuda_graph, quantization=args.quantization)
+                         cuda_graph=not args.no_cuda_graph, quantization=args.quantization,
+                         kv_cache_dtype=args.kv_cache_dtype)
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
-    lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+    lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}{', fp8 KV cache' if args.kv_cache_dtype != 'auto' else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
              f"Triton launches: {args.triton_launch}", ""]
     bench = Bench(runner, seed=0)
     print("\n".join(lines), flush=True)

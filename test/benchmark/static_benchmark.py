@@ -156,7 +156,7 @@ def run_grid(bench: Bench, args, bandwidth: float) -> tuple[list[Point], list[st
     points, skipped = [], []
     budget = bench.runner.max_total_token_num
     cfg, itemsize = bench.runner.config, bench.runner.model.dtype.itemsize
-    weights, per_token = weight_bytes(cfg, itemsize), kv_bytes_per_token(cfg, itemsize)
+    weights, per_token = weight_bytes(cfg, itemsize), kv_bytes_per_token(cfg, bench.runner.kv_dtype.itemsize)
     prefill_grid = [(b, n) for b in args.prefill_batch for n in args.prefill_len]
     decode_grid = [(b, c) for b in args.decode_batch for c in args.decode_context]
     with tqdm(total=len(prefill_grid) + len(decode_grid), desc="grid points") as bar:
@@ -231,7 +231,7 @@ def write_json(path: Path, args, runner: ModelRunner, bandwidth: float, points, 
         "max_total_token_num": runner.max_total_token_num,
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "weight_bytes": weight_bytes(cfg, itemsize),
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, itemsize),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, runner.kv_dtype.itemsize),
     }
     path.write_text(json.dumps({**info, "points": [asdict(p) for p in points], "skipped": skipped}, indent=2))
 

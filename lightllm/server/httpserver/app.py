@@ -171,6 +171,8 @@ async def info(request: Request) -> JSONResponse:
             "served_model_name": config.served_model_name,
             "architecture": model.get("architecture"),
             "dtype": model.get("dtype"),
+            "quantization": config.quantization,
+            "kv_cache_dtype": config.kv_cache_dtype,
             "vocab_size": model.get("vocab_size"),
             "max_position_embeddings": model.get("max_position_embeddings"),
             "max_total_token_num": state.limits.max_total_token_num,

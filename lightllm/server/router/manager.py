@@ -231,6 +231,7 @@ def load_model(workers: ModelWorkers, config: ServerConfig, replica: int = 0) ->
             data_type=config.data_type,
             load_format=config.load_format,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
             cuda_graph=not config.disable_cuda_graph,
             step_trace=config.step_trace and (f"{config.step_trace}.replica{replica}" if replica else config.step_trace),
             world_size=config.tp,
