@@ -84,11 +84,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     if NUM_SPLITS == 1:
         tl.store(o_ptr + req.to(tl.int64) * o_batch_stride + heads[:, None] * o_head_stride + dims[None, :],
                  (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
-        return
-    # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
-    part = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
-    tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None], mask=head_mask[:, None])
-    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
+    else:
+        # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
+        part = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None], mask=head_mask[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
 
 
 @fast_launch

@@ -1,0 +1,143 @@
+"""Compile every Triton kernel the layers and the sampler launch for the H100 (sm90) on a machine
+without a GPU, through Triton's own compiler and the ptxas its wheel bundles.
+
+    python test/benchmark/compile_sm90.py
+
+The CPU tests run the kernels in Triton's interpreter, which executes Python and so accepts code
+the GPU compiler may refuse (an fp8 conversion, a pointer of the wrong type in a branch not taken);
+this is the check that the GPU path at least builds. Each kernel is compiled with the argument
+types of a real call (the Python wrappers are called with bench-8b's head shapes and a few tokens,
+and each launch is captured instead of run) and the constexprs that call chose, DOT_UPCAST set as
+on a GPU. Prints one line a launch (OK or FAIL with the compiler's message); exits 1 on any FAIL.
+Not under TRITON_INTERPRET=1: the interpreter's kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_sm90.py compiles real kernels: run it without TRITON_INTERPRET=1")
+
+import importlib  # noqa: E402
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightllm_kernels import _triton  # noqa: E402
+from lightllm_kernels.apply_penalties import apply_penalties_triton  # noqa: E402
+from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E402
+from lightllm_kernels.extend_attention import extend_attention_triton  # noqa: E402
+from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
+                                         small_m_plan)
+from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
+from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
+from lightllm_kernels.silu_and_mul import silu_and_mul_triton  # noqa: E402
+
+# The package's public `decode_attention` function shadows the submodule of the same name.
+decode_module = importlib.import_module("lightllm_kernels.decode_attention")
+
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+                 torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.bool: "*i1"}
+OPTIONS = ("num_warps", "num_stages")
+Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
+H100_SMS = 132
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def scalar_type(value) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
+    assert isinstance(value, float), type(value)
+    return "fp32"
+
+
+def captured_launches() -> list[tuple]:
+    """(kernel, argument types, constexprs, options) of each distinct launch the wrappers make."""
+    launches = {}
+
+    def capture(kernel, grid, args, kwargs):
+        names = kernel.fn.arg_names
+        types = {name: POINTER_TYPES[a.dtype] if isinstance(a, torch.Tensor) else scalar_type(a)
+                 for name, a in zip(names, args)}
+        constexprs = {k: (False if k == "DOT_UPCAST" else v) for k, v in kwargs.items() if k not in OPTIONS}
+        options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+        key = (kernel.fn.__name__, tuple(types.items()), tuple(constexprs.items()), tuple(options.items()))
+        launches[key] = (kernel, types, constexprs, options)
+
+    saved = _triton._FastKernel._launch
+    _triton._FastKernel._launch = capture
+    try:
+        call_every_kernel()
+    finally:
+        _triton._FastKernel._launch = saved
+    return list(launches.values())
+
+
+def call_every_kernel() -> None:
+    """Each wrapper once per path the server takes; nothing runs (the launches are captured)."""
+    tokens = 4
+    x, weight = torch.randn(tokens, HIDDEN, dtype=BF16), torch.randn(HIDDEN, dtype=BF16)
+    for fp8_out in (False, True):
+        rms_norm_triton(x, weight, 1e-5, fp8_out)
+        add_rms_norm_triton(x, x.clone(), weight, 1e-5, fp8_out)
+        silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
+    q8, scale = quantize_fp8_rows_triton(x)
+    w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
+    for sms in (4, H100_SMS):  # K whole, and split (the GEMM, then the reduction)
+        fp8_gemm_small_m(q8, scale, w8, w_scale, BF16, plan=small_m_plan(tokens, 1024, HIDDEN, sms))
+    qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=BF16)
+    q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
+    cos, sin = torch.randn(tokens, HEAD_DIM // 2), torch.randn(tokens, HEAD_DIM // 2)
+    slots = torch.arange(tokens)
+    table = torch.arange(1024, dtype=torch.int32).view(2, 512)
+    rows, lens = torch.arange(2, dtype=torch.int32), torch.tensor([512, 300], dtype=torch.int32)
+    for kv_dtype in (BF16, FP8):
+        k_cache, v_cache = (torch.zeros(1024, KV_HEADS, HEAD_DIM, dtype=kv_dtype) for _ in range(2))
+        rotary_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+        # the plan as on the H100 (keys split, then merged) and as for a large batch (one split, no merge)
+        per_wave = decode_module._programs_per_wave
+        for sms in (H100_SMS, 0):
+            decode_module._programs_per_wave = lambda device, sms=sms: sms
+            decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1)
+        decode_module._programs_per_wave = per_wave
+        cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
+        extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, 3, 0.1)
+    logits = torch.randn(2, 1000)
+    counts = torch.ones(3, dtype=torch.int32)
+    apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
+                           counts, torch.tensor([0, 2, 3], dtype=torch.int32))
+    random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
+
+
+def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict):
+    fn = kernel.fn
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    failed = 0
+    for kernel, types, constexprs, options in captured_launches():
+        shown = ", ".join(f"{k}={v}" for k, v in {**constexprs, **options}.items())
+        try:
+            compiled = compile_for_sm90(kernel, types, constexprs, options)
+            assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+            print(f"OK   {kernel.fn.__name__}({shown})", flush=True)
+        except Exception as exc:  # the compiler's own errors, shown per kernel
+            failed += 1
+            print(f"FAIL {kernel.fn.__name__}({shown}): {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

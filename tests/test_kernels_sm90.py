@@ -1,0 +1,33 @@
+"""Every Triton kernel the layers and the sampler launch compiles for the H100 (sm90) on this CPU
+machine (test/benchmark/compile_sm90.py, run without the interpreter that conftest.py turns on):
+the other kernel tests run the kernels in Triton's interpreter, which accepts code the GPU compiler
+may refuse."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+nvidia = pytest.importorskip("triton.backends.nvidia")
+if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists() and not os.environ.get("TRITON_PTXAS_PATH"):
+    pytest.skip("Triton's wheel has no ptxas here", allow_module_level=True)
+
+TOOL = Path(__file__).resolve().parents[1] / "test" / "benchmark" / "compile_sm90.py"
+KERNELS = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel", "_quantize_rows_kernel",
+           "_fp8_gemm_small_m_kernel", "_reduce_splits_kernel", "_rotary_kv_kernel", "_decode_split_kernel",
+           "_decode_merge_kernel", "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel"}
+
+
+def test_every_kernel_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(TOOL)], env=env, capture_output=True, text=True, timeout=600)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert all(line.startswith("OK ") for line in lines), done.stdout
+    assert {re.match(r"OK\s+(\w+)\(", line).group(1) for line in lines} == KERNELS
+    # both KV cache dtypes, and decode attention with and without its merge
+    assert sum("_rotary_kv_kernel(" in line for line in lines) == 2
+    assert sum("_decode_split_kernel(" in line for line in lines) == 4
