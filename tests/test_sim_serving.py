@@ -15,9 +15,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
 
 from sharegpt import SampledRequest  # noqa: E402
-from sim_cost import H100_EAGER_POINTS, H100_STEP_POINTS, H100CostModel, StepWork, decode_bucket, fit  # noqa: E402
+from sim_cost import (H100_EAGER_POINTS, H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS, H100_STEP_POINTS,  # noqa: E402
+                      H100CostModel, StepWork, decode_bucket, fit, fit_fp8)
 from sim_device import FILLER_TOKEN, SimDevice  # noqa: E402
-from sim_serving import sim_config, simulate  # noqa: E402
+from sim_serving import cost_model, sim_config, simulate  # noqa: E402
 
 from lightllm.engine.plan import Chunk, Release, StepPlan  # noqa: E402
 from lightllm.server.io_struct import SamplingParams  # noqa: E402
@@ -85,25 +86,41 @@ def test_decode_rows_cost_at_least_as_many_prefill_tokens():
     assert rows_ms > model.decode_fixed_ms + model.decode_per_req_ms * decode_bucket(batch)
 
 
-def test_fp8_what_ifs_halve_the_weight_read_and_the_kv_read():
+def test_fp8_kv_cache_what_if_halves_the_kv_read_and_nothing_else():
     model = H100CostModel()
     rng = random.Random()
-    # Up to 128 requests the weight read binds (past ~190 with fp8 weights the GEMMs' compute does).
-    decode = StepWork(decode_reqs=rng.randrange(1, 129), decode_context=rng.randrange(1, 10**6))
+    decode = StepWork(decode_reqs=rng.randrange(1, 1000), decode_context=rng.randrange(1, 10**6))
     prefill = StepWork(prefill_tokens=rng.randrange(1, 8192), attention_pairs=rng.randrange(1, 10**7))
     mixed = StepWork(decode.decode_reqs, decode.decode_context, prefill.prefill_tokens, prefill.attention_pairs)
     kv_ms = model.kv_read_ms_per_token * decode.decode_context
-    weights, kv, both = model.with_fp8(weights=True), model.with_fp8(kv_cache=True), model.with_fp8(True, True)
-    assert weights.device_ms(decode) == pytest.approx(model.device_ms(decode) - model.weight_read_ms / 2)
+    kv = model.with_fp8_kv_cache()
     assert kv.device_ms(decode) == pytest.approx(model.device_ms(decode) - kv_ms / 2)
-    assert both.device_ms(decode) == pytest.approx(model.device_ms(decode) - model.weight_read_ms / 2 - kv_ms / 2)
-    for what_if in (weights, kv, both):
-        assert what_if.device_ms(prefill) == model.device_ms(prefill)  # compute-bound: unchanged
-        assert what_if.host_ms(mixed) == model.host_ms(mixed)
     assert kv.device_ms(mixed) == pytest.approx(model.device_ms(mixed) - kv_ms / 2)
-    assert model.with_fp8() == model
-    large = StepWork(decode_reqs=512, decode_context=rng.randrange(1, 10**6))
-    assert weights.device_ms(large) == model.device_ms(large)  # compute-bound: the same
+    assert kv.device_ms(prefill) == model.device_ms(prefill) and kv.host_ms(mixed) == model.host_ms(mixed)
+
+
+def test_fp8_fit_reproduces_its_h100_points():
+    """Decode steps and the two host points exactly (as many coefficients as points); the eager
+    steps' device times within 10% (two coefficients for four points, attention taken from bf16)."""
+    model = fit_fp8()
+    for point in H100_FP8_DECODE_POINTS:
+        assert model.step_ms(point.work) == pytest.approx(point.ms)
+    for point in H100_FP8_EAGER_POINTS:
+        assert model.device_ms(point.work) == pytest.approx(point.device_ms, rel=0.10)
+        if point.label in ("prefill 1 x 128", "448 decodes + 1 x 256"):
+            assert model.step_ms(point.work) == pytest.approx(point.wall_ms)
+    # fp8 projections: decode steps cheaper at every batch, prefill tokens cheaper, launches dearer
+    bf16 = H100CostModel()
+    for batch in (1, 64, 256, 512):
+        work = StepWork(decode_reqs=batch, decode_context=batch * 512)
+        assert model.device_ms(work) < bf16.device_ms(work)
+    assert model.prefill_per_token_ms < bf16.prefill_per_token_ms and model.eager_host_ms > bf16.eager_host_ms
+
+
+def test_server_flags_choose_the_cost_model():
+    assert cost_model(sim_config("")) == H100CostModel()
+    assert cost_model(sim_config("--quantization fp8")) == fit_fp8()
+    assert cost_model(sim_config("--quantization fp8 --kv_cache_dtype fp8_e4m3")) == fit_fp8().with_fp8_kv_cache()
 
 
 def test_new_interface_keeps_one_step_in_flight():

@@ -1,6 +1,6 @@
 """How long one engine step of bench-8b takes on one H100: a cost model fitted to measurements.
 
-    python test/benchmark/sim_cost.py          # fit, print the coefficients and the residuals
+    python test/benchmark/sim_cost.py          # fit bf16 and fp8, print the coefficients and the residuals
 
 The points are H100 measurements of bench-8b in bf16 (docs/benchmarks.md): decode steps and eager
 steps that test/benchmark/profile_step.py profiled at 6bfa73e and 9d728fa, and the static
@@ -8,8 +8,8 @@ benchmark's prefills. Two kinds of step, two formulas:
 
 - decode only (replayed from a CUDA graph, padded to its batch bucket):
       max(fixed + per_req * bucket(B), per_token * bucket(B)) + kv_read * (context tokens of the batch)
-  fixed is streaming the ~15 GB of weights a step reads (5.0 ms at copy speed, `weight_read_ms`)
-  plus the latency-bound small kernels; per_req the GEMM rows and sampling of one more request;
+  fixed is streaming the ~15 GB of weights a step reads (5.0 ms at copy speed) plus the
+  latency-bound small kernels; per_req the GEMM rows and sampling of one more request;
   per_token the prefill's (compute-bound rows, which bind past ~330 requests); kv_read one
   context token's K and V (128 KiB over 32 layers: 44 ns at 3 TB/s).
 - with prefill (eager, not captured), two times that overlap:
@@ -30,7 +30,9 @@ the device's period as the engine core runs steps). The host terms solve the two
 to the static prefills whose fitted device time exceeds the eager host time (the others are
 host-bound and say nothing about the device), repeated until that set stops changing.
 Fits are least squares on relative error (numpy.linalg.lstsq, rows scaled by 1 / measured time),
-so that 5 ms and 200 ms points weigh alike. `with_fp8` prices what-ifs on top of the fit.
+so that 5 ms and 200 ms points weigh alike. `fit_fp8` fits `--quantization fp8` to its own H100
+points (H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS); `with_fp8_kv_cache` prices a what-if on top
+of either fit (no fp8 KV cache has been measured on a GPU).
 """
 
 from __future__ import annotations
@@ -144,6 +146,25 @@ H100_EAGER_POINTS = (  # docs/benchmarks.md, "Triton's launch path (9d728fa)"
 )
 
 
+# --quantization fp8 (bench-8b, fp8 projections, bf16 activations), profile_step.py on the H100.
+# Decode steps one in flight at context 1024 (5f88c4c, call 6); eager steps alone, synchronous,
+# wall and device time: both host terms and the three prefill device terms come from these.
+_FP8_DECODE, _FP8_HOST = "5f88c4c profile_step.py --quantization fp8 (2026-11-23)", "f6c956a (2026-11-23)"
+H100_FP8_DECODE_POINTS = (
+    StepPoint("decode", 1, 1024, 3.961, _FP8_DECODE),
+    StepPoint("decode", 256, 1024, 17.449, _FP8_DECODE),
+)
+H100_FP8_EAGER_POINTS = (
+    EagerPoint("prefill 1 x 128", StepWork(prefill_tokens=128, attention_pairs=causal_pairs(0, 128)),
+               14.240, 4.984, _FP8_HOST),
+    EagerPoint("448 decodes + 1 x 256", StepWork(448, 448 * 257, 256, causal_pairs(0, 256)), 29.664, 21.504, _FP8_HOST),
+    EagerPoint("64 decodes + 1 x 512", StepWork(64, 64 * 257, 512, causal_pairs(0, 512)), 17.152, 14.295,
+               "78e0a1e (2026-11-23)"),
+    EagerPoint("448 decodes + 1 x 4096", StepWork(448, 448 * 257, 4096, causal_pairs(0, 4096)), 105.864, 98.838,
+               "864ab51 (2026-11-23)"),
+)
+
+
 @dataclass(frozen=True)
 class H100CostModel:
     """Step times (ms) of bench-8b on one H100; the defaults are the fit to H100_STEP_POINTS,
@@ -162,9 +183,6 @@ class H100CostModel:
     # 6.93 ms a token against a 6.59 ms decode step (same lease): 0.34 ms of pipeline a step, of
     # which the simulation already spends 0.22 ms on this CPU (router loop, serialization).
     call_overhead_ms: float = 0.12
-    # Not fitted: the part of decode_fixed_ms that streams the weights (a step reads ~15 GB of
-    # bf16 weights, at ~3.0 TB/s), which the fp8 what-if halves.
-    weight_read_ms: float = 5.0
 
     def step_ms(self, work: StepWork) -> float:
         """A step alone, synchronous (what the static benchmark measures)."""
@@ -198,13 +216,10 @@ class H100CostModel:
         return replace(self, eager_host_ms=self.eager_host_ms * scale,
                        eager_decode_host_ms=self.eager_decode_host_ms * scale)
 
-    def with_fp8(self, weights: bool = False, kv_cache: bool = False) -> "H100CostModel":
-        """What-if estimates, not fits: fp8 weights halve the weight read of every decode step
-        (compute, prefill's and the rows' roofline, unchanged); an fp8 KV cache halves every KV read."""
-        fixed = self.decode_fixed_ms - (self.weight_read_ms / 2 if weights else 0.0)
-        kv_read = self.kv_read_ms_per_token / (2 if kv_cache else 1)
-        return replace(self, decode_fixed_ms=fixed, kv_read_ms_per_token=kv_read,
-                       weight_read_ms=self.weight_read_ms / (2 if weights else 1))
+    def with_fp8_kv_cache(self) -> "H100CostModel":
+        """A what-if, not a fit (--kv_cache_dtype fp8_e4m3): every KV read takes half the time,
+        the attention kernel's KV stream being half the bytes; nothing else changes."""
+        return replace(self, kv_read_ms_per_token=self.kv_read_ms_per_token / 2)
 
 
 def _relative_lstsq(rows: list[list[float]], ms: list[float]) -> np.ndarray:
@@ -244,6 +259,29 @@ def _fit_prefill_device(points: list[StepPoint], kv_read: float, host: dict) -> 
     return {"prefill_fixed_ms": fixed, "prefill_per_token_ms": per_token, "attention_ms_per_pair": per_pair}
 
 
+def _fit_prefill_device_from_eager(points: list[EagerPoint], kv_read: float, per_pair: float) -> dict:
+    """prefill_fixed and per_token from eager steps' device times (their decodes count as tokens
+    and read their context), the attention's per-pair cost given: fp8 has no static prefills
+    measured, its profiled eager steps are these, and its attention kernel is bf16's."""
+    rows = [[1.0, p.work.prefill_tokens + p.work.decode_reqs] for p in points]
+    device = [p.device_ms - kv_read * p.work.decode_context - per_pair * p.work.attention_pairs for p in points]
+    fixed, per_token = _relative_lstsq(rows, device)
+    return {"prefill_fixed_ms": fixed, "prefill_per_token_ms": per_token, "attention_ms_per_pair": per_pair}
+
+
+def fit_fp8(decode=H100_FP8_DECODE_POINTS, eager=H100_FP8_EAGER_POINTS, kv_stream=H100_KV_STREAM) -> H100CostModel:
+    """The cost model of --quantization fp8, fitted to its own H100 points: the decode terms as
+    bf16's are (kv_read from the same attention kernel), the host terms to the prefill alone and
+    the 448-decode mixed step (the burst's mixed steps carry 450-500 decodes; with 64 decodes the
+    host took less, which this model does not follow), prefill_fixed and per_token to the four
+    eager steps' device times with bf16's attention cost."""
+    terms = _fit_decode(list(decode), kv_stream)
+    host_points = [p for p in eager if p.label in ("prefill 1 x 128", "448 decodes + 1 x 256")]
+    terms |= _fit_eager_host(host_points) | _fit_prefill_device_from_eager(
+        list(eager), terms["kv_read_ms_per_token"], fit().attention_ms_per_pair)
+    return H100CostModel(**{key: float(value) for key, value in terms.items()})
+
+
 def fit(points=H100_STEP_POINTS, eager=H100_EAGER_POINTS, kv_stream=H100_KV_STREAM) -> H100CostModel:
     decode = _fit_decode([p for p in points if p.phase == "decode"], kv_stream)
     host = _fit_eager_host(list(eager))
@@ -273,4 +311,5 @@ def format_fit(model: H100CostModel, points=H100_STEP_POINTS, eager=H100_EAGER_P
 
 
 if __name__ == "__main__":
-    print(format_fit(fit()))
+    print("bf16:\n" + format_fit(fit()))
+    print("\n--quantization fp8:\n" + format_fit(fit_fp8(), H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS))

@@ -13,8 +13,9 @@ tokenization and detokenization are left out. Server settings: `--server-args "-
 4096 --disable_overlap"` (the server's own flags); the KV budget is the H100's unless given there.
 `--eager-host-scale S` charges S times the measured host launch time of steps with prefill chunks
 (0: launched as cheaply as a decode graph, an estimate of what cutting that host time would give).
-`--fp8-weights` / `--fp8-kv-cache` price what-ifs (`H100CostModel.with_fp8`): every decode step's
-weight read halved, every KV read halved; the KV budget is left as it is.
+With `--quantization fp8` among the server flags the cost model is the one fitted to fp8's own H100
+points (`sim_cost.fit_fp8`); with `--kv_cache_dtype fp8_e4m3` every KV read takes half the time (a
+what-if: `H100CostModel.with_fp8_kv_cache`) and the default budget is twice the H100's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, als
 from benchmark_serving import json_safe  # noqa: E402
 from serving_metrics import RequestResult, fail_if_short, format_summary, line, summarize  # noqa: E402
 from sharegpt import SampledRequest, load_sharegpt_requests, read_requests  # noqa: E402
-from sim_cost import H100CostModel  # noqa: E402
+from sim_cost import H100CostModel, fit_fp8  # noqa: E402
 from sim_device import SimDevice  # noqa: E402
 
 from lightllm.server.config import ServerConfig, parse_config  # noqa: E402
@@ -89,6 +90,12 @@ def sim_config(server_args: str = "") -> ServerConfig:
     config.detokenization_address = f"inproc://sim-detokenizer-{name}"
     config.http_address = f"inproc://sim-http-{name}"
     return config
+
+
+def cost_model(config: ServerConfig) -> H100CostModel:
+    """The H100 cost model of these server flags: --quantization fp8's own fit, an fp8 KV cache's what-if."""
+    cost = fit_fp8() if config.quantization == "fp8" else H100CostModel()
+    return cost.with_fp8_kv_cache() if config.kv_cache_dtype == "fp8_e4m3" else cost
 
 
 def arrival_delays(count: int, request_rate: float, seed: int) -> list[float]:
@@ -176,7 +183,8 @@ def simulate(requests: list[SampledRequest], config: ServerConfig, request_rate:
     """Run the requests through the router loop against the simulated device; return the summary."""
     timelines = [Timeline(r) for r in requests]
     device = SimDevice(cost, eos_token_ids)
-    budget = config.max_total_token_num or max_total_token_num or H100_MAX_TOTAL_TOKEN_NUM
+    kv_bytes = 1 if config.kv_cache_dtype == "fp8_e4m3" else 2  # the same memory holds twice the fp8 tokens
+    budget = config.max_total_token_num or max_total_token_num or H100_MAX_TOTAL_TOKEN_NUM * 2 // kv_bytes
     collector = Collector(config, timelines, progress)
     router = build_router(config, device, budget, eos_token_ids)
     threads = [threading.Thread(target=collector.run, name="collector", daemon=True),
@@ -238,8 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--eager-host-scale", type=float, default=1.0,
         help="scale the host launch time of steps with prefill chunks (0: launched as cheaply as a decode graph)")
-    add("--fp8-weights", action="store_true", help="what-if: every decode step reads half the weight bytes")
-    add("--fp8-kv-cache", action="store_true", help="what-if: every KV read (decode attention) reads half the bytes")
     add("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -250,11 +256,12 @@ def run(args) -> dict:
         requests = read_requests(args.requests)[: args.num_prompts]
     else:
         requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
-    cost = H100CostModel().with_eager_host_scale(args.eager_host_scale).with_fp8(args.fp8_weights, args.fp8_kv_cache)
+    config = sim_config(args.server_args)
+    cost = cost_model(config).with_eager_host_scale(args.eager_host_scale)
     logger.info("simulating %d requests (server flags %r) with %s", len(requests), args.server_args, cost)
     load_before = os.getloadavg()[0]
     logger.info("host load average before the run: %.2f (host time is real: other work here slows it)", load_before)
-    summary = simulate(requests, sim_config(args.server_args), args.request_rate, args.seed, cost,
+    summary = simulate(requests, config, args.request_rate, args.seed, cost,
                        eos_token_ids=eos_ids(tokenizer), progress=not args.no_progress)
     load_after = os.getloadavg()[0]
     logger.info("host load average after the run: %.2f", load_after)
