@@ -150,10 +150,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d = next_power_of_2(head_dim)
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
-    # One split writes `out` directly; the partials are then never touched (`out` stands in).
-    part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device) \
-        if splits > 1 else out
-    part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    if splits > 1:
+        part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    else:  # one split writes `out` directly and never touches the partials: `out` stands in for them
+        part_o = part_lse = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, sm_scale * LOG2E, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -58,6 +58,14 @@ def quantize_row(y, fp8_max, min_scale):
     return round_to_e4m3(tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max)), scale
 
 
+@triton.jit
+def store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale):
+    """quantize_row(y), stored: its fp8 values at row `row` of q, its scale at scale[row]."""
+    q, scale = quantize_row(y, fp8_max, min_scale)
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
 @fast_launch
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, x_stride, q_stride, fp8_max, min_scale,
@@ -66,9 +74,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, x_stride, q_stride, fp
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_row(x, fp8_max, min_scale)
-    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    store_quantized_row(x, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale)
 
 
 def quantize_fp8_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

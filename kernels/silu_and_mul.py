@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
-from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, quantize_row
+from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, store_quantized_row
 
 
 def silu_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
@@ -38,9 +38,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride,
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the reference
-    q, scale = quantize_row(y, fp8_max, min_scale)
-    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale)
 
 
 def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):

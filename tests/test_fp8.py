@@ -10,8 +10,8 @@ from lightllm.models import ModelConfigError
 from lightllm.server.config import ServerConfig, build_parser
 from lightllm.server.io_struct import SamplingParams
 from lightllm_kernels.fp8_linear import quantize_fp8_rows_ref, quantize_fp8_weight
-from test_model_vs_hf import (ATOL, RTOL, hf_last_logits, make_model, make_runner, random_prompts,
-                              run_schedule)
+from test_model_vs_hf import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
+                              random_prompts, run_schedule)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -40,16 +40,14 @@ def test_fp8_model_matches_transformers_with_the_same_rounding(name, tmp_path, c
     hf_model = fp8_emulated_(make_model(name, tmp_path))
     steps = run_schedule(make_runner(tmp_path, quantization="fp8"), random_prompts(1))
     assert len(captured_logits) == len(steps)
-    for logits, seqs in zip(captured_logits, steps):
-        torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
+    assert_logits_match_hf(hf_model, captured_logits, steps)
 
 
 def test_fp8_rounding_changes_the_logits(tmp_path, captured_logits):
     """The comparison above would pass vacuously if quantisation were a no-op."""
     hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
     steps = run_schedule(make_runner(tmp_path, quantization="fp8"), random_prompts(1))
-    diffs = [(logits - hf_last_logits(hf_model, seqs)).abs().max() for logits, seqs in zip(captured_logits, steps)]
-    assert max(diffs) > 100 * ATOL
+    assert max_hf_difference(hf_model, captured_logits, steps) > 100 * ATOL
 
 
 def test_fp8_needs_projection_sizes_divisible_by_16(tmp_path):

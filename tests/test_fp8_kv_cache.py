@@ -12,7 +12,8 @@ from lightllm.engine.model_runner import run_step
 from lightllm.models import ModelConfigError, resolve_kv_dtype
 from lightllm.server.config import ServerConfig, build_parser
 from lightllm.server.io_struct import SamplingParams
-from test_model_vs_hf import ATOL, RTOL, hf_last_logits, make_model, make_runner, random_prompts, run_schedule
+from test_model_vs_hf import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
+                              random_prompts, run_schedule)
 
 FP8 = torch.float8_e4m3fn
 
@@ -42,16 +43,14 @@ def test_fp8_kv_cache_matches_transformers_with_the_same_rounding(name, tmp_path
     runner = make_runner(tmp_path, kv_cache_dtype="fp8_e4m3")
     assert runner.token_table.k[0].dtype == FP8
     steps = run_schedule(runner, random_prompts(1))
-    for logits, seqs in zip(captured_logits, steps):
-        torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
+    assert_logits_match_hf(hf_model, captured_logits, steps)
 
 
 def test_fp8_kv_rounding_changes_the_logits(tmp_path, captured_logits):
     """The comparison above would pass vacuously if the cache kept K and V exactly."""
     hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
     steps = run_schedule(make_runner(tmp_path, kv_cache_dtype="fp8_e4m3"), random_prompts(1))
-    diffs = [(logits - hf_last_logits(hf_model, seqs)).abs().max() for logits, seqs in zip(captured_logits, steps)]
-    assert max(diffs) > 100 * ATOL
+    assert max_hf_difference(hf_model, captured_logits, steps) > 100 * ATOL
 
 
 def test_default_model_fp8_kv_logits_stay_close(default_model_dir, captured_logits):

@@ -68,6 +68,20 @@ def hf_last_logits(hf_model, seqs):
         return torch.stack([hf_model(torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
+def hf_pairs(hf_model, captured_logits, steps):
+    """(our logits, transformers' logits) for every step of run_schedule."""
+    return [(logits, hf_last_logits(hf_model, seqs)) for logits, seqs in zip(captured_logits, steps)]
+
+
+def assert_logits_match_hf(hf_model, captured_logits, steps):
+    for ours, theirs in hf_pairs(hf_model, captured_logits, steps):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=RTOL)
+
+
+def max_hf_difference(hf_model, captured_logits, steps) -> float:
+    return max((ours - theirs).abs().max().item() for ours, theirs in hf_pairs(hf_model, captured_logits, steps))
+
+
 def run_schedule(runner, prompts):
     """Prefill two requests, decode, add a third, decode all, free one, decode the rest.
     Returns [(sequences fed so far, for each row of that step's logits)]."""
@@ -102,8 +116,7 @@ def test_logits_match_transformers(name, tmp_path, captured_logits):
     runner = make_runner(tmp_path)
     steps = run_schedule(runner, random_prompts(1))
     assert len(captured_logits) == len(steps)
-    for logits, seqs in zip(captured_logits, steps):
-        torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
+    assert_logits_match_hf(hf_model, captured_logits, steps)
     assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 256, "running_requests": 0, "cache_nodes": 0}
     assert runner.token_table.free_count == int(runner.token_table.mem_state.sum()) == 256
 
@@ -222,8 +235,7 @@ def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monk
         monkeypatch.setattr(layers, op, getattr(lightllm_kernels, triton_fn))
     hf_model = make_model(name, tmp_path)
     steps = run_schedule(make_runner(tmp_path), random_prompts(4))
-    for logits, seqs in zip(captured_logits, steps):
-        torch.testing.assert_close(logits, hf_last_logits(hf_model, seqs), atol=ATOL, rtol=RTOL)
+    assert_logits_match_hf(hf_model, captured_logits, steps)
 
 
 def test_runner_refuses_bad_steps_and_keeps_its_state(tmp_path):
