@@ -6,23 +6,56 @@ own K/V were written into the cache before the call, so keys are read only from 
 through the request's row of req_to_token (slots need not be contiguous). A chunk of q_len
 tokens ends the request's kv_len cached tokens: its query j sits at position
 kv_len - q_len + j and sees positions 0..itself. A fresh prompt is the case kv_len == q_len,
-a decode the case q_len == 1. Requires q_len <= max_q_len and kv_len <= req_to_token.shape[1].
+a decode the case q_len == 1. Requires kv_len <= req_to_token.shape[1].
+
+The Triton grid is one program per (query block, head), read from `q_blocks` [2, NB] int32 on the
+device: row 0 the chunk of each block, row 1 its block index within the chunk (`extend_q_blocks`
+builds it on the host). Entries whose chunk is -1 are padding and leave at once, so a CUDA graph
+captured with NB slots replays any step whose blocks fit, and `cu_q` may start past 0 (the rows
+before it belong to the step's decodes): the grid never depends on the step's lengths.
 """
 import torch
 
 from ._triton import attend_kv_block, cdiv, fast_launch, LOG2E, next_power_of_2, tl, triton
 
 
+def extend_block_m(head_dim: int) -> int:
+    """Queries per program: wide heads take the larger block (H100, bench-8b's 128-dim heads)."""
+    return 128 if next_power_of_2(head_dim) >= 128 else 64
+
+
+def extend_q_blocks(q_lens: list[int], head_dim: int, slots: int | None = None) -> list[int]:
+    """The flattened [2, NB] block table for chunks of q_lens: each chunk's index repeated once per
+    query block, then the blocks' indices within their chunks; padded with chunk -1 to `slots`."""
+    block_m = extend_block_m(head_dim)
+    chunks, blocks = [], []
+    for i, q_len in enumerate(q_lens):
+        count = cdiv(q_len, block_m)
+        chunks += [i] * count
+        blocks += range(count)
+    pad = 0 if slots is None else slots - len(chunks)
+    if pad < 0:
+        raise ValueError(f"{len(chunks)} query blocks do not fit {slots} slots")
+    return chunks + [-1] * pad + blocks + [0] * pad
+
+
+def max_q_blocks(tokens: int, chunks: int, head_dim: int) -> int:
+    """Most query blocks that `chunks` chunks of `tokens` tokens in all can need."""
+    return cdiv(tokens, extend_block_m(head_dim)) + chunks
+
+
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
-                         kv_lens: torch.Tensor, max_q_len: int, sm_scale: float,
+                         kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; max_q_len is unused (only the kernel's grid needs it).
-    The result [T, Hq, D] goes to `out` where given (a slice of the step's attention output)."""
+    """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; q_blocks is unused (only the kernel's grid needs it).
+    Writes the rows cu_q[0]:cu_q[-1] of `out` (a new tensor like q when None) and returns it."""
     out = torch.empty_like(q) if out is None else out
     bounds = cu_q.tolist()  # CPU path: host copies are fine here
     for i, (row, kv_len) in enumerate(zip(req_rows.tolist(), kv_lens.tolist())):
         start, end = bounds[i], bounds[i + 1]
+        if start == end:  # a padding chunk
+            continue
         slots = req_to_token[row, :kv_len].long()
         out[start:end] = _attend_chunk(q[start:end], k_cache[slots], v_cache[slots], sm_scale).to(q.dtype)
     return out
@@ -43,20 +76,19 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
 @fast_launch
 @triton.jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr, scale_log2,
-                   q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr, q_blocks_ptr,
+                   num_blocks, scale_log2, q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                    o_token_stride, o_head_stride, req_to_token_stride, GROUP: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_UPCAST: tl.constexpr):
-    """One program: BLOCK_M queries of one request's chunk and one query head.
-
-    The grid is sized by the host bound max_q_len, so blocks past this chunk's length exist
-    and leave at once; nothing waits on the device to learn the real lengths."""
-    m_block, req, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program: BLOCK_M queries of one request's chunk (as the block table says) and one query head."""
+    block, head = tl.program_id(0), tl.program_id(1)
+    req = tl.load(q_blocks_ptr + block)
+    if req < 0:  # a padding slot of the table
+        return
+    m_block = tl.load(q_blocks_ptr + num_blocks + block)
     q_start = tl.load(cu_q_ptr + req).to(tl.int64)
     q_len = tl.load(cu_q_ptr + req + 1).to(tl.int64) - q_start
-    if m_block * BLOCK_M >= q_len:
-        return
     kv_len = tl.load(kv_lens_ptr + req).to(tl.int64)
     token_row = req_to_token_ptr + tl.load(req_rows_ptr + req).to(tl.int64) * req_to_token_stride
     kv_head = head // GROUP
@@ -87,17 +119,19 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
 
 def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
-                            kv_lens: torch.Tensor, max_q_len: int, sm_scale: float,
+                            kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     _, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == out.stride(-1) == 1
+    assert q_blocks.is_contiguous() and q_blocks.shape[0] == 2
     block_d = next_power_of_2(head_dim)
-    block_m, block_n, warps = (128, 64, 8) if block_d >= 128 else (64, 64, 4)
-    grid = (cdiv(max_q_len, block_m), req_rows.shape[0], num_q_heads)
-    _extend_kernel[grid](q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, sm_scale * LOG2E,
-                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-                         v_cache.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-                         GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
-                         BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, num_warps=warps, num_stages=2)
+    block_m = extend_block_m(head_dim)
+    block_n, warps = (64, 8) if block_m == 128 else (64, 4)
+    num_blocks = q_blocks.shape[1]
+    _extend_kernel[(num_blocks, num_q_heads)](
+        q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, q_blocks, num_blocks, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, num_warps=warps, num_stages=2)
     return out

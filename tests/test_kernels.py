@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
 from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton
+from lightllm_kernels.extend_attention import (extend_attention_ref, extend_attention_triton, extend_q_blocks,
+                                               max_q_blocks)
 from lightllm_kernels.fp8_linear import (FP8_MAX, SMALL_M_MAX, fp8_gemm_small_m, fp8_linear_ref, fp8_linear_triton,
                                          quantize_fp8_rows_ref, quantize_fp8_rows_triton, quantize_fp8_weight)
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
@@ -210,8 +211,8 @@ def test_attention_over_an_fp8_cache_triton_matches_ref(dtype):
     q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(PROMPT_LENS + [200], 4, 2, 64, dtype)
     args = (q, k_cache.to(fp8), v_cache.to(fp8), req_to_token, req_rows, lens, 200, 0.125)
     assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[dtype])
-    q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max_q_len = extend_batch(CHUNKS, 4, 2, 64, dtype)
-    args = (q, k_cache.to(fp8), v_cache.to(fp8), req_to_token, req_rows, cu_q, kv_lens, max_q_len, 0.125)
+    q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, q_blocks = extend_batch(CHUNKS, 4, 2, 64, dtype)
+    args = (q, k_cache.to(fp8), v_cache.to(fp8), req_to_token, req_rows, cu_q, kv_lens, q_blocks, 0.125)
     assert_close(extend_attention_triton(*args), extend_attention_ref(*args), ATTN_TOL[dtype])
 
 
@@ -239,14 +240,17 @@ def test_decode_attention_ref_matches_per_request_loop(num_q_heads, num_kv_heads
 CHUNKS = [(7, 0), (1, 90), (33, 40), (1, 0), (70, 0), (66, 100)]
 
 
-def extend_batch(chunks, num_q_heads, num_kv_heads, head_dim, dtype):
-    """Chunks' queries packed; their requests' K/V (chunk included) already in scattered slots."""
+def extend_batch(chunks, num_q_heads, num_kv_heads, head_dim, dtype, first_row=0, block_slots=None):
+    """Chunks' queries packed from row `first_row` of q (the rows before stand for a step's
+    decodes); their requests' K/V (chunk included) already in scattered slots; the block table
+    padded to `block_slots`."""
     q_lens = [new for new, _ in chunks]
     _, k_cache, v_cache, req_to_token, req_rows, kv_lens = decode_batch(
         [new + cached for new, cached in chunks], num_q_heads, num_kv_heads, head_dim, dtype)
-    cu_q = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
-    return q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max(q_lens)
+    cu_q = torch.tensor([first_row] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    q = randn(first_row + sum(q_lens), num_q_heads, head_dim, dtype=dtype)
+    blocks = torch.tensor(extend_q_blocks(q_lens, head_dim, block_slots), dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, blocks.view(2, -1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -255,21 +259,43 @@ def test_extend_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     args = extend_batch(CHUNKS, num_q_heads, num_kv_heads, head_dim, dtype) + (head_dim ** -0.5,)
     expected = extend_attention_ref(*args)
     assert_close(extend_attention_triton(*args), expected, ATTN_TOL[dtype])
-    buffer = torch.full((expected.shape[0] + 3, num_q_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    out = buffer[3:]  # the rows after 3 decodes' rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_attention_writes_only_its_rows_with_a_padded_block_table(dtype):
+    """As a graph-replayed mixed step calls it: the chunks' rows start after 3 decodes' rows of one
+    output, and the block table has padding slots (chunk -1) past the real blocks."""
+    q_lens = [new for new, _ in CHUNKS]
+    slots = max_q_blocks(sum(q_lens), len(CHUNKS), 64) + 5
+    args = extend_batch(CHUNKS, 4, 2, 64, dtype, first_row=3, block_slots=slots) + (0.125,)
+    expected = extend_attention_ref(*args, out=torch.zeros_like(args[0]))[3:]
+    out = torch.full_like(args[0], float("nan"))
     assert extend_attention_triton(*args, out=out) is out
-    assert_close(out, expected, ATTN_TOL[dtype])
-    assert buffer[:3].isnan().all()
+    assert_close(out[3:], expected, ATTN_TOL[dtype])
+    assert out[:3].isnan().all()
+
+
+def test_extend_q_blocks_cover_every_query_once():
+    q_lens = [1, 64, 65, 200, 3]
+    chunks, blocks = (torch.tensor(extend_q_blocks(q_lens, 64, 20)).view(2, -1)).tolist()
+    covered = sorted((c, b * 64 + i) for c, b in zip(chunks, blocks) if c >= 0 for i in range(64)
+                     if b * 64 + i < q_lens[c])
+    assert covered == [(c, j) for c, n in enumerate(q_lens) for j in range(n)]
+    used = sum(-(-n // 64) for n in q_lens)
+    assert len(chunks) == 20 and chunks.count(-1) == 20 - used
+    assert used <= max_q_blocks(sum(q_lens), len(q_lens), 64)
+    with pytest.raises(ValueError):
+        extend_q_blocks(q_lens, 64, 3)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
 def test_extend_attention_ref_matches_sdpa_over_each_full_sequence(num_q_heads, num_kv_heads, head_dim):
     """Causal SDPA over a request's whole sequence; its last q_len rows are the chunk's output."""
-    _, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max_q_len = extend_batch(
+    _, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, q_blocks = extend_batch(
         CHUNKS, num_q_heads, num_kv_heads, head_dim, torch.float32)
     full_q = [randn(new + cached, num_q_heads, head_dim) for new, cached in CHUNKS]
     q = torch.cat([seq_q[cached:] for seq_q, (_, cached) in zip(full_q, CHUNKS)])
-    out = extend_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, max_q_len, 0.3)
+    out = extend_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, q_blocks, 0.3)
     group = num_q_heads // num_kv_heads
     for i, (row, (new, cached)) in enumerate(zip(req_rows.tolist(), CHUNKS)):
         slots = req_to_token[row, :new + cached].long()

@@ -1,18 +1,29 @@
-"""Decode in fixed batch sizes (buckets), replayed from CUDA graphs on CUDA devices.
+"""Every step in fixed shapes (buckets), replayed from CUDA graphs on CUDA devices.
 
-A decode step of n requests runs the forward of the smallest bucket >= n. Its padding rows
-are harmless: each has token 0 at position 0 in the request table's padding row, whose first
-entry is the token table's scratch slot (outside the budget), and seq_len 1; so a padding
-row writes K/V only to the scratch slot, attends only to it, and its logits are dropped.
+Two families of graphs, both captured once at start-up (`capture=True`), largest first, into
+one shared memory pool; the runner keeps `graph_memory_bytes` of headroom for them when it sizes
+the KV cache:
 
-On CUDA every bucket is captured once at start-up (`capture=True`), largest first, into one
-shared memory pool; the runner sizes the KV cache first and keeps `graph_memory_bytes` of
-headroom for this. A captured forward reads the step from one static metadata buffer (token
-ids, positions, request rows, sequence lengths), derives the new tokens' KV slots from the
-request table inside the graph, and writes one static logits buffer. Decode attention gets
-the fixed bound max_req_total_len, so its split plan (the grid) depends only on the bucket;
-split blocks past a request's length return at once. Without capture (CPU) the same padded
-forward runs eagerly, bounded by the batch's own longest request, so CI tests the padding.
+- decode steps (no prompt chunk): the smallest decode bucket >= the batch (`decode_buckets`);
+- mixed steps (decodes beside prompt chunks, or chunks alone): the smallest token bucket >= the
+  step's tokens (`mixed_buckets`), with up to MAX_GRAPH_CHUNKS chunks. Larger steps, steps with
+  more chunks and steps that want prompt logprobs run eagerly: a step of more than
+  `max_tokens` tokens takes longer on the device than its eager launch takes on the host.
+
+Padding is harmless: a padding token has token 0 at position 0 in the request table's padding
+row, whose first entry is the token table's scratch slot (outside the budget); its decode
+attention has seq_len 1. So padding writes K/V only to the scratch slot, attends only to it,
+never touches a request's row or the prefix cache, and its logits are dropped. In a mixed step
+decode attention covers every token (bucket-sized, so its grid is fixed); the rows of chunk
+tokens and padding attend to the scratch slot only, and extend attention then writes the chunk
+tokens' rows over them. Padding chunks are empty (kv_len 0) and extend attention's block table
+has padding slots that leave at once, so its grid is fixed too.
+
+A captured forward reads its step from one static metadata buffer, derives the new tokens' KV
+slots from the request table inside the graph, and writes one static logits buffer. Decode
+attention gets the fixed bound max_req_total_len, so its split plan (the grid) depends only on
+the bucket; split blocks past a request's length return at once. Without capture (CPU) the same
+padded forwards run eagerly, bounded by the batch's own longest request, so CI tests the padding.
 """
 
 from __future__ import annotations
@@ -20,12 +31,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from lightllm.common.req_table import ReqTable
 from lightllm.common.token_table import TokenTable
 from lightllm.models import ForwardBatch, LlamaModel
+from lightllm_kernels.extend_attention import extend_q_blocks, max_q_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +47,13 @@ logger = logging.getLogger(__name__)
 # bucket is running_max_req_size itself.
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 LARGE_BUCKET_STEP = 64
-META_ROWS = 4  # input_ids, positions, request rows, sequence lengths
+META_ROWS = 4  # decode steps: input_ids, positions, request rows, sequence lengths
+# Mixed steps, in tokens: every 64 up to 1024 (a mixed step of a few hundred tokens is at the
+# GEMMs' compute knee, so padding costs about its share of tokens), every 128 above.
+MIXED_SMALL = (16, 32, 64)
+MIXED_STEPS = ((1024, 64), (4096, 128))
+MAX_GRAPH_CHUNKS = 16
+MIXED_TOKEN_ROWS = 5  # input_ids, positions, token rows, decode-attention rows, decode seq lens
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -43,31 +62,84 @@ def decode_buckets(max_batch: int) -> list[int]:
     return small + list(large) + [max_batch]
 
 
-def graph_memory_bytes(max_batch: int, vocab_size: int) -> int:
-    """What capture needs beyond the weights and KV cache, roughly: the static fp32 logits of
-    the largest bucket plus the largest forward's transient logits (its other activations
-    are far smaller)."""
-    return 3 * max_batch * vocab_size * 4
+def mixed_buckets(max_tokens: int) -> list[int]:
+    buckets, size = [b for b in MIXED_SMALL if b < max_tokens], MIXED_SMALL[-1]
+    for limit, stride in MIXED_STEPS:
+        while size + stride <= min(limit, max_tokens):
+            size += stride
+            buckets.append(size)
+    return buckets if buckets and buckets[-1] == max_tokens else buckets + [max_tokens]
 
 
-class DecodeGraphs:
+def graph_memory_bytes(max_batch: int, max_tokens: int, hidden: int, intermediate: int, vocab_size: int,
+                       itemsize: int) -> int:
+    """What capture needs beyond the weights and KV cache, roughly: the static fp32 logits of the
+    most sampled rows plus the largest forward's transient logits, and the largest mixed step's
+    activations (hidden states, residual, q/k/v and attention output, gate/up and their product)."""
+    logit_rows = max(max_batch, min(max_tokens, max_batch + MAX_GRAPH_CHUNKS))
+    activations = max_tokens * (8 * hidden + 3 * intermediate) * itemsize
+    return 3 * logit_rows * vocab_size * 4 + activations
+
+
+@dataclass(frozen=True)
+class MixedLayout:
+    """Where each array of a mixed step of `tokens` (bucket) sits in the flat int64 metadata."""
+
+    tokens: int
+    blocks: int  # extend attention's block slots
+    logit_rows: int
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        c = MAX_GRAPH_CHUNKS
+        return {"tokens": MIXED_TOKEN_ROWS * self.tokens, "ext_rows": c, "ext_cu_q": c + 1, "ext_kv_lens": c,
+                "q_blocks": 2 * self.blocks, "logit_index": self.logit_rows}
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes.values())
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, n in self.sizes.items():
+            out[name] = flat[offset: offset + n]
+            offset += n
+        return out
+
+
+class StepGraphs:
     def __init__(self, model: LlamaModel, token_table: TokenTable, req_table: ReqTable, max_batch: int,
-                 capture: bool):
-        assert req_table.padding_row is not None, "padding needs the request table's padding row"
+                 max_tokens: int, capture: bool):
+        if req_table.padding_row is None:
+            raise ValueError("padded steps need the request table's padding row")
         self.model, self.token_table = model, token_table
         self.req_to_token = req_table.req_to_token
         self.padding_row = req_table.padding_row
         self.max_seqlen = req_table.max_req_total_len
         self.buckets = decode_buckets(max_batch)
+        self.mixed = [self._layout(n, max_batch) for n in mixed_buckets(max_tokens)]
+        self.max_tokens = max_tokens
         self.req_to_token[self.padding_row, 0] = token_table.scratch_slot
         device = token_table.device
         largest = self.buckets[-1]
         self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest],
                                  device=device)
-        self.logits = torch.empty(largest, model.config.vocab_size, dtype=torch.float32, device=device)
+        empty = {name: [] for name in ("chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
+                                       "ext_rows", "ext_kv_lens", "logit_index")}
+        self.mixed_meta = torch.tensor(self.pad_mixed({**empty, "ext_cu_q": [0]}, 0, self.mixed[-1]), device=device)
+        logit_rows = max(largest, self.mixed[-1].logit_rows)
+        self.logits = torch.empty(logit_rows, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all()
+
+    def _layout(self, tokens: int, max_batch: int) -> MixedLayout:
+        head_dim = self.model.config.head_dim
+        return MixedLayout(tokens, max_q_blocks(tokens, MAX_GRAPH_CHUNKS, head_dim),
+                           min(tokens, max_batch + MAX_GRAPH_CHUNKS))
+
+    # ---- decode steps ----
 
     def bucket(self, n: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
@@ -94,29 +166,84 @@ class DecodeGraphs:
     def _forward(self, bucket: int, max_seqlen: int) -> torch.Tensor:
         input_ids, positions, rows, seq_lens = self.meta[:, :bucket]
         slots = self.req_to_token[rows, positions].long()  # the runner wrote them before the step
-        batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, num_decodes=bucket,
-                             decode_rows=rows.int(), decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen)
+        batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=rows.int(),
+                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen)
         return self.model.forward(batch, self.token_table)
+
+    # ---- mixed steps ----
+
+    def mixed_layout(self, tokens: int, chunks: int) -> MixedLayout | None:
+        """The layout of the bucket that takes a step of `tokens` tokens in `chunks` chunks; None: eager."""
+        if tokens > self.max_tokens or chunks > MAX_GRAPH_CHUNKS:
+            return None
+        return self.mixed[bisect.bisect_left([m.tokens for m in self.mixed], tokens)]
+
+    def pad_mixed(self, lists: dict[str, list[int]], num_decodes: int, layout: MixedLayout) -> list[int]:
+        """A mixed step's metadata (the runner's eager lists: decodes first, then the chunks, with
+        absolute chunk bounds) padded to `layout` and flattened in its order for the one upload.
+        The decodes' input ids are filled on the device from the last sampled tokens."""
+        pad_row, n = self.padding_row, len(lists["positions"])
+        pad, undecoded = layout.tokens - n, layout.tokens - num_decodes
+        cu_q, chunks = lists["ext_cu_q"], len(lists["ext_rows"])
+        chunk_pad = MAX_GRAPH_CHUNKS - chunks
+        q_lens = [end - start for start, end in zip(cu_q, cu_q[1:])]
+        return ([0] * num_decodes + lists["chunk_ids"] + [0] * pad
+                + lists["positions"] + [0] * pad
+                + lists["token_rows"] + [pad_row] * pad
+                + lists["decode_rows"] + [pad_row] * undecoded
+                + lists["decode_seq_lens"] + [1] * undecoded
+                + lists["ext_rows"] + [pad_row] * chunk_pad
+                + cu_q + cu_q[-1:] * chunk_pad
+                + lists["ext_kv_lens"] + [0] * chunk_pad
+                + extend_q_blocks(q_lens, self.model.config.head_dim, layout.blocks)
+                + lists["logit_index"] + [0] * (layout.logit_rows - len(lists["logit_index"])))
+
+    def run_mixed(self, meta: torch.Tensor, layout: MixedLayout, n: int, max_seqlen: int) -> torch.Tensor:
+        """fp32 logits [n, vocab] of the first n logit rows; meta is the flat layout on the device."""
+        self.mixed_meta[: layout.size].copy_(meta)
+        graph = self.mixed_graphs.get(layout.tokens)
+        if graph is None:
+            return self._mixed_forward(layout, max_seqlen)[:n]
+        graph.replay()
+        return self.logits[:n]
+
+    def _mixed_forward(self, layout: MixedLayout, max_seqlen: int) -> torch.Tensor:
+        v = layout.views(self.mixed_meta)
+        input_ids, positions, token_rows, decode_rows, decode_lens = v["tokens"].view(MIXED_TOKEN_ROWS, -1)
+        slots = self.req_to_token[token_rows, positions].long()
+        batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=decode_rows.int(),
+                             decode_seq_lens=decode_lens.int(), decode_max_seqlen=max_seqlen,
+                             ext_rows=v["ext_rows"].int(), ext_cu_q=v["ext_cu_q"].int(),
+                             ext_kv_lens=v["ext_kv_lens"].int(), ext_q_blocks=v["q_blocks"].int().view(2, -1),
+                             logit_index=v["logit_index"])
+        return self.model.forward(batch, self.token_table)
+
+    # ---- capture ----
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Warm up and capture every bucket, largest first so that the smaller ones reuse its
-        pool; the static meta holds padding rows only, so warm-up and capture touch nothing
-        but the scratch slot."""
+        """Warm up and capture every bucket of both families, largest first so that the smaller
+        ones reuse the pool; the static metadata holds padding only, so warm-up and capture touch
+        nothing but the scratch slot."""
         device = self.token_table.device
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        forwards = [(self.mixed_graphs, m.tokens, m.logit_rows, lambda m=m: self._mixed_forward(m, self.max_seqlen))
+                    for m in self.mixed]
+        forwards += [(self.graphs, b, b, lambda b=b: self._forward(b, self.max_seqlen)) for b in self.buckets]
+        forwards.sort(key=lambda f: -f[1])
         with torch.cuda.device(device):
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            for bucket in reversed(self.buckets):
+            for family, key, rows, forward in forwards:
                 with torch.cuda.stream(stream):
-                    self._forward(bucket, self.max_seqlen)  # compiles kernels, creates NCCL communicators
+                    forward()  # compiles kernels, creates NCCL communicators
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[:bucket].copy_(self._forward(bucket, self.max_seqlen))
-                self.graphs[bucket] = graph
+                    self.logits[:rows].copy_(forward())
+                family[key] = graph
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s, %.2f GiB", len(self.graphs),
-                    ",".join(map(str, self.buckets)), time.perf_counter() - start, used / 2**30)
+        logger.info("captured %d decode CUDA graphs (batch %s) and %d mixed-step graphs (tokens %s) in %.1f s, "
+                    "%.2f GiB", len(self.graphs), ",".join(map(str, self.buckets)), len(self.mixed_graphs),
+                    ",".join(str(m.tokens) for m in self.mixed), time.perf_counter() - start, used / 2**30)

@@ -11,8 +11,9 @@ On CUDA, kernel launches are asynchronous and the runner launches in the caller'
 the CPU every op runs to completion, so a single "device thread" stands in for the stream and
 the caller gets the previous step's tokens while the next one computes.
 
-With `cuda_graph` (the default) a step with no prefill chunk is padded to a bucket size and, on
-CUDA, replayed from a CUDA graph captured at start-up (`cuda_graph.py`).
+With `cuda_graph` (the default) every step up to `cuda_graph_max_tokens` tokens is padded to a
+bucket size and, on CUDA, replayed from a CUDA graph captured at start-up (`cuda_graph.py`):
+decode steps by their batch, steps with prompt chunks by their tokens.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.utils.dist import init_tp
+from lightllm_kernels.extend_attention import extend_q_blocks
 from lightllm.utils.process import return_free_heap
 
-from .cuda_graph import META_ROWS, DecodeGraphs, graph_memory_bytes
+from .cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from .step_trace import StepTrace
 from .sampling import SamplingBatch, SamplingState, host_lists, prompt_logprobs, sample
 
@@ -112,7 +114,8 @@ class ModelRunner:
                  running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
                  cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
-                 step_trace: str | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto"):
+                 step_trace: str | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 cuda_graph_max_tokens: int = 2048):
         """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
         `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py)."""
@@ -130,7 +133,8 @@ class ModelRunner:
                                 max_positions=max_req_total_len,
                                 load_format=load_format)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, dtype, self.device)
-        graph_bytes = graph_memory_bytes(running_max_req_size, cfg.vocab_size) if capture else 0
+        graph_bytes = graph_memory_bytes(running_max_req_size, cuda_graph_max_tokens, cfg.hidden_size,
+                                         cfg.intermediate_size, cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = self._token_budget(max_total_token_num, graph_bytes)
         self.max_req_total_len = max_req_total_len
         self.token_table = TokenTable(self.max_total_token_num, cfg.num_layers, self.model.kv_heads,
@@ -138,8 +142,8 @@ class ModelRunner:
         self.req_table = ReqTable(running_max_req_size, max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running_max_req_size + 1, dtype=torch.int64, device=self.device)
-        self.graphs = (DecodeGraphs(self.model, self.token_table, self.req_table, running_max_req_size, capture)
-                       if cuda_graph else None)
+        self.graphs = (StepGraphs(self.model, self.token_table, self.req_table, running_max_req_size,
+                                  cuda_graph_max_tokens, capture) if cuda_graph else None)
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
@@ -166,7 +170,7 @@ class ModelRunner:
 
     def _token_budget(self, requested: int | None, graph_bytes: int) -> int:
         """The KV budget; on CUDA what is free after the weights, less the headroom, which
-        includes what the decode graphs (captured after the KV cache) will take."""
+        includes what the step graphs (captured after the KV cache) will take."""
         if requested is not None:
             return requested
         if self.device.type != "cuda":
@@ -244,7 +248,13 @@ class ModelRunner:
         states = [r.sampling for r in sampled]
         ints, floats = host_lists(states, self.config.eos_token_ids)
         use_graph = self.graphs is not None and not chunks
-        ints.update(self._graph_meta(decodes) if use_graph else _step_lists(decodes, chunks))
+        layout = None
+        if use_graph:
+            ints.update(self._graph_meta(decodes))
+        else:
+            lists = _step_lists(decodes, chunks, self.config.head_dim)
+            layout = self._mixed_layout(plan, chunks, lists)
+            ints.update(lists if layout is None else self._mixed_meta(lists, len(decodes), layout))
         grammar = self._grammar_masks(states)
         slots = self.token_table.alloc(plan.num_tokens)
         t = self._upload(ints, floats)
@@ -254,8 +264,11 @@ class ModelRunner:
             r.seq_len += len(c.token_ids)
         for r in sampled:
             r.sampling.generated += 1
+        max_seqlen = max((r.seq_len for r in decodes), default=1)
         if use_graph:
-            logits = self._graph_forward(t, len(decodes), slots, max(r.seq_len for r in decodes))
+            logits = self._graph_forward(t, len(decodes), slots, max_seqlen)
+        elif layout is not None:
+            logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
             logits = self._forward(t, decodes, chunks, slots)
         top_k = max((s.params.top_logprobs for s in states), default=0)
@@ -270,7 +283,7 @@ class ModelRunner:
         self._last_launched = launched
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(decodes), sum(len(c.token_ids) for _, c in chunks), len(chunks),
-                            use_graph)
+                            use_graph or layout is not None)
         return launched
 
     def _matcher(self, params):
@@ -332,17 +345,33 @@ class ModelRunner:
         self.req_to_token_write(rows, positions, slots)
         return self.graphs.run(meta, n, max_seqlen)
 
+    def _mixed_layout(self, plan: StepPlan, chunks, lists: dict) -> MixedLayout | None:
+        """The graph bucket of a step with chunks, or None to run it eagerly (too large, too many
+        chunks, prompt logprobs: their rows are not among a bucket's logit rows)."""
+        if self.graphs is None or "prompt_targets" in lists:
+            return None
+        return self.graphs.mixed_layout(plan.num_tokens, len(chunks))
+
+    def _mixed_meta(self, lists: dict, num_decodes: int, layout: MixedLayout) -> dict[str, list[int]]:
+        return {"meta": self.graphs.pad_mixed(lists, num_decodes, layout), "sample_rows": lists["sample_rows"]}
+
+    def _mixed_forward(self, t: dict[str, torch.Tensor], layout: MixedLayout, num_decodes: int, num_sampled: int,
+                       slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        tokens = layout.views(t["meta"])["tokens"].view(MIXED_TOKEN_ROWS, -1)  # ids, positions, rows, ...
+        input_ids, positions, rows = tokens[0], tokens[1], tokens[2]
+        input_ids[:num_decodes] = self.last_token[rows[:num_decodes]]
+        self.req_to_token_write(rows[: len(slots)], positions[: len(slots)], slots)
+        return self.graphs.run_mixed(t["meta"], layout, num_sampled, max_seqlen)
+
     def _forward(self, t: dict[str, torch.Tensor], decodes, chunks, slots: torch.Tensor) -> torch.Tensor:
-        n_dec = len(decodes)
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
         input_ids = torch.cat([self.last_token[t["decode_rows"]], t["chunk_ids"]])
-        batch = ForwardBatch(
-            input_ids, t["positions"], slots, self.req_table.req_to_token, num_decodes=n_dec,
-            decode_rows=t["decode_rows"].int(), decode_seq_lens=t["decode_seq_lens"].int(),
-            decode_max_seqlen=max((r.seq_len for r in decodes), default=0),
-            ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
-            ext_max_q_len=max((len(c.token_ids) for _, c in chunks), default=0),
-            logit_index=t["logit_index"])
+        decode = dict(decode_rows=t["decode_rows"].int(), decode_seq_lens=t["decode_seq_lens"].int(),
+                      decode_max_seqlen=max((r.seq_len for r in decodes), default=0)) if decodes else {}
+        extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
+                      ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
+        batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
+                             logit_index=t["logit_index"], **decode, **extend)
         return self.model.forward(batch, self.token_table)
 
     def req_to_token_write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -479,24 +508,25 @@ def _split(flat: torch.Tensor, lists: dict[str, list]) -> dict[str, torch.Tensor
     return out
 
 
-def _step_lists(decodes: list[RunningReq], chunks: list) -> dict[str, list[int]]:
+def _step_lists(decodes: list[RunningReq], chunks: list, head_dim: int) -> dict[str, list[int]]:
     """Packed metadata: decodes first (one token each), then chunks; row and position per
-    token, per-chunk extend bounds, the logits rows to sample and their request rows, then the
+    token, per-chunk extend bounds (absolute: the first chunk starts after the decodes) and
+    extend attention's block table, the logits rows to sample and their request rows, then the
     rows (and next tokens) of the chunks that want prompt logprobs."""
     positions = [r.seq_len for r in decodes]
     token_rows = [r.row for r in decodes]
-    chunk_ids, cu_q, kv_lens, logit_index = [], [0], [], list(range(len(decodes)))
+    chunk_ids, cu_q, kv_lens, logit_index = [], [len(decodes)], [], list(range(len(decodes)))
     prompt_rows, prompt_targets = [], []
     for r, c in chunks:
         n = len(c.token_ids)
         chunk_ids.extend(c.token_ids)
         positions.extend(range(c.start, c.start + n))
         token_rows.extend([r.row] * n)
-        first = len(decodes) + cu_q[-1]
-        cu_q.append(cu_q[-1] + n)
+        first = cu_q[-1]
+        cu_q.append(first + n)
         kv_lens.append(c.start + n)
         if c.last:
-            logit_index.append(len(decodes) + cu_q[-1] - 1)
+            logit_index.append(cu_q[-1] - 1)
         if r.prompt_logprobs is not None:  # row j predicts the chunk's token j + 1 (then the next chunk's first)
             targets = c.token_ids[1:] + ([] if c.last else [c.next_id])
             prompt_rows.extend(range(first, first + len(targets)))
@@ -505,6 +535,7 @@ def _step_lists(decodes: list[RunningReq], chunks: list) -> dict[str, list[int]]
     lists = {"chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
              "decode_rows": [r.row for r in decodes], "decode_seq_lens": [r.seq_len + 1 for r in decodes],
              "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
+             "ext_q_blocks": extend_q_blocks([len(c.token_ids) for _, c in chunks], head_dim),
              "logit_index": logit_index + prompt_rows, "sample_rows": sample_rows}
     if prompt_targets:
         lists["prompt_targets"] = prompt_targets

@@ -26,25 +26,31 @@ class ForwardBatch:
     """One step's metadata, already on the device (built by the model runner in one copy).
 
     Tokens are packed decodes first (one per request), then prefill chunks. Every new token's
-    K/V is written to the token table first; attention then reads the requests' rows there."""
+    K/V is written to the token table first; attention then reads the requests' rows there.
+    A graph-replayed step pads every array to its bucket (cuda_graph.py): its decode rows then
+    cover all its tokens (those past the real decodes attend to the scratch slot and their rows
+    are then written by extend attention), and its chunk arrays have empty padding chunks."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its request
     slots: torch.Tensor  # [T] int64, KV slot of each new token
     req_to_token: torch.Tensor  # [R, L] int32
-    num_decodes: int
-    decode_rows: torch.Tensor | None = None  # [num_decodes] int32
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32, including the new token
+    decode_rows: torch.Tensor | None = None  # [D] int32, the first D tokens' request rows
+    decode_seq_lens: torch.Tensor | None = None  # [D] int32, including the new token
     decode_max_seqlen: int = 0  # host-side bound on decode_seq_lens
     ext_rows: torch.Tensor | None = None  # [C] int32, one per chunk
-    ext_cu_q: torch.Tensor | None = None  # [C+1] int32, chunk bounds within the tokens after the decodes
+    ext_cu_q: torch.Tensor | None = None  # [C+1] int32, chunk bounds within all T tokens (from D on)
     ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
-    ext_max_q_len: int = 0  # host-side bound on chunk lengths
+    ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
 
     @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_rows is None else self.decode_rows.shape[0]
+
+    @property
     def has_chunks(self) -> bool:
-        return self.ext_max_q_len > 0
+        return self.ext_rows is not None
 
 
 def split_even(units: int, tp: TPGroup, what: str) -> tuple[int, int]:
@@ -258,9 +264,9 @@ class Attention:
         if n:
             decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows, batch.decode_seq_lens,
                              batch.decode_max_seqlen, self.scale, out=out[:n])
-        if batch.has_chunks:
-            extend_attention(q[n:], k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
-                             batch.ext_kv_lens, batch.ext_max_q_len, self.scale, out=out[n:])
+        if batch.has_chunks:  # after the decodes: a padded step's decode rows overlap the chunks' rows
+            extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
+                             batch.ext_kv_lens, batch.ext_q_blocks, self.scale, out=out)
         return out
 
 

@@ -98,7 +98,8 @@ class ServerConfig:
         metadata=_flag("auto: the KV cache in --data_type; fp8_e4m3: one byte a value (K and V rounded to e4m3, no scale: values past +-448 saturate), so twice the tokens in the same memory and half the bytes decode attention reads (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference)", choices=("auto", "fp8_e4m3")),
     )
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
-    disable_cuda_graph: bool = field(default=False, metadata=_flag("run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)"))
+    disable_cuda_graph: bool = field(default=False, metadata=_flag("run every step eagerly instead of replaying captured CUDA graphs (GPU only)"))
+    cuda_graph_max_tokens: int = field(default=2048, metadata=_flag("largest step, in tokens (decodes plus prompt chunks), replayed from a CUDA graph; larger steps run eagerly, their device time then covers their launch (see docs/architecture.md)"))
     step_trace: str | None = field(default=None, metadata=_flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/step_trace.py"))
     disable_log_stats: bool = field(default=False, metadata=_flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=_flag("seconds between throughput logs (only when there was activity)"))
@@ -133,7 +134,7 @@ class ServerConfig:
         if self.max_total_token_num is not None and self.max_total_token_num < 2:
             raise ValueError("--max_total_token_num must be at least 2")
         for name in ("tp", "dp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes",
-                     "max_queued_requests"):
+                     "max_queued_requests", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         if self.admission_wait_steps < 0:

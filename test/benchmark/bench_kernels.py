@@ -16,7 +16,7 @@ import torch
 # Names come from the submodules: the package's public functions shadow the module names.
 from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
 from lightllm_kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton
-from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton
+from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton, extend_q_blocks
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
@@ -77,7 +77,8 @@ def case_extend():
     cu_q = torch.arange(chunks + 1, device=DEVICE, dtype=torch.int32) * new
     kv_lens = torch.full((chunks,), new + cached, dtype=torch.int32, device=DEVICE)
     q = randn(chunks * new, NUM_Q_HEADS, HEAD_DIM)
-    args = (q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, new, HEAD_DIM ** -0.5)
+    blocks = torch.tensor(extend_q_blocks([new] * chunks, HEAD_DIM), dtype=torch.int32, device=DEVICE).view(2, -1)
+    args = (q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, blocks, HEAD_DIM ** -0.5)
     return extend_attention_ref, extend_attention_triton, args, BF16_TOL
 
 

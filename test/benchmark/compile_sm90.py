@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from lightllm_kernels import _triton  # noqa: E402
 from lightllm_kernels.apply_penalties import apply_penalties_triton  # noqa: E402
 from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E402
-from lightllm_kernels.extend_attention import extend_attention_triton  # noqa: E402
+from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
@@ -110,7 +110,8 @@ def call_every_kernel() -> None:
             decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1)
         decode_module._programs_per_wave = per_wave
         cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
-        extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, 3, 0.1)
+        blocks = torch.tensor(extend_q_blocks([1, 3], HEAD_DIM, 4), dtype=torch.int32).view(2, -1)
+        extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1)
     logits = torch.randn(2, 1000)
     counts = torch.ones(3, dtype=torch.int32)
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),

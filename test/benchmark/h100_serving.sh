@@ -75,7 +75,7 @@ step() {  # step NAME SECONDS CMD...: one check, time-bounded, its log in $WORK/
 check() {
   step pytest 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_sampling.py \
     tests/test_decode_buckets.py
-  step gpu_check_model 120 python3 test/benchmark/gpu_check_model.py
+  step gpu_check_model 240 python3 test/benchmark/gpu_check_model.py
   step bench_kernels 90 python3 test/benchmark/bench_kernels.py --out "$WORK/check/kernels.json"
 }
 

@@ -19,9 +19,10 @@ server's `max_req_total_len` and `running_max_req_size` so the same CUDA graphs 
   as `F.linear` (the model's call) and as `x @ Wt` with the weight stored transposed once
   ([in, out]), the layout cuBLAS may serve faster for small M.
 
-Then the eager path: a prefill step of one 128-token prompt and a mixed step (`--mixed-decodes`
-decodes and one `--mixed-chunk`-token chunk): wall time, device busy time, and a cProfile of the
-host's Python (the top functions by own time).
+Then steps with prompt chunks (replayed from the mixed-step graphs where they fit, eager with
+`--no-cuda-graph`): a prefill step of one 128-token prompt and a mixed step (`--mixed-decodes`
+decodes and one `--mixed-chunk`-token chunk): wall time, the host's launch time, device busy
+time, and a cProfile of the host's Python (the top functions by own time).
 
 Runs on the CPU too (`--device cpu`, tiny model: the plumbing; CUDA-only parts are skipped).
 """
@@ -206,18 +207,7 @@ def in_flight_ms(runner: ModelRunner, ids: list[int], steps: int) -> tuple[float
     """(ms per step, host ms per launch) of `steps` decode steps launched as the engine core
     does: each call launches the next step and returns the previous one's tokens, so host work
     overlaps the device. The launch (`ModelRunner._launch`, the host's part) is timed apart."""
-    launches = []
-    launch = runner._launch
-
-    def timed_launch(plan):
-        start = time.perf_counter()
-        try:
-            return launch(plan)
-        finally:
-            launches.append(time.perf_counter() - start)
-
-    runner._launch = timed_launch
-    try:
+    with LaunchTimer(runner) as launches:
         runner.step(StepPlan(next(_plan_ids), list(ids)))  # fill the pipeline
         sync(runner.device)
         start = time.perf_counter()
@@ -226,9 +216,7 @@ def in_flight_ms(runner: ModelRunner, ids: list[int], steps: int) -> tuple[float
         runner.step(StepPlan(next(_plan_ids)))  # empty: drains the step in flight
         sync(runner.device)
         per_step = 1000 * (time.perf_counter() - start) / (steps + 1)
-    finally:
-        del runner._launch
-    return per_step, 1000 * statistics.median(launches[1:])
+    return per_step, 1000 * statistics.median(launches.seconds[1:])
 
 
 def host_profile(fn, steps: int, top: int) -> list[str]:
@@ -288,9 +276,33 @@ def decode_section(runner: ModelRunner, bench: Bench, batch: int, context: int, 
     return lines
 
 
+class LaunchTimer:
+    """Times the host's part of each step (`ModelRunner._launch`) while in use."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.seconds = runner, []
+
+    def __enter__(self):
+        launch = self.runner._launch
+
+        def timed_launch(plan):
+            start = time.perf_counter()
+            try:
+                return launch(plan)
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+
+        self.runner._launch = timed_launch
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner._launch
+
+
 def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
-    lines = ["### Eager steps (prefill and mixed: no CUDA graph)", "",
-             "| step | wall ms | device busy ms | busy share |", "| --- | ---: | ---: | ---: |"]
+    how = "eager" if runner.graphs is None else f"replayed from a CUDA graph up to {runner.graphs.max_tokens} tokens"
+    lines = [f"### Steps with prompt chunks ({how})", "",
+             "| step | wall ms | host launch ms | device busy ms | busy share |", "| --- | ---: | ---: | ---: | ---: |"]
     decodes = bench.new_reqs(args.mixed_decodes, 256)
     for start in range(0, len(decodes), 32):
         run_step(runner, prompts=decodes[start: start + 32])
@@ -305,13 +317,15 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
             runner.free([p[0] for p in prompts])
         for _ in range(args.warmup):
             one()
-        wall = 1000 * statistics.median(timed(runner.device, one) for _ in range(args.iters))
+        with LaunchTimer(runner) as launches:
+            wall = 1000 * statistics.median(timed(runner.device, one) for _ in range(args.iters))
+        launch_ms = 1000 * statistics.median(launches.seconds)
         busy = None
         if runner.device.type == "cuda":
             prof = profile_steps(one, args.profile_steps)
             busy = busy_us(device_kernels(prof)) / args.profile_steps / 1000
         cells = f"{busy:.3f} | {100 * busy / wall:.0f}%" if busy is not None else "- | -"
-        lines.append(f"| {label} | {wall:.3f} | {cells} |")
+        lines.append(f"| {label} | {wall:.3f} | {launch_ms:.3f} | {cells} |")
         host.append((label, one))
     lines.append("")
     for label, one in host:

@@ -233,6 +233,7 @@ def load_model(workers: ModelWorkers, config: ServerConfig, replica: int = 0) ->
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             cuda_graph=not config.disable_cuda_graph,
+            cuda_graph_max_tokens=config.cuda_graph_max_tokens,
             step_trace=config.step_trace and (f"{config.step_trace}.replica{replica}" if replica else config.step_trace),
             world_size=config.tp,
             nccl_port=config.nccl_port + replica,  # each replica's ranks are a group of their own

@@ -1,0 +1,115 @@
+"""Mixed steps (decodes beside prompt chunks) padded to token buckets, the CUDA-graph path run
+eagerly on the CPU, against the same steps unpadded.
+
+A schedule with chunked prompts, decodes beside them, a prefix-cache hit and several chunks in
+one step runs twice on the same tiny model: with cuda_graph (every mixed step padded to its
+bucket, its extend attention given a padded block table) and without. After every step both
+runners must hold the same tokens, the same token table, the same request rows, the same cache
+nodes and the same K/V in every slot but the scratch slot; the logits agree to 1e-5 (CPU
+matmuls block by row count, so the last bits move with the padded size).
+"""
+
+import pytest
+import torch
+from test_model_vs_hf import make_model, make_runner, random_prompts
+
+from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, StepGraphs, mixed_buckets
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.plan import Chunk, Evict, Insert, Release, StepPlan
+from lightllm.server.io_struct import SamplingParams
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=3, max_new_tokens=64)
+
+
+def test_mixed_buckets():
+    assert mixed_buckets(16) == [16]
+    assert mixed_buckets(100) == [16, 32, 64, 100]
+    big = mixed_buckets(2048)
+    assert big[:5] == [16, 32, 64, 128, 192] and 1024 in big and big[-2:] == [1920, 2048]
+    assert big == sorted(set(big))
+
+
+def schedule(prompts):
+    """The plans, in order: (decodes, chunks, ops). Request 3's prompt starts with request 0's
+    first 16 tokens, cached as node 1 after request 0's prefill."""
+    p0, p1, p2, p3 = prompts
+    p3 = p0[:16] + p3
+    return [
+        ([], [Chunk(0, p0, 0, True, SAMPLED), Chunk(1, p1[:6], 0, False, GREEDY)], []),
+        ([0], [Chunk(1, p1[6:], 6, True), Chunk(2, p2[:20], 0, False, GREEDY)], []),
+        ([0, 1], [Chunk(2, p2[20:], 20, True)], [Insert(0, 0, 16, 1)]),
+        ([0, 1, 2], [Chunk(3, p3[16:], 16, True, GREEDY, prefix=(1,))], []),
+        ([3, 2, 1, 0], [], []),
+        ([3, 2, 1], [], [Release(0, 16)]),
+        ([], [], [Release(1), Release(2), Release(3, 16), Evict(1)]),
+    ]
+
+
+def state(runner):
+    table, rows = runner.token_table, runner.req_table
+    return (table.mem_state.tolist(), rows.req_to_token[: rows.padding_row].tolist(),
+            {node: slots.tolist() for node, slots in runner.nodes.items()})
+
+
+def run(runner, plans, captured_logits):
+    steps = []
+    for i, (decodes, chunks, ops) in enumerate(plans):
+        captured_logits.clear()
+        results = runner.step(StepPlan(100 + i, decodes, chunks, ops=ops, sync=True))
+        tokens = [t.token_id for r in results for t in r.tokens]
+        kv = [c[: runner.token_table.size].clone() for c in runner.token_table.k + runner.token_table.v]
+        steps.append((tokens, list(captured_logits), state(runner), kv))
+    return steps
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied"])
+def test_padded_mixed_steps_equal_unpadded(name, tmp_path, captured_logits, monkeypatch):
+    make_model(name, tmp_path)
+    plans = schedule(random_prompts(9, lengths=(21, 9, 33, 5)))
+    replays = []
+    original = StepGraphs.run_mixed
+    monkeypatch.setattr(StepGraphs, "run_mixed", lambda self, meta, layout, *a: replays.append(layout.tokens)
+                        or original(self, meta, layout, *a))
+    runs = {}
+    for graphs in (False, True):
+        runner = make_runner(tmp_path, cuda_graph=graphs)
+        gen = torch.Generator().manual_seed(5)
+        for cache in runner.token_table.k + runner.token_table.v:  # random contents: stray writes show
+            cache.copy_(torch.randn(cache.shape, generator=gen))
+        runs[graphs] = run(runner, plans, captured_logits)
+        assert runner.stats()["tokens_used"] == 0
+    assert replays == [32, 32, 16, 16], "every step with chunks ran padded to its bucket"
+    for (tokens, logits, plain_state, plain_kv), (p_tokens, p_logits, padded_state, padded_kv) in zip(
+            runs[False], runs[True]):
+        assert p_tokens == tokens
+        assert padded_state == plain_state
+        for plain, padded in zip(logits, p_logits):
+            assert padded.shape == plain.shape  # the padding rows' logits are dropped
+            torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+        for plain, padded in zip(plain_kv, padded_kv):
+            torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_past_the_graphs_run_eagerly_and_equal(tmp_path, captured_logits, monkeypatch):
+    """More chunks than a graph holds, more tokens than the largest bucket, or prompt logprobs:
+    eager, with the same tokens as a runner without graphs."""
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    replays = []
+    original = StepGraphs.run_mixed
+    monkeypatch.setattr(StepGraphs, "run_mixed", lambda self, *a: replays.append(1) or original(self, *a))
+    many = random_prompts(4, lengths=[2] * (MAX_GRAPH_CHUNKS + 1))
+    long = random_prompts(5, lengths=(40,))
+    logprobs = SamplingParams(prompt_logprobs=2)
+    plans = [([], [Chunk(i, p, 0, True, GREEDY) for i, p in enumerate(many)], []),
+             ([], [Chunk(100, long[0], 0, True, GREEDY)], [Release(i) for i in range(len(many))]),
+             ([], [Chunk(101, many[0] * 3, 0, True, logprobs)], [Release(100)]),
+             ([], [], [Release(101)])]
+    tokens = {}
+    for graphs in (False, True):
+        runner = ModelRunner(str(tmp_path), max_total_token_num=256, max_req_total_len=64, running_max_req_size=32,
+                             device="cpu", cuda_graph=graphs, cuda_graph_max_tokens=32)
+        tokens[graphs] = [t for t, *_ in run(runner, plans, captured_logits)]
+        assert runner.stats()["tokens_used"] == 0
+    assert replays == [] and tokens[True] == tokens[False]
+    assert [len(t) for t in tokens[True]] == [len(many), 1, 1, 0]
