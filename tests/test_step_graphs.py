@@ -113,3 +113,18 @@ def test_steps_past_the_graphs_run_eagerly_and_equal(tmp_path, captured_logits, 
         assert runner.stats()["tokens_used"] == 0
     assert replays == [] and tokens[True] == tokens[False]
     assert [len(t) for t in tokens[True]] == [len(many), 1, 1, 0]
+
+
+def test_every_layout_warms_up_on_padding_alone(tmp_path):
+    """Capture warms each bucket up from its own padding-only metadata (the layouts read one
+    static buffer at different offsets): every token on the padding row, every chunk empty,
+    every block slot padding, so the warm-up touches nothing but the scratch slot."""
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    graphs = make_runner(tmp_path).graphs
+    for layout in graphs.mixed:
+        graphs._pad_only(layout)
+        v = layout.views(graphs.mixed_meta)
+        ids, positions, rows, decode_rows, decode_lens = v["tokens"].view(5, -1).tolist()
+        assert set(rows) == set(decode_rows) == {graphs.padding_row} and set(ids) == set(positions) == {0}
+        assert set(decode_lens) == {1} and set(v["ext_cu_q"].tolist()) == {0}
+        assert set(v["q_blocks"].view(2, -1)[0].tolist()) == {-1}

@@ -124,9 +124,7 @@ class StepGraphs:
         largest = self.buckets[-1]
         self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest],
                                  device=device)
-        empty = {name: [] for name in ("chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
-                                       "ext_rows", "ext_kv_lens", "logit_index")}
-        self.mixed_meta = torch.tensor(self.pad_mixed({**empty, "ext_cu_q": [0]}, 0, self.mixed[-1]), device=device)
+        self.mixed_meta = torch.zeros(self.mixed[-1].size, dtype=torch.int64, device=device)
         logit_rows = max(largest, self.mixed[-1].logit_rows)
         self.logits = torch.empty(logit_rows, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -198,6 +196,14 @@ class StepGraphs:
                 + extend_q_blocks(q_lens, self.model.config.head_dim, layout.blocks)
                 + lists["logit_index"] + [0] * (layout.logit_rows - len(lists["logit_index"])))
 
+    def _pad_only(self, layout: MixedLayout) -> None:
+        """The static metadata of `layout` as a step of padding alone (warm-up and capture): each
+        layout reads the buffer at its own offsets, so each is filled before it runs."""
+        empty = {name: [] for name in ("chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
+                                       "ext_rows", "ext_kv_lens", "logit_index")}
+        meta = self.pad_mixed({**empty, "ext_cu_q": [0]}, 0, layout)
+        self.mixed_meta[: layout.size].copy_(torch.tensor(meta))
+
     def run_mixed(self, meta: torch.Tensor, layout: MixedLayout, n: int, max_seqlen: int) -> torch.Tensor:
         """fp32 logits [n, vocab] of the first n logit rows; meta is the flat layout on the device."""
         self.mixed_meta[: layout.size].copy_(meta)
@@ -227,15 +233,18 @@ class StepGraphs:
         nothing but the scratch slot."""
         device = self.token_table.device
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        forwards = [(self.mixed_graphs, m.tokens, m.logit_rows, lambda m=m: self._mixed_forward(m, self.max_seqlen))
-                    for m in self.mixed]
-        forwards += [(self.graphs, b, b, lambda b=b: self._forward(b, self.max_seqlen)) for b in self.buckets]
+        # (family, key, logit rows, padding-only metadata for the warm-up, forward)
+        forwards = [(self.mixed_graphs, m.tokens, m.logit_rows, lambda m=m: self._pad_only(m),
+                     lambda m=m: self._mixed_forward(m, self.max_seqlen)) for m in self.mixed]
+        forwards += [(self.graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen))
+                     for b in self.buckets]
         forwards.sort(key=lambda f: -f[1])
         with torch.cuda.device(device):
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            for family, key, rows, forward in forwards:
+            for family, key, rows, pad_only, forward in forwards:
                 with torch.cuda.stream(stream):
+                    pad_only()
                     forward()  # compiles kernels, creates NCCL communicators
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):

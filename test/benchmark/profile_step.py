@@ -261,6 +261,7 @@ def decode_section(runner: ModelRunner, bench: Bench, batch: int, context: int, 
         prof = profile_steps(step, args.profile_steps)
         lines += kernel_table(device_kernels(prof), args.profile_steps, step_ms,
                               f"Kernels of the engine step (graph replay + sampler), batch {batch}", cfg.num_layers)
+    if runner.device.type == "cuda" and runner.graphs is not None:
         graphs, bucket = runner.graphs, runner.graphs.bucket(batch)
         forward = lambda: graphs._forward(bucket, graphs.max_seqlen)  # noqa: E731  eager, same kernels
         with torch.inference_mode():
