@@ -1,4 +1,5 @@
-"""The HTTP API end to end on the default model: real processes on loopback."""
+"""The HTTP API end to end on the default model: real processes on loopback.
+Relies on transformers' Llama modeling code, greedy `generate` and tokenizer decode as the oracle."""
 
 import json
 import time
