@@ -2,6 +2,7 @@
 
 Both must be set before anything imports triton or transformers, hence at the top of this file.
 """
+import importlib.metadata
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,6 +34,22 @@ def _fix_interpreter_scalar_index() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
+
+
+# The releases the tests lean on (transformers as the oracle, triton's interpreter, the tokenizers,
+# xgrammar's masks, the HTTP stack): a red run that did not change our code names which one moved.
+REPORTED_PACKAGES = ("torch", "transformers", "triton", "tokenizers", "xgrammar", "fastapi")
+
+
+def pytest_report_header(config) -> str:
+    return "versions: " + ", ".join(f"{name} {installed_version(name)}" for name in REPORTED_PACKAGES)
+
+
+def installed_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 @pytest.fixture

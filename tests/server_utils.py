@@ -39,10 +39,19 @@ class Server:
             try:
                 if requests.get(f"{self.url}/health", timeout=30).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # a connection waits while the model loads
                 pass
             time.sleep(0.2)  # polling interval, not synchronisation
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_text()[-5000:]}")
+
+    def wait_for_log_line(self, text: str, timeout: float = 300.0) -> str:
+        """The first line of the server's log that contains `text`, as soon as it is written."""
+        def found() -> str | None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-5000:]}")
+            return next((line for line in self.log_text().splitlines() if text in line), None)
+
+        return self.wait_for(found, timeout, what=f"a log line with {text!r}")
 
     def processes(self) -> list[psutil.Process]:
         """The main process and every descendant (router, detokenizer, model workers, ...)."""

@@ -1,4 +1,5 @@
-"""The default model directory: complete, loadable offline, cached, and a working chat model."""
+"""The default model directory: complete, loadable offline, cached, and a working chat model.
+Relies on transformers' GGUF loader (it dequantizes the Q4_1 file) and its Auto classes loading the result."""
 
 import json
 import time

@@ -1,4 +1,5 @@
-"""IncrementalDecoder against tokenizer.decode(all_ids) on the default model's tokenizer."""
+"""IncrementalDecoder against tokenizer.decode(all_ids) on the default model's tokenizer.
+Relies on transformers' tokenizer decode (byte-level BPE, skip_special_tokens) as the oracle."""
 
 import random
 

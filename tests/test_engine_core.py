@@ -1,6 +1,7 @@
 """The engine core (scheduler + model runner in process, no sockets): chunked prefill mixed with
 running decodes equals transformers' greedy generate; overlap on and off give the same tokens;
-an abort mid-prefill frees its chunks' slots; idle, every KV slot is free."""
+an abort mid-prefill frees its chunks' slots; idle, every KV slot is free.
+Relies on transformers' Llama and Qwen2 modeling code (rotary with llama3 scaling) and its greedy `generate` as the oracle."""
 
 import pytest
 import torch

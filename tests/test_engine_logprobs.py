@@ -1,6 +1,7 @@
 """Log probabilities, stop token ids and min_tokens through the engine core (scheduler + runner in
 process) against transformers on the same weights, in fp32: generated tokens' logprobs and their
-top k, and prompt logprobs over several chunks, with and without the prefix cache holding the prompt."""
+top k, and prompt logprobs over several chunks, with and without the prefix cache holding the prompt.
+Relies on transformers' Llama modeling code (rotary with llama3 scaling) as the oracle of the logits."""
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """--quantization fp8: the model with fp8 projections against transformers running the same
 arithmetic (weights rounded to fp8 per output row, each projection's input rounded to fp8 per
-token), and the default model's fp8 logits against its unquantised ones."""
+token), and the default model's fp8 logits against its unquantised ones.
+Relies on transformers' Llama and Qwen2 modeling code, its projections' forward replaced, as the oracle."""
 
 import pytest
 import torch

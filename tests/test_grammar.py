@@ -107,6 +107,20 @@ def test_json_schema_output_validates(grammars, tokenizer, closing_bias, seed):
     assert value["color"] in SCHEMA["properties"]["color"]["enum"]
 
 
+LAYOUTS = [('{"name": "Jo", "age": 25, "color": "red"}', True),
+           ('{"name":"Jo","age":25,"color":"red"}', False),
+           ('{ "name": "Jo", "age": 25, "color": "red" }', False),
+           ('{"name": "Jo",\n"age": 25, "color": "red"}', False)]
+
+
+@pytest.mark.parametrize("text,accepted", LAYOUTS)
+def test_json_whitespace_is_one_space_after_colons_and_commas(grammars, tokenizer, text, accepted):
+    """docs/api.md's layout: json.dumps' one line, no free whitespace."""
+    matcher = grammars.matcher("json_schema", json.dumps(SCHEMA))
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert (all(matcher.accept(token) for token in ids) and matcher.terminated) == accepted
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_json_object_output_is_an_object(grammars, tokenizer, closing_bias, seed):
     assert isinstance(json.loads(decode(grammars, tokenizer, closing_bias, "json_object", "", seed)), dict)

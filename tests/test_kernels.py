@@ -1,6 +1,7 @@
 """Every Triton kernel against its torch reference, and each reference against an independent
 computation. Without a GPU the Triton kernels run on CPU tensors under TRITON_INTERPRET=1
-(see conftest.py); shapes are kept small because the interpreter is slow."""
+(see conftest.py); shapes are kept small because the interpreter is slow.
+Relies on transformers' LlamaRMSNorm and apply_rotary_pos_emb as the independent norm and rotary."""
 import importlib
 import os
 

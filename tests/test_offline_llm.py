@@ -1,7 +1,8 @@
 """The offline API (lightllm/llm.py) on the default model, one LLM for the module: greedy
 generate equals transformers' greedy decoding on the same weights; n choices follow their seeds;
 a batch of mixed parameters gives what each prompt gives alone; stop strings, chat, errors;
-and afterwards the engine holds nothing."""
+and afterwards the engine holds nothing.
+Relies on transformers' Llama modeling code, greedy `generate` and tokenizer (encode, decode, chat template) as the oracle."""
 
 import dataclasses
 import json

@@ -2,7 +2,8 @@
 transformers and equals the cache-off text for a shared system prompt, multi-turn chats, a
 prompt that is a prefix of another, identical prompts at once and a prompt ending inside a
 cached node; seeded sampling is unchanged; under a small KV budget eviction runs, the budget
-holds and nothing leaks."""
+holds and nothing leaks.
+Relies on transformers' Llama modeling code (rotary with llama3 scaling) and its greedy `generate` as the oracle."""
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """Greedy continuations of the default model (SmolLM2-135M-Instruct, fp32, CPU) through
 ModelRunner equal transformers' `generate(do_sample=False)` token for token, whether the
-prompts run one at a time or as one mixed batch (prefill together, decode together)."""
+prompts run one at a time or as one mixed batch (prefill together, decode together).
+Relies on transformers' Llama modeling code and `generate` as the oracle, and on its tokenizer and chat template for the prompts."""
 
 import pytest
 import torch

@@ -1,7 +1,9 @@
-"""The HTTP API end to end on the default model: real processes on loopback."""
+"""The HTTP API end to end on the default model: real processes on loopback.
+Relies on transformers' Llama modeling code, greedy `generate` and tokenizer decode as the oracle."""
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -155,6 +157,13 @@ def test_info(server, model_dir):
     assert info["tp"] == 1 and info["max_req_input_len"] == 2048 and info["max_req_total_len"] == 3072
     assert info["max_total_token_num"] > 0 and info["version"]
     assert info["quantization"] is None and info["kv_cache_dtype"] == "auto"  # the defaults this server runs
+    assert set(info) == set(documented_info())
+
+
+def documented_info() -> dict:
+    """The example answer under `## GET /info` in docs/api.md."""
+    section = (Path(__file__).parents[1] / "docs" / "api.md").read_text().split("## GET /info\n", 1)[1]
+    return json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
 
 
 def test_metrics(server):

@@ -6,6 +6,8 @@ request with an error the client sees; SIGTERM first lets running requests finis
 """
 
 import json
+import multiprocessing
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,12 +15,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import requests
 
+from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import RouterHeartbeat
+from lightllm.server.router.manager import RouterManager
 from lightllm.tools.bench_model import write_bench_model
 from server_utils import sse_events, start_server
 
@@ -94,6 +99,24 @@ def test_a_stopped_router_loop_is_unhealthy_until_it_turns_again(busy_server):
         router.resume()
     server.wait_for(lambda: server.health() == 200, timeout=10, what="/health 200 again")
     assert server.generate("again", max_new_tokens=4)["count_output_tokens"] == 4
+
+
+def test_a_router_ready_after_a_long_model_load_is_healthy_at_once(monkeypatch):
+    """The main process makes the heartbeat before the model loads, which can outlast TURN_TIMEOUT;
+    the router's loop turns only after it reports ready (up to INTERVAL later)."""
+    heartbeat = RouterHeartbeat(multiprocessing)
+    loaded_at = time.monotonic() + 10 * RouterHeartbeat.TURN_TIMEOUT
+    monkeypatch.setattr(time, "monotonic", lambda: loaded_at)
+    assert heartbeat.stalled(step_timeout=600) is not None
+    config = ServerConfig()
+    config.allocate_addresses()
+    core = SimpleNamespace(scheduler=SimpleNamespace(max_total_token_num=100))
+    router = RouterManager(config, core, heartbeat=heartbeat)
+    try:
+        assert heartbeat.stalled(step_timeout=600) is None
+    finally:
+        router.close()
+        shutil.rmtree(config.socket_dir)
 
 
 def test_a_killed_worker_ends_every_open_request_with_an_error(tiny_dir, tmp_path):

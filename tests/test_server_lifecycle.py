@@ -2,8 +2,10 @@
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from lightllm.server.config import ServerConfig
 from lightllm.tools.bench_model import TOKENIZER_FILES, write_bench_model
 from lightllm.tools.default_model import ensure_default_model
-from server_utils import start_server
+from server_utils import Server, start_server
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +26,9 @@ def tiny_dir(tmp_path_factory):
     return write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
 
 
-def run_cli(*args) -> subprocess.CompletedProcess:
+def run_cli(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "lightllm.server.api_server", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_help_documents_every_flag():
@@ -50,6 +52,27 @@ def test_bad_flags_fail_at_once_with_a_clear_message(args, message):
     result = run_cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_port_in_use_fails_at_once_with_one_line_before_the_model_is_looked_for(tmp_path):
+    """An empty model cache: had the server looked for the default model first, it would build it."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        result = run_cli("--port", str(port), env={**os.environ, "LIGHTLLM_CACHE": str(tmp_path)})
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line.endswith(f"cannot listen on 127.0.0.1:{port}: address already in use")
+    assert result.stdout == "" and not any(tmp_path.iterdir())
+
+
+def test_the_first_health_after_the_serving_line_is_200(tiny_dir, tmp_path):
+    server = Server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
+    try:
+        line = server.wait_for_log_line(f"serving {tiny_dir} on ")
+        assert server.health() == 200
+        assert line.endswith(f"serving {tiny_dir} on {server.url}")
+    finally:
+        assert server.stop() == 0
 
 
 def test_unloadable_model_fails_start_up_with_a_clear_message(tmp_path):

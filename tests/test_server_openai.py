@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API, driven by OpenAI's own Python client, on the default model."""
+"""The OpenAI-compatible API, driven by OpenAI's own Python client, on the default model.
+Relies on transformers' Llama modeling code, greedy `generate` and the tokenizer's chat template as the oracle."""
 
 import openai
 import pytest

@@ -1,6 +1,7 @@
 """The new OpenAI fields through OpenAI's own Python client, on the default model (fp32 on the CPU):
 n, logprobs/top_logprobs, echo, logit_bias, seed, stop_token_ids, min_p, min_tokens,
-stream_options.include_usage and response_format; and /generate's details (TGI)."""
+stream_options.include_usage and response_format; and /generate's details (TGI).
+Relies on transformers' Llama modeling code (its logits are the logprobs' oracle) and tokenizer encode/decode."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor

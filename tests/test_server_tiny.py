@@ -1,4 +1,5 @@
-"""End to end on a tiny random GQA model: transformers parity, batching, tensor parallelism."""
+"""End to end on a tiny random GQA model: transformers parity, batching, tensor parallelism.
+Relies on transformers' Llama modeling code (rotary with llama3 scaling) and greedy `generate` as the oracle."""
 
 import random
 from concurrent.futures import ThreadPoolExecutor

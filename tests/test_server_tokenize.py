@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize (vLLM's shapes): the ids the server itself would generate from,
-and back to the text."""
+and back to the text.
+Relies on transformers' tokenizer encode and chat template as the oracle of the ids."""
 
 import asyncio
 import json

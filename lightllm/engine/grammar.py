@@ -59,8 +59,8 @@ def _build(kind: str, spec: str):
             raise GrammarError(f"json_schema is not valid JSON: {e}") from None
     import xgrammar
 
-    # Compact JSON (no free whitespace between tokens): a small model can otherwise emit
-    # whitespace until max_new_tokens.
+    # No free whitespace, which a small model can emit until max_new_tokens: json.dumps' one-line
+    # layout, one space after each ':' and ',' (xgrammar's separators when indent is None).
     parse = {"json_object": lambda _: xgrammar.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False),
              "json_schema": lambda s: xgrammar.Grammar.from_json_schema(s, any_whitespace=False),
              "regex": xgrammar.Grammar.from_regex,

@@ -1,10 +1,12 @@
 """Entry point: `python -m lightllm.server.api_server [flags]` (`--help` lists them).
 
-The main process starts the router (which starts one model worker per tensor-parallel rank;
-one router per --dp replica) and the detokenizer, waits until each reports ready, then serves
-HTTP itself. If a child process dies, every open request ends with an error naming it, and the server stops with a
-non-zero exit status. SIGTERM or Ctrl-C drains: new requests get 503, open ones have
---shutdown_timeout seconds to finish and then end with an error; then every child stops.
+The main process first takes the HTTP port (a port in use fails at once, with one line), then
+starts the router (which starts one model worker per tensor-parallel rank; one router per --dp
+replica) and the detokenizer, waits until each reports ready, then serves HTTP itself, and logs
+"serving ... on http://HOST:PORT" once /health answers 200. If a child process dies, every open
+request ends with an error naming it, and the server stops with a non-zero exit status.
+SIGTERM or Ctrl-C drains: new requests get 503, open ones have --shutdown_timeout seconds to
+finish and then end with an error; then every child stops.
 The socket directory goes in every case (a SIGKILL's is removed by the next start).
 With --nnodes > 1, node 0 runs as above and drives the other nodes' ranks too; a node with
 --node_rank > 0 runs only its model workers (`node.py`).
@@ -24,10 +26,14 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 from lightllm.utils.process import setup_logging, stop_processes
+
+if TYPE_CHECKING:
+    from lightllm.server.httpserver.manager import HttpServerManager
 
 logger = logging.getLogger("lightllm.server")
 
@@ -79,12 +85,31 @@ def wait_until_ready(children: list[Child]) -> list[RouterReady] | None:
     return [report for report in reports.values() if isinstance(report, RouterReady)]
 
 
-def bind_http_socket(config: ServerConfig) -> socket.socket:
-    """Bind before starting anything, so that a busy port fails at once, not after model loading."""
+def listen_http(config: ServerConfig) -> socket.socket:
+    """The HTTP socket, bound and listening before anything else starts, so that a port in use
+    fails at once, not after the model has loaded. Listening (not only binding) holds the port:
+    two SO_REUSEADDR sockets may both bind one port while neither listens. Connections made
+    while the model loads wait in the backlog and are answered once the server serves."""
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a predecessor's TIME_WAIT does not block us
+        sock.bind((config.host, config.port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
     return sock
+
+
+def announce_serving(config: ServerConfig, sock: socket.socket, manager: HttpServerManager) -> None:
+    """Log where the server serves, once uvicorn accepts connections and /health's own condition
+    holds, so that a client reading the line gets 200 from its first /health."""
+    url = f"http://{config.host}:{sock.getsockname()[1]}"
+    problem = manager.health_problem()
+    if problem is None:
+        logger.info("serving %s on %s", config.model_dir, url)
+    else:
+        logger.error("listening on %s, but unhealthy: %s", url, problem)
 
 
 def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat],
@@ -129,12 +154,18 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
             manager.fail_all("the server is shutting down")
             server.should_exit = True
 
+    async def start_and_announce(sockets: list[socket.socket]) -> None:
+        await uvicorn.Server.startup(server, sockets)  # returns once it accepts connections
+        if server.started:  # else it failed and said why
+            announce_serving(config, sock, manager)
+
     async def run() -> None:
         loop = asyncio.get_running_loop()
         for child in children:
             loop.add_reader(child.process.sentinel, on_child_exit, child)  # readable when it exits
         # uvicorn's handler of SIGINT and SIGTERM; it runs between two bytecodes, so it only schedules.
         server.handle_exit = lambda signum, frame: loop.call_soon_threadsafe(begin_drain)
+        server.startup = start_and_announce
         await server.serve(sockets=[sock])
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -147,28 +178,34 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.log_level)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # unwind: stop the children
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; children inherit it
+    if config.node_rank > 0:  # no HTTP: only model workers
+        from lightllm.server.node import serve_node
+
+        resolve_model_dir(config)
+        return serve_node(config)
+    try:
+        sock = listen_http(config)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", config.host, config.port, (exc.strerror or str(exc)).lower())
+        return 1
+    with sock:
+        resolve_model_dir(config)  # the default model's first start converts it: after the port is ours
+        config.allocate_addresses()
+        try:
+            return serve(config, sock)
+        finally:
+            shutil.rmtree(config.socket_dir, ignore_errors=True)
+
+
+def resolve_model_dir(config: ServerConfig) -> None:
     if config.model_dir is None:
         from lightllm.tools.default_model import ensure_default_model
 
         config.model_dir = str(ensure_default_model())
     config.served_model_name = config.served_model_name or Path(config.model_dir).resolve().name
-    if config.node_rank > 0:
-        from lightllm.server.node import serve_node
-
-        return serve_node(config)
-    config.allocate_addresses()
-    try:
-        return serve(config)
-    finally:
-        shutil.rmtree(config.socket_dir, ignore_errors=True)
 
 
-def serve(config: ServerConfig) -> int:
-    try:
-        sock = bind_http_socket(config)
-    except OSError as exc:
-        logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
-        return 1
+def serve(config: ServerConfig, sock: socket.socket) -> int:
     heartbeats = [RouterHeartbeat(multiprocessing.get_context("spawn")) for _ in range(config.dp)]
     children = start_children(config, heartbeats)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from dataclasses import dataclass
 
@@ -28,8 +27,6 @@ from lightllm.server.httpserver.json_body import RequestError, describe_errors
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,8 +61,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await state.manager.start()
-        logger.info("serving %s on http://%s:%d", config.model_dir, config.host, config.port)
+        await state.manager.start()  # api_server says "serving" once uvicorn accepts connections
         yield
         await state.manager.stop()
 

@@ -55,6 +55,9 @@ class RouterManager:
         self.core = core
         self.replica = replica
         self._heartbeat = heartbeat or RouterHeartbeat(multiprocessing)  # nobody reads it in the simulator
+        # The main process started this clock before the model loaded, which may take longer than
+        # TURN_TIMEOUT: without this, /health would call the loop stuck until its first turn.
+        self._heartbeat.turned()
         self._max_total_token_num = core.scheduler.max_total_token_num
         self._throughput = None if config.disable_log_stats else ThroughputLog(config.log_stats_interval)
         self._stats_dirty = False  # something changed since the last RouterStats
