@@ -14,7 +14,8 @@
 #   VARIANT = old | base (.gpu/base: a git archive of HEAD, kernels in .gpu/base_path) | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
 #           | new-cSIZE (--chunked_prefill_size SIZE) | new-fp8 (--quantization fp8) | new-fp8-trace | new-fp8-cSIZE
 #           | new-fp8-awSTEPS (--admission_wait_steps STEPS) | new-kv8, new-fp8-kv8 (--kv_cache_dtype fp8_e4m3)
-#           | new-fcfs, new-fcfs-cSIZE (--schedule_policy fcfs) | new-eager (--disable_cuda_graph);
+#           | new-fcfs, new-fcfs-cSIZE (--schedule_policy fcfs) | new-eager (--disable_cuda_graph)
+#           | new+--flag,value,... (any server flags, commas for spaces);
 #   VARIANT:N[@RATE]: gpu_compare's server phase on N prompts from .gpu/requests-N.json
 #   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once).
 #   VARIANT/WORKLOADS: one server, benchmark_serving.py once per workload in turn (all at once,
@@ -146,6 +147,7 @@ flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags)
     new-fcfs) extra="--schedule_policy fcfs" ;;
     new-fcfs-c[0-9]*) extra="--schedule_policy fcfs --chunked_prefill_size ${1#new-fcfs-c}" ;;
     new-eager) extra=--disable_cuda_graph ;;
+    new+*) extra=${1#new+}; extra=${extra//,/ } ;;  # new+--flag,value,...: any server flags, commas for spaces
     new-fp8) extra="--quantization fp8" ;;
     new-fp8-trace) extra="--quantization fp8 --step_trace $WORK/steps.jsonl" ;;
     new-fp8-c[0-9]*) extra="--quantization fp8 --chunked_prefill_size ${1#new-fp8-c}" ;;
