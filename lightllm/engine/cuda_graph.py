@@ -125,8 +125,9 @@ class StepGraphs:
         self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest],
                                  device=device)
         self.mixed_meta = torch.zeros(self.mixed[-1].size, dtype=torch.int64, device=device)
-        logit_rows = max(largest, self.mixed[-1].logit_rows)
-        self.logits = torch.empty(logit_rows, model.config.vocab_size, dtype=torch.float32, device=device)
+        logit_rows = max(largest, self.mixed[-1].logit_rows)  # the static logits only graphs write
+        self.logits = torch.empty(logit_rows if capture else 0, model.config.vocab_size, dtype=torch.float32,
+                                  device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
