@@ -109,7 +109,7 @@ class ServerConfig:
     )
     shutdown_timeout: float = field(
         default=20.0,
-        metadata=_flag("seconds that running requests have to finish after SIGTERM or Ctrl-C (new ones get 503); the rest then end with an error event. Below Kubernetes' default 30 s grace period, so that they get it before a SIGKILL"),
+        metadata=_flag("seconds that running requests have to finish after SIGTERM or Ctrl-C (new ones get 503); the rest then end with a 503 (in a stream, an \"unavailable\" error event). Below Kubernetes' default 30 s grace period, so that they get it before a SIGKILL"),
     )
     log_level: str = field(
         default="info",

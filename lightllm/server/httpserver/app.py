@@ -111,18 +111,22 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 
 
 async def generation_failed(request: Request, exc: GenerationFailed) -> JSONResponse:
-    return error_response(request, 500, f"generation failed: {exc}", "internal")
+    return error_response(request, exc.status_code, str(exc), exc.error_type)
+
+
+def retry_later(request: Request, exc: ServerUnavailable | QueueFull) -> JSONResponse:
+    response = error_response(request, exc.status_code, str(exc), exc.error_type)
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 async def server_unavailable(request: Request, exc: ServerUnavailable) -> JSONResponse:
-    return error_response(request, 503, str(exc), "unavailable")
+    return retry_later(request, exc)
 
 
 async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
     request.app.state.server.metrics.queue_full.inc()
-    response = error_response(request, 429, str(exc), "queue_full")
-    response.headers["Retry-After"] = str(exc.retry_after)
-    return response
+    return retry_later(request, exc)
 
 
 async def client_gone(request: Request, exc: ClientGone) -> Response:
