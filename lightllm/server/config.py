@@ -81,7 +81,7 @@ class ServerConfig:
     api_key: str | None = field(
         default=None,
         repr=False,  # never in a log line
-        metadata=_flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info and /metrics; absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
+        metadata=_flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info and /metrics (and on /health?generate=1); absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
     )
     max_request_body_bytes: int = field(
         default=8 << 20,

@@ -41,6 +41,7 @@ class ServerState:
     limits: Limits
     model_info: dict
     health_prompt_ids: list[int]
+    health_probe: OneTokenProbe
     started: float  # wall-clock time of start-up
 
 
@@ -59,6 +60,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         model_info=model_info,
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
+        health_probe=OneTokenProbe(metrics),
         started=time.time(),
     )
 
@@ -142,10 +144,31 @@ async def health(request: Request, generate: bool = False) -> JSONResponse:
     state: ServerState = request.app.state.server
     problem = state.manager.health_problem()
     if problem is None and generate:
-        problem = await one_token_problem(state)
+        problem = await state.health_probe.problem(state)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "error": problem}, 503)
     return JSONResponse({"status": "ok"})
+
+
+class OneTokenProbe:
+    """/health?generate=1's generation, one at a time: probes that come while it runs wait for it and
+    share its answer (what a load balancer expects of a health check: 200 or 503, never a refusal), so
+    a burst of probes, as every balancer of a fleet sends, costs one generation."""
+
+    def __init__(self, metrics: Metrics):
+        self._running: asyncio.Future | None = None
+        self._waiting = metrics.health_probes_waiting
+
+    async def problem(self, state: ServerState) -> str | None:
+        if self._running is None:
+            self._running = asyncio.ensure_future(one_token_problem(state))
+            self._running.add_done_callback(self._finished)
+        with self._waiting.track_inprogress():
+            # A probe that gives up must not cancel the generation that the others wait for.
+            return await asyncio.shield(self._running)
+
+    def _finished(self, running: asyncio.Future) -> None:
+        self._running = None
 
 
 async def one_token_problem(state: ServerState) -> str | None:
