@@ -19,14 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 class Server:
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, own_process_group: bool = False):
+        """`own_process_group`: a session of its own, so that a test can signal the whole group."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(self.port), *args]
         logger.info("starting %s (log: %s)", " ".join(cmd), log_path)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=own_process_group)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -133,8 +134,8 @@ def sse_events(response: requests.Response):
             yield json.loads(line[len(b"data:"):])
 
 
-def start_server(args: list[str], log_path: Path) -> Server:
-    server = Server(args, log_path)
+def start_server(args: list[str], log_path: Path, own_process_group: bool = False) -> Server:
+    server = Server(args, log_path, own_process_group)
     try:
         server.wait_healthy()
     except BaseException:

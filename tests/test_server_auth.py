@@ -2,6 +2,7 @@
 
 --api_key (or $LIGHTLLM_API_KEY): every route but /health, /info and /metrics needs
 `Authorization: Bearer KEY`; without it, 401 before the body is read. The key is never logged.
+/health?generate=1, which runs a generation, needs it too; its probes run one generation at a time.
 
 --max_queued_requests: a request that would make more than that many open requests wait for
 their first token gets 429 with Retry-After at once, and never reaches the router. The manager
@@ -119,7 +120,7 @@ def server(tmp_path_factory):
     line has it; a queue of 3 in front of a batch of 2."""
     model_dir = write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
     args = ["--model_dir", str(model_dir), "--log_level", "debug", "--max_request_body_bytes", "1000",
-            "--max_queued_requests", str(MAX_QUEUED), "--running_max_req_size", "2"]
+            "--max_queued_requests", str(MAX_QUEUED), "--running_max_req_size", "2", "--health_timeout", "120"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(API_KEY_ENV, KEY)
         server = start_server(args, tmp_path_factory.mktemp("guarded") / "server.log")
@@ -168,6 +169,51 @@ def test_health_info_and_metrics_stay_open(server):
     for path in ("/health", "/info", "/metrics"):
         assert requests.get(f"{server.url}{path}", timeout=30).status_code == 200, path
     assert requests.head(f"{server.url}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("query", ["generate=1", "generate=true", "generate=0", "generate", "x=1&generate=1"])
+def test_health_that_generates_needs_the_key(server, query):
+    url = f"{server.url}/health?{query}"
+    for headers in (None, {"Authorization": f"Bearer {KEY[:-1]}x"}):
+        assert_unauthorized("/health", requests.get(url, headers=headers, timeout=30))
+    head = requests.head(url, timeout=30)
+    assert head.status_code == 401 and head.headers["WWW-Authenticate"] == "Bearer"
+    assert requests.get(url, headers=BEARER, timeout=60).status_code in (200, 400)  # 400: "" is no bool
+    assert requests.get(f"{server.url}/health?generate=1", headers=BEARER, timeout=60).json() == {"status": "ok"}
+
+
+def probe(server) -> requests.Response:
+    return requests.get(f"{server.url}/health?generate=1", headers=BEARER, timeout=120)
+
+
+def test_a_burst_of_health_probes_runs_one_generation(server):
+    """With both running places held by long streams, a probe's generation waits in the router, and
+    so do the probes that come meanwhile: they all share that one generation."""
+    burst = 8
+    routed = 'lightllm:replica_requests_routed_total{replica="0"}'
+    long = {"inputs": "hold", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    streams = [requests.post(f"{server.url}/generate_stream", json=long, headers=BEARER, stream=True, timeout=120)
+               for _ in range(2)]
+    try:
+        events = [sse_events(stream) for stream in streams]  # kept: a dropped one closes its connection
+        for stream_events in events:
+            next(stream_events)
+        before = server.metrics()[routed]
+        with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+            probes = [pool.submit(probe, server) for _ in range(burst)]
+            server.wait_for(lambda: (m := server.metrics())["lightllm:health_probes_waiting"] == burst
+                            and m["lightllm:num_requests_waiting"] == 1, what=f"{burst} probes waiting")
+            assert server.metrics()[routed] == before + 1
+            for stream in streams:  # frees the running places: the probe's generation runs
+                stream.close()
+            answers = [future.result() for future in probes]
+    finally:
+        for stream in streams:
+            stream.close()
+    assert [(a.status_code, a.json()) for a in answers] == [(200, {"status": "ok"})] * burst
+    after = server.metrics()
+    assert after[routed] == before + 1 and after["lightllm:health_probes_waiting"] == 0
+    server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0, what="the streams aborted")
 
 
 def answer_head(server, head: str, body: bytes) -> bytes:

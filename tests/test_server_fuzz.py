@@ -5,6 +5,11 @@ Every route the schema lists gets requests generated from it: bodies that fit th
 unknown fields). None may get a 5xx or hang; every refused body gets the route's JSON error
 shape. Afterwards the server is healthy, holds no KV tokens, and its greedy output is unchanged.
 
+Then hypothesis strategies of hostile JSON that no schema describes go to every POST route: arrays
+and objects nested thousands deep (in the body, or inside a string a grammar reads), token-id keys
+of non-ASCII digits ("²", "٣"), and numbers past every range (thousands of digits, 1e999); each
+of the cases that once got a 500 is also sent by hand and must get a 400 naming the problem.
+
 The server runs with short length limits (48 prompt tokens, 4 new ones) so that the whole run
 fits in CI's minutes on two cores; longer values are refused by the length checks, which the
 fuzzing then covers too.
@@ -24,7 +29,10 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
+
+from lightllm.server.httpserver.json_body import MAX_JSON_DEPTH
 
 from server_utils import start_server
 
@@ -132,3 +140,145 @@ def test_generated_requests_get_no_5xx(server):
     server.wait_for(lambda: (m := server.metrics())["lightllm:kv_cache_used_tokens"] == 0 and m["lightllm:num_requests_running"] == 0,
                     what="every fuzzed request freed")
     assert greedy_text(server.url) == before
+
+
+# ---- hostile JSON (issue 25): deep nesting, non-ASCII digits, huge numbers ----
+
+HOSTILE_EXAMPLES = 300
+# A body of each POST route holding the fields the hostile values replace; each is accepted as it is.
+RICH_BODIES = {
+    "/generate": {"inputs": "hi", "parameters": {
+        "max_new_tokens": 2, "do_sample": True, "top_k": 5, "seed": 1, "min_tokens": 1, "stop_token_ids": [1],
+        "logit_bias": {"1": 1.0}, "grammar": {"type": "json", "value": '{"type": "object"}'}}},
+    "/v1/completions": {"prompt": [1, 2], "max_tokens": 2, "seed": 1, "top_k": 5, "logprobs": 1,
+                        "stop_token_ids": [1], "logit_bias": {"1": 1.0}},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                             "top_logprobs": 1, "logit_bias": {"1": 1.0},
+                             "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+    "/tokenize": {"prompt": "hi", "add_special_tokens": True},
+    "/detokenize": {"tokens": [1, 2]},
+}
+RICH_BODIES["/generate_stream"] = RICH_BODIES["/generate"]
+MARKER = "@@hostile@@"
+
+
+def nested(depth: int, kind: str) -> str:
+    return "[" * depth + "]" * depth if kind == "array" else '{"a":' * depth + "{}" + "}" * depth
+
+
+def node_paths(value, path=()) -> list[tuple]:
+    """The path of every value inside `value`, itself (the whole body) included."""
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return [path] + [p for key, child in children for p in node_paths(child, (*path, key))]
+
+
+def with_raw_value(body: dict, path: tuple, raw: str) -> str:
+    """`body` as JSON text, with the value at `path` replaced by the JSON text `raw`."""
+    if not path:
+        return raw
+    copy = json.loads(json.dumps(body))
+    *parents, last = path
+    target = copy
+    for key in parents:
+        target = target[key]
+    target[last] = MARKER
+    return json.dumps(copy).replace(json.dumps(MARKER), raw)
+
+
+deep_json = st.builds(nested, st.integers(MAX_JSON_DEPTH + 1, 3000), st.sampled_from(["array", "object"]))
+huge_number = (st.builds(lambda sign, digits: sign + "9" * digits, st.sampled_from(["", "-"]), st.integers(19, 6000))
+               | st.sampled_from(["1e999", "-1e999", "1e-999", "1" + "0" * 400 + ".5"]))
+non_ascii_digits = st.text(st.characters(categories=["Nd", "No"]), min_size=1, max_size=4).filter(
+    lambda text: not text.isascii())
+hostile_json = st.one_of(
+    deep_json,
+    deep_json.map(json.dumps),  # a string holding it: a json grammar's text
+    huge_number,
+    non_ascii_digits.map(lambda key: json.dumps({key: 1.0})),  # logit_bias keys
+    non_ascii_digits.map(json.dumps),
+)
+hostile_cases = st.sampled_from(sorted(RICH_BODIES)).flatmap(lambda route: st.tuples(
+    st.just(route), st.sampled_from(node_paths(RICH_BODIES[route])), hostile_json))
+
+
+def hostile_bodies() -> list[tuple[str, str]]:
+    bodies = []
+
+    @settings(max_examples=HOSTILE_EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=hostile_cases)
+    def collect(case):
+        route, path, raw = case
+        bodies.append((route, with_raw_value(RICH_BODIES[route], path, raw)))
+
+    collect()
+    return bodies
+
+
+def post_json(url: str, route: str, text: str) -> requests.Response:
+    return requests.post(f"{url}{route}", data=text.encode(), headers={"Content-Type": "application/json"},
+                         timeout=REQUEST_TIMEOUT)
+
+
+def test_rich_bodies_are_accepted(server):
+    """So that what the hostile values replace is read, not refused beside them."""
+    for route, body in RICH_BODIES.items():
+        response = post_json(server.url, route, json.dumps(body))
+        assert response.status_code == 200, (route, response.text)
+
+
+def test_hostile_json_gets_no_5xx(server):
+    before = greedy_text(server.url)
+    bodies = hostile_bodies()
+    statuses = collections.Counter()
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        responses = pool.map(lambda case: post_json(server.url, *case), bodies)
+        for (route, text), response in zip(bodies, responses):
+            statuses[response.status_code] += 1
+            assert response.status_code < 500, (route, text[:300], response.text)
+            if response.status_code >= 400:
+                check_error_shape(route, response)
+    logger.info("hostile JSON: %d requests, statuses %s", len(bodies), dict(statuses))
+    assert statuses[400] > len(bodies) // 2
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert greedy_text(server.url) == before
+
+
+DEEP_ARRAY = nested(2000, "array")  # 4,000 bytes
+GENERATE_HI = {"inputs": "hi", "parameters": {"max_new_tokens": 2}}
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOO_DEEP = f"nests arrays and objects more than {MAX_JSON_DEPTH} deep"
+BAD_LOGIT_BIAS = "'logit_bias' keys must be token ids in [0, 49152)"
+
+
+def with_parameters(**parameters) -> str:
+    return json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2, **parameters}}, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("route, text, problem", [
+    ("/generate", DEEP_ARRAY, f"request body {TOO_DEEP}"),
+    ("/generate_stream", DEEP_ARRAY, f"request body {TOO_DEEP}"),
+    ("/v1/chat/completions", DEEP_ARRAY, f"request body {TOO_DEEP}"),
+    ("/tokenize", DEEP_ARRAY, f"request body {TOO_DEEP}"),
+    ("/generate", with_raw_value(GENERATE_HI, ("parameters", "logit_bias"), nested(200, "object")), TOO_DEEP),
+    ("/generate", with_parameters(logit_bias={"²": 1.0}), BAD_LOGIT_BIAS + ", got '²'"),
+    ("/generate", with_parameters(logit_bias={"٣": 1.0}), BAD_LOGIT_BIAS + ", got '٣'"),
+    ("/generate_stream", with_parameters(logit_bias={"²": 1.0}), BAD_LOGIT_BIAS),
+    ("/v1/chat/completions", json.dumps({**CHAT_HI, "logit_bias": {"²": 1.0}}), BAD_LOGIT_BIAS),
+    ("/generate", with_parameters(logit_bias={"9" * 5000: 1.0}), BAD_LOGIT_BIAS),
+    ("/generate", with_parameters(grammar={"type": "json", "value": DEEP_ARRAY}),
+     f"'grammar': the json grammar's value {TOO_DEEP}"),
+    ("/generate", with_raw_value(GENERATE_HI, ("parameters", "max_new_tokens"), "1" + "0" * 5000),
+     "request body is not valid JSON: Exceeds the limit (4300 digits) for integer string conversion"),
+], ids=["deep body", "deep body, stream", "deep body, chat", "deep body, tokenize", "deep value", "logit_bias ²",
+        "logit_bias ٣", "logit_bias ², stream", "logit_bias ², chat", "logit_bias huge", "deep grammar text",
+        "huge integer"])
+def test_input_that_once_got_a_500_gets_a_400_naming_it(server, route, text, problem):
+    response = post_json(server.url, route, text)
+    assert response.status_code == 400, response.text
+    check_error_shape(route, response)
+    body = response.json()
+    message = body["error"]["message"] if route.startswith("/v1/") else body["error"]
+    assert problem in message
+    assert "sys.set_int_max_str_digits" not in message
+    assert post_json(server.url, "/generate", json.dumps(GENERATE_HI)).status_code == 200

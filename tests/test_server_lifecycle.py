@@ -1,5 +1,6 @@
-"""Start-up, shutdown and failure: flags, dead children, no orphans."""
+"""Start-up, shutdown and failure: flags, dead children, no orphans, SIGTERM to the process group."""
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from lightllm.server.config import ServerConfig
 from lightllm.tools.bench_model import TOKENIZER_FILES, write_bench_model
 from lightllm.tools.default_model import ensure_default_model
-from server_utils import Server, start_server
+from server_utils import Server, sse_events, start_server
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +152,72 @@ def test_a_failing_request_gets_a_500_and_the_others_go_on(tmp_path):
         server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0, what="all tokens free")
     finally:
         assert server.stop() == 0
+
+
+def unavailable_event(event: dict) -> bool:
+    return event["finish_reason"] == "error" and event["error_type"] == "unavailable"
+
+
+LONG = {"max_new_tokens": 1000, "ignore_eos": True}  # far longer than the drain
+
+
+def whole_request(server, i: int) -> requests.Response:
+    if i % 2:
+        return server.post("/v1/completions", {"prompt": f"whole {i}", "max_tokens": 1000, "ignore_eos": True})
+    return server.post("/generate", {"inputs": f"whole {i}", "parameters": LONG})
+
+
+def test_sigterm_to_the_process_group_drains_as_sigterm_to_the_main_process_does(tiny_dir, tmp_path):
+    """`kill -TERM -- -PGID` (a container's stop, a supervisor) reaches every process of the server.
+    The children ignore it and go on until the main process has drained and stops them: of 40 open
+    requests, streamed and whole, each finishes or ends as unavailable, none gets a 500, the exit
+    status is 0 and no process is left."""
+    open_each = 20
+    args = ["--model_dir", str(tiny_dir), "--shutdown_timeout", "3", "--max_total_token_num", "60000"]
+    server = start_server(args, tmp_path / "server.log", own_process_group=True)
+    family = server.processes()
+    (socket_dir,) = server.socket_dirs()
+    streams = [server.stream({"inputs": f"stream {i}", "parameters": LONG}) for i in range(open_each)]
+    events = [sse_events(stream) for stream in streams]
+    for stream_events in events:
+        next(stream_events)
+    with concurrent.futures.ThreadPoolExecutor(open_each) as pool:
+        wholes = [pool.submit(whole_request, server, i) for i in range(open_each)]
+        server.wait_for(lambda: server.metrics()["lightllm:num_requests_running"] == 2 * open_each,
+                        what="40 requests running")
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        lasts = [list(stream_events)[-1] for stream_events in events]
+        replies = [whole.result() for whole in wholes]
+    for last in lasts:
+        assert last["finish_reason"] == "length" or unavailable_event(last), last
+    for i, reply in enumerate(replies):
+        assert reply.status_code in (200, 503), reply.text
+        if reply.status_code == 503:
+            error = reply.json()["error"]
+            assert (error["type"] if i % 2 else reply.json()["error_type"]) == "unavailable"
+    assert server.proc.wait(timeout=60) == 0
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    assert not socket_dir.exists()
+    log = server.log_text()
+    assert "exited with code" not in log and "Traceback" not in log and "killing it" not in log
+    server.stop()
+
+
+def test_a_second_sigterm_stops_at_once(tiny_dir, tmp_path):
+    """The first SIGTERM drains for up to --shutdown_timeout (here far longer than the test); a
+    second one ends the open requests as unavailable and stops the server now, with status 0."""
+    server = start_server(["--model_dir", str(tiny_dir), "--shutdown_timeout", "600"], tmp_path / "server.log")
+    family = server.processes()
+    with server.stream({"inputs": "cut me", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}}) as stream:
+        events = sse_events(stream)
+        next(events)
+        server.proc.send_signal(signal.SIGTERM)
+        server.wait_for(lambda: server.health() == 503, what="/health 503 while draining")
+        server.proc.send_signal(signal.SIGTERM)
+        last = list(events)[-1]
+    assert unavailable_event(last) and last["error"] == "the server is shutting down"
+    assert server.proc.wait(timeout=60) == 0
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    server.stop()

@@ -30,7 +30,7 @@ from rpyc.utils.authenticators import AuthenticationError
 
 from lightllm.engine.core import WorkerDied
 from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
-from lightllm.utils.process import init_child_process, stop_processes
+from lightllm.utils.process import STOP_SIGNAL, init_child_process, stop_processes
 
 if TYPE_CHECKING:
     from lightllm.utils.dist import NodeLayout  # imports torch, which the router does without
@@ -101,7 +101,7 @@ def run_remote_model_worker(listener: socket.socket, token: bytes, parent_pid: i
     sock = accept_router(listener, token_authenticator(token))
     listener.close()
     _serve(sock)
-    # At once, with nothing to tidy up (like a local worker's SIGTERM): the node process takes a
+    # At once, with nothing to tidy up (like a local worker's stop signal): the node process takes a
     # clean exit as the router's hang-up, and must see it before node 0's store goes too.
     logging.shutdown()
     os._exit(0)
@@ -109,8 +109,9 @@ def run_remote_model_worker(listener: socket.socket, token: bytes, parent_pid: i
 
 def _init_worker(parent_pid: int, log_level: str, ranks_on_node: int) -> None:
     init_child_process(parent_pid, log_level)
-    # Nothing to tidy up here, and SystemExit inside rpyc's serve loop ends in a noisy traceback.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Nothing to tidy up here, and SystemExit inside rpyc's serve loop ends in a noisy traceback:
+    # the signal's default action ends the process at once.
+    signal.signal(STOP_SIGNAL, signal.SIG_DFL)
     ModelWorkerService.ranks_on_node = ranks_on_node
 
 

@@ -143,7 +143,7 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         manager.refuse_new("the server is shutting down")
         if not await manager.wait_idle(config.shutdown_timeout):
             logger.warning("ending %d requests still open after %g s", manager.open_requests, config.shutdown_timeout)
-            manager.fail_all("the server is shutting down")
+            manager.end_all_unavailable("the server is shutting down")
         server.should_exit = True
 
     def begin_drain() -> None:
@@ -151,7 +151,7 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         if drain_task is None:
             drain_task = asyncio.ensure_future(drain())
         else:  # a second signal: stop now
-            manager.fail_all("the server is shutting down")
+            manager.end_all_unavailable("the server is shutting down")
             server.should_exit = True
 
     async def start_and_announce(sockets: list[socket.socket]) -> None:

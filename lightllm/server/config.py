@@ -81,7 +81,7 @@ class ServerConfig:
     api_key: str | None = field(
         default=None,
         repr=False,  # never in a log line
-        metadata=_flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info and /metrics; absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
+        metadata=_flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info and /metrics (and on /health?generate=1); absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
     )
     max_request_body_bytes: int = field(
         default=8 << 20,
@@ -110,7 +110,7 @@ class ServerConfig:
     )
     shutdown_timeout: float = field(
         default=20.0,
-        metadata=_flag("seconds that running requests have to finish after SIGTERM or Ctrl-C (new ones get 503); the rest then end with an error event. Below Kubernetes' default 30 s grace period, so that they get it before a SIGKILL"),
+        metadata=_flag("seconds that running requests have to finish after SIGTERM or Ctrl-C (new ones get 503); the rest then end with a 503 (in a stream, an \"unavailable\" error event). Below Kubernetes' default 30 s grace period, so that they get it before a SIGKILL"),
     )
     log_level: str = field(
         default="info",

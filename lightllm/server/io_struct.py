@@ -102,6 +102,9 @@ class TextOut:
     count_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Set with FinishReason.ERROR when the server stopped taking work rather than the request failing
+    # (the HTTP process ends its open requests so when a drain runs out): a 503, to retry in this many seconds.
+    retry_after: int | None = None
     cached_tokens: int = 0  # as TokenOut: on the first token
     queue_time: float = 0.0  # as TokenOut
     # As TokenOut, with each token's text: (token, text, logprob)

@@ -12,6 +12,10 @@ import time
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# How a parent stops its children, and what Linux sends a child whose parent died. Not SIGTERM or
+# SIGINT: those reach the whole process group (`kill -TERM -- -PGID`, Ctrl-C, a container's stop),
+# and only the main process may act on them, since it drains first and stops its children after.
+STOP_SIGNAL = signal.SIGUSR1
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
@@ -19,16 +23,16 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+def _exit_on_stop(signum, frame) -> None:
     # SystemExit unwinds through `finally` blocks, so a child stops its own children first.
     sys.exit(0)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to send SIGTERM when the parent goes, so that no child outlives the server."""
+def die_with_parent(parent_pid: int, signum: int = STOP_SIGNAL) -> None:
+    """Ask Linux to send `signum` when the parent goes, so that no child outlives the server."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable: this process may outlive its parent")
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -36,26 +40,29 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def init_child_process(parent_pid: int, log_level: str) -> None:
-    """First call in every child: Ctrl-C is the main process's to handle; SIGTERM exits cleanly."""
+    """First call in every child: SIGINT and SIGTERM are the main process's to handle (they may reach
+    the whole group); STOP_SIGNAL, from the parent or at its death, exits cleanly."""
     setup_logging(log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, _exit_on_stop)
     die_with_parent(parent_pid)
 
 
 def stop_processes(processes, timeout: float = 5.0) -> None:
-    """SIGTERM all at once, then SIGKILL whichever lingers past `timeout`; always reaped (no zombie).
+    """STOP_SIGNAL all at once, then SIGKILL whichever lingers past `timeout`; always reaped (no zombie).
 
     A process that stops children of its own needs a longer `timeout` than it gives them."""
     for process in processes:
-        if process.is_alive():
+        if process.is_alive():  # not yet reaped (only we reap it), so the pid is still its own
             logger.debug("stopping %s (pid %s)", process.name, process.pid)
-            process.terminate()
+            os.kill(process.pid, STOP_SIGNAL)
     deadline = time.monotonic() + timeout
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
-            logger.warning("%s (pid %d) still runs %g s after SIGTERM; killing it", process.name, process.pid, timeout)
+            logger.warning("%s (pid %d) still runs %g s after the stop signal; killing it", process.name, process.pid,
+                           timeout)
             process.kill()
         process.join()
         logger.debug("%s stopped (exit code %s)", process.name, process.exitcode)

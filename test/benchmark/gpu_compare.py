@@ -124,7 +124,7 @@ def start_server(args, port: int) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),  # the server drains on it
     )
 
 

@@ -24,7 +24,7 @@ from lightllm.utils.process import init_child_process
 
 logger = logging.getLogger(__name__)
 
-SIGNAL_CHECK_MS = 500  # an idle detokenizer wakes this often (to let a SIGTERM handler run)
+SIGNAL_CHECK_MS = 500  # an idle detokenizer wakes this often (to let the stop signal's handler run)
 
 
 class DetokenizationManager:
@@ -46,7 +46,7 @@ class DetokenizationManager:
 
     def serve_forever(self) -> None:
         while True:
-            # Wait in short polls, not one blocking recv: SIGTERM may be delivered to another thread
+            # Wait in short polls, not one blocking recv: a signal may be delivered to another thread
             # (the tokenizer's), and Python runs its handler only when the main thread returns to it.
             if not self._inbox.poll(SIGNAL_CHECK_MS):
                 continue
@@ -108,6 +108,6 @@ def start_detokenization_process(config: ServerConfig, ready_pipe, parent_pid: i
     ready_pipe.send(ProcessReady("detokenizer"))
     logger.info("detokenizer ready (pid %d)", os.getpid())
     try:
-        manager.serve_forever()  # until SIGTERM (SystemExit)
+        manager.serve_forever()  # until the stop signal (SystemExit)
     finally:
         manager.close()

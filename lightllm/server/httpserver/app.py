@@ -38,6 +38,7 @@ class ServerState:
     limits: Limits
     model_info: dict
     health_prompt_ids: list[int]
+    health_probe: OneTokenProbe
     started: float  # wall-clock time of start-up
 
 
@@ -56,6 +57,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         model_info=model_info,
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
+        health_probe=OneTokenProbe(metrics),
         started=time.time(),
     )
 
@@ -107,18 +109,22 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 
 
 async def generation_failed(request: Request, exc: GenerationFailed) -> JSONResponse:
-    return error_response(request, 500, f"generation failed: {exc}", "internal")
+    return error_response(request, exc.status_code, str(exc), exc.error_type)
+
+
+def retry_later(request: Request, exc: ServerUnavailable | QueueFull) -> JSONResponse:
+    response = error_response(request, exc.status_code, str(exc), exc.error_type)
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 async def server_unavailable(request: Request, exc: ServerUnavailable) -> JSONResponse:
-    return error_response(request, 503, str(exc), "unavailable")
+    return retry_later(request, exc)
 
 
 async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
     request.app.state.server.metrics.queue_full.inc()
-    response = error_response(request, 429, str(exc), "queue_full")
-    response.headers["Retry-After"] = str(exc.retry_after)
-    return response
+    return retry_later(request, exc)
 
 
 async def client_gone(request: Request, exc: ClientGone) -> Response:
@@ -134,10 +140,31 @@ async def health(request: Request, generate: bool = False) -> JSONResponse:
     state: ServerState = request.app.state.server
     problem = state.manager.health_problem()
     if problem is None and generate:
-        problem = await one_token_problem(state)
+        problem = await state.health_probe.problem(state)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "error": problem}, 503)
     return JSONResponse({"status": "ok"})
+
+
+class OneTokenProbe:
+    """/health?generate=1's generation, one at a time: probes that come while it runs wait for it and
+    share its answer (what a load balancer expects of a health check: 200 or 503, never a refusal), so
+    a burst of probes, as every balancer of a fleet sends, costs one generation."""
+
+    def __init__(self, metrics: Metrics):
+        self._running: asyncio.Future | None = None
+        self._waiting = metrics.health_probes_waiting
+
+    async def problem(self, state: ServerState) -> str | None:
+        if self._running is None:
+            self._running = asyncio.ensure_future(one_token_problem(state))
+            self._running.add_done_callback(self._finished)
+        with self._waiting.track_inprogress():
+            # A probe that gives up must not cancel the generation that the others wait for.
+            return await asyncio.shield(self._running)
+
+    def _finished(self, running: asyncio.Future) -> None:
+        self._running = None
 
 
 async def one_token_problem(state: ServerState) -> str | None:

@@ -1,4 +1,5 @@
-"""--api_key: every route but OPEN_PATHS needs `Authorization: Bearer KEY` (ASGI middleware).
+"""--api_key: every route but OPEN_PATHS needs `Authorization: Bearer KEY` (ASGI middleware), and so
+does /health with a `generate` parameter, which runs a generation.
 
 The check runs before anything reads the body, so a client without the key costs nothing but
 its headers. A request without the right key gets 401 with a `WWW-Authenticate: Bearer` header
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from urllib.parse import parse_qsl
 
 from starlette.responses import JSONResponse
 
@@ -36,6 +38,16 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
+def needs_key(scope) -> bool:
+    """Whether the request must carry the key. /health with a `generate` parameter does, whatever
+    its value: reading "1", "true", "on", ... as FastAPI does would be a second parser to keep in step
+    with it. The query is split as Starlette splits it."""
+    if scope["path"] not in OPEN_PATHS:
+        return True
+    query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+    return scope["path"] == "/health" and any(name == "generate" for name, _ in query)
+
+
 def unauthorized_response(path: str, message: str) -> JSONResponse:
     body = openai_error(message, "authentication", 401) if path.startswith("/v1/") else \
         {"error": message, "error_type": "authentication"}
@@ -48,7 +60,7 @@ class ApiKeyAuth:
         self._expected = _digest(api_key.encode("utf-8"))
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not needs_key(scope):
             return await self.app(scope, receive, send)
         key = presented_key(scope["headers"])
         if key is not None and hmac.compare_digest(_digest(key), self._expected):

@@ -15,7 +15,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Choice, Generation, off_loop
+from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
 from lightllm.server.io_struct import SamplingParams, TextOut
@@ -99,7 +99,8 @@ def sse_event(out: TextOut, full_text: str | None, detailed: bool, seed: int) ->
         event["details"] = {"finish_reason": out.finish_reason.value, "generated_tokens": out.count_output_tokens,
                             "seed": seed}
     if out.error is not None:
-        event["error"], event["error_type"] = f"generation failed: {out.error}", "internal"
+        error = failure(out)
+        event["error"], event["error_type"] = str(error), error.error_type
     return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
 
 

@@ -2,7 +2,8 @@
 
 `Generation` submits the token ids (n times for n choices), times the request for /metrics, and
 hands back either the whole choices or their outputs one by one. A client that disconnects aborts its request (the router
-frees its KV tokens); a request that fails in the engine raises GenerationFailed (a 5xx).
+frees its KV tokens); a request that fails in the engine raises GenerationFailed (a 500), one that the
+server ended as it stopped raises ServerUnavailable (a 503).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from lightllm.server.httpserver.manager import ServerUnavailable
 from lightllm.server.httpserver.metrics import RequestTimer
 from lightllm.server.httpserver.params import check_lengths
 from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
@@ -26,6 +28,18 @@ class ClientGone(Exception):
 
 class GenerationFailed(Exception):
     """The engine failed this request; the message says why."""
+
+    status_code, error_type = 500, "internal"
+
+    def __init__(self, reason: str):
+        super().__init__(f"generation failed: {reason}")
+
+
+def failure(out: TextOut) -> GenerationFailed | ServerUnavailable:
+    """Why `out` (FinishReason.ERROR) ended its request, as the error its client gets."""
+    if out.retry_after is not None:
+        return ServerUnavailable(out.error, out.retry_after)
+    return GenerationFailed(out.error)
 
 
 async def off_loop(fn, *args):
@@ -100,7 +114,7 @@ class Generation:
         choices = await self._guarded(asyncio.gather(*(self._collect(i) for i in range(len(self.streams)))))
         for choice in choices:
             if choice.last.finish_reason is FinishReason.ERROR:
-                raise GenerationFailed(choice.last.error)
+                raise failure(choice.last)
         return choices
 
     async def first(self) -> list[TextOut]:
@@ -112,7 +126,7 @@ class Generation:
         if failed:
             for stream in self.streams:
                 await stream.aclose()
-            raise GenerationFailed(failed[0].error)
+            raise failure(failed[0])
         return firsts
 
     async def outputs(self, firsts: list[TextOut]) -> AsyncIterator[tuple[int, TextOut]]:

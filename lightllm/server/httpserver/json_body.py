@@ -40,15 +40,46 @@ def check_content_type(media: str) -> None:
     raise RequestError(f"Content-Type {media!r} is not supported: send a JSON body (application/json)", 415)
 
 
+class NotJSON(RequestError):
+    """The text does not parse as JSON at all (a real form body, for one)."""
+
+
+# Arrays and objects inside one another. Deeper JSON overflows Python's recursion limit in json.loads
+# (a RecursionError) or later in json.dumps and xgrammar; no body or schema a client means nests this deep.
+MAX_JSON_DEPTH = 128
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(body: bytes) -> dict:
+def json_depth(value) -> int:
+    """How many arrays and objects `value` holds inside one another; level by level, since a
+    recursive walk would hit the recursion limit itself."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def load_json(text: str | bytes, what: str):
+    """`text` read strictly as JSON; a RequestError (400) that names `what` and the problem otherwise."""
+    too_deep = f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} deep"
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RequestError(too_deep) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        # The last one ends "; use sys.set_int_max_str_digits() ...": advice for us, not the client.
+        raise NotJSON(f"{what} is not valid JSON: {str(exc).split('; use sys.')[0]}") from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise RequestError(too_deep)
+    return data
+
+
+def parse_json(body: bytes) -> dict:
+    data = load_json(body, "request body")
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     try:  # JSON may escape lone UTF-16 surrogates ("\ud800"), which no tokenizer can take
@@ -64,7 +95,7 @@ def read_json(content_type: str | None, body: bytes) -> dict:
     check_content_type(media)
     try:
         return parse_json(body)
-    except RequestError:
+    except NotJSON:
         if media == CURL_FORM_TYPE:  # a real form, not curl -d '{...}'
             raise RequestError(f"an {CURL_FORM_TYPE} body must hold JSON: send a JSON body (application/json)",
                                415) from None
@@ -118,7 +149,7 @@ MAX_SHOWN_CHARS = 60
 UNION_MEMBER_NAMES = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     text = repr(value)
     return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "..."
 
@@ -145,7 +176,7 @@ def describe_errors(errors: list[dict]) -> str:
         elif kind == "missing":
             text = "required"
         else:
-            text = f"{error.get('msg', 'invalid')}, got {_shown(error.get('input'))}"
+            text = f"{error.get('msg', 'invalid')}, got {shown(error.get('input'))}"
         if text not in clauses.setdefault(where, []):
             clauses[where].append(text)
     return "; ".join(f"'{where}': {' or '.join(texts)}" for where, texts in clauses.items())

@@ -39,12 +39,26 @@ from lightllm.server.io_struct import (
 logger = logging.getLogger(__name__)
 
 
+# Seconds a client turned away by a stopping server waits: about one health-check period of a load
+# balancer, after which it sends the retry to another replica (or to this one, restarted).
+UNAVAILABLE_RETRY_AFTER = 5
+
+
 class ServerUnavailable(Exception):
-    """The server takes no new requests (it is shutting down, or a process failed): a 503."""
+    """The server takes no new requests (it is shutting down, or a process failed), or it ended an open
+    one as it stopped: a 503 that asks to try again (elsewhere) in `retry_after` seconds."""
+
+    status_code, error_type = 503, "unavailable"
+
+    def __init__(self, message: str, retry_after: int = UNAVAILABLE_RETRY_AFTER):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class QueueFull(Exception):
     """--max_queued_requests requests wait already: a 429 that asks to come back in `retry_after` seconds."""
+
+    status_code, error_type = 429, "queue_full"
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
@@ -143,10 +157,19 @@ class HttpServerManager:
             self._refusing = reason
 
     def fail_all(self, reason: str) -> None:
-        """Refuse new requests, and end every open one with `reason` as its error."""
+        """A process failed: refuse new requests, and end every open one with `reason` as its error (a 500)."""
+        self._end_all(reason, retry_after=None)
+
+    def end_all_unavailable(self, reason: str) -> None:
+        """The server stops: refuse new requests, and end every open one as unavailable (a 503 with
+        Retry-After), since the request itself did nothing wrong and may succeed elsewhere."""
+        self._end_all(reason, retry_after=UNAVAILABLE_RETRY_AFTER)
+
+    def _end_all(self, reason: str, retry_after: int | None) -> None:
         self.refuse_new(reason)
         for req_id, queue in self._outputs.items():
-            queue.put_nowait(TextOut(req_id, -1, "", 0.0, False, 0, FinishReason.ERROR, error=reason))
+            queue.put_nowait(TextOut(req_id, -1, "", 0.0, False, 0, FinishReason.ERROR, error=reason,
+                                     retry_after=retry_after))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is open; False if some still are after `timeout` seconds."""

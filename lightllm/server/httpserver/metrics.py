@@ -41,6 +41,10 @@ class Metrics:
         self.rejected = Counter("lightllm:requests_rejected", "Requests refused as invalid (4xx).", registry=registry)
         self.queue_full = Counter("lightllm:requests_queue_full",
                                   "Requests refused with 429 because --max_queued_requests were queued.", registry=registry)
+        self.health_probes_waiting = Gauge(
+            "lightllm:health_probes_waiting",
+            "GET /health?generate=1 probes waiting for the one probe generation (one runs at a time; they share it).",
+            registry=registry)
         self.queued = Gauge("lightllm:num_requests_queued",
                             "Open requests without their first token yet (the count --max_queued_requests bounds).",
                             registry=registry)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.httpserver.generation import Choice, Generation, off_loop
+from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
@@ -113,7 +113,8 @@ async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: l
     lasts = {}
     async for i, out in generation.outputs(firsts):
         if out.finish_reason is FinishReason.ERROR:  # the last output: no usage follows
-            yield sse(openai_error(f"generation failed: {out.error}", "internal", 500))
+            error = failure(out)
+            yield sse(openai_error(str(error), error.error_type, error.status_code))
             continue
         if out.text or out.finish_reason is not None or fmt.logprobs:
             yield sse(fmt.chunk(i, out))

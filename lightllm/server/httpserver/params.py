@@ -6,16 +6,20 @@ A field left out or null takes SamplingParams' default (io_struct.py), written t
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lightllm.server.httpserver.json_body import RequestError
+from lightllm.server.httpserver.json_body import RequestError, load_json, shown
 from lightllm.server.io_struct import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
+# A token id as a logit_bias key: ASCII digits (str.isdigit() also takes "²", which int() refuses, and
+# "٣", which int() reads as 3), few enough for any vocabulary and for int() (which refuses over 4300).
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
 INT32_MAX = 2**31 - 1  # TGI's top_k is an i32; the sampler holds it in an int64 tensor either way
 
 # Strict: no "1" for 1 or 1 for true; finite: 1e999 reads as inf in JSON.
@@ -46,10 +50,8 @@ class Grammar(BaseModel):
                 raise RequestError("'grammar': a regex grammar's value is a string")
             kind, spec = "regex", self.value
         else:
-            try:
-                schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-            except ValueError:
-                schema = None
+            schema = load_json(self.value, "'grammar': the json grammar's value") if isinstance(self.value, str) \
+                else self.value
             if not isinstance(schema, dict):
                 raise RequestError("'grammar': a json grammar's value is a JSON schema: an object, or its text")
             kind, spec = ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
@@ -69,8 +71,8 @@ def checked_grammar(kind: str, spec: str) -> str:
 
 def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_token_ids: list[int] | None) -> None:
     for token in logit_bias or {}:
-        if not token.isdigit() or int(token) >= vocab_size:
-            raise RequestError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {token!r}")
+        if not TOKEN_ID.fullmatch(token) or int(token) >= vocab_size:
+            raise RequestError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {shown(token)}")
     if any(token >= vocab_size for token in stop_token_ids or ()):
         raise RequestError(f"'stop_token_ids' must be in [0, {vocab_size})")
 
