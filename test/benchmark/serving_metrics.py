@@ -8,6 +8,10 @@ Definitions (all per successful request unless said otherwise):
 Throughputs divide successful requests' tokens by the wall time of the whole run.
 Failed requests are counted and their errors kept; they add no tokens.
 
+Goodput at an SLO (vLLM's --goodput): successful requests whose own TTFT and TPOT are both
+within the bounds, per second of the whole run. A request of one token has a TPOT of 0 there,
+and one that did not stream (no TTFT) cannot be shown to meet the TTFT bound, so it is not good.
+
 Prefix cache (when the server's /metrics has the counters, read before and after the run):
   queried tokens  prompt tokens the server looked up in its cache during the run
   hit tokens      of those, the tokens it found cached; hit rate = hit / queried
@@ -20,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PERCENTILES = ("mean", "median", "p99")
+PERCENTILE_RANKS = {"median": 50, "p90": 90, "p99": 99}
+PERCENTILES = ("mean", *PERCENTILE_RANKS)
 LATENCY_METRICS = (  # (key, printed name, section title)
     ("ttft", "TTFT", "Time to First Token"),
     ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
@@ -48,6 +53,14 @@ class RequestResult:
     output_text: str = ""
 
 
+@dataclass(frozen=True)
+class SLO:
+    """Per-request latency bounds that a request must meet to count towards goodput."""
+
+    ttft_ms: float = 500.0
+    tpot_ms: float = 50.0
+
+
 def fail_if_short(result: RequestResult) -> RequestResult:
     """A request that returned a different number of tokens than asked for has failed."""
     if result.success and result.output_len != result.expected_output_len:
@@ -60,14 +73,22 @@ def stats_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return dict.fromkeys(PERCENTILES)
     ms = np.asarray(values) * 1000.0
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+    ranked = np.percentile(ms, list(PERCENTILE_RANKS.values()))
+    return {"mean": float(ms.mean()), **{stat: float(v) for stat, v in zip(PERCENTILE_RANKS, ranked)}}
+
+
+def request_tpot(result: RequestResult) -> float | None:
+    """Seconds per output token after the first; None without a TTFT or a second token."""
+    if result.ttft is None or result.output_len < 2:
+        return None
+    return (result.latency - result.ttft) / (result.output_len - 1)
 
 
 def latency_values(ok: list[RequestResult]) -> dict[str, list[float]]:
     streamed = [r for r in ok if r.ttft is not None]
     return {
         "ttft": [r.ttft for r in streamed],
-        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in streamed if r.output_len > 1],
+        "tpot": [tpot for tpot in map(request_tpot, streamed) if tpot is not None],
         "itl": [gap for r in streamed for gap in r.itl],
         "e2el": [r.latency for r in ok],
     }
@@ -93,6 +114,18 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         for stat, value in stats_ms(values).items():
             summary[f"{stat}_{key}_ms"] = value
     return summary
+
+
+def meets_slo(result: RequestResult, slo: SLO) -> bool:
+    if not result.success or result.ttft is None:
+        return False
+    tpot = request_tpot(result) or 0.0  # a single token has no gap to bound
+    return result.ttft * 1000.0 <= slo.ttft_ms and tpot * 1000.0 <= slo.tpot_ms
+
+
+def goodput(results: list[RequestResult], duration: float, slo: SLO) -> float:
+    """Requests per second that succeeded within both of the SLO's bounds."""
+    return sum(meets_slo(r, slo) for r in results) / duration
 
 
 def error_counts(results: list[RequestResult]) -> dict[str, int]:
@@ -147,8 +180,7 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> st
     for key, name, section in LATENCY_METRICS:
         lines.append(section.center(WIDTH, "-"))
         for stat in PERCENTILES:
-            label = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
-            lines.append(line(f"{label} {name} (ms):", summary[f"{stat}_{key}_ms"]))
+            lines.append(line(f"{stat.capitalize()} {name} (ms):", summary[f"{stat}_{key}_ms"]))
     if "prefix_cache_hit_rate" in summary:
         lines += prefix_cache_lines(summary)
     lines.append("=" * WIDTH)
