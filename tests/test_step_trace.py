@@ -24,7 +24,7 @@ def tiny_model(tmp_path_factory):
 def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     path = tmp_path / "trace.jsonl"
     runner = ModelRunner(str(tiny_model), max_total_token_num=2048, max_req_total_len=256, running_max_req_size=4,
-                         data_type="float32", device="cpu", step_trace=str(path))
+                         data_type="float32", device="cpu", step_trace=str(path), cuda_graph_max_tokens=16)
     params = SamplingParams(max_new_tokens=64)
     sent = [(0, 7, 1)]  # (decodes, chunk tokens, chunks) of each step, in order
     run_step(runner, prompts=[(1, list(range(1, 8)), params)])
@@ -36,7 +36,8 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     runner._trace.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(s["decodes"], s["chunk_tokens"], s["chunks"]) for s in lines] == sent
-    assert [s["graph"] for s in lines] == [chunks == 0 for _, _, chunks in sent]
+    # every step fits a graph bucket (padded, run eagerly on the CPU) but the last, of 24 tokens > 16
+    assert [s["graph"] for s in lines] == [decodes + tokens <= 16 for decodes, tokens, _ in sent]
     for s in lines:
         assert 0 <= s["start_ms"] <= s["end_ms"] and s["launch_ms"] >= 0
     for before, after in zip(lines, lines[1:]):
@@ -54,11 +55,11 @@ def test_summary_splits_idle_by_the_step_that_waited():
     s = step_trace.summarise(steps, long_gap_ms=1000)
     assert s["wall_ms"] == 5100 and s["busy_ms"] == 50 + 10 + 8 + 9 + 10
     assert s["idle_ms"] == 12 + 1 and s["long_idle_ms"] == 5000
-    assert s["groups"]["with chunks, <= 256 chunk tokens"]["idle_before_ms"] == 12
+    assert s["groups"]["with chunks, <= 256 chunk tokens (eager)"]["idle_before_ms"] == 12
     assert s["groups"]["decode only (graph)"]["idle_before_ms"] == 1
-    assert s["groups"]["with chunks, <= 4096 chunk tokens"]["steps"] == 1
+    assert s["groups"]["with chunks, <= 4096 chunk tokens (eager)"]["steps"] == 1
     text = step_trace.table(s)
-    assert "with chunks, <= 256 chunk tokens | 1 |" in text
+    assert "with chunks, <= 256 chunk tokens (eager) | 1 |" in text
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -124,8 +124,17 @@ def start_server(args, port: int) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),  # the server drains on it
+        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
     )
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM, on which the server drains; an older tree under test (h100_serving.sh's old
+    variant) has a die_with_parent that takes no signal and sends SIGTERM anyway."""
+    try:
+        die_with_parent(parent, signal.SIGTERM)
+    except TypeError:
+        die_with_parent(parent)
 
 
 def stop_server(server: subprocess.Popen, timeout: float = 30.0) -> None:

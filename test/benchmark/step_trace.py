@@ -7,8 +7,8 @@ end), the device's busy time (sum of step times) and its idle time, split by wha
 idle before a step is the time from the previous step's end to this step's start, which on the
 GPU is when the host had finished launching it (steps are launched while the previous one runs,
 so any idle there is host time the device waited for). Gaps over `--long-gap-ms` (no work: the
-server waited for requests) are counted apart. Steps are grouped by kind: decode-only steps
-(CUDA graphs) and steps with prefill chunks (eager) by their chunk tokens.
+server waited for requests) are counted apart. Steps are grouped by kind (decode-only steps,
+and steps with prefill chunks by their chunk tokens) and by how they ran (CUDA graph or eager).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def kind(step: dict) -> str:
         return "decode only (graph)" if step["graph"] else "decode only (eager)"
     top = next((e for e in SIZE_EDGES if step["chunk_tokens"] <= e), None)
     label = f"<= {top}" if top else f"> {SIZE_EDGES[-1]}"
-    return f"with chunks, {label} chunk tokens"
+    return f"with chunks, {label} chunk tokens ({'graph' if step['graph'] else 'eager'})"
 
 
 def summarise(steps: list[dict], long_gap_ms: float) -> dict:
