@@ -9,6 +9,8 @@
 #   fp8gemm: test/benchmark/fp8_gemm_bench.py $FP8_ARGS (bf16 against fp8 projection GEMMs), its table in $OUT/fp8_gemm.md.
 #   single: the new server (with --step_trace), test/benchmark/single_request.py (256 tokens, 5 requests one by one).
 #   VARIANT new-trace: new with --step_trace $WORK/steps.jsonl (summarise: test/benchmark/step_trace.py).
+#   sweep:VARIANT: one server of VARIANT (prefix cache off), test/benchmark/rate_sweep.py over the Poisson
+#   rates $SWEEP_RATES (5,10,20,30,40) with the first $SWEEP_N (500) saved requests; $OUT/sweep-VARIANT.{json,png}.
 #   api: the new server on MODEL, test/benchmark/gpu_api_check.py against it (logprobs, n, seed,
 #   logit_bias, min_tokens, stop_token_ids, echo, /generate details, /metrics), one line per check.
 #   VARIANT = old | base (.gpu/base: a git archive of HEAD, kernels in .gpu/base_path) | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
@@ -120,6 +122,29 @@ single() {  # the new server alone, one request at a time: batch-1 TTFT and TPOT
     CHECKS+=("single: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -E '^\| median' "$dir/single.log" || true)")
   else
     CHECKS+=("single: FAIL: server not healthy or dead")
+  fi
+  echo "${CHECKS[-1]}"
+  stop_server; free_gpu; save
+}
+
+sweep() {  # sweep:VARIANT: one server (prefix cache off: every rate replays the same prompts),
+  # rate_sweep.py over $SWEEP_RATES with the first $SWEEP_N saved requests; JSON and plot to $OUT
+  local variant=${1#sweep:} path tree extra url rc=0 dir t n=${SWEEP_N:-500}
+  unique "sweep-$variant"; dir=$WORK/$UNIQUE
+  flags_of "$variant"; mkdir -p "$dir"; extra+=" --disable_prefix_cache"
+  echo "== $UNIQUE: server, then rate_sweep.py"
+  local cmd=(python3 "$ROOT/test/benchmark/rate_sweep.py" --base-url URL --model "$MODEL"
+    --requests "$(requests_file 1000)" --num-prompts "$n" --rates "${SWEEP_RATES:-5,10,20,30,40}" --warmup 8
+    --label "$variant" --out-json "$OUT/$UNIQUE.json" --plot "$OUT/$UNIQUE.png")
+  if ((DRY)); then echo "+ ${cmd[*]} > $dir/sweep.log"; return; fi
+  if (($(left) < 150)); then CHECKS+=("$UNIQUE: skipped (no time left)"); echo "${CHECKS[-1]}"; return; fi
+  if start_server "$dir" $(( $(left) < 200 ? $(left) : 200 )); then
+    cmd[3]=$url; t=$(( $(left) - 50 ))  # room for the server's stop
+    timeout -k 10 "$t" env PYTHONPATH="$NEW_PATH" "${cmd[@]}" > "$dir/sweep.log" 2>&1 || rc=$?
+    CHECKS+=("$UNIQUE: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)")")
+    cat "$dir/sweep.log" | grep -E '^\|' || true
+  else
+    CHECKS+=("$UNIQUE: FAIL: server not healthy or dead")
   fi
   echo "${CHECKS[-1]}"
   stop_server; free_gpu; save
@@ -403,6 +428,7 @@ for item in "${ITEMS[@]}"; do
     check) check ;;
     api) api ;;
     single) single ;;
+    sweep:*) sweep "$item" ;;
     profile) step profile 330 python3 test/benchmark/profile_step.py --model "$MODEL" --out-md "$OUT/profile.md" $PROFILE_ARGS ;;
     fp8gemm) step fp8_gemm 330 python3 test/benchmark/fp8_gemm_bench.py --out-md "$OUT/fp8_gemm.md" ${FP8_ARGS:-} ;;
     */*) bench "$item" ;;
