@@ -28,7 +28,24 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                          max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]]. The result
-    [B, Hq, D] goes to `out` where given (a slice of the step's attention output), else a new tensor."""
+    [B, Hq, D] goes to `out` where given (a slice of the step's attention output), else a new tensor.
+
+    A row of length 1 attends to its one slot, so its output is that slot's V: computed apart,
+    because a padded mixed step (cuda_graph.py) has one such row per prompt token, and the
+    general path costs every row max_seqlen keys."""
+    out = torch.empty_like(q) if out is None else out
+    group = q.shape[1] // k_cache.shape[1]
+    single = seq_lens == 1
+    first = req_to_token[req_rows.long(), 0].long()
+    out[single] = v_cache[first[single]].float().repeat_interleave(group, 1).to(q.dtype)
+    longer = (~single).nonzero().flatten()  # the CPU path: a host sync here is fine
+    if len(longer):
+        out[longer] = _attend_rows(q[longer], k_cache, v_cache, req_to_token, req_rows[longer], seq_lens[longer],
+                                   max_seqlen, sm_scale)
+    return out
+
+
+def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seqlen: int, sm_scale: float):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     positions = torch.arange(max_seqlen, device=q.device)
@@ -40,8 +57,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
     probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-    result = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
-    return result if out is None else out.copy_(result)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 @fast_launch
