@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_model_vs_hf import make_model, make_runner, random_prompts, run_schedule
 
@@ -53,6 +54,14 @@ def tp_worker(rank, world_size, port, model_dirs, out_file):
                for d in model_dirs]
     if rank == 0:
         torch.save(results, out_file)
+    leave_together()
+
+
+def leave_together():
+    """Both ranks leave the group before either process exits: a rank that exits while gloo's
+    threads still serve the other one was seen to abort (std::terminate) under a loaded CPU."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def assert_tp2_matches_tp1(tmp_path, worker, tp1_logits):
@@ -114,6 +123,7 @@ def cuda_tp_worker(rank, world_size, port, model_dirs, out_file):
     results = [cuda_schedule_logits(d, seen, rank=rank, world_size=world_size, port=port) for d in model_dirs]
     if rank == 0:
         torch.save(results, out_file)
+    leave_together()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
