@@ -33,10 +33,17 @@ def extend_q_blocks(q_lens: list[int], head_dim: int, slots: int | None = None) 
         count = cdiv(q_len, block_m)
         chunks += [i] * count
         blocks += range(count)
-    pad = 0 if slots is None else slots - len(chunks)
-    if pad < 0:
-        raise ValueError(f"{len(chunks)} query blocks do not fit {slots} slots")
-    return chunks + [-1] * pad + blocks + [0] * pad
+    table = chunks + blocks
+    return table if slots is None else pad_q_blocks(table, slots)
+
+
+def pad_q_blocks(table: list[int], slots: int) -> list[int]:
+    """A flattened block table padded with chunk -1 (blocks that leave at once) to `slots` blocks."""
+    used = len(table) // 2
+    if used > slots:
+        raise ValueError(f"{used} query blocks do not fit {slots} slots")
+    pad = slots - used
+    return table[:used] + [-1] * pad + table[used:] + [0] * pad
 
 
 def max_q_blocks(tokens: int, chunks: int, head_dim: int) -> int:

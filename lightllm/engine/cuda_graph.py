@@ -38,7 +38,7 @@ import torch
 from lightllm.common.req_table import ReqTable
 from lightllm.common.token_table import TokenTable
 from lightllm.models import ForwardBatch, LlamaModel
-from lightllm_kernels.extend_attention import extend_q_blocks, max_q_blocks
+from lightllm_kernels.extend_attention import max_q_blocks, pad_q_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class StepGraphs:
         self.max_seqlen = req_table.max_req_total_len
         self.buckets = decode_buckets(max_batch)
         self.mixed = [self._layout(n, max_batch) for n in mixed_buckets(max_tokens)]
+        self.mixed_tokens = [m.tokens for m in self.mixed]  # bisected every step with chunks
         self.max_tokens = max_tokens
         self.req_to_token[self.padding_row, 0] = token_table.scratch_slot
         device = token_table.device
@@ -175,7 +176,7 @@ class StepGraphs:
         """The layout of the bucket that takes a step of `tokens` tokens in `chunks` chunks; None: eager."""
         if tokens > self.max_tokens or chunks > MAX_GRAPH_CHUNKS:
             return None
-        return self.mixed[bisect.bisect_left([m.tokens for m in self.mixed], tokens)]
+        return self.mixed[bisect.bisect_left(self.mixed_tokens, tokens)]
 
     def pad_mixed(self, lists: dict[str, list[int]], num_decodes: int, layout: MixedLayout) -> list[int]:
         """A mixed step's metadata (the runner's eager lists: decodes first, then the chunks, with
@@ -183,9 +184,8 @@ class StepGraphs:
         The decodes' input ids are filled on the device from the last sampled tokens."""
         pad_row, n = self.padding_row, len(lists["positions"])
         pad, undecoded = layout.tokens - n, layout.tokens - num_decodes
-        cu_q, chunks = lists["ext_cu_q"], len(lists["ext_rows"])
-        chunk_pad = MAX_GRAPH_CHUNKS - chunks
-        q_lens = [end - start for start, end in zip(cu_q, cu_q[1:])]
+        cu_q = lists["ext_cu_q"]
+        chunk_pad = MAX_GRAPH_CHUNKS - len(lists["ext_rows"])
         return ([0] * num_decodes + lists["chunk_ids"] + [0] * pad
                 + lists["positions"] + [0] * pad
                 + lists["token_rows"] + [pad_row] * pad
@@ -194,14 +194,14 @@ class StepGraphs:
                 + lists["ext_rows"] + [pad_row] * chunk_pad
                 + cu_q + cu_q[-1:] * chunk_pad
                 + lists["ext_kv_lens"] + [0] * chunk_pad
-                + extend_q_blocks(q_lens, self.model.config.head_dim, layout.blocks)
+                + pad_q_blocks(lists["ext_q_blocks"], layout.blocks)
                 + lists["logit_index"] + [0] * (layout.logit_rows - len(lists["logit_index"])))
 
     def _pad_only(self, layout: MixedLayout) -> None:
         """The static metadata of `layout` as a step of padding alone (warm-up and capture): each
         layout reads the buffer at its own offsets, so each is filled before it runs."""
         empty = {name: [] for name in ("chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
-                                       "ext_rows", "ext_kv_lens", "logit_index")}
+                                       "ext_rows", "ext_kv_lens", "ext_q_blocks", "logit_index")}
         meta = self.pad_mixed({**empty, "ext_cu_q": [0]}, 0, layout)
         self.mixed_meta[: layout.size].copy_(torch.tensor(meta))
 

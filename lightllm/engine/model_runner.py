@@ -30,8 +30,8 @@ from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.utils.dist import init_tp
-from lightllm_kernels.extend_attention import extend_q_blocks
 from lightllm.utils.process import return_free_heap
+from lightllm_kernels.extend_attention import extend_q_blocks
 
 from .cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from .step_trace import StepTrace
@@ -247,9 +247,9 @@ class ModelRunner:
         sampled = decodes + [r for r, c in chunks if c.last]
         states = [r.sampling for r in sampled]
         ints, floats = host_lists(states, self.config.eos_token_ids)
-        use_graph = self.graphs is not None and not chunks
-        layout = None
-        if use_graph:
+        decode_graph = self.graphs is not None and not chunks
+        layout = None  # a mixed step's graph bucket, None: eager
+        if decode_graph:
             ints.update(self._graph_meta(decodes))
         else:
             lists = _step_lists(decodes, chunks, self.config.head_dim)
@@ -265,12 +265,12 @@ class ModelRunner:
         for r in sampled:
             r.sampling.generated += 1
         max_seqlen = max((r.seq_len for r in decodes), default=1)
-        if use_graph:
+        if decode_graph:
             logits = self._graph_forward(t, len(decodes), slots, max_seqlen)
         elif layout is not None:
             logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
-            logits = self._forward(t, decodes, chunks, slots)
+            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen)
         top_k = max((s.params.top_logprobs for s in states), default=0)
         sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states), top_logprobs=top_k,
                                               grammar=grammar)
@@ -283,7 +283,7 @@ class ModelRunner:
         self._last_launched = launched
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(decodes), sum(len(c.token_ids) for _, c in chunks), len(chunks),
-                            use_graph or layout is not None)
+                            decode_graph or layout is not None)
         return launched
 
     def _matcher(self, params):
@@ -363,11 +363,12 @@ class ModelRunner:
         self.req_to_token_write(rows[: len(slots)], positions[: len(slots)], slots)
         return self.graphs.run_mixed(t["meta"], layout, num_sampled, max_seqlen)
 
-    def _forward(self, t: dict[str, torch.Tensor], decodes, chunks, slots: torch.Tensor) -> torch.Tensor:
+    def _forward(self, t: dict[str, torch.Tensor], decodes: bool, chunks: bool, slots: torch.Tensor,
+                 max_seqlen: int) -> torch.Tensor:
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
         input_ids = torch.cat([self.last_token[t["decode_rows"]], t["chunk_ids"]])
         decode = dict(decode_rows=t["decode_rows"].int(), decode_seq_lens=t["decode_seq_lens"].int(),
-                      decode_max_seqlen=max((r.seq_len for r in decodes), default=0)) if decodes else {}
+                      decode_max_seqlen=max_seqlen) if decodes else {}
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,

@@ -6,7 +6,7 @@ replica) and the detokenizer, waits until each reports ready, then serves HTTP i
 "serving ... on http://HOST:PORT" once /health answers 200. If a child process dies, every open
 request ends with an error naming it, and the server stops with a non-zero exit status.
 SIGTERM or Ctrl-C drains: new requests get 503, open ones have --shutdown_timeout seconds to
-finish and then end with an error; then every child stops.
+finish and then end as unavailable (503 with Retry-After); then every child stops.
 The socket directory goes in every case (a SIGKILL's is removed by the next start).
 With --nnodes > 1, node 0 runs as above and drives the other nodes' ranks too; a node with
 --node_rank > 0 runs only its model workers (`node.py`).
