@@ -1,14 +1,19 @@
 """Model directories for benchmarks and CPU tests, with the default model's tokenizer.
 
-    python -m lightllm.tools.bench_model --out DIR [--preset 8b|70b|tiny] [--tokenizer DIR]
+    python -m lightllm.tools.bench_model --out DIR [--preset NAME] [--tokenizer DIR]
 
 8b ("bench-8b"): the Llama-3.1-8B shape (llama3 rope scaling, untied embeddings, bfloat16)
     with the default model's 49152-token vocabulary and no weight files: the server loads it
     with `--load_format dummy`, so a GPU benchmark needs neither a download nor 16 GB of disk.
 70b ("bench-70b"): the same for Llama-3.1-70B's shape (80 layers, hidden 8192, 64 heads,
     8 KV heads, intermediate 28672): 141 GB of bf16 weights, served at --tp 4 or 8.
+qwen3-8b, gemma3-12b: the same for Qwen3-8B's shape (36 layers, q/k norms, rope base 1e6) and
+    Gemma-3-12B's (48 layers, head_dim 256, sliding window 1024 on 5 layers of 6, rope base 1e4
+    on those and 1e6 with linear scaling 8 on the global ones, tied embeddings), both with the
+    default tokenizer's vocabulary: their own (151936, 262208 tokens) would only add to the head.
 tiny: a 2-layer model of the same family with seeded random float32 weights, small enough
-    to serve on a CPU in tests of the server and the benchmark client.
+    to serve on a CPU in tests of the server and the benchmark client; tiny-qwen3, tiny-gemma2
+    and tiny-gemma3 the same for those families (sliding window 16 where they have one).
 
 The tokenizer comes from the default model, or from `--tokenizer DIR` (any directory with
 its files, such as a bench-8b directory): where there is no network, as on the GPU machines.
@@ -60,27 +65,65 @@ SHAPES = {
         num_key_value_heads=2,
         head_dim=16,
     ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "gemma3-12b": dict(
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+    ),
 }
-DTYPES = {"8b": "bfloat16", "70b": "bfloat16", "tiny": "float32"}  # tiny: exact comparisons with transformers
+SHAPES.update({f"tiny-{family}": dict(SHAPES["tiny"], num_hidden_layers=3) for family in ("qwen3", "gemma2", "gemma3")})
+# tiny presets: float32, for exact comparisons with transformers
+DTYPES = {name: "float32" if name.startswith("tiny") else "bfloat16" for name in SHAPES}
+TINY_WINDOW = 16
+
+
+def family_config(preset: str) -> tuple[str, dict]:
+    """(transformers config class, its family's fields) of a preset; Llama 3.1's by default."""
+    family = preset.removeprefix("tiny-").split("-")[0]
+    tiny = preset.startswith("tiny")
+    if family == "qwen3":
+        return "Qwen3Config", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    if family in ("gemma2", "gemma3"):
+        head_dim = SHAPES[preset]["head_dim"]
+        common = dict(sliding_window=TINY_WINDOW if tiny else 1024, query_pre_attn_scalar=head_dim,
+                      max_position_embeddings=8192 if family == "gemma2" else 131072, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True)
+        if family == "gemma2":
+            return "Gemma2Config", dict(common, architectures=["Gemma2ForCausalLM"])
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}
+        return "Gemma3TextConfig", dict(common, rope_parameters=rope, architectures=["Gemma3ForCausalLM"],
+                                        sliding_window_pattern=2 if tiny else 6)
+    return "LlamaConfig", dict(max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
+                               rope_theta=LLAMA3_ROPE_THETA, rope_scaling=dict(LLAMA3_ROPE_SCALING),
+                               tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
 def make_config(preset: str, tokenizer_dir: Path):
-    from transformers import AutoTokenizer, LlamaConfig
+    import transformers
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    return LlamaConfig(
+    class_name, fields = family_config(preset)
+    return getattr(transformers, class_name)(
         **SHAPES[preset],
+        **fields,
         vocab_size=len(tokenizer),
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        rope_theta=LLAMA3_ROPE_THETA,
-        rope_scaling=dict(LLAMA3_ROPE_SCALING),
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        architectures=["LlamaForCausalLM"],
         dtype=DTYPES[preset],
     )
 
@@ -112,18 +155,15 @@ def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_di
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()  # a directory reused across presets must not keep other weights
-    if preset == "tiny":
+    if preset.startswith("tiny"):
         save_random_weights(config, out, seed)
     else:
         save_config_only(config, out)
-    # Llama 3.1's own config.json spells rope as rope_theta + rope_scaling and the dtype as
-    # torch_dtype; transformers 5 reads both spellings, older and plain-JSON readers only those.
-    update_json(
-        out / "config.json",
-        rope_theta=LLAMA3_ROPE_THETA,
-        rope_scaling=dict(LLAMA3_ROPE_SCALING),
-        torch_dtype=DTYPES[preset],
-    )
+    if config.model_type == "llama":
+        # Llama 3.1's own config.json spells rope as rope_theta + rope_scaling and the dtype as
+        # torch_dtype; transformers 5 reads both spellings, older and plain-JSON readers only those.
+        update_json(out / "config.json", rope_theta=LLAMA3_ROPE_THETA, rope_scaling=dict(LLAMA3_ROPE_SCALING),
+                    torch_dtype=DTYPES[preset])
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, out / name)
     logger.info("wrote the %s model directory %s", preset, out)
