@@ -35,6 +35,7 @@ CASES = {
                                   rope_parameters={"rope_type": "default", "rope_theta": 1234.5})),
     "llama_head_dim_32": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
     "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2)),
+    "mistral_window_8": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=8)),
     "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
     # q/k norms; head_dim apart from hidden / heads (64 / 4 = 16)
     "qwen3_head_dim_24": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=24)),
