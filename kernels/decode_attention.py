@@ -191,7 +191,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:  # one split writes `out` directly and never touches the partials: `out` stands in for them
         part_o = part_lse = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, score_scale(sm_scale, softcap), chunk,
+        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, score_scale(sm_scale, softcap),
+        chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=not q.is_cuda,

@@ -156,7 +156,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n, warps = (64, 8) if block_m == 128 else (64, 4)
     num_blocks = q_blocks.shape[1]
     _extend_kernel[(num_blocks, num_q_heads)](
-        q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, q_blocks, num_blocks, score_scale(sm_scale, softcap),
+        q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, q_blocks, num_blocks,
+        score_scale(sm_scale, softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,

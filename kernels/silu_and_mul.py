@@ -26,7 +26,8 @@ def _gated_ref(x: torch.Tensor, act, fp8_out: bool):
 
 @triton.jit
 def _act(gate, GELU: tl.constexpr):
-    """silu(g) = g sigmoid(g); GELU's tanh form g (1 + tanh(u)) / 2 = g sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3)."""
+    """silu(g) = g sigmoid(g); GELU's tanh form g (1 + tanh(u)) / 2 = g sigmoid(2u), where
+    u = sqrt(2/pi) (g + 0.044715 g^3)."""
     z = gate
     if GELU:
         z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)

@@ -301,8 +301,9 @@ class GatedMLP:
         self.gate_up = ColumnParallelLinear(weights, parts, cfg.hidden_size, False, cfg.quantization)
         self.down = RowParallelLinear(weights, tp, f"{prefix}.down_proj", cfg.hidden_size, inter,
                                       start, count, False, cfg.quantization)
-        self.act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else silu_and_mul
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def __call__(self, h) -> torch.Tensor:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
-        return self.down(self.act_and_mul(self.gate_up(h), self.down.fp8 is not None))
+        act_and_mul = gelu_tanh_and_mul if self.gelu else silu_and_mul  # looked up here: tests swap the kernels
+        return self.down(act_and_mul(self.gate_up(h), self.down.fp8 is not None))

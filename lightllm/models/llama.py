@@ -75,7 +75,8 @@ class LlamaModel:
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         # each layer takes (cos, sin) of its own base: [0] the global one, [1] the sliding layers' (Gemma 3)
-        ropes = (self.rotary(batch.positions), None if self.local_rotary is None else self.local_rotary(batch.positions))
+        local = None if self.local_rotary is None else self.local_rotary(batch.positions)
+        ropes = (self.rotary(batch.positions), local)
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             x, residual = layer(x, residual, batch, ropes, k_cache, v_cache)
         if batch.logit_index is not None:
