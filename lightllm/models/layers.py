@@ -183,7 +183,9 @@ class ParallelLMHead:
 class RMSNorm:
     """fp8_out: the norm feeds fp8 projections and returns its output quantised for them.
     offset: the norm scales by (offset + weight), Gemma's (1 + weight), kept in fp32 as Gemma
-    computes it (a bf16 1 + w would round away w's low bits)."""
+    computes it (a bf16 1 + w would round away w's low bits). The normalised x is still rounded to
+    its dtype before the scale, as for Llama, where Gemma rounds once at the end: the same in fp32,
+    one rounding more in bf16."""
 
     def __init__(self, weights, name: str, hidden: int, eps: float, fp8_out: bool = False, offset: float = 0.0):
         self.weight = weights.get(name, (hidden,))
@@ -255,7 +257,7 @@ class Attention:
                                    q_start * d, self.q_heads * d, cfg.o_bias, cfg.quantization)
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or d)
-        self.window, self.softcap = window, cfg.attn_softcap  # host ints: constants of a captured graph
+        self.window, self.softcap = window, cfg.attn_softcap  # host numbers: Triton constexprs, fixed in a graph
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm, self.k_norm = (RMSNorm(weights, f"{prefix}.{n}_norm.weight", d, cfg.rms_norm_eps,
