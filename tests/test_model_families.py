@@ -17,7 +17,7 @@ from lightllm.server.io_struct import SamplingParams
 NEW = 24  # a 5-token prompt ends 29 positions in: decodes past the window
 
 
-def tokens(seed: int, n: int, vocab: int = 101) -> list[list[int]]:
+def tokens(seed: int, n: int, vocab: int = 101) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
