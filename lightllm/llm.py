@@ -28,10 +28,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from lightllm.engine.build import start_engine
+from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
+from lightllm.engine.request import SamplingParams as EngineSampling
 from lightllm.server.config import ServerConfig
 from lightllm.server.detokenization.decoder import IncrementalDecoder
-from lightllm.server.io_struct import FinishReason, GenerateReq, TokenOut
-from lightllm.server.io_struct import SamplingParams as EngineSampling
 
 logger = logging.getLogger(__name__)
 
@@ -288,35 +289,6 @@ def engine_config(model: str | Path | None, **settings) -> ServerConfig:
     config = ServerConfig(model_dir=str(model), **settings)
     config.check()
     return config
-
-
-class _LocalWorker:
-    """tp=1: a ModelRunner in this process, loaded through the router's load_model."""
-
-    runner = None
-
-    def load(self, **runner_kwargs) -> tuple[int, dict]:
-        from lightllm.engine.model_runner import ModelRunner  # torch: only once a model is loaded
-
-        self.runner = ModelRunner(**runner_kwargs)
-        return self.runner.max_total_token_num, self.runner.info
-
-    def shutdown(self) -> None:
-        self.runner = None
-
-
-def start_engine(config: ServerConfig):
-    """(workers, EngineCore, model info), built the way the router builds them."""
-    from lightllm.server.router.manager import build_engine, load_model, start_workers
-
-    workers = _LocalWorker() if config.tp == 1 else start_workers(config)
-    try:
-        max_total_token_num, info = load_model(workers, config)  # ModelLoadError (a RuntimeError) says why not
-    except BaseException:
-        workers.shutdown()
-        raise
-    core = build_engine(config, workers.runner if config.tp == 1 else workers, max_total_token_num, info)
-    return workers, core, info
 
 
 class LLM:

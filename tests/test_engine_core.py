@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from lightllm.engine.core import EngineCore
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.scheduler import Scheduler
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
 NEW_TOKENS = 6
 PROMPT_LENS = (5, 50, 17, 1, 33)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.engine.scheduler import AGING_STEPS, POLICIES, Scheduler, peak_token_usage
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
 EOS = 2
 

@@ -14,7 +14,7 @@ from lightllm.engine.model_runner import ModelRunner, run_step
 from lightllm.engine.plan import Release, StepPlan
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.workers import ModelWorkers
-from lightllm.server.io_struct import GenerateReq, SamplingParams
+from lightllm.engine.request import GenerateReq, SamplingParams
 from lightllm.tools.bench_model import write_bench_model
 
 logger = logging.getLogger(__name__)

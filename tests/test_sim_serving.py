@@ -21,7 +21,7 @@ from sim_device import FILLER_TOKEN, SimDevice  # noqa: E402
 from sim_serving import cost_model, sim_config, simulate  # noqa: E402
 
 from lightllm.engine.plan import Chunk, Release, StepPlan  # noqa: E402
-from lightllm.server.io_struct import SamplingParams  # noqa: E402
+from lightllm.engine.request import SamplingParams  # noqa: E402
 
 # Relative. Each fit is exactly determined (two decode steps for fixed and per_req; three distinct
 # prefills, one measured twice 0.05% apart, for three terms; two eager rows for two host terms), so

@@ -23,8 +23,7 @@ import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
 from lightllm.engine.plan import Chunk, Release, Reset, StepPlan, StepResult
-from lightllm.engine.request import Req, ReqStatus
-from lightllm.server.io_struct import FinishReason, TokenOut
+from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from sim_cost import H100CostModel, fit_fp8  # noqa: E402
 from sim_device import SimDevice  # noqa: E402
 
 from lightllm.server.config import ServerConfig, parse_config  # noqa: E402
-from lightllm.server.router.manager import RouterManager, build_engine  # noqa: E402
+from lightllm.engine.build import build_engine  # noqa: E402
+from lightllm.server.router.manager import RouterManager  # noqa: E402
 from lightllm.server.io_struct import AbortReq, BatchTokenOut, FinishReason, GenerateReq, SamplingParams  # noqa: E402
 
 logger = logging.getLogger("sim_serving")
