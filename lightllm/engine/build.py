@@ -43,6 +43,8 @@ class EngineSettings(Protocol):
     disable_cuda_graph: bool
     cuda_graph_max_tokens: int
     step_trace: str | None
+    tokenizer_mode: str
+    trust_remote_code: bool
     nccl_port: int
     dist_init_addr: str | None
 
@@ -92,6 +94,8 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
             world_size=config.tp,
             nccl_port=config.nccl_port + replica,  # each replica's ranks are a group of their own
             dist_init_addr=config.dist_init_addr if config.nnodes > 1 else None,
+            tokenizer_mode=config.tokenizer_mode,
+            trust_remote_code=config.trust_remote_code,
         )
     except WorkerDied:
         raise
