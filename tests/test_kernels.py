@@ -604,3 +604,10 @@ def test_host_cdiv_and_next_power_of_2_equal_tritons():
             assert cdiv(n, d) == triton.cdiv(n, d)
         if n:
             assert next_power_of_2(n) == triton.next_power_of_2(n)
+
+
+def test_direct_launch_only_on_the_tested_triton_releases():
+    from lightllm_kernels._triton import _tested_triton
+
+    assert _tested_triton("3.6.0") and _tested_triton("3.9.1+git0a1b2c")
+    assert not _tested_triton("3.5.1") and not _tested_triton("3.10.0") and not _tested_triton("4.0.0")
