@@ -140,7 +140,8 @@ class Req:
 
     def append(self, token_id: int) -> FinishReason | None:
         """Count one generated token; return why the request ends, if it does."""
-        assert self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING), self.status
+        if self.status not in (ReqStatus.PREFILLING, ReqStatus.DECODING):
+            raise RuntimeError(f"{self!r} got a token while {self.status.value}")
         self.output_ids.append(token_id)
         if token_id in self._eos_token_ids:
             return FinishReason.EOS
