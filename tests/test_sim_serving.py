@@ -22,6 +22,7 @@ from sim_serving import cost_model, sim_config, simulate  # noqa: E402
 
 from lightllm.engine.plan import Chunk, Release, StepPlan  # noqa: E402
 from lightllm.engine.request import SamplingParams  # noqa: E402
+from seeds import fresh_rng  # noqa: E402
 
 # Relative. Each fit is exactly determined (two decode steps for fixed and per_req; three distinct
 # prefills, one measured twice 0.05% apart, for three terms; two eager rows for two host terms), so
@@ -61,7 +62,7 @@ def test_the_default_coefficients_are_the_fit():
 
 def test_step_time_grows_with_each_kind_of_work():
     model = H100CostModel()
-    rng = random.Random()
+    rng = fresh_rng()
     base = StepWork(rng.randrange(1, 200), rng.randrange(1, 10**5), rng.randrange(0, 4096), rng.randrange(0, 10**6))
     for field in ("decode_reqs", "decode_context", "prefill_tokens", "attention_pairs"):
         more = StepWork(**{**asdict(base), field: getattr(base, field) * 4 + 300})
@@ -88,7 +89,7 @@ def test_decode_rows_cost_at_least_as_many_prefill_tokens():
 
 def test_fp8_kv_cache_what_if_halves_the_kv_read_and_nothing_else():
     model = H100CostModel()
-    rng = random.Random()
+    rng = fresh_rng()
     decode = StepWork(decode_reqs=rng.randrange(1, 1000), decode_context=rng.randrange(1, 10**6))
     prefill = StepWork(prefill_tokens=rng.randrange(1, 8192), attention_pairs=rng.randrange(1, 10**7))
     mixed = StepWork(decode.decode_reqs, decode.decode_context, prefill.prefill_tokens, prefill.attention_pairs)
@@ -187,7 +188,7 @@ def test_an_eager_step_behind_a_busy_device_queues_its_kernels():
 
 
 def run_small(count: int, request_rate: float = math.inf, flags: str = ""):
-    rng = random.Random()
+    rng = fresh_rng()
     requests = [SampledRequest("", [rng.randrange(3, 50000) for _ in range(rng.randrange(4, 200))], rng.randrange(2, 30))
                 for _ in range(count)]
     summary = simulate(requests, sim_config(flags), request_rate=request_rate, seed=rng.randrange(1000),
