@@ -71,7 +71,7 @@ def test_quantization_flag():
 def test_default_model_fp8_logits_stay_close(default_model_dir, captured_logits):
     """SmolLM2-135M, fp32 on the CPU: the next-token distributions of four prompts with fp8
     projections against without. Measured: KL 0.052 nats, same top-1 token for all four (this
-    small model is sensitive: greedy text first differs after 3-19 tokens; docs/benchmarks.md)."""
+    small model is sensitive: greedy text first differs after 3-19 tokens; docs/benchmarks-log.md)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)

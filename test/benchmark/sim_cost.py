@@ -8,7 +8,7 @@ simulation, never for a figure about the GPU.
 
     python test/benchmark/sim_cost.py          # fit bf16 and fp8, print the coefficients and the residuals
 
-The points are H100 measurements of bench-8b in bf16 (docs/benchmarks.md): decode steps and eager
+The points are H100 measurements of bench-8b in bf16 (docs/benchmarks-log.md): decode steps and eager
 steps that test/benchmark/profile_step.py profiled at 6bfa73e and 9d728fa, and the static
 benchmark's prefills. Two kinds of step, two formulas:
 
@@ -134,7 +134,7 @@ class EagerPoint:
 
 
 _FAST_LAUNCH = "9d728fa profile_step.py (2026-11-23)"  # Triton kernels launched directly
-H100_EAGER_POINTS = (  # docs/benchmarks.md, "Triton's launch path (9d728fa)"
+H100_EAGER_POINTS = (  # docs/benchmarks-log.md, "Triton's launch path (9d728fa)"
     EagerPoint("prefill 1 x 128", StepWork(prefill_tokens=128, attention_pairs=causal_pairs(0, 128)),
                11.65, 6.70, _FAST_LAUNCH),
     # 64 decodes of 256-token prompts (context ~257: each timed step adds one) and one 512-token chunk
