@@ -4,7 +4,6 @@ share one set of sampling ranges: a value the shared ranges refuse, every front 
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 
 from lightllm.engine.sampling_ranges import SHARED_FIELDS, SamplingRanges
 from lightllm.llm import SamplingParams as OfflineParams
@@ -29,38 +28,30 @@ PROBES = {
 }
 
 
-def shared_accepts(name, value) -> bool:
+def accepted(validate, *args) -> bool:
     try:
-        SamplingRanges.model_validate({name: value})
+        validate(*args)
         return True
-    except ValidationError:
+    except ValueError:  # pydantic's ValidationError is one
         return False
+
+
+def shared_accepts(name, value) -> bool:
+    return accepted(SamplingRanges.model_validate, {name: value})
 
 
 def generate_accepts(name, value) -> bool:
-    try:
-        GenerateParameters.model_validate({name: value})
-        return True
-    except ValidationError:
-        return False
+    return accepted(GenerateParameters.model_validate, {name: value})
 
 
 def openai_accepts(name, value) -> bool:
-    try:
-        CompletionRequest.model_validate({"prompt": "hi", name: value})
-        return True
-    except ValidationError:
-        return False
+    return accepted(CompletionRequest.model_validate, {"prompt": "hi", name: value})
 
 
 def offline_accepts(name, value) -> bool:
     if name == "logit_bias":
         value = {int(token): bias for token, bias in value.items()}
-    try:
-        OfflineParams(**{name: value})
-        return True
-    except ValueError:
-        return False
+    return accepted(lambda: OfflineParams(**{name: value}))
 
 
 def test_every_shared_field_is_probed():
