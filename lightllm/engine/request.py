@@ -3,7 +3,7 @@
 
 The server wraps these in its process messages (lightllm/server/io_struct.py); they belong here.
 
-Counts are of what has been *scheduled*, not what has come back: with one step in flight the
+`Req`'s counts are of what has been *scheduled*, not what has come back: with one step in flight the
 scheduler learns a step's tokens one step later, and the KV budget must cover what runs.
 """
 
@@ -74,7 +74,6 @@ class TokenOut:
     # On the first token, with SamplingParams.prompt_logprobs: per prompt position from the 2nd,
     # (its token's logprob, [(token, logprob)] top k).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-
 
 
 class ReqStatus(enum.Enum):
