@@ -14,7 +14,7 @@ setup(
     name="lightllm",
     version="0.1.0",
     description="Token-attention LLM inference server (HTTP + router + detokenizer over ZeroMQ)",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # asyncio.timeout, asyncio.Runner
     # The Triton kernels live in the top-level kernels/ folder but import as
     # `lightllm_kernels`: a PyPI package named `kernels` exists and transformers probes for it.
     packages=find_packages(include=["lightllm", "lightllm.*"]) + ["lightllm_kernels"],

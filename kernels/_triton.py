@@ -37,9 +37,22 @@ except ImportError:
 
 LOG2E = 1.4426950408889634  # attention kernels use exp2: exp(x) = exp2(x * LOG2E)
 
-# Launch through `fast_launch` (below) rather than Triton's own per-call path: set False to time
-# the difference (test/benchmark/profile_step.py's eager rows).
-FAST_LAUNCH = True
+# Triton releases whose private launcher (`CompiledKernel.run`'s arguments, which `_Direct` calls)
+# was checked: 3.6 on the H100, 3.9 on the CPU machine; requirements.txt bounds triton to them.
+TESTED_TRITON = ((3, 6), (3, 9))
+
+
+def _tested_triton(version: str) -> bool:
+    major_minor = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    return TESTED_TRITON[0] <= major_minor <= TESTED_TRITON[1]
+
+
+# Launch through `fast_launch` (below) rather than Triton's own per-call path, on the tested
+# releases only: set False to time the difference (test/benchmark/profile_step.py's eager rows).
+FAST_LAUNCH = HAS_TRITON and _tested_triton(triton.__version__)
+if HAS_TRITON and not FAST_LAUNCH:
+    logger.warning("triton %s is outside the tested %s: kernels launch through Triton's own (slower) path",
+                   triton.__version__, " to ".join(".".join(map(str, v)) for v in TESTED_TRITON))
 
 
 def _launch_key(args: tuple) -> tuple:

@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import random
 import secrets
 import time
@@ -28,10 +27,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from lightllm.engine.build import start_engine
+from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
+from lightllm.engine.request import SamplingParams as EngineSampling
+from lightllm.engine.sampling_ranges import SHARED_FIELDS, check_ranges
 from lightllm.server.config import ServerConfig
 from lightllm.server.detokenization.decoder import IncrementalDecoder
-from lightllm.server.io_struct import FinishReason, GenerateReq, TokenOut
-from lightllm.server.io_struct import SamplingParams as EngineSampling
 
 logger = logging.getLogger(__name__)
 
@@ -44,27 +45,13 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-# name -> (accepts the value?, what it must be)
+# The fields only the offline API has: name -> (accepts the value?, what it must be). The others'
+# ranges are the HTTP routes' (SamplingRanges).
 _CHECKS = {
     "n": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "temperature": (lambda v: _is_real(v) and v >= 0, "a number >= 0 (0: greedy)"),
-    "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: _is_int(v) and v >= -1, "-1 or 0 (the whole vocabulary) or a positive integer"),
-    "min_p": (lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "seed": (lambda v: v is None or _is_int(v), "None or an integer"),
     "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 1), "None (as many as the context leaves) or an integer >= 1"),
-    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
     "prompt_logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
-    "presence_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    "repetition_penalty": (lambda v: _is_real(v) and v > 0, "a number > 0 (1: none)"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
-    "skip_special_tokens": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 
@@ -97,25 +84,28 @@ class SamplingParams:
         for name, (accepts, what) in _CHECKS.items():
             if not accepts(getattr(self, name)):
                 raise ValueError(f"SamplingParams.{name} must be {what}, not {getattr(self, name)!r}")
+        check_ranges(self._shared_fields(), "SamplingParams")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         self._check_stops()
-        self._check_logit_bias()
         self._grammar()
+
+    def _shared_fields(self) -> dict:
+        """The fields the HTTP routes share, in the form their ranges read (JSON's string keys)."""
+        values = {name: getattr(self, name) for name in SHARED_FIELDS}
+        if isinstance(values["stop_token_ids"], tuple):
+            values["stop_token_ids"] = list(values["stop_token_ids"])
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            if not all(_is_int(t) and t >= 0 for t in bias):
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers >= 0), not {bias!r}")
+            values["logit_bias"] = {str(t): b for t, b in bias.items()}
+        return values
 
     def _check_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops)):
             raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, not {self.stop!r}")
-        ids = self.stop_token_ids
-        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (integers >= 0), not {ids!r}")
-
-    def _check_logit_bias(self) -> None:
-        bias = self.logit_bias
-        if bias is not None and (not isinstance(bias, dict)
-                                 or not all(_is_int(t) and t >= 0 and _is_real(b) for t, b in bias.items())):
-            raise ValueError(f"SamplingParams.logit_bias must map token ids (integers >= 0) to finite numbers, not {bias!r}")
 
     def _grammar(self) -> tuple[str, str]:
         """(grammar_kind, grammar) for the engine."""
@@ -279,6 +269,10 @@ def engine_config(model: str | Path | None, **settings) -> ServerConfig:
     if unknown:
         raise TypeError(f"LLM() got unknown settings {', '.join(unknown)}: they must be ServerConfig fields "
                         "(the server's flags without the dashes)")
+    for name in ("dp", "nnodes"):  # one engine, on this machine
+        if settings.get(name, 1) != 1:
+            raise ValueError(f"LLM() runs one engine in this process, so {name} must be 1, not {settings[name]!r}: "
+                             f"for data parallelism run the server with --dp, or one LLM per process")
     if model is None:
         from lightllm.tools.default_model import ensure_default_model
 
@@ -288,35 +282,6 @@ def engine_config(model: str | Path | None, **settings) -> ServerConfig:
     config = ServerConfig(model_dir=str(model), **settings)
     config.check()
     return config
-
-
-class _LocalWorker:
-    """tp=1: a ModelRunner in this process, loaded through the router's load_model."""
-
-    runner = None
-
-    def load(self, **runner_kwargs) -> tuple[int, dict]:
-        from lightllm.engine.model_runner import ModelRunner  # torch: only once a model is loaded
-
-        self.runner = ModelRunner(**runner_kwargs)
-        return self.runner.max_total_token_num, self.runner.info
-
-    def shutdown(self) -> None:
-        self.runner = None
-
-
-def start_engine(config: ServerConfig):
-    """(workers, EngineCore, model info), built the way the router builds them."""
-    from lightllm.server.router.manager import build_engine, load_model, start_workers
-
-    workers = _LocalWorker() if config.tp == 1 else start_workers(config)
-    try:
-        max_total_token_num, info = load_model(workers, config)  # ModelLoadError (a RuntimeError) says why not
-    except BaseException:
-        workers.shutdown()
-        raise
-    core = build_engine(config, workers.runner if config.tp == 1 else workers, max_total_token_num, info)
-    return workers, core, info
 
 
 class LLM:

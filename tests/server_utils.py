@@ -1,11 +1,11 @@
-"""Start and stop a real server (all its processes) on a free loopback port, for tests."""
+"""Start and stop a real server (all its processes) on a free loopback port, for tests.
+
+Starting, polling /health and stopping are test/benchmark/server_process.py's, shared with the
+benchmark scripts; what tests add is looking inside (processes, log lines, requests)."""
 
 from __future__ import annotations
 
 import json
-import logging
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,37 +13,18 @@ from pathlib import Path
 import psutil
 import requests
 
-from lightllm.utils.net import free_port, socket_dirs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
 
-logger = logging.getLogger(__name__)
+import server_process  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+from lightllm.utils.net import socket_dirs  # noqa: E402
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, args: list[str], log_path: Path, own_process_group: bool = False):
         """`own_process_group`: a session of its own, so that a test can signal the whole group."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(self.port), *args]
-        logger.info("starting %s (log: %s)", " ".join(cmd), log_path)
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=own_process_group)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-5000:]}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=30).status_code == 200:
-                    return
-            except (requests.ConnectionError, requests.Timeout):  # a connection waits while the model loads
-                pass
-            time.sleep(0.2)  # polling interval, not synchronisation
-        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_text()[-5000:]}")
+        super().__init__(args, log_path, own_session=own_process_group)
 
     def wait_for_log_line(self, text: str, timeout: float = 300.0) -> str:
         """The first line of the server's log that contains `text`, as soon as it is written."""
@@ -91,16 +72,6 @@ class Server:
         assert response.status_code == 200, response.text
         return response.json()
 
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled samples of /metrics, by name."""
-        text = requests.get(f"{self.url}/metrics", timeout=30).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
-
     def wait_for(self, condition, timeout: float = 30.0, what: str = "condition"):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -116,13 +87,10 @@ class Server:
             family = self.processes()
         except psutil.NoSuchProcess:
             family = []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=60)
+        code = super().stop()
         gone, alive = psutil.wait_procs(family, timeout=15)
         for proc in alive:
             proc.kill()
-        self._log.close()
         assert not alive, f"processes outlived the server: {alive}"
         return code
 
@@ -135,10 +103,4 @@ def sse_events(response: requests.Response):
 
 
 def start_server(args: list[str], log_path: Path, own_process_group: bool = False) -> Server:
-    server = Server(args, log_path, own_process_group)
-    try:
-        server.wait_healthy()
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return server_process.start_server(args, log_path, server_class=Server, own_process_group=own_process_group)

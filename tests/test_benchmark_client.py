@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "test" / "benchmark"))
 
 import sharegpt  # noqa: E402
-from serving_client import run_requests, wait_until_healthy  # noqa: E402
+from server_process import start_server  # noqa: E402
+from serving_client import run_requests  # noqa: E402
 from serving_metrics import RequestResult, format_summary, summarize  # noqa: E402
 from sharegpt import SampledRequest  # noqa: E402
 
@@ -206,25 +207,16 @@ def test_connection_refused_is_a_failed_request():
     assert all("Connect" in r.error or "Connection" in r.error for r in results)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(600)
 def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
     from lightllm.tools.bench_model import write_bench_model
 
     model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
-    port = free_port()
-    server_cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(model), "--tp", "1"]
-    server_cmd += ["--max_total_token_num", "8192", "--host", "127.0.0.1", "--port", str(port)]
+    server_args = ["--model_dir", str(model), "--tp", "1", "--max_total_token_num", "8192", "--host", "127.0.0.1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    server = subprocess.Popen(server_cmd, env=env, start_new_session=True)
+    server = start_server(server_args, tmp_path / "server.log", own_session=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_until_healthy(url, timeout_s=300, is_alive=lambda: server.poll() is None))
+        url = server.url
         data_path = tmp_path / "short.json"
         rng = random.Random(2)
         data_path.write_text(json.dumps([conversation(rng.randint(4, 60), rng.randint(4, 40), rng) for _ in range(40)]))
@@ -236,7 +228,7 @@ def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
         single = subprocess.run(single_cmd + ["--max-new-tokens", "8", "--repeat", "2"], env=env,
                                 capture_output=True, text=True, timeout=400)
     finally:
-        stop(server)
+        server.stop(timeout=30)
     assert client.returncode == 0, client.stdout + client.stderr
     for name in METRIC_LINES:
         assert name in client.stdout, name
@@ -245,17 +237,6 @@ def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["completed"], result["failed"]) == (20, 0)
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Stop the server and the processes it started (its own session)."""
-    if process.poll() is None:
-        os.killpg(process.pid, 15)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """What a layer launches in an eager mixed step (decodes and a prompt chunk), counted by
 test/benchmark/count_launches.py on the GPU path (Triton kernels under the interpreter): the
 difference between a 4-layer and a 2-layer model is two layers' launches, nothing else. An eager
-step's host time is its launches, so each one here is a choice (docs/benchmarks.md)."""
+step's host time is its launches, so each one here is a choice (docs/benchmarks-log.md)."""
 
 import collections
 import json

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_model_vs_hf import make_model, make_runner, random_prompts
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.cuda_graph import decode_buckets
 from lightllm.engine.model_runner import run_step
 

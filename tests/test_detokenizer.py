@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from lightllm.server.detokenization.decoder import IncrementalDecoder
 from lightllm.tools.default_model import ensure_default_model
+from seeds import fresh_rng  # noqa: E402
 
 MULTILINGUAL = [
     "Héllo wörld, naïve café — «ok» ñandú",
@@ -54,7 +55,7 @@ def test_multilingual_text_streams_exactly(tokenizer, text):
 
 
 def test_random_texts_stream_exactly(tokenizer):
-    rng = random.Random()
+    rng = fresh_rng()
     for _ in range(200):
         text = random_text(rng)
         ids = tokenizer.encode(text)
@@ -64,7 +65,7 @@ def test_random_texts_stream_exactly(tokenizer):
 
 
 def test_random_token_ids_match_full_decode_when_it_is_clean(tokenizer):
-    rng = random.Random()
+    rng = fresh_rng()
     for _ in range(100):
         ids = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randrange(1, 40))]
         expected = full_decode(tokenizer, ids)

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from lightllm.engine.core import EngineCore
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.scheduler import Scheduler
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from seeds import fresh_seed  # noqa: E402
 
 NEW_TOKENS = 6
 PROMPT_LENS = (5, 50, 17, 1, 33)
@@ -19,7 +20,7 @@ SAMPLED = dict(do_sample=True, temperature=0.9, top_k=30, top_p=0.95, seed=1234)
 
 
 def random_prompts(vocab: int, lengths=PROMPT_LENS, seed=None) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    gen = torch.Generator().manual_seed(seed if seed is not None else fresh_seed("torch seed"))
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 

@@ -8,7 +8,7 @@ import torch
 from test_engine_core import assert_idle, engine, random_prompts
 from test_model_vs_hf import make_model, make_runner
 
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
 TOL = 1e-3
 

@@ -9,7 +9,7 @@ from test_scheduler import EOS, FakeRunner
 from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import StepPlan
 from lightllm.engine.scheduler import Scheduler
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
 
 class ScriptedRunner(FakeRunner):

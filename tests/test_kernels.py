@@ -631,6 +631,13 @@ def test_host_cdiv_and_next_power_of_2_equal_tritons():
             assert next_power_of_2(n) == triton.next_power_of_2(n)
 
 
+def test_direct_launch_only_on_the_tested_triton_releases():
+    from lightllm_kernels._triton import _tested_triton
+
+    assert _tested_triton("3.6.0") and _tested_triton("3.9.1+git0a1b2c")
+    assert not _tested_triton("3.5.1") and not _tested_triton("3.10.0") and not _tested_triton("4.0.0")
+
+
 # ---------------------------------------------------------------- sliding window and soft cap
 # Windows below the query block (16 < BLOCK_M 64: a block's later rows see none of its first key
 # block), between the lengths (40; 150, which the decode kernel splits in two), and past every

@@ -18,7 +18,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
 
 import lightllm_kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
 
 ATOL = RTOL = 1e-4

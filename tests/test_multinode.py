@@ -7,7 +7,6 @@ node 0 out; a node that never comes ends the start-up of the one waiting for it.
 import dataclasses
 import multiprocessing
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from lightllm.tools.bench_model import write_bench_model
 from lightllm.utils.dist import LIVENESS_TIMEOUT, NodeLayout, Rendezvous
 from lightllm.utils.net import free_port
 from server_utils import Server, start_server
+from seeds import fresh_rng  # noqa: E402
 
 WORDS = "the a model token cache batch river stone light 你好 café 🤖 runs quickly slowly over under".split()
 MAX_NEW_TOKENS = 12
@@ -68,7 +68,7 @@ def family(server: Server) -> list[psutil.Process]:
 
 
 def test_two_nodes_give_the_tokens_of_one_and_node1_follows_node0_out(tiny_dir, tmp_path):
-    rng = random.Random()
+    rng = fresh_rng()
     prompts = [" ".join(rng.choices(WORDS, k=rng.randrange(1, 30))) for _ in range(4)]
     dist_init_addr = f"127.0.0.1:{free_port()}"
     node1 = Server(node_args(tiny_dir, 1, dist_init_addr), tmp_path / "node1.log")

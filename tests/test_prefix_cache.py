@@ -11,7 +11,7 @@ from test_engine_core import assert_idle, engine, hf_greedy
 from test_model_vs_hf import make_model
 
 from lightllm.engine.model_runner import ModelRunner
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
 VOCAB = 101
 NEW = 6

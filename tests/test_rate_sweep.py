@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark
 import rate_sweep  # noqa: E402
 from serving_metrics import SLO, RequestResult, format_summary, goodput, summarize  # noqa: E402
 from sharegpt import SampledRequest, save_requests  # noqa: E402
+from seeds import fresh_rng  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HUGE, TINY = SLO(1e9, 1e9), SLO(1e-3, 1e-3)
@@ -81,7 +82,7 @@ def short_requests(model: Path, count: int, path: Path) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    rng = random.Random()
+    rng = fresh_rng()
     words = "the river stone light model cache runs over under quickly".split()
     prompts = [" ".join(rng.choices(words, k=rng.randint(4, 40))) for _ in range(count)]
     save_requests(path, [SampledRequest(p, tokenizer(p).input_ids, rng.randint(4, 12)) for p in prompts])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
 from lightllm.tools.default_model import ensure_default_model
 

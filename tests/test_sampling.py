@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling import SamplingBatch, SamplingState, host_lists, sample
 
 

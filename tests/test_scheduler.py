@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 from lightllm.engine.scheduler import AGING_STEPS, POLICIES, Scheduler, peak_token_usage
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from seeds import fresh_rng  # noqa: E402
 
 EOS = 2
 
@@ -174,7 +175,7 @@ def admitted_order(scheduler: Scheduler) -> list[int]:
 
 
 def test_lpt_admits_long_generations_first_and_ages_the_rest():
-    rng = random.Random()
+    rng = fresh_rng()
     lengths = [rng.randrange(1, 500) for _ in range(20)]
     core = EngineCore(Scheduler(100_000, 64, 1000, "lpt"), FakeRunner(100_000, 0.0, rng), eos_token_ids=[EOS])
     for i, n in enumerate(lengths):
@@ -228,7 +229,7 @@ def test_admission_wait_gathers_freed_slots_into_fewer_prefill_steps():
 
 
 def test_fcfs_admits_in_arrival_order():
-    rng = random.Random()
+    rng = fresh_rng()
     core = EngineCore(Scheduler(100_000, 64, 1000, "fcfs"), FakeRunner(100_000, 0.0, rng), eos_token_ids=[EOS])
     for i in range(10):
         core.add(GenerateReq(i, [5] * 8, SamplingParams(max_new_tokens=rng.randrange(1, 100))))

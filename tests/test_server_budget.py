@@ -1,6 +1,5 @@
 """A small KV budget: every request still completes and usage never passes the budget."""
 
-import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -8,6 +7,7 @@ import pytest
 
 from lightllm.tools.bench_model import write_bench_model
 from server_utils import start_server
+from seeds import fresh_rng  # noqa: E402
 
 BUDGET = 600
 
@@ -23,7 +23,7 @@ def server(tmp_path_factory):
 
 
 def test_many_long_requests_fit_a_small_budget(server):
-    rng = random.Random()
+    rng = fresh_rng()
     requests = [(" ".join(["stone"] * rng.randrange(20, 50)), rng.randrange(80, 150)) for _ in range(24)]
     samples, done = [], threading.Event()
 

@@ -14,8 +14,9 @@ from lightllm.engine.model_runner import ModelRunner, run_step
 from lightllm.engine.plan import Release, StepPlan
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.workers import ModelWorkers
-from lightllm.server.io_struct import GenerateReq, SamplingParams
+from lightllm.engine.request import GenerateReq, SamplingParams
 from lightllm.tools.bench_model import write_bench_model
+from seeds import fresh_seed  # noqa: E402
 
 logger = logging.getLogger(__name__)
 RUNNER_ARGS = dict(max_total_token_num=2048, max_req_total_len=256, running_max_req_size=16)
@@ -95,7 +96,7 @@ def engine_tokens(workers, prompts, overlap: bool, prefix_cache: bool = True) ->
 
 
 def test_engine_over_two_tp_workers_equals_one(workers, tiny_dir):
-    gen = torch.Generator().manual_seed(torch.seed())
+    gen = torch.Generator().manual_seed(fresh_seed("torch seed"))
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (3, 40, 17, 1)]
     tp1 = engine_tokens(workers, prompts, overlap=True)
     tp2_workers = ModelWorkers(tp=2, log_level="info")

@@ -1,5 +1,6 @@
-"""The simulated-GPU benchmark: its H100 cost model against the measured steps, its
-stand-in device's step protocol, and a small run through the real router loop."""
+"""The simulated-GPU benchmark: its H100 cost model (what the fit can show: that it is
+reproducible and what it gets wrong on the measurements it was not fitted to), its stand-in
+device's step protocol, and a small run through the real router loop."""
 
 from __future__ import annotations
 
@@ -15,23 +16,26 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
 
 from sharegpt import SampledRequest  # noqa: E402
-from sim_cost import (H100_EAGER_POINTS, H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS, H100_STEP_POINTS,  # noqa: E402
-                      H100CostModel, StepWork, decode_bucket, fit, fit_fp8)
+from sim_cost import (FP8_HOST_POINTS, H100_EAGER_POINTS, H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS,  # noqa: E402
+                      H100_STEP_POINTS, H100CostModel, StepWork, decode_bucket, fit, fit_fp8, format_held_out,
+                      held_out)
 from sim_device import FILLER_TOKEN, SimDevice  # noqa: E402
 from sim_serving import cost_model, sim_config, simulate  # noqa: E402
 
 from lightllm.engine.plan import Chunk, Release, StepPlan  # noqa: E402
-from lightllm.server.io_struct import SamplingParams  # noqa: E402
+from lightllm.engine.request import SamplingParams  # noqa: E402
+from seeds import fresh_rng  # noqa: E402
 
 # Relative. Each fit is exactly determined (two decode steps for fixed and per_req; three distinct
 # prefills, one measured twice 0.05% apart, for three terms; two eager rows for two host terms), so
-# the residuals are ~0 and this holds the defaults to the measurements (docs/benchmarks.md).
+# its residuals are ~0 whatever the model: the tests below that use it check the solver, and say
+# nothing of how well the model predicts a step (test_held_out_errors_are_the_documented_ones does).
 FIT_TOLERANCE = 0.01
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16
 COPY_BYTES_PER_MS = 3.0e9  # the H100's measured device-to-device copy speed, 3.0 TB/s
 
 
-def test_cost_model_reproduces_the_measured_h100_steps():
+def test_the_fit_passes_through_the_points_it_was_fitted_to():
     model = H100CostModel()
     for point in H100_STEP_POINTS:
         assert model.device_ms(point.work) > model.host_ms(point.work), point  # all device-bound
@@ -44,7 +48,7 @@ def test_the_kv_term_streams_the_cache_near_copy_speed():
     assert 0.9 <= floor_ms / H100CostModel().kv_read_ms_per_token <= 1.0
 
 
-def test_cost_model_reproduces_the_profiled_eager_steps():
+def test_the_host_fit_passes_through_the_eager_rows_it_was_fitted_to():
     model = H100CostModel()
     for point in H100_EAGER_POINTS:
         assert model.step_ms(point.work) == pytest.approx(point.wall_ms, rel=FIT_TOLERANCE), point
@@ -59,9 +63,20 @@ def test_the_default_coefficients_are_the_fit():
         assert default[name] == pytest.approx(value, rel=1e-3), name
 
 
+def test_held_out_errors_are_the_documented_ones():
+    """Every eager measurement that no fit uses is held out, and its error is the one sim_cost.py's
+    docstring (and docs/benchmarks.md) states: a change to the model or its points that moves it
+    fails here until the documents say so."""
+    rows = held_out()
+    print(format_held_out(rows))
+    assert len(rows) == len(H100_EAGER_POINTS) + len(H100_FP8_EAGER_POINTS) - len(FP8_HOST_POINTS)
+    errors = [round(r.error * 100) for r in rows]
+    assert (min(errors), max(errors)) == (-31, 73)
+
+
 def test_step_time_grows_with_each_kind_of_work():
     model = H100CostModel()
-    rng = random.Random()
+    rng = fresh_rng()
     base = StepWork(rng.randrange(1, 200), rng.randrange(1, 10**5), rng.randrange(0, 4096), rng.randrange(0, 10**6))
     for field in ("decode_reqs", "decode_context", "prefill_tokens", "attention_pairs"):
         more = StepWork(**{**asdict(base), field: getattr(base, field) * 4 + 300})
@@ -88,7 +103,7 @@ def test_decode_rows_cost_at_least_as_many_prefill_tokens():
 
 def test_fp8_kv_cache_what_if_halves_the_kv_read_and_nothing_else():
     model = H100CostModel()
-    rng = random.Random()
+    rng = fresh_rng()
     decode = StepWork(decode_reqs=rng.randrange(1, 1000), decode_context=rng.randrange(1, 10**6))
     prefill = StepWork(prefill_tokens=rng.randrange(1, 8192), attention_pairs=rng.randrange(1, 10**7))
     mixed = StepWork(decode.decode_reqs, decode.decode_context, prefill.prefill_tokens, prefill.attention_pairs)
@@ -99,9 +114,10 @@ def test_fp8_kv_cache_what_if_halves_the_kv_read_and_nothing_else():
     assert kv.device_ms(prefill) == model.device_ms(prefill) and kv.host_ms(mixed) == model.host_ms(mixed)
 
 
-def test_fp8_fit_reproduces_its_h100_points():
-    """Decode steps and the two host points exactly (as many coefficients as points); the eager
-    steps' device times within 10% (two coefficients for four points, attention taken from bf16)."""
+def test_fp8_fit_passes_through_or_near_its_own_points():
+    """Decode steps and the two host points exactly (as many coefficients as points: a check of
+    the solver); the eager steps' device times within 10% (two coefficients for four points,
+    attention taken from bf16)."""
     model = fit_fp8()
     for point in H100_FP8_DECODE_POINTS:
         assert model.step_ms(point.work) == pytest.approx(point.ms)
@@ -187,7 +203,7 @@ def test_an_eager_step_behind_a_busy_device_queues_its_kernels():
 
 
 def run_small(count: int, request_rate: float = math.inf, flags: str = ""):
-    rng = random.Random()
+    rng = fresh_rng()
     requests = [SampledRequest("", [rng.randrange(3, 50000) for _ in range(rng.randrange(4, 200))], rng.randrange(2, 30))
                 for _ in range(count)]
     summary = simulate(requests, sim_config(flags), request_rate=request_rate, seed=rng.randrange(1000),

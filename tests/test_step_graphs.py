@@ -16,7 +16,7 @@ from test_model_vs_hf import make_model, make_runner, random_prompts
 from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, StepGraphs, mixed_buckets
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, StepPlan
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=3, max_new_tokens=64)

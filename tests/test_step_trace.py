@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightllm.engine.model_runner import ModelRunner, run_step
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
 import step_trace  # noqa: E402

@@ -2,8 +2,9 @@
 
 CPU bookkeeping only, run by the scheduler. The tree holds token ids; the slots themselves
 stay on the device, in each model runner, under the node's id. Every change the runner must
-mirror is appended to `ops` as a plan op (`lightllm/engine/plan.py`: Split, Insert, Evict), in
-the order the runner must apply it, so every tensor-parallel rank ends up with the same slots.
+mirror is appended to `ops` as one of the ops below (Split, Insert, Evict), in the order the
+runner must apply it, so every tensor-parallel rank ends up with the same slots; the engine
+carries them to the runner in its step plan (lightllm/engine/plan.py).
 
 A node's KV depends only on the tokens from the root to it, so a node may hold slots computed
 by one request under a parent computed by another. The page size is one token: any shared
@@ -20,7 +21,31 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from lightllm.engine.plan import Evict, Insert, Split
+
+@dataclass
+class Insert:
+    """Positions [start, end) of a running request's row become the slots of cache node `node_id`."""
+
+    req_id: int
+    start: int
+    end: int
+    node_id: int
+
+
+@dataclass
+class Split:
+    """Node `node_id` gives its first `at` slots to a new node `upper_id` (its new parent)."""
+
+    node_id: int
+    at: int
+    upper_id: int
+
+
+@dataclass
+class Evict:
+    """Node `node_id`'s slots go back to the token table."""
+
+    node_id: int
 
 
 class Node:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from lightllm.engine.request import Req
+from lightllm.engine.request import FinishReason, GenerateReq, Req, TokenOut
 from lightllm.engine.scheduler import Scheduler
-from lightllm.server.io_struct import FinishReason, GenerateReq, TokenOut
 
 logger = logging.getLogger(__name__)
 

@@ -111,11 +111,14 @@ class Grammars:
     The tokenizer's xgrammar view (TokenizerInfo, about 0.2 s on top of loading the tokenizer)
     is built on first use, so that a server that never sees a grammar never pays for it.
     `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's length;
-    `stop_token_ids` default to the tokenizer's EOS.
+    `stop_token_ids` default to the tokenizer's EOS; the tokenizer is loaded as the server's
+    (`tokenizer_mode`, `trust_remote_code`).
     """
 
-    def __init__(self, model_dir: str, vocab_size: int, *, stop_token_ids: list[int] | None = None):
+    def __init__(self, model_dir: str, vocab_size: int, *, stop_token_ids: list[int] | None = None,
+                 tokenizer_mode: str = "auto", trust_remote_code: bool = False):
         self.model_dir, self.vocab_size, self.stop_token_ids = str(model_dir), vocab_size, stop_token_ids
+        self._tokenizer_options = (tokenizer_mode, trust_remote_code)
         self._compiler = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
 
@@ -127,9 +130,10 @@ class Grammars:
 
     def _make_compiler(self):
         import xgrammar
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        from lightllm.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(self.model_dir, *self._tokenizer_options)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                        stop_token_ids=self.stop_token_ids)
         # our LRU below is the cache (xgrammar's own would keep a second copy of each grammar)

@@ -115,10 +115,12 @@ class ModelRunner:
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
                  cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
                  step_trace: str | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 cuda_graph_max_tokens: int = 2048):
+                 cuda_graph_max_tokens: int = 2048, tokenizer_mode: str = "auto", trust_remote_code: bool = False):
         """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
-        `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py)."""
+        `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py);
+        `tokenizer_mode`, `trust_remote_code`: how structured output loads the tokenizer."""
+        self._tokenizer_options = {"tokenizer_mode": tokenizer_mode, "trust_remote_code": trust_remote_code}
         self.device = resolve_device(device, tp_rank if local_rank is None else local_rank)
         if self.device.type == "cuda":
             # Triton launches on the current device's stream, whatever the tensors' device: a
@@ -291,7 +293,7 @@ class ModelRunner:
             from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
 
             self._grammars = Grammars(self.info["model_dir"], self.config.vocab_size,
-                                      stop_token_ids=list(self.config.eos_token_ids))
+                                      stop_token_ids=list(self.config.eos_token_ids), **self._tokenizer_options)
         return self._grammars.matcher(params.grammar_kind, params.grammar)
 
     def _grammar_masks(self, states: list[SamplingState]) -> tuple | None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.common.radix_cache import Evict, Insert, Split  # the prefix cache's ops, carried in a plan
+from lightllm.engine.request import SamplingParams
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Chunk:
 
 
 # ---- ops: what the runner does before the step, in order (slots move between requests and
-# the prefix cache's nodes; see lightllm/common/radix_cache.py) ----
+# the prefix cache's nodes; Insert, Split and Evict are the radix tree's, in
+# lightllm/common/radix_cache.py) ----
 
 
 @dataclass
@@ -46,32 +48,6 @@ class Release:
     req_id: int
     start: int = 0
     end: int = -1
-
-
-@dataclass
-class Insert:
-    """Positions [start, end) of a running request's row become the slots of cache node `node_id`."""
-
-    req_id: int
-    start: int
-    end: int
-    node_id: int
-
-
-@dataclass
-class Split:
-    """Node `node_id` gives its first `at` slots to a new node `upper_id` (its new parent)."""
-
-    node_id: int
-    at: int
-    upper_id: int
-
-
-@dataclass
-class Evict:
-    """Node `node_id`'s slots go back to the token table."""
-
-    node_id: int
 
 
 @dataclass

@@ -1,14 +1,79 @@
-"""A request as the engine core sees it: counters, a status, and its stop criteria.
+"""A request as the engine sees it: what it asks (GenerateReq, SamplingParams), what comes out
+(TokenOut, FinishReason), and `Req`, its counters, status and stop criteria in the scheduler.
 
-Counts are of what has been *scheduled*, not what has come back: with one step in flight the
+The server wraps these in its process messages (lightllm/server/io_struct.py); they belong here.
+
+`Req`'s counts are of what has been *scheduled*, not what has come back: with one step in flight the
 scheduler learns a step's tokens one step later, and the KV budget must cover what runs.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
-from lightllm.server.io_struct import FinishReason, GenerateReq, SamplingParams
+
+@dataclass
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 16
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int = 0  # the HTTP process draws one when the client gives none
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling
+    # Log probabilities, always of the model's raw logits (before logit_bias, penalties, temperature):
+    top_logprobs: int = 0  # per generated token, the k most likely tokens too (the sampled one always)
+    prompt_logprobs: int | None = None  # per prompt token (from the 2nd) its logprob and the top k; the
+    # prefix cache is not used for such a request (every position's logits are computed)
+    # Structured output: "" (none), "json_object", "json_schema" (grammar: the schema as JSON text),
+    # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar); compiled by xgrammar.
+    grammar_kind: str = ""
+    grammar: str = ""
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature <= 0.0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class GenerateReq:
+    req_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclass
+class TokenOut:
+    req_id: int
+    token_id: int
+    logprob: float
+    finish_reason: FinishReason | None = None  # set on the request's last token
+    error: str | None = None  # set with FinishReason.ERROR
+    cached_tokens: int = 0  # on the request's first token: prompt tokens the prefix cache supplied
+    queue_time: float = 0.0  # on the first token: seconds from arrival until its first chunk was scheduled
+    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs: (token, logprob)
+    # On the first token, with SamplingParams.prompt_logprobs: per prompt position from the 2nd,
+    # (its token's logprob, [(token, logprob)] top k).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class ReqStatus(enum.Enum):
@@ -74,7 +139,8 @@ class Req:
 
     def append(self, token_id: int) -> FinishReason | None:
         """Count one generated token; return why the request ends, if it does."""
-        assert self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING), self.status
+        if self.status not in (ReqStatus.PREFILLING, ReqStatus.DECODING):
+            raise RuntimeError(f"{self!r} got a token while {self.status.value}")
         self.output_ids.append(token_id)
         if token_id in self._eos_token_ids:
             return FinishReason.EOS

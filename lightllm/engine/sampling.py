@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm_kernels import apply_penalties_, random_uniform
 
 _INT64_SPAN = 1 << 64

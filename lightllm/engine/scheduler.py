@@ -23,8 +23,7 @@ import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
 from lightllm.engine.plan import Chunk, Release, Reset, StepPlan, StepResult
-from lightllm.engine.request import Req, ReqStatus
-from lightllm.server.io_struct import FinishReason, TokenOut
+from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +155,8 @@ class Scheduler:
             end = -1
             if self.cache is not None and req.kv_tokens > start:
                 # Every position's token is known: a decode feeds a token whose result is in.
-                assert req.decode_steps <= req.output_count, req
+                if req.decode_steps > req.output_count:
+                    raise RuntimeError(f"{req} ends with a decode in flight: its tokens are not all known")
                 tokens = req.prompt_ids[start: req.prefilled] + req.output_ids[: req.decode_steps]
                 duplicated, _ = self.cache.insert(node or self.cache.root, tokens, req.req_id, start)
                 end = start + duplicated
@@ -295,7 +295,8 @@ class Scheduler:
         need = self.slots_used - self.max_total_token_num
         if need > 0:
             freed = self.cache.evict(need)
-            assert freed >= need, f"KV budget: {need} tokens over, {freed} evictable"
+            if freed < need:  # admission counts evictable tokens as free: this cannot happen
+                raise RuntimeError(f"KV budget: {need} tokens over, {freed} evictable")
 
     def _admit(self) -> None:
         """Admit the longest prefix of the waiting queue whose peak KV use fits (binary search:

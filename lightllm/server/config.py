@@ -48,7 +48,7 @@ class ServerConfig:
     )
     schedule_policy: str = field(
         default="lpt",
-        metadata=_flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order (see docs/architecture.md)", choices=("lpt", "fcfs")),
+        metadata=_flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order; lpt was chosen in simulation (test/benchmark/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs")),
     )
     disable_overlap: bool = field(
         default=False,

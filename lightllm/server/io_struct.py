@@ -9,82 +9,23 @@ router -> HTTP process (shared memory): RouterHeartbeat, read by /health
 router -> model workers (rpyc): StepPlan / StepResult as plain tuples (see lightllm/engine/plan.py)
 children -> main process (start-up pipe): ProcessReady, RouterReady
 
-Only these small dataclasses are pickled across a socket.
+Only these small dataclasses are pickled across a socket. GenerateReq, TokenOut (inside
+BatchTokenOut), SamplingParams and FinishReason are the engine's own types, defined in
+lightllm/engine/request.py: the server carries them, the engine never imports the server.
 """
 
 from __future__ import annotations
 
-import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-@dataclass
-class SamplingParams:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: whole vocabulary
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 16
-    stop_sequences: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    seed: int = 0  # the HTTP process draws one when the client gives none
-    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
-    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
-    stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
-    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling
-    # Log probabilities, always of the model's raw logits (before logit_bias, penalties, temperature):
-    top_logprobs: int = 0  # per generated token, the k most likely tokens too (the sampled one always)
-    prompt_logprobs: int | None = None  # per prompt token (from the 2nd) its logprob and the top k; the
-    # prefix cache is not used for such a request (every position's logits are computed)
-    # Structured output: "" (none), "json_object", "json_schema" (grammar: the schema as JSON text),
-    # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar); compiled by xgrammar.
-    grammar_kind: str = ""
-    grammar: str = ""
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature <= 0.0 or self.top_k == 1
-
-
-class FinishReason(str, enum.Enum):
-    LENGTH = "length"
-    EOS = "eos"
-    STOP = "stop"
-    ABORT = "abort"
-    ERROR = "error"
-
-
-@dataclass
-class GenerateReq:
-    req_id: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    arrival_time: float = 0.0
+# The engine's own types, which these messages carry; importable from here too for older callers.
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams, TokenOut  # noqa: F401
 
 
 @dataclass
 class AbortReq:
     req_id: int
-
-
-@dataclass
-class TokenOut:
-    req_id: int
-    token_id: int
-    logprob: float
-    finish_reason: FinishReason | None = None  # set on the request's last token
-    error: str | None = None  # set with FinishReason.ERROR
-    cached_tokens: int = 0  # on the request's first token: prompt tokens the prefix cache supplied
-    queue_time: float = 0.0  # on the first token: seconds from arrival until its first chunk was scheduled
-    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs: (token, logprob)
-    # On the first token, with SamplingParams.prompt_logprobs: per prompt position from the 2nd,
-    # (its token's logprob, [(token, logprob)] top k).
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -16,11 +16,9 @@ plot in OUT/compare.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,34 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
 import benchmark_serving  # noqa: E402
-from serving_client import wait_until_healthy  # noqa: E402
-
-from lightllm.utils.net import free_port  # noqa: E402
+from server_process import start_server  # noqa: E402
 
 logger = logging.getLogger("compare_servers")
 DEFAULT_VARIANTS = {"cache on": [], "cache off": ["--disable_prefix_cache"]}
 COLUMNS = [("req/s", "request_throughput", "{:.3f}"), ("output tok/s", "output_throughput", "{:.1f}"),
            ("median TTFT ms", "median_ttft_ms", "{:.0f}"), ("median TPOT ms", "median_tpot_ms", "{:.0f}"),
            ("duration s", "duration", "{:.1f}"), ("hit rate", "prefix_cache_hit_rate", "{:.1%}")]
-
-
-def serve(server_args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *server_args]
-    logger.info("starting %s", shlex.join(cmd))
-    process = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    asyncio.run(wait_until_healthy(url, 600, lambda: process.poll() is None))
-    return process, url
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def fmt(value, spec: str) -> str:
@@ -116,17 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {}
         for mode, extra in variants.items():
             tag = f"{name}-{mode.replace(' ', '-')}"
-            process, url = serve(shlex.split(args.server_args) + extra, args.out_dir / f"{tag}.log")
+            server = start_server(shlex.split(args.server_args) + extra, args.out_dir / f"{tag}.log", timeout=600)
             try:
                 started = time.perf_counter()
                 bench_args = benchmark_serving.parse_args(
-                    [*shlex.split(flags), "--base-url", url, "--result-json", str(args.out_dir / f"{tag}.json")])
+                    [*shlex.split(flags), "--base-url", server.url, "--result-json", str(args.out_dir / f"{tag}.json")])
                 summary = benchmark_serving.run(bench_args)
                 failed += summary["failed"]
                 results[name][mode] = summary
                 logger.info("%s: %.0f s", tag, time.perf_counter() - started)
             finally:
-                stop(process)
+                server.stop()
     text = table(results, list(variants))
     (args.out_dir / "summary.md").write_text(text + "\n")
     (args.out_dir / "summary.json").write_text(json.dumps(results, indent=2, default=str))

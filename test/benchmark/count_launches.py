@@ -4,7 +4,7 @@ allocations left out), for a step of `--decodes` decodes and one `--chunk`-token
 
     TRITON_INTERPRET=1 python test/benchmark/count_launches.py --model DIR [--quantization fp8]
 
-An eager step's host time is mostly its launches (docs/benchmarks.md: about 36 us a Triton launch
+An eager step's host time is mostly its launches (docs/benchmarks-log.md: about 36 us a Triton launch
 and 41 us a torch._scaled_mm on the H100 hosts), so the count stands in for that time where no GPU
 is at hand. Prints one markdown table: each kernel or operator, its launches per step and per layer.
 """

@@ -23,6 +23,10 @@ from pathlib import Path
 
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+from server_process import metric_samples  # noqa: E402
+
 # Distinct prompts: each check's prefix-cache state is its own.
 PROMPTS = {
     "logprobs": "The capital of France is",
@@ -233,13 +237,11 @@ def check_generate_details(server: Server, tokenizer, eos: int) -> str:
 
 
 def check_metrics(server: Server, tokenizer, eos: int) -> str:
-    text = server.get("/metrics").text
-    found = {}
-    for name in ("lightllm:num_requests_running", "lightllm:prefix_cache_hits_total"):
-        lines = [line for line in text.splitlines() if line.startswith(name) and not line.startswith("#")]
-        expect(bool(lines), f"/metrics has no {name}")
-        found[name] = lines[0].split()[-1]
-    return ", ".join(f"{k} {v}" for k, v in found.items())
+    samples = metric_samples(server.get("/metrics").text)
+    names = ("lightllm:num_requests_running", "lightllm:prefix_cache_hits_total")
+    for name in names:
+        expect(name in samples, f"/metrics has no {name}")
+    return ", ".join(f"{name} {samples[name]:g}" for name in names)
 
 
 CHECKS = [

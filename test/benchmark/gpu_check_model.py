@@ -40,7 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from lightllm.engine.core import EngineCore
 from lightllm.engine.model_runner import ModelRunner, run_step
 from lightllm.engine.scheduler import Scheduler
-from lightllm.server.io_struct import GenerateReq, SamplingParams
+from lightllm.engine.request import GenerateReq, SamplingParams
 
 BASE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
             vocab_size=1000, head_dim=64)

@@ -31,15 +31,14 @@ import math
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
-from serving_client import run_requests, wait_until_healthy, warm_up  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+from serving_client import run_requests, warm_up  # noqa: E402
 from serving_metrics import RequestResult, fail_if_short, format_summary, summarize  # noqa: E402
 from sharegpt import SampledRequest, load_sharegpt_requests, read_requests, save_requests  # noqa: E402
 
@@ -85,12 +84,6 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---- requests ----
 
 
@@ -109,23 +102,16 @@ def load_requests(args) -> list[SampledRequest]:
 # ---- phase 1: the server ----
 
 
-def start_server(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(args.model), "--tp", str(args.tp)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--load_format", "dummy", "--data_type", "bfloat16"]
+def start_server(args, port: int) -> ServerProcess:
+    server_args = ["--model_dir", str(args.model), "--tp", str(args.tp), "--host", "127.0.0.1", "--load_format", "dummy",
+                   "--data_type", "bfloat16"]
     if args.max_total_token_num:
-        cmd += ["--max_total_token_num", str(args.max_total_token_num)]
-    cmd += shlex.split(args.server_args)
-    log = open(args.out_dir / "server.log", "w")
-    logger.info("starting the server: %s (log: %s)", " ".join(cmd), log.name)
-    # Its own session, so that it and its children stop as one group; and SIGTERM to it if
-    # this script dies without running its `finally` (its children die with it in turn).
-    return subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-    )
+        server_args += ["--max_total_token_num", str(args.max_total_token_num)]
+    # Its own session, so that it and its children stop as one group (the GPU memory of its model
+    # worker is free before transformers starts); and SIGTERM to it if this script dies without
+    # running its `finally` (its children die with it in turn).
+    return ServerProcess(server_args + shlex.split(args.server_args), args.out_dir / "server.log", port,
+                         own_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -137,42 +123,13 @@ def _die_with_parent(parent: int) -> None:
         die_with_parent(parent)
 
 
-def stop_server(server: subprocess.Popen, timeout: float = 30.0) -> None:
-    """Stop the server's whole process group and wait until none of it is left, so that
-    the GPU memory of its model worker is free before transformers starts."""
-    logger.info("stopping the server (process group %d)", server.pid)
-    signal_group(server.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while group_alive(server) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if group_alive(server):
-        logger.warning("the server ignored SIGTERM for %.0f s; killing it", timeout)
-        signal_group(server.pid, signal.SIGKILL)
-        server.wait()
-
-
-def signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signum)
-
-
-def group_alive(server: subprocess.Popen) -> bool:
-    server.poll()  # reap the leader once it exits, or it stays in the group as a zombie
-    try:
-        os.killpg(server.pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def run_server_phase(args, requests: list[SampledRequest], budget: Budget) -> dict:
-    port = args.port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
+    server = start_server(args, args.port)
+    url = server.url
     try:
         limit = budget.limit(args.start_timeout)
         with time_limit(limit, "server start"):
-            took = asyncio.run(wait_until_healthy(url, limit, lambda: server.poll() is None))
+            took = server.wait_healthy(limit)
         logger.info("server healthy after %.1f s", took)
         with time_limit(budget.limit(args.warmup_timeout), "server warm-up"):
             asyncio.run(warm_up(url, requests[: args.warmup_requests]))
@@ -183,7 +140,8 @@ def run_server_phase(args, requests: list[SampledRequest], budget: Budget) -> di
         results, duration = asyncio.run(run_requests(url, requests, stream=True, request_rate=args.request_rate,
                                                      seed=args.seed, timeout_s=max(1.0, limit - spread)))
     finally:
-        stop_server(server)
+        logger.info("stopping the server (process group %d)", server.proc.pid)
+        server.stop(timeout=30)
     return summarize(results, duration)
 
 

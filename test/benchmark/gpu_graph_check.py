@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,

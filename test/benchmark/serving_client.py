@@ -243,22 +243,3 @@ async def warm_up(url: str, requests: list[SampledRequest], max_new_tokens: int 
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} warm-up requests failed, first: {failed[0]}")
     logger.info("warm-up: %d requests succeeded", len(results))
-
-
-async def wait_until_healthy(url: str, timeout_s: float, is_alive=lambda: True) -> float:
-    """Poll GET /health until it answers 200; return the seconds it took.
-
-    `is_alive` lets a caller that started the server stop waiting as soon as it has died."""
-    start = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        while time.perf_counter() - start < timeout_s:
-            if not is_alive():
-                raise RuntimeError("the server exited before it became healthy")
-            try:
-                async with session.get(f"{url}/health") as response:
-                    if response.status == 200:
-                        return time.perf_counter() - start
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")

@@ -23,6 +23,7 @@ import collections
 from dataclasses import dataclass, field
 
 import numpy as np
+from server_process import metric_samples
 
 PERCENTILE_RANKS = {"median": 50, "p90": 90, "p99": 99}
 PERCENTILES = ("mean", *PERCENTILE_RANKS)
@@ -134,12 +135,8 @@ def error_counts(results: list[RequestResult]) -> dict[str, int]:
 
 def unlabelled_samples(text: str, names) -> dict[str, float]:
     """The values of the named unlabelled samples in Prometheus text; absent names are left out."""
-    wanted, samples = set(names), {}
-    for raw in text.splitlines():
-        parts = raw.split()
-        if len(parts) == 2 and parts[0] in wanted:
-            samples[parts[0]] = float(parts[1])
-    return samples
+    samples = metric_samples(text)
+    return {name: samples[name] for name in names if name in samples}
 
 
 def prefix_cache_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

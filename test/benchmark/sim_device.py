@@ -6,8 +6,7 @@ step's result once that step has finished (one step always in flight), or with t
 too when `plan.sync` is set. Launching an eager step (one with prefill chunks) holds the call for
 the cost model's host time H, as the real worker's Python launches do: the step's kernels start
 as they are launched, so it finishes at max(device free + D, call start + H), and the caller can
-plan the next step only after H. (The calibration on the prefill-or-decode loop, before the engine
-core replaced it, used a blocking prefill/decode interface; see docs/benchmarks.md.)
+plan the next step only after H.
 
 It tracks each request's context length (KV tokens) from the calls, which the cost model needs.
 Tokens are a filler id, never EOS unless `eos_after` asks for it; nothing is computed. What the

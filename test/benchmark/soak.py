@@ -19,8 +19,6 @@ import asyncio
 import json
 import logging
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +28,11 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-import requests
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+from server_process import ServerProcess, free_port, metric_samples, start_server  # noqa: E402
 
 logger = logging.getLogger("soak")
 
@@ -211,13 +212,7 @@ def listening_pid(port: int) -> int:
 
 async def metrics(session, url) -> dict[str, float]:
     async with session.get(f"{url}/metrics") as reply:
-        text = await reply.text()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+        return metric_samples(await reply.text())
 
 
 async def wait_idle(url: str, timeout_s: float = 120.0) -> dict[str, float]:
@@ -335,29 +330,12 @@ def run(args) -> bool:
     return passed
 
 
-def start_server(server_args: list[str], port: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *server_args]
-    logger.info("starting %s (log: %s)", " ".join(cmd), log_path)
-    server = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200:
-                return server
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)  # polling interval
-    server.kill()
-    raise SystemExit(f"the server did not become healthy; see {log_path}")
-
-
-def stop_server(server: subprocess.Popen) -> bool:
+def stop_server(server: ServerProcess) -> bool:
     """SIGTERM; True if it exited 0 and left no socket directory."""
     from lightllm.utils.net import socket_dirs
 
-    server.send_signal(signal.SIGTERM)
-    code = server.wait(timeout=120)
-    left = socket_dirs(server.pid)
+    code = server.stop(timeout=120)
+    left = socket_dirs(server.proc.pid)
     logger.info("server exited with %d; socket directories left: %s", code, left)
     return code == 0 and not left
 
@@ -377,13 +355,12 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.url:
         return 0 if run(args) else 1
-    from lightllm.utils.net import free_port
-
     port = free_port()
-    args.url = f"http://127.0.0.1:{port}"
-    server = start_server(args.server_args.split(), port, Path(tempfile.gettempdir()) / f"soak-server-{port}.log")
+    server = start_server(args.server_args.split(), Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
+                          timeout=600, port=port)
+    args.url = server.url
     try:
-        args.pid = server.pid
+        args.pid = server.proc.pid
         passed = run(args)
     finally:
         clean_stop = stop_server(server)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
 
 logger = logging.getLogger("static_benchmark")

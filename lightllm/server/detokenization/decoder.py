@@ -26,7 +26,8 @@ class IncrementalDecoder:
 
     def add(self, token_id: int, last: bool = False) -> str:
         """Take one token; return the text that is now final (possibly "")."""
-        assert not self.stopped, "no tokens after a stop sequence"
+        if self.stopped:
+            raise RuntimeError("no tokens after a stop sequence: the request has ended")
         self.ids.append(token_id)
         return self._release(self._decode_new(flush=last), last)
 

@@ -22,8 +22,8 @@ from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
 from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
-from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
-from lightllm.server.httpserver.json_body import RequestError, describe_errors
+from lightllm.server.httpserver.openai_api import add_openai_routes
+from lightllm.server.httpserver.json_body import RequestError, describe_errors, error_body
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
@@ -89,9 +89,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
 
 
 def error_response(request: Request, status_code: int, message: str, error_type: str) -> JSONResponse:
-    if request.url.path.startswith("/v1/"):  # OpenAI's clients show only error.message
-        return JSONResponse(openai_error(message, error_type, status_code), status_code=status_code)
-    return JSONResponse({"error": message, "error_type": error_type}, status_code=status_code)
+    return JSONResponse(error_body(request.url.path, message, error_type, status_code), status_code=status_code)
 
 
 async def request_error(request: Request, exc: RequestError) -> JSONResponse:

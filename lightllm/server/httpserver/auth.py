@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl
 
 from starlette.responses import JSONResponse
 
-from lightllm.server.httpserver.openai_api import openai_error
+from lightllm.server.httpserver.json_body import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,7 @@ def needs_key(scope) -> bool:
 
 
 def unauthorized_response(path: str, message: str) -> JSONResponse:
-    body = openai_error(message, "authentication", 401) if path.startswith("/v1/") else \
-        {"error": message, "error_type": "authentication"}
-    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(error_body(path, message, "authentication", 401), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 class ApiKeyAuth:

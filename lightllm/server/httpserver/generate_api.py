@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
-from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.server.httpserver.json_body import RequestError, add_json_route, error_body
 from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
 from lightllm.server.io_struct import SamplingParams, TextOut
 
@@ -100,7 +100,7 @@ def sse_event(out: TextOut, full_text: str | None, detailed: bool, seed: int) ->
                             "seed": seed}
     if out.error is not None:
         error = failure(out)
-        event["error"], event["error_type"] = str(error), error.error_type
+        event.update(error_body("/generate_stream", str(error), error.error_type, error.status_code))
     return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
 
 

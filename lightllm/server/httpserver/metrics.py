@@ -1,5 +1,6 @@
-"""/metrics through prometheus_client, under the names that dashboards built for vLLM read
-(`vllm:` becomes `lightllm:`); docs/api.md lists every family.
+"""/metrics through prometheus_client, under vLLM's family names with `lightllm:` in place of
+`vllm:` and no `model_name` label (a vLLM dashboard needs relabelling: docs/api.md, which lists
+every family).
 
 Each app has a registry of its own (tests run several apps in one process). The HTTP process
 counts requests and times them (RequestTimer); the router's figures arrive as RouterStats

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
-from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.server.httpserver.json_body import RequestError, add_json_route, openai_error
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
 from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
@@ -123,11 +123,6 @@ async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: l
     if include_usage and len(lasts) == len(firsts):
         yield sse(fmt.usage_chunk(usage(generation, list(lasts.values()))))
     yield "data: [DONE]\n\n"
-
-
-def openai_error(message: str, error_type: str, status_code: int) -> dict:
-    """An error body in OpenAI's shape; `error_type` is ours (validation, http, internal)."""
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status_code}}
 
 
 def sse(data: dict) -> str:

@@ -15,9 +15,10 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightllm.engine.request import SamplingParams
+from lightllm.engine.sampling_ranges import STRICT, SamplingRanges
 from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.httpserver.params import INT32_MAX, STRICT, NonEmptyStr, StopSequences, check_token_ids, checked_grammar, to_sampling
-from lightllm.server.io_struct import SamplingParams
+from lightllm.server.httpserver.params import NonEmptyStr, StopSequences, check_token_ids, checked_grammar, to_sampling
 
 # the client's name -> ours
 SAMPLING_NAMES = {
@@ -75,10 +76,10 @@ class ResponseFormat(BaseModel):
         return kind, checked_grammar(kind, spec)
 
 
-class OpenAIBody(BaseModel):
-    """The fields both endpoints share."""
+class OpenAIBody(SamplingRanges):
+    """The fields both endpoints share: the shared sampling ranges (SamplingRanges, which hold
+    vLLM's extensions top_k, min_p, ... too), OpenAI's narrower temperature, and OpenAI's own."""
 
-    model_config = STRICT
     # name -> (accepts the value?, why not)
     UNSUPPORTED: ClassVar[dict] = {}
 
@@ -87,14 +88,8 @@ class OpenAIBody(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, description="default 1.0; 0 is greedy")
-    top_p: float | None = Field(None, gt=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: StopSequences | None = None
     n: int | None = Field(None, ge=1, le=128, description="choices to generate; the prompt is computed once")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, description="token id (as a string) -> bias added to its logit")
     response_format: ResponseFormat | None = Field(
         None, description="{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'schema': ...}}: "
                           "the output follows it (xgrammar)")
@@ -102,14 +97,6 @@ class OpenAIBody(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # vLLM's extensions
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0: the whole vocabulary")
-    repetition_penalty: float | None = Field(None, gt=0)
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="token ids that end the text")
 
     def check_supported(self, vocab_size: int) -> None:
         for name, (accepts, why) in self.UNSUPPORTED.items():

@@ -1,7 +1,8 @@
 """The body of /generate and /generate_stream as a pydantic model, with TGI's parameter ranges,
 and the checks that need the server's limits (prompt length in characters and in tokens).
 
-A field left out or null takes SamplingParams' default (io_struct.py), written there once."""
+A field left out or null takes SamplingParams' default (lightllm/engine/request.py), written there
+once; the ranges TGI shares with the other front ends are lightllm/engine/sampling_ranges.py's."""
 
 from __future__ import annotations
 
@@ -11,19 +12,17 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from lightllm.engine.request import SamplingParams
+from lightllm.engine.sampling_ranges import INT32_MAX, STRICT, SamplingRanges
 from lightllm.server.httpserver.json_body import RequestError, load_json, shown
-from lightllm.server.io_struct import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
 # A token id as a logit_bias key: ASCII digits (str.isdigit() also takes "²", which int() refuses, and
 # "٣", which int() reads as 3), few enough for any vocabulary and for int() (which refuses over 4300).
 TOKEN_ID = re.compile(r"[0-9]{1,10}")
-INT32_MAX = 2**31 - 1  # TGI's top_k is an i32; the sampler holds it in an int64 tensor either way
 
-# Strict: no "1" for 1 or 1 for true; finite: 1e999 reads as inf in JSON.
-STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopSequences = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)]
 
@@ -82,26 +81,15 @@ MAX_TOP_TOKENS = 20
 ROUTE_FIELDS = {"n", "details", "decoder_input_details", "top_n_tokens", "grammar", "logit_bias"}
 
 
-class GenerateParameters(BaseModel):
-    model_config = STRICT
+class GenerateParameters(SamplingRanges):
+    """TGI's parameters: the shared ranges (SamplingRanges), TGI's narrower temperature and
+    top_k, and the fields only /generate has."""
 
     do_sample: bool | None = Field(None, description="sample (with temperature, top_p, top_k) instead of greedy")
     temperature: float | None = Field(None, gt=0, description="default 1.0")
-    top_p: float | None = Field(None, gt=0, le=1, description="default 1.0")
     top_k: int | None = Field(None, gt=0, le=INT32_MAX, description="default: the whole vocabulary")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="default 0")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="default 0")
-    repetition_penalty: float | None = Field(None, gt=0, description="default 1.0 (none)")
     max_new_tokens: int | None = Field(None, ge=1, description="default 16")
     stop_sequences: StopSequences | None = Field(None, description="the text ends right before the first one")
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63, description="default: drawn at random")
-    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens less likely than min_p x the most likely")
-    min_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids are not sampled before this many tokens")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="token ids that end the text")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, description="token id (as a string) -> bias added to its logit")
     n: int | None = Field(None, ge=1, le=128, description="sequences to generate (generated_text holds them all); "
                                                            "not with /generate_stream")
     details: bool | None = Field(None, description="per-token ids, texts and logprobs in 'details' (TGI)")

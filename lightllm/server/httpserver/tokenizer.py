@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
+from lightllm.engine import tokenizer
 from lightllm.server.config import ServerConfig
 
 
 def load_tokenizer(config: ServerConfig):
-    from transformers import AutoTokenizer  # slow import: only the processes that tokenize pay it
-
-    return AutoTokenizer.from_pretrained(
-        config.model_dir,
-        use_fast=config.tokenizer_mode != "slow",
-        trust_remote_code=config.trust_remote_code,
-        local_files_only=True,
-    )
+    return tokenizer.load_tokenizer(config.model_dir, config.tokenizer_mode, config.trust_remote_code)

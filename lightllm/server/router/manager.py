@@ -15,8 +15,8 @@ import time
 
 import zmq
 
+from lightllm.engine.build import EngineStartError, build_engine, load_model, start_workers
 from lightllm.engine.core import EngineCore, WorkerDied, describe_error
-from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.workers import ModelWorkers
 from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import (
@@ -35,18 +35,6 @@ logger = logging.getLogger(__name__)
 
 STATS_PUBLISH_INTERVAL = 0.05  # seconds between RouterStats messages while busy
 FAILURE_LINGER_MS = 2000  # how long the exiting router tries to deliver RouterFailed
-
-
-class ModelLoadError(RuntimeError):
-    """The model cannot be loaded (wrong directory, flags or memory): the message says why."""
-
-
-def build_engine(config: ServerConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
-    scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
-                          config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
-                          admission_wait_steps=config.admission_wait_steps)
-    return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
-                      vocab_size=model_info["vocab_size"])
 
 
 class RouterManager:
@@ -176,7 +164,11 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
     """Entry of a router process (one per --dp replica): start its model workers, report
     RouterReady, serve."""
     init_child_process(parent_pid, config.log_level)
-    workers = start_workers(config, replica)
+    try:
+        workers = start_workers(config, replica)
+    except EngineStartError as exc:  # the nodes did not join: the main process sees the router exit
+        logger.error("%s; the router stops", exc)
+        sys.exit(1)
     try:
         max_total_token_num, info = load_model(workers, config, replica)
         core = build_engine(config, workers, max_total_token_num, info)
@@ -187,7 +179,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
     except WorkerDied as exc:  # while loading: the main process sees the router exit before it is ready
         logger.error("%s; the router stops", workers.dead_worker_message(timeout=2.0) or exc)
         sys.exit(1)
-    except ModelLoadError as exc:
+    except EngineStartError as exc:
         logger.error("%s", exc)
         sys.exit(1)
     finally:
@@ -209,41 +201,3 @@ def serve(manager: RouterManager, workers: ModelWorkers) -> None:
         sys.exit(1)
     finally:
         manager.close()
-
-
-def start_workers(config: ServerConfig, replica: int = 0) -> ModelWorkers:
-    """One worker per rank here; with --nnodes, also those of the other nodes once they join."""
-    if config.nnodes == 1:
-        return ModelWorkers(config.tp, config.log_level, replica=replica, replicas=config.dp)
-    from lightllm.utils.dist import JoinError, NodeLayout  # torch: only a multi-node router needs it
-
-    try:
-        return ModelWorkers(config.tp, config.log_level, NodeLayout.of(config))
-    except JoinError as exc:  # the main process sees the router exit before it is ready
-        logger.error("%s; the router stops", exc)
-        sys.exit(1)
-
-
-def load_model(workers: ModelWorkers, config: ServerConfig, replica: int = 0) -> tuple[int, dict]:
-    try:
-        return workers.load(
-            model_dir=config.model_dir,
-            max_total_token_num=config.max_total_token_num,
-            max_req_total_len=config.max_req_total_len,
-            running_max_req_size=config.running_max_req_size,
-            data_type=config.data_type,
-            load_format=config.load_format,
-            quantization=config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            cuda_graph=not config.disable_cuda_graph,
-            cuda_graph_max_tokens=config.cuda_graph_max_tokens,
-            step_trace=config.step_trace and (f"{config.step_trace}.replica{replica}" if replica else config.step_trace),
-            world_size=config.tp,
-            nccl_port=config.nccl_port + replica,  # each replica's ranks are a group of their own
-            dist_init_addr=config.dist_init_addr if config.nnodes > 1 else None,
-        )
-    except WorkerDied:
-        raise
-    except Exception as exc:  # the model directory or the flags are wrong: say so, once
-        logger.debug("model loading failed", exc_info=True)
-        raise ModelLoadError(f"cannot load the model from {config.model_dir}: {describe_error(exc)}") from exc

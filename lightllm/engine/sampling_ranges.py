@@ -1,0 +1,56 @@
+"""The range of every sampling parameter, written once.
+
+`SamplingRanges` holds the fields every front end shares under the same name (TGI's /generate,
+the OpenAI-style /v1 routes, the offline `SamplingParams` of lightllm/llm.py): each body
+inherits them, and the offline API validates through it. Where an API documents a narrower
+range of its own (TGI: temperature and top_k above 0; OpenAI: temperature at most 2), its body
+narrows that field; none widens one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+INT32_MAX = 2**31 - 1  # TGI's top_k is an i32; the sampler holds it in an int64 tensor either way
+SEED_BOUND = 2**63  # seeds are in [0, 2**63): TGI's u64 seed, as the engine's int64 holds it
+LOGIT_BIAS_BOUND = 100  # OpenAI's: a bias of +-100 bans or forces a token
+
+# Strict: no "1" for 1 or 1 for true; finite: 1e999 reads as inf in JSON.
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+TokenId = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND)]
+
+
+class SamplingRanges(BaseModel):
+    """Absent (None): the engine's default (lightllm/engine/request.py's SamplingParams)."""
+
+    model_config = STRICT
+
+    temperature: float | None = Field(None, ge=0, description="default 1.0; 0 is greedy")
+    top_p: float | None = Field(None, gt=0, le=1, description="default 1.0")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0: the whole vocabulary (the default)")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens less likely than min_p x the most likely")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="default 0")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="default 0")
+    repetition_penalty: float | None = Field(None, gt=0, description="default 1.0 (none)")
+    seed: int | None = Field(None, ge=0, lt=SEED_BOUND, description="default: drawn at random")
+    min_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids are not sampled before this many tokens")
+    stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the text")
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias added to its logit")
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+SHARED_FIELDS = tuple(SamplingRanges.model_fields)
+
+
+def check_ranges(values: dict, owner: str) -> None:
+    """ValueError naming the first field of `values` (SHARED_FIELDS only) out of its range."""
+    try:
+        SamplingRanges.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"{owner}.{name}: {error['msg']}, not {error['input']!r}") from None

@@ -1,0 +1,65 @@
+"""Building an engine (lightllm/engine/build.py): the settings reach the model runner, the
+tokenizer flags reach the structured-output tokenizer, and what the offline API cannot run is
+refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightllm.engine import build, grammar
+from lightllm.engine.build import EngineStartError, load_model
+from lightllm.server.config import ServerConfig
+
+
+class RecordingWorkers:
+    def __init__(self, error: Exception | None = None):
+        self.kwargs, self._error = None, error
+
+    def load(self, **kwargs):
+        self.kwargs = kwargs
+        if self._error is not None:
+            raise self._error
+        return 100, {"eos_token_ids": [0], "vocab_size": 10}
+
+
+def test_the_tokenizer_flags_reach_the_model_runner():
+    workers = RecordingWorkers()
+    config = ServerConfig(model_dir="m", tokenizer_mode="slow", trust_remote_code=True)
+    load_model(workers, config)
+    assert (workers.kwargs["tokenizer_mode"], workers.kwargs["trust_remote_code"]) == ("slow", True)
+
+
+def test_structured_output_loads_the_tokenizer_with_the_flags(monkeypatch):
+    seen = []
+
+    def fake_load_tokenizer(model_dir, tokenizer_mode, trust_remote_code):
+        seen.append((model_dir, tokenizer_mode, trust_remote_code))
+        raise LookupError("stop here")
+
+    monkeypatch.setattr("lightllm.engine.tokenizer.load_tokenizer", fake_load_tokenizer)
+    grammars = grammar.Grammars("m", 10, tokenizer_mode="slow", trust_remote_code=True)
+    with pytest.raises(LookupError):
+        grammars.compiler
+    assert seen == [("m", "slow", True)]
+
+
+def test_a_model_that_cannot_load_is_an_engine_start_error_naming_the_directory():
+    workers = RecordingWorkers(OSError("no config.json"))
+    with pytest.raises(EngineStartError, match="cannot load the model from nowhere: OSError: no config.json"):
+        load_model(workers, ServerConfig(model_dir="nowhere"))
+
+
+def test_build_engine_takes_the_scheduler_settings():
+    config = ServerConfig(model_dir="m", chunked_prefill_size=64, running_max_req_size=7, schedule_policy="fcfs")
+    core = build.build_engine(config, RecordingWorkers(), 1000, {"eos_token_ids": [2], "vocab_size": 10})
+    scheduler = core.scheduler
+    assert (scheduler.max_total_token_num, scheduler.chunk_budget, scheduler.max_running) == (1000, 64, 7)
+    assert scheduler.policy == "fcfs"
+
+
+@pytest.mark.parametrize("setting", [{"dp": 2}, {"nnodes": 2}])
+def test_llm_refuses_more_than_one_engine(setting, tmp_path):
+    from lightllm.llm import engine_config
+
+    with pytest.raises(ValueError, match=f"{next(iter(setting))} must be 1"):
+        engine_config(tmp_path, **setting)
