@@ -73,28 +73,39 @@ def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seql
     return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
+@triton.jit
+def _chunk(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
+    """Keys per split of one request: its keys (its window's, if any) over NUM_SPLITS, at least
+    MIN_KEYS, a multiple of BLOCK_N. Stage 1 and stage 2 agree on it."""
+    seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
+    return tl.cdiv(tl.maximum(tl.cdiv(seen, NUM_SPLITS), MIN_KEYS), BLOCK_N) * BLOCK_N
+
+
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, o_ptr, qk_scale, chunk, q_batch_stride, q_head_stride, k_slot_stride,
+                         part_lse_ptr, o_ptr, qk_scale, q_batch_stride, q_head_stride, k_slot_stride,
                          k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                         MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     """Partial attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     Writes the chunk's normalised output and its log2-sum-exp2 per query head; empty chunks
     (past this request's length) write nothing, stage 2 does not read them. With one chunk per
     request (NUM_SPLITS == 1, large batches) the output is final: it goes straight to o and
-    there is no stage 2. Chunks count from the first key the query sees: 0, or its window's first."""
+    there is no stage 2. Chunks count from the first key the query sees: 0, or its window's first.
+    Each request splits its own keys (_chunk), so a short request beside a long one, or under a
+    CUDA graph's fixed bound, still spreads over the splits."""
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    first = split * chunk
+    first = split * _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS)
     if WINDOW > 0:
         first += tl.maximum(seq_len - WINDOW, 0)
     if first >= seq_len:
         return
-    last = tl.minimum(first + chunk, seq_len)
+    last = tl.minimum(first + _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS), seq_len)
     token_row = req_to_token_ptr + tl.load(req_rows_ptr + req).to(tl.int64) * req_to_token_stride
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     head_mask = tl.arange(0, BLOCK_G) < GROUP
@@ -124,14 +135,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
 
 @fast_launch
 @triton.jit
-def _decode_merge_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, chunk, o_batch_stride, o_head_stride,
+def _decode_merge_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, o_batch_stride, o_head_stride,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr,
+                         WINDOW: tl.constexpr):
     req, head = tl.program_id(0), tl.program_id(1)
-    seen = tl.load(seq_lens_ptr + req)
-    if WINDOW > 0:
-        seen = tl.minimum(seen, WINDOW)
-    num_used = tl.cdiv(seen, chunk)
+    seq_len = tl.load(seq_lens_ptr + req)
+    seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
+    num_used = tl.cdiv(seen, _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS))
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < num_used
     dims = tl.arange(0, BLOCK_D)
@@ -156,19 +167,18 @@ def _programs_per_wave(device: torch.device) -> int:
 
 
 def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device,
-                launch: tuple[int, int, int] | None = None) -> tuple[int, int, tuple[int, int, int]]:
-    """(num_splits, chunk, (BLOCK_N, warps, stages)) from host ints only, so choosing them
-    never waits on the GPU; `launch` overrides the settings (tune_decode_attention.py).
+                launch: tuple[int, int, int] | None = None) -> tuple[int, tuple[int, int, int]]:
+    """(num_splits, (BLOCK_N, warps, stages)) from host ints only, so choosing them never waits
+    on the GPU; `launch` overrides the settings (tune_decode_attention.py).
 
     Large batches already fill the GPU with one program per (request, kv head); small ones
-    split the keys until there are about WAVES programs per SM, keeping chunks >= MIN_CHUNK
-    and a multiple of the block."""
+    split the keys until there are about WAVES programs per SM, with no more splits than
+    chunks of MIN_CHUNK (and of the block) in `max_seqlen`. Each request then cuts its own keys
+    into that many chunks (_chunk, on the device): a CUDA graph's bound (max_req_total_len) no
+    longer leaves a short request's keys to one program."""
     wanted = cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
     launch = launch or (SPLIT_LAUNCH if wanted > 1 else WHOLE_LAUNCH)
-    block_n = launch[0]
-    num_splits = max(1, min(wanted, MAX_SPLITS, cdiv(max_seqlen, max(MIN_CHUNK, block_n))))
-    chunk = cdiv(cdiv(max_seqlen, num_splits), block_n) * block_n
-    return cdiv(max_seqlen, chunk), chunk, launch
+    return max(1, min(wanted, MAX_SPLITS, cdiv(max_seqlen, max(MIN_CHUNK, launch[0])))), launch
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -181,7 +191,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     span = min(max_seqlen, window) if window else max_seqlen  # the most keys one query sees
-    splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, span, q.device, launch)
+    splits, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, span, q.device, launch)
     block_d = next_power_of_2(head_dim)
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
@@ -192,13 +202,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_lse = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, score_scale(sm_scale, softcap),
-        chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=not q.is_cuda,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, MIN_KEYS=MIN_CHUNK,
+        DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), num_warps=warps, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](
-            part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), WINDOW=window, num_warps=4)
+            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), BLOCK_N=block_n,
+            MIN_KEYS=MIN_CHUNK, WINDOW=window, num_warps=4)
     return out

@@ -218,7 +218,7 @@ def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     # WAVES drives the split plan: 0 gives one chunk per request, 64 several, so the merge is tested.
     monkeypatch.setattr(decode_module, "WAVES", waves)
     seq_lens = PROMPT_LENS + [200]
-    num_splits, _, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
+    num_splits, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
     assert (num_splits > 1) == (waves > 1)
     args = decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype) + (max(seq_lens), head_dim ** -0.5)
     # The output goes to rows of a larger buffer, as the layers pass it (one output for decodes and
@@ -228,6 +228,23 @@ def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     assert decode_attention_triton(*args, out=out) is out
     assert_close(out, decode_attention_ref(*args), ATTN_TOL[dtype])
     assert buffer[[0, -1]].isnan().all() and buffer[:, num_q_heads].isnan().all()
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_attention_under_a_graph_bound_splits_each_request(window, monkeypatch):
+    """A CUDA graph launches with max_req_total_len as the bound, far above the lengths that run:
+    each request still cuts its own keys into the plan's splits (one program would otherwise take
+    a short request's keys alone), and the result equals the reference's."""
+    monkeypatch.setattr(decode_module, "WAVES", 64)
+    seq_lens, bound = [1, 2, 64, 65, 150, 300], 8192
+    num_splits, _ = decode_module._split_plan(len(seq_lens), 2, bound, torch.device(DEVICE))
+    assert num_splits > 1  # stage 1 and the merge must agree on each request's chunk
+    q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(seq_lens, 4, 2, 64, torch.float32)
+    wide = torch.full((req_to_token.shape[0], bound), -1, dtype=torch.int32, device=DEVICE)
+    wide[:, :req_to_token.shape[1]] = req_to_token
+    args = (q, k_cache, v_cache, wide, req_rows, lens, bound, 0.125)
+    assert_close(decode_attention_triton(*args, window=window), decode_attention_ref(*args, window=window),
+                 ATTN_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -683,7 +700,7 @@ def test_windowed_extend_attention_ref_matches_masked_sdpa(window, softcap):
         scores = full_q[i].transpose(0, 1) @ keys.transpose(1, 2) * 0.3
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=DEVICE)
         seen = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) if window else True)
         expected = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values
         start = cu_q[i].item()

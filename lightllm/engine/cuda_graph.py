@@ -21,8 +21,9 @@ has padding slots that leave at once, so its grid is fixed too.
 
 A captured forward reads its step from one static metadata buffer, derives the new tokens' KV
 slots from the request table inside the graph, and writes one static logits buffer. Decode
-attention gets the fixed bound max_req_total_len, so its split plan (the grid) depends only on
-the bucket; split blocks past a request's length return at once. Without capture (CPU) the same
+attention gets the fixed bound max_req_total_len, so its split plan (the number of splits, the
+grid) depends only on the bucket; each request cuts its own keys into those splits on the device,
+so a short request still spreads over them. Without capture (CPU) the same
 padded forwards run eagerly, bounded by the batch's own longest request, so CI tests the padding.
 """
 

@@ -2,8 +2,8 @@
 
     python test/benchmark/gpu_check_model.py
 
-For a few tiny random Llama-family models (GQA with llama3 rope, Qwen2 with q/k/v bias and
-tied embeddings) it prefills a mixed batch through ModelRunner on the GPU, decodes greedily
+For a few tiny random models (Llama: GQA with llama3 rope; Qwen2: q/k/v bias, tied embeddings;
+Qwen3: q/k norms; Gemma 2 and 3: sliding windows past which the prompts run, soft caps) it prefills a mixed batch through ModelRunner on the GPU, decodes greedily
 (CUDA graphs), and also runs the engine core (chunked prefill beside running decodes, with one
 step in flight and without), and compares with transformers' greedy `generate` on the same GPU
 and weights:
@@ -35,7 +35,8 @@ import sys
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.model_runner import ModelRunner, run_step
@@ -49,6 +50,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 CASES = {
     "llama_gqa_llama3_rope": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)),
     "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3_qk_norm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2)),
+    # sliding layers (window 64: the 130- and 300-token prompts run past it) beside a global one;
+    # Gemma 2's soft caps (its defaults: attention 50, logits 30); Gemma 3's own rotary base on them
+    "gemma2_window_64": (Gemma2Config, Gemma2ForCausalLM, dict(num_key_value_heads=2, sliding_window=64,
+                                                               query_pre_attn_scalar=48)),
+    "gemma3_window_64": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        num_key_value_heads=1, sliding_window=64, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}})),
 }
 PROMPT_LENS = (5, 130, 37, 300)
 NEW_TOKENS = 24
@@ -59,7 +70,8 @@ BF16_LOGIT_TOL = 0.05  # prefill logits, bf16 on the GPU against fp32 on the CPU
 def build(name: str, out_dir: str):
     config_cls, model_cls, extra = CASES[name]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**BASE, **extra)).eval()
+    # eager attention: transformers' SDPA path has no soft cap (Gemma 2)
+    model = model_cls(config_cls(**BASE, **extra, attn_implementation="eager")).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.08 * torch.randn_like(p))
@@ -160,7 +172,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
+    cases = parser.parse_args().cases.split(",")
     if not torch.cuda.is_available():
         sys.exit("gpu_check_model.py needs a CUDA GPU")
     gen = torch.Generator().manual_seed(1)
@@ -173,7 +187,7 @@ def main() -> int:
         failed |= not ok
         rows.append(f"| {name} | {path} | {dtype} | {value} | {'PASS' if ok else 'FAIL'} |")
 
-    for name in CASES:
+    for name in cases:
         with tempfile.TemporaryDirectory() as d:
             model = build(name, d)
             variants = {"runner": lambda dt: ours(d, prompts, dt),

@@ -7,7 +7,7 @@
 #   profile: test/benchmark/profile_step.py on MODEL (decode steps at batch 1 and 256 kernel by
 #   kernel against their floor, eager steps' host time), its tables in $OUT/profile.md.
 #   fp8gemm: test/benchmark/fp8_gemm_bench.py $FP8_ARGS (bf16 against fp8 projection GEMMs), its table in $OUT/fp8_gemm.md.
-#   single: the new server (with --step_trace), test/benchmark/single_request.py (256 tokens, 5 requests one by one).
+#   single[:VARIANT]: the new server (or VARIANT's; with --step_trace), test/benchmark/single_request.py (256 tokens, 5 requests one by one).
 #   VARIANT new-trace: new with --step_trace $WORK/steps.jsonl (summarise: test/benchmark/step_trace.py).
 #   sweep:VARIANT: one server of VARIANT (prefix cache off), test/benchmark/rate_sweep.py over the Poisson
 #   rates $SWEEP_RATES (5,10,20,30,40) with the first $SWEEP_N (500) saved requests; $OUT/sweep-VARIANT.{json,png}.
@@ -79,7 +79,7 @@ step() {  # step NAME SECONDS CMD...: one check, time-bounded, its log in $WORK/
 check() {
   step pytest 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_sampling.py \
     tests/test_decode_buckets.py
-  step gpu_check_model 240 python3 test/benchmark/gpu_check_model.py
+  step gpu_check_model 330 python3 test/benchmark/gpu_check_model.py
   step bench_kernels 90 python3 test/benchmark/bench_kernels.py --out "$WORK/check/kernels.json"
 }
 
@@ -109,17 +109,17 @@ api() {  # the new server, gpu_api_check.py against it: one CHECKS line per API 
   stop_server; free_gpu; save
 }
 
-single() {  # the new server alone, one request at a time: batch-1 TTFT and TPOT through every process
-  local variant=new path tree extra url rc=0 dir
-  unique single; dir=$WORK/$UNIQUE
-  flags_of new; mkdir -p "$dir"; extra="--step_trace $dir/steps.jsonl"
-  echo "== single: server, then single_request.py"
+single() {  # single[:VARIANT]: one server (new unless named) alone, one request at a time: batch-1 TTFT and TPOT through every process
+  local variant=${1:-new} path tree extra url rc=0 dir
+  unique "single-$variant"; dir=$WORK/$UNIQUE
+  flags_of "$variant"; mkdir -p "$dir"; extra="$extra --step_trace $dir/steps.jsonl"
+  echo "== single ($variant): server, then single_request.py"
   if ((DRY)); then echo "+ single_request.py --url URL --max-new-tokens 256 --repeat 5 > $dir/single.log"; return; fi
   if (($(left) < 120)); then CHECKS+=("single: skipped (no time left)"); echo "${CHECKS[-1]}"; return; fi
   if start_server "$dir" $(( $(left) < 200 ? $(left) : 200 )); then
     timeout -k 10 120 env PYTHONPATH="$NEW_PATH" python3 "$ROOT/test/benchmark/single_request.py" --url "$url" \
       --max-new-tokens 256 --repeat 5 > "$dir/single.log" 2>&1 || rc=$?
-    CHECKS+=("single: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -E '^\| median' "$dir/single.log" || true)")
+    CHECKS+=("single $variant: $( ((rc == 0)) && echo PASS || echo "FAIL (rc $rc)"): $(grep -E '^\| median' "$dir/single.log" || true)")
   else
     CHECKS+=("single: FAIL: server not healthy or dead")
   fi
@@ -428,6 +428,7 @@ for item in "${ITEMS[@]}"; do
     check) check ;;
     api) api ;;
     single) single ;;
+    single:*) single "${item#single:}" ;;
     sweep:*) sweep "$item" ;;
     profile) step profile 330 python3 test/benchmark/profile_step.py --model "$MODEL" --out-md "$OUT/profile.md" $PROFILE_ARGS ;;
     fp8gemm) step fp8_gemm 330 python3 test/benchmark/fp8_gemm_bench.py --out-md "$OUT/fp8_gemm.md" ${FP8_ARGS:-} ;;
