@@ -1,0 +1,213 @@
+"""Mixture-of-experts MLP: each token runs through its top-k experts' gated MLPs and the outputs
+are summed, weighted by the router.
+
+    y[t] = sum_j weight[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert[t, j]
+
+Shapes: x [T, H]; w_gate_up [E, 2I, H] (each expert's gate rows, then its up rows); w_down
+[E, H, I]; the router's choice topk_weights [T, K] (fp32) and topk_ids [T, K]. A "pair" is one
+(token, choice) of the T * K, numbered t * K + j.
+
+The Triton path (fused_moe_triton) never copies activations per expert. `align_by_expert`
+sorts the pairs by expert and pads each expert's run to a multiple of the kernel's BLOCK_M, so
+that one program's rows all belong to one expert; the gate/up kernel gathers those tokens' rows
+of x itself, applies SiLU-and-mul and writes the [T * K, I] intermediate by pair; the down kernel
+reads it back by pair, scales by the routing weight and writes [T * K, H], which a sum over K
+reduces to [T, H]. Every size is fixed by T, K, E and BLOCK_M (the padding is bounded, the
+programs past the last expert's blocks exit), so a decode step can be captured in a CUDA graph:
+nothing is read back to the host.
+
+The reference (fused_moe_ref) loops over the experts that have tokens, as transformers does: the
+CPU path and the test oracle.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import cdiv, dot, fast_launch, tl, triton
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, K], expert ids int32 [T, K]): softmax over all experts (fp32), the top k.
+    renormalize: the k weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob),
+    which is exactly a softmax over the k chosen logits (Mixtral's "top-k then softmax"): softmax
+    is monotonic, so both choose the same experts. Otherwise they keep their share of all E."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T, H] in x's dtype; each expert's projections in x's dtype, as transformers computes them."""
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten().long()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()  # host sync: the CPU path
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    inter = w_down.shape[2]
+    for expert, pairs in enumerate(torch.split(order, counts)):
+        if not len(pairs):
+            continue
+        tokens = pairs // top_k
+        gate_up = F.linear(x[tokens], w_gate_up[expert])
+        hidden = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+        y = F.linear(hidden, w_down[expert]).float() * topk_weights.flatten()[pairs, None]
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+class MoEPlan(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Decode-sized groups (a few pairs per expert) stream the experts' weights: small row blocks,
+# long K blocks. Prefill-sized groups are GEMMs: square-ish tiles. Untuned guesses on H100 shapes
+# until test/benchmark/moe_bench.py has been run there (it times any plan given on its command line).
+DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3)
+MID_PLAN = MoEPlan(32, 64, 128, 4, 3)
+PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3)
+
+
+def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
+    """The plan for T * K pairs over E experts, by the mean group size (host ints only)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return DECODE_PLAN
+    return MID_PLAN if per_expert <= 64 else PREFILL_PLAN
+
+
+def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most sorted (padded) slots any routing needs: each expert that has a pair wastes at
+    most block_m - 1 slots, and at most min(E, pairs) experts have one. A multiple of block_m."""
+    return cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [P] int32, block_experts [P / block_m] int32), P = padded_pairs_bound.
+
+    sorted_pairs lists the pairs expert by expert (stable: in pair order within an expert), each
+    expert's run padded to a multiple of block_m with the sentinel T * K; block_experts[b] is the
+    expert of rows [b * block_m, (b + 1) * block_m), and num_experts for the blocks past the last
+    run. Torch ops on the device, none of them reading a value back to the host."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.shape[0]
+    size = padded_pairs_bound(num_pairs, num_experts, block_m)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    counts = bounds[1:] - bounds[:-1]
+    padded_ends = torch.cumsum(cdiv_tensor(counts, block_m) * block_m, 0)
+    padded_starts = padded_ends - cdiv_tensor(counts, block_m) * block_m
+    rank = torch.arange(num_pairs, device=flat.device) - bounds[:-1][sorted_experts.long()]
+    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[padded_starts[sorted_experts.long()] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, size, block_m, device=flat.device, dtype=padded_ends.dtype)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
+    return sorted_pairs, block_experts
+
+
+def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+@fast_launch
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr, num_pairs, top_k, num_experts,
+                        hidden, inter, x_stride, w_expert_stride, w_row_stride, out_stride,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_UPCAST: tl.constexpr):
+    """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
+    same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert < num_experts:  # blocks past the last expert's run hold no pairs
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = pairs < num_pairs
+        tokens = (pairs // top_k).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
+        w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
+        w_up = w_gate + inter * w_row_stride
+        ks = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + ks
+            k_mask = kk < hidden
+            a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w_mask = col_mask[None, :] & k_mask[:, None]
+            acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+            acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+        # gate and up rounded to x's dtype first, as the reference (and transformers) compute them
+        gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+@fast_launch
+@triton.jit
+def _moe_down_kernel(a_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr, out_ptr, num_pairs,
+                     num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride, out_stride,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert < num_experts:
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = pairs < num_pairs
+        rows = pairs.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden
+        w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kk = k0 + ks
+            k_mask = kk < inter
+            a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
+                       DOT_UPCAST)
+        # the expert's output rounded to x's dtype before it is weighted, as the reference
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.load(pair_weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, plan: MoEPlan | None = None) -> torch.Tensor:
+    """fused_moe_ref's result through the two grouped-GEMM kernels; `plan` overrides moe_plan."""
+    assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
+    tokens, hidden = x.shape
+    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = tokens * top_k
+    if num_pairs == 0:
+        return torch.empty_like(x)
+    plan = plan or moe_plan(num_pairs, num_experts)
+    sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, plan.block_m)
+    blocks, upcast = block_experts.shape[0], not x.is_cuda
+    options = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_UPCAST=upcast,
+                   num_warps=plan.num_warps, num_stages=plan.num_stages)
+    hidden_by_pair = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(blocks, cdiv(inter, plan.block_n))](
+        x, w_gate_up, sorted_pairs, block_experts, hidden_by_pair, num_pairs, top_k, num_experts, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), hidden_by_pair.stride(0), **options)
+    out_by_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    pair_weights = topk_weights.float().contiguous()
+    _moe_down_kernel[(blocks, cdiv(hidden, plan.block_n))](
+        hidden_by_pair, w_down, sorted_pairs, block_experts, pair_weights, out_by_pair, num_pairs, num_experts,
+        hidden, inter, hidden_by_pair.stride(0), w_down.stride(0), w_down.stride(1), out_by_pair.stride(0), **options)
+    return out_by_pair.view(tokens, top_k, hidden).sum(dim=1)
