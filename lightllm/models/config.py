@@ -1,7 +1,8 @@
 """Model configuration: the fields the Llama family needs, read from config.json.
 
 Llama, Mistral and Qwen2 differ only in these fields (Qwen2 always has q/k/v biases), so
-one `ModelConfig` describes them all. Both transformers 4 (`rope_theta`, `rope_scaling`)
+one `ModelConfig` describes them all; Mixtral and Qwen3-MoE add a `MoEConfig` (which layers
+route their tokens to experts, and how) and Qwen3-MoE per-head q/k norms. Both transformers 4 (`rope_theta`, `rope_scaling`)
 and transformers 5 (`rope_parameters`) layouts are read.
 """
 
@@ -21,8 +22,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": None,
     "MistralForCausalLM": None,
     "Qwen2ForCausalLM": (True, False),
+    "MixtralForCausalLM": None,
+    "Qwen3MoeForCausalLM": None,
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -31,6 +36,18 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 
 class ModelConfigError(ValueError):
     """The model directory cannot be served: names the problem and what is supported."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: each token's `top_k` of `num_experts` gated MLPs of width
+    `intermediate_size`, in the decoder layers `layers` (the others keep the dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # the top-k weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     quantization: str | None = None  # the server's --quantization: how the layers store their projections
+    moe: MoEConfig | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
 
 
 def read_json(path: Path) -> dict:
@@ -117,6 +136,23 @@ def _check_supported(cfg: dict, path: Path) -> None:
         raise ModelConfigError(f"mlp_bias=true in {path} is not supported")
 
 
+def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
+    """Mixtral: every layer, top-k renormalised. Qwen3-MoE: the layers of every
+    `decoder_sparse_step`-th index (from 1) less `mlp_only_layers`, renormalised by `norm_topk_prob`."""
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
+                         int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
+    if arch != "Qwen3MoeForCausalLM":
+        return None
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 saves the latter
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if not num_experts or not layers:
+        return None
+    return MoEConfig(num_experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+                     bool(cfg.get("norm_topk_prob", False)), layers)
+
+
 def read_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -128,6 +164,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     theta, scaling = _rope(cfg, path)
     qkv_bias, o_bias = _biases(cfg, arch)
     num_heads = int(cfg["num_attention_heads"])
+    num_layers = int(cfg["num_hidden_layers"])
     use_window = cfg.get("use_sliding_window", True)
     return ModelConfig(
         model_dir=str(model_dir),
@@ -135,7 +172,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
@@ -149,6 +186,8 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=_eos_token_ids(cfg, model_dir),
         sliding_window=cfg.get("sliding_window") if use_window else None,
+        moe=_moe(cfg, arch, num_layers),
+        qk_norm=arch in _QK_NORM_ARCHITECTURES,
     )
 
 

@@ -244,6 +244,8 @@ class Attention:
                                    q_start * d, self.q_heads * d, cfg.o_bias, cfg.quantization)
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(d)
+        self.qk_norms = [weights.get(f"{prefix}.{n}_norm.weight", (d,)) for n in "qk"] if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
 
     def __call__(self, h, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -252,6 +254,8 @@ class Attention:
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
+        if self.qk_norms is not None:  # each head normalised on its own: [T * heads, d] rows (a copy)
+            q, k = (rms_norm(t.reshape(-1, d), w, self.eps).view(tokens, -1, d) for w, t in zip(self.qk_norms, (q, k)))
         rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 

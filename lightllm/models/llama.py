@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2): one model, differences come from the config."""
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, and with experts Mixtral and Qwen3-MoE): one model,
+differences come from the config."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ from lightllm.utils.dist import TPGroup
 from .config import ModelConfig
 from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      VocabParallelEmbedding, vocab_shard)
+from .moe import SparseMoE
 
 
 class DecoderLayer:
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int):
         prefix = f"model.layers.{index}"
         fp8 = cfg.quantization == "fp8"  # the norms feed the q/k/v and gate/up projections their fp8 input
+        sparse = cfg.moe is not None and index in cfg.moe.layers
         self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps,
                                   fp8)
         self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn")
         self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size,
                                  cfg.rms_norm_eps, fp8)
-        self.mlp = GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
+        self.mlp = SparseMoE(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
 
     def __call__(self, x, residual, batch: ForwardBatch, rope, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)
