@@ -13,7 +13,8 @@ import shutil
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import lightllm_kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers, moe
@@ -35,6 +36,10 @@ CASES = {
     "llama_head_dim_32": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
     "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2)),
     "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    # q/k norms; head_dim apart from hidden / heads (64 / 4 = 16)
+    "qwen3_head_dim_24": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=24)),
+    "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                                                            attention_bias=True)),
     # experts in every layer, the top 2 of 4 renormalised
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
                                                         num_experts_per_tok=2)),
@@ -189,7 +194,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*"
-                                               r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+                                               r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         make_runner(tmp_path)
 
 
@@ -236,7 +241,8 @@ TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_trito
               "silu_and_mul": "silu_and_mul_triton"}
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_head_dim_24",
+                                  "qwen3_moe"])
 def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monkeypatch):
     """The GPU path (Triton kernels; the interpreter on CPU) as the layers call it: strided q/k
     views, int32/int64 index tensors, packed prompts, token-table decode."""

@@ -1,9 +1,10 @@
-"""Model configuration: the fields the Llama family needs, read from config.json.
+"""Model configuration: the fields the decoder families need, read from config.json.
 
-Llama, Mistral and Qwen2 differ only in these fields (Qwen2 always has q/k/v biases), so
-one `ModelConfig` describes them all; Mixtral and Qwen3-MoE add a `MoEConfig` (which layers
-route their tokens to experts, and how) and Qwen3-MoE per-head q/k norms. Both transformers 4 (`rope_theta`, `rope_scaling`)
-and transformers 5 (`rope_parameters`) layouts are read.
+Llama, Mistral, Qwen2 and Qwen3 differ only in these fields (Qwen2 always has q/k/v biases,
+Qwen3 normalises q and k per head), so one `ModelConfig` describes them all; Mixtral and
+Qwen3-MoE add a `MoEConfig` (which layers route their tokens to experts, and how). Both
+transformers 4 (`rope_theta`, `rope_scaling`) and transformers 5 (`rope_parameters`) layouts
+are read.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# architecture -> (q/k/v bias, o bias) when config.json has no `attention_bias`
+# architecture -> the ModelConfig fields its family fixes, whatever config.json says; q/k/v and
+# o biases come from `attention_bias` where the family does not fix them
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": None,
-    "MistralForCausalLM": None,
-    "Qwen2ForCausalLM": (True, False),
-    "MixtralForCausalLM": None,
-    "Qwen3MoeForCausalLM": None,
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False),
+    "Qwen3ForCausalLM": dict(qk_norm=True),
+    "MixtralForCausalLM": {},
+    "Qwen3MoeForCausalLM": dict(qk_norm=True),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-_QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -72,8 +74,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     quantization: str | None = None  # the server's --quantization: how the layers store their projections
-    moe: MoEConfig | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    moe: MoEConfig | None = None
 
 
 def read_json(path: Path) -> dict:
@@ -120,12 +122,9 @@ def _eos_token_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _biases(cfg: dict, arch: str) -> tuple[bool, bool]:
-    fixed = SUPPORTED_ARCHITECTURES[arch]
-    if fixed is not None:
-        return fixed
-    bias = bool(cfg.get("attention_bias", False))  # Llama/Mistral: one flag for q/k/v and o
-    return bias, bias
+def _biases(cfg: dict) -> dict:
+    bias = bool(cfg.get("attention_bias", False))  # one flag for q/k/v and o
+    return dict(qkv_bias=bias, o_bias=bias)
 
 
 def _check_supported(cfg: dict, path: Path) -> None:
@@ -162,7 +161,6 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     arch = _architecture(cfg, path)
     _check_supported(cfg, path)
     theta, scaling = _rope(cfg, path)
-    qkv_bias, o_bias = _biases(cfg, arch)
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
     use_window = cfg.get("use_sliding_window", True)
@@ -181,13 +179,11 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=_eos_token_ids(cfg, model_dir),
         sliding_window=cfg.get("sliding_window") if use_window else None,
         moe=_moe(cfg, arch, num_layers),
-        qk_norm=arch in _QK_NORM_ARCHITECTURES,
+        **{**_biases(cfg), **SUPPORTED_ARCHITECTURES[arch]},
     )
 
 

@@ -191,6 +191,10 @@ class RMSNorm:
             return rms_norm(x, self.weight, self.eps, self.fp8_out), x
         return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out), residual
 
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] (a strided view of q or k) normalised over each head's D, as a new tensor."""
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
@@ -244,8 +248,9 @@ class Attention:
                                    q_start * d, self.q_heads * d, cfg.o_bias, cfg.quantization)
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(d)
-        self.qk_norms = [weights.get(f"{prefix}.{n}_norm.weight", (d,)) for n in "qk"] if cfg.qk_norm else None
-        self.eps = cfg.rms_norm_eps
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = (RMSNorm(weights, f"{prefix}.{n}_norm.weight", d, cfg.rms_norm_eps) for n in "qk")
 
     def __call__(self, h, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -254,8 +259,8 @@ class Attention:
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
-        if self.qk_norms is not None:  # each head normalised on its own: [T * heads, d] rows (a copy)
-            q, k = (rms_norm(t.reshape(-1, d), w, self.eps).view(tokens, -1, d) for w, t in zip(self.qk_norms, (q, k)))
+        if self.q_norm is not None:
+            q, k = self.q_norm.heads(q), self.k_norm.heads(k)
         rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
