@@ -16,6 +16,11 @@ reduces to [T, H]. Every size is fixed by T, K, E and BLOCK_M (the padding is bo
 programs past the last expert's blocks exit), so a decode step can be captured in a CUDA graph:
 nothing is read back to the host.
 
+With fp8 experts (`--quantization fp8`: weights e4m3 with one scale per output row of each
+expert, `quantize_experts_fp8`) both GEMMs take fp8 inputs as fp8_linear does: x is quantised per
+token, the SiLU-and-mul output per pair (quantize_fp8_rows, one launch each), and the products
+are scaled back in fp32 (fp8 tensor cores; half the weight bytes of bf16 for the decode steps).
+
 The reference (fused_moe_ref) loops over the experts that have tokens, as transformers does: the
 CPU path and the test oracle.
 """
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, dot, fast_launch, tl, triton
+from .fp8_linear import fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +47,24 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return weights, ids.to(torch.int32)
 
 
+def quantize_experts_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (fp8 [E, N, K], fp32 scales [E, N]): each expert's rows as quantize_fp8_weight."""
+    experts, rows, cols = weight.shape
+    q, scale = quantize_fp8_weight(weight.reshape(experts * rows, cols))
+    return q.view(experts, rows, cols), scale.view(experts, rows)
+
+
+def _expert_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int) -> torch.Tensor:
+    if scale is None:
+        return F.linear(a, weight[expert])
+    return fp8_linear_ref(a, weight[expert], scale[expert][None, :])
+
+
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """[T, H] in x's dtype; each expert's projections in x's dtype, as transformers computes them."""
+                  topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
+                  w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H] in x's dtype; each expert's projections in x's dtype, as transformers computes them.
+    With the scales (fp8 weights, quantize_experts_fp8's) each projection is fp8_linear's."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten().long()
     order = torch.argsort(flat_ids, stable=True)
@@ -54,9 +75,9 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         if not len(pairs):
             continue
         tokens = pairs // top_k
-        gate_up = F.linear(x[tokens], w_gate_up[expert])
+        gate_up = _expert_linear(x[tokens], w_gate_up, w_gate_up_scale, expert)
         hidden = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
-        y = F.linear(hidden, w_down[expert]).float() * topk_weights.flatten()[pairs, None]
+        y = _expert_linear(hidden, w_down, w_down_scale, expert).float() * topk_weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
 
@@ -69,20 +90,23 @@ class MoEPlan(NamedTuple):
     num_stages: int
 
 
-# Decode-sized groups (a few pairs per expert) stream the experts' weights: small row blocks,
-# long K blocks. Prefill-sized groups are GEMMs: square-ish tiles. Untuned guesses on H100 shapes
-# until test/benchmark/moe_bench.py has been run there (it times any plan given on its command line).
+# Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
+# long K blocks. Prefill-sized groups are GEMMs: larger tiles. Untuned guesses for the H100
+# until test/benchmark/moe_bench.py --tune has run there (it also times any --plan given).
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3)
 
 
 def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
-    """The plan for T * K pairs over E experts, by the mean group size (host ints only)."""
-    per_expert = num_pairs / num_experts
-    if per_expert <= 16:
+    """The plan for T * K pairs over E experts, by the mean group size (host ints only). A
+    group's size varies about its mean (Poisson-like under a balanced router), so a block takes
+    half as many rows again as the mean: a group rarely spills into a second block, which would
+    read the expert's weights twice."""
+    per_expert = 1.5 * num_pairs / num_experts
+    if per_expert <= DECODE_PLAN.block_m:
         return DECODE_PLAN
-    return MID_PLAN if per_expert <= 64 else PREFILL_PLAN
+    return MID_PLAN if per_expert <= MID_PLAN.block_m else PREFILL_PLAN
 
 
 def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -120,12 +144,13 @@ def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
 
 @fast_launch
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr, num_pairs, top_k, num_experts,
-                        hidden, inter, x_stride, w_expert_stride, w_row_stride, out_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_UPCAST: tl.constexpr):
+def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
+                        num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
+                        w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
-    same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up)."""
+    same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
+    the weights are fp8, the sums scaled by x's row scale and the weights' column scales."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -147,7 +172,12 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, out_p
             w_mask = col_mask[None, :] & k_mask[:, None]
             acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
             acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
-        # gate and up rounded to x's dtype first, as the reference (and transformers) compute them
+        if FP8:
+            x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
+            w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
+            acc_gate *= x_scale * tl.load(w_scales, mask=col_mask, other=0.0)[None, :]
+            acc_up *= x_scale * tl.load(w_scales + inter, mask=col_mask, other=0.0)[None, :]
+        # gate and up rounded to the output's dtype first, as the reference (and transformers) compute them
         gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -157,10 +187,12 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, out_p
 
 @fast_launch
 @triton.jit
-def _moe_down_kernel(a_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr, out_ptr, num_pairs,
-                     num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride, out_stride,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs."""
+def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
+                     out_ptr, num_pairs, num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride,
+                     w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     FP8: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
+    (FP8: scaled as in the gate/up kernel)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:
@@ -179,6 +211,9 @@ def _moe_down_kernel(a_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, pair_wei
                         other=0.0)
             acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
                        DOT_UPCAST)
+        if FP8:
+            acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
         # the expert's output rounded to x's dtype before it is weighted, as the reference
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.load(pair_weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
@@ -187,7 +222,8 @@ def _moe_down_kernel(a_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, pair_wei
 
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, plan: MoEPlan | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
+                     w_down_scale: torch.Tensor | None = None, plan: MoEPlan | None = None) -> torch.Tensor:
     """fused_moe_ref's result through the two grouped-GEMM kernels; `plan` overrides moe_plan."""
     assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
     tokens, hidden = x.shape
@@ -198,16 +234,23 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
         return torch.empty_like(x)
     plan = plan or moe_plan(num_pairs, num_experts)
     sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, plan.block_m)
+    fp8 = w_gate_up_scale is not None
     blocks, upcast = block_experts.shape[0], not x.is_cuda
-    options = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_UPCAST=upcast,
+    options = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=upcast,
                    num_warps=plan.num_warps, num_stages=plan.num_stages)
+    a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, x)  # x: an unused pointer without fp8
+    scale = w_gate_up_scale if fp8 else x
     hidden_by_pair = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, cdiv(inter, plan.block_n))](
-        x, w_gate_up, sorted_pairs, block_experts, hidden_by_pair, num_pairs, top_k, num_experts, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), hidden_by_pair.stride(0), **options)
+        a, w_gate_up, a_scale, scale, sorted_pairs, block_experts, hidden_by_pair, num_pairs, top_k, num_experts,
+        hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), scale.stride(0),
+        hidden_by_pair.stride(0), **options)
+    a, a_scale = quantize_fp8_rows_triton(hidden_by_pair) if fp8 else (hidden_by_pair, x)
+    scale = w_down_scale if fp8 else x
     out_by_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     pair_weights = topk_weights.float().contiguous()
     _moe_down_kernel[(blocks, cdiv(hidden, plan.block_n))](
-        hidden_by_pair, w_down, sorted_pairs, block_experts, pair_weights, out_by_pair, num_pairs, num_experts,
-        hidden, inter, hidden_by_pair.stride(0), w_down.stride(0), w_down.stride(1), out_by_pair.stride(0), **options)
+        a, w_down, a_scale, scale, sorted_pairs, block_experts, pair_weights, out_by_pair, num_pairs, num_experts,
+        hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1), scale.stride(0), out_by_pair.stride(0),
+        **options)
     return out_by_pair.view(tokens, top_k, hidden).sum(dim=1)

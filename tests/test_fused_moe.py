@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightllm_kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert, fused_moe_ref, fused_moe_triton,
-                                        padded_pairs_bound, route_topk)
+                                        padded_pairs_bound, quantize_experts_fp8, route_topk)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: summation order only. bf16: gate/up, the product and each expert's output are rounded to
@@ -84,6 +84,40 @@ def test_fused_moe_reads_strided_rows_of_x():
     wide = torch.randn(6, HIDDEN + 8, device=DEVICE)
     x = wide[:, 4:HIDDEN + 4]
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(6, 4, 2))
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+# fp32 activations: the per-pair rows the down projection quantises differ between the paths by
+# summation order only, so they land on the same e4m3 values. bf16: each path rounds those rows
+# itself (the interpreter toward zero), and a row whose largest entry moves by one bf16 step is
+# quantised on another grid: entries up to half an e4m3 step (6%) apart, a few percent of the norm.
+FP8_REL_ERR = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k,plan", [(3, 2, None), (21, 8, MoEPlan(32, 32, 32, 4, 2))])
+def test_fused_moe_fp8_triton_matches_ref(dtype, tokens, top_k, plan):
+    num_experts = 8
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
+    w_gate_up, w_down = experts(num_experts, dtype)
+    w_gate_up8, gate_up_scale, w_down8, down_scale = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
+    weights, ids = random_routing(tokens, num_experts, top_k)
+    expected = fused_moe_ref(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale)
+    actual = fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan)
+    assert actual.dtype == dtype and relative_error(actual, expected) < FP8_REL_ERR[dtype]
+    unquantised = fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    assert 1e-3 < relative_error(expected, unquantised) < 0.1  # e4m3 rounding: a few percent, never none
+
+
+def test_quantize_experts_fp8_scales_each_experts_rows():
+    weight = torch.randn(3, 5, 32, device=DEVICE)
+    q, scale = quantize_experts_fp8(weight)
+    assert q.shape == weight.shape and scale.shape == (3, 5)
+    assert torch.equal(q.float().abs().amax(-1), torch.full((3, 5), 448.0, device=DEVICE))
+    torch.testing.assert_close(q.float() * scale[..., None], weight, atol=0, rtol=0.07)
 
 
 def test_fused_moe_ref_is_the_sum_of_each_tokens_experts():

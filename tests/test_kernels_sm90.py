@@ -32,6 +32,6 @@ def test_every_kernel_compiles_for_sm90():
     # both KV cache dtypes, and decode attention with and without its merge
     assert sum("_rotary_kv_kernel(" in line for line in lines) == 2
     assert sum("_decode_split_kernel(" in line for line in lines) == 4
-    # the fused MoE's decode and prefill plans
-    assert sum("_moe_gate_up_kernel(" in line for line in lines) == 2
-    assert sum("_moe_down_kernel(" in line for line in lines) == 2
+    # the fused MoE's decode and prefill plans, with bf16 and fp8 experts
+    assert sum("_moe_gate_up_kernel(" in line for line in lines) == 4
+    assert sum("_moe_down_kernel(" in line for line in lines) == 4

@@ -22,8 +22,9 @@ class DecoderLayer:
         self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps,
                                   fp8)
         self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn")
+        # the router reads the experts' input unquantised: fused_moe quantises it for the experts
         self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size,
-                                 cfg.rms_norm_eps, fp8)
+                                 cfg.rms_norm_eps, fp8 and not sparse)
         self.mlp = SparseMoE(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
 
     def __call__(self, x, residual, batch: ForwardBatch, rope, k_cache, v_cache):
