@@ -7,7 +7,7 @@ Shapes: x [T, H]; w_gate_up [E, 2I, H] (each expert's gate rows, then its up row
 [E, H, I]; the router's choice topk_weights [T, K] (fp32) and topk_ids [T, K]. A "pair" is one
 (token, choice) of the T * K, numbered t * K + j.
 
-The Triton path (fused_moe_triton) never copies activations per expert. `align_by_expert`
+The Triton path (fused_moe_triton) never copies activations per expert. `align_by_expert_*`
 sorts the pairs by expert and pads each expert's run to a multiple of the kernel's BLOCK_M, so
 that one program's rows all belong to one expert; the gate/up kernel gathers those tokens' rows
 of x itself, applies SiLU-and-mul and writes the [T * K, I] intermediate by pair; the down kernel
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, dot, fast_launch, tl, triton
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
 from .fp8_linear import fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
 
 
@@ -115,13 +115,14 @@ def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [P] int32, block_experts [P / block_m] int32), P = padded_pairs_bound.
 
     sorted_pairs lists the pairs expert by expert (stable: in pair order within an expert), each
     expert's run padded to a multiple of block_m with the sentinel T * K; block_experts[b] is the
     expert of rows [b * block_m, (b + 1) * block_m), and num_experts for the blocks past the last
-    run. Torch ops on the device, none of them reading a value back to the host."""
+    run. Torch ops on the device, none of them reading a value back to the host (about 25
+    launches: align_by_expert_triton does it in one)."""
     flat = topk_ids.flatten()
     num_pairs = flat.shape[0]
     size = padded_pairs_bound(num_pairs, num_experts, block_m)
@@ -140,6 +141,64 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
     return (a + b - 1) // b
+
+
+ALIGN_BLOCK = 1024  # ids a step of the alignment's loops: a prefill's 32768 pairs in 32 steps
+
+
+@fast_launch
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts, num_slots,
+                  BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program e < E writes expert e's run (its pairs in order, then the padding) and its blocks'
+    expert; program E the tail past the last run. Each first counts every expert's pairs itself
+    (a histogram of all the ids): redundant, but no program waits for another. EXPERTS > E: the
+    masked lanes count in bin E, which no run includes."""
+    expert = tl.program_id(0)
+    lanes = tl.arange(0, EXPERTS)
+    pair_lanes = tl.arange(0, BLOCK)
+    counts = tl.zeros([EXPERTS], tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        ids = tl.load(ids_ptr + start + pair_lanes, mask=start + pair_lanes < num_pairs, other=num_experts)
+        counts += tl.histogram(ids, EXPERTS)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_start = tl.sum(tl.where(lanes < expert, padded, 0))
+    if expert < num_experts:
+        count = tl.sum(tl.where(lanes == expert, counts, 0))
+        run_end = run_start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        written = run_start
+        for start in range(0, num_pairs, BLOCK):
+            pairs = start + pair_lanes
+            match = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) == expert
+            rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+            tl.store(sorted_pairs_ptr + written + rank, pairs, mask=match)
+            written += tl.sum(match.to(tl.int32))
+        pad = written + tl.arange(0, BLOCK_M)
+        tl.store(sorted_pairs_ptr + pad, num_pairs, mask=pad < run_end)
+        fill_expert = expert
+    else:  # the tail: slots past the last run hold the sentinel pair, its blocks the sentinel expert
+        run_end = num_slots
+        for slot in range(run_start, num_slots, BLOCK):
+            tail = slot + pair_lanes
+            tl.store(sorted_pairs_ptr + tail, num_pairs, mask=tail < num_slots)
+        fill_expert = num_experts
+    for block in range(run_start // BLOCK_M, run_end // BLOCK_M, BLOCK):
+        blocks = block + pair_lanes
+        tl.store(block_experts_ptr + blocks, fill_expert, mask=blocks < run_end // BLOCK_M)
+
+
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_by_expert_ref's result in one launch of E + 1 programs."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.shape[0]
+    size = padded_pairs_bound(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(size // block_m, dtype=torch.int32, device=flat.device)
+    experts = next_power_of_2(num_experts + 1)
+    block = max(16, min(next_power_of_2(num_pairs), ALIGN_BLOCK))
+    _align_kernel[(num_experts + 1,)](flat, sorted_pairs, block_experts, num_pairs, num_experts, size, BLOCK_M=block_m,
+                                      EXPERTS=experts, BLOCK=block, num_warps=4)
+    return sorted_pairs, block_experts
 
 
 @fast_launch
@@ -233,7 +292,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     if num_pairs == 0:
         return torch.empty_like(x)
     plan = plan or moe_plan(num_pairs, num_experts)
-    sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, plan.block_m)
+    sorted_pairs, block_experts = align_by_expert_triton(topk_ids, num_experts, plan.block_m)
     fp8 = w_gate_up_scale is not None
     blocks, upcast = block_experts.shape[0], not x.is_cuda
     options = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=upcast,

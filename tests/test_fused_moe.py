@@ -3,12 +3,17 @@ against transformers' Mixtral and Qwen3-MoE blocks, and the routing and alignmen
 Without a GPU the Triton kernels run in the interpreter (conftest.py); shapes are tiny."""
 import os
 
+import importlib
+
 import pytest
 import torch
 
-from lightllm_kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert, fused_moe_ref, fused_moe_triton,
+from lightllm_kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert_ref, align_by_expert_triton,
+                                        fused_moe_ref, fused_moe_triton,
                                         padded_pairs_bound, quantize_experts_fp8, route_topk)
 
+# the package's public `fused_moe` function shadows the submodule of the same name
+fused_moe_module = importlib.import_module("lightllm_kernels.fused_moe")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: summation order only. bf16: gate/up, the product and each expert's output are rounded to
 # bf16 on both paths, but at different points of an fp32 sum (and the interpreter rounds toward
@@ -146,7 +151,7 @@ def test_route_topk_renormalised_is_softmax_over_the_chosen_logits():
 @pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 1, 16), (13, 8, 3, 4), (40, 16, 8, 16)])
 def test_align_by_expert_groups_every_pair_once_in_blocks_of_one_expert(tokens, num_experts, top_k, block_m):
     _, ids = random_routing(tokens, num_experts, top_k)
-    sorted_pairs, block_experts = align_by_expert(ids, num_experts, block_m)
+    sorted_pairs, block_experts = align_by_expert_ref(ids, num_experts, block_m)
     num_pairs = tokens * top_k
     assert sorted_pairs.shape[0] == padded_pairs_bound(num_pairs, num_experts, block_m) == block_m * len(block_experts)
     real = sorted_pairs[sorted_pairs < num_pairs]
@@ -159,3 +164,21 @@ def test_align_by_expert_groups_every_pair_once_in_blocks_of_one_expert(tokens, 
     assert torch.equal(used, used.sort().values)  # runs in expert order, then the unused tail
     assert (block_experts[len(used):] == num_experts).all()
     assert set(used.tolist()) == set(ids.flatten().tolist())  # no block for an expert without pairs
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 1, 16), (13, 8, 3, 4), (40, 16, 8, 16),
+                                                              (300, 6, 2, 32)])
+def test_align_by_expert_triton_equals_ref(tokens, num_experts, top_k, block_m, monkeypatch):
+    """Both stable, so equal slot for slot; 300 tokens: long runs, and with steps of 64 ids the
+    kernel's loops take 10 steps."""
+    monkeypatch.setattr(fused_moe_module, "ALIGN_BLOCK", 64)
+    _, ids = random_routing(tokens, num_experts, top_k)
+    for expected, actual in zip(align_by_expert_ref(ids, num_experts, block_m),
+                                align_by_expert_triton(ids, num_experts, block_m)):
+        assert torch.equal(actual, expected)
+
+
+def test_align_by_expert_triton_with_empty_experts_and_a_hot_one():
+    _, ids = skewed_routing(37, 16, 4, hot=5)
+    for expected, actual in zip(align_by_expert_ref(ids, 16, 16), align_by_expert_triton(ids, 16, 16)):
+        assert torch.equal(actual, expected)

@@ -11,7 +11,7 @@ reference on the same inputs, relative error of the whole output (the run stops 
 with fp8 experts). Then, each in a CUDA graph of 20 calls (static_benchmark.graph_call_us, as a
 decode step runs):
 - fused: the whole Triton path (alignment by expert, gate/up kernel, down kernel, sum over k);
-- align: the alignment alone (torch ops; the rest of `fused` is the two kernels and the sum);
+- align: the alignment alone (one launch; the rest of `fused` is the two GEMM kernels and the sum);
 - cuBLAS: a dense bf16 GEMM of the same FLOPs ([pairs, H] x [H, 3I]), what tensor cores give in practice.
 Floors: memory = bytes of the experts the step touches (gate/up and down of every expert chosen
 at least once) over the device's copy bandwidth (read + write, as static_benchmark measures);
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from static_benchmark import copy_bandwidth, graph_call_us  # noqa: E402
 
-from lightllm_kernels.fused_moe import (MoEPlan, align_by_expert, fused_moe_ref, fused_moe_triton,  # noqa: E402
+from lightllm_kernels.fused_moe import (MoEPlan, align_by_expert_triton, fused_moe_ref, fused_moe_triton,  # noqa: E402
                                         moe_plan, quantize_experts_fp8, route_topk)
 
 logger = logging.getLogger("moe_bench")
@@ -92,7 +92,7 @@ def one_row(layer: Layer, case: str, tokens: int, plan: MoEPlan | None, bandwidt
     flops = 6 * pairs * layer.hidden * layer.inter
     w_gate_up, w_down, *scales = layer.weights
     fused = graph_call_us(lambda: fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=chosen))
-    align = graph_call_us(lambda: align_by_expert(ids, layer.experts, chosen.block_m))
+    align = graph_call_us(lambda: align_by_expert_triton(ids, layer.experts, chosen.block_m))
     a = torch.randn(pairs, layer.hidden, device=layer.device).bfloat16()
     b = torch.randn(layer.hidden, 3 * layer.inter, device=layer.device).bfloat16()
     floor = nbytes / bandwidth * 1e6
