@@ -15,7 +15,7 @@ from .fp8_linear import fp8_gemm_ref, fp8_gemm_triton, fp8_linear_ref, fp8_linea
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_kv import rotary_kv_ref, rotary_kv_triton
-from .silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
 
 def _by_device(ref: Callable, triton_fn: Callable) -> Callable:
@@ -36,6 +36,7 @@ rotary_kv_ = _by_device(rotary_kv_ref, rotary_kv_triton)
 extend_attention = _by_device(extend_attention_ref, extend_attention_triton)
 decode_attention = _by_device(decode_attention_ref, decode_attention_triton)
 silu_and_mul = _by_device(silu_and_mul_ref, silu_and_mul_triton)
+gelu_tanh_and_mul = _by_device(gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton)
 apply_penalties_ = _by_device(apply_penalties_ref, apply_penalties_triton)
 random_uniform = _by_device(random_uniform_ref, random_uniform_triton)
 fp8_linear = _by_device(fp8_linear_ref, fp8_linear_triton)
@@ -44,6 +45,6 @@ fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
-    "silu_and_mul", "apply_penalties_", "random_uniform", "fp8_linear", "fp8_gemm",
+    "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "fp8_linear", "fp8_gemm",
     "fused_moe", "route_topk",
 ]

@@ -151,18 +151,28 @@ def dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")  # ieee only affects fp32 inputs: no TF32 rounding
 
 
+def score_scale(sm_scale: float, softcap: float) -> float:
+    """What attend_kv_block multiplies q.k by: sm_scale in log2 units, or with a soft cap (Gemma 2)
+    the argument of its tanh, sm_scale / softcap (the kernel applies LOG2E after the cap)."""
+    return sm_scale / softcap if softcap else sm_scale * LOG2E
+
+
 @triton.jit
 def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head, dims, dim_mask,
-                    k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, scale_log2,
-                    DOT_UPCAST: tl.constexpr):
+                    k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, qk_scale,
+                    DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
     """One step of the online softmax over a block of keys gathered through the token table:
     the queries' running max m_i, sum l_i and output acc, updated with keys `cols` (valid where
-    col_mask) where `allowed` [rows, cols] lets a query see a key. Shared by the attention kernels."""
+    col_mask) where `allowed` [rows, cols] lets a query see a key. Shared by the attention kernels.
+    qk_scale is score_scale(sm_scale, SOFTCAP); SOFTCAP > 0 caps each score at +-SOFTCAP with tanh."""
     slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)  # entries past the length may be unset
     # K/V in the queries' dtype: an fp8 cache (--kv_cache_dtype fp8_e4m3) is widened here, as it is read
     k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
                 mask=col_mask[None, :] & dim_mask[:, None], other=0.0).to(q.dtype)
-    scores = tl.where(allowed, dot(q, k, DOT_UPCAST) * scale_log2, float("-inf"))
+    scores = dot(q, k, DOT_UPCAST) * qk_scale
+    if SOFTCAP > 0:  # tanh(x) = 2 sigmoid(2x) - 1
+        scores = (SOFTCAP * 1.4426950408889634) * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)
+    scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -172,4 +182,5 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "next_power_of_2", "triton", "tl"]
+__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "next_power_of_2", "score_scale",
+           "triton", "tl"]

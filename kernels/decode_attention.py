@@ -5,12 +5,17 @@ chunks and, per (request, kv head, chunk), computes a partial softmax for all th
 of that kv group at once, so each K/V row is read once per group; stage 2 merges the chunks
 by their log-sum-exp. Large batches keep one chunk per request: stage 1 then writes the output
 and stage 2 is not launched. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
+
+A sliding-window layer (`window` > 0) attends to the last `window` keys only, the query's own
+included (as transformers' sliding mask: key position > query position - window); its chunks
+split those keys alone. `softcap` > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2).
+Both are compile-time constants of the Triton kernel: an unwindowed, uncapped layer pays nothing.
 """
 import functools
 
 import torch
 
-from ._triton import attend_kv_block, cdiv, fast_launch, LOG2E, next_power_of_2, tl, triton
+from ._triton import attend_kv_block, cdiv, fast_launch, next_power_of_2, score_scale, tl, triton
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -26,8 +31,10 @@ SPLIT_LAUNCH = (128, 4, 2)
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                         max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]]. The result
+                         max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]] (the last
+    `window` of them where window > 0). The result
     [B, Hq, D] goes to `out` where given (a slice of the step's attention output), else a new tensor.
 
     A row of length 1 attends to its one slot, so its output is that slot's V: computed apart,
@@ -41,21 +48,27 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     longer = (~single).nonzero().flatten()  # the CPU path: a host sync here is fine
     if len(longer):
         out[longer] = _attend_rows(q[longer], k_cache, v_cache, req_to_token, req_rows[longer], seq_lens[longer],
-                                   max_seqlen, sm_scale)
+                                   max_seqlen, sm_scale, window, softcap)
     return out
 
 
-def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seqlen: int, sm_scale: float):
+def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seqlen: int, sm_scale: float,
+                 window: int, softcap: float):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    positions = torch.arange(max_seqlen, device=q.device)
-    valid = positions[None, :] < seq_lens[:, None].long()  # [B, L]
-    slots = req_to_token[req_rows.long(), :max_seqlen].long()
+    seq_lens = seq_lens.long()
+    span = min(max_seqlen, window) if window else max_seqlen  # keys a row may see
+    first = (seq_lens - span).clamp(min=0)  # [B]: a window's first key; 0 without one
+    positions = first[:, None] + torch.arange(span, device=q.device)  # [B, L]
+    valid = positions < seq_lens[:, None]
+    slots = req_to_token[req_rows.long()[:, None], positions].long()
     slots = torch.where(valid, slots, 0)  # entries past seq_len may hold stale or unset slots
     k = k_cache[slots].float()  # [B, L, Hk, D]
     v = v_cache[slots].float()
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
     return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
@@ -63,20 +76,22 @@ def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seql
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, o_ptr, scale_log2, chunk, q_batch_stride, q_head_stride, k_slot_stride,
+                         part_lse_ptr, o_ptr, qk_scale, chunk, q_batch_stride, q_head_stride, k_slot_stride,
                          k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         DOT_UPCAST: tl.constexpr):
+                         DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Partial attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     Writes the chunk's normalised output and its log2-sum-exp2 per query head; empty chunks
     (past this request's length) write nothing, stage 2 does not read them. With one chunk per
     request (NUM_SPLITS == 1, large batches) the output is final: it goes straight to o and
-    there is no stage 2."""
+    there is no stage 2. Chunks count from the first key the query sees: 0, or its window's first."""
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     first = split * chunk
+    if WINDOW > 0:
+        first += tl.maximum(seq_len - WINDOW, 0)
     if first >= seq_len:
         return
     last = tl.minimum(first + chunk, seq_len)
@@ -96,7 +111,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
         col_mask = cols < last
         m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, col_mask[None, :],
                                         kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
-                                        v_head_stride, scale_log2, DOT_UPCAST)
+                                        v_head_stride, qk_scale, DOT_UPCAST, SOFTCAP)
     if NUM_SPLITS == 1:
         tl.store(o_ptr + req.to(tl.int64) * o_batch_stride + heads[:, None] * o_head_stride + dims[None, :],
                  (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
@@ -111,9 +126,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
 @triton.jit
 def _decode_merge_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, chunk, o_batch_stride, o_head_stride,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
     req, head = tl.program_id(0), tl.program_id(1)
-    num_used = tl.cdiv(tl.load(seq_lens_ptr + req), chunk)
+    seen = tl.load(seq_lens_ptr + req)
+    if WINDOW > 0:
+        seen = tl.minimum(seen, WINDOW)
+    num_used = tl.cdiv(seen, chunk)
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < num_used
     dims = tl.arange(0, BLOCK_D)
@@ -155,14 +173,15 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                            max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None,
-                            launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+                            max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
+                            softcap: float = 0.0, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """As decode_attention_ref; `launch` overrides stage 1's (BLOCK_N, warps, stages) (tune_decode_attention.py)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, max_seqlen, q.device, launch)
+    span = min(max_seqlen, window) if window else max_seqlen  # the most keys one query sees
+    splits, chunk, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, span, q.device, launch)
     block_d = next_power_of_2(head_dim)
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
@@ -172,13 +191,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:  # one split writes `out` directly and never touches the partials: `out` stands in for them
         part_o = part_lse = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, sm_scale * LOG2E, chunk,
+        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, score_scale(sm_scale, softcap),
+        chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_UPCAST=not q.is_cuda,
-        num_warps=warps, num_stages=stages)
+        WINDOW=window, SOFTCAP=float(softcap), num_warps=warps, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](
             part_o, part_lse, seq_lens, out, chunk, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
+            BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), WINDOW=window, num_warps=4)
     return out

@@ -6,7 +6,9 @@ own K/V were written into the cache before the call, so keys are read only from 
 through the request's row of req_to_token (slots need not be contiguous). A chunk of q_len
 tokens ends the request's kv_len cached tokens: its query j sits at position
 kv_len - q_len + j and sees positions 0..itself. A fresh prompt is the case kv_len == q_len,
-a decode the case q_len == 1. Requires kv_len <= req_to_token.shape[1].
+a decode the case q_len == 1. Requires kv_len <= req_to_token.shape[1]. A sliding-window layer
+(`window` > 0) lets each query see its last `window` positions only, itself included; `softcap`
+> 0 caps the scores (decode_attention.py says how); an unwindowed, uncapped layer pays nothing.
 
 The Triton grid is one program per (query block, head), read from `q_blocks` [2, NB] int32 on the
 device: row 0 the chunk of each block, row 1 its block index within the chunk (`extend_q_blocks`
@@ -16,7 +18,7 @@ before it belong to the step's decodes): the grid never depends on the step's le
 """
 import torch
 
-from ._triton import attend_kv_block, cdiv, fast_launch, LOG2E, next_power_of_2, tl, triton
+from ._triton import attend_kv_block, cdiv, fast_launch, next_power_of_2, score_scale, tl, triton
 
 
 def extend_block_m(head_dim: int) -> int:
@@ -54,7 +56,7 @@ def max_q_blocks(tokens: int, chunks: int, head_dim: int) -> int:
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
                          kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; q_blocks is unused (only the kernel's grid needs it).
     Writes the rows cu_q[0]:cu_q[-1] of `out` (a new tensor like q when None) and returns it."""
     out = torch.empty_like(q) if out is None else out
@@ -63,31 +65,38 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         start, end = bounds[i], bounds[i + 1]
         if start == end:  # a padding chunk
             continue
-        slots = req_to_token[row, :kv_len].long()
-        out[start:end] = _attend_chunk(q[start:end], k_cache[slots], v_cache[slots], sm_scale).to(q.dtype)
+        first = max(kv_len - (end - start) - window + 1, 0) if window else 0  # the chunk's first query's window
+        slots = req_to_token[row, first:kv_len].long()
+        out[start:end] = _attend_chunk(q[start:end], k_cache[slots], v_cache[slots], sm_scale, window,
+                                       softcap).to(q.dtype)
     return out
 
 
-def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """q [q_len, Hq, D] are the last q_len of the kv_len positions of k/v [kv_len, Hk, D]."""
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, window: int,
+                  softcap: float) -> torch.Tensor:
+    """q [q_len, Hq, D] are the last q_len of the n positions of k/v [n, Hk, D]."""
     group = q.shape[1] // k.shape[1]
-    q_len, kv_len = q.shape[0], k.shape[0]
+    q_len, n = q.shape[0], k.shape[0]
     qs = q.float().transpose(0, 1)  # [Hq, q_len, D]
-    ks = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv_len, D]
+    ks = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, n, D]
     vs = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    positions = torch.arange(kv_len - q_len, kv_len, device=q.device)
-    future = torch.arange(kv_len, device=q.device)[None, :] > positions[:, None]
-    probs = ((qs @ ks.transpose(1, 2)) * sm_scale).masked_fill(future, float("-inf")).softmax(-1)
+    positions = torch.arange(n - q_len, n, device=q.device)[:, None]
+    keys = torch.arange(n, device=q.device)[None, :]
+    hidden = (keys > positions) | (keys <= positions - window) if window else keys > positions
+    scores = (qs @ ks.transpose(1, 2)) * sm_scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     return (probs @ vs).transpose(0, 1)
 
 
 @fast_launch
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr, q_blocks_ptr,
-                   num_blocks, scale_log2, q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
+                   num_blocks, qk_scale, q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                    o_token_stride, o_head_stride, req_to_token_stride, GROUP: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One program: BLOCK_M queries of one request's chunk (as the block table says) and one query head."""
     block, head = tl.program_id(0), tl.program_id(1)
     req = tl.load(q_blocks_ptr + block)
@@ -106,19 +115,29 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
     dim_mask = dims < HEAD_DIM
     q = tl.load(q_ptr + (q_start + rows)[:, None] * q_token_stride + head * q_head_stride + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # A finite floor, not -inf: under a window a row may see no key of a block (before its window
+    # starts), and exp2(-inf - -inf) would make its sums NaN. Every real row sees itself, so no row
+    # divides by zero at the end.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Causal: keys past this block's last query position never contribute. Every row sees
-    # position 0, so the running max is finite after the first block and no row divides by zero.
+    # Causal: keys past this block's last query position never contribute; under a window neither
+    # do keys before its first query's window.
     kv_end = tl.minimum(kv_len - q_len + (m_block + 1) * BLOCK_M, kv_len)
-    for first in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(kv_len - q_len + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for first in range(kv_start, kv_end, BLOCK_N):
         cols = first + tl.arange(0, BLOCK_N)
         col_mask = cols < kv_end
         allowed = (positions[:, None] >= cols[None, :]) & col_mask[None, :]
+        if WINDOW > 0:
+            allowed = allowed & (cols[None, :] > positions[:, None] - WINDOW)
         m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head,
                                         dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
-                                        scale_log2, DOT_UPCAST)
+                                        qk_scale, DOT_UPCAST, SOFTCAP)
+    if WINDOW > 0:  # padding rows past the chunk may see no key at all; they are not stored
+        l_i = tl.where(row_mask, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + rows)[:, None] * o_token_stride + head * o_head_stride + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
@@ -127,7 +146,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
 def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
                             kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     _, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == out.stride(-1) == 1
@@ -137,8 +156,10 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n, warps = (64, 8) if block_m == 128 else (64, 4)
     num_blocks = q_blocks.shape[1]
     _extend_kernel[(num_blocks, num_q_heads)](
-        q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, q_blocks, num_blocks, sm_scale * LOG2E,
+        q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, q_blocks, num_blocks,
+        score_scale(sm_scale, softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, num_warps=warps, num_stages=2)
+        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
+        SOFTCAP=float(softcap), num_warps=warps, num_stages=2)
     return out

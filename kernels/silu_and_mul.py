@@ -1,4 +1,5 @@
-"""Gated MLP activation: silu(gate) * up, with x = [gate | up] along the last dim.
+"""Gated MLP activation: silu(gate) * up, with x = [gate | up] along the last dim; or with
+GELU's tanh form (Gemma's gelu_pytorch_tanh) in place of silu: gelu_tanh_and_mul.
 
 With `fp8_out` the output is quantised per row for the fp8 down projection (quantize_fp8_rows'
 pair), in the same launch (see rms_norm.py)."""
@@ -10,38 +11,63 @@ from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, store_qu
 
 
 def silu_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
+    return _gated_ref(x, F.silu, fp8_out)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
+    return _gated_ref(x, lambda gate: F.gelu(gate, approximate="tanh"), fp8_out)
+
+
+def _gated_ref(x: torch.Tensor, act, fp8_out: bool):
     inter = x.shape[-1] // 2
-    y = (F.silu(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)
+    y = (act(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)
     return quantize_fp8_rows_ref(y) if fp8_out else y
+
+
+@triton.jit
+def _act(gate, GELU: tl.constexpr):
+    """silu(g) = g sigmoid(g); GELU's tanh form g (1 + tanh(u)) / 2 = g sigmoid(2u), where
+    u = sqrt(2/pi) (g + 0.044715 g^3)."""
+    z = gate
+    if GELU:
+        z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+    return gate / (1.0 + tl.exp(-z))
 
 
 @fast_launch
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(y_ptr + row * y_stride + cols, (silu * up).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * y_stride + cols, (_act(gate, GELU) * up).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride, fp8_max, min_scale,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, GELU: tl.constexpr):
     """One row whole (BLOCK >= inter): its largest |y| scales it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the reference
+    y = (_act(gate, GELU) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the reference
     store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale)
 
 
 def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
+    return _gated_triton(x, fp8_out, gelu=False)
+
+
+def gelu_tanh_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
+    return _gated_triton(x, fp8_out, gelu=True)
+
+
+def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
     assert x.stride(-1) == 1
     tokens, width = x.shape
     inter = width // 2
@@ -50,10 +76,10 @@ def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
         scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
         block = next_power_of_2(inter)
         _silu_and_mul_fp8_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
-                                            BLOCK=block, num_warps=min(max(block // 1024, 1), 16))
+                                            BLOCK=block, GELU=gelu, num_warps=min(max(block // 1024, 1), 16))
         return q, scale
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,
-                                                              num_warps=4)
+                                                       GELU=gelu, num_warps=4)
     return y

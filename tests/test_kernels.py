@@ -18,7 +18,8 @@ from lightllm_kernels.fp8_linear import (FP8_MAX, SMALL_M_MAX, fp8_gemm_small_m,
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
-from lightllm_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from lightllm_kernels.silu_and_mul import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref,
+                                           silu_and_mul_triton)
 
 # The package's public `decode_attention` function shadows the submodule of the same name.
 decode_module = importlib.import_module("lightllm_kernels.decode_attention")
@@ -169,6 +170,30 @@ def test_silu_and_mul_ref_is_gated_silu():
     x = randn(3, 20)
     gate, up = x[:, :10], x[:, 10:]
     torch.testing.assert_close(silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 1500])
+def test_gelu_tanh_and_mul_triton_matches_ref(dtype, inter):
+    x = 3 * randn(4, 2 * inter, dtype=dtype)  # wide enough to reach GELU's tails
+    assert_close(gelu_tanh_and_mul_triton(x), gelu_tanh_and_mul_ref(x), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_fp8_out_triton_matches_ref(dtype):
+    x = randn(5, 2 * 80, dtype=dtype) * 3  # as the silu test below
+    q, scale = gelu_tanh_and_mul_triton(x, fp8_out=True)
+    q_ref, scale_ref = gelu_tanh_and_mul_ref(x, fp8_out=True)
+    torch.testing.assert_close(scale, scale_ref, rtol=2e-5 if dtype is torch.float32 else 2 * 2**-7, atol=0)
+    assert_within_one_fp8_step(q, scale, q_ref, scale_ref)
+
+
+def test_gelu_tanh_and_mul_ref_is_gated_tanh_gelu():
+    """Gemma's gelu_pytorch_tanh, written out: g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up."""
+    x = 3 * randn(3, 20)
+    gate, up = x[:, :10], x[:, 10:]
+    gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3)))
+    torch.testing.assert_close(gelu_tanh_and_mul_ref(x), gelu * up)
 
 
 # ---------------------------------------------------------------- decode attention
@@ -604,3 +629,66 @@ def test_host_cdiv_and_next_power_of_2_equal_tritons():
             assert cdiv(n, d) == triton.cdiv(n, d)
         if n:
             assert next_power_of_2(n) == triton.next_power_of_2(n)
+
+
+# ---------------------------------------------------------------- sliding window and soft cap
+# Windows below the query block (16 < BLOCK_M 64: a block's later rows see none of its first key
+# block), between the lengths (40; 150, which the decode kernel splits in two), and past every
+# length (500: the same as none); soft caps as Gemma 2's (50 on attention).
+WINDOWED = [(16, 0.0), (40, 50.0), (150, 30.0), (500, 0.0), (0, 50.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("waves", [0, 64], ids=["one-split", "split-k"])
+def test_windowed_decode_attention_triton_matches_ref(dtype, window, softcap, waves, monkeypatch):
+    monkeypatch.setattr(decode_module, "WAVES", waves)
+    seq_lens = PROMPT_LENS + [300, 200, 16, 17]
+    args = decode_batch(seq_lens, 4, 2, 64, dtype) + (max(seq_lens), 0.125)
+    expected = decode_attention_ref(*args, window=window, softcap=softcap)
+    assert_close(decode_attention_triton(*args, window=window, softcap=softcap), expected, ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+def test_windowed_extend_attention_triton_matches_ref(dtype, window, softcap):
+    args = extend_batch(CHUNKS, 4, 2, 64, dtype) + (0.125,)
+    expected = extend_attention_ref(*args, window=window, softcap=softcap)
+    out = extend_attention_triton(*args, window=window, softcap=softcap)
+    assert not out.isnan().any()
+    assert_close(out, expected, ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+def test_windowed_extend_attention_ref_matches_masked_sdpa(window, softcap):
+    """Over each request's whole sequence, with the mask built apart: query i sees key j where
+    i - window < j <= i; scores capped as softcap * tanh(s / softcap) before the mask."""
+    _, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, q_blocks = extend_batch(CHUNKS, 4, 2, 64,
+                                                                                         torch.float32)
+    full_q = [randn(new + cached, 4, 64) for new, cached in CHUNKS]
+    q = torch.cat([seq_q[cached:] for seq_q, (_, cached) in zip(full_q, CHUNKS)])
+    out = extend_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, cu_q, kv_lens, q_blocks, 0.3,
+                               window=window, softcap=softcap)
+    for i, (row, (new, cached)) in enumerate(zip(req_rows.tolist(), CHUNKS)):
+        n = new + cached
+        slots = req_to_token[row, :n].long()
+        keys, values = (cache[slots].transpose(0, 1).repeat_interleave(2, 0) for cache in (k_cache, v_cache))
+        scores = full_q[i].transpose(0, 1) @ keys.transpose(1, 2) * 0.3
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(n)
+        seen = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) if window else True)
+        expected = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values
+        start = cu_q[i].item()
+        torch.testing.assert_close(out[start:start + new], expected.transpose(0, 1)[cached:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+def test_windowed_decode_attention_ref_is_extend_attention_of_one_token(window, softcap):
+    chunks = [(1, cached) for cached in (0, 6, 15, 16, 40, 99)]
+    args = extend_batch(chunks, 4, 2, 64, torch.float32)
+    q, k_cache, v_cache, req_to_token, req_rows, _, kv_lens, _ = args
+    expected = extend_attention_ref(*args, 0.2, window=window, softcap=softcap)
+    out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, kv_lens, int(kv_lens.max()), 0.2,
+                               window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -12,9 +12,10 @@ import shutil
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 import lightllm_kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers, moe
@@ -35,11 +36,24 @@ CASES = {
                                   rope_parameters={"rope_type": "default", "rope_theta": 1234.5})),
     "llama_head_dim_32": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
     "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2)),
+    "mistral_window_8": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=8)),
     "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
     # q/k norms; head_dim apart from hidden / heads (64 / 4 = 16)
     "qwen3_head_dim_24": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=24)),
     "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
                                                             attention_bias=True)),
+    # Sliding layers (window 16: the schedule's sequences grow past it) beside global ones; Gemma 2's
+    # soft caps (attention 50, logits 30) and alternating layers; Gemma 3's q/k norms, its own rotary
+    # base on the sliding layers and linear scaling on the global ones; query_pre_attn_scalar apart
+    # from head_dim; tied and untied heads.
+    "gemma2_window_16": (Gemma2Config, Gemma2ForCausalLM, dict(num_hidden_layers=3, num_key_value_heads=2,
+                                                               head_dim=16, sliding_window=16,
+                                                               query_pre_attn_scalar=24)),
+    "gemma3_window_16": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}})),
     # experts in every layer, the top 2 of 4 renormalised
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
                                                         num_experts_per_tok=2)),
@@ -67,7 +81,7 @@ def randomize_(model, seed):
 def make_model(name, out_dir, seed=0):
     """Save the tiny model `name` of CASES to out_dir; returns the transformers model."""
     config_cls, model_cls, extra = CASES[name]
-    config = config_cls(**BASE, **extra, attn_implementation="eager")
+    config = config_cls(**{**BASE, **extra}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     randomize_(model, seed)
@@ -194,7 +208,8 @@ def test_unsupported_architecture_is_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*"
-                                               r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                               r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                               r"Gemma2ForCausalLM, Gemma3ForCausalLM"):
         make_runner(tmp_path)
 
 
@@ -238,11 +253,11 @@ def test_shape_mismatch_is_named(tmp_path):
 TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_triton",
               "rotary_kv_": "rotary_kv_triton",
               "extend_attention": "extend_attention_triton", "decode_attention": "decode_attention_triton",
-              "silu_and_mul": "silu_and_mul_triton"}
+              "silu_and_mul": "silu_and_mul_triton", "gelu_tanh_and_mul": "gelu_tanh_and_mul_triton"}
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_head_dim_24",
-                                  "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_head_dim_24", "gemma2_window_16",
+                                  "gemma3_window_16", "qwen3_moe"])
 def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monkeypatch):
     """The GPU path (Triton kernels; the interpreter on CPU) as the layers call it: strided q/k
     views, int32/int64 index tensors, packed prompts, token-table decode."""

@@ -48,7 +48,7 @@ def test_qwen3_30b_a3b_preset_is_accepted_and_splits_over_8_ranks(default_model_
     assert shape == (48, 2048, 32, 4, 128)
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (128, 8, 768)
     assert cfg.moe.renormalize and cfg.moe.layers == tuple(range(48))
-    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.sliding_window is None
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.layer_windows == ()
     assert cfg.vocab_size == len(AutoTokenizer.from_pretrained(model_dir, local_files_only=True)) == 49152
     assert not list(model_dir.glob("*.safetensors"))  # served with --load_format dummy
     for tp in (2, 4, 8):

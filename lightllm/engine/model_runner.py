@@ -164,9 +164,6 @@ class ModelRunner:
         if max_req_total_len > cfg.max_position_embeddings:
             logger.warning("max_req_total_len %d exceeds the model's max_position_embeddings %d",
                            max_req_total_len, cfg.max_position_embeddings)
-        if cfg.sliding_window and max_req_total_len > cfg.sliding_window:
-            logger.warning("attention is not windowed: tokens past sliding_window %d see the whole "
-                           "context, unlike the reference model", cfg.sliding_window)
 
     def _token_budget(self, requested: int | None, graph_bytes: int) -> int:
         """The KV budget; on CUDA what is free after the weights, less the headroom, which

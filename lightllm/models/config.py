@@ -1,10 +1,11 @@
 """Model configuration: the fields the decoder families need, read from config.json.
 
-Llama, Mistral, Qwen2 and Qwen3 differ only in these fields (Qwen2 always has q/k/v biases,
-Qwen3 normalises q and k per head), so one `ModelConfig` describes them all; Mixtral and
-Qwen3-MoE add a `MoEConfig` (which layers route their tokens to experts, and how). Both
-transformers 4 (`rope_theta`, `rope_scaling`) and transformers 5 (`rope_parameters`) layouts
-are read.
+Llama, Mistral, Qwen2/3 and Gemma 2/3 differ only in these fields (Qwen2 always has q/k/v
+biases; Qwen3 normalises q and k per head; Gemma adds norms on the attention's and MLP's
+outputs, sliding-window layers, GELU, scaled embeddings and soft caps), so one `ModelConfig`
+describes them all; Mixtral and Qwen3-MoE add a `MoEConfig` (which layers route their tokens
+to experts, and how). Both transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`)
+and transformers 5 (`rope_parameters`, per layer type for Gemma 3) layouts are read.
 """
 
 from __future__ import annotations
@@ -25,12 +26,21 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": dict(qk_norm=True),
+    "Gemma2ForCausalLM": dict(norm_offset=1.0, sandwich_norms=True),
+    "Gemma3ForCausalLM": dict(norm_offset=1.0, sandwich_norms=True, qk_norm=True),
     "MixtralForCausalLM": {},
     "Qwen3MoeForCausalLM": dict(qk_norm=True),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # tied embeddings unless config.json says otherwise
+# Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
+# (transformers' defaults); Mistral's layers all slide, Qwen2/3's from max_window_layers on.
+_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's name -> the MLP's
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32}
@@ -72,10 +82,23 @@ class ModelConfig:
     o_bias: bool
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None
     quantization: str | None = None  # the server's --quantization: how the layers store their projections
-    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    # Per layer: how many positions a query sees, its own included (transformers' sliding window);
+    # 0 for a global layer. Empty: every layer is global.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the sliding layers' own rope base, unscaled (Gemma 3)
     moe: MoEConfig | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh
+    norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + weight): Gemma's 1
+    sandwich_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's
+    attn_softcap: float = 0.0  # attention scores capped at +-attn_softcap by tanh (Gemma 2); 0: none
+    logit_softcap: float = 0.0  # the same for the final logits
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
 
 
 def read_json(path: Path) -> dict:
@@ -96,10 +119,23 @@ def _architecture(cfg: dict, path: Path) -> str:
     return arch
 
 
-def _rope(cfg: dict, path: Path) -> tuple[float, dict | None]:
+def _rope(cfg: dict, path: Path, default_theta: float) -> tuple[float, dict | None, float | None]:
+    """(theta, scaling) of the global layers and the sliding layers' own theta (Gemma 3), if any."""
     params = cfg.get("rope_parameters") or {}
+    local_theta = cfg.get("rope_local_base_freq")
+    if "full_attention" in params:  # transformers 5 with a rope per layer type
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelConfigError(f"unsupported rope scaling on the sliding layers in {path}; supported: none")
+        local_theta = local.get("rope_theta", local_theta)
+        params = params["full_attention"]
+    theta, scaling = _rope_scaling(cfg, params, path, default_theta)
+    return theta, scaling, None if local_theta is None else float(local_theta)
+
+
+def _rope_scaling(cfg: dict, params: dict, path: Path, default_theta: float) -> tuple[float, dict | None]:
     scaling = dict(cfg.get("rope_scaling") or params)
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(f"unsupported rope scaling type {rope_type!r} in {path}; supported: "
@@ -127,12 +163,41 @@ def _biases(cfg: dict) -> dict:
     return dict(qkv_bias=bias, o_bias=bias)
 
 
+def _activation(cfg: dict, path: Path) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")  # Gemma names it hidden_activation
+    if act not in ACTIVATIONS:
+        raise ModelConfigError(f"unsupported hidden_act {act!r} in {path}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[act]
+
+
 def _check_supported(cfg: dict, path: Path) -> None:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"unsupported hidden_act {act!r} in {path}; supported: silu")
     if cfg.get("mlp_bias"):
         raise ModelConfigError(f"mlp_bias=true in {path} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"use_bidirectional_attention=true in {path} (an embedding model) is not supported")
+
+
+def _layer_windows(cfg: dict, arch: str, num_layers: int) -> tuple[int, ...]:
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None and arch in _SLIDING_PATTERNS:
+        pattern = int(cfg.get("sliding_window_pattern", _SLIDING_PATTERNS[arch]))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif types is None:
+        first = int(cfg.get("max_window_layers", 0))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ModelConfigError(f"layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
+def _gemma(cfg: dict) -> dict:
+    """What Gemma reads from config.json beyond the fields every family has."""
+    return dict(embed_scale=float(cfg["hidden_size"]) ** 0.5, query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+                attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),  # null: no cap
+                logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
 def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
@@ -160,10 +225,9 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     cfg = read_json(path)
     arch = _architecture(cfg, path)
     _check_supported(cfg, path)
-    theta, scaling = _rope(cfg, path)
+    theta, scaling, local_theta = _rope(cfg, path, _DEFAULT_ROPE_THETA.get(arch, 10000.0))
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
-    use_window = cfg.get("use_sliding_window", True)
     return ModelConfig(
         model_dir=str(model_dir),
         architecture=arch,
@@ -178,12 +242,14 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=_eos_token_ids(cfg, model_dir),
-        sliding_window=cfg.get("sliding_window") if use_window else None,
+        layer_windows=_layer_windows(cfg, arch, num_layers),
+        local_rope_theta=(local_theta or 10000.0) if arch == "Gemma3ForCausalLM" else None,
+        hidden_act=_activation(cfg, path),
         moe=_moe(cfg, arch, num_layers),
-        **{**_biases(cfg), **SUPPORTED_ARCHITECTURES[arch]},
+        **{**_biases(cfg), **SUPPORTED_ARCHITECTURES[arch], **(_gemma(cfg) if arch in _GEMMA else {})},
     )
 
 

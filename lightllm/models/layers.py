@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear, rms_norm,
-                              rotary_kv_, silu_and_mul)
+from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear,
+                              gelu_tanh_and_mul, rms_norm, rotary_kv_, silu_and_mul)
 from lightllm_kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
@@ -168,20 +168,29 @@ class ParallelLMHead:
     An untied head is kept transposed ([hidden, vocab shard], as RowParallelLinear: faster for
     cuBLAS at decode batch sizes); a head tied to the embedding table uses that table as it is."""
 
-    def __init__(self, weight: torch.Tensor, tp: TPGroup, vocab: int, tied: bool):
+    def __init__(self, weight: torch.Tensor, tp: TPGroup, vocab: int, tied: bool, softcap: float = 0.0):
         self.weight_t = weight.t() if tied else weight.t().contiguous()
         self.tp, self.vocab = tp, vocab
+        self.softcap = softcap  # > 0: logits capped at +-softcap by tanh (Gemma 2)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = (h @ self.weight_t).float()
-        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab]
+        logits = self.tp.all_gather((h @ self.weight_t).float(), dim=-1)[:, : self.vocab]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class RMSNorm:
-    """fp8_out: the norm feeds fp8 projections and returns its output quantised for them."""
+    """fp8_out: the norm feeds fp8 projections and returns its output quantised for them.
+    offset: the norm scales by (offset + weight), Gemma's (1 + weight), kept in fp32 as Gemma
+    computes it (a bf16 1 + w would round away w's low bits). The normalised x is still rounded to
+    its dtype before the scale, as for Llama, where Gemma rounds once at the end: the same in fp32,
+    one rounding more in bf16."""
 
-    def __init__(self, weights, name: str, hidden: int, eps: float, fp8_out: bool = False):
+    def __init__(self, weights, name: str, hidden: int, eps: float, fp8_out: bool = False, offset: float = 0.0):
         self.weight = weights.get(name, (hidden,))
+        if offset:
+            self.weight = self.weight.float() + offset
         self.eps = eps
         self.fp8_out = fp8_out
 
@@ -236,7 +245,7 @@ class Attention:
     """q/k/v projection (column-parallel, merged), rotary, KV written to the token table,
     attention over the requests' rows of the table, o projection."""
 
-    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str):
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str, window: int = 0):
         d = cfg.head_dim
         q_start, self.q_heads = split_even(cfg.num_heads, tp, "num_attention_heads")
         kv_start, self.kv_heads = split_kv_heads(cfg.num_kv_heads, tp)
@@ -247,10 +256,12 @@ class Attention:
         self.o = RowParallelLinear(weights, tp, f"{prefix}.o_proj", cfg.hidden_size, cfg.num_heads * d,
                                    q_start * d, self.q_heads * d, cfg.o_bias, cfg.quantization)
         self.head_dim = d
-        self.scale = 1.0 / math.sqrt(d)
+        self.scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or d)
+        self.window, self.softcap = window, cfg.attn_softcap  # host numbers: Triton constexprs, fixed in a graph
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = (RMSNorm(weights, f"{prefix}.{n}_norm.weight", d, cfg.rms_norm_eps) for n in "qk")
+            self.q_norm, self.k_norm = (RMSNorm(weights, f"{prefix}.{n}_norm.weight", d, cfg.rms_norm_eps,
+                                                offset=cfg.norm_offset) for n in "qk")
 
     def __call__(self, h, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -272,15 +283,18 @@ class Attention:
         out = torch.empty_like(q)
         if n:
             decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows, batch.decode_seq_lens,
-                             batch.decode_max_seqlen, self.scale, out=out[:n])
+                             batch.decode_max_seqlen, self.scale, out=out[:n], window=self.window,
+                             softcap=self.softcap)
         if batch.has_chunks:  # after the decodes: a padded step's decode rows overlap the chunks' rows
             extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
-                             batch.ext_kv_lens, batch.ext_q_blocks, self.scale, out=out)
+                             batch.ext_kv_lens, batch.ext_q_blocks, self.scale, out=out, window=self.window,
+                             softcap=self.softcap)
         return out
 
 
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)) with gate/up merged into one column-parallel weight."""
+    """down(act(gate(x)) * up(x)) with gate/up merged into one column-parallel weight; act is silu,
+    or GELU's tanh form (Gemma)."""
 
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str):
         inter = cfg.intermediate_size
@@ -289,7 +303,9 @@ class GatedMLP:
         self.gate_up = ColumnParallelLinear(weights, parts, cfg.hidden_size, False, cfg.quantization)
         self.down = RowParallelLinear(weights, tp, f"{prefix}.down_proj", cfg.hidden_size, inter,
                                       start, count, False, cfg.quantization)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def __call__(self, h) -> torch.Tensor:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
-        return self.down(silu_and_mul(self.gate_up(h), self.down.fp8 is not None))
+        act_and_mul = gelu_tanh_and_mul if self.gelu else silu_and_mul  # looked up here: tests swap the kernels
+        return self.down(act_and_mul(self.gate_up(h), self.down.fp8 is not None))

@@ -1,5 +1,7 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, and with experts Mixtral and Qwen3-MoE): one model,
-differences come from the config."""
+"""The decoder family (Llama 2/3/3.1, Mistral, Qwen2/3, Gemma 2/3, and with experts Mixtral and
+Qwen3-MoE): one model, the differences come from the config (config.py): q/k norms, sliding-window
+layers, Gemma's extra norms, scaled embeddings, soft caps and a second rotary base for its sliding
+layers, and which layers' MLP is a mixture of experts (moe.py)."""
 
 from __future__ import annotations
 
@@ -15,23 +17,41 @@ from .moe import SparseMoE
 
 
 class DecoderLayer:
+    """norm -> attention -> norm -> MLP, each added to the residual stream; with sandwich norms
+    (Gemma) the attention's and the MLP's outputs are normed too before they are added."""
+
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int):
         prefix = f"model.layers.{index}"
         fp8 = cfg.quantization == "fp8"  # the norms feed the q/k/v and gate/up projections their fp8 input
         sparse = cfg.moe is not None and index in cfg.moe.layers
-        self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps,
-                                  fp8)
-        self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn")
-        # the router reads the experts' input unquantised: fused_moe quantises it for the experts
-        self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size,
-                                 cfg.rms_norm_eps, fp8 and not sparse)
-        self.mlp = SparseMoE(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
 
-    def __call__(self, x, residual, batch: ForwardBatch, rope, k_cache, v_cache):
+        def norm(name: str, fp8_out: bool = False) -> RMSNorm:
+            return RMSNorm(weights, f"{prefix}.{name}.weight", cfg.hidden_size, cfg.rms_norm_eps, fp8_out,
+                           cfg.norm_offset)
+
+        self.input_norm = norm("input_layernorm", fp8)
+        self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn", cfg.window(index))
+        self.local_rope = bool(cfg.local_rope_theta and cfg.window(index))
+        self.mlp = SparseMoE(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
+        mlp_fp8 = fp8 and not sparse  # a router reads the experts' input unquantised (fused_moe quantises it)
+        self.attn_out_norm = self.mlp_out_norm = None
+        if cfg.sandwich_norms:  # Gemma's post_attention_layernorm is on the attention's output
+            self.attn_out_norm = norm("post_attention_layernorm")
+            self.post_norm = norm("pre_feedforward_layernorm", mlp_fp8)
+            self.mlp_out_norm = norm("post_feedforward_layernorm")
+        else:
+            self.post_norm = norm("post_attention_layernorm", mlp_fp8)
+
+    def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)
-        x = self.attn(h, batch, rope, k_cache, v_cache)
+        x = self.attn(h, batch, ropes[self.local_rope], k_cache, v_cache)
+        if self.attn_out_norm is not None:
+            x, _ = self.attn_out_norm(x, None)
         h, residual = self.post_norm(x, residual)
-        return self.mlp(h), residual
+        x = self.mlp(h)
+        if self.mlp_out_norm is not None:
+            x, _ = self.mlp_out_norm(x, None)
+        return x, residual
 
 
 class LlamaModel:
@@ -40,20 +60,29 @@ class LlamaModel:
         self.embed = VocabParallelEmbedding(weights, tp, "model.embed_tokens.weight", cfg.vocab_size,
                                             cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.local_rotary = (RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, None, max_positions, device)
+                             if cfg.local_rope_theta else None)
         self.layers = [DecoderLayer(weights, tp, cfg, i) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset)
         head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
             weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
-        self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size, tied=cfg.tie_word_embeddings)
+        self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size, tied=cfg.tie_word_embeddings,
+                                      softcap=cfg.logit_softcap)
         self.kv_heads = self.layers[0].attn.kv_heads  # per rank
         self.dtype = self.embed.weight.dtype
+        # Gemma scales by sqrt(hidden) rounded to the activations' dtype, as transformers does
+        self.embed_scale = torch.tensor(cfg.embed_scale, dtype=self.dtype).item()
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
         """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
         x, residual = self.embed(batch.input_ids), None
-        rope = self.rotary(batch.positions)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        # each layer takes (cos, sin) of its own base: [0] the global one, [1] the sliding layers' (Gemma 3)
+        local = None if self.local_rotary is None else self.local_rotary(batch.positions)
+        ropes = (self.rotary(batch.positions), local)
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
-            x, residual = layer(x, residual, batch, rope, k_cache, v_cache)
+            x, residual = layer(x, residual, batch, ropes, k_cache, v_cache)
         if batch.logit_index is not None:
             x, residual = x[batch.logit_index], residual[batch.logit_index]
         h, _ = self.norm(x, residual)

@@ -31,6 +31,8 @@ class SparseMoE:
     """sum over each token's top-k experts of weight * down(silu(gate(x)) * up(x))."""
 
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, layer_prefix: str):
+        if cfg.hidden_act != "silu":
+            raise ModelConfigError(f"mixture-of-experts layers run silu experts only, not {cfg.hidden_act}")
         moe, hidden = cfg.moe, cfg.hidden_size
         block, gate, up, down = EXPERT_NAMES[cfg.architecture]
         prefix = f"{layer_prefix}.{block}"

@@ -1,18 +1,23 @@
 """Model directories for benchmarks and CPU tests, with the default model's tokenizer.
 
-    python -m lightllm.tools.bench_model --out DIR [--preset 8b|70b|qwen3-30b-a3b|tiny|...] [--tokenizer DIR]
+    python -m lightllm.tools.bench_model --out DIR [--preset NAME] [--tokenizer DIR]
 
 8b ("bench-8b"): the Llama-3.1-8B shape (llama3 rope scaling, untied embeddings, bfloat16)
     with the default model's 49152-token vocabulary and no weight files: the server loads it
     with `--load_format dummy`, so a GPU benchmark needs neither a download nor 16 GB of disk.
 70b ("bench-70b"): the same for Llama-3.1-70B's shape (80 layers, hidden 8192, 64 heads,
     8 KV heads, intermediate 28672): 141 GB of bf16 weights, served at --tp 4 or 8.
-qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV heads of 128,
-    experts in every layer: 128 of intermediate 768, 8 active, renormalised), dummy weights too:
-    61 GB in bf16, served on one H200 (or an H100 with little room for the KV cache).
+qwen3-8b, gemma3-12b: the same for Qwen3-8B's shape (36 layers, q/k norms, rope base 1e6) and
+    Gemma-3-12B's (48 layers, head_dim 256, sliding window 1024 on 5 layers of 6, rope base 1e4
+    on those and 1e6 with linear scaling 8 on the global ones, tied embeddings), both with the
+    default tokenizer's vocabulary: their own (151936, 262208 tokens) would only add to the head.
 tiny: a 2-layer model of the same family with seeded random float32 weights, small enough
-    to serve on a CPU in tests of the server and the benchmark client; tiny-mixtral and
-    tiny-qwen3-moe the same with 8 experts (2 active) in place of the dense MLPs.
+    to serve on a CPU in tests of the server and the benchmark client; tiny-qwen3, tiny-gemma2
+    and tiny-gemma3 the same for those families (sliding window 16 where they have one);
+    tiny-mixtral and tiny-qwen3-moe with 8 experts (2 active) in place of the dense MLPs.
+qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV heads of 128,
+    experts in every layer: 128 of intermediate 768, 8 active, renormalised), dummy weights:
+    61 GB in bf16, served on one H200, or on an H100 with --quantization fp8 (31 GB).
 
 The tokenizer comes from the default model, or from `--tokenizer DIR` (any directory with
 its files, such as a bench-8b directory): where there is no network, as on the GPU machines.
@@ -64,8 +69,25 @@ SHAPES = {
         num_key_value_heads=2,
         head_dim=16,
     ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "gemma3-12b": dict(
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+    ),
 }
-TINY_EXPERTS = dict(num_experts_per_tok=2, **SHAPES["tiny"])
+SHAPES.update({f"tiny-{family}": dict(SHAPES["tiny"], num_hidden_layers=3) for family in ("qwen3", "gemma2", "gemma3")})
+TINY_EXPERTS = dict(SHAPES["tiny"], num_experts_per_tok=2)
 SHAPES.update({
     "qwen3-30b-a3b": dict(
         hidden_size=2048,
@@ -79,43 +101,57 @@ SHAPES.update({
         num_key_value_heads=4,
         head_dim=128,
     ),
-    "tiny-mixtral": dict(num_local_experts=8, **TINY_EXPERTS),
-    "tiny-qwen3-moe": dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, **TINY_EXPERTS),
+    "tiny-mixtral": dict(TINY_EXPERTS, num_local_experts=8),
+    "tiny-qwen3-moe": dict(TINY_EXPERTS, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
 })
-# model_type of each preset that is not a Llama
-FAMILIES = {"qwen3-30b-a3b": "qwen3_moe", "tiny-mixtral": "mixtral", "tiny-qwen3-moe": "qwen3_moe"}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-MOE_ROPE_THETA = 1000000.0  # Mixtral's and Qwen3's, without scaling
-# tiny*: exact comparisons with transformers
-DTYPES = {"8b": "bfloat16", "70b": "bfloat16", "qwen3-30b-a3b": "bfloat16", "tiny": "float32",
-          "tiny-mixtral": "float32", "tiny-qwen3-moe": "float32"}
+MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral"}
+# tiny presets: float32, for exact comparisons with transformers
+DTYPES = {name: "float32" if name.startswith("tiny") else "bfloat16" for name in SHAPES}
+TINY_WINDOW = 16
 
 
-def rope_fields(family: str) -> dict:
-    """Rope as the real checkpoints' config.json spells it (and transformers 5 still reads)."""
-    if family == "llama":
-        return dict(rope_theta=LLAMA3_ROPE_THETA, rope_scaling=dict(LLAMA3_ROPE_SCALING))
-    return dict(rope_theta=MOE_ROPE_THETA)
+def family_config(preset: str) -> tuple[str, dict]:
+    """(transformers config class, its family's fields) of a preset; Llama 3.1's by default."""
+    family = MOE_PRESETS.get(preset) or preset.removeprefix("tiny-").split("-")[0]
+    tiny = preset.startswith("tiny")
+    if family == "qwen3_moe":
+        return "Qwen3MoeConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                      tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    if family == "mixtral":
+        return "MixtralConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                     tie_word_embeddings=False, architectures=["MixtralForCausalLM"])
+    if family == "qwen3":
+        return "Qwen3Config", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    if family in ("gemma2", "gemma3"):
+        head_dim = SHAPES[preset]["head_dim"]
+        common = dict(sliding_window=TINY_WINDOW if tiny else 1024, query_pre_attn_scalar=head_dim,
+                      max_position_embeddings=8192 if family == "gemma2" else 131072, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True)
+        if family == "gemma2":
+            return "Gemma2Config", dict(common, architectures=["Gemma2ForCausalLM"])
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}
+        return "Gemma3TextConfig", dict(common, rope_parameters=rope, architectures=["Gemma3ForCausalLM"],
+                                        sliding_window_pattern=2 if tiny else 6)
+    return "LlamaConfig", dict(max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
+                               rope_theta=LLAMA3_ROPE_THETA, rope_scaling=dict(LLAMA3_ROPE_SCALING),
+                               tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
 def make_config(preset: str, tokenizer_dir: Path):
-    from transformers import AutoConfig, AutoTokenizer
+    import transformers
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    family = FAMILIES.get(preset, "llama")
-    return AutoConfig.for_model(
-        family,
+    class_name, fields = family_config(preset)
+    return getattr(transformers, class_name)(
         **SHAPES[preset],
-        **rope_fields(family),
+        **fields,
         vocab_size=len(tokenizer),
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        architectures=[ARCHITECTURES[family]],
         dtype=DTYPES[preset],
     )
 
@@ -151,12 +187,13 @@ def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_di
         save_random_weights(config, out, seed)
     else:
         save_config_only(config, out)
-    # Llama 3.1's own config.json spells rope as rope_theta + rope_scaling and the dtype as
-    # torch_dtype (Qwen3-MoE's its expert count num_experts); transformers 5 reads both spellings,
-    # older and plain-JSON readers only those.
-    experts = {"num_experts": config.num_experts} if FAMILIES.get(preset) == "qwen3_moe" else {}
-    update_json(out / "config.json", **rope_fields(FAMILIES.get(preset, "llama")), **experts,
-                torch_dtype=DTYPES[preset])
+    if config.model_type == "llama":
+        # Llama 3.1's own config.json spells rope as rope_theta + rope_scaling and the dtype as
+        # torch_dtype; transformers 5 reads both spellings, older and plain-JSON readers only those.
+        update_json(out / "config.json", rope_theta=LLAMA3_ROPE_THETA, rope_scaling=dict(LLAMA3_ROPE_SCALING),
+                    torch_dtype=DTYPES[preset])
+    if config.model_type == "qwen3_moe":  # as Qwen3-MoE's own config.json counts its experts
+        update_json(out / "config.json", num_experts=config.num_experts)
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, out / name)
     logger.info("wrote the %s model directory %s", preset, out)

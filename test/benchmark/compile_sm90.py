@@ -39,7 +39,7 @@ from lightllm_kernels.fused_moe import (DECODE_PLAN, PREFILL_PLAN, fused_moe_tri
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
-from lightllm_kernels.silu_and_mul import silu_and_mul_triton  # noqa: E402
+from lightllm_kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 
 # The package's public `decode_attention` function shadows the submodule of the same name.
 decode_module = importlib.import_module("lightllm_kernels.decode_attention")
@@ -91,6 +91,7 @@ def call_every_kernel() -> None:
         rms_norm_triton(x, weight, 1e-5, fp8_out)
         add_rms_norm_triton(x, x.clone(), weight, 1e-5, fp8_out)
         silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
+        gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
     q8, scale = quantize_fp8_rows_triton(x)
     w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
     for sms in (4, H100_SMS):  # K whole, and split (the GEMM, then the reduction)
@@ -114,6 +115,9 @@ def call_every_kernel() -> None:
         cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
         blocks = torch.tensor(extend_q_blocks([1, 3], HEAD_DIM, 4), dtype=torch.int32).view(2, -1)
         extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1)
+    # a sliding-window layer with soft-capped scores (Gemma 2), on the last pass's (fp8) cache
+    decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1, window=256, softcap=50.0)
+    extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1, window=256, softcap=50.0)
     logits = torch.randn(2, 1000)
     counts = torch.ones(3, dtype=torch.int32)
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
