@@ -62,6 +62,11 @@ CASES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_key_value_heads=2, head_dim=32, num_experts=8,
                                                             num_experts_per_tok=3, moe_intermediate_size=32,
                                                             norm_topk_prob=True, mlp_only_layers=[1])),
+    # Qwen3-MoE's window slides in every layer: transformers ignores max_window_layers there (its
+    # real config.json has max_window_layers = num_hidden_layers)
+    "qwen3_moe_window_8": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     # top-k weights as their share of all experts (norm_topk_prob false); experts in every second layer
     "qwen3_moe_sparse_step": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                               dict(num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,

@@ -36,8 +36,10 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # tied embeddings unless config.json says otherwise
 # Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
-# (transformers' defaults); Mistral's layers all slide, Qwen2/3's from max_window_layers on.
+# (transformers' defaults); Qwen2/3's slide from max_window_layers on, the others' (Mistral,
+# Mixtral, Qwen3-MoE: transformers ignores its max_window_layers) all slide.
 _SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's name -> the MLP's
@@ -186,7 +188,7 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int) -> tuple[int, ...]:
         pattern = int(cfg.get("sliding_window_pattern", _SLIDING_PATTERNS[arch]))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     elif types is None:
-        first = int(cfg.get("max_window_layers", 0))
+        first = int(cfg.get("max_window_layers", 0)) if arch in _MAX_WINDOW_LAYERS else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers:
         raise ModelConfigError(f"layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
