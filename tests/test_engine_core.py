@@ -1,7 +1,8 @@
 """The engine core (scheduler + model runner in process, no sockets): chunked prefill mixed with
 running decodes equals transformers' greedy generate; overlap on and off give the same tokens;
 an abort mid-prefill frees its chunks' slots; idle, every KV slot is free.
-Relies on transformers' Llama, Qwen2 and Qwen3 modeling code (rotary with llama3 scaling) and its greedy `generate` as the oracle."""
+Relies on transformers' Llama, Qwen2, Qwen3 and Qwen3-MoE modeling code (rotary with llama3 scaling) and its greedy
+`generate` as the oracle."""
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def assert_idle(core: EngineCore) -> None:
     assert runner.token_table.used_count == 0 and not runner.nodes
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_tied_bias"])
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_tied_bias", "qwen3_moe"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_with_running_decodes_equals_transformers(name, chunk, tmp_path):
     hf_model = make_model(name, tmp_path)

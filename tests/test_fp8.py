@@ -1,7 +1,8 @@
 """--quantization fp8: the model with fp8 projections against transformers running the same
 arithmetic (weights rounded to fp8 per output row, each projection's input rounded to fp8 per
 token), and the default model's fp8 logits against its unquantised ones.
-Relies on transformers' Llama and Qwen2 modeling code, its projections' forward replaced, as the oracle."""
+Relies on transformers' Llama, Qwen2 and Qwen3-MoE modeling code, its projections' (and experts')
+forward replaced, as the oracle."""
 
 import pytest
 import torch
@@ -36,9 +37,43 @@ def fp8_emulated_(hf_model):
     return hf_model
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied"])
+def dequantized_experts(weight: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] rounded to fp8 with one scale per output row of each expert, back in fp32."""
+    q, scale = quantize_fp8_weight(weight.reshape(-1, weight.shape[-1]))
+    return (q.float() * scale.t()).view(weight.shape)
+
+
+def fp8_linear_emulated(x, weight):
+    rows, x_scale = quantize_fp8_rows_ref(x)
+    return (rows.float() * x_scale) @ weight.t()
+
+
+def fp8_experts_emulated_(hf_model):
+    """Each MoE block's experts (transformers' 3D gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    as fused_moe with fp8 experts: weights rounded per expert row, each expert's input rows
+    rounded per row, the rest as transformers' own loop over the experts."""
+    for name, module in hf_model.named_modules():
+        if not name.endswith("mlp.experts"):
+            continue
+        module.gate_up_proj.data = dequantized_experts(module.gate_up_proj.data)
+        module.down_proj.data = dequantized_experts(module.down_proj.data)
+
+        def forward(hidden_states, top_k_index, top_k_weights, module=module):
+            out = torch.zeros_like(hidden_states)
+            for expert in top_k_index.unique().tolist():
+                token, choice = torch.where(top_k_index == expert)
+                gate, up = fp8_linear_emulated(hidden_states[token], module.gate_up_proj[expert]).chunk(2, dim=-1)
+                y = fp8_linear_emulated(module.act_fn(gate) * up, module.down_proj[expert])
+                out.index_add_(0, token, y * top_k_weights[token, choice, None])
+            return out
+
+        module.forward = forward
+    return hf_model
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "mixtral", "qwen3_moe_sparse_step"])
 def test_fp8_model_matches_transformers_with_the_same_rounding(name, tmp_path, captured_logits):
-    hf_model = fp8_emulated_(make_model(name, tmp_path))
+    hf_model = fp8_experts_emulated_(fp8_emulated_(make_model(name, tmp_path)))
     steps = run_schedule(make_runner(tmp_path, quantization="fp8"), random_prompts(1))
     assert len(captured_logits) == len(steps)
     assert_logits_match_hf(hf_model, captured_logits, steps)

@@ -18,7 +18,8 @@ if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists() and not os.envi
 TOOL = Path(__file__).resolve().parents[1] / "test" / "benchmark" / "compile_sm90.py"
 KERNELS = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel", "_quantize_rows_kernel",
            "_fp8_gemm_small_m_kernel", "_reduce_splits_kernel", "_rotary_kv_kernel", "_decode_split_kernel",
-           "_decode_merge_kernel", "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel"}
+           "_decode_merge_kernel", "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel",
+           "_moe_gate_up_kernel", "_moe_down_kernel", "_align_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():
@@ -33,3 +34,6 @@ def test_every_kernel_compiles_for_sm90():
     assert sum("_decode_split_kernel(" in line for line in lines) == 5
     assert sum("_extend_kernel(" in line and "WINDOW=256" in line for line in lines) == 1
     assert sum("_silu_and_mul_kernel(" in line and "GELU=True" in line for line in lines) == 1
+    # the fused MoE's decode and prefill plans, with bf16 and fp8 experts
+    assert sum("_moe_gate_up_kernel(" in line for line in lines) == 4
+    assert sum("_moe_down_kernel(" in line for line in lines) == 4

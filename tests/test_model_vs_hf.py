@@ -13,11 +13,12 @@ import shutil
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 import lightllm_kernels
-from lightllm.models import ModelConfigError, WeightLoadError, layers
+from lightllm.models import ModelConfigError, WeightLoadError, layers, moe
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
 
@@ -53,6 +54,23 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}})),
+    # experts in every layer, the top 2 of 4 renormalised
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
+                                                        num_experts_per_tok=2)),
+    # q/k norms, head_dim apart from hidden / heads; experts in layer 0 (top 3 of 8, renormalised), a
+    # dense MLP in layer 1 (mlp_only_layers)
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_key_value_heads=2, head_dim=32, num_experts=8,
+                                                            num_experts_per_tok=3, moe_intermediate_size=32,
+                                                            norm_topk_prob=True, mlp_only_layers=[1])),
+    # Qwen3-MoE's window slides in every layer: transformers ignores max_window_layers there (its
+    # real config.json has max_window_layers = num_hidden_layers)
+    "qwen3_moe_window_8": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    # top-k weights as their share of all experts (norm_topk_prob false); experts in every second layer
+    "qwen3_moe_sparse_step": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                              dict(num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                                   moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2)),
 }
 
 
@@ -244,7 +262,7 @@ TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_trito
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_head_dim_24", "gemma2_window_16",
-                                  "gemma3_window_16"])
+                                  "gemma3_window_16", "qwen3_moe"])
 def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monkeypatch):
     """The GPU path (Triton kernels; the interpreter on CPU) as the layers call it: strided q/k
     views, int32/int64 index tensors, packed prompts, token-table decode."""
@@ -253,6 +271,7 @@ def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monk
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
     for op, triton_fn in TRITON_OPS.items():
         monkeypatch.setattr(layers, op, getattr(lightllm_kernels, triton_fn))
+    monkeypatch.setattr(moe, "fused_moe", lightllm_kernels.fused_moe_triton)
     hf_model = make_model(name, tmp_path)
     steps = run_schedule(make_runner(tmp_path), random_prompts(4))
     assert_logits_match_hf(hf_model, captured_logits, steps)

@@ -2,8 +2,9 @@
 
 Covers a KV-head split (GQA 4/2), a replicated KV head (MQA: 1 KV head, 2 ranks: each rank
 keeps a copy of the one head), q/k/v biases, Qwen3's per-head q/k norms, Gemma's sliding windows,
-soft caps and extra norms, tied and untied heads, and a vocabulary (101)
-that does not divide by 2 (padded shards). Tolerance atol = rtol = 1e-4 in fp32 (all-reduce
+soft caps and extra norms, tied and untied heads, a vocabulary (101) that does not divide by 2
+(padded shards), and Qwen3-MoE's experts (each rank half of every expert's intermediate dimension)
+beside a dense layer. Tolerance atol = rtol = 1e-4 in fp32 (all-reduce
 changes the summation order; observed differences are ~1e-6).
 """
 
@@ -22,7 +23,7 @@ from lightllm.utils.dist import TPGroup
 
 ATOL = RTOL = 1e-4
 TP_CASES = ["llama_gqa_llama3_rope", "llama_mqa_tied_theta", "qwen2_bias_tied", "qwen3_head_dim_24",
-            "gemma2_window_16", "gemma3_window_16"]
+            "gemma2_window_16", "gemma3_window_16", "qwen3_moe"]
 
 
 def free_port():

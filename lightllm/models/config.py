@@ -3,7 +3,8 @@
 Llama, Mistral, Qwen2/3 and Gemma 2/3 differ only in these fields (Qwen2 always has q/k/v
 biases; Qwen3 normalises q and k per head; Gemma adds norms on the attention's and MLP's
 outputs, sliding-window layers, GELU, scaled embeddings and soft caps), so one `ModelConfig`
-describes them all. Both transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`)
+describes them all; Mixtral and Qwen3-MoE add a `MoEConfig` (which layers route their tokens
+to experts, and how). Both transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`)
 and transformers 5 (`rope_parameters`, per layer type for Gemma 3) layouts are read.
 """
 
@@ -27,13 +28,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qk_norm=True),
     "Gemma2ForCausalLM": dict(norm_offset=1.0, sandwich_norms=True),
     "Gemma3ForCausalLM": dict(norm_offset=1.0, sandwich_norms=True, qk_norm=True),
+    "MixtralForCausalLM": {},
+    "Qwen3MoeForCausalLM": dict(qk_norm=True),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # tied embeddings unless config.json says otherwise
 # Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
-# (transformers' defaults); Mistral's layers all slide, Qwen2/3's from max_window_layers on.
+# (transformers' defaults); Qwen2/3's slide from max_window_layers on, the others' (Mistral,
+# Mixtral, Qwen3-MoE: transformers ignores its max_window_layers) all slide.
 _SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's name -> the MLP's
@@ -44,6 +50,18 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 
 class ModelConfigError(ValueError):
     """The model directory cannot be served: names the problem and what is supported."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: each token's `top_k` of `num_experts` gated MLPs of width
+    `intermediate_size`, in the decoder layers `layers` (the others keep the dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # the top-k weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,7 @@ class ModelConfig:
     # 0 for a global layer. Empty: every layer is global.
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the sliding layers' own rope base, unscaled (Gemma 3)
+    moe: MoEConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh
     norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + weight): Gemma's 1
     sandwich_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
@@ -169,7 +188,7 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int) -> tuple[int, ...]:
         pattern = int(cfg.get("sliding_window_pattern", _SLIDING_PATTERNS[arch]))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     elif types is None:
-        first = int(cfg.get("max_window_layers", 0))
+        first = int(cfg.get("max_window_layers", 0)) if arch in _MAX_WINDOW_LAYERS else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers:
         raise ModelConfigError(f"layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
@@ -181,6 +200,23 @@ def _gemma(cfg: dict) -> dict:
     return dict(embed_scale=float(cfg["hidden_size"]) ** 0.5, query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
                 attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),  # null: no cap
                 logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+
+
+def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
+    """Mixtral: every layer, top-k renormalised. Qwen3-MoE: the layers of every
+    `decoder_sparse_step`-th index (from 1) less `mlp_only_layers`, renormalised by `norm_topk_prob`."""
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
+                         int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
+    if arch != "Qwen3MoeForCausalLM":
+        return None
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 saves the latter
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if not num_experts or not layers:
+        return None
+    return MoEConfig(num_experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+                     bool(cfg.get("norm_topk_prob", False)), layers)
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
@@ -214,6 +250,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         layer_windows=_layer_windows(cfg, arch, num_layers),
         local_rope_theta=(local_theta or 10000.0) if arch == "Gemma3ForCausalLM" else None,
         hidden_act=_activation(cfg, path),
+        moe=_moe(cfg, arch, num_layers),
         **{**_biases(cfg), **SUPPORTED_ARCHITECTURES[arch], **(_gemma(cfg) if arch in _GEMMA else {})},
     )
 

@@ -1,6 +1,7 @@
-"""The decoder family (Llama 2/3/3.1, Mistral, Qwen2/3, Gemma 2/3): one model, the differences
-come from the config (config.py): q/k norms, sliding-window layers, Gemma's extra norms, scaled
-embeddings, soft caps and a second rotary base for its sliding layers."""
+"""The decoder family (Llama 2/3/3.1, Mistral, Qwen2/3, Gemma 2/3, and with experts Mixtral and
+Qwen3-MoE): one model, the differences come from the config (config.py): q/k norms, sliding-window
+layers, Gemma's extra norms, scaled embeddings, soft caps and a second rotary base for its sliding
+layers, and which layers' MLP is a mixture of experts (moe.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lightllm.utils.dist import TPGroup
 from .config import ModelConfig
 from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      VocabParallelEmbedding, vocab_shard)
+from .moe import SparseMoE
 
 
 class DecoderLayer:
@@ -21,6 +23,7 @@ class DecoderLayer:
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, index: int):
         prefix = f"model.layers.{index}"
         fp8 = cfg.quantization == "fp8"  # the norms feed the q/k/v and gate/up projections their fp8 input
+        sparse = cfg.moe is not None and index in cfg.moe.layers
 
         def norm(name: str, fp8_out: bool = False) -> RMSNorm:
             return RMSNorm(weights, f"{prefix}.{name}.weight", cfg.hidden_size, cfg.rms_norm_eps, fp8_out,
@@ -29,14 +32,15 @@ class DecoderLayer:
         self.input_norm = norm("input_layernorm", fp8)
         self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn", cfg.window(index))
         self.local_rope = bool(cfg.local_rope_theta and cfg.window(index))
-        self.mlp = GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
+        self.mlp = SparseMoE(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
+        mlp_fp8 = fp8 and not sparse  # a router reads the experts' input unquantised (fused_moe quantises it)
         self.attn_out_norm = self.mlp_out_norm = None
         if cfg.sandwich_norms:  # Gemma's post_attention_layernorm is on the attention's output
             self.attn_out_norm = norm("post_attention_layernorm")
-            self.post_norm = norm("pre_feedforward_layernorm", fp8)
+            self.post_norm = norm("pre_feedforward_layernorm", mlp_fp8)
             self.mlp_out_norm = norm("post_feedforward_layernorm")
         else:
-            self.post_norm = norm("post_attention_layernorm", fp8)
+            self.post_norm = norm("post_attention_layernorm", mlp_fp8)
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)

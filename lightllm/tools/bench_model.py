@@ -13,7 +13,11 @@ qwen3-8b, gemma3-12b: the same for Qwen3-8B's shape (36 layers, q/k norms, rope 
     default tokenizer's vocabulary: their own (151936, 262208 tokens) would only add to the head.
 tiny: a 2-layer model of the same family with seeded random float32 weights, small enough
     to serve on a CPU in tests of the server and the benchmark client; tiny-qwen3, tiny-gemma2
-    and tiny-gemma3 the same for those families (sliding window 16 where they have one).
+    and tiny-gemma3 the same for those families (sliding window 16 where they have one);
+    tiny-mixtral and tiny-qwen3-moe with 8 experts (2 active) in place of the dense MLPs.
+qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV heads of 128,
+    experts in every layer: 128 of intermediate 768, 8 active, renormalised), dummy weights:
+    61 GB in bf16, served on one H200, or on an H100 with --quantization fp8 (31 GB).
 
 The tokenizer comes from the default model, or from `--tokenizer DIR` (any directory with
 its files, such as a bench-8b directory): where there is no network, as on the GPU machines.
@@ -83,6 +87,24 @@ SHAPES = {
     ),
 }
 SHAPES.update({f"tiny-{family}": dict(SHAPES["tiny"], num_hidden_layers=3) for family in ("qwen3", "gemma2", "gemma3")})
+TINY_EXPERTS = dict(SHAPES["tiny"], num_experts_per_tok=2)
+SHAPES.update({
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,  # of a dense layer; it has none (no mlp_only_layers)
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+    ),
+    "tiny-mixtral": dict(TINY_EXPERTS, num_local_experts=8),
+    "tiny-qwen3-moe": dict(TINY_EXPERTS, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+})
+MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral"}
 # tiny presets: float32, for exact comparisons with transformers
 DTYPES = {name: "float32" if name.startswith("tiny") else "bfloat16" for name in SHAPES}
 TINY_WINDOW = 16
@@ -90,8 +112,14 @@ TINY_WINDOW = 16
 
 def family_config(preset: str) -> tuple[str, dict]:
     """(transformers config class, its family's fields) of a preset; Llama 3.1's by default."""
-    family = preset.removeprefix("tiny-").split("-")[0]
+    family = MOE_PRESETS.get(preset) or preset.removeprefix("tiny-").split("-")[0]
     tiny = preset.startswith("tiny")
+    if family == "qwen3_moe":
+        return "Qwen3MoeConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                      tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    if family == "mixtral":
+        return "MixtralConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                     tie_word_embeddings=False, architectures=["MixtralForCausalLM"])
     if family == "qwen3":
         return "Qwen3Config", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
                                    tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
@@ -164,6 +192,8 @@ def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_di
         # torch_dtype; transformers 5 reads both spellings, older and plain-JSON readers only those.
         update_json(out / "config.json", rope_theta=LLAMA3_ROPE_THETA, rope_scaling=dict(LLAMA3_ROPE_SCALING),
                     torch_dtype=DTYPES[preset])
+    if config.model_type == "qwen3_moe":  # as Qwen3-MoE's own config.json counts its experts
+        update_json(out / "config.json", num_experts=config.num_experts)
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, out / name)
     logger.info("wrote the %s model directory %s", preset, out)

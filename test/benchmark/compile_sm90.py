@@ -34,6 +34,8 @@ from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E
 from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
+from lightllm_kernels.fused_moe import (DECODE_PLAN, PREFILL_PLAN, fused_moe_triton,  # noqa: E402
+                                        quantize_experts_fp8)
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -121,6 +123,22 @@ def call_every_kernel() -> None:
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
                            counts, torch.tensor([0, 2, 3], dtype=torch.int32))
     random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
+    call_moe_kernels()
+
+
+def call_moe_kernels() -> None:
+    """Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, 8 active; 16 experts, not 128:
+    nothing runs), with the decode and the prefill plan, bf16 and fp8 experts."""
+    experts, hidden, inter, top_k, tokens = 16, 2048, 768, 8, 4
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, dtype=BF16)
+    w_down = torch.randn(experts, hidden, inter, dtype=BF16)
+    weights, ids = torch.rand(tokens, top_k), torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+    fp8_experts = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
+    w_gate_up8, gate_up_scale, w_down8, down_scale = fp8_experts
+    for plan in (DECODE_PLAN, PREFILL_PLAN):
+        fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan)
+        fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan)
 
 
 def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict):

@@ -1,0 +1,62 @@
+"""The mixture-of-experts MLP layer (Mixtral, Qwen3-MoE), tensor-parallel as the dense MLP.
+
+Every rank keeps the whole router and, of every expert, the same slice of the intermediate
+dimension: its gate/up rows and its down columns, as GatedMLP splits the dense MLP. So each rank
+routes the same tokens to the same experts, computes its share of every chosen expert's output,
+and one all-reduce after the experts sums the shares (kernels/fused_moe.py does the rest).
+With `--quantization fp8` the experts are stored in fp8 (one scale per output row of each expert)
+and both grouped GEMMs run on fp8 inputs; the router stays in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightllm.utils.dist import TPGroup
+from lightllm_kernels import fused_moe, route_topk
+from lightllm_kernels.fused_moe import quantize_experts_fp8
+
+from .config import ModelConfig, ModelConfigError
+from .layers import split_even
+
+# architecture -> (the MLP's checkpoint name, the gate, up and down projections' names in an expert)
+EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+class SparseMoE:
+    """sum over each token's top-k experts of weight * down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, layer_prefix: str):
+        if cfg.hidden_act != "silu":
+            raise ModelConfigError(f"mixture-of-experts layers run silu experts only, not {cfg.hidden_act}")
+        moe, hidden = cfg.moe, cfg.hidden_size
+        block, gate, up, down = EXPERT_NAMES[cfg.architecture]
+        prefix = f"{layer_prefix}.{block}"
+        inter = moe.intermediate_size
+        start, count = split_even(inter, tp, "the experts' intermediate size")
+        self.router = weights.get(f"{prefix}.gate.weight", (moe.num_experts, hidden))
+        experts = [f"{prefix}.experts.{e}" for e in range(moe.num_experts)]
+        # [E, 2 * count, H]: this rank's gate rows, then its up rows (the kernel's layout)
+        w_gate_up = torch.stack([torch.cat([weights.get(f"{name}.{proj}.weight", (inter, hidden), 0, start, count)
+                                            for proj in (gate, up)]) for name in experts])
+        w_down = torch.stack([weights.get(f"{name}.{down}.weight", (hidden, inter), 1, start, count)
+                              for name in experts])  # [E, H, count]
+        self.experts = _fp8_experts(w_gate_up, w_down) if cfg.quantization == "fp8" else (w_gate_up, w_down)
+        self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route_topk(F.linear(h, self.router), self.top_k, self.renormalize)
+        w_gate_up, w_down, *scales = self.experts
+        return self.tp.all_reduce(fused_moe(h, w_gate_up, w_down, topk_weights, topk_ids, *scales))
+
+
+def _fp8_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple:
+    """(gate/up fp8, down fp8, gate/up scales, down scales): fused_moe's arguments after the routing."""
+    if w_gate_up.is_cuda and torch.cuda.get_device_capability(w_gate_up.device) < (8, 9):
+        raise ModelConfigError("--quantization fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
+    (gate_up, gate_up_scale), (down, down_scale) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
+    return gate_up, down, gate_up_scale, down_scale

@@ -1,0 +1,184 @@
+"""The fused MoE kernels against their torch reference under ragged expert loads, the reference
+against transformers' Mixtral and Qwen3-MoE blocks, and the routing and alignment invariants.
+Without a GPU the Triton kernels run in the interpreter (conftest.py); shapes are tiny."""
+import os
+
+import importlib
+
+import pytest
+import torch
+
+from lightllm_kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert_ref, align_by_expert_triton,
+                                        fused_moe_ref, fused_moe_triton,
+                                        padded_pairs_bound, quantize_experts_fp8, route_topk)
+
+# the package's public `fused_moe` function shadows the submodule of the same name
+fused_moe_module = importlib.import_module("lightllm_kernels.fused_moe")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32: summation order only. bf16: gate/up, the product and each expert's output are rounded to
+# bf16 on both paths, but at different points of an fp32 sum (and the interpreter rounds toward
+# zero), so a few ulps of 2^-8.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+HIDDEN, INTER = 40, 48  # neither a multiple of the blocks: masked columns and K tails
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+
+
+def experts(num_experts, dtype, hidden=HIDDEN, inter=INTER):
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE) / hidden ** 0.5
+    w_down = torch.randn(num_experts, hidden, inter, device=DEVICE) / inter ** 0.5
+    return w_gate_up.to(dtype), w_down.to(dtype)
+
+
+def random_routing(tokens, num_experts, top_k):
+    """Distinct experts per token (as top-k gives) with weights that sum to 1."""
+    ids = torch.rand(tokens, num_experts, device=DEVICE).argsort(dim=1)[:, :top_k].to(torch.int32)
+    return torch.softmax(torch.randn(tokens, top_k, device=DEVICE), dim=1), ids
+
+
+def skewed_routing(tokens, num_experts, top_k, hot=0):
+    """Every token's first choice is expert `hot`; the others come from the lower half of the rest,
+    so the upper experts get no tokens at all."""
+    cold = torch.arange(num_experts, device=DEVICE)
+    cold = cold[cold != hot][: max(top_k - 1, (num_experts - 1) // 2)]
+    rest = cold[torch.rand(tokens, len(cold), device=DEVICE).argsort(dim=1)[:, : top_k - 1]]
+    ids = torch.cat([torch.full((tokens, 1), hot, device=DEVICE), rest], dim=1).to(torch.int32)
+    return torch.softmax(torch.randn(tokens, top_k, device=DEVICE), dim=1), ids
+
+
+def assert_triton_matches_ref(x, w_gate_up, w_down, weights, ids, plan=None):
+    expected = fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    actual = fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan)
+    assert actual.dtype == x.dtype and actual.shape == x.shape
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[x.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 4, 1), (5, 8, 2), (19, 8, 8), (3, 16, 8)])
+def test_fused_moe_triton_matches_ref(dtype, tokens, num_experts, top_k):
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
+    assert_triton_matches_ref(x, *experts(num_experts, dtype), *random_routing(tokens, num_experts, top_k))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_fused_moe_one_expert_takes_every_token_and_some_take_none(top_k):
+    """Expert 3 gets all 40 tokens (three blocks of 16, the last one ragged); the upper half of
+    the experts get none, so their blocks are absent and the padding past them is skipped."""
+    num_experts, tokens = 16, 40
+    weights, ids = skewed_routing(tokens, num_experts, top_k, hot=3)
+    counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    assert counts[3] == tokens and (counts[num_experts // 2 + 1:] == 0).all()
+    x = torch.randn(tokens, HIDDEN, device=DEVICE)
+    assert_triton_matches_ref(x, *experts(num_experts, torch.float32), weights, ids, plan=DECODE_PLAN)
+
+
+def test_fused_moe_prefill_sized_blocks():
+    """Row blocks of 64, columns of 32 and K blocks of 16: several K steps, one block per
+    expert with most rows padding."""
+    x = torch.randn(24, HIDDEN, device=DEVICE)
+    plan = MoEPlan(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(24, 4, 2), plan=plan)
+
+
+def test_fused_moe_reads_strided_rows_of_x():
+    wide = torch.randn(6, HIDDEN + 8, device=DEVICE)
+    x = wide[:, 4:HIDDEN + 4]
+    assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(6, 4, 2))
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+# fp32 activations: the per-pair rows the down projection quantises differ between the paths by
+# summation order only, so they land on the same e4m3 values. bf16: each path rounds those rows
+# itself (the interpreter toward zero), and a row whose largest entry moves by one bf16 step is
+# quantised on another grid: entries up to half an e4m3 step (6%) apart, a few percent of the norm.
+FP8_REL_ERR = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k,plan", [(3, 2, None), (21, 8, MoEPlan(32, 32, 32, 4, 2))])
+def test_fused_moe_fp8_triton_matches_ref(dtype, tokens, top_k, plan):
+    num_experts = 8
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
+    w_gate_up, w_down = experts(num_experts, dtype)
+    w_gate_up8, gate_up_scale, w_down8, down_scale = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
+    weights, ids = random_routing(tokens, num_experts, top_k)
+    expected = fused_moe_ref(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale)
+    actual = fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan)
+    assert actual.dtype == dtype and relative_error(actual, expected) < FP8_REL_ERR[dtype]
+    unquantised = fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    assert 1e-3 < relative_error(expected, unquantised) < 0.1  # e4m3 rounding: a few percent, never none
+
+
+def test_quantize_experts_fp8_scales_each_experts_rows():
+    weight = torch.randn(3, 5, 32, device=DEVICE)
+    q, scale = quantize_experts_fp8(weight)
+    assert q.shape == weight.shape and scale.shape == (3, 5)
+    assert torch.equal(q.float().abs().amax(-1), torch.full((3, 5), 448.0, device=DEVICE))
+    torch.testing.assert_close(q.float() * scale[..., None], weight, atol=0, rtol=0.07)
+
+
+def test_fused_moe_ref_is_the_sum_of_each_tokens_experts():
+    tokens, num_experts, top_k = 7, 6, 3
+    x = torch.randn(tokens, HIDDEN, device=DEVICE)
+    w_gate_up, w_down = experts(num_experts, torch.float32)
+    weights, ids = random_routing(tokens, num_experts, top_k)
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            gate, up = (w_gate_up[ids[t, j]] @ x[t]).split(INTER)
+            expected[t] += weights[t, j] * (w_down[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(fused_moe_ref(x, w_gate_up, w_down, weights, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_route_topk_renormalised_is_softmax_over_the_chosen_logits():
+    logits = torch.randn(9, 8, device=DEVICE)
+    weights, ids = route_topk(logits, 2, renormalize=True)
+    top_logits, top_ids = torch.topk(logits, 2, dim=-1)
+    assert torch.equal(ids.long(), top_ids)
+    torch.testing.assert_close(weights, torch.softmax(top_logits, dim=-1))
+    shares, _ = route_topk(logits, 2, renormalize=False)
+    torch.testing.assert_close(shares, torch.softmax(logits, dim=-1).gather(1, top_ids))
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 1, 16), (13, 8, 3, 4), (40, 16, 8, 16)])
+def test_align_by_expert_groups_every_pair_once_in_blocks_of_one_expert(tokens, num_experts, top_k, block_m):
+    _, ids = random_routing(tokens, num_experts, top_k)
+    sorted_pairs, block_experts = align_by_expert_ref(ids, num_experts, block_m)
+    num_pairs = tokens * top_k
+    assert sorted_pairs.shape[0] == padded_pairs_bound(num_pairs, num_experts, block_m) == block_m * len(block_experts)
+    real = sorted_pairs[sorted_pairs < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # each pair once
+    assert (sorted_pairs[sorted_pairs >= num_pairs] == num_pairs).all()
+    block_of_slot = block_experts.repeat_interleave(block_m)
+    slot_ok = sorted_pairs < num_pairs
+    assert torch.equal(block_of_slot[slot_ok], ids.flatten()[sorted_pairs[slot_ok].long()])
+    used = block_experts[block_experts < num_experts]
+    assert torch.equal(used, used.sort().values)  # runs in expert order, then the unused tail
+    assert (block_experts[len(used):] == num_experts).all()
+    assert set(used.tolist()) == set(ids.flatten().tolist())  # no block for an expert without pairs
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 1, 16), (13, 8, 3, 4), (40, 16, 8, 16),
+                                                              (300, 6, 2, 32)])
+def test_align_by_expert_triton_equals_ref(tokens, num_experts, top_k, block_m, monkeypatch):
+    """Both stable, so equal slot for slot; 300 tokens: long runs, and with steps of 64 ids the
+    kernel's loops take 10 steps."""
+    monkeypatch.setattr(fused_moe_module, "ALIGN_BLOCK", 64)
+    _, ids = random_routing(tokens, num_experts, top_k)
+    for expected, actual in zip(align_by_expert_ref(ids, num_experts, block_m),
+                                align_by_expert_triton(ids, num_experts, block_m)):
+        assert torch.equal(actual, expected)
+
+
+def test_align_by_expert_triton_with_empty_experts_and_a_hot_one():
+    _, ids = skewed_routing(37, 16, 4, hot=5)
+    for expected, actual in zip(align_by_expert_ref(ids, 16, 16), align_by_expert_triton(ids, 16, 16)):
+        assert torch.equal(actual, expected)
