@@ -3,7 +3,8 @@
     python test/benchmark/gpu_check_model.py
 
 For a few tiny random models (Llama: GQA with llama3 rope; Qwen2: q/k/v bias, tied embeddings;
-Qwen3: q/k norms; Gemma 2 and 3: sliding windows past which the prompts run, soft caps) it prefills a mixed batch through ModelRunner on the GPU, decodes greedily
+Qwen3: q/k norms; Gemma 2 and 3: sliding windows past which the prompts run, soft caps; Mixtral
+and Qwen3-MoE: the fused MoE kernel) it prefills a mixed batch through ModelRunner on the GPU, decodes greedily
 (CUDA graphs), and also runs the engine core (chunked prefill beside running decodes, with one
 step in flight and without), and compares with transformers' greedy `generate` on the same GPU
 and weights:
@@ -36,7 +37,8 @@ import tempfile
 
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.model_runner import ModelRunner, run_step
@@ -60,6 +62,12 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}})),
+    # the fused MoE kernel: Mixtral's top 2 of 8; Qwen3-MoE's top 3 of 16 renormalised, a dense layer
+    "mixtral_top2_of_8": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=8,
+                                                                  num_experts_per_tok=2)),
+    "qwen3_moe_top3_of_16": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_key_value_heads=2, num_experts=16, num_experts_per_tok=3, moe_intermediate_size=128,
+        norm_topk_prob=True, mlp_only_layers=[1])),
 }
 PROMPT_LENS = (5, 130, 37, 300)
 NEW_TOKENS = 24
