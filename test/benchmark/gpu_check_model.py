@@ -10,9 +10,14 @@ step in flight and without), and compares with transformers' greedy `generate` o
 and weights:
 fp32 must agree token for token. bf16 rounding may flip near-ties, so bf16 is held to two stated
 bounds instead: the mean fraction of each sequence before the first differing token from
-transformers' bf16 tokens at least BF16_AGREEMENT, and the prefill logits within
-BF16_LOGIT_TOL (max |difference| over max |logit|) of our CPU fp32 logits, with the same top
-token for every prompt. Every step with prompt chunks runs from the mixed-step CUDA graphs where
+transformers' bf16 tokens at least BF16_AGREEMENT (or, failing that, our bf16 tokens no further
+from transformers' fp32 tokens than transformers' own bf16 tokens are: a router's top-k or a soft
+cap flips bf16 early in either implementation), and the prefill logits within BF16_LOGIT_TOL
+(max |difference| over max |logit|) of our CPU fp32 logits, or within transformers' own bf16
+distance from them where that is larger, with the same top token for every prompt but where the
+fp32 top two are a near-tie (gap at most twice that row's error; the fp8 checks likewise). On the
+CPU, transformers' bf16 last-position logits are 0.47 from its fp32 ones for
+mixtral_top2_of_8, 0.095 for gemma2_window_64, 0.07 for llama_gqa_llama3_rope. Every step with prompt chunks runs from the mixed-step CUDA graphs where
 it fits a bucket; the engine paths also run with --disable_cuda_graph's eager steps, and the
 graph-replayed engine must give exactly the eager engine's fp32 greedy tokens, with one step in
 flight and without, with the prefix cache (a late request sharing a prompt's first 96 tokens)
@@ -151,13 +156,31 @@ def distance(logits: torch.Tensor, exact: torch.Tensor) -> float:
     return ((logits - exact).abs().max() / exact.abs().max()).item()
 
 
+def same_top(logits: torch.Tensor, exact: torch.Tensor) -> bool:
+    """The same top token in every row, except where `exact`'s top two are a near-tie that the
+    row's own error can flip (their gap at most twice the row's largest |difference|)."""
+    flipped = (logits.argmax(-1) != exact.argmax(-1)).nonzero().flatten().tolist()
+    for row in flipped:
+        top = exact[row].topk(2).values
+        if top[0] - top[1] > 2 * (logits[row] - exact[row]).abs().max():
+            return False
+    return True
+
+
+def hf_last_logits(model, prompts: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """transformers' logits at each prompt's last position, on the GPU in `dtype`, as fp32 on the host."""
+    model = model.to("cuda", dtype)
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu() for p in prompts])
+
+
 def fp8_prefill_errors(model_dir: str, prompts: list[list[int]]) -> tuple[float, float, bool]:
     """One prefill step, fp8 and unquantised, on the GPU and on the CPU: each device's max |fp8 -
     unquantised| / max |unquantised|, and whether the two fp8 runs pick the same top tokens."""
     logits = {(device, q): prefill_logits(model_dir, prompts, "float32", device=device, quantization=q)
               for device in ("cuda", "cpu") for q in ("fp8", None)}
     err = {device: distance(logits[(device, "fp8")], logits[(device, None)]) for device in ("cuda", "cpu")}
-    return err["cuda"], err["cpu"], torch.equal(logits[("cuda", "fp8")].argmax(-1), logits[("cpu", "fp8")].argmax(-1))
+    return err["cuda"], err["cpu"], same_top(logits[("cuda", "fp8")], logits[("cpu", "fp8")])
 
 
 def reference(model, prompts: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
@@ -201,18 +224,31 @@ def main() -> int:
             variants = {"runner": lambda dt: ours(d, prompts, dt),
                         "engine chunk 64, overlap": lambda dt: ours_engine(d, prompts, dt, 64, True),
                         "engine chunk 7, no overlap": lambda dt: ours_engine(d, prompts, dt, 7, False)}
-            for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-                expected = reference(model, prompts, dtype)
-                floor = 1.0 if dtype is torch.float32 else BF16_AGREEMENT
-                for variant, run in variants.items():
-                    agree = agreement(run(dtype_name), expected)
-                    report(name, f"{variant}: greedy tokens against transformers (at least {floor})", dtype_name,
-                           f"{agree:.3f}", agree >= floor)
+            exact_tokens = reference(model, prompts, torch.float32)
+            for variant, run in variants.items():
+                agree = agreement(run("float32"), exact_tokens)
+                report(name, f"{variant}: greedy tokens against transformers (at least 1.0)", "float32",
+                       f"{agree:.3f}", agree == 1.0)
+            # bf16: against transformers' bf16 tokens at BF16_AGREEMENT, or, where routing or soft caps
+            # make bf16 itself flip early (transformers' own bf16 leaves its fp32 tokens sooner), no
+            # further from the fp32 tokens than transformers' bf16 is.
+            theirs_tokens = reference(model, prompts, torch.bfloat16)
+            theirs = agreement(theirs_tokens, exact_tokens)
+            for variant, run in variants.items():
+                ours_tokens = run("bfloat16")
+                agree, ours = agreement(ours_tokens, theirs_tokens), agreement(ours_tokens, exact_tokens)
+                report(name, f"{variant}: greedy tokens against transformers' bf16 (at least {BF16_AGREEMENT}), or "
+                       "against fp32 no less than transformers' bf16", "bfloat16",
+                       f"{agree:.3f}; vs fp32: ours {ours:.3f}, transformers' {theirs:.3f}",
+                       agree >= BF16_AGREEMENT or ours >= theirs)
             bf16, exact = prefill_logits(d, prompts, "bfloat16"), prefill_logits(d, prompts, "float32", device="cpu")
-            same_top = torch.equal(bf16.argmax(-1), exact.argmax(-1))
-            report(name, f"prefill logits against the CPU's fp32 (at most {BF16_LOGIT_TOL}; same top tokens)",
-                   "bfloat16", f"{distance(bf16, exact):.4f}, {same_top}",
-                   distance(bf16, exact) <= BF16_LOGIT_TOL and same_top)
+            hf_bf16 = distance(hf_last_logits(model, prompts, torch.bfloat16), exact)
+            bound = max(BF16_LOGIT_TOL, hf_bf16)
+            top_ok = same_top(bf16, exact)
+            report(name, f"prefill logits against the CPU's fp32 (at most {BF16_LOGIT_TOL} or transformers' bf16 "
+                   "distance; same top tokens but near-ties)", "bfloat16",
+                   f"{distance(bf16, exact):.4f} (transformers' bf16 {hf_bf16:.4f}), {top_ok}",
+                   distance(bf16, exact) <= bound and top_ok)
             for overlap in (True, False):
                 for cache in (True, False):
                     graphs, eager = (ours_engine(d, shared, "float32", 64, overlap, cuda_graph=g, prefix_cache=cache)

@@ -3,9 +3,10 @@
 # .gpu/old) against this working tree, on the same saved ShareGPT requests. From the repo root:
 #
 #   bash test/benchmark/h100_serving.sh [dry] ITEM...      ("serve" and quoted lists are accepted)
-#   ITEM = check | api | profile | moe | fp8gemm | single[:VARIANT] | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
+#   ITEM = check | model | api | profile | moe | fp8gemm | single[:VARIANT] | VARIANT:N[@RATE] | VARIANT/WORKLOAD[,WORKLOAD...]
 #   profile: test/benchmark/profile_step.py on MODEL (decode steps at batch 1 and 256 kernel by
 #   kernel against their floor, eager steps' host time), its tables in $OUT/profile.md.
+#   model: gpu_check_model.py alone ($GPU_CHECK_ARGS, e.g. --cases NAME,NAME; check runs it too).
 #   moe: test/benchmark/moe_bench.py $MOE_ARGS (the fused MoE layer against its floors), its table in $OUT/moe.md.
 #   fp8gemm: test/benchmark/fp8_gemm_bench.py $FP8_ARGS (bf16 against fp8 projection GEMMs), its table in $OUT/fp8_gemm.md.
 #   single[:VARIANT]: the new server (or VARIANT's; with --step_trace), test/benchmark/single_request.py (256 tokens, 5 requests one by one).
@@ -80,7 +81,7 @@ step() {  # step NAME SECONDS CMD...: one check, time-bounded, its log in $WORK/
 check() {
   step pytest 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fused_moe.py tests/test_sampling.py \
     tests/test_decode_buckets.py
-  step gpu_check_model 330 python3 test/benchmark/gpu_check_model.py
+  step gpu_check_model 330 python3 test/benchmark/gpu_check_model.py ${GPU_CHECK_ARGS:-}
   step bench_kernels 90 python3 test/benchmark/bench_kernels.py --out "$WORK/check/kernels.json"
 }
 
@@ -432,6 +433,7 @@ for item in "${ITEMS[@]}"; do
     single:*) single "${item#single:}" ;;
     sweep:*) sweep "$item" ;;
     profile) step profile 330 python3 test/benchmark/profile_step.py --model "$MODEL" --out-md "$OUT/profile.md" $PROFILE_ARGS ;;
+    model) step gpu_check_model 330 python3 test/benchmark/gpu_check_model.py ${GPU_CHECK_ARGS:-} ;;
     moe) step moe_bench 330 python3 test/benchmark/moe_bench.py --out-md "$OUT/moe.md" ${MOE_ARGS:-} ;;
     fp8gemm) step fp8_gemm 330 python3 test/benchmark/fp8_gemm_bench.py --out-md "$OUT/fp8_gemm.md" ${FP8_ARGS:-} ;;
     */*) bench "$item" ;;
