@@ -236,11 +236,11 @@ def main() -> int:
             theirs = agreement(theirs_tokens, exact_tokens)
             for variant, run in variants.items():
                 ours_tokens = run("bfloat16")
-                agree, ours = agreement(ours_tokens, theirs_tokens), agreement(ours_tokens, exact_tokens)
+                agree, own = agreement(ours_tokens, theirs_tokens), agreement(ours_tokens, exact_tokens)
                 report(name, f"{variant}: greedy tokens against transformers' bf16 (at least {BF16_AGREEMENT}), or "
                        "against fp32 no less than transformers' bf16", "bfloat16",
-                       f"{agree:.3f}; vs fp32: ours {ours:.3f}, transformers' {theirs:.3f}",
-                       agree >= BF16_AGREEMENT or ours >= theirs)
+                       f"{agree:.3f}; vs fp32: ours {own:.3f}, transformers' {theirs:.3f}",
+                       agree >= BF16_AGREEMENT or own >= theirs)
             bf16, exact = prefill_logits(d, prompts, "bfloat16"), prefill_logits(d, prompts, "float32", device="cpu")
             hf_bf16 = distance(hf_last_logits(model, prompts, torch.bfloat16), exact)
             bound = max(BF16_LOGIT_TOL, hf_bf16)
