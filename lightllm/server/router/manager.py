@@ -195,7 +195,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
 
 
 def serve(manager: RouterManager, workers: ModelWorkers) -> None:
-    """Serve until the stop signal (SystemExit) or a failure, which the HTTP process hears of first."""
+    """Serve until the stop signal or a failure, which the HTTP process hears of first."""
     try:
         manager.serve_forever()
     except WorkerDied as exc:
