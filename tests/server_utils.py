@@ -22,7 +22,8 @@ class Server:
     def __init__(self, args: list[str], log_path: Path, own_process_group: bool = False):
         """`own_process_group`: a session of its own, so that a test can signal the whole group."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--ssl_certfile" in args else "http"  # the test trusts the certificate (REQUESTS_CA_BUNDLE)
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(self.port), *args]
         logger.info("starting %s (log: %s)", " ".join(cmd), log_path)

@@ -3,7 +3,7 @@
 The main process first takes the HTTP port (a port in use fails at once, with one line), then
 starts the router (which starts one model worker per tensor-parallel rank; one router per --dp
 replica) and the detokenizer, waits until each reports ready, then serves HTTP itself, and logs
-"serving ... on http://HOST:PORT" once /health answers 200. If a child process dies, every open
+"serving ... on http(s)://HOST:PORT" once /health answers 200. If a child process dies, every open
 request ends with an error naming it, and the server stops with a non-zero exit status.
 SIGTERM or Ctrl-C (to the main process or its whole group) drains: new requests get 503, open
 ones have --shutdown_timeout seconds to finish and then end as unavailable (503 with Retry-After);
@@ -105,7 +105,7 @@ def listen_http(config: ServerConfig) -> socket.socket:
 def announce_serving(config: ServerConfig, sock: socket.socket, manager: HttpServerManager) -> None:
     """Log where the server serves, once uvicorn accepts connections and /health's own condition
     holds, so that a client reading the line gets 200 from its first /health."""
-    url = f"http://{config.host}:{sock.getsockname()[1]}"
+    url = f"{config.scheme}://{config.host}:{sock.getsockname()[1]}"
     problem = manager.health_problem()
     if problem is None:
         logger.info("serving %s on %s", config.model_dir, url)
@@ -124,7 +124,8 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app = create_app(config, tokenizer, ready, heartbeats)
     manager = app.state.server.manager
     # Every request has ended before uvicorn stops; this bounds the writing of their last bytes.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3,
+                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile))
     exit_code = 0
     drain_task = None
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -69,8 +70,11 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
 
     app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
-    if config.api_key is not None:  # added last, so it runs first: a keyless body is never read
+    if config.api_key is not None:  # added after the body limit, so it runs first: a keyless body is never read
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    if config.origins:  # outermost: a preflight carries no key, and a 401 or 413 still needs its CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=config.origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.state.server = state
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(RequestValidationError, fastapi_validation_error)
