@@ -246,5 +246,19 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
         logger.info("server stopped")
 
 
+def run_main() -> None:
+    """main(), then exit without running C++ destructors: a grammar still compiling on the HTTP
+    process's daemon thread (grammar_cache.py) would end in std::terminate, and an abort. Every
+    `finally` has run by then (children stopped, socket directory removed)."""
+    try:
+        code = main()
+    except SystemExit as exc:  # a stop signal's handler
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main()
