@@ -31,6 +31,7 @@ class GrammarCache:
         self.model_dir, self.model_info, self.timeout = model_dir, model_info, timeout
         self._grammars = None  # engine.grammar.Grammars, used on the compile thread alone
         self._work: queue.SimpleQueue | None = None  # (future, function, args) for the compile thread
+        self._ready: Future | None = None  # the compiler's making, once
         self._done: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._running: dict[tuple[str, str], Future] = {}
 
@@ -46,7 +47,9 @@ class GrammarCache:
             self._done.move_to_end(key)
             return self._done[key]
         loop = asyncio.get_running_loop()
-        await asyncio.wrap_future(self._submit(self._compiler))  # once per process, not counted in the bound
+        if self._ready is None:
+            self._ready = self._submit(self._compiler)
+        await asyncio.wrap_future(self._ready)  # once per process (the tokenizer's view), not counted in the bound
         future = self._running.get(key)
         if future is None:
             future = self._running[key] = self._submit(self._serialize, kind, spec)
@@ -76,11 +79,10 @@ class GrammarCache:
                     future.set_exception(exc)
 
     def _compiler(self) -> None:
-        if self._grammars is None:
-            from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
+        from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
 
-            self._grammars = Grammars(self.model_dir, self.model_info["vocab_size"],
-                                      stop_token_ids=list(self.model_info["eos_token_ids"]), max_threads=1)
+        self._grammars = Grammars(self.model_dir, self.model_info["vocab_size"],
+                                  stop_token_ids=list(self.model_info["eos_token_ids"]), max_threads=1)
         self._grammars.compiler
 
     def _serialize(self, kind: str, spec: str) -> str:
