@@ -1,6 +1,7 @@
 """Structured output: the validator, the compile cache, the masks, and decoding under a grammar."""
 
 import json
+import random
 import re
 
 import pytest
@@ -145,6 +146,31 @@ def test_compile_cache(grammars, monkeypatch):
     assert grammars.compile("regex", "x1") is first
     assert grammars.compile("regex", "x2") is not second
     assert CACHE_SIZE >= 2
+
+
+def test_a_serialized_grammar_reads_back_to_the_same_masks(default_model_dir, grammars, tokenizer, closing_bias):
+    """What the HTTP process compiles (`serialize`) and a runner's Grammars reads back (`compile`
+    with it, no compile of its own): every step's mask equals that of the grammar compiled here."""
+    spec = json.dumps(SCHEMA)
+    runner_side = Grammars(default_model_dir, VOCAB)
+    runner_side.compile = lambda kind, spec, serialized="": Grammars.compile(runner_side, kind, spec, serialized) \
+        if serialized else pytest.fail("the runner compiled")
+    read_back = runner_side.matcher("json_schema", spec, grammars.serialize("json_schema", spec))
+    direct = grammars.matcher("json_schema", spec)
+    masks = allocate_bitmask(2, VOCAB)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for _ in range(60):
+        read_back.fill(masks, 0)
+        direct.fill(masks, 1)
+        assert torch.equal(masks[0], masks[1])
+        logits = torch.randn(1, VOCAB, generator=gen) + closing_bias
+        apply_bitmask_(logits, masks[1:], None)
+        token = torch.multinomial(logits.softmax(-1), 1, generator=gen).item()
+        assert read_back.accept(token) and direct.accept(token)
+        if direct.terminated:
+            assert read_back.terminated
+            return
+    pytest.fail("no end after 60 tokens")
 
 
 def test_matcher_rejects_a_bad_spec(grammars):

@@ -1,7 +1,8 @@
 """Tensor parallelism over two "nodes" on this machine: two launches of the api_server module
 (node 0: HTTP, router, detokenizer and rank 0; node 1: rank 1 alone), gloo over loopback, the
 tiny random model. The greedy tokens of --tp 2 --nnodes 2 are those of --tp 1; node 1 follows
-node 0 out; a node that never comes ends the start-up of the one waiting for it.
+node 0 out; a node that never comes ends the start-up of the one waiting for it; what a stranger
+who reads the rendezvous store can do (nothing with the workers), and a worker loads once.
 """
 
 import dataclasses
@@ -20,16 +21,19 @@ import psutil
 import pytest
 
 from lightllm import LLM, SamplingParams
-from lightllm.engine.workers import accept_router, token_authenticator
+from lightllm.engine.workers import accept_router, connect_remote_worker, node_key, to_wire, token_authenticator
+from lightllm.server.config import NODE_TOKEN_ENV, parse_config
 from lightllm.tools.bench_model import write_bench_model
-from lightllm.utils.dist import LIVENESS_TIMEOUT, NodeLayout, Rendezvous
+from lightllm.utils.dist import LAYOUT_KEY, LIVENESS_TIMEOUT, RUN_KEY, NodeLayout, Rendezvous
 from lightllm.utils.net import free_port
 from server_utils import Server, start_server
 from seeds import fresh_rng  # noqa: E402
+from test_server_worker import RUNNER_ARGS
 
 WORDS = "the a model token cache batch river stone light 你好 café 🤖 runs quickly slowly over under".split()
 MAX_NEW_TOKENS = 12
 FOLLOW_SECONDS = 10.0  # a node > 0 must exit this soon after node 0 stops
+NODE_TOKEN = "test-node-token-" + os.urandom(8).hex()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def tiny_dir(tmp_path_factory):
 
 def node_args(tiny_dir: str, node_rank: int, dist_init_addr: str, dist_timeout: float = 120) -> list[str]:
     return ["--model_dir", tiny_dir, "--tp", "2", "--nnodes", "2", "--node_rank", str(node_rank),
-            "--dist_init_addr", dist_init_addr, "--dist_timeout", str(dist_timeout)]
+            "--dist_init_addr", dist_init_addr, "--dist_timeout", str(dist_timeout), "--node_token", NODE_TOKEN]
 
 
 def greedy_tokens(server: Server, prompts: list[str]) -> list[list[int]]:
@@ -129,11 +133,15 @@ def test_a_missing_node_ends_start_up_with_a_clear_message(tiny_dir, tmp_path):
         (["--tp", "2", "--nnodes", "2"], "--dist_init_addr HOST:PORT is required with --nnodes > 1"),
         (["--tp", "2", "--nnodes", "2", "--dist_init_addr", "host"], "--dist_init_addr HOST:PORT is required"),
         (["--nnodes", "2", "--node_rank", "2", "--tp", "2"], "--node_rank must be at least 0 and below --nnodes"),
+        (["--tp", "2", "--nnodes", "2", "--dist_init_addr", "127.0.0.1:1"], "--node_token (or $LIGHTLLM_NODE_TOKEN)"),
+        (["--tp", "2", "--nnodes", "2", "--dist_init_addr", "127.0.0.1:1", "--node_token", "short"],
+         "of at least 16 characters"),
     ],
 )
 def test_node_flags_that_cannot_work_fail_at_once(args, message):
+    env = {k: v for k, v in os.environ.items() if k != NODE_TOKEN_ENV}
     result = subprocess.run([sys.executable, "-m", "lightllm.server.api_server", *args],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -188,3 +196,60 @@ def test_node0_counts_as_gone_when_its_store_stops_answering():
     finally:
         node0.kill()
         node0.join()
+
+
+def test_the_node_token_can_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(NODE_TOKEN_ENV, NODE_TOKEN)
+    config = parse_config(["--tp", "2", "--nnodes", "2", "--dist_init_addr", "127.0.0.1:1"])
+    assert config.node_token == NODE_TOKEN and NODE_TOKEN not in repr(config)
+    assert NODE_TOKEN not in repr(NodeLayout.of(config))
+
+
+def listening_addresses(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def refused(host: str, port: int, key: bytes) -> bool:
+    """Whether the worker at host:port hangs up on a connection that starts with `key`."""
+    stranger = connect_remote_worker(1, 1, host, port, key)
+    try:
+        stranger.conn.root.ping()
+    except EOFError:
+        return True
+    finally:
+        stranger.conn.close()
+    return False
+
+
+def test_a_stranger_who_reads_the_store_cannot_drive_a_node_and_a_worker_loads_once(tiny_dir, tmp_path):
+    """Node 0's rendezvous hosted here, a real node 1 joining it. The store listens only on the
+    address --dist_init_addr names, and holds nothing that lets a connection past node 1's worker:
+    keys made from everything in it are refused. The router's key (from --node_token, never in the
+    store) is served; its worker loads a model once and refuses a second `load`."""
+    port = free_port()
+    layout = NodeLayout(tp=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{port}", dist_timeout=120,
+                        node_token=NODE_TOKEN)
+    rendezvous = Rendezvous.host(layout)
+    assert listening_addresses(port) == {"127.0.0.1"}
+    node1 = Server(node_args(tiny_dir, 1, layout.dist_init_addr), tmp_path / "node1.log")
+    try:
+        host, worker_port = rendezvous.worker_address(1)
+        store_values = [rendezvous.store.get(key).decode() for key in (RUN_KEY, LAYOUT_KEY, "worker/1")]
+        assert not any(NODE_TOKEN in value or node_key(NODE_TOKEN).hex() in value for value in store_values)
+        for value in store_values:
+            assert refused(host, worker_port, node_key(value))
+            assert refused(host, worker_port, value.encode().ljust(32, b"\0")[:32])
+
+        router = connect_remote_worker(1, 1, host, worker_port, node_key(NODE_TOKEN))
+        load = router.conn.root.load
+        kwargs = {**RUNNER_ARGS, "model_dir": tiny_dir, "world_size": 1, "tp_rank": 0, "local_rank": 0}
+        max_total_token_num, _ = load(to_wire(kwargs))
+        assert max_total_token_num == RUNNER_ARGS["max_total_token_num"]
+        with pytest.raises(Exception, match="loads once"):
+            load(to_wire({**kwargs, "model_dir": str(tmp_path)}))
+        router.conn.root.ping()  # the loaded worker still serves its router
+        router.conn.close()
+        assert node1.proc.wait(timeout=FOLLOW_SECONDS) == 0
+        assert "node 0's router hung up" in node1.log_text()
+    finally:
+        node1.stop()

@@ -221,3 +221,25 @@ def test_a_second_sigterm_stops_at_once(tiny_dir, tmp_path):
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, f"left behind: {alive}"
     server.stop()
+
+
+@pytest.mark.parametrize("stage", ["children importing", "model worker loading"])
+def test_sigterm_to_the_process_group_during_start_up_stops_cleanly(tiny_dir, tmp_path, stage):
+    """A stop in the first seconds (a supervisor that gives up, a container stopped at once) reaches
+    every process while the children still import or load the model: the start ends with exit
+    status 0, no process left and no socket directory left."""
+    server = Server(["--model_dir", str(tiny_dir)], tmp_path / "server.log", own_process_group=True)
+    main = psutil.Process(server.proc.pid)
+    if stage == "children importing":
+        server.wait_for(lambda: len(main.children()) >= 2, timeout=60, what="router and detokenizer spawned")
+    else:
+        server.wait_for(lambda: server.model_workers(), timeout=120, what="a model worker spawned")
+    family = server.processes()
+    socket_dirs = server.socket_dirs()
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.log_text()[-3000:]
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    assert not any(d.exists() for d in socket_dirs) and not server.socket_dirs()
+    assert "Traceback" not in server.log_text(), server.log_text()[-3000:]
+    server.stop()

@@ -13,8 +13,12 @@ How a request's matcher advances: the runner accepts each sampled token into the
 request therefore waits on the host for its previous token before its next step is planned,
 as requests with penalties already do. A refused token (`accept` returns False) ends the request.
 
-`check_grammar` is all the HTTP process needs (no tokenizer). xgrammar is imported lazily, inside
-functions: the GPU machine and most requests never need it.
+Where a grammar compiles: in the HTTP process, off the engine step and within a time bound
+(lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized form down with the
+request; the runner only deserializes it (about 1 ms; `Grammars.matcher`), once per grammar. The
+runner's first grammar still builds its tokenizer view (TokenizerInfo) in the step, once. The
+offline LLM sends no compiled form: its runner compiles. `check_grammar` needs no tokenizer.
+xgrammar is imported lazily, inside functions: the GPU machine and most requests never need it.
 """
 
 from __future__ import annotations
@@ -116,10 +120,12 @@ class Grammars:
     """
 
     def __init__(self, model_dir: str, vocab_size: int, *, stop_token_ids: list[int] | None = None,
-                 tokenizer_mode: str = "auto", trust_remote_code: bool = False):
+                 tokenizer_mode: str = "auto", trust_remote_code: bool = False, max_threads: int = 8):
         self.model_dir, self.vocab_size, self.stop_token_ids = str(model_dir), vocab_size, stop_token_ids
         self._tokenizer_options = (tokenizer_mode, trust_remote_code)
+        self.max_threads = max_threads  # xgrammar's threads for one compile
         self._compiler = None
+        self._info = None  # xgrammar.TokenizerInfo, made with the compiler
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     @property
@@ -134,25 +140,37 @@ class Grammars:
         from lightllm.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.model_dir, *self._tokenizer_options)
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=self.stop_token_ids)
+        self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                             stop_token_ids=self.stop_token_ids)
         # our LRU below is the cache (xgrammar's own would keep a second copy of each grammar)
-        return xgrammar.GrammarCompiler(info, cache_enabled=False)
+        return xgrammar.GrammarCompiler(self._info, max_threads=self.max_threads, cache_enabled=False)
 
-    def compile(self, kind: str, spec: str):
-        """The compiled grammar of (kind, spec), from the cache when it is there."""
+    def compile(self, kind: str, spec: str, serialized: str = ""):
+        """The compiled grammar of (kind, spec), from the cache when it is there; else read from
+        `serialized` (xgrammar's JSON of it, from `serialize`) when given, else compiled."""
         key = (kind, spec)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self.compiler.compile_grammar(_build(kind, spec))
+            compiled = self._deserialize(serialized) if serialized else self.compiler.compile_grammar(_build(kind, spec))
             self._compiled[key] = compiled
         self._compiled.move_to_end(key)
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, kind: str, spec: str) -> Matcher:
-        return Matcher(self.compile(kind, spec), kind)
+    def serialize(self, kind: str, spec: str) -> str:
+        """Compile (kind, spec) (uncached: the caller keeps the result) into xgrammar's JSON, which
+        a Grammars of the same model reads back with `compile(kind, spec, serialized)`."""
+        return self.compiler.compile_grammar(_build(kind, spec)).serialize_json()
+
+    def _deserialize(self, serialized: str):
+        import xgrammar
+
+        self.compiler  # builds self._info
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
+
+    def matcher(self, kind: str, spec: str, serialized: str = "") -> Matcher:
+        return Matcher(self.compile(kind, spec, serialized), kind)
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:

@@ -286,7 +286,8 @@ class ModelRunner:
         return launched
 
     def _matcher(self, params):
-        """The grammar matcher of a request with structured output (grammars compiled once, cached)."""
+        """The grammar matcher of a request with structured output: its grammar comes compiled
+        from the HTTP process (read once, cached); only the offline LLM's compile here."""
         if not params.grammar_kind:
             return None
         if self._grammars is None:
@@ -294,7 +295,7 @@ class ModelRunner:
 
             self._grammars = Grammars(self.info["model_dir"], self.config.vocab_size,
                                       stop_token_ids=list(self.config.eos_token_ids), **self._tokenizer_options)
-        return self._grammars.matcher(params.grammar_kind, params.grammar)
+        return self._grammars.matcher(params.grammar_kind, params.grammar, params.compiled_grammar)
 
     def _grammar_masks(self, states: list[SamplingState]) -> tuple | None:
         """(bitmask, rows) on the device for the constrained requests of the batch, or None."""

@@ -39,6 +39,7 @@ class SamplingParams:
     # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar); compiled by xgrammar.
     grammar_kind: str = ""
     grammar: str = ""
+    compiled_grammar: str = ""  # xgrammar's serialized compiled grammar, from the HTTP process (engine/grammar.py)
 
     @property
     def greedy(self) -> bool:

@@ -8,11 +8,12 @@ every element access a round trip, so plans and results cross as plain tuples (`
 Over several machines (`NodeLayout`), node 0's router runs the ranks of node 0 that way and
 reaches every other rank over TCP: that rank's node listens on a port it publishes in the
 rendezvous (`lightllm/utils/dist.py`), and the worker serves only a connection whose first bytes
-are the token node 0 wrote there.
+are the key of --node_token (`node_key`), which the operator gives every node; it loads a model once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import multiprocessing
@@ -60,6 +61,8 @@ class ModelWorkerService(rpyc.Service):
     ranks_on_node = 1  # worker processes on this machine, which share its cores
 
     def exposed_load(self, runner_kwargs: tuple) -> tuple:
+        if self.runner is not None:  # whoever holds the connection cannot swap the model for another
+            raise RuntimeError("this model worker has loaded its model already; it loads once")
         import torch
 
         from lightllm.engine.model_runner import ModelRunner  # torch: worker only
@@ -118,6 +121,13 @@ def _init_worker(parent_pid: int, log_level: str, ranks_on_node: int) -> None:
 def _serve(sock: socket.socket) -> None:
     conn = rpyc.connect_stream(SocketStream(sock), service=ModelWorkerService, config=RPYC_CONFIG)
     conn.serve_all()
+
+
+def node_key(node_token: str) -> bytes:
+    """What node 0's router sends a remote worker first: a digest of --node_token, so that every
+    key has one length (the worker reads exactly that many bytes) and the token itself never
+    crosses the network."""
+    return hashlib.sha256(b"lightllm node token\0" + node_token.encode()).digest()
 
 
 def token_authenticator(token: bytes, timeout: float = AUTH_TIMEOUT):
@@ -240,7 +250,7 @@ class ModelWorkers:
         from lightllm.utils.dist import JoinError, Rendezvous  # torch: only a multi-node router needs it
 
         self._rendezvous = Rendezvous.host(layout)
-        token = self._rendezvous.token.encode()
+        token = node_key(layout.node_token)
         for rank in range(self._ranks_per_node, layout.tp):
             node = layout.node_of(rank)
             host, port = self._rendezvous.worker_address(rank)
@@ -253,7 +263,7 @@ class ModelWorkers:
                 worker.conn.root  # the first round trip: a worker that refused the token has hung up
             except EOFError:
                 raise JoinError(f"model worker rank {rank} at {worker.address} refused node 0's token "
-                                "(it joined another --dist_init_addr?)") from None
+                                "(a different --node_token on that node?)") from None
             self._conns.append(worker.conn)
         logger.info("all %d nodes joined", layout.nnodes)
 

@@ -3,10 +3,11 @@
 The main process first takes the HTTP port (a port in use fails at once, with one line), then
 starts the router (which starts one model worker per tensor-parallel rank; one router per --dp
 replica) and the detokenizer, waits until each reports ready, then serves HTTP itself, and logs
-"serving ... on http://HOST:PORT" once /health answers 200. If a child process dies, every open
+"serving ... on http(s)://HOST:PORT" once /health answers 200. If a child process dies, every open
 request ends with an error naming it, and the server stops with a non-zero exit status.
-SIGTERM or Ctrl-C drains: new requests get 503, open ones have --shutdown_timeout seconds to
-finish and then end as unavailable (503 with Retry-After); then every child stops.
+SIGTERM or Ctrl-C (to the main process or its whole group) drains: new requests get 503, open
+ones have --shutdown_timeout seconds to finish and then end as unavailable (503 with Retry-After);
+then every child stops. Either signal before the server serves stops the start, exit status 0.
 The socket directory goes in every case (a SIGKILL's is removed by the next start).
 With --nnodes > 1, node 0 runs as above and drives the other nodes' ranks too; a node with
 --node_rank > 0 runs only its model workers (`node.py`).
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
-from lightllm.utils.process import setup_logging, stop_processes
+from lightllm.utils.process import GROUP_SIGNALS, group_signals_blocked, setup_logging, stop_processes
 
 if TYPE_CHECKING:
     from lightllm.server.httpserver.manager import HttpServerManager
@@ -49,21 +50,21 @@ def router_name(replica: int, replicas: int) -> str:
     return "router" if replicas == 1 else f"router {replica}"
 
 
-def start_children(config: ServerConfig, heartbeats: list[RouterHeartbeat]) -> list[Child]:
-    """One router per --dp replica (each starts its model workers), and the detokenizer."""
+def start_children(config: ServerConfig, heartbeats: list[RouterHeartbeat], children: list[Child]) -> None:
+    """One router per --dp replica (each starts its model workers), and the detokenizer, each added
+    to `children` as it starts (a stop signal may end this midway: the caller stops those started)."""
     from lightllm.server.detokenization.manager import start_detokenization_process
     from lightllm.server.router.manager import start_router_process
 
     context = multiprocessing.get_context("spawn")
-    children = []
     routers = [(router_name(d, config.dp), start_router_process, (heartbeat, d)) for d, heartbeat in enumerate(heartbeats)]
     for name, target, extra in (*routers, ("detokenizer", start_detokenization_process, ())):
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(target=target, args=(config, theirs, os.getpid(), *extra), name=name)
-        process.start()
+        with group_signals_blocked():
+            process.start()
+            children.append(Child(name, process, ours))
         theirs.close()
-        children.append(Child(name, process, ours))
-    return children
 
 
 def wait_until_ready(children: list[Child]) -> list[RouterReady] | None:
@@ -104,7 +105,7 @@ def listen_http(config: ServerConfig) -> socket.socket:
 def announce_serving(config: ServerConfig, sock: socket.socket, manager: HttpServerManager) -> None:
     """Log where the server serves, once uvicorn accepts connections and /health's own condition
     holds, so that a client reading the line gets 200 from its first /health."""
-    url = f"http://{config.host}:{sock.getsockname()[1]}"
+    url = f"{config.scheme}://{config.host}:{sock.getsockname()[1]}"
     problem = manager.health_problem()
     if problem is None:
         logger.info("serving %s on %s", config.model_dir, url)
@@ -123,7 +124,8 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app = create_app(config, tokenizer, ready, heartbeats)
     manager = app.state.server.manager
     # Every request has ended before uvicorn stops; this bounds the writing of their last bytes.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3,
+                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile))
     exit_code = 0
     drain_task = None
 
@@ -160,6 +162,8 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
             announce_serving(config, sock, manager)
 
     async def run() -> None:
+        if stop_asked():  # before uvicorn takes the signals over: see stop_when_asked
+            return
         loop = asyncio.get_running_loop()
         for child in children:
             loop.add_reader(child.process.sentinel, on_child_exit, child)  # readable when it exits
@@ -173,10 +177,26 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     return exit_code
 
 
+_stop_signals: list[int] = []  # SIGTERM / SIGINT received before uvicorn handles them
+
+
+def stop_when_asked(signum, frame) -> None:
+    """SIGTERM or SIGINT before the server serves: unwind (the `finally` blocks stop the children),
+    exit status 0. SystemExit raised inside a __del__ (the garbage collector runs during the
+    tokenizer's load) is only printed: `stop_asked` is checked between the steps of the start too."""
+    _stop_signals.append(signum)
+    sys.exit(0)
+
+
+def stop_asked() -> bool:
+    return bool(_stop_signals)
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging(config.log_level)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # unwind: stop the children
+    for signum in GROUP_SIGNALS:
+        signal.signal(signum, stop_when_asked)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; children inherit it
     if config.node_rank > 0:  # no HTTP: only model workers
         from lightllm.server.node import serve_node
@@ -207,17 +227,18 @@ def resolve_model_dir(config: ServerConfig) -> None:
 
 def serve(config: ServerConfig, sock: socket.socket) -> int:
     heartbeats = [RouterHeartbeat(multiprocessing.get_context("spawn")) for _ in range(config.dp)]
-    children = start_children(config, heartbeats)
+    children: list[Child] = []
     try:
+        start_children(config, heartbeats, children)
         from lightllm.server.httpserver.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config)  # while the children load the model
+        if stop_asked():
+            return 0
         ready = wait_until_ready(children)
-        if ready is None:
-            return 1
+        if ready is None or stop_asked():
+            return 0 if stop_asked() else 1
         return serve_http(config, tokenizer, ready, heartbeats, sock, children)
-    except KeyboardInterrupt:
-        return 0
     finally:
         # The router first stops its workers (waiting up to 5 s; a GPU worker's exit can take
         # seconds): an equal wait here could kill it midway.
@@ -225,5 +246,19 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
         logger.info("server stopped")
 
 
+def run_main() -> None:
+    """main(), then exit without running C++ destructors: a grammar still compiling on the HTTP
+    process's daemon thread (grammar_cache.py) would end in std::terminate, and an abort. Every
+    `finally` has run by then (children stopped, socket directory removed)."""
+    try:
+        code = main()
+    except SystemExit as exc:  # a stop signal's handler
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main()

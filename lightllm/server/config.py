@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from lightllm.utils.net import ipc_addresses
 
 API_KEY_ENV = "LIGHTLLM_API_KEY"
+NODE_TOKEN_ENV = "LIGHTLLM_NODE_TOKEN"
+MIN_NODE_TOKEN_CHARS = 16
 
 
 def _flag(help_text: str, **extra) -> dict:
@@ -74,6 +76,11 @@ class ServerConfig:
     dist_timeout: float = field(default=300.0, metadata=_flag("seconds node 0 waits for the other nodes to join, and they for node 0 to answer; then start-up ends with an error"))
     worker_host: str | None = field(default=None, metadata=_flag("nodes > 0: address their model workers listen on for node 0's router; absent: this machine's address on the route to --dist_init_addr"))
     worker_port: int = field(default=0, metadata=_flag("nodes > 0: port of the first local rank's model worker (the next rank PORT+1, ...); 0: any free port, published through the rendezvous"))
+    node_token: str | None = field(
+        default=None,
+        repr=False,  # never in a log line
+        metadata=_flag(f"with --nnodes > 1, required and the same on every node (at least {MIN_NODE_TOKEN_CHARS} characters, e.g. `openssl rand -hex 16`): node 0's router must present it to the other nodes' model workers; it never crosses the rendezvous. Absent: ${NODE_TOKEN_ENV}, which keeps it out of the process list"),
+    )
     max_queued_requests: int = field(
         default=4096,
         metadata=_flag("most open requests that have not yet had their first token (waiting for admission or in prefill); one more gets 429 with Retry-After at once, before it reaches the router. Twice the largest burst of the repo's benchmarks (2,000 requests at once): a bound on memory and on waiting, not on throughput"),
@@ -86,6 +93,16 @@ class ServerConfig:
     max_request_body_bytes: int = field(
         default=8 << 20,
         metadata=_flag("largest request body accepted, in bytes; a larger one gets 413 before it is read (8 MiB: a 2048-token prompt is a few tens of kB)"),
+    )
+    ssl_keyfile: str | None = field(default=None, metadata=_flag("serve HTTPS with this PEM private key (with --ssl_certfile)"))
+    ssl_certfile: str | None = field(default=None, metadata=_flag("serve HTTPS with this PEM certificate chain (with --ssl_keyfile)"))
+    allowed_origins: str | None = field(
+        default=None,
+        metadata=_flag("comma-separated origins (scheme://host[:port]) whose browser pages may call the API (CORS), or '*' for any; absent: no CORS headers, so browsers refuse cross-origin calls"),
+    )
+    grammar_compile_timeout: float = field(
+        default=10.0,
+        metadata=_flag("seconds a request's grammar (JSON schema, regex) may take to compile; longer gets 400. It compiles in the HTTP process, off the engine step, once per grammar (cached)"),
     )
     trust_remote_code: bool = field(default=False, metadata=_flag("allow the tokenizer to run code from the model directory"))
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
@@ -139,14 +156,30 @@ class ServerConfig:
                 raise ValueError(f"--{name} must be at least 1")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
-        for name in ("log_stats_interval", "health_timeout", "step_timeout"):
+        for name in ("log_stats_interval", "health_timeout", "step_timeout", "grammar_compile_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown_timeout must not be negative")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api_key must not be empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl_keyfile and --ssl_certfile go together")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"--{name} {getattr(self, name)} is not a file")
+        if self.allowed_origins is not None and not self.origins:
+            raise ValueError("--allowed_origins must name at least one origin")
         self._check_nodes()
+
+    @property
+    def origins(self) -> list[str]:
+        """--allowed_origins as a list ([] when absent)."""
+        return [origin.strip() for origin in (self.allowed_origins or "").split(",") if origin.strip()]
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -164,6 +197,9 @@ class ServerConfig:
             host, sep, port = (self.dist_init_addr or "").rpartition(":")
             if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
                 raise ValueError("--dist_init_addr HOST:PORT is required with --nnodes > 1")
+            if self.node_token is None or len(self.node_token.strip()) < MIN_NODE_TOKEN_CHARS:
+                raise ValueError(f"--node_token (or ${NODE_TOKEN_ENV}) of at least {MIN_NODE_TOKEN_CHARS} characters, the "
+                                 "same on every node, is required with --nnodes > 1")
 
 
 def _cli_type(annotation) -> type:
@@ -200,6 +236,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     config = ServerConfig(**vars(parser.parse_args(argv)))
     if config.api_key is None:  # read after parsing, so that --help never shows it
         config.api_key = os.environ.get(API_KEY_ENV) or None
+    if config.node_token is None:
+        config.node_token = os.environ.get(NODE_TOKEN_ENV) or None
     try:
         config.check()
     except ValueError as exc:

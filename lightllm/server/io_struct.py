@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary.
 
 HTTP process -> router:        GenerateReq, AbortReq
-router -> detokenizer:         GenerateReq (forwarded once, before its first token), BatchTokenOut,
+router -> detokenizer:         GenerateReq (forwarded once, before its first token, without its prompt or
+                               compiled grammar), BatchTokenOut,
                                AbortReq (forwarded, so that the detokenizer drops the request)
 detokenizer -> HTTP process:   BatchTextOut
 router -> HTTP process:        RouterStats (after the router's state changed), RouterFailed (its last word)

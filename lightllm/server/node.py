@@ -3,9 +3,10 @@ drives. Entered from api_server.main.
 
 It joins node 0's rendezvous at --dist_init_addr, opens one listening port per local rank,
 publishes each (`worker/<rank>`) and starts the workers, which serve the first connection that
-brings node 0's token. It then waits, polling the rendezvous every POLL_INTERVAL seconds, and
-stops when node 0's router hangs up (its workers exit), when the rendezvous stops answering or
-answers with another token (node 0 is gone or was restarted), when a worker dies, or on SIGTERM.
+brings the key of --node_token (the token itself never goes through the rendezvous). It then
+waits, polling the rendezvous every POLL_INTERVAL seconds, and stops when node 0's router hangs up
+(its workers exit), when the rendezvous stops answering or answers with another run id (node 0 is
+gone or was restarted), when a worker dies, or on SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import multiprocessing.connection
 import os
 import socket
 
-from lightllm.engine.workers import run_remote_model_worker
+from lightllm.engine.workers import node_key, run_remote_model_worker
 from lightllm.server.config import ServerConfig
 from lightllm.utils.dist import JoinError, NodeLayout, Rendezvous, route_address
-from lightllm.utils.process import stop_processes
+from lightllm.utils.process import group_signals_blocked, stop_processes
 
 logger = logging.getLogger("lightllm.server.node")
 
@@ -38,7 +39,7 @@ def serve_node(config: ServerConfig) -> int:
     processes = []
     try:
         for rank, listener in zip(layout.ranks(layout.node_rank), listeners):
-            processes.append(start_worker(rank, listener, rendezvous.token, config.log_level, layout.ranks_per_node))
+            start_worker(rank, listener, node_key(layout.node_token), config.log_level, layout.ranks_per_node, processes)
             listener.close()  # the worker has its own copy
         logger.info("node %d joined %s: ranks %s, waiting for node 0's router", layout.node_rank,
                     layout.dist_init_addr, list(layout.ranks(layout.node_rank)))
@@ -68,15 +69,17 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def start_worker(rank: int, listener: socket.socket, token: str, log_level: str,
-                 ranks_on_node: int) -> multiprocessing.Process:
+def start_worker(rank: int, listener: socket.socket, key: bytes, log_level: str, ranks_on_node: int,
+                 processes: list[multiprocessing.Process]) -> None:
+    """Start it and add it to `processes` before a stop signal can end the start."""
     process = multiprocessing.get_context("spawn").Process(
         target=run_remote_model_worker,
-        args=(listener, token.encode(), os.getpid(), log_level, ranks_on_node),
+        args=(listener, key, os.getpid(), log_level, ranks_on_node),
         name=f"model_worker_{rank}",
     )
-    process.start()
-    return process
+    with group_signals_blocked():
+        process.start()
+        processes.append(process)
 
 
 def watch(processes: list[multiprocessing.Process], rendezvous: Rendezvous) -> int:

@@ -1,12 +1,14 @@
 """Tensor-parallel process group (gloo on CPU, NCCL on CUDA) and how its ranks find each other.
 
 One machine: the ranks meet at tcp://127.0.0.1:<nccl_port>.
-Several machines (--nnodes): node 0's router hosts a TCPStore at --dist_init_addr for as long as
-it runs. In it (`Rendezvous`): the router's token and the layout (tp, nnodes), written by node 0;
-each rank's rpyc address `worker/<rank>`, written by the node that runs it; and, under the
-prefix `tp/`, the keys of torch.distributed's own rendezvous of the process group. The keys name
-ranks, never machines, and the ports are chosen at start: another engine needs only another
---dist_init_addr.
+Several machines (--nnodes): node 0's router hosts a TCPStore at --dist_init_addr (listening on
+that address only) for as long as it runs. In it (`Rendezvous`): a run id (fresh at every start of
+node 0, not a secret) and the layout (tp, nnodes), written by node 0; each rank's rpyc address
+`worker/<rank>`, written by the node that runs it; and, under the prefix `tp/`, the keys of
+torch.distributed's own rendezvous of the process group. The keys name ranks, never machines, and
+the ports are chosen at start: another engine needs only another --dist_init_addr. The store has no
+authentication, so it holds nothing secret: the token that node 0's router presents to the other
+nodes' workers is --node_token, given to every node by its operator.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightllm.utils.allreduce import AllReducePath, SymmetricAllReduce, setup_sy
 
 logger = logging.getLogger(__name__)
 
-TOKEN_KEY = "router_token"
+RUN_KEY = "run_id"
 LAYOUT_KEY = "layout"
 TP_PREFIX = "tp"
 LIVENESS_TIMEOUT = 3.0  # seconds the store may take to answer a node > 0 before node 0 counts as gone
@@ -133,10 +135,12 @@ class NodeLayout:
     node_rank: int
     dist_init_addr: str
     dist_timeout: float  # seconds every node has to join
+    node_token: str = field(default="", repr=False, compare=False)  # a secret: never in a log line
 
     @classmethod
     def of(cls, config) -> NodeLayout:
-        return cls(config.tp, config.nnodes, config.node_rank, config.dist_init_addr, config.dist_timeout)
+        return cls(config.tp, config.nnodes, config.node_rank, config.dist_init_addr, config.dist_timeout,
+                   config.node_token or "")
 
     @property
     def ranks_per_node(self) -> int:
@@ -152,26 +156,28 @@ class NodeLayout:
 class Rendezvous:
     """The store at --dist_init_addr, as node 0 (`host`) or another node (`join`) sees it."""
 
-    def __init__(self, store: dist.TCPStore, layout: NodeLayout, token: str):
-        self.store, self.layout, self.token = store, layout, token
+    def __init__(self, store: dist.TCPStore, layout: NodeLayout, run_id: str):
+        self.store, self.layout, self.run_id = store, layout, run_id
         self._deadline = time.monotonic() + layout.dist_timeout
 
     @classmethod
     def host(cls, layout: NodeLayout) -> Rendezvous:
-        """Node 0: open the store (on every interface) and write a fresh token and the layout."""
+        """Node 0: open the store on --dist_init_addr's address alone and write a fresh run id and the layout."""
         host, port = split_address(layout.dist_init_addr)
         try:
+            # TCPStore itself would listen on every interface whatever the host: it gets our socket
+            listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
             store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=layout.dist_timeout))
-        except dist.DistError as exc:
+                                  timeout=timedelta(seconds=layout.dist_timeout), master_listen_fd=listener.detach())
+        except (OSError, dist.DistError) as exc:
             raise JoinError(f"cannot open the rendezvous at --dist_init_addr {layout.dist_init_addr}: "
                             f"{str(exc).splitlines()[0]}") from None
-        token = secrets.token_hex(16)
-        store.set(TOKEN_KEY, token)
+        run_id = secrets.token_hex(8)
+        store.set(RUN_KEY, run_id)
         store.set(LAYOUT_KEY, _layout_value(layout))
         logger.info("rendezvous open at %s: waiting up to %g s for %d more nodes",
                     layout.dist_init_addr, layout.dist_timeout, layout.nnodes - 1)
-        return cls(store, layout, token)
+        return cls(store, layout, run_id)
 
     @classmethod
     def join(cls, layout: NodeLayout) -> Rendezvous:
@@ -180,8 +186,8 @@ class Rendezvous:
         timeout = timedelta(seconds=layout.dist_timeout)
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-            store.wait([TOKEN_KEY], timeout)
-            token, theirs = store.get(TOKEN_KEY).decode(), store.get(LAYOUT_KEY).decode()
+            store.wait([RUN_KEY], timeout)
+            run_id, theirs = store.get(RUN_KEY).decode(), store.get(LAYOUT_KEY).decode()
         except dist.DistError:
             raise JoinError(f"node 0 did not answer at {layout.dist_init_addr} within "
                             f"{layout.dist_timeout:g} s (--dist_timeout)") from None
@@ -189,7 +195,7 @@ class Rendezvous:
             tp, nnodes = theirs.split()
             raise JoinError(f"node 0 runs --tp {tp} --nnodes {nnodes}, this node was started with "
                             f"--tp {layout.tp} --nnodes {layout.nnodes}")
-        return cls(store, layout, token)
+        return cls(store, layout, run_id)
 
     def publish_worker(self, rank: int, host: str, port: int) -> None:
         key, mine = f"worker/{rank}", f"{host}:{port}"
@@ -207,18 +213,18 @@ class Rendezvous:
         return split_address(self.store.get(f"worker/{rank}").decode())
 
     def node0_answers(self) -> bool:
-        """Whether the store answers within LIVENESS_TIMEOUT with the token this node joined
+        """Whether the store answers within LIVENESS_TIMEOUT with the run id this node joined
         under (a restarted node 0 writes a new one). The read runs in a thread of its own: a
         TCPStore read waits forever on a peer that stopped or vanished without closing."""
         answer = []
-        reader = threading.Thread(target=self._read_token, args=(answer,), name="node0-poll", daemon=True)
+        reader = threading.Thread(target=self._read_run_id, args=(answer,), name="node0-poll", daemon=True)
         reader.start()
         reader.join(LIVENESS_TIMEOUT)
-        return answer == [self.token]
+        return answer == [self.run_id]
 
-    def _read_token(self, answer: list) -> None:
+    def _read_run_id(self, answer: list) -> None:
         try:
-            answer.append(self.store.get(TOKEN_KEY).decode())
+            answer.append(self.store.get(RUN_KEY).decode())
         except dist.DistError:
             pass  # node 0 closed the store
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
-import sys
 import time
 
 logger = logging.getLogger(__name__)
@@ -16,6 +17,7 @@ _PR_SET_PDEATHSIG = 1
 # SIGINT: those reach the whole process group (`kill -TERM -- -PGID`, Ctrl-C, a container's stop),
 # and only the main process may act on them, since it drains first and stops its children after.
 STOP_SIGNAL = signal.SIGUSR1
+GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
@@ -24,8 +26,12 @@ def setup_logging(level: str) -> None:
 
 
 def _exit_on_stop(signum, frame) -> None:
-    # SystemExit unwinds through `finally` blocks, so a child stops its own children first.
-    sys.exit(0)
+    # Not SystemExit: raised while the garbage collector runs a __del__ (as it does during imports
+    # and model loading) it is printed and dropped, and the process would go on. A child's own
+    # children (a router's model workers) are stopped first; its sockets close with the process.
+    stop_processes(multiprocessing.active_children())
+    logging.shutdown()
+    os._exit(0)
 
 
 def die_with_parent(parent_pid: int, signum: int = STOP_SIGNAL) -> None:
@@ -36,17 +42,31 @@ def die_with_parent(parent_pid: int, signum: int = STOP_SIGNAL) -> None:
     except (OSError, AttributeError):
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable: this process may outlive its parent")
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        sys.exit(0)
+        os._exit(0)
 
 
 def init_child_process(parent_pid: int, log_level: str) -> None:
     """First call in every child: SIGINT and SIGTERM are the main process's to handle (they may reach
     the whole group); STOP_SIGNAL, from the parent or at its death, exits cleanly."""
     setup_logging(log_level)
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in GROUP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)  # see group_signals_blocked; one pending is dropped
     signal.signal(STOP_SIGNAL, _exit_on_stop)
     die_with_parent(parent_pid)
+
+
+@contextlib.contextmanager
+def group_signals_blocked():
+    """Start children inside this. A spawned child runs its imports before init_child_process, and a
+    SIGTERM or SIGINT to the whole group then would kill it (a handler does not survive exec; the
+    signal mask does): it starts with both blocked, until it ignores them. Ours arrive when the
+    block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def stop_processes(processes, timeout: float = 5.0) -> None:

@@ -46,7 +46,8 @@ class ServerProcess:
         """`python -m lightllm.server.api_server --port PORT ARGS`, its output in `log_path`.
         `own_session`: a process group of its own, which stop() signals as a whole."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--ssl_certfile" in args else "http"  # a test trusts its certificate (REQUESTS_CA_BUNDLE)
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self._own_session = own_session
         cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(self.port), *args]

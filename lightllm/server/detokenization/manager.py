@@ -108,6 +108,6 @@ def start_detokenization_process(config: ServerConfig, ready_pipe, parent_pid: i
     ready_pipe.send(ProcessReady("detokenizer"))
     logger.info("detokenizer ready (pid %d)", os.getpid())
     try:
-        manager.serve_forever()  # until the stop signal (SystemExit)
+        manager.serve_forever()  # until the stop signal
     finally:
         manager.close()

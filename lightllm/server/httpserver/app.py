@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,6 +21,7 @@ from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
+from lightllm.server.httpserver.grammar_cache import GrammarCache
 from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
 from lightllm.server.httpserver.openai_api import add_openai_routes
@@ -39,6 +41,7 @@ class ServerState:
     model_info: dict
     health_prompt_ids: list[int]
     health_probe: OneTokenProbe
+    grammars: GrammarCache
     started: float  # wall-clock time of start-up
 
 
@@ -58,6 +61,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
         health_probe=OneTokenProbe(metrics),
+        grammars=GrammarCache(config.model_dir, model_info, config.grammar_compile_timeout),
         started=time.time(),
     )
 
@@ -66,11 +70,15 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         await state.manager.start()  # api_server says "serving" once uvicorn accepts connections
         yield
         await state.manager.stop()
+        state.grammars.close()
 
     app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
-    if config.api_key is not None:  # added last, so it runs first: a keyless body is never read
+    if config.api_key is not None:  # added after the body limit, so it runs first: a keyless body is never read
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    if config.origins:  # outermost: a preflight carries no key, and a 401 or 413 still needs its CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=config.origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.state.server = state
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(RequestValidationError, fastapi_validation_error)

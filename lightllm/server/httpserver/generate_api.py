@@ -34,6 +34,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     check_prompt_chars(len(body.inputs), state.limits)
     check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids)
     sampling = await off_loop(params.sampling)
+    await state.grammars.attach(sampling)
     prompt_ids = await off_loop(state.tokenizer.encode, body.inputs)
     return Generation(request, prompt_ids, sampling, start, params.n or 1), sampling
 

@@ -52,7 +52,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         check_prompt_chars(len(prompt), state.limits)
         prompt = await off_loop(state.tokenizer.encode, prompt)
     fmt = CompletionFormat(state.tokenizer, body, prompt)
-    return await answer(request, body, await off_loop(body.sampling), prompt, start, fmt)
+    sampling = await off_loop(body.sampling)
+    await state.grammars.attach(sampling)
+    return await answer(request, body, sampling, prompt, start, fmt)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
@@ -63,6 +65,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
     prompt_ids = await off_loop(chat_prompt_ids, state.tokenizer, messages)
     sampling = await off_loop(body.sampling)
+    await state.grammars.attach(sampling)
     if not body.max_tokens_given:  # OpenAI's default: as many as the context leaves
         room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
         sampling.max_new_tokens = max(1, room)

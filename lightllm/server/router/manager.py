@@ -7,6 +7,7 @@ the HTTP process why (RouterFailed: every open request ends with that error) and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -125,8 +126,10 @@ class RouterManager:
             except zmq.Again:
                 return
             if isinstance(msg, GenerateReq):
-                # The detokenizer hears of a request before its first token, and of its abort.
-                self._to_detokenizer.send_pyobj(GenerateReq(msg.req_id, [], msg.sampling, msg.arrival_time))
+                # The detokenizer hears of a request before its first token, and of its abort; it
+                # has no use for the compiled grammar (up to megabytes).
+                sampling = dataclasses.replace(msg.sampling, compiled_grammar="")
+                self._to_detokenizer.send_pyobj(GenerateReq(msg.req_id, [], sampling, msg.arrival_time))
                 refused = self.core.add(msg)
                 if refused:
                     self._to_detokenizer.send_pyobj(BatchTokenOut(refused))
@@ -187,7 +190,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
 
 
 def serve(manager: RouterManager, workers: ModelWorkers) -> None:
-    """Serve until the stop signal (SystemExit) or a failure, which the HTTP process hears of first."""
+    """Serve until the stop signal or a failure, which the HTTP process hears of first."""
     try:
         manager.serve_forever()
     except WorkerDied as exc:
