@@ -221,6 +221,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
         else:
             return_free_heap()
+        # What the step left in use outside its buffers counts too: kernels loaded on first use,
+        # communicators, heap pages not given back.
+        free = min(free, memory_info(self.device)[1])
         logger.info("profile step (%d decodes, %d prompt tokens) in %.1f s: %.2f GiB at its peak",
                     len(plans[-1].decodes), plans[-1].num_tokens - len(plans[-1].decodes),
                     time.perf_counter() - start, peak.bytes / 2**30)

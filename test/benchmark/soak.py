@@ -344,7 +344,7 @@ def start_server(server_args: list[str], port: int, log_path: Path) -> subproces
         try:
             if requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200:
                 return server
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not listening yet, or held until ready
             pass
         time.sleep(0.5)  # polling interval
     server.kill()
