@@ -29,6 +29,7 @@ class EngineSettings(Protocol):
     nnodes: int
     log_level: str
     max_total_token_num: int | None
+    mem_fraction: float
     max_req_total_len: int
     running_max_req_size: int
     chunked_prefill_size: int
@@ -84,6 +85,8 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
             max_total_token_num=config.max_total_token_num,
             max_req_total_len=config.max_req_total_len,
             running_max_req_size=config.running_max_req_size,
+            chunked_prefill_size=config.chunked_prefill_size,
+            mem_fraction=config.mem_fraction,
             data_type=config.data_type,
             load_format=config.load_format,
             quantization=config.quantization,

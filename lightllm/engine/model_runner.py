@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -34,14 +35,13 @@ from lightllm.utils.process import return_free_heap
 from lightllm_kernels.extend_attention import extend_q_blocks
 
 from .cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
+from .memory import PROFILE_SAMPLING, PROFILE_SAMPLING_CPU, MemoryBudget, PeakMemory, largest_step, memory_info
 from .step_trace import StepTrace
 from .sampling import SamplingBatch, SamplingState, host_lists, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_TOKENS = 16384
-GPU_HEADROOM_FRACTION = 0.1  # of total memory, kept for activations, logits and the allocator
-GPU_HEADROOM_MIN_BYTES = 2 << 30
+CPU_DEFAULT_TOKENS = 16384  # the most a CPU runner takes unless given more
 # On the CPU, glibc keeps the pages that a step's activations free, and under steady load the
 # worker is never idle: its RSS grew ~50 MiB/min with the heap in use flat (docs/benchmarks.md,
 # soak). Give them back every this many steps too (about 2-10 ms each).
@@ -111,12 +111,16 @@ def resolve_device(device: str | None, local_rank: int) -> torch.device:
 
 class ModelRunner:
     def __init__(self, model_dir: str, *, max_total_token_num: int | None, max_req_total_len: int,
-                 running_max_req_size: int, data_type: str = "auto", load_format: str = "auto",
+                 running_max_req_size: int, chunked_prefill_size: int | None = None, mem_fraction: float = 0.9,
+                 data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
                  cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
                  step_trace: str | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto",
                  cuda_graph_max_tokens: int = 2048, tokenizer_mode: str = "auto", trust_remote_code: bool = False):
-        """`local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
+        """`chunked_prefill_size` (the scheduler's chunk budget) and `running_max_req_size` bound
+        the largest step, which runs once to size or check the KV budget (memory.py); None, with
+        a budget given, skips that step (tests and tools that drive the runner alone).
+        `local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
         `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py);
         `tokenizer_mode`, `trust_remote_code`: how structured output loads the tokenizer."""
@@ -135,31 +139,33 @@ class ModelRunner:
                                 max_positions=max_req_total_len,
                                 load_format=load_format)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, dtype, self.device)
-        graph_bytes = graph_memory_bytes(running_max_req_size, cuda_graph_max_tokens, cfg.hidden_size,
-                                         cfg.intermediate_size, cfg.vocab_size, dtype.itemsize) if capture else 0
-        self.max_total_token_num = self._token_budget(max_total_token_num, graph_bytes)
         self.max_req_total_len = max_req_total_len
-        self.token_table = TokenTable(self.max_total_token_num, cfg.num_layers, self.model.kv_heads,
-                                      cfg.head_dim, self.kv_dtype, self.device)
         self.req_table = ReqTable(running_max_req_size, max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running_max_req_size + 1, dtype=torch.int64, device=self.device)
-        self.graphs = (StepGraphs(self.model, self.token_table, self.req_table, running_max_req_size,
-                                  cuda_graph_max_tokens, capture) if cuda_graph else None)
+        self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
+        self._trace = None
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
-        self._trace = None
-        if step_trace:
-            self._trace = StepTrace(step_trace if world_size == 1 else f"{step_trace}.rank{tp_rank}", self.device)
-            atexit.register(self._trace.close)
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir)}
+        graph_bytes = graph_memory_bytes(running_max_req_size, cuda_graph_max_tokens, cfg.hidden_size,
+                                         cfg.intermediate_size, cfg.vocab_size, dtype.itemsize) if capture else 0
+        self.max_total_token_num = self._token_budget(max_total_token_num, chunked_prefill_size, mem_fraction,
+                                                      graph_bytes)
+        self.token_table = self._token_table(self.max_total_token_num)
+        if cuda_graph:
+            self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running_max_req_size,
+                                     cuda_graph_max_tokens, capture)
+        if step_trace:
+            self._trace = StepTrace(step_trace if world_size == 1 else f"{step_trace}.rank{tp_rank}", self.device)
+            atexit.register(self._trace.close)
 
     def _warn_long_context(self, max_req_total_len: int) -> None:
         cfg = self.config
@@ -167,26 +173,60 @@ class ModelRunner:
             logger.warning("max_req_total_len %d exceeds the model's max_position_embeddings %d",
                            max_req_total_len, cfg.max_position_embeddings)
 
-    def _token_budget(self, requested: int | None, graph_bytes: int) -> int:
-        """The KV budget; on CUDA what is free after the weights, less the headroom, which
-        includes what the step graphs (captured after the KV cache) will take."""
-        if requested is not None:
+    def _token_table(self, size: int) -> TokenTable:
+        cfg = self.config
+        return TokenTable(size, cfg.num_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+
+    def _token_budget(self, requested: int | None, chunk_budget: int | None, mem_fraction: float,
+                      graph_bytes: int) -> int:
+        """The KV budget: what fits beside the largest step's peak (memory.py), the same on every
+        rank (the smallest); one given by hand must fit. On the CPU at most CPU_DEFAULT_TOKENS
+        unless given: the host is shared, and a larger cache buys a CPU server nothing."""
+        if requested is not None and chunk_budget is None:
             return requested
-        if self.device.type != "cuda":
-            logger.info("max_total_token_num: %d (CPU default)", CPU_DEFAULT_TOKENS)
-            return CPU_DEFAULT_TOKENS
-        torch.cuda.empty_cache()  # blocks cached while loading would read as used
-        free, total = torch.cuda.mem_get_info(self.device)
-        headroom = max(GPU_HEADROOM_MIN_BYTES, int(total * GPU_HEADROOM_FRACTION)) + graph_bytes
+        found = self._profile(chunk_budget or self.max_req_total_len, mem_fraction, graph_bytes)
         cfg = self.config
         per_token = 2 * cfg.num_layers * self.model.kv_heads * cfg.head_dim * self.kv_dtype.itemsize
-        tokens = self.tp.min_int(max(0, (free - headroom) // per_token), self.device)
-        if tokens == 0:
-            raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free after "
-                               f"the weights, {headroom / 2**30:.1f} GiB kept as headroom")
-        logger.info("max_total_token_num: %d (%.1f GiB free after weights, %.1f GiB headroom, %d B/token)",
-                    tokens, free / 2**30, headroom / 2**30, per_token)
+        fits = self.tp.min_int(found.tokens(per_token), self.device)
+        where = f"{found.describe(self.device)}, {per_token} B a token"
+        if requested is not None:
+            if requested > fits:
+                raise ValueError(f"--max_total_token_num {requested} does not fit: at most {fits} tokens fit in {where}; "
+                                 "give at most that, or a larger --mem_fraction")
+            logger.info("max_total_token_num: %d as given (at most %d fit in %s)", requested, fits, where)
+            return requested
+        tokens = min(fits, CPU_DEFAULT_TOKENS) if self.device.type == "cpu" else fits
+        if tokens < 2:
+            raise ValueError(f"no memory left for the KV cache: {where}")
+        logger.info("max_total_token_num: %d (%d fit in %s)", tokens, fits, where)
         return tokens
+
+    def _profile(self, chunk_budget: int, mem_fraction: float, graph_bytes: int) -> MemoryBudget:
+        """Run the largest step on a token table just large enough for it; measure its peak."""
+        sampling = PROFILE_SAMPLING_CPU if self.device.type == "cpu" else PROFILE_SAMPLING
+        plans = largest_step(self.req_table.max_reqs, chunk_budget, self.max_req_total_len, self.config.vocab_size,
+                             sampling)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks cached while loading would read as used
+        total, free = memory_info(self.device)
+        self.token_table = self._token_table(sum(p.num_tokens for p in plans))
+        start = time.perf_counter()
+        with PeakMemory(self.device) as peak:
+            for plan in plans:  # where serving runs them (on the CPU the device thread has its own heap)
+                self._submit(plan).result().tokens()
+        self._reset()
+        del self.token_table
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            return_free_heap()
+        # What the step left in use outside its buffers counts too: kernels loaded on first use,
+        # communicators, heap pages not given back.
+        free = min(free, memory_info(self.device)[1])
+        logger.info("profile step (%d decodes, %d prompt tokens) in %.1f s: %.2f GiB at its peak",
+                    len(plans[-1].decodes), plans[-1].num_tokens - len(plans[-1].decodes),
+                    time.perf_counter() - start, peak.bytes / 2**30)
+        return MemoryBudget(total, total - free, peak.bytes, graph_bytes, mem_fraction)
 
     # ---- the step ----
 

@@ -42,7 +42,11 @@ class ServerConfig:
     )
     max_total_token_num: int | None = field(
         default=None,
-        metadata=_flag("KV-cache budget in tokens over all requests; absent: sized from free device memory (GPU) or a fixed figure (CPU) by the model runner"),
+        metadata=_flag("KV-cache budget in tokens over all requests; absent: what fits in --mem_fraction of the memory beside the largest step, which every rank runs once at start (on the CPU at most 16384). A figure that does not fit is refused at start with the largest that would"),
+    )
+    mem_fraction: float = field(
+        default=0.9,
+        metadata=_flag("share of the device's memory (GPU) or of the host's RAM (CPU, less what other processes use) the server may take: weights, the KV cache, CUDA graphs and the largest step's activations, logits and sampling buffers, measured at start"),
     )
     chunked_prefill_size: int = field(
         default=2048,
@@ -150,6 +154,8 @@ class ServerConfig:
             raise ValueError("--max_req_total_len must be larger than --max_req_input_len (both positive)")
         if self.max_total_token_num is not None and self.max_total_token_num < 2:
             raise ValueError("--max_total_token_num must be at least 2")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError("--mem_fraction must be above 0 and at most 1")
         for name in ("tp", "dp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes",
                      "max_queued_requests", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
