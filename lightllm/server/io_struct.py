@@ -42,7 +42,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token (from the 2nd) its logprob and the top k; the
     # prefix cache is not used for such a request (every position's logits are computed)
     # Structured output: "" (none), "json_object", "json_schema" (grammar: the schema as JSON text),
-    # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar); compiled by xgrammar.
+    # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar), "structural_tag" (xgrammar's
+    # structural tag as JSON text: forced tool calls); compiled by xgrammar.
     grammar_kind: str = ""
     grammar: str = ""
 
