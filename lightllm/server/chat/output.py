@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightllm.server.chat.tool_calls import CallArgs, CallStart, Text
+from lightllm.server.chat.reasoning import REASONING_PARSERS
+from lightllm.server.chat.tool_calls import FORMATS, CallArgs, CallFormat, CallStart, Text
 
 
 @dataclass
@@ -74,3 +75,32 @@ def merge_events(events: list) -> list:
         else:
             merged.append(event)
     return merged
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """The server's tool-call format and reasoning parser (None: reasoning stays in the text)."""
+
+    call_format: CallFormat
+    reasoning: type | None = None
+
+    def answer_parser(self, prompt_text: str, calls: bool) -> AnswerParser:
+        """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it."""
+        reasoning = self.reasoning.for_prompt(prompt_text) if self.reasoning else None
+        return AnswerParser(reasoning, self.call_format.parser() if calls else None)
+
+
+def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, architecture: str | None,
+                 template: str | None) -> ChatParsers:
+    """The parsers the flags name; without --tool_call_parser, the format the chat template writes,
+    else the model family's."""
+    if tool_call_parser is None:
+        template = template if isinstance(template, str) else ""
+        if "<tool_call>" in template:
+            tool_call_parser = "hermes"
+        elif "<|python_tag|>" in template or '"parameters"' in template:
+            tool_call_parser = "llama3_json"
+        else:
+            tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else "hermes"
+    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    return ChatParsers(FORMATS[tool_call_parser], reasoning)

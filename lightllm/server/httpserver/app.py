@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
+from lightllm.server.chat.output import ChatParsers, chat_parsers
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
@@ -40,6 +41,7 @@ class ServerState:
     health_prompt_ids: list[int]
     health_probe: OneTokenProbe
     started: float  # wall-clock time of start-up
+    chat: ChatParsers  # how answers' tool calls and reasoning are read
 
 
 def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat]) -> FastAPI:
@@ -59,6 +61,8 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
         health_probe=OneTokenProbe(metrics),
         started=time.time(),
+        chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
+                          getattr(tokenizer, "chat_template", None)),
     )
 
     @contextlib.asynccontextmanager
