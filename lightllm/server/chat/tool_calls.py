@@ -65,18 +65,27 @@ class CallObject:
         self.text = ""
         self.depth, self.in_string, self.escaped = 0, False, False
         self.closed = False
+        self.broken = False  # a '<' outside a string: no JSON, the text of a tag that follows
         self.back_to_one: list[int] = []  # positions just past a bracket that closed to depth 1
         self.args_start: int | None = None  # where the arguments' value begins (once the head is read)
         self.sent = 0  # characters of the arguments sent
         self.started = False
 
     def feed(self, text: str) -> int:
-        """Take `text` up to the object's closing brace; returns how many characters it took."""
+        """Take `text` up to the object's closing brace (or a '<' outside a string, which no JSON
+        holds: a closing tag); returns how many characters it took."""
         taken = len(text)
         for i, ch in enumerate(text):
             if self.in_string:
-                self.escaped = not self.escaped and ch == "\\"
-                self.in_string = self.escaped or ch != '"'
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == "<":
+                taken, self.broken = i, True
+                break
             elif ch == '"':
                 self.in_string = True
             elif ch in "{[":
@@ -156,7 +165,9 @@ class HermesParser:
     def finish(self) -> list:
         out: list = []
         if self.call is not None:
-            self._feed_call(self.buffer, out)
+            if not (self.call.closed or self.call.broken or self.not_json):
+                self._feed_call(out)
+            self.raw, self.buffer = self.raw + self.buffer, ""
             self._end_call(out, closed=False)
         elif self.buffer:
             _content(self, self.buffer, out)
@@ -178,29 +189,32 @@ class HermesParser:
         return True
 
     def _inside(self, out: list) -> bool:
+        """A block's object is read by its scanner (a closing tag inside a string is text); the
+        block ends at the closing tag after it."""
+        call = self.call
+        if not (call.closed or call.broken or self.not_json):
+            self._feed_call(out)
+            if not (call.closed or call.broken or self.not_json):
+                return False
         at = self.buffer.find(self.CLOSE)
         end = at if at >= 0 else len(self.buffer) - _held_back(self.buffer, self.CLOSE)
-        usable, self.buffer = self.buffer[:end], self.buffer[end:]
-        self._feed_call(usable, out)
+        self.raw, self.buffer = self.raw + self.buffer[:end], self.buffer[end:]
         if at < 0:
             return False
         self.buffer = self.buffer[len(self.CLOSE):]
         self._end_call(out, closed=True)
         return True
 
-    def _feed_call(self, text: str, out: list) -> None:
-        self.raw += text
-        call = self.call
-        if call.closed or self.not_json:
-            return
+    def _feed_call(self, out: list) -> None:
+        text, call = self.buffer, self.call
         if not call.text:
             text = text.lstrip()
-            if not text:
-                return
-            if text[0] != "{":
+            if text and text[0] != "{":
                 self.not_json = True
                 return
-        call.feed(text)
+        taken = call.feed(text)
+        self.raw += self.buffer[:len(self.buffer) - len(text) + taken]
+        self.buffer = text[taken:]
         out += call.events()
 
     def _end_call(self, out: list, closed: bool) -> None:
@@ -234,6 +248,7 @@ class Llama3JsonParser:
         self.buffer = ""
         self.mode = "start"  # start -> calls -> text
         self.call: CallObject | None = None
+        self.skipped = ""  # what came before the current call's object (whitespace, separators)
         self.calls = 0
 
     def feed(self, text: str) -> list:
@@ -246,13 +261,7 @@ class Llama3JsonParser:
     def finish(self) -> list:
         out: list = []
         if self.call is not None:
-            events = self.call.finish()
-            if events is None:
-                self.mode, self.buffer = "text", self.call.text + self.buffer
-            else:
-                out += events
-                self.calls += 1
-            self.call = None
+            self._end_call(out)
         if self.buffer and not (self.calls and self.buffer.isspace()):
             out.append(Text(self.buffer))
         self.buffer = ""
@@ -266,10 +275,9 @@ class Llama3JsonParser:
         if self.call is not None:
             self.buffer = self.buffer[self.call.feed(self.buffer):]
             out += self.call.events()
-            if not self.call.closed:
+            if not (self.call.closed or self.call.broken):
                 return False
-            out += self.call.finish() or []
-            self.call, self.calls = None, self.calls + 1
+            self._end_call(out)
             return True
         rest = self.buffer.lstrip()
         if self.mode == "calls":
@@ -281,8 +289,18 @@ class Llama3JsonParser:
         if rest[0] != "{":
             self.mode = "text"
             return True
-        self.mode, self.buffer, self.call = "calls", rest, CallObject(self.calls)
+        self.mode, self.call = "calls", CallObject(self.calls)
+        self.skipped, self.buffer = self.buffer[:len(self.buffer) - len(rest)], rest
         return True
+
+    def _end_call(self, out: list) -> None:
+        events = self.call.finish()
+        if events is None:  # not a call: it and all after it are text
+            self.mode, self.buffer = "text", self.skipped + self.call.text + self.buffer
+        else:
+            out += events
+            self.calls += 1
+        self.call = None
 
 
 @dataclass(frozen=True)
