@@ -104,3 +104,59 @@ def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, arc
             tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else "hermes"
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     return ChatParsers(FORMATS[tool_call_parser], reasoning)
+
+
+@dataclass
+class Block:
+    """One part of an answer as /v1/responses (an output item) and /v1/messages (a content block)
+    return it: "text", "reasoning" or "call" (`text` holds its arguments); `position`: its index."""
+
+    kind: str
+    position: int
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+
+
+class Blocks:
+    """Events -> blocks, one open at a time: ("start", block), ("delta", block, text), ("stop", block)."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self.open: Block | None = None
+
+    def feed(self, events: list) -> list[tuple]:
+        out: list[tuple] = []
+        for event in events:
+            if isinstance(event, Text):
+                kind = "reasoning" if event.reasoning else "text"
+                if self.open is None or self.open.kind != kind:
+                    self._start(Block(kind, len(self.blocks)), out)
+                self._delta(event.text, out)
+            elif isinstance(event, CallStart):
+                self._start(Block("call", len(self.blocks), call_id=event.id, name=event.name), out)
+            else:  # a call's arguments follow its start, before any other event
+                self._delta(event.text, out)
+        return out
+
+    def close(self) -> list[tuple]:
+        out = [("stop", self.open)] if self.open is not None else []
+        self.open = None
+        return out
+
+    def _start(self, block: Block, out: list) -> None:
+        out += self.close()
+        self.blocks.append(block)
+        self.open = block
+        out.append(("start", block))
+
+    def _delta(self, text: str, out: list) -> None:
+        self.open.text += text
+        out.append(("delta", self.open, text))
+
+
+def answer_blocks(parser: AnswerParser, text: str) -> list[Block]:
+    """A whole answer's blocks: the same as its stream's."""
+    blocks = Blocks()
+    blocks.feed(parser.feed(text) + parser.finish())
+    return blocks.blocks

@@ -1,6 +1,7 @@
 """The HTTP app: /health, /info, /metrics and the error handlers; /generate and /generate_stream
-are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py, /tokenize and /detokenize
-in tokenize_api.py, the --api_key check in auth.py."""
+are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py (chat and completions) and
+responses_api.py (/v1/responses), Anthropic's /v1/messages in messages_api.py, /tokenize and
+/detokenize in tokenize_api.py, the --api_key check in auth.py."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ from lightllm.server.chat.output import ChatParsers, chat_parsers
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
+from lightllm.server.httpserver.errors import error_body
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
 from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
-from lightllm.server.httpserver.openai_api import add_openai_routes, openai_error
 from lightllm.server.httpserver.json_body import RequestError, describe_errors
+from lightllm.server.httpserver.messages_api import add_messages_routes
+from lightllm.server.httpserver.openai_api import add_openai_routes
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
+from lightllm.server.httpserver.responses_api import add_responses_routes
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
 
@@ -88,14 +92,14 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
     add_openai_routes(app)
+    add_responses_routes(app)
+    add_messages_routes(app)
     add_tokenize_routes(app)
     return app
 
 
 def error_response(request: Request, status_code: int, message: str, error_type: str) -> JSONResponse:
-    if request.url.path.startswith("/v1/"):  # OpenAI's clients show only error.message
-        return JSONResponse(openai_error(message, error_type, status_code), status_code=status_code)
-    return JSONResponse({"error": message, "error_type": error_type}, status_code=status_code)
+    return JSONResponse(error_body(request.url.path, message, error_type, status_code), status_code=status_code)
 
 
 async def request_error(request: Request, exc: RequestError) -> JSONResponse:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from lightllm.server.httpserver.errors import error_body
+
 
 class BodyTooLarge(Exception):
     pass
@@ -16,11 +18,7 @@ class BodyTooLarge(Exception):
 
 def too_large_response(path: str, max_bytes: int) -> JSONResponse:
     message = f"request body is larger than {max_bytes} bytes (--max_request_body_bytes)"
-    if path.startswith("/v1/"):  # OpenAI's clients show only error.message
-        body = {"error": {"message": message, "type": "validation", "param": None, "code": 413}}
-    else:
-        body = {"error": message, "error_type": "validation"}
-    return JSONResponse(body, status_code=413)
+    return JSONResponse(error_body(path, message, "validation", 413), status_code=413)
 
 
 class BodyLimit:

@@ -17,10 +17,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightllm.server.chat.output import Answer, AnswerParser, merge_events
 from lightllm.server.chat.tool_calls import CallStart, Text
-from lightllm.server.httpserver.chat_prompt import chat_prompt
+from lightllm.server.httpserver.chat_prompt import chat_inputs
+from lightllm.server.httpserver.errors import openai_error
 from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
-from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody, forced_call_grammar
+from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
 from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
 
@@ -63,23 +64,13 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     state = request.app.state.server
     check_request(body, state)
     body.check_tools()
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    text, prompt_ids = await chat_prompt(state, body.template_messages(), tools, body.chat_template_kwargs)
     sampling = await off_loop(body.sampling)
-    if body.choice not in ("none", "auto"):
-        parallel = body.parallel_tool_calls is not False
-        sampling.grammar_kind, sampling.grammar = await off_loop(
-            forced_call_grammar, state.chat.call_format, body.functions_given, body.choice, parallel)
-    if not body.max_tokens_given:  # OpenAI's default: as many as the context leaves
-        sampling.max_new_tokens = default_max_tokens(state, prompt_ids)
+    text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
+                                         body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
+                                         body.max_tokens_given)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
                                              for _ in range(body.choices)])
     return await answer(request, body, sampling, prompt_ids, start, fmt)
-
-
-def default_max_tokens(state, prompt_ids: list[int]) -> int:
-    room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
-    return max(1, room)
 
 
 def check_request(body: OpenAIBody, state) -> None:
@@ -125,11 +116,6 @@ async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: l
     if include_usage and len(lasts) == len(firsts):
         yield sse(fmt.usage_chunk(usage(generation, list(lasts.values()))))
     yield "data: [DONE]\n\n"
-
-
-def openai_error(message: str, error_type: str, status_code: int) -> dict:
-    """An error body in OpenAI's shape; `error_type` is ours (validation, http, internal)."""
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status_code}}
 
 
 def sse(data: dict) -> str:
