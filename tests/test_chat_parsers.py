@@ -36,11 +36,12 @@ LLAMA3 = [
     ("  {not a call", "  {not a call", "", []),
 ]
 QWEN3 = [  # with hermes calls after the reasoning
-    ("<think>\nThe user wants weather.\n</think>\n\nSure.", "Sure.", "The user wants weather.\n", []),
+    ("<think>\nThe user wants weather.\n</think>\n\nSure.", "Sure.", "The user wants weather.", []),
     ('<think>\nCall it.\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "",
-     "Call it.\n", [("f", '{"a": 1}')]),
+     "Call it.", [("f", '{"a": 1}')]),
     ("Plain answer, no thinking.", "Plain answer, no thinking.", "", []),
     ("<think>\nCut off while thinking", "", "Cut off while thinking", []),
+    ("<think>\nCut off  \n", "", "Cut off  \n", []),
     ("<thinking is not the tag", "<thinking is not the tag", "", []),
 ]
 
@@ -109,7 +110,7 @@ def test_a_call_starts_with_its_name_before_its_arguments_end():
 def test_reasoning_that_starts_in_the_prompt():
     """Templates that always think end the prompt with <think>: the answer begins inside it."""
     parser = AnswerParser(Qwen3Reasoning.for_prompt("<|im_start|>assistant\n<think>\n"), None)
-    assert summary(parser.parse("weighing it\n</think>\n\nYes.")) == ("Yes.", "weighing it\n", [])
+    assert summary(parser.parse("weighing it\n</think>\n\nYes.")) == ("Yes.", "weighing it", [])
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

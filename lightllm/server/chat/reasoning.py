@@ -57,12 +57,14 @@ class Qwen3Reasoning:
             return False
         at = self.buffer.find(self.CLOSE)
         end = at if at >= 0 else len(self.buffer) - _held_back(self.buffer, self.CLOSE)
-        if end:
-            out.append(Text(self.buffer[:end], reasoning=True))
-        self.buffer = self.buffer[end:]
+        # whitespace before the closing tag is no reasoning: kept until more text follows it
+        piece = self.buffer[:end].rstrip()
+        if piece:
+            out.append(Text(piece, reasoning=True))
         if at < 0:
+            self.buffer = self.buffer[len(piece):]
             return False
-        self.mode, self.buffer, self.strip_leading = "content", self.buffer[len(self.CLOSE):], True
+        self.mode, self.buffer, self.strip_leading = "content", self.buffer[at + len(self.CLOSE):], True
         return True
 
 
