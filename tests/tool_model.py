@@ -56,3 +56,38 @@ def write_tool_model(out: Path) -> Path:
     config.pop("chat_template", None)
     config_path.write_text(json.dumps(config))
     return model_dir
+
+
+def matches(value, schema: dict) -> bool:
+    """Whether `value` satisfies the few JSON-schema keywords the tool tests use."""
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return isinstance(value, dict) and all(key in value for key in schema.get("required", ())) \
+            and (schema.get("additionalProperties", True) or set(value) <= set(properties)) \
+            and all(matches(value[key], sub) for key, sub in properties.items() if key in value)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) \
+            and schema.get("minimum", value) <= value <= schema.get("maximum", value)
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return kind is None
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "hourly": {"type": "boolean"},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
