@@ -8,7 +8,7 @@ import json
 from lightllm.server.chat.template import ChatTemplateError, chat_prompt_ids, render_chat
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar
+from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
 from lightllm.server.httpserver.params import check_prompt_chars
 from lightllm.server.io_struct import SamplingParams
 
@@ -45,7 +45,7 @@ async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef],
                       options: dict | None, sampling: SamplingParams, max_tokens_given: bool) -> tuple[str, list[int]]:
     """The prompt (text, token ids) of a chat API's request, with `sampling` completed: a forced
     call's grammar (`choice` required or a function's name), the default max_new_tokens."""
-    tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+    tools = [template_tool(f) for f in functions]
     text, prompt_ids = await chat_prompt(state, messages, tools, options)
     if choice not in ("none", "auto"):
         sampling.grammar_kind, sampling.grammar = await off_loop(

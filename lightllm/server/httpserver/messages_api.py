@@ -24,7 +24,8 @@ from lightllm.server.httpserver.errors import anthropic_error
 from lightllm.server.httpserver.generation import Generation, failure, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_api import check_request
-from lightllm.server.httpserver.openai_params import LENIENT, FunctionDef, FunctionName, OpenAIBody, check_tools
+from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, OpenAIBody, check_tools,
+                                                      template_tool)
 from lightllm.server.httpserver.params import STRICT, NonEmptyStr
 from lightllm.server.io_struct import FinishReason, TextOut
 
@@ -209,7 +210,7 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
     state = request.app.state.server
     check_model(body.model, state)
     body.check()
-    tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in body.functions]
+    tools = [template_tool(f) for f in body.functions]
     _, prompt_ids = await chat_prompt(state, body.template_messages(), tools, body.template_options())
     return JSONResponse({"input_tokens": len(prompt_ids)})
 

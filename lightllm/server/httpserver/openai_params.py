@@ -249,6 +249,12 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
+def template_tool(function: FunctionDef) -> dict:
+    """A function as chat templates read tools (OpenAI's chat shape), whatever API it came from."""
+    fields = function.model_dump(exclude_none=True, include=set(FunctionDef.model_fields))
+    return {"type": "function", "function": fields}
+
+
 class Tool(BaseModel):
     model_config = LENIENT
     type: Literal["function"] = Field(description="only functions")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
-from lightllm.server.httpserver.openai_params import Message, Tool, check_tools
+from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, template_tool
 from lightllm.server.httpserver.params import STRICT, check_prompt_chars
 
 
@@ -76,7 +76,7 @@ async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONRespons
     else:
         messages = [message.for_template(i) for i, message in enumerate(body.messages)]
         check_tools([tool.function for tool in body.tools or ()], None)
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        tools = [template_tool(tool.function) for tool in body.tools or ()]
         _, ids = await chat_prompt(state, messages, tools, body.chat_template_kwargs,
                                    add_generation_prompt=body.add_generation_prompt is not False)
     reply = {"count": len(ids), "max_model_len": state.limits.max_req_total_len, "tokens": ids}
