@@ -100,7 +100,8 @@ def test_a_call_starts_with_its_name_before_its_arguments_end():
     """OpenAI's streams: the first delta of a call carries its id and name, the rest its arguments."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     parser = HermesParser()
-    events = [(i, e) for i in range(len(text)) for e in parser.feed(text[i])] + [(len(text), e) for e in parser.finish()]
+    events = [(i, e) for i in range(len(text)) for e in parser.feed(text[i])]
+    events += [(len(text), e) for e in parser.finish()]
     (start_at, start), *args = events
     assert isinstance(start, CallStart) and start.name == "get_weather" and start.id.startswith("call_")
     assert start_at < text.index("Paris") and len(args) > 5  # the arguments stream, character by character

@@ -124,7 +124,8 @@ class CountTokensRequest(BaseModel):
 
     @property
     def functions(self) -> list[FunctionDef]:
-        return [FunctionDef(name=t.name, description=t.description, parameters=t.input_schema) for t in self.tools or ()]
+        return [FunctionDef(name=t.name, description=t.description, parameters=t.input_schema)
+                for t in self.tools or ()]
 
     @property
     def choice(self) -> str:

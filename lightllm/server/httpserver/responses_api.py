@@ -230,7 +230,8 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     fmt = ResponseFormatter(body, state.config.served_model_name)
     if not body.stream:
         (choice,) = await generation.result()
-        return JSONResponse(fmt.response(answer_blocks(parser, choice.text), choice.last, usage(generation, choice.last)))
+        blocks = answer_blocks(parser, choice.text)
+        return JSONResponse(fmt.response(blocks, choice.last, usage(generation, choice.last)))
     firsts = await generation.first()
     return StreamingResponse(fmt.events(generation, firsts, parser), media_type="text/event-stream")
 
@@ -327,7 +328,8 @@ class ResponseFormatter:
                     blocks.blocks.append(empty)
                 # response.completed even when max_output_tokens cut it (the response's status says
                 # so): OpenAI's client waits for that event to hand over the final response
-                yield self.event("response.completed", response=self.response(blocks.blocks, out, usage(generation, out)))
+                final = self.response(blocks.blocks, out, usage(generation, out))
+                yield self.event("response.completed", response=final)
 
     def block_events(self, step: str, block: Block, text: str = "") -> list[str]:
         where = {"item_id": self._item_id(block, {"reasoning": "rs", "call": "fc"}.get(block.kind, "msg")),
