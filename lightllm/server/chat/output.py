@@ -83,6 +83,7 @@ class ChatParsers:
 
     call_format: CallFormat
     reasoning: type | None = None
+    tool_call_parser: str = ""  # the call format's name, for /info
 
     def answer_parser(self, prompt_text: str, calls: bool) -> AnswerParser:
         """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it."""
@@ -103,7 +104,7 @@ def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, arc
         else:
             tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else "hermes"
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-    return ChatParsers(FORMATS[tool_call_parser], reasoning)
+    return ChatParsers(FORMATS[tool_call_parser], reasoning, tool_call_parser)
 
 
 @dataclass

@@ -18,16 +18,15 @@ from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from lightllm.server.chat.output import Block, Blocks, answer_blocks
 from lightllm.server.httpserver.chat_prompt import chat_inputs
-from lightllm.server.httpserver.errors import openai_error
 from lightllm.server.httpserver.generation import Generation, failure, off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_api import check_request
-from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, OpenAIBody, ResponseFormat,
-                                                      JsonSchemaFormat, call_for_template, check_tools)
+from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, JsonSchemaFormat, OpenAIBody,
+                                                      ResponseFormat, call_for_template, check_tools)
 from lightllm.server.httpserver.params import STRICT
 from lightllm.server.io_struct import FinishReason, TextOut
 
