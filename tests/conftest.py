@@ -82,3 +82,17 @@ def default_server(default_model_dir, tmp_path_factory):
     server = start_server(["--model_dir", str(default_model_dir)], tmp_path_factory.mktemp("server") / "server.log")
     yield server
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def tool_server(tmp_path_factory):
+    """One server on a tiny random model whose chat template knows tools (tests/tool_model.py),
+    with Qwen3's reasoning parser, shared by the tool, /v1/responses and /v1/messages tests."""
+    from server_utils import start_server
+    from tool_model import write_tool_model
+
+    model_dir = write_tool_model(tmp_path_factory.mktemp("tool_model"))
+    server = start_server(["--model_dir", str(model_dir), "--reasoning_parser", "qwen3"],
+                          tmp_path_factory.mktemp("tool_server") / "server.log")
+    yield server
+    assert server.stop() == 0

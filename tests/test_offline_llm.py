@@ -193,6 +193,24 @@ def test_bad_sampling_params_raise_value_error(bad):
         SamplingParams(**bad)
 
 
+def test_chat_history_with_tools_reaches_the_prompt(llm, hf):
+    """The routes' template application: SmolLM2's template knows no tools, so the definitions and
+    the assistant's call are written as text (in Llama 3.1's JSON, the Llama family's default)."""
+    tokenizer, _ = hf
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    conversation = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                    {"role": "tool", "content": "sunny"}]
+    (chat,) = llm.chat(conversation, GREEDY, use_tqdm=False, tools=[tool])
+    prompt = tokenizer.decode(chat.prompt_token_ids)
+    assert json.dumps(tool) in prompt
+    assert '<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|im_end|>' in prompt
+    assert "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n" in prompt
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})
+
+
 def test_bad_requests_raise_before_anything_runs(llm):
     with pytest.raises(ValueError, match="max_req_input_len"):
         llm.generate([PROMPTS[0], [5] * 300], GREEDY, use_tqdm=False)

@@ -76,7 +76,9 @@ class Tally:
 
 def check_error_shape(path: str, response) -> None:
     body = json.loads(response.content)
-    if path.startswith("/v1/"):  # OpenAI's
+    if path.startswith("/v1/messages"):  # Anthropic's
+        assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+    elif path.startswith("/v1/"):  # OpenAI's
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == response.status_code
     else:  # TGI's
         assert set(body) == {"error", "error_type"} and body["error"]
@@ -124,6 +126,7 @@ def test_generated_requests_get_no_5xx(server):
     operations = [result.ok() for result in schema.get_all_operations()]
     routes = {f"{op.method.upper()} {op.path}" for op in operations}
     assert {"POST /generate", "POST /generate_stream", "POST /v1/completions", "POST /v1/chat/completions",
+            "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
             "GET /health", "GET /info", "GET /metrics", "GET /v1/models"} <= routes
     cases = []
     for operation in operations:

@@ -121,7 +121,7 @@ BAD_CHATS = [
     ({"messages": HI, "stop_token_ids": [49152]}, 400, "'stop_token_ids' must be in [0, 49152)"),
     ({"messages": HI, "response_format": {"type": "json_schema"}}, 400, "needs a 'json_schema' object"),
     ({"messages": HI, "response_format": {"type": "xml"}}, 400, "'response_format.type': Input should be"),
-    ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tool calling"),
+    ({"messages": HI, "tools": [{"type": "function"}]}, 400, "'tools[0].function': required"),
     ({"messages": HI, "temperature": -1}, 400, "'temperature': Input should be greater than or equal to 0"),
     ({"messages": HI, "temperature": 2.5}, 400, "'temperature': Input should be less than or equal to 2"),
     ({"messages": HI, "top_p": 1.01}, 400, "'top_p': Input should be less than or equal to 1"),
@@ -161,7 +161,7 @@ def test_bad_requests_get_a_clear_error(default_server, client, model_name):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=CHATS[0])
     with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.chat.completions.create(model=model_name, messages=CHATS[0], tools=[{"type": "function", "function": {"name": "f"}}])
+        client.chat.completions.create(model=model_name, messages=CHATS[0], extra_body={"functions": [{"name": "f"}]})
     assert client.completions.create(model=model_name, prompt="still serving", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json_object", "json_schema", "regex", "ebnf")
+KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 64  # compiled grammars kept per model runner (least recently used dropped first)
 _MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgrammar's
 _ANY_OBJECT = '{"type": "object"}'
@@ -56,11 +56,11 @@ def _build(kind: str, spec: str):
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
     if kind == "json_object" and spec:
         raise GrammarError("a json_object grammar takes no spec (any JSON object is allowed)")
-    if kind == "json_schema":
+    if kind in ("json_schema", "structural_tag"):
         try:
             json.loads(spec)
         except (ValueError, RecursionError) as e:
-            raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+            raise GrammarError(f"{kind} is not valid JSON: {e}") from None
     import xgrammar
 
     # No free whitespace, which a small model can emit until max_new_tokens: json.dumps' one-line
@@ -68,10 +68,11 @@ def _build(kind: str, spec: str):
     parse = {"json_object": lambda _: xgrammar.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False),
              "json_schema": lambda s: xgrammar.Grammar.from_json_schema(s, any_whitespace=False),
              "regex": xgrammar.Grammar.from_regex,
-             "ebnf": xgrammar.Grammar.from_ebnf}[kind]
+             "ebnf": xgrammar.Grammar.from_ebnf,
+             "structural_tag": xgrammar.Grammar.from_structural_tag}[kind]
     try:
         return parse(spec)
-    except RuntimeError as e:  # xgrammar's parse errors (InvalidJSONError is one too)
+    except (RuntimeError, ValueError) as e:  # xgrammar's parse errors (InvalidJSONError is one too)
         raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
 
 

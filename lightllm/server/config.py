@@ -108,6 +108,14 @@ class ServerConfig:
         default=10.0,
         metadata=_flag("seconds a request's grammar (JSON schema, regex) may take to compile; longer gets 400. It compiles in the HTTP process, off the engine step, once per grammar (cached)"),
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=_flag("how the model writes tool calls, parsed into 'tool_calls' by the chat APIs: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Qwen3), llama3_json = {\"name\": ..., \"parameters\": ...} (Llama 3.1); absent: the one the chat template writes, else llama3_json for Llama models and hermes for the others", choices=("hermes", "llama3_json")),
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_flag("qwen3: the model's <think>...</think> is returned apart from the answer ('reasoning_content'; a reasoning item in /v1/responses, a thinking block in /v1/messages); absent: it stays in the text", choices=("qwen3",)),
+    )
     trust_remote_code: bool = field(default=False, metadata=_flag("allow the tokenizer to run code from the model directory"))
     data_type: str = field(default="auto", metadata=_flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
     quantization: str | None = field(

@@ -1,6 +1,7 @@
 """The HTTP app: /health, /info, /metrics and the error handlers; /generate and /generate_stream
-are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py, /tokenize and /detokenize
-in tokenize_api.py, the --api_key check in auth.py."""
+are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py (chat and completions) and
+responses_api.py (/v1/responses), Anthropic's /v1/messages in messages_api.py, /tokenize and
+/detokenize in tokenize_api.py, the --api_key check in auth.py."""
 
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
+from lightllm.server.chat.output import ChatParsers, chat_parsers
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
+from lightllm.server.httpserver.errors import error_body
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
 from lightllm.server.httpserver.grammar_cache import GrammarCache
 from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
+from lightllm.server.httpserver.json_body import RequestError, describe_errors
+from lightllm.server.httpserver.messages_api import add_messages_routes
 from lightllm.server.httpserver.openai_api import add_openai_routes
-from lightllm.server.httpserver.json_body import RequestError, describe_errors, error_body
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
+from lightllm.server.httpserver.responses_api import add_responses_routes
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
 
@@ -43,6 +48,7 @@ class ServerState:
     health_probe: OneTokenProbe
     grammars: GrammarCache
     started: float  # wall-clock time of start-up
+    chat: ChatParsers  # how answers' tool calls and reasoning are read
 
 
 def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat]) -> FastAPI:
@@ -63,6 +69,8 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         health_probe=OneTokenProbe(metrics),
         grammars=GrammarCache(config.model_dir, model_info, config.grammar_compile_timeout),
         started=time.time(),
+        chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
+                          getattr(tokenizer, "chat_template", None)),
     )
 
     @contextlib.asynccontextmanager
@@ -92,6 +100,8 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
     add_openai_routes(app)
+    add_responses_routes(app)
+    add_messages_routes(app)
     add_tokenize_routes(app)
     return app
 
@@ -211,6 +221,8 @@ async def info(request: Request) -> JSONResponse:
             "max_req_total_len": config.max_req_total_len,
             "chunked_prefill_size": config.chunked_prefill_size,
             "running_max_req_size": config.running_max_req_size,
+            "tool_call_parser": state.chat.tool_call_parser,
+            "reasoning_parser": config.reasoning_parser,
         }
     )
 

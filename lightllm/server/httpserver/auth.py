@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl
 
 from starlette.responses import JSONResponse
 
-from lightllm.server.httpserver.json_body import error_body
+from lightllm.server.httpserver.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,13 @@ def _digest(key: bytes) -> bytes:
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of an `Authorization: Bearer TOKEN` header (the scheme in any case), else None."""
+    """The token of an `Authorization: Bearer TOKEN` header (the scheme in any case), or of an
+    `x-api-key: TOKEN` header (what Anthropic's clients send), else None."""
     for name, value in headers:
         if name == b"authorization" and value[:len(SCHEME)].lower() == SCHEME:
             return value[len(SCHEME):].strip()
+        if name == b"x-api-key":
+            return value.strip()
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from lightllm.server.httpserver.json_body import error_body
+from lightllm.server.httpserver.errors import error_body
 
 
 class BodyTooLarge(Exception):

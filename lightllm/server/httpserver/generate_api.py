@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
-from lightllm.server.httpserver.json_body import RequestError, add_json_route, error_body
+from lightllm.server.httpserver.errors import error_body
+from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
 from lightllm.server.io_struct import SamplingParams, TextOut
 

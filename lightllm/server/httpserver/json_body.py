@@ -27,19 +27,6 @@ class RequestError(Exception):
         self.status_code = status_code
 
 
-def error_body(path: str, message: str, error_type: str, status_code: int) -> dict:
-    """Every error's JSON body, in the shape of the route's API: OpenAI's under /v1/ (its clients
-    show only error.message), TGI's elsewhere. `error_type` is ours (validation, http, ...)."""
-    if path.startswith("/v1/"):
-        return openai_error(message, error_type, status_code)
-    return {"error": message, "error_type": error_type}
-
-
-def openai_error(message: str, error_type: str, status_code: int) -> dict:
-    """An error body (or stream event) in OpenAI's shape."""
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status_code}}
-
-
 CURL_FORM_TYPE = "application/x-www-form-urlencoded"
 
 

@@ -15,8 +15,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lightllm.server.chat.output import Answer, AnswerParser, merge_events
+from lightllm.server.chat.tool_calls import CallStart, Text
+from lightllm.server.httpserver.chat_prompt import chat_inputs
+from lightllm.server.httpserver.errors import openai_error
 from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
-from lightllm.server.httpserver.json_body import RequestError, add_json_route, openai_error
+from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
 from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
@@ -61,15 +65,14 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
     check_request(body, state)
-    messages = body.template_messages()
-    check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
-    prompt_ids = await off_loop(chat_prompt_ids, state.tokenizer, messages)
+    body.check_tools()
     sampling = await off_loop(body.sampling)
-    await state.grammars.attach(sampling)
-    if not body.max_tokens_given:  # OpenAI's default: as many as the context leaves
-        room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
-        sampling.max_new_tokens = max(1, room)
-    return await answer(request, body, sampling, prompt_ids, start, ChatFormat(state.tokenizer, body))
+    text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
+                                         body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
+                                         body.max_tokens_given)
+    fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
+                                             for _ in range(body.choices)])
+    return await answer(request, body, sampling, prompt_ids, start, fmt)
 
 
 def check_request(body: OpenAIBody, state) -> None:
@@ -77,17 +80,6 @@ def check_request(body: OpenAIBody, state) -> None:
     served = state.config.served_model_name
     if body.model is not None and body.model != served:
         raise RequestError(f"model {body.model!r} does not exist; this server serves {served!r}", 404)
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template; use /v1/completions with a plain prompt")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
-        raise RequestError(f"the chat template rejected the messages: {exc}") from None
-    # The template writes any special tokens (BOS, role markers) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompt_ids: list[int], start: float,
@@ -119,8 +111,8 @@ async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: l
             error = failure(out)
             yield sse(openai_error(str(error), error.error_type, error.status_code))
             continue
-        if out.text or out.finish_reason is not None or fmt.logprobs:
-            yield sse(fmt.chunk(i, out))
+        for chunk in fmt.chunks(i, out):
+            yield sse(chunk)
         if out.finish_reason is not None:
             lasts[i] = out
     if include_usage and len(lasts) == len(firsts):
@@ -160,6 +152,11 @@ class CompletionFormat:
     def opening(self, index: int) -> list[dict]:
         return []
 
+    def chunks(self, index: int, out: TextOut) -> list[dict]:
+        if out.text or out.finish_reason is not None or self.logprobs:
+            return [self.chunk(index, out)]
+        return []
+
     def chunk(self, index: int, out: TextOut) -> dict:
         echo = self.echo and index not in self._echoed
         self._echoed.add(index)
@@ -196,27 +193,48 @@ class CompletionFormat:
 
 
 class ChatFormat(CompletionFormat):
-    """The bodies of /v1/chat/completions: `chat.completion` and `chat.completion.chunk` objects."""
+    """The bodies of /v1/chat/completions: `chat.completion` and `chat.completion.chunk` objects,
+    with each choice's reasoning and tool calls parsed out of its text (`parsers`, one per choice)."""
 
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, body: ChatRequest):
+    def __init__(self, tokenizer, body: ChatRequest, parsers: list[AnswerParser]):
         self.tokenizer = tokenizer
         self.head = {"id": "", "object": "chat.completion.chunk", "created": int(time.time()), "model": ""}
         self.logprobs = body.wants_logprobs
+        self.parsers = parsers
+        self._called: set[int] = set()  # streamed choices that made a call
 
     def whole(self, choices: list[Choice], usage: dict) -> dict:
-        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": self._chat_logprobs(c.outputs), "finish_reason": FINISH_REASONS[c.last.finish_reason]}
-                for c in choices]
+        body = []
+        for c in choices:
+            answer = self.parsers[c.index].parse(c.text)
+            body.append({"index": c.index, "message": self._message(answer), "logprobs": self._chat_logprobs(c.outputs),
+                         "finish_reason": finish_reason(c.last, bool(answer.calls))})
         return {**self.head, "object": "chat.completion", "choices": body, "usage": usage}
+
+    def _message(self, answer: Answer) -> dict:
+        message = {"role": "assistant", "content": answer.content or (None if answer.calls else "")}
+        if self.parsers[0].reasoning is not None:
+            message["reasoning_content"] = answer.reasoning or None
+        if answer.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in answer.calls]
+        return message
 
     def opening(self, index: int) -> list[dict]:
         return [self._delta(index, {"role": "assistant", "content": ""}, None, None)]
 
-    def chunk(self, index: int, out: TextOut) -> dict:
-        return self._delta(index, {"content": out.text} if out.text else {}, FINISH_REASONS.get(out.finish_reason),
-                           self._chat_logprobs([out]))
+    def chunks(self, index: int, out: TextOut) -> list[dict]:
+        parser = self.parsers[index]
+        events = parser.feed(out.text) + (parser.finish() if out.finish_reason is not None else [])
+        delta = chat_delta(merge_events(events))
+        if "tool_calls" in delta:
+            self._called.add(index)
+        if not delta and out.finish_reason is None and not self.logprobs:
+            return []
+        reason = finish_reason(out, index in self._called) if out.finish_reason is not None else None
+        return [self._delta(index, delta, reason, self._chat_logprobs([out]))]
 
     def _delta(self, index: int, delta: dict, finish_reason: str | None, logprobs) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -230,6 +248,33 @@ class ChatFormat(CompletionFormat):
                     "top_logprobs": [_entry(t, lp) for _, t, lp in out.top_logprobs or ()]}
                    for out, text in zip(outputs, texts)]
         return {"content": content, "refusal": None}
+
+
+def finish_reason(last: TextOut, called: bool) -> str:
+    """OpenAI's finish reason; an answer that ends after its calls ends for them."""
+    reason = FINISH_REASONS[last.finish_reason]
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_delta(events: list) -> dict:
+    """A chunk's delta: content, reasoning_content and tool_calls as OpenAI streams them (a call's
+    first entry has its id, type and name; later ones add to its arguments)."""
+    delta: dict = {}
+    for event in events:
+        if isinstance(event, Text):
+            key = "reasoning_content" if event.reasoning else "content"
+            delta[key] = delta.get(key, "") + event.text
+        elif isinstance(event, CallStart):
+            delta.setdefault("tool_calls", []).append(
+                {"index": event.index, "id": event.id, "type": "function",
+                 "function": {"name": event.name, "arguments": ""}})
+        else:
+            calls = delta.setdefault("tool_calls", [])
+            if calls and calls[-1]["index"] == event.index:
+                calls[-1]["function"]["arguments"] += event.text
+            else:
+                calls.append({"index": event.index, "function": {"arguments": event.text}})
+    return delta
 
 
 def _entry(text: str, logprob: float) -> dict:

@@ -3,9 +3,9 @@ ranges.
 
 Sampling follows OpenAI's defaults (temperature 1.0, so sampling unless temperature is 0). vLLM's
 extensions top_k, min_p, min_tokens, stop_token_ids, repetition_penalty, ignore_eos and
-skip_special_tokens are accepted too. Fields that would change the answer in ways this server
-cannot honour (tools, best_of, suffix, ...) are described with OpenAI's types and refused with a
-400 rather than silently ignored.
+skip_special_tokens are accepted too, and chat_template_kwargs. Fields that would change the
+answer in ways this server cannot honour (best_of, suffix, the legacy functions, ...) are
+described with OpenAI's types and refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ SAMPLING_NAMES = {
     "stop_token_ids": "stop_token_ids",
 }
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
-# Fields of a message or content part beyond those read here (name, tool_calls, ...) change nothing.
+# Fields of a message, content part or tool beyond those read here change nothing.
 LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
@@ -171,27 +171,125 @@ class TextPart(BaseModel):
     text: str
 
 
+# OpenAI's rule for function names; it also keeps a name safe inside the forced-call grammar
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(BaseModel):
+    model_config = LENIENT
+    name: FunctionName
+    arguments: str = Field(description="the arguments as JSON text (an object)")
+
+
+class ToolCall(BaseModel):
+    model_config = LENIENT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def call_for_template(name: str, arguments: str, call_id: str | None, where: str) -> dict:
+    """A call as chat templates read it: arguments as a dict (Llama 3.1's template writes them with tojson)."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise RequestError(f"{where}: the arguments must be a JSON object (as text), got {arguments[:60]!r}")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
 class Message(BaseModel):
     model_config = LENIENT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None, description="null only for role 'assistant'")
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="role 'assistant': the calls it made")
+    tool_call_id: str | None = Field(None, description="role 'tool': the call this is the result of")
 
     def for_template(self, i: int) -> dict:
-        """{"role", "content"} as chat templates read them: text parts joined; OpenAI's newer
-        "developer" role is the "system" that templates know."""
-        if self.content is None and self.role != "assistant":
+        """The message as chat templates read it: text parts joined; OpenAI's newer "developer"
+        role is the "system" that templates know; calls' arguments as dicts."""
+        if self.content is None and not (self.role == "assistant"):
             raise RequestError(f"messages[{i}].content may be null only for role 'assistant'")
+        if self.tool_calls and self.role != "assistant":
+            raise RequestError(f"messages[{i}].tool_calls: only an assistant makes calls")
         content = self.content or ""
         text = content if isinstance(content, str) else "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call_for_template(c.function.name, c.function.arguments, c.id,
+                                                       f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                message["name"] = self.name
+        return message
+
+
+class FunctionDef(BaseModel):
+    model_config = LENIENT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+def template_tool(function: FunctionDef) -> dict:
+    """A function as chat templates read tools (OpenAI's chat shape), whatever API it came from."""
+    fields = function.model_dump(exclude_none=True, include=set(FunctionDef.model_fields))
+    return {"type": "function", "function": fields}
+
+
+class Tool(BaseModel):
+    model_config = LENIENT
+    type: Literal["function"] = Field(description="only functions")
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = LENIENT
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = LENIENT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def check_tools(tools: list[FunctionDef] | None, choice: str | None) -> None:
+    """`choice`: none, auto, required or a function's name."""
+    names = [f.name for f in tools or ()]
+    if len(set(names)) < len(names):
+        raise RequestError("'tools': two functions have the same name")
+    if choice not in (None, "none") and not names:
+        raise RequestError(f"'tool_choice' {choice!r} needs 'tools'")
+    if choice not in (None, "none", "auto", "required") and choice not in names:
+        raise RequestError(f"'tool_choice' names the function {choice!r}, which is not in 'tools'")
+
+
+def forced_functions(tools: list[FunctionDef], choice: str) -> list[tuple[str, dict]]:
+    """(name, arguments' schema) of the functions a forced call may name: all for 'required'."""
+    return [(f.name, f.parameters or EMPTY_PARAMETERS) for f in tools if choice == "required" or f.name == choice]
+
+
+def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool) -> tuple[str, str]:
+    """(grammar_kind, grammar) that makes the model call `choice` ('required': any of `tools`)."""
+    spec = call_format.forced_grammar(forced_functions(tools, choice), parallel and choice == "required")
+    return "structural_tag", checked_grammar("structural_tag", spec)
 
 
 class ChatRequest(OpenAIBody):
     UNSUPPORTED: ClassVar[dict] = {
         **OpenAIBody.UNSUPPORTED,
-        "tools": (lambda v: not v, "tool calling is not supported"),
-        "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
-        "functions": (lambda v: not v, "function calling is not supported"),
+        "functions": (lambda v: not v, "the legacy 'functions' are not supported: send 'tools'"),
+        "function_call": (lambda v: v is None, "the legacy 'function_call' is not supported: send 'tool_choice'"),
     }
 
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -199,10 +297,15 @@ class ChatRequest(OpenAIBody):
     logprobs: bool | None = Field(None, description="each generated token's logprob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: the k most likely tokens at each position too")
-    tools: list[dict] | None = Field(None, description="not supported")
-    tool_choice: str | dict | None = Field(None, description="only 'none' and 'auto' are supported")
+    tools: list[Tool] | None = Field(None, description="functions the model may call; they reach the chat template")
+    tool_choice: ToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or {'type': 'function', 'function': "
+                          "{'name': ...}}; required and a named function are enforced with a grammar")
+    parallel_tool_calls: bool | None = Field(None, description="with required: more than one call (default true)")
     functions: list[dict] | None = Field(None, description="not supported")
-    parallel_tool_calls: bool | None = None
+    function_call: str | dict | None = Field(None, description="not supported")
+    chat_template_kwargs: dict | None = Field(None, description="variables for the chat template, such as "
+                                                                 "{'enable_thinking': false}")
 
     def logprob_fields(self) -> dict:
         if self.top_logprobs and not self.logprobs:
@@ -219,3 +322,20 @@ class ChatRequest(OpenAIBody):
 
     def template_messages(self) -> list[dict]:
         return [message.for_template(i) for i, message in enumerate(self.messages)]
+
+    @property
+    def functions_given(self) -> list[FunctionDef]:
+        return [tool.function for tool in self.tools or ()]
+
+    @property
+    def choice(self) -> str:
+        """none, auto, required or a function's name."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def check_tools(self) -> None:
+        check_tools(self.functions_given, self.choice if self.tool_choice is not None else None)
+        if self.choice not in ("none", "auto") and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise RequestError("'response_format' cannot be combined with a forced tool call ('tool_choice')")

@@ -13,10 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
-from lightllm.server.httpserver.openai_api import chat_prompt_ids
-from lightllm.server.httpserver.openai_params import Message
+from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, template_tool
 from lightllm.server.httpserver.params import STRICT, check_prompt_chars
 
 
@@ -33,14 +33,18 @@ class TokenizeRequest(BaseModel):
         None, description="chat messages, rendered with the model's chat template; or give prompt")
     add_generation_prompt: bool | None = Field(None, description="with messages: end with the template's "
                                                                  "assistant header; default true")
+    tools: list[Tool] | None = Field(None, description="with messages: functions, as /v1/chat/completions takes them")
+    chat_template_kwargs: dict | None = Field(None, description="with messages: variables for the chat template")
     return_token_strs: bool = Field(False, description="also return each token's vocabulary entry")
 
     def check_form(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give either 'prompt' or 'messages'")
-        wrong = "add_generation_prompt" if self.prompt is not None else "add_special_tokens"
-        if getattr(self, wrong) is not None:
-            raise RequestError(f"'{wrong}' goes with '{'messages' if self.prompt is not None else 'prompt'}'")
+        wrong = ("add_generation_prompt", "tools", "chat_template_kwargs") if self.prompt is not None \
+            else ("add_special_tokens",)
+        for name in wrong:
+            if getattr(self, name) is not None:
+                raise RequestError(f"'{name}' goes with '{'messages' if self.prompt is not None else 'prompt'}'")
 
 
 class DetokenizeRequest(BaseModel):
@@ -71,9 +75,10 @@ async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONRespons
         ids = await off_loop(lambda: state.tokenizer.encode(body.prompt, add_special_tokens=add_special))
     else:
         messages = [message.for_template(i) for i, message in enumerate(body.messages)]
-        check_prompt_chars(sum(len(message["content"]) for message in messages), state.limits)
-        tokenizer = TemplateOptions(state.tokenizer, add_generation_prompt=body.add_generation_prompt is not False)
-        ids = await off_loop(chat_prompt_ids, tokenizer, messages)
+        check_tools([tool.function for tool in body.tools or ()], None)
+        tools = [template_tool(tool.function) for tool in body.tools or ()]
+        _, ids = await chat_prompt(state, messages, tools, body.chat_template_kwargs,
+                                   add_generation_prompt=body.add_generation_prompt is not False)
     reply = {"count": len(ids), "max_model_len": state.limits.max_req_total_len, "tokens": ids}
     if body.return_token_strs:
         reply["token_strs"] = await off_loop(state.tokenizer.convert_ids_to_tokens, ids)
@@ -90,17 +95,3 @@ async def detokenize_route(request: Request, body: DetokenizeRequest) -> JSONRes
     if any(not 0 <= token < vocab_size for token in body.tokens):
         raise RequestError(f"'tokens' must be token ids in [0, {vocab_size})")
     return JSONResponse({"prompt": await off_loop(state.tokenizer.decode, body.tokens)})
-
-
-class TemplateOptions:
-    """A tokenizer whose apply_chat_template takes `options` over its caller's keyword arguments:
-    chat_prompt_ids always asks for the generation prompt, /tokenize lets the client choose."""
-
-    def __init__(self, tokenizer, **options):
-        self._tokenizer, self._options = tokenizer, options
-
-    def __getattr__(self, name: str):
-        return getattr(self._tokenizer, name)
-
-    def apply_chat_template(self, messages: list[dict], **kwargs):
-        return self._tokenizer.apply_chat_template(messages, **{**kwargs, **self._options})

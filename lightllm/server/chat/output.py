@@ -1,0 +1,163 @@
+"""A chat answer's text as the APIs return it: reasoning apart, then tool calls apart from the
+content. `AnswerParser` takes the text as it streams and returns events (tool_calls.py); `Answer`
+gathers them into the whole message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightllm.server.chat.reasoning import REASONING_PARSERS
+from lightllm.server.chat.tool_calls import FORMATS, CallArgs, CallFormat, CallStart, Text
+
+
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class Answer:
+    content: str = ""
+    reasoning: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+    def add(self, events: list) -> None:
+        for event in events:
+            if isinstance(event, Text):
+                if event.reasoning:
+                    self.reasoning += event.text
+                else:
+                    self.content += event.text
+            elif isinstance(event, CallStart):
+                self.calls.append(Call(event.id, event.name))
+            else:
+                self.calls[event.index].arguments += event.text
+
+
+class AnswerParser:
+    """`reasoning`: a reasoning parser or None; `tools`: a tool-call parser or None."""
+
+    def __init__(self, reasoning=None, tools=None):
+        self.reasoning, self.tools = reasoning, tools
+
+    def feed(self, text: str) -> list:
+        return self._split(self.reasoning.feed(text) if self.reasoning else [Text(text)] if text else [])
+
+    def finish(self) -> list:
+        events = self._split(self.reasoning.finish()) if self.reasoning else []
+        return events + (self.tools.finish() if self.tools else [])
+
+    def _split(self, texts: list[Text]) -> list:
+        if self.tools is None:
+            return texts
+        out = []
+        for text in texts:
+            out += [text] if text.reasoning else self.tools.feed(text.text)
+        return out
+
+    def parse(self, text: str) -> Answer:
+        answer = Answer()
+        answer.add(self.feed(text) + self.finish())
+        return answer
+
+
+def merge_events(events: list) -> list:
+    """Neighbouring events of one kind as one (one delta per output token)."""
+    merged: list = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, Text) and isinstance(last, Text) and last.reasoning == event.reasoning:
+            merged[-1] = Text(last.text + event.text, event.reasoning)
+        elif isinstance(event, CallArgs) and isinstance(last, CallArgs) and last.index == event.index:
+            merged[-1] = CallArgs(event.index, last.text + event.text)
+        else:
+            merged.append(event)
+    return merged
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """The server's tool-call format and reasoning parser (None: reasoning stays in the text)."""
+
+    call_format: CallFormat
+    reasoning: type | None = None
+    tool_call_parser: str = ""  # the call format's name, for /info
+
+    def answer_parser(self, prompt_text: str, calls: bool) -> AnswerParser:
+        """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it."""
+        reasoning = self.reasoning.for_prompt(prompt_text) if self.reasoning else None
+        return AnswerParser(reasoning, self.call_format.parser() if calls else None)
+
+
+def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, architecture: str | None,
+                 template: str | None) -> ChatParsers:
+    """The parsers the flags name; without --tool_call_parser, the format the chat template writes,
+    else the model family's."""
+    if tool_call_parser is None:
+        template = template if isinstance(template, str) else ""
+        if "<tool_call>" in template:
+            tool_call_parser = "hermes"
+        elif "<|python_tag|>" in template or '"parameters"' in template:
+            tool_call_parser = "llama3_json"
+        else:
+            tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else "hermes"
+    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    return ChatParsers(FORMATS[tool_call_parser], reasoning, tool_call_parser)
+
+
+@dataclass
+class Block:
+    """One part of an answer as /v1/responses (an output item) and /v1/messages (a content block)
+    return it: "text", "reasoning" or "call" (`text` holds its arguments); `position`: its index."""
+
+    kind: str
+    position: int
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+
+
+class Blocks:
+    """Events -> blocks, one open at a time: ("start", block), ("delta", block, text), ("stop", block)."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self.open: Block | None = None
+
+    def feed(self, events: list) -> list[tuple]:
+        out: list[tuple] = []
+        for event in events:
+            if isinstance(event, Text):
+                kind = "reasoning" if event.reasoning else "text"
+                if self.open is None or self.open.kind != kind:
+                    self._start(Block(kind, len(self.blocks)), out)
+                self._delta(event.text, out)
+            elif isinstance(event, CallStart):
+                self._start(Block("call", len(self.blocks), call_id=event.id, name=event.name), out)
+            else:  # a call's arguments follow its start, before any other event
+                self._delta(event.text, out)
+        return out
+
+    def close(self) -> list[tuple]:
+        out = [("stop", self.open)] if self.open is not None else []
+        self.open = None
+        return out
+
+    def _start(self, block: Block, out: list) -> None:
+        out += self.close()
+        self.blocks.append(block)
+        self.open = block
+        out.append(("start", block))
+
+    def _delta(self, text: str, out: list) -> None:
+        self.open.text += text
+        out.append(("delta", self.open, text))
+
+
+def answer_blocks(parser: AnswerParser, text: str) -> list[Block]:
+    """A whole answer's blocks: the same as its stream's."""
+    blocks = Blocks()
+    blocks.feed(parser.feed(text) + parser.finish())
+    return blocks.blocks

@@ -1,0 +1,78 @@
+"""A conversation as the model's prompt: the chat template from the model directory, applied once
+here for every route (/v1/chat/completions, /v1/responses, /v1/messages, /tokenize) and for the
+offline `LLM.chat`.
+
+Messages arrive in the template's own vocabulary (Hugging Face's): {"role", "content"}, an
+assistant's "tool_calls" ([{"type": "function", "function": {"name", "arguments": a dict}}]) and
+"tool" messages with their "tool_call_id". Tool definitions go to the template as `tools`.
+
+Not every template knows tools. One that never mentions `tools` gets them as a system message
+that we write, and one that never mentions `tool_calls` gets an assistant's calls written into
+its content in the server's tool-call format, so that a history is never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them
+RESERVED_OPTIONS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered; the message is for the client (a 400)."""
+
+
+def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                options: dict | None = None, call_format=None) -> str:
+    """The prompt text of `messages`. `options`: variables for the template (chat_template_kwargs,
+    such as {"enable_thinking": False}); `call_format`: how to write an assistant's calls for a
+    template that does not render them (a ToolCallFormat, tool_calls.py)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        raise ChatTemplateError("this model has no chat template; send a plain prompt (/v1/completions)")
+    clash = RESERVED_OPTIONS.intersection(options or {})
+    if clash:
+        raise ChatTemplateError(f"'chat_template_kwargs' may not set {', '.join(sorted(clash))}")
+    messages = fit_to_template(template, messages, tools, call_format)
+    if "tools" not in template:
+        tools = None
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(options or {}))
+    except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
+        raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    # The template writes any special tokens (BOS, role markers) itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def fit_to_template(template: str, messages: list[dict], tools: list[dict] | None, call_format) -> list[dict]:
+    """`messages`, with what the template cannot render written as text it can."""
+    if call_format is not None and "tool_calls" not in template:
+        messages = [_calls_as_text(m, call_format) if m.get("tool_calls") else m for m in messages]
+    if tools and "tools" not in template:
+        messages = _with_tool_system_prompt(messages, tools, call_format)
+    return messages
+
+
+def _calls_as_text(message: dict, call_format) -> dict:
+    calls = [call_format.write(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    text = "\n".join(filter(None, [message.get("content") or "", *calls]))
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
+
+
+def _with_tool_system_prompt(messages: list[dict], tools: list[dict], call_format) -> list[dict]:
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    how = f" To call one, write {call_format.example}" if call_format is not None else ""
+    text = f"You may call these functions (JSON schemas of their arguments):\n{listing}\n{how.strip()}".rstrip()
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

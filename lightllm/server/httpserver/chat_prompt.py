@@ -1,0 +1,57 @@
+"""A conversation's prompt for the chat routes (/v1/chat/completions, /v1/responses, /v1/messages,
+/tokenize): messages in the chat template's vocabulary -> the rendered text and its token ids."""
+
+from __future__ import annotations
+
+import json
+
+from lightllm.server.chat.template import ChatTemplateError, chat_prompt_ids, render_chat
+from lightllm.server.httpserver.generation import off_loop
+from lightllm.server.httpserver.json_body import RequestError
+from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
+from lightllm.server.httpserver.params import check_prompt_chars
+from lightllm.server.io_struct import SamplingParams
+
+
+def message_chars(messages: list[dict]) -> int:
+    """The text a conversation holds: contents and calls' arguments."""
+    return sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+               for m in messages)
+
+
+async def chat_prompt(state, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
+                      add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """(prompt text, token ids); a conversation the template cannot render is a 400."""
+    check_prompt_chars(message_chars(messages) + len(json.dumps(tools or [])), state.limits)
+
+    def render() -> str:
+        return render_chat(state.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           options=options, call_format=state.chat.call_format)
+
+    try:
+        text = await off_loop(render)
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc)) from None
+    return text, await off_loop(chat_prompt_ids, state.tokenizer, text)
+
+
+def default_max_tokens(state, prompt_ids: list[int]) -> int:
+    """As many tokens as the context leaves (OpenAI's default when a client gives none)."""
+    room = min(state.limits.max_req_total_len, state.limits.max_total_token_num) - len(prompt_ids)
+    return max(1, room)
+
+
+async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef], choice: str, parallel: bool,
+                      options: dict | None, sampling: SamplingParams, max_tokens_given: bool) -> tuple[str, list[int]]:
+    """The prompt (text, token ids) of a chat API's request, with `sampling` completed: a forced
+    call's grammar (`choice` required or a function's name), the default max_new_tokens, and its
+    grammar compiled (a 400 past --grammar_compile_timeout)."""
+    tools = [template_tool(f) for f in functions]
+    text, prompt_ids = await chat_prompt(state, messages, tools, options)
+    if choice not in ("none", "auto"):
+        sampling.grammar_kind, sampling.grammar = await off_loop(
+            forced_call_grammar, state.chat.call_format, functions, choice, parallel)
+    if not max_tokens_given:
+        sampling.max_new_tokens = default_max_tokens(state, prompt_ids)
+    await state.grammars.attach(sampling)  # the forced call's or the response format's, compiled here
+    return text, prompt_ids
