@@ -187,12 +187,12 @@ def test_a_template_without_tools_gets_them_as_text(default_model_dir):
 def test_forced_grammar_takes_exactly_the_calls_it_should(name, default_model_dir):
     from transformers import AutoTokenizer
 
-    from lightllm.engine.grammar import Grammars
+    from lightllm.engine.grammar import Grammars, json_schema_ebnf
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
     call_format = FORMATS[name]
     schema = WEATHER_TOOL["function"]["parameters"]
-    spec = call_format.forced_grammar([("get_weather", schema)], parallel=False)
+    spec = call_format.forced_grammar([("get_weather", json_schema_ebnf(schema))], parallel=False)
     grammars = Grammars(default_model_dir, len(tokenizer))
 
     def accepts(text: str) -> bool:
@@ -202,10 +202,13 @@ def test_forced_grammar_takes_exactly_the_calls_it_should(name, default_model_di
 
     assert accepts(call_format.write("get_weather", {"city": "Paris"}))
     assert not accepts(call_format.write("get_weather", {"town": "Paris"}))  # the schema's required key
+    assert not accepts(call_format.write("get_weather", {"city": 7}))  # its type
+    spaced = call_format.write("get_weather", {"city": "Paris"}).replace('{"city": ', '{ "city": ')
+    assert not accepts(spaced)  # json.dumps' layout, as structured output: no free whitespace
     assert not accepts(call_format.write("other", {"city": "Paris"}))  # another function
     assert not accepts("Paris is sunny.")  # no call at all
     two = call_format.separator.join([call_format.write("get_weather", {"city": c}) for c in ("A", "B")])
     assert not accepts(two)  # one call without parallel_tool_calls
-    parallel = call_format.forced_grammar([("get_weather", schema)], parallel=True)
+    parallel = call_format.forced_grammar([("get_weather", json_schema_ebnf(schema))], parallel=True)
     matcher = grammars.matcher("structural_tag", parallel)
     assert all(matcher._matcher.accept_token(i) for i in tokenizer.encode(two, add_special_tokens=False))

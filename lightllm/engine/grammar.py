@@ -76,6 +76,12 @@ def _build(kind: str, spec: str):
         raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
 
 
+def json_schema_ebnf(schema: dict) -> str:
+    """A JSON schema as xgrammar's EBNF, in the layout of our json_schema grammars (no free
+    whitespace), for use inside a structural tag; GrammarError when xgrammar cannot use it."""
+    return str(_build("json_schema", json.dumps(schema)))
+
+
 def check_grammar(kind: str, spec: str) -> None:
     """Raise GrammarError (one-line message) unless `kind` is known and `spec` parses as one.
 

@@ -322,12 +322,13 @@ class CallFormat:
     def example(self) -> str:
         return self.write("NAME", {"ARGUMENT": "VALUE"})
 
-    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool) -> str:
-        """An xgrammar structural tag (JSON text) that admits only calls of `functions` ((name, JSON
-        schema of the arguments)), at least one, at most one unless `parallel`."""
+    def forced_grammar(self, functions: list[tuple[str, str]], parallel: bool) -> str:
+        """An xgrammar structural tag (JSON text) that admits only calls of `functions` ((name, the
+        arguments' grammar in EBNF: grammar.json_schema_ebnf)), at least one, at most one unless
+        `parallel`."""
         tags = [{"type": "tag", "begin": f'{self.begin}{{"name": {json.dumps(name)}, "{self.args_key}": ',
-                 "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
-                 "end": "}" + self.end} for name, schema in functions]
+                 "content": {"type": "grammar", "grammar": arguments}, "end": "}" + self.end}
+                for name, arguments in functions]
         calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
                  "stop_after_first": not parallel}
         return json.dumps({"type": "structural_tag", "format": calls})

@@ -274,14 +274,21 @@ def check_tools(tools: list[FunctionDef] | None, choice: str | None) -> None:
         raise RequestError(f"'tool_choice' names the function {choice!r}, which is not in 'tools'")
 
 
-def forced_functions(tools: list[FunctionDef], choice: str) -> list[tuple[str, dict]]:
-    """(name, arguments' schema) of the functions a forced call may name: all for 'required'."""
-    return [(f.name, f.parameters or EMPTY_PARAMETERS) for f in tools if choice == "required" or f.name == choice]
+def arguments_grammar(function: FunctionDef) -> str:
+    """The EBNF of a function's arguments (its parameters' schema); a schema xgrammar cannot use is a 400."""
+    from lightllm.engine.grammar import GrammarError, json_schema_ebnf  # xgrammar: only when asked for
+
+    try:
+        return json_schema_ebnf(function.parameters or EMPTY_PARAMETERS)
+    except GrammarError as exc:
+        message = f"function {function.name!r}: its parameters cannot be used for a forced call: {exc}"
+        raise RequestError(message) from None
 
 
 def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool) -> tuple[str, str]:
     """(grammar_kind, grammar) that makes the model call `choice` ('required': any of `tools`)."""
-    spec = call_format.forced_grammar(forced_functions(tools, choice), parallel and choice == "required")
+    functions = [(f.name, arguments_grammar(f)) for f in tools if choice == "required" or f.name == choice]
+    spec = call_format.forced_grammar(functions, parallel and choice == "required")
     return "structural_tag", checked_grammar("structural_tag", spec)
 
 
