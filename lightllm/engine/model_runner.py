@@ -212,7 +212,9 @@ class ModelRunner:
         self.token_table = self._token_table(sum(p.num_tokens for p in plans))
         start = time.perf_counter()
         with PeakMemory(self.device) as peak:
-            for plan in plans:  # where serving runs them (on the CPU the device thread has its own heap)
+            # Where serving runs them: on the CPU the device thread, which in an in-process runner
+            # allocates from a heap of its own (a model worker has one heap: use_one_heap).
+            for plan in plans:
                 self._submit(plan).result().tokens()
         self._reset()
         del self.token_table

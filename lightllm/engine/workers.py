@@ -31,7 +31,7 @@ from rpyc.utils.authenticators import AuthenticationError
 
 from lightllm.engine.core import WorkerDied
 from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
-from lightllm.utils.process import STOP_SIGNAL, init_child_process, stop_processes
+from lightllm.utils.process import STOP_SIGNAL, init_child_process, stop_processes, use_one_heap
 
 if TYPE_CHECKING:
     from lightllm.utils.dist import NodeLayout  # imports torch, which the router does without
@@ -111,6 +111,7 @@ def run_remote_model_worker(listener: socket.socket, token: bytes, parent_pid: i
 
 
 def _init_worker(parent_pid: int, log_level: str, ranks_on_node: int) -> None:
+    use_one_heap()  # first: before any thread of this process allocates
     init_child_process(parent_pid, log_level)
     # Nothing to tidy up here, and SystemExit inside rpyc's serve loop ends in a noisy traceback:
     # the signal's default action ends the process at once.

@@ -13,6 +13,7 @@ import time
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 # How a parent stops its children, and what Linux sends a child whose parent died. Not SIGTERM or
 # SIGINT: those reach the whole process group (`kill -TERM -- -PGID`, Ctrl-C, a container's stop),
 # and only the main process may act on them, since it drains first and stops its children after.
@@ -97,3 +98,15 @@ def return_free_heap() -> None:
     except (OSError, AttributeError):
         pass
 
+
+def use_one_heap() -> None:
+    """Make every thread of this process allocate from glibc's main heap (M_ARENA_MAX 1), where
+    `return_free_heap` gives back free memory at the top too. Call before the threads that
+    allocate start. A CPU model worker's device thread otherwise gets an arena of its own, whose
+    free top (up to 64 MiB a sub-heap) malloc_trim never returns: the worker's idle RSS wandered
+    by 20-40 MiB from one busy period to the next (tests/test_worker_memory.py). A no-op where
+    there is no mallopt."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):
+        pass
