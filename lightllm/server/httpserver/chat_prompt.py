@@ -22,7 +22,7 @@ def message_chars(messages: list[dict]) -> int:
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
                       add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """(prompt text, token ids); a conversation the template cannot render is a 400."""
-    check_prompt_chars(message_chars(messages) + len(json.dumps(tools or [])), state.limits)
+    check_prompt_chars(message_chars(messages) + (len(json.dumps(tools)) if tools else 0), state.limits)
 
     def render() -> str:
         return render_chat(state.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
