@@ -91,11 +91,14 @@ class MoEPlan(NamedTuple):
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
-# long K blocks. Prefill-sized groups are GEMMs: larger tiles. Untuned guesses for the H100
-# until test/benchmark/moe_bench.py --tune has run there (it also times any --plan given).
+# long K blocks. Prefill-sized groups are GEMMs: larger tiles. LARGE_PLAN is moe_bench.py --tune's
+# best on the H100 for qwen3-30b-a3b at 2048, 4096 and 8192 tokens (192-768 pairs an expert):
+# 728 / 1147 / 1999 us against 804 / 1287 / 2305 us with PREFILL_PLAN's 64 rows; the others are
+# untuned guesses (--tune and --plan time any other).
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3)
+LARGE_PLAN = MoEPlan(128, 128, 64, 8, 3)
 
 
 def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
@@ -106,7 +109,9 @@ def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
     per_expert = 1.5 * num_pairs / num_experts
     if per_expert <= DECODE_PLAN.block_m:
         return DECODE_PLAN
-    return MID_PLAN if per_expert <= MID_PLAN.block_m else PREFILL_PLAN
+    if per_expert <= MID_PLAN.block_m:
+        return MID_PLAN
+    return PREFILL_PLAN if per_expert <= PREFILL_PLAN.block_m else LARGE_PLAN
 
 
 def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -85,6 +85,22 @@ def test_fused_moe_prefill_sized_blocks():
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(24, 4, 2), plan=plan)
 
 
+def test_moe_plan_grows_its_row_block_with_the_groups():
+    """Each plan's row block holds 1.5x the mean group up to the largest plan (128 rows, chosen by
+    moe_bench --tune on the H100), which takes every larger group; 128-row blocks compute right."""
+    from lightllm_kernels.fused_moe import LARGE_PLAN, moe_plan
+
+    experts_n, blocks = 128, []
+    for pairs in (8, 1024, 2048, 4096, 8192, 16384, 65536):
+        plan = moe_plan(pairs, experts_n)
+        blocks.append(plan.block_m)
+        assert plan.block_m >= min(1.5 * pairs / experts_n, LARGE_PLAN.block_m)
+    assert blocks == sorted(blocks) and blocks[-1] == LARGE_PLAN.block_m == 128
+    x = torch.randn(40, HIDDEN, device=DEVICE)
+    plan = MoEPlan(block_m=LARGE_PLAN.block_m, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(40, 4, 2), plan=plan)
+
+
 def test_fused_moe_reads_strided_rows_of_x():
     wide = torch.randn(6, HIDDEN + 8, device=DEVICE)
     x = wide[:, 4:HIDDEN + 4]

@@ -174,7 +174,8 @@ flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags)
     new-fcfs) extra="--schedule_policy fcfs" ;;
     new-fcfs-c[0-9]*) extra="--schedule_policy fcfs --chunked_prefill_size ${1#new-fcfs-c}" ;;
     new-eager) extra=--disable_cuda_graph ;;
-    new+*) extra=${1#new+}; extra=${extra//,/ } ;;  # new+--flag,value,...: any server flags, commas for spaces
+    new+*) extra=${1#new+}; extra=${extra//,/ } ;;
+    base+*) path=$ROOT/.gpu/base:$ROOT/.gpu/base_path:/tmp/site; tree=$ROOT/.gpu/base; extra=${1#base+}; extra=${extra//,/ } ;;  # new+--flag,value,...: any server flags, commas for spaces
     new-fp8) extra="--quantization fp8" ;;
     new-fp8-trace) extra="--quantization fp8 --step_trace $WORK/steps.jsonl" ;;
     new-fp8-c[0-9]*) extra="--quantization fp8 --chunked_prefill_size ${1#new-fp8-c}" ;;
