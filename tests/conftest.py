@@ -96,3 +96,16 @@ def tool_server(tmp_path_factory):
                           tmp_path_factory.mktemp("tool_server") / "server.log")
     yield server
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    """OpenAI's client on the tool server (test_server_messages overrides it with Anthropic's)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

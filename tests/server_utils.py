@@ -5,6 +5,7 @@ benchmark scripts; what tests add is looking inside (processes, log lines, reque
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -104,3 +105,15 @@ def sse_events(response: requests.Response):
 
 def start_server(args: list[str], log_path: Path, own_process_group: bool = False) -> Server:
     return server_process.start_server(args, log_path, server_class=Server, own_process_group=own_process_group)
+
+
+@contextlib.contextmanager
+def preset_server(tmp_path_factory, preset: str):
+    """(model directory, server) of a bench_model preset (random weights) on a free port; the
+    server must stop with status 0."""
+    from lightllm.tools.bench_model import write_bench_model
+
+    model_dir = write_bench_model(tmp_path_factory.mktemp(preset), preset)
+    server = start_server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("server") / "server.log")
+    yield model_dir, server
+    assert server.stop() == 0

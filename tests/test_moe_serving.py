@@ -13,17 +13,15 @@ from lightllm.models import read_config
 from lightllm.models.layers import split_even
 from lightllm.tools.bench_model import write_bench_model
 from lightllm.utils.dist import TPGroup
-from server_utils import start_server
+from server_utils import preset_server
 
 WORDS = "the a model token expert router batch river stone light 你好 café runs quickly over under".split()
 
 
 @pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen3-moe"])
 def moe_server(request, tmp_path_factory):
-    model_dir = write_bench_model(tmp_path_factory.mktemp(request.param), request.param)
-    server = start_server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("server") / "server.log")
-    yield server, model_dir
-    assert server.stop() == 0
+    with preset_server(tmp_path_factory, request.param) as (model_dir, server):
+        yield server, model_dir
 
 
 def test_greedy_matches_transformers(moe_server):

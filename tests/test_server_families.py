@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightllm.tools.bench_model import write_bench_model
-from server_utils import start_server
+from server_utils import preset_server
 
 PROMPTS = ["the river runs over the stone light and the cache of every batch runs quickly " * 3,
            "a model token café 🤖 你好 under the light"]
@@ -18,10 +17,8 @@ NEW = 24
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-gemma2", "tiny-gemma3"])
 def family(request, tmp_path_factory):
-    model_dir = write_bench_model(tmp_path_factory.mktemp(request.param), request.param)
-    server = start_server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("server") / "server.log")
-    yield model_dir, server
-    assert server.stop() == 0
+    with preset_server(tmp_path_factory, request.param) as (model_dir, server):
+        yield model_dir, server
 
 
 def test_greedy_text_equals_transformers_with_and_without_a_cache_hit(family):

@@ -13,16 +13,6 @@ from tool_model import WEATHER, matches
 TOOLS = [{"type": "function", "name": "get_weather", "description": "a city's forecast", "parameters": WEATHER}]
 
 
-@pytest.fixture(scope="module")
-def client(tool_server):
-    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 @pytest.mark.parametrize("request_input", [
     "What is the capital of France?",
     [{"role": "developer", "content": "Answer briefly."},

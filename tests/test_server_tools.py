@@ -5,7 +5,6 @@ calls and results, and chat_template_kwargs, reach the template (/tokenize shows
 
 import json
 
-import openai
 import pytest
 import requests
 
@@ -16,16 +15,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What will the weather be in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(tool_server):
-    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def check_call(name: str, arguments: str, allowed) -> None:
