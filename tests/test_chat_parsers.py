@@ -212,3 +212,27 @@ def test_forced_grammar_takes_exactly_the_calls_it_should(name, default_model_di
     parallel = call_format.forced_grammar([("get_weather", json_schema_ebnf(schema))], parallel=True)
     matcher = grammars.matcher("structural_tag", parallel)
     assert all(matcher._matcher.accept_token(i) for i in tokenizer.encode(two, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("written", ["", "Pa", "Pa\\u00e9"])
+def test_a_forced_call_allows_no_raw_control_character_in_a_bounded_string(default_model_dir, written):
+    """The tool server's forced call (tests/tool_model.py's WEATHER: city has maxLength 12) once took
+    the byte-level tokens of \\x01 .. \\x1f and the tab inside the city, which json.loads refuses."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightllm.engine.grammar import Grammars, allocate_bitmask, json_schema_ebnf
+    from tool_model import WEATHER
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    call_format = FORMATS["hermes"]
+    spec = call_format.forced_grammar([("get_weather", json_schema_ebnf(WEATHER))], parallel=False)
+    matcher = Grammars(default_model_dir, len(tokenizer)).matcher("structural_tag", spec)
+    inside_city = f'{call_format.begin}{{"name": "get_weather", "arguments": {{"city": "{written}'
+    assert all(matcher.accept(i) for i in tokenizer.encode(inside_city, add_special_tokens=False))
+    bitmask = allocate_bitmask(1, len(tokenizer))
+    matcher.fill(bitmask, 0)
+    bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:len(tokenizer)]
+    texts = tokenizer.batch_decode([[i] for i in bits.nonzero()[:, 0].tolist()])
+    assert not [t for t in texts if any(ord(c) < 0x20 for c in t)]
+    assert "\\" in texts and "é" in texts  # an escape may start; any other character is one

@@ -122,6 +122,27 @@ def test_json_whitespace_is_one_space_after_colons_and_commas(grammars, tokenize
     assert (all(matcher.accept(token) for token in ids) and matcher.terminated) == accepted
 
 
+BOUNDED = {"type": "string", "minLength": 2, "maxLength": 3}
+BOUNDED_TEXTS = ['"ab"', '"abcd"', '"a"', '"a\tb"', '"a\x01"', '"a\\tb"', '"\\u00e9\\n"', '"a\\"b"', '"é你🤖"', '"a\\x"']
+
+
+def json_string_in_bounds(text: str) -> bool:
+    try:
+        value = json.loads(text)  # strict: no raw control character inside a string
+    except ValueError:
+        return False
+    return BOUNDED["minLength"] <= len(value) <= BOUNDED["maxLength"]
+
+
+@pytest.mark.parametrize("text", BOUNDED_TEXTS)
+def test_a_string_with_a_length_bound_takes_what_json_loads_takes(grammars, tokenizer, text):
+    """Each escape counts once, as in the decoded string. xgrammar's own rule for such a string takes
+    raw control characters and no escape (mlc-ai/xgrammar#800; grammar._json_schema rewrites it)."""
+    matcher = grammars.matcher("json_schema", json.dumps(BOUNDED))
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert (all(matcher.accept(token) for token in ids) and matcher.terminated) == json_string_in_bounds(text)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_json_object_output_is_an_object(grammars, tokenizer, closing_bias, seed):
     assert isinstance(json.loads(decode(grammars, tokenizer, closing_bias, "json_object", "", seed)), dict)

@@ -38,6 +38,13 @@ _MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgram
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's C++ errors start "[hh:mm:ss] /path/file.cc:123: " and at times "Check failed: (...) is false: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+# xgrammar (0.2.8; mlc-ai/xgrammar#800) writes one character of a string with minLength or maxLength
+# as this rule, which admits raw control characters (a tab, \x01), invalid in JSON, and no escape.
+# `_json_schema` rewrites it to one JSON character, as in xgrammar's unbounded strings: an escape
+# counts once, as maxLength counts the decoded string. Once xgrammar writes it right, nothing matches.
+_BOUNDED_STRING_CHARACTER = re.compile(r"^(\S+ ::= )" + re.escape(r'(([^\"\\\r\n]))') + "$", re.MULTILINE)
+_JSON_STRING_CHARACTER = (r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) '
+                          r'| ("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))')
 
 
 class GrammarError(ValueError):
@@ -63,10 +70,8 @@ def _build(kind: str, spec: str):
             raise GrammarError(f"{kind} is not valid JSON: {e}") from None
     import xgrammar
 
-    # No free whitespace, which a small model can emit until max_new_tokens: json.dumps' one-line
-    # layout, one space after each ':' and ',' (xgrammar's separators when indent is None).
-    parse = {"json_object": lambda _: xgrammar.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False),
-             "json_schema": lambda s: xgrammar.Grammar.from_json_schema(s, any_whitespace=False),
+    parse = {"json_object": lambda _: _json_schema(_ANY_OBJECT),
+             "json_schema": _json_schema,
              "regex": xgrammar.Grammar.from_regex,
              "ebnf": xgrammar.Grammar.from_ebnf,
              "structural_tag": xgrammar.Grammar.from_structural_tag}[kind]
@@ -74,6 +79,17 @@ def _build(kind: str, spec: str):
         return parse(spec)
     except (RuntimeError, ValueError) as e:  # xgrammar's parse errors (InvalidJSONError is one too)
         raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
+
+
+def _json_schema(spec: str):
+    """xgrammar's grammar of a JSON schema, its strings with a length bound held to JSON's characters."""
+    import xgrammar
+
+    # No free whitespace, which a small model can emit until max_new_tokens: json.dumps' one-line
+    # layout, one space after each ':' and ',' (xgrammar's separators when indent is None).
+    grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False)
+    ebnf, bounded = _BOUNDED_STRING_CHARACTER.subn(lambda m: m[1] + _JSON_STRING_CHARACTER, str(grammar))
+    return xgrammar.Grammar.from_ebnf(ebnf) if bounded else grammar
 
 
 def json_schema_ebnf(schema: dict) -> str:
