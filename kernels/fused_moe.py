@@ -91,27 +91,39 @@ class MoEPlan(NamedTuple):
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
-# long K blocks. Prefill-sized groups are GEMMs: larger tiles. LARGE_PLAN is moe_bench.py --tune's
-# best on the H100 for qwen3-30b-a3b at 2048, 4096 and 8192 tokens (192-768 pairs an expert):
-# 728 / 1147 / 1999 us against 804 / 1287 / 2305 us with PREFILL_PLAN's 64 rows; the others are
-# untuned guesses (--tune and --plan time any other).
+# long K blocks. Prefill-sized groups are GEMMs: larger tiles. Groups of over 64 pairs an expert
+# take LARGE_PLANS: moe_bench.py --tune's best on the H100 for qwen3-30b-a3b at 4096 and 8192
+# tokens (256-512 pairs an expert), each kernel tuned alone (2026-11-25), (gate/up, down) for bf16
+# and for fp8 experts (K blocks of 128 bytes, 64-row blocks). Whole layer at 4096 / 8192 tokens:
+# bf16 977 / 1721 us against 1117 / 1986 us with the shared (128, 128, 64, 8, 3) both kernels had
+# before; fp8 756 / 1382 against 1043 / 1825 us. The other plans are untuned guesses (--tune and
+# --plan time any other).
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3)
-LARGE_PLAN = MoEPlan(128, 128, 64, 8, 3)
+LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 4), MoEPlan(128, 256, 64, 8, 4)),
+               True: (MoEPlan(64, 256, 128, 8, 3), MoEPlan(64, 256, 128, 8, 5))}
+LARGE_PLAN = LARGE_PLANS[False][0]
 
 
 def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
-    """The plan for T * K pairs over E experts, by the mean group size (host ints only). A
-    group's size varies about its mean (Poisson-like under a balanced router), so a block takes
-    half as many rows again as the mean: a group rarely spills into a second block, which would
-    read the expert's weights twice."""
+    """The bf16 gate/up plan for T * K pairs over E experts, by the mean group size (host ints
+    only). A group's size varies about its mean (Poisson-like under a balanced router), so a
+    block takes half as many rows again as the mean: a group rarely spills into a second block,
+    which would read the expert's weights twice."""
     per_expert = 1.5 * num_pairs / num_experts
     if per_expert <= DECODE_PLAN.block_m:
         return DECODE_PLAN
     if per_expert <= MID_PLAN.block_m:
         return MID_PLAN
     return PREFILL_PLAN if per_expert <= PREFILL_PLAN.block_m else LARGE_PLAN
+
+
+def moe_plans(num_pairs: int, num_experts: int, fp8: bool = False) -> tuple[MoEPlan, MoEPlan]:
+    """(gate/up plan, down plan) for T * K pairs over E experts; the two share the row block,
+    which the alignment fixes."""
+    plan = moe_plan(num_pairs, num_experts)
+    return LARGE_PLANS[fp8] if plan == LARGE_PLAN else (plan, plan)
 
 
 def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -148,7 +160,7 @@ def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
     return (a + b - 1) // b
 
 
-ALIGN_BLOCK = 1024  # ids a step of the alignment's loops: a prefill's 32768 pairs in 32 steps
+ALIGN_BLOCK = 1024  # ids a step of the one-launch alignment's loops, and the smallest chunk of the chunked one
 
 
 @fast_launch
@@ -192,17 +204,93 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_e
         tl.store(block_experts_ptr + blocks, fill_expert, mask=blocks < run_end // BLOCK_M)
 
 
+@fast_launch
+@triton.jit
+def _align_count_kernel(ids_ptr, hist_ptr, num_pairs, num_experts, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+    """hist[c, e]: how many of chunk c's pairs chose expert e (masked lanes count in bin E)."""
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts)
+    tl.store(hist_ptr + chunk * EXPERTS + tl.arange(0, EXPERTS), tl.histogram(ids, EXPERTS))
+
+
+@fast_launch
+@triton.jit
+def _align_runs_kernel(hist_ptr, offsets_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
+                       num_chunks, num_slots, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNKS: tl.constexpr,
+                       FILL: tl.constexpr):
+    """Program e < E: expert e's run from the chunks' histograms: where each chunk's pairs of e
+    start (offsets[c, e]), the run's padding and its blocks' expert; program E the tail."""
+    expert = tl.program_id(0)
+    lanes = tl.arange(0, EXPERTS)
+    chunks = tl.arange(0, CHUNKS)
+    hist = tl.load(hist_ptr + chunks[:, None] * EXPERTS + lanes[None, :], mask=chunks[:, None] < num_chunks, other=0)
+    padded = (tl.sum(hist, axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_start = tl.sum(tl.where(lanes < expert, padded, 0))
+    lane_fill = tl.arange(0, FILL)
+    if expert < num_experts:
+        column = tl.sum(tl.where(lanes[None, :] == expert, hist, 0), axis=1)
+        tl.store(offsets_ptr + chunks * EXPERTS + expert, run_start + tl.cumsum(column, axis=0) - column,
+                 mask=chunks < num_chunks)
+        count = tl.sum(column)
+        run_end = run_start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad = run_start + count + tl.arange(0, BLOCK_M)
+        tl.store(sorted_pairs_ptr + pad, num_pairs, mask=pad < run_end)
+        fill_expert = expert
+    else:
+        run_end = num_slots
+        for slot in range(run_start, num_slots, FILL):
+            tl.store(sorted_pairs_ptr + slot + lane_fill, num_pairs, mask=slot + lane_fill < num_slots)
+        fill_expert = num_experts
+    for block in range(run_start // BLOCK_M, run_end // BLOCK_M, FILL):
+        blocks = block + lane_fill
+        tl.store(block_experts_ptr + blocks, fill_expert, mask=blocks < run_end // BLOCK_M)
+
+
+@fast_launch
+@triton.jit
+def _align_place_kernel(ids_ptr, hist_ptr, offsets_ptr, sorted_pairs_ptr, num_pairs, EXPERTS: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """Program (c, e): chunk c's pairs of expert e, in order, from offsets[c, e] on."""
+    chunk, expert = tl.program_id(0), tl.program_id(1)
+    if tl.load(hist_ptr + chunk * EXPERTS + expert) > 0:
+        pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+        match = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) == expert
+        rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+        tl.store(sorted_pairs_ptr + tl.load(offsets_ptr + chunk * EXPERTS + expert) + rank, pairs, mask=match)
+
+
+ALIGN_ONE_LAUNCH_PAIRS = 4096  # up to this many pairs (decode steps) one launch; above, chunks in parallel
+ALIGN_MAX_CHUNKS = 64
+
+
 def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """align_by_expert_ref's result in one launch of E + 1 programs."""
+    """align_by_expert_ref's result. Up to ALIGN_ONE_LAUNCH_PAIRS pairs in one launch of E + 1
+    programs, each of which reads every id (no program waits for another). Above, that serial
+    scan grows with the pairs (57 us at 32768 on an H100), so the ids are cut into at most
+    ALIGN_MAX_CHUNKS chunks: one launch counts each chunk's experts, one lays out the runs from
+    those counts, one places each (chunk, expert)'s pairs, all in parallel."""
     flat = topk_ids.flatten()
     num_pairs = flat.shape[0]
     size = padded_pairs_bound(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(size, dtype=torch.int32, device=flat.device)
     block_experts = torch.empty(size // block_m, dtype=torch.int32, device=flat.device)
     experts = next_power_of_2(num_experts + 1)
-    block = max(16, min(next_power_of_2(num_pairs), ALIGN_BLOCK))
-    _align_kernel[(num_experts + 1,)](flat, sorted_pairs, block_experts, num_pairs, num_experts, size, BLOCK_M=block_m,
-                                      EXPERTS=experts, BLOCK=block, num_warps=4)
+    if num_pairs <= ALIGN_ONE_LAUNCH_PAIRS:
+        block = max(16, min(next_power_of_2(num_pairs), ALIGN_BLOCK))
+        _align_kernel[(num_experts + 1,)](flat, sorted_pairs, block_experts, num_pairs, num_experts, size,
+                                          BLOCK_M=block_m, EXPERTS=experts, BLOCK=block, num_warps=4)
+        return sorted_pairs, block_experts
+    chunk = max(ALIGN_BLOCK, next_power_of_2(cdiv(num_pairs, ALIGN_MAX_CHUNKS)))
+    num_chunks = cdiv(num_pairs, chunk)
+    hist = torch.empty(num_chunks, experts, dtype=torch.int32, device=flat.device)
+    offsets = torch.empty(num_chunks, experts, dtype=torch.int32, device=flat.device)
+    _align_count_kernel[(num_chunks,)](flat, hist, num_pairs, num_experts, EXPERTS=experts, CHUNK=chunk, num_warps=4)
+    _align_runs_kernel[(num_experts + 1,)](hist, offsets, sorted_pairs, block_experts, num_pairs, num_experts,
+                                           num_chunks, size, BLOCK_M=block_m, EXPERTS=experts,
+                                           CHUNKS=max(2, next_power_of_2(num_chunks)), FILL=1024, num_warps=8)
+    _align_place_kernel[(num_chunks, num_experts)](flat, hist, offsets, sorted_pairs, num_pairs, EXPERTS=experts,
+                                                   CHUNK=chunk, num_warps=4)
     return sorted_pairs, block_experts
 
 
@@ -211,10 +299,11 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
 def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
                         num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
                         w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                        BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
     same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
-    the weights are fp8, the sums scaled by x's row scale and the weights' column scales."""
+    the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
+    BLOCK_K divides H, so the K loop's loads need no K mask."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -230,7 +319,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             kk = k0 + ks
-            k_mask = kk < hidden
+            k_mask = (kk < hidden) | EVEN_K
             a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
             w_mask = col_mask[None, :] & k_mask[:, None]
@@ -254,9 +343,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
 def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
                      out_ptr, num_pairs, num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride,
                      w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FP8: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                     FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
     """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
-    (FP8: scaled as in the gate/up kernel)."""
+    (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:
@@ -270,7 +359,7 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             kk = k0 + ks
-            k_mask = kk < inter
+            k_mask = (kk < inter) | EVEN_K
             a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
             acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
@@ -285,36 +374,66 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
                  mask=row_mask[:, None] & col_mask[None, :])
 
 
+def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up: torch.Tensor,
+                       w_scale: torch.Tensor | None, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
+                       top_k: int, out_dtype: torch.dtype, plan: MoEPlan) -> torch.Tensor:
+    """The gate/up kernel alone: [T * K, I], silu(gate) * up by pair (a: x, or its fp8 rows with
+    a_scale and the weights' w_scale)."""
+    num_experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
+    num_pairs = a.shape[0] * top_k
+    out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
+    fp8 = w_scale is not None
+    _moe_gate_up_kernel[(block_experts.shape[0], cdiv(inter, plan.block_n))](
+        a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
+        top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        w_scale.stride(0) if fp8 else 0, out.stride(0), **_options(plan, fp8, a, hidden))
+    return out
+
+
+def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch.Tensor, w_scale: torch.Tensor | None,
+                    sorted_pairs: torch.Tensor, block_experts: torch.Tensor, pair_weights: torch.Tensor,
+                    out_dtype: torch.dtype, plan: MoEPlan) -> torch.Tensor:
+    """The down kernel alone: [T * K, H], each pair's expert output times its routing weight
+    (pair_weights fp32 [T * K]; a: the gate/up output, or its fp8 rows with a_scale)."""
+    num_experts, hidden, inter = w_down.shape
+    num_pairs = a.shape[0]
+    out = torch.empty(num_pairs, hidden, dtype=out_dtype, device=a.device)
+    fp8 = w_scale is not None
+    _moe_down_kernel[(block_experts.shape[0], cdiv(hidden, plan.block_n))](
+        a, w_down, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, pair_weights, out,
+        num_pairs, num_experts, hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1),
+        w_scale.stride(0) if fp8 else 0, out.stride(0), **_options(plan, fp8, a, inter))
+    return out
+
+
+def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
+    return dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=not a.is_cuda,
+                EVEN_K=reduced % plan.block_k == 0, num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
-                     w_down_scale: torch.Tensor | None = None, plan: MoEPlan | None = None) -> torch.Tensor:
-    """fused_moe_ref's result through the two grouped-GEMM kernels; `plan` overrides moe_plan."""
+                     w_down_scale: torch.Tensor | None = None, plan: MoEPlan | None = None,
+                     down_plan: MoEPlan | None = None) -> torch.Tensor:
+    """fused_moe_ref's result through the two grouped-GEMM kernels. `plan` overrides moe_plan's
+    choice for the gate/up kernel and, unless `down_plan` is given, for the down kernel too (the
+    two share the alignment, so their row blocks must be equal)."""
     assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
     tokens, hidden = x.shape
-    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
-    top_k = topk_ids.shape[1]
+    num_experts, top_k = w_gate_up.shape[0], topk_ids.shape[1]
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.empty_like(x)
-    plan = plan or moe_plan(num_pairs, num_experts)
+    if plan is None:
+        plan, down_plan = moe_plans(num_pairs, num_experts, fp8=w_gate_up_scale is not None)
+    down_plan = down_plan or plan
+    assert down_plan.block_m == plan.block_m, "the gate/up and down kernels share the alignment's row blocks"
     sorted_pairs, block_experts = align_by_expert_triton(topk_ids, num_experts, plan.block_m)
     fp8 = w_gate_up_scale is not None
-    blocks, upcast = block_experts.shape[0], not x.is_cuda
-    options = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=upcast,
-                   num_warps=plan.num_warps, num_stages=plan.num_stages)
-    a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, x)  # x: an unused pointer without fp8
-    scale = w_gate_up_scale if fp8 else x
-    hidden_by_pair = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(blocks, cdiv(inter, plan.block_n))](
-        a, w_gate_up, a_scale, scale, sorted_pairs, block_experts, hidden_by_pair, num_pairs, top_k, num_experts,
-        hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), scale.stride(0),
-        hidden_by_pair.stride(0), **options)
-    a, a_scale = quantize_fp8_rows_triton(hidden_by_pair) if fp8 else (hidden_by_pair, x)
-    scale = w_down_scale if fp8 else x
-    out_by_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    pair_weights = topk_weights.float().contiguous()
-    _moe_down_kernel[(blocks, cdiv(hidden, plan.block_n))](
-        a, w_down, a_scale, scale, sorted_pairs, block_experts, pair_weights, out_by_pair, num_pairs, num_experts,
-        hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1), scale.stride(0), out_by_pair.stride(0),
-        **options)
+    a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)
+    hidden_by_pair = moe_gate_up_triton(a, a_scale, w_gate_up, w_gate_up_scale, sorted_pairs, block_experts, top_k,
+                                        x.dtype, plan)
+    a, a_scale = quantize_fp8_rows_triton(hidden_by_pair) if fp8 else (hidden_by_pair, None)
+    out_by_pair = moe_down_triton(a, a_scale, w_down, w_down_scale, sorted_pairs, block_experts,
+                                  topk_weights.float().contiguous().view(-1), x.dtype, down_plan)
     return out_by_pair.view(tokens, top_k, hidden).sum(dim=1)

@@ -65,10 +65,15 @@ def test_fused_moe_triton_matches_ref(dtype, tokens, num_experts, top_k):
     assert_triton_matches_ref(x, *experts(num_experts, dtype), *random_routing(tokens, num_experts, top_k))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-launch alignment", "chunked alignment"])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
-def test_fused_moe_one_expert_takes_every_token_and_some_take_none(top_k):
+def test_fused_moe_one_expert_takes_every_token_and_some_take_none(top_k, chunked, monkeypatch):
     """Expert 3 gets all 40 tokens (three blocks of 16, the last one ragged); the upper half of
-    the experts get none, so their blocks are absent and the padding past them is skipped."""
+    the experts get none, so their blocks are absent and the padding past them is skipped.
+    chunked: the prefill's alignment (ids in chunks of 16)."""
+    if chunked:
+        monkeypatch.setattr(fused_moe_module, "ALIGN_BLOCK", 16)
+        monkeypatch.setattr(fused_moe_module, "ALIGN_ONE_LAUNCH_PAIRS", 0)
     num_experts, tokens = 16, 40
     weights, ids = skewed_routing(tokens, num_experts, top_k, hot=3)
     counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
@@ -88,7 +93,7 @@ def test_fused_moe_prefill_sized_blocks():
 def test_moe_plan_grows_its_row_block_with_the_groups():
     """Each plan's row block holds 1.5x the mean group up to the largest plan (128 rows, chosen by
     moe_bench --tune on the H100), which takes every larger group; 128-row blocks compute right."""
-    from lightllm_kernels.fused_moe import LARGE_PLAN, moe_plan
+    from lightllm_kernels.fused_moe import LARGE_PLAN, moe_plan, moe_plans
 
     experts_n, blocks = 128, []
     for pairs in (8, 1024, 2048, 4096, 8192, 16384, 65536):
@@ -96,9 +101,28 @@ def test_moe_plan_grows_its_row_block_with_the_groups():
         blocks.append(plan.block_m)
         assert plan.block_m >= min(1.5 * pairs / experts_n, LARGE_PLAN.block_m)
     assert blocks == sorted(blocks) and blocks[-1] == LARGE_PLAN.block_m == 128
+    for fp8 in (False, True):  # each kernel its own tuned plan, on the alignment's one row block
+        gate_up, down = moe_plans(65536, experts_n, fp8)
+        assert gate_up.block_m == down.block_m and moe_plans(8, experts_n, fp8) == (moe_plan(8, experts_n),) * 2
     x = torch.randn(40, HIDDEN, device=DEVICE)
     plan = MoEPlan(block_m=LARGE_PLAN.block_m, block_n=32, block_k=16, num_warps=4, num_stages=2)
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(40, 4, 2), plan=plan)
+
+
+def test_fused_moe_down_kernel_takes_its_own_plan():
+    """The down kernel tiled apart from the gate/up kernel (K blocks that divide I = 48, so its K
+    loop runs unmasked, while H = 40 leaves the gate/up kernel a masked tail) gives the reference's
+    output; row blocks that differ from the alignment's are refused."""
+    x = torch.randn(30, HIDDEN, device=DEVICE)
+    gate_up = MoEPlan(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    down = MoEPlan(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    w_gate_up, w_down = experts(4, torch.float32)
+    weights, ids = random_routing(30, 4, 3)
+    expected = fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    actual = fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=gate_up, down_plan=down)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+    with pytest.raises(AssertionError, match="row blocks"):
+        fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=gate_up, down_plan=down._replace(block_m=16))
 
 
 def test_fused_moe_reads_strided_rows_of_x():
@@ -182,19 +206,28 @@ def test_align_by_expert_groups_every_pair_once_in_blocks_of_one_expert(tokens, 
     assert set(used.tolist()) == set(ids.flatten().tolist())  # no block for an expert without pairs
 
 
+@pytest.mark.parametrize("chunks", [None, 4, 64], ids=["one launch", "chunks of 4+", "chunks of 64"])
 @pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 1, 16), (13, 8, 3, 4), (40, 16, 8, 16),
                                                               (300, 6, 2, 32)])
-def test_align_by_expert_triton_equals_ref(tokens, num_experts, top_k, block_m, monkeypatch):
+def test_align_by_expert_triton_equals_ref(tokens, num_experts, top_k, block_m, chunks, monkeypatch):
     """Both stable, so equal slot for slot; 300 tokens: long runs, and with steps of 64 ids the
-    kernel's loops take 10 steps."""
+    one-launch kernel's loops take 10 steps. chunks: the chunked path (counts, runs, placement)
+    with the ids cut into at most that many chunks of at least 64 (600 pairs: 3 or 10 chunks)."""
     monkeypatch.setattr(fused_moe_module, "ALIGN_BLOCK", 64)
+    if chunks:
+        monkeypatch.setattr(fused_moe_module, "ALIGN_ONE_LAUNCH_PAIRS", 0)
+        monkeypatch.setattr(fused_moe_module, "ALIGN_MAX_CHUNKS", chunks)
     _, ids = random_routing(tokens, num_experts, top_k)
     for expected, actual in zip(align_by_expert_ref(ids, num_experts, block_m),
                                 align_by_expert_triton(ids, num_experts, block_m)):
         assert torch.equal(actual, expected)
 
 
-def test_align_by_expert_triton_with_empty_experts_and_a_hot_one():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_align_by_expert_triton_with_empty_experts_and_a_hot_one(chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setattr(fused_moe_module, "ALIGN_BLOCK", 32)
+        monkeypatch.setattr(fused_moe_module, "ALIGN_ONE_LAUNCH_PAIRS", 0)
     _, ids = skewed_routing(37, 16, 4, hot=5)
     for expected, actual in zip(align_by_expert_ref(ids, 16, 16), align_by_expert_triton(ids, 16, 16)):
         assert torch.equal(actual, expected)

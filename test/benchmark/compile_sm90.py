@@ -34,8 +34,8 @@ from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E
 from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
-from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, PREFILL_PLAN, fused_moe_triton,  # noqa: E402
-                                        quantize_experts_fp8)
+from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN,  # noqa: E402
+                                        align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -136,9 +136,13 @@ def call_moe_kernels() -> None:
     weights, ids = torch.rand(tokens, top_k), torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
     fp8_experts = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
     w_gate_up8, gate_up_scale, w_down8, down_scale = fp8_experts
-    for plan in (DECODE_PLAN, PREFILL_PLAN, LARGE_PLAN):
-        fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan)
-        fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan)
+    for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[False]):
+        fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan, down_plan=down_plan)
+    for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
+        fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
+                         down_plan=down_plan)
+    # a prefill's alignment: the ids cut into chunks (counts, runs, placement)
+    align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
 
 
 def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict):

@@ -12,13 +12,16 @@ with fp8 experts). Then, each in a CUDA graph of 20 calls (static_benchmark.grap
 decode step runs):
 - fused: the whole Triton path (alignment by expert, gate/up kernel, down kernel, sum over k);
 - align: the alignment alone (one launch; the rest of `fused` is the two GEMM kernels and the sum);
+- grouped_mm: the same layer through torch._grouped_mm (CUTLASS grouped GEMMs over the experts'
+  offsets, bf16 only), a library's answer to the same ragged groups;
 - cuBLAS: a dense bf16 GEMM of the same FLOPs ([pairs, H] x [H, 3I]), what tensor cores give in practice.
 Floors: memory = bytes of the experts the step touches (gate/up and down of every expert chosen
 at least once) over the device's copy bandwidth (read + write, as static_benchmark measures);
 compute = FLOPs (6 H I a pair) over --peak-tflops (dense bf16: 989 on an H100 or H200 SXM).
 Decode rows are judged by "% mem floor" (the issue's goal: 70% at batch 64-256), prefill rows by
-"% bf16 peak" (goal: 50%). --plan times other block plans beside moe_plan's choice; --tune
-sweeps a grid of plans at each size and prints the five fastest. CUDA only.
+"% bf16 peak" (goal: 50%). --plan times other block plans beside moe_plans' choice; --tune
+times each kernel alone over a grid of plans at each size and row block, prints the five fastest
+of each and the best pair's total. CUDA only.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from static_benchmark import copy_bandwidth, graph_call_us  # noqa: E402
 
 from lightllm_kernels.fused_moe import (MoEPlan, align_by_expert_triton, fused_moe_ref, fused_moe_triton,  # noqa: E402
-                                        moe_plan, quantize_experts_fp8, route_topk)
+                                        moe_down_triton, moe_gate_up_triton, moe_plans, quantize_experts_fp8,
+                                        route_topk)
+from lightllm_kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
 
 logger = logging.getLogger("moe_bench")
 
@@ -47,7 +52,7 @@ SHAPES = {  # name -> (hidden, experts' intermediate, experts, top k)
 # largest entry moves by one bf16 step lands on another e4m3 grid (tests/test_fused_moe.py).
 MAX_REL_ERR = {False: 2e-2, True: 6e-2}
 COLUMNS = ["case", "tokens", "plan", "experts hit", "expert MB", "mem floor us", "fused us", "% mem floor",
-           "align us", "TFLOP/s", "% bf16 peak", "cuBLAS us", "rel err"]
+           "align us", "TFLOP/s", "% bf16 peak", "grouped_mm us", "cuBLAS us", "rel err"]
 
 
 class Layer:
@@ -60,7 +65,7 @@ class Layer:
             self.weights = (w_gate_up, w_down, gate_up_scale, down_scale)
         else:
             self.weights = (w_gate_up, w_down)
-        self.w_down, self.max_rel_err = w_down, MAX_REL_ERR[fp8]
+        self.w_down, self.max_rel_err, self.fp8 = w_down, MAX_REL_ERR[fp8], fp8
         self.hidden, self.inter, self.experts, self.top_k, self.device = hidden, inter, experts, top_k, device
 
     def inputs(self, tokens: int):
@@ -74,54 +79,121 @@ class Layer:
         return hit, hit * 3 * self.hidden * self.inter * self.w_down.element_size()
 
 
-def relative_error(layer: Layer, x, weights, ids, plan) -> float:
+def relative_error(layer: Layer, x, weights, ids, plans) -> float:
     w_gate_up, w_down, *scales = layer.weights
     ref = fused_moe_ref(x, w_gate_up, w_down, weights, ids, *scales).float()
-    got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plan).float()
+    got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plans[0], down_plan=plans[1]).float()
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def one_row(layer: Layer, case: str, tokens: int, plan: MoEPlan | None, bandwidth: float, peak: float) -> dict:
+def grouped_mm_moe(x, w_gate_up, w_down, weights, ids):
+    """The same layer through torch._grouped_mm (PyTorch's CUTLASS grouped GEMM, bf16 on sm90):
+    the pairs' rows of x copied in expert order, both projections as grouped GEMMs over the
+    experts' offsets, the weighted rows added back by token. A library yardstick for the Triton
+    kernels on the same ragged groups, not a path the server takes."""
+    top_k, inter = ids.shape[1], w_down.shape[2]
+    flat = ids.flatten()
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(1, w_gate_up.shape[0] + 1, device=x.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # each expert's end (no host sync)
+    rows = x[order // top_k]
+    gate_up = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
+    hidden = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+    y = torch._grouped_mm(hidden, w_down.transpose(1, 2), offs=offsets).float() * weights.flatten()[order, None]
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, order // top_k, y).to(x.dtype)
+
+
+def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan] | None, bandwidth: float,
+            peak: float) -> dict:
     x, weights, ids = layer.inputs(tokens)
-    chosen = plan or moe_plan(tokens * layer.top_k, layer.experts)
+    chosen = plans or moe_plans(tokens * layer.top_k, layer.experts, layer.fp8)
     err = relative_error(layer, x, weights, ids, chosen)
     if not err <= layer.max_rel_err:
-        raise AssertionError(f"{case} tokens {tokens} plan {chosen}: relative error {err:.3g} against the reference")
+        raise AssertionError(f"{case} tokens {tokens} plans {chosen}: relative error {err:.3g} against the reference")
     hit, nbytes = layer.expert_bytes(ids)
     pairs = tokens * layer.top_k
     flops = 6 * pairs * layer.hidden * layer.inter
     w_gate_up, w_down, *scales = layer.weights
-    fused = graph_call_us(lambda: fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=chosen))
-    align = graph_call_us(lambda: align_by_expert_triton(ids, layer.experts, chosen.block_m))
+    fused = graph_call_us(lambda: fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=chosen[0],
+                                                   down_plan=chosen[1]))
+    align = graph_call_us(lambda: align_by_expert_triton(ids, layer.experts, chosen[0].block_m))
+    grouped = float("nan")
+    if not scales and hasattr(torch, "_grouped_mm"):
+        grouped_err = ((grouped_mm_moe(x, w_gate_up, w_down, weights, ids).float()
+                        - fused_moe_ref(x, w_gate_up, w_down, weights, ids).float()).norm()
+                       / fused_moe_ref(x, w_gate_up, w_down, weights, ids).float().norm()).item()
+        if grouped_err <= layer.max_rel_err:
+            grouped = graph_call_us(lambda: grouped_mm_moe(x, w_gate_up, w_down, weights, ids))
+        else:
+            logger.warning("torch._grouped_mm: relative error %.3g, not timed", grouped_err)
     a = torch.randn(pairs, layer.hidden, device=layer.device).bfloat16()
     b = torch.randn(layer.hidden, 3 * layer.inter, device=layer.device).bfloat16()
     floor = nbytes / bandwidth * 1e6
-    return {"case": case, "tokens": tokens, "plan": ",".join(map(str, chosen)), "experts hit": hit,
+    plan_text = ",".join(map(str, chosen[0])) + ("" if chosen[1] == chosen[0] else " / " + ",".join(map(str, chosen[1])))
+    return {"case": case, "tokens": tokens, "plan": plan_text, "experts hit": hit,
             "expert MB": nbytes / 1e6, "mem floor us": floor, "fused us": fused, "% mem floor": 100 * floor / fused,
             "align us": align, "TFLOP/s": flops / fused / 1e6, "% bf16 peak": 100 * flops / fused / 1e6 / peak,
-            "cuBLAS us": graph_call_us(lambda: a @ b), "rel err": err}
+            "grouped_mm us": grouped, "cuBLAS us": graph_call_us(lambda: a @ b), "rel err": err}
 
 
-# 48 plans a size, each compiled, checked and timed: --tune with only the sizes to tune
-TUNE_GRID = dict(block_m=(16, 32, 64, 128), block_n=(32, 64, 128), block_k=(64, 128), warps_stages=((4, 3), (8, 3)))
+# Each kernel is tuned alone over this grid, for each row block (which the alignment fixes and
+# the two kernels share): 2 x 3 x 2 x 5 = 60 plans a kernel and size, each compiled, checked
+# against the default plan's output and timed.
+TUNE_GRID = dict(block_m=(64, 128), block_n=(64, 128, 256), block_k=(64, 128),
+                 warps_stages=((4, 3), (4, 4), (8, 3), (8, 4), (8, 5)))
 
 
-def tune(layer: Layer, tokens: int) -> str:
-    """The five fastest plans of TUNE_GRID at this size (each checked against the reference)."""
+def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
+    return bool(((got.float() - want.float()).norm() / want.float().norm()).item() <= limit)
+
+
+def tune(layer: Layer, tokens: int) -> list[str]:
+    """Per row block: each kernel's fastest plans of TUNE_GRID alone, and the best pair's total
+    (alignment + both kernels + the sum over k, one graph) checked against the reference."""
     x, weights, ids = layer.inputs(tokens)
     w_gate_up, w_down, *scales = layer.weights
-    results = []
-    for bm, bn, bk, (warps, stages) in itertools.product(*TUNE_GRID.values()):
-        plan = MoEPlan(bm, bn, bk, warps, stages)
-        try:
-            assert relative_error(layer, x, weights, ids, plan) <= layer.max_rel_err
-            run = lambda: fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plan)  # noqa: E731
-            results.append((graph_call_us(run), plan))
-        except Exception as e:  # a plan Triton cannot compile (shared memory) or that fails the check
-            logger.info("tokens %d %s: %s", tokens, plan, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
-    results.sort(key=lambda r: r[0])
-    default = moe_plan(tokens * layer.top_k, layer.experts)
-    return f"tokens {tokens} (default {default}): " + "; ".join(f"{t:.1f} us {tuple(p)}" for t, p in results[:5])
+    fp8 = bool(scales)
+    default = moe_plans(tokens * layer.top_k, layer.experts, layer.fp8)
+    lines, best = [f"tokens {tokens} (default {tuple(default[0])} / {tuple(default[1])})"], []
+    for bm in TUNE_GRID["block_m"]:
+        sorted_pairs, block_experts = align_by_expert_triton(ids, layer.experts, bm)
+        a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)
+        base = MoEPlan(bm, 64, 64, 4, 3)
+        gate_up_want = moe_gate_up_triton(a, a_scale, w_gate_up, scales[0] if fp8 else None, sorted_pairs,
+                                          block_experts, layer.top_k, x.dtype, base)
+        h, h_scale = quantize_fp8_rows_triton(gate_up_want) if fp8 else (gate_up_want, None)
+        pair_weights = weights.float().contiguous().view(-1)
+        down_want = moe_down_triton(h, h_scale, w_down, scales[1] if fp8 else None, sorted_pairs, block_experts,
+                                    pair_weights, x.dtype, base)
+        runs = {
+            "gate/up": (lambda plan: moe_gate_up_triton(a, a_scale, w_gate_up, scales[0] if fp8 else None,
+                                                        sorted_pairs, block_experts, layer.top_k, x.dtype, plan),
+                        gate_up_want),
+            "down": (lambda plan: moe_down_triton(h, h_scale, w_down, scales[1] if fp8 else None, sorted_pairs,
+                                                  block_experts, pair_weights, x.dtype, plan), down_want)}
+        fastest = {}
+        for kernel, (run, want) in runs.items():
+            results = []
+            for bn, bk, (warps, stages) in itertools.product(*list(TUNE_GRID.values())[1:]):
+                plan = MoEPlan(bm, bn, bk, warps, stages)
+                try:
+                    assert _close(run(plan), want, 1e-2), "differs from the default plan's output"
+                    results.append((graph_call_us(lambda plan=plan: run(plan)), plan))
+                except Exception as e:  # a plan Triton cannot compile (shared memory) or that fails the check
+                    logger.info("%s tokens %d %s: %s", kernel, tokens, plan,
+                                str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            results.sort(key=lambda r: r[0])
+            fastest[kernel] = results[0][1]
+            lines.append(f"  {kernel}, rows {bm}: " + "; ".join(f"{t:.1f} us {tuple(p)}" for t, p in results[:5]))
+        pair = (fastest["gate/up"], fastest["down"])
+        err = relative_error(layer, x, weights, ids, pair)
+        total = graph_call_us(lambda: fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=pair[0],
+                                                       down_plan=pair[1]))
+        best.append((total, pair))
+        lines.append(f"  rows {bm}, both kernels' best: {total:.1f} us (rel err {err:.4f})")
+    total, pair = min(best, key=lambda b: b[0])
+    lines.append(f"  best: {total:.1f} us, gate/up {tuple(pair[0])}, down {tuple(pair[1])}")
+    return lines
 
 
 def format_table(rows: list[dict]) -> str:
@@ -132,8 +204,10 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows])
 
 
-def parse_plan(text: str) -> MoEPlan:
-    return MoEPlan(*map(int, text.split(",")))
+def parse_plan(text: str) -> tuple[MoEPlan, MoEPlan]:
+    gate_up, _, down = text.partition("/")
+    plan = MoEPlan(*map(int, gate_up.split(",")))
+    return plan, MoEPlan(*map(int, down.split(","))) if down else plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", default="1,64,256", help="decode batch sizes (tokens)")
     parser.add_argument("--prefill", default="4096", help="prefill sizes (tokens)")
     parser.add_argument("--plan", action="append", type=parse_plan, default=[],
-                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (repeatable)")
+                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[/the down "
+                        "kernel's, same BLOCK_M] (repeatable)")
     parser.add_argument("--fp8", action="store_true", help="fp8 experts (--quantization fp8)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--tune", action="store_true")
@@ -165,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s %d: %.1f us, %.0f%% of the memory floor", case, tokens, rows[-1]["fused us"],
                     rows[-1]["% mem floor"])
     if args.tune:
-        tuned = [tune(layer, tokens) for _, tokens in sizes]
+        tuned = [line for _, tokens in sizes for line in tune(layer, tokens)]
     dtype = "fp8" if args.fp8 else "bf16"
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape} tp {args.tp} (hidden "
                       f"{hidden}, {experts} {dtype} experts of {inter // args.tp}, top {top_k}); copy bandwidth "
