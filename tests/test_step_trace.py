@@ -40,6 +40,8 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     assert [s["graph"] for s in lines] == [decodes + tokens <= 16 for decodes, tokens, _ in sent]
     for s in lines:
         assert 0 <= s["start_ms"] <= s["end_ms"] and s["launch_ms"] >= 0
+        # on the CPU the device thread's clock brackets the launch, on the host's clock
+        assert s["start_ms"] <= s["launched_ms"] <= s["end_ms"]
     for before, after in zip(lines, lines[1:]):
         assert before["end_ms"] <= after["start_ms"]  # the CPU device thread runs steps one at a time
 
@@ -47,9 +49,11 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
 def test_summary_splits_idle_by_the_step_that_waited():
     steps = [
         {"step": 1, "decodes": 0, "chunk_tokens": 3000, "chunks": 4, "graph": False, "launch_ms": 20, "start_ms": 0, "end_ms": 50},
-        {"step": 2, "decodes": 8, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 50, "end_ms": 60},
+        {"step": 2, "decodes": 8, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 50, "end_ms": 60,
+         "launched_ms": 53},  # reached the device 3 ms before its launch was done
         {"step": 3, "decodes": 8, "chunk_tokens": 100, "chunks": 1, "graph": False, "launch_ms": 20, "start_ms": 72, "end_ms": 80},
-        {"step": 4, "decodes": 8, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 81, "end_ms": 90},
+        {"step": 4, "decodes": 8, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 81, "end_ms": 90,
+         "launched_ms": 75},  # launched before the device reached it
         {"step": 5, "decodes": 1, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 1, "start_ms": 5090, "end_ms": 5100},
     ]
     s = step_trace.summarise(steps, long_gap_ms=1000)
@@ -58,8 +62,10 @@ def test_summary_splits_idle_by_the_step_that_waited():
     assert s["groups"]["with chunks, <= 256 chunk tokens (eager)"]["idle_before_ms"] == 12
     assert s["groups"]["decode only (graph)"]["idle_before_ms"] == 1
     assert s["groups"]["with chunks, <= 4096 chunk tokens (eager)"]["steps"] == 1
+    assert s["groups"]["decode only (graph)"]["waited_ms"] == [3, 0]  # step 5 has no launched_ms: not counted
     text = step_trace.table(s)
     assert "with chunks, <= 256 chunk tokens (eager) | 1 |" in text
+    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 | 1.50 |" in text
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -5,11 +5,15 @@ the CPU the device thread's clock around the step), how long the host took to la
 its shape. Lines go to a JSON-lines file in batches, once the device has passed them:
 
     {"step": 12, "decodes": 250, "chunk_tokens": 3846, "chunks": 9, "graph": false,
-     "launch_ms": 24.1, "start_ms": 5021.3, "end_ms": 5130.8}
+     "launch_ms": 24.1, "launched_ms": 5020.7, "start_ms": 5021.3, "end_ms": 5130.8}
 
-`start_ms` and `end_ms` are on one clock per process (ms since the trace began). The device idled
-before a step by `start_ms - previous end_ms`: the time between the previous step's end and the
-moment the host had this one launched. `test/benchmark/step_trace.py` summarises a file.
+`start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
+the step) are on one clock per process, ms since the trace began: the device's marks count from
+an event recorded on an idle device at that moment. The device idled before a step by
+`start_ms - previous end_ms`: the time between the previous step's end and the moment the host
+had this one launched. A step whose `launched_ms` is past its `start_ms` reached the device
+before its launch was done, so its `end_ms - start_ms` holds up to that much waiting for the
+host. `test/benchmark/step_trace.py` summarises a file.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class StepTrace:
         self._t0 = time.perf_counter()
         self._ref = None
         if self.cuda:
+            torch.cuda.synchronize(device)  # the reference event then fires at once: one origin for both clocks
+            self._t0 = time.perf_counter()
             self._ref = torch.cuda.Event(enable_timing=True)
             self._ref.record()
         self._pending: list[dict] = []
@@ -45,8 +51,10 @@ class StepTrace:
         return {"host_start": time.perf_counter(), "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool) -> None:
+        now = time.perf_counter()
         record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
-                      launch_ms=(time.perf_counter() - record.pop("host_start")) * 1000, end=self._mark())
+                      launch_ms=(now - record.pop("host_start")) * 1000, launched_ms=round((now - self._t0) * 1000, 3),
+                      end=self._mark())
         self._pending.append(record)
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()

@@ -215,7 +215,9 @@ def in_flight_ms(runner: ModelRunner, ids: list[int], steps: int) -> tuple[float
             runner.step(StepPlan(next(_plan_ids), list(ids)))
         runner.step(StepPlan(next(_plan_ids)))  # empty: drains the step in flight
         sync(runner.device)
-        per_step = 1000 * (time.perf_counter() - start) / (steps + 1)
+        # the device ran `steps` steps in this time (the first one's work ended before it began, the
+        # empty drain has none): dividing by steps + 1, as before 2026-11-25, read 1/(steps + 1) low
+        per_step = 1000 * (time.perf_counter() - start) / steps
     return per_step, 1000 * statistics.median(launches.seconds[1:])
 
 

@@ -9,6 +9,9 @@ GPU is when the host had finished launching it (steps are launched while the pre
 so any idle there is host time the device waited for). Gaps over `--long-gap-ms` (no work: the
 server waited for requests) are counted apart. Steps are grouped by kind (decode-only steps,
 and steps with prefill chunks by their chunk tokens) and by how they ran (CUDA graph or eager).
+"device waited for the launch" is, per step, how long past the moment the device reached the
+step the host was still launching it (`launched_ms - start_ms`, at least 0): time inside the
+step's device interval in which the device may have waited for the host, not run kernels.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     for step in steps:
         gap = 0.0 if previous_end is None else max(0.0, step["start_ms"] - previous_end)
         g = groups.setdefault(kind(step), {"steps": 0, "device_ms": [], "launch_ms": [], "idle_before_ms": 0.0,
-                                           "decodes": []})
+                                           "decodes": [], "waited_ms": []})
         g["steps"] += 1
+        if "launched_ms" in step:  # traces from before launched_ms was recorded have none
+            g["waited_ms"].append(max(0.0, step["launched_ms"] - step["start_ms"]))
         g["device_ms"].append(step["end_ms"] - step["start_ms"])
         g["launch_ms"].append(step["launch_ms"])
         g["decodes"].append(step["decodes"])
@@ -65,11 +70,13 @@ def table(summary: dict) -> str:
              f"busy {summary['busy_ms'] / 1000:.2f} s = {100 * summary['busy_ms'] / max(active, 1e-9):.1f}% of the "
              f"{active / 1000:.2f} s with work (idle between steps {summary['idle_ms'] / 1000:.2f} s; "
              f"{summary['long_idle_ms'] / 1000:.2f} s in gaps with no work left out)", "",
-             "| steps | count | mean decodes | mean device ms | mean host launch ms | idle before them, s | share of idle |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| steps | count | mean decodes | mean device ms | mean host launch ms | device waited for the launch, "
+             "mean ms | idle before them, s | share of idle |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, g in sorted(summary["groups"].items(), key=lambda kv: -kv[1]["idle_before_ms"]):
+        waited = f"{statistics.mean(g['waited_ms']):.2f}" if g["waited_ms"] else "-"
         lines.append(f"| {name} | {g['steps']} | {statistics.mean(g['decodes']):.0f} | "
-                     f"{statistics.mean(g['device_ms']):.2f} | {statistics.mean(g['launch_ms']):.2f} | "
+                     f"{statistics.mean(g['device_ms']):.2f} | {statistics.mean(g['launch_ms']):.2f} | {waited} | "
                      f"{g['idle_before_ms'] / 1000:.2f} | {100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
     return "\n".join(lines)
 
