@@ -3,7 +3,7 @@
 # against one GPU, and measured. From the repo root:
 #
 #   bash test/benchmark/multi_gpu.sh [dry] ITEM...          (a quoted list is accepted)
-#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl]:REQUESTS | single-tpN[-nccl]
+#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl]:REQUESTS | serve-dpN:REQUESTS | single-tpN[-nccl]
 #   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
 #     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
@@ -14,6 +14,7 @@
 #   serve-tpN[-nccl]:R: gpu_compare.py's server phase at --tp N, R ShareGPT requests from
 #     .gpu/requests-R.json (else the first R of requests-2000.json), all at once, streamed;
 #     GPU busy: nvidia-smi's utilisation over GPUs 0..N-1 during the measured run.
+#   serve-dpN:R: the same with --dp N --tp 1 (N replicas, one GPU each, one HTTP endpoint).
 #   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
 #     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
 #   -nccl: every all-reduce through NCCL (LIGHTLLM_SYMM_MEM_ALL_REDUCE=0), the "before".
@@ -102,15 +103,17 @@ gpu_log() {  # gpu_log FILE: nvidia-smi's utilisation of every GPU every 200 ms,
   echo $!
 }
 
-parse() {  # parse ITEM: sets tp, env (NCCL-only for -nccl) and name from NAME-tpN[-nccl][:R]
+parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl) and name from NAME-tpN[-nccl][:R] or NAME-dpN[:R]
   local head=${1%%:*}
-  tp=${head#*-tp}; tp=${tp%-nccl}; name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1
+  name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 dp=1
+  if [[ $head == *-dp* ]]; then tp=1 dp=${head#*-dp}; else tp=${head#*-tp}; tp=${tp%-nccl}; fi
   [[ $head == *-nccl ]] && env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=0
-  [[ $tp =~ ^[0-9]+$ ]] || { echo "bad item $1: no tensor-parallel degree" >&2; exit 2; }
+  [[ $tp =~ ^[0-9]+$ && $dp =~ ^[0-9]+$ ]] || { echo "bad item $1: no tensor- or data-parallel degree" >&2; exit 2; }
+  gpus=$((tp * dp))
 }
 
 check() {  # check-tpN: unit tests on the GPUs, then greedy tokens of --tp N against --tp 1
-  local tp env name dir tiny
+  local tp dp gpus env name dir tiny
   parse "$1"; dir=$WORK/$name; mkdir -p "$dir"; tiny=$WORK/tiny
   enough_gpus "$tp" "$name" || return 0
   [[ ${CHECK_TESTS:-1} == 0 ]] || step "$name-pytest" 300 python3 -m pytest -q -p no:cacheprovider \
@@ -158,19 +161,21 @@ PY
   return $rc
 }
 
-serve() {  # serve-tpN[-nccl]:R: gpu_compare.py's server phase
-  local tp env name n=${1#*:} smi rc=0
+serve() {  # serve-tpN[-nccl]:R, serve-dpN:R: gpu_compare.py's server phase
+  local tp dp gpus env name n=${1#*:} smi rc=0 server_args=
   parse "$1"; name+=-$n
-  enough_gpus "$tp" "$name" || return 0
+  enough_gpus "$gpus" "$name" || return 0
   local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
-  local dir=$WORK/$name; mkdir -p "$dir"; ROWS+=("serve|$name|$tp")
+  local dir=$WORK/$name; mkdir -p "$dir"; ROWS+=("serve|$name|$gpus")
   # start (dummy weights, graph capture: ~20 s for bench-8b, more for 70B) + ~35 s per 1000 requests at once.
   local t; t=$(( 150 + n * 15 / 100 )); t=$(( t < $(left) ? t : $(left) ))
   if ((t < 90)); then echo "$name: skipped, $t s left" | tee "$dir/run.log"; return; fi
   local cmd=(timeout -k 15 $((t + 25)) env "$env" python3 "$ROOT/test/benchmark/gpu_compare.py" --model "$MODEL_DIR"
     --tp "$tp" --requests "$requests" --num-prompts "$n" --skip-transformers --out-dir "$dir" --start-timeout 240
     --total-timeout "$t" --bench-timeout "$t" ${SERVE_ARGS:-})
-  [[ $DEVICE == cuda ]] || cmd+=(--device cpu "--server-args=--data_type float32")
+  ((dp == 1)) || server_args="--dp $dp"
+  [[ $DEVICE == cuda ]] || { server_args="--data_type float32 $server_args"; cmd+=(--device cpu); }
+  [[ -z $server_args ]] || cmd+=("--server-args=$server_args")
   echo "== $name: ${t} s at most"
   if ((DRY)); then echo "+ ${cmd[*]@Q} > $dir/run.log"; return; fi
   smi=$(gpu_log "$dir/gpu.csv")
@@ -181,7 +186,7 @@ serve() {  # serve-tpN[-nccl]:R: gpu_compare.py's server phase
 }
 
 single() {  # single-tpN[-nccl]: batch-1 latency through every process
-  local tp env name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
+  local tp dp gpus env name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
   parse "$1"; dir=$WORK/$name; mkdir -p "$dir"
   enough_gpus "$tp" "$name" || return 0
   [[ $DEVICE == cuda ]] || flags=(--data_type float32)
@@ -200,7 +205,7 @@ single() {  # single-tpN[-nccl]: batch-1 latency through every process
 }
 
 profile() {  # profile-tpN: allreduce_bench.py's decode profile
-  local tp env name modes=tp1,nccl,symmetric
+  local tp dp gpus env name modes=tp1,nccl,symmetric
   parse "$1"; enough_gpus "$tp" "$name" || return 0
   [[ $MODEL == bench-70b ]] && modes=nccl,symmetric  # 141 GB of weights: not on one GPU
   step "$name" 420 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$tp" --sizes '' \
@@ -286,17 +291,21 @@ if single:
     print()
 
 def ratios(table, key, label):
-    """Each row against the same item at the group's smallest tp (the tp 1 or tp 4 row), and
-    each row against its -nccl twin (the all-reduce's own gain)."""
+    """Each row against the same item on the group's fewest GPUs (the tp 1 or tp 4 row), each row
+    against its -nccl twin (the all-reduce's own gain), and each dp row against the tp row on as
+    many GPUs (which way to use them)."""
     groups = {}
     for name, entry in table.items():
-        groups.setdefault(re.sub(r"tp\d+(-nccl)?", "", name), []).append((name, entry))
+        groups.setdefault(re.sub(r"(tp|dp)\d+(-nccl)?", "", name), []).append((name, entry))
     for members in groups.values():
-        base_name, base = min(members, key=lambda m: (m[1][0], "-nccl" in m[0]))
+        base_name, base = min(members, key=lambda m: (m[1][0], "-nccl" in m[0], "-dp" in m[0]))
         for name, entry in members:
-            twin = table.get(name.replace(f"tp{entry[0]}", f"tp{entry[0]}-nccl", 1))
             pairs = [(base_name, base)] if entry[0] > base[0] else []
-            pairs += [(name.replace(f"tp{entry[0]}", f"tp{entry[0]}-nccl", 1), twin)] if twin else []
+            if "-tp" in name:
+                twin_name = name.replace(f"tp{entry[0]}", f"tp{entry[0]}-nccl", 1)
+                pairs += [(twin_name, table[twin_name])] if twin_name != name and twin_name in table else []
+            else:
+                pairs += [(n, e) for n, e in members if "-tp" in n and "-nccl" not in n and e[0] == entry[0]]
             for other_name, other in pairs:
                 if key(entry) and key(other):
                     print(f"- {label}: {name} / {other_name} = {key(entry) / key(other):.3f}")
@@ -314,7 +323,7 @@ for item in "${ITEMS[@]}"; do
     check-tp*) check "$item" ;;
     allreduce) allreduce ;;
     profile-tp*) profile "$item" ;;
-    serve-tp*:*) serve "$item" ;;
+    serve-tp*:*|serve-dp*:*) serve "$item" ;;
     single-tp*) single "$item" ;;
     *) echo "unknown item: $item" >&2; exit 2 ;;
   esac
