@@ -13,7 +13,7 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
 from lightllm.server.httpserver.errors import error_body
@@ -120,4 +120,4 @@ async def generate_stream(request: Request, body: GenerateRequest) -> Response:
     generation, sampling = await start_generation(request, body)
     firsts = await generation.first()
     events = sse_events(generation.outputs(firsts), bool(body.parameters.details), sampling.seed)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return generation.event_stream(events)

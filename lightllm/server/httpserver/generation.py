@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from lightllm.server.httpserver.manager import ServerUnavailable
 from lightllm.server.httpserver.metrics import RequestTimer
@@ -104,6 +105,9 @@ class Generation:
         self.timers = [RequestTimer(state.metrics, self.prompt_len, start) for _ in range(n)]
         self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i), bounded=n == 1)
                         for i in range(n)]
+        self._manager = state.manager
+        self._req_ids: list[int] = []  # the engine's ids of the choices, known from their first outputs
+        self._merged: asyncio.Queue | None = None  # outputs() with n > 1: the choices' outputs, merged
 
     @property
     def timer(self) -> RequestTimer:
@@ -122,6 +126,7 @@ class Generation:
         firsts = await self._guarded(asyncio.gather(*(anext(stream) for stream in self.streams)))
         for timer, out in zip(self.timers, firsts):
             timer.observe(out)
+        self._req_ids = [out.req_id for out in firsts]
         failed = [out for out in firsts if out.finish_reason is FinishReason.ERROR]
         if failed:
             for stream in self.streams:
@@ -137,6 +142,7 @@ class Generation:
                 yield 0, out
             return
         merged: asyncio.Queue = asyncio.Queue()
+        self._merged = merged
 
         async def pump(i: int) -> None:
             async for out in self._choice_outputs(i, firsts[i]):
@@ -154,6 +160,31 @@ class Generation:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
+
+    def backlog(self) -> int:
+        """Outputs of this request that have come and are not yet taken: while there are some, the
+        next event of its stream is already here."""
+        merged = self._merged.qsize() if self._merged is not None else 0
+        return merged + sum(self._manager.backlog(req_id) for req_id in self._req_ids)
+
+    def event_stream(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """The streamed answer: `events` (SSE text), those that are ready together in one write."""
+        return StreamingResponse(self._coalesced(events), media_type="text/event-stream")
+
+    async def _coalesced(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Each event as it comes, except while more outputs have already come (a server behind
+        its streams: the detokenizer sent several steps' tokens before this stream ran): those
+        events go out in one write, one pass through the ASGI stack and one socket write (and
+        one read for the client) for the backlog instead of one a token. The bytes are the same."""
+        held: list[str] = []
+        async with contextlib.aclosing(events):
+            async for event in events:
+                held.append(event)
+                if not self.backlog():
+                    yield "".join(held)
+                    held.clear()
+        if held:
+            yield "".join(held)
 
     async def _choice_outputs(self, i: int, first: TextOut) -> AsyncIterator[TextOut]:
         out, stream, timer = first, self.streams[i], self.timers[i]

@@ -199,6 +199,11 @@ class HttpServerManager:
             else:
                 logger.error("unexpected message %r", type(msg).__name__)
 
+    def backlog(self, req_id: int) -> int:
+        """Outputs of request `req_id` received from the detokenizer and not yet taken by its stream."""
+        queue = self._outputs.get(req_id)
+        return 0 if queue is None else queue.qsize()
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *,
                        bounded: bool = True) -> AsyncIterator[TextOut]:
         """Yield the request's outputs until its last one. Leaving early (the client went away,

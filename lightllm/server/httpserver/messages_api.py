@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from lightllm.server.chat.output import Block, Blocks, answer_blocks
@@ -233,7 +233,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
         (choice,) = await generation.result()
         return JSONResponse(fmt.message(answer_blocks(parser, choice.text), choice.last))
     firsts = await generation.first()
-    return StreamingResponse(fmt.events(firsts, parser), media_type="text/event-stream")
+    return generation.event_stream(fmt.events(firsts, parser))
 
 
 def content_block(block: Block, done: bool) -> dict:

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from lightllm.server.chat.output import Answer, AnswerParser, merge_events
 from lightllm.server.chat.tool_calls import CallStart, Text
@@ -91,7 +91,7 @@ async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, p
         return JSONResponse(fmt.whole(choices, usage(generation, [c.last for c in choices])))
     firsts = await generation.first()
     events = stream_events(fmt, generation, firsts, body.include_usage)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return generation.event_stream(events)
 
 
 def usage(generation: Generation, lasts: list[TextOut]) -> dict:

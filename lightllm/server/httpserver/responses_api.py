@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from lightllm.engine.sampling_ranges import SEED_BOUND
@@ -233,7 +233,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
         blocks = answer_blocks(parser, choice.text)
         return JSONResponse(fmt.response(blocks, choice.last, usage(generation, choice.last)))
     firsts = await generation.first()
-    return StreamingResponse(fmt.events(generation, firsts, parser), media_type="text/event-stream")
+    return generation.event_stream(fmt.events(generation, firsts, parser))
 
 
 def usage(generation: Generation, last: TextOut) -> dict:

@@ -1,0 +1,106 @@
+"""A streamed answer writes the events that are ready together (Generation._coalesced): while
+outputs of the request have come and are not yet taken, its events are held and go out in one
+write with the next; the bytes the client reads are the same, and each write ends where the
+backlog ran dry (or at the stream's end)."""
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightllm.server.httpserver.generation import Generation
+
+
+class Backlogs:
+    """Stands in for HttpServerManager.backlog: the outputs queued for each request id."""
+
+    def __init__(self):
+        self.queued = {}
+
+    def backlog(self, req_id: int) -> int:
+        return self.queued.get(req_id, 0)
+
+
+def generation_over(backlogs: Backlogs, req_ids: list[int]) -> Generation:
+    generation = object.__new__(Generation)  # only what _coalesced reads
+    generation._manager, generation._req_ids, generation._merged = backlogs, req_ids, None
+    return generation
+
+
+def run(generation: Generation, events) -> list[str]:
+    async def collect():
+        return [chunk async for chunk in generation._coalesced(events)]
+    return asyncio.run(collect())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40))
+def test_writes_join_to_the_events_and_end_where_the_backlog_is_empty(backlog_after):
+    """Event k is yielded while backlog_after[k] outputs are queued behind it."""
+    backlogs = Backlogs()
+    events = [f"data: {{\"n\": {k}}}\n\n" for k in range(len(backlog_after))]
+
+    async def produce():
+        for event, left in zip(events, backlog_after):
+            backlogs.queued[7] = left
+            yield event
+
+    writes = run(generation_over(backlogs, [7]), produce())
+    assert "".join(writes) == "".join(events)
+    # A write closes after each event with an empty backlog, and after the last event.
+    cuts = [k for k, left in enumerate(backlog_after) if left == 0 or k == len(events) - 1]
+    expected, start = [], 0
+    for k in cuts:
+        expected.append("".join(events[start:k + 1]))
+        start = k + 1
+    assert writes == expected
+
+
+def test_one_write_per_event_without_a_backlog():
+    backlogs = Backlogs()
+
+    async def produce():
+        for k in range(5):
+            yield f"data: {k}\n\n"
+
+    assert run(generation_over(backlogs, [1]), produce()) == [f"data: {k}\n\n" for k in range(5)]
+
+
+def test_every_choice_counts():
+    """n choices: held while any of them has outputs queued (or the merged queue holds some)."""
+    backlogs = Backlogs()
+    generation = generation_over(backlogs, [1, 2])
+
+    async def produce():
+        backlogs.queued = {1: 0, 2: 3}
+        yield "a"
+        backlogs.queued = {1: 0, 2: 0}
+        generation._merged = asyncio.Queue()
+        generation._merged.put_nowait(object())
+        yield "b"
+        generation._merged.get_nowait()
+        yield "c"
+
+    assert run(generation, produce()) == ["abc"]
+
+
+def test_leaving_early_closes_the_events():
+    """A client that goes away: closing the written stream closes the events' generator at once
+    (its finally aborts the request in the router)."""
+    closed = []
+
+    async def produce():
+        try:
+            for k in range(100):
+                yield f"{k}"
+        finally:
+            closed.append(True)
+
+    async def take_two():
+        stream = generation_over(Backlogs(), [1])._coalesced(produce())
+        got = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(take_two()) == ["0", "1"]
+    assert closed == [True]
