@@ -9,6 +9,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT / "test" / "benchmark"))
 
 import sharegpt  # noqa: E402
 from server_process import start_server  # noqa: E402
-from serving_client import run_requests  # noqa: E402
+from serving_client import run_requests, run_requests_in_processes  # noqa: E402
 from serving_metrics import RequestResult, format_summary, summarize  # noqa: E402
 from sharegpt import SampledRequest  # noqa: E402
 
@@ -195,6 +196,42 @@ def test_failed_requests_are_counted_not_hidden(stream):
     assert sum(count for error, count in summary["errors"].items() if error.startswith("expected")) == 3
     if stream:
         assert all(r.ttft is not None and len(r.itl) == r.output_len - 1 for r in results if r.success)
+
+
+@pytest.mark.timeout(300)
+def test_client_processes_share_the_requests_and_keep_their_order():
+    """Three client processes: every request answered once, results in request order, each as the
+    one-process client gets it (the fake server answers by what the prompt says)."""
+    kinds = ["ok"] * 9 + ["fail"] * 2 + ["short"] * 3
+    random.Random(1).shuffle(kinds)
+    requests = [SampledRequest(f"{kind} prompt {i}", [1, 2, 3], 3 + i) for i, kind in enumerate(kinds)]
+    loop, started = asyncio.new_event_loop(), threading.Event()
+    runner = web.AppRunner(fake_server_app())
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        serve.port = site._server.sockets[0].getsockname()[1]
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    try:
+        url = f"http://127.0.0.1:{serve.port}"
+        shared, duration, cpu = run_requests_in_processes(url, requests, True, processes=3, timeout_s=120)
+        alone, _, _ = run_requests_in_processes(url, requests, True, processes=1, timeout_s=120)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+    assert [r.success for r in shared] == [kind == "ok" for kind in kinds]
+    assert [(r.success, r.output_len, r.error is None) for r in shared] == \
+        [(r.success, r.output_len, r.error is None) for r in alone]
+    assert duration > 0 and cpu > 0
 
 
 def test_connection_refused_is_a_failed_request():

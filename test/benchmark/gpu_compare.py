@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
 from server_process import ServerProcess  # noqa: E402
-from serving_client import run_requests, warm_up  # noqa: E402
+from serving_client import run_requests_in_processes, warm_up  # noqa: E402
 from serving_metrics import RequestResult, fail_if_short, format_summary, summarize  # noqa: E402
 from sharegpt import SampledRequest, load_sharegpt_requests, read_requests, save_requests  # noqa: E402
 
@@ -137,8 +137,12 @@ def run_server_phase(args, requests: list[SampledRequest], budget: Budget) -> di
         # (none at rate inf: every request is sent at t=0), ends the phase.
         limit = budget.limit(args.bench_timeout)
         spread = len(requests) / args.request_rate if math.isfinite(args.request_rate) else 0.0
-        results, duration = asyncio.run(run_requests(url, requests, stream=True, request_rate=args.request_rate,
-                                                     seed=args.seed, timeout_s=max(1.0, limit - spread)))
+        results, duration, client_cpu = run_requests_in_processes(
+            url, requests, stream=True, processes=args.client_procs, request_rate=args.request_rate, seed=args.seed,
+            timeout_s=max(1.0, limit - spread))
+        # Near 100% a process: the client, not the server, may be what the figures measure (--client-procs).
+        logger.info("client: %d process(es), %.0f CPU s over %.1f s (%.0f%% of one core a process)", args.client_procs,
+                    client_cpu, duration, 100 * client_cpu / max(duration, 1e-9) / args.client_procs)
     finally:
         logger.info("stopping the server (process group %d)", server.proc.pid)
         server.stop(timeout=30)
@@ -326,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--server-args", default="", help="extra server flags, one string")
     add("--request-rate", type=float, default=math.inf,
         help="server phase: requests per second, Poisson arrivals (seeded by --seed); inf: all at once")
+    add("--client-procs", type=int, default=1,
+        help="server phase: client processes sharing the requests (more when one process is busy all the run: see its log line)")
     add("--device", default="cuda", help="device of the transformers model")
     add("--warmup-requests", type=int, default=32, help="short requests sent before each measured run")
     add("--start-timeout", type=float, default=150, help="seconds for the server to become healthy")

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import multiprocessing
 import random
 import resource
 import time
@@ -160,6 +161,59 @@ async def run_requests(
     raise_open_file_limit()
     sender = Sender(url, stream, max_concurrency, timeout_s, len(requests), progress)
     return await send_at_arrivals(sender, len(requests), request_rate, seed, lambda i: sender.send(requests[i]))
+
+
+def run_requests_in_processes(
+    url: str,
+    requests: list[SampledRequest],
+    stream: bool,
+    processes: int,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[list[RequestResult], float, float]:
+    """run_requests from `processes` client processes, so that one Python process's parsing of
+    every stream does not cap what is measured (a process near 100% of a core: see the CPU
+    seconds this returns). Request i goes to process i mod `processes`; at a finite rate each
+    sends its share at rate/processes (together: Poisson arrivals at the rate). They start
+    together (a barrier); returns the results in request order, the wall time from the first
+    start to the last end, and the client processes' CPU seconds."""
+    if processes <= 1:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        results, duration = asyncio.run(run_requests(url, requests, stream, request_rate, seed=seed, timeout_s=timeout_s))
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        return results, duration, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(processes), context.Queue()
+    shares = [list(range(k, len(requests), processes)) for k in range(processes)]
+    workers = [context.Process(target=_send_share, daemon=True,
+                               args=(k, url, [requests[i] for i in share], stream, request_rate / processes, seed + k,
+                                     timeout_s, barrier, out)) for k, share in enumerate(shares)]
+    for worker in workers:
+        worker.start()
+    try:
+        done = [out.get(timeout=timeout_s + 120) for _ in workers]  # before join: the queue's pipe must drain
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    results: list[RequestResult | None] = [None] * len(requests)
+    for k, start, end, cpu, share_results in done:
+        for i, result in zip(shares[k], share_results):
+            results[i] = result
+    duration = max(end for _, _, end, _, _ in done) - min(start for _, start, _, _, _ in done)
+    return results, duration, sum(cpu for _, _, _, cpu, _ in done)
+
+
+def _send_share(k: int, url: str, requests: list[SampledRequest], stream: bool, request_rate: float, seed: int,
+                timeout_s: float, barrier, out) -> None:
+    barrier.wait()
+    start = time.time()
+    results, duration = asyncio.run(run_requests(url, requests, stream, request_rate, seed=seed, timeout_s=timeout_s,
+                                                 progress=k == 0))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.put((k, start, start + duration, usage.ru_utime + usage.ru_stime, results))
 
 
 async def send_at_arrivals(sender: Sender, count: int, request_rate: float, seed: int, start_one) -> tuple[list, float]:
