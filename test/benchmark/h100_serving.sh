@@ -21,7 +21,8 @@
 #           | new-fcfs, new-fcfs-cSIZE (--schedule_policy fcfs) | new-eager (--disable_cuda_graph)
 #           | new+--flag,value,... (any server flags, commas for spaces);
 #   VARIANT:N[@RATE]: gpu_compare's server phase on N prompts from .gpu/requests-N.json
-#   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once).
+#   (else the first N of requests-2000.json); RATE = Poisson req/s (default: all at once);
+#   CLIENT_PROCS client processes (default 1; more where one client process would be what is measured).
 #   VARIANT/WORKLOADS: one server, benchmark_serving.py once per workload in turn (all at once,
 #   streamed, hit rate from /metrics), after a warm-up of unrelated text and before a greedy probe
 #   whose tokens the table compares between servers (cache on against off);
@@ -200,7 +201,8 @@ serve() {  # serve VARIANT:N[@RATE]
   if ((t < 90)); then echo "$name: skipped, $t s left" | tee "$dir/run.log"; return; fi
   local cmd=(timeout -k 15 $((t + 25)) env PYTHONPATH="$path" python3 "$ROOT/test/benchmark/gpu_compare.py"
     --model "$MODEL" --requests "$requests" --num-prompts "$n" --skip-transformers --out-dir "$dir"
-    --total-timeout "$t" --bench-timeout "$t" --request-rate "$rate" "--server-args=$extra")
+    --total-timeout "$t" --bench-timeout "$t" --request-rate "$rate" "--server-args=$extra"
+    --client-procs "${CLIENT_PROCS:-1}")
   echo "== $name: ${t} s at most"
   if ((DRY)); then echo "+ (cd $tree && ${cmd[*]@Q}) > $dir/run.log"; return; fi
   $(command -v stdbuf > /dev/null && echo stdbuf -oL) nvidia-smi --query-gpu=timestamp,utilization.gpu \
