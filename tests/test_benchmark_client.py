@@ -320,3 +320,26 @@ def test_static_benchmark_measures_the_grid_and_frees_every_token(tiny_model):
     assert all(p.ms > 0 and p.tokens_per_s > 0 for p in points)
     assert all(0 < p.floor_fraction for p in points if p.phase == "decode")
     assert runner.stats()["tokens_used"] == 0 and runner.stats()["running_requests"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_frontend_bench_serves_every_request_through_simulated_gpus(tmp_path):
+    """frontend_bench.py: the real server with simulated model workers (two routers) answers every
+    request in full, and reports each server process's CPU."""
+    from transformers import AutoTokenizer
+
+    import frontend_bench
+    from lightllm.tools.bench_model import write_bench_model
+
+    model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [f"request {i}: " + "tell me about rivers " * (i % 7 + 1) for i in range(12)]
+    sample = [SampledRequest(p, tokenizer(p)["input_ids"], 5 + 3 * i) for i, p in enumerate(prompts)]
+    sharegpt.save_requests(tmp_path / "requests.json", sample)
+    args = frontend_bench.build_parser().parse_args([
+        "--model", str(model), "--requests", str(tmp_path / "requests.json"), "--num-prompts", "12", "--dp", "2",
+        "--device-scale", "0", "--server-args=--max_total_token_num 4096", "--out-dir", str(tmp_path / "out")])
+    row = frontend_bench.bench(args)
+    assert row["failed"] == 0 and row["requests"] == 12
+    assert row["tok_s"] * row["duration_s"] == pytest.approx(sum(r.output_len for r in sample))
+    assert {"http", "detokenizer", "router 0", "router 1", "client"} <= set(row["cpu_us_per_token"])
