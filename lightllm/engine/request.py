@@ -9,8 +9,24 @@ scheduler learns a step's tokens one step later, and the KV budget must cover wh
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import operator
 from dataclasses import dataclass, field
+
+
+def pickled_by_fields(cls):
+    """Pickle instances of dataclass `cls` as its constructor's arguments in field order, not as a
+    dict of them: the messages sent for every token (TokenOut, TextOut) cross two sockets each,
+    and this halves their bytes and the time to load them (the HTTP process's largest cost when
+    it is behind its streams)."""
+    fields = operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
+
+    def __reduce__(self):
+        return cls, fields(self)
+
+    cls.__reduce__ = __reduce__
+    return cls
 
 
 @dataclass
@@ -62,6 +78,7 @@ class GenerateReq:
     arrival_time: float = 0.0
 
 
+@pickled_by_fields
 @dataclass
 class TokenOut:
     req_id: int

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 # The engine's own types, which these messages carry; importable from here too for older callers.
-from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams, TokenOut  # noqa: F401
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams, TokenOut, pickled_by_fields  # noqa: F401
 
 
 @dataclass
@@ -34,6 +34,7 @@ class BatchTokenOut:
     items: list[TokenOut]
 
 
+@pickled_by_fields
 @dataclass
 class TextOut:
     req_id: int
