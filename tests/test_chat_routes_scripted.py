@@ -43,6 +43,9 @@ class ScriptedEngine:
     def check_queue(self, count: int = 1) -> None:
         pass
 
+    def backlog(self, req_id: int) -> int:
+        return 0  # each output is made when the stream asks for it: none ever waits
+
     async def generate(self, prompt_ids, sampling, *, bounded=True):
         self.prompts.append(prompt_ids)
         pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)] or [""]
