@@ -235,6 +235,25 @@ def test_the_script_reports_the_workload_and_the_counters_growth(workload, datas
     assert expected.items() <= result["workload"].items()
 
 
+def test_client_processes_send_every_request_once(dataset, default_model_dir, tmp_path):
+    """--client-procs 2: the requests are shared between two client processes, each sent once."""
+    fake = FakeServer(with_counters=True)
+    sizes = ["--prefix-groups", "3", "--prefix-group-size", "3", "--prefix-len", "32", "--question-len", "8"]
+
+    async def work(url):
+        argv = ["--base-url", url, "--model", str(default_model_dir), "--dataset", str(dataset), "--stream",
+                "--workload", "shared-prefix", "--output-len", "4", "--client-procs", "2", "--no-progress",
+                "--result-json", str(tmp_path / "result.json")]
+        return await asyncio.to_thread(benchmark_serving.main, argv + sizes)
+
+    assert asyncio.run(serve(fake, work)) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (9, 0) and len(fake.answers) == 9
+    assert result["total_output_tokens"] == 9 * 4
+    with pytest.raises(SystemExit):
+        benchmark_serving.parse_args(["--workload", "multi-turn", "--client-procs", "2"])
+
+
 def test_both_workloads_against_the_real_server(default_server, dataset, default_model_dir, tmp_path, capsys):
     common = ["--base-url", default_server.url, "--model", str(default_model_dir), "--dataset", str(dataset)]
     common += ["--stream", "--output-len", "8", "--no-progress"]

@@ -41,6 +41,7 @@ from serving_client import (  # noqa: E402
     read_prefix_cache_counters,
     run_conversations,
     run_requests,
+    run_requests_in_processes,
     warm_up,
 )
 from serving_metrics import RequestResult, format_summary, prefix_cache_figures, summarize  # noqa: E402
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--request-rate", type=float, default=float("inf"),
         help="requests (multi-turn: conversations) per second, Poisson arrivals; inf: all at once")
     add("--stream", action="store_true", help="use /generate_stream, which TTFT, TPOT and ITL need")
+    add("--client-procs", type=int, default=1,
+        help="sharegpt, shared-prefix: client processes sharing the requests (request i to process i mod N)")
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--output-len", type=int, default=OUTPUT_LEN, help="shared-prefix and multi-turn: output tokens per request")
     prefix = parser.add_argument_group("shared-prefix: groups of requests that share a system prompt")
@@ -91,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.client_procs < 1:
+        parser.error("--client-procs must be at least 1")
+    if args.client_procs > 1 and (args.workload == "multi-turn" or args.max_concurrency):
+        parser.error("--client-procs > 1: not with the multi-turn workload or --max-concurrency")
     if args.workload == "multi-turn" and args.save_requests:
         parser.error("--save-requests: a multi-turn run's prompts depend on the answers; there is no fixed sample")
     return args
@@ -135,6 +142,22 @@ def sending(args) -> dict:
     )
 
 
+def send_requests(args, requests: list[SampledRequest]):
+    """The measured run of a sharegpt or shared-prefix workload: from this process, or from
+    --client-procs processes (one process reading every stream can be what a fast server's
+    figures measure)."""
+    if args.client_procs <= 1:
+        return run_requests(args.base_url, requests, **sending(args))
+
+    async def from_processes():
+        results, duration, _ = await asyncio.to_thread(
+            run_requests_in_processes, args.base_url, requests, args.stream, args.client_procs, args.request_rate,
+            args.seed, args.timeout)
+        return results, duration
+
+    return from_processes()
+
+
 def sharegpt_requests(args, tokenizer) -> list[SampledRequest]:
     """The first --num-prompts of --requests, else a fresh sample (which needs the tokenizer)."""
     if args.requests:
@@ -149,7 +172,7 @@ def sharegpt_requests(args, tokenizer) -> list[SampledRequest]:
 def sharegpt_workload(args, tokenizer) -> Workload:
     requests = sharegpt_requests(args, tokenizer)
     params = {"workload": "sharegpt", "num_prompts": len(requests)}
-    return Workload(params, requests, lambda: run_requests(args.base_url, requests, **sending(args)))
+    return Workload(params, requests, lambda: send_requests(args, requests))
 
 
 def warmup_requests(stream: TokenStream, tokenizer, count: int, prompt_len: int, output_len: int):
@@ -170,7 +193,7 @@ def shared_prefix_workload(args, tokenizer) -> Workload:
         save_requests(args.save_requests, requests)
     warmup = warmup_requests(stream, tokenizer, args.warmup, spec.question_len, spec.output_len)
     params = {"workload": "shared-prefix", **asdict(spec)}
-    return Workload(params, warmup, lambda: run_requests(args.base_url, requests, **sending(args)))
+    return Workload(params, warmup, lambda: send_requests(args, requests))
 
 
 def multi_turn_workload(args, tokenizer) -> Workload:
