@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,33 @@ import server_process  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 from lightllm.utils.net import socket_dirs  # noqa: E402
+
+
+@contextlib.asynccontextmanager
+async def wired_manager(config):
+    """An HttpServerManager of `config` (addresses allocated here) started on its sockets, with
+    the router's end (PULL: what the manager sends) and the detokenizer's end (PUSH: into the
+    manager); yields (manager, router, to_http), then stops and closes all of them."""
+    import zmq
+    import zmq.asyncio
+
+    from lightllm.server.httpserver.manager import HttpServerManager
+    from lightllm.server.httpserver.metrics import Metrics
+
+    config.allocate_addresses()
+    router = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    router.bind(config.router_addresses[0])
+    to_http = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+    manager = HttpServerManager(config, Metrics([100]), heartbeats=[])
+    await manager.start()
+    to_http.connect(config.http_address)
+    try:
+        yield manager, router, to_http
+    finally:
+        await manager.stop()
+        router.close(linger=0)
+        to_http.close(linger=0)
+        shutil.rmtree(config.socket_dir, ignore_errors=True)
 
 
 class Server(ServerProcess):

@@ -13,23 +13,19 @@ import asyncio
 import concurrent.futures
 import json
 import secrets
-import shutil
 import socket
 import time
 
 import pytest
 import requests
-import zmq
-import zmq.asyncio
 
 from lightllm.server.config import API_KEY_ENV, ServerConfig, build_parser, parse_config
 from lightllm.server.httpserver.auth import presented_key
 from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.httpserver.manager import HttpServerManager, QueueFull
-from lightllm.server.httpserver.metrics import Metrics
+from lightllm.server.httpserver.manager import QueueFull
 from lightllm.server.io_struct import BatchTextOut, GenerateReq, SamplingParams, TextOut
 from lightllm.tools.bench_model import write_bench_model
-from server_utils import sse_events, start_server
+from server_utils import sse_events, start_server, wired_manager
 
 KEY = f"sk-test-{secrets.token_hex(16)}"
 BEARER = {"Authorization": f"Bearer {KEY}"}
@@ -62,15 +58,7 @@ def first_output(req_id: int) -> BatchTextOut:
 
 
 async def manager_scenario() -> None:
-    config = ServerConfig(max_queued_requests=2)
-    config.allocate_addresses()
-    router = zmq.asyncio.Context.instance().socket(zmq.PULL)
-    router.bind(config.router_addresses[0])
-    to_http = zmq.asyncio.Context.instance().socket(zmq.PUSH)
-    manager = HttpServerManager(config, Metrics([100]), heartbeats=[])
-    await manager.start()
-    to_http.connect(config.http_address)
-    try:
+    async with wired_manager(ServerConfig(max_queued_requests=2)) as (manager, router, to_http):
         manager.check_queue(2)
         with pytest.raises(RequestError):  # more than the limit at once can never fit
             manager.check_queue(3)
@@ -103,11 +91,6 @@ async def manager_scenario() -> None:
                 await waiting
         manager.check_queue(2)
         assert manager.metrics.registry.get_sample_value("lightllm:num_requests_queued") == 0
-    finally:
-        await manager.stop()
-        router.close(linger=0)
-        to_http.close(linger=0)
-        shutil.rmtree(config.socket_dir, ignore_errors=True)
 
 
 def test_the_manager_refuses_past_max_queued_requests_and_sends_nothing():

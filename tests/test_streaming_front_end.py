@@ -114,24 +114,12 @@ def test_the_manager_routes_every_step_that_has_come_before_a_stream_runs():
     """Three steps' outputs wait in the HTTP process's socket: the manager puts all of them in the
     request's queue in one pass, so its stream finds a backlog of two behind the first (and writes
     the three at once) instead of getting one step a pass of the event loop."""
-    import zmq
-    import zmq.asyncio
-
     from lightllm.server.config import ServerConfig
-    from lightllm.server.httpserver.manager import HttpServerManager
-    from lightllm.server.httpserver.metrics import Metrics
     from lightllm.server.io_struct import BatchTextOut, FinishReason, SamplingParams, TextOut
+    from server_utils import wired_manager
 
     async def scenario():
-        config = ServerConfig()
-        config.allocate_addresses()
-        router = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        router.bind(config.router_addresses[0])
-        to_http = zmq.asyncio.Context.instance().socket(zmq.PUSH)
-        manager = HttpServerManager(config, Metrics([100]), heartbeats=[])
-        await manager.start()
-        to_http.connect(config.http_address)
-        try:
+        async with wired_manager(ServerConfig()) as (manager, router, to_http):
             stream = manager.generate([1, 2], SamplingParams())
             first = asyncio.ensure_future(anext(stream))
             req_id = (await router.recv_pyobj()).req_id
@@ -149,10 +137,6 @@ def test_the_manager_routes_every_step_that_has_come_before_a_stream_runs():
                 to_http.send_pyobj(BatchTextOut([TextOut(req_id, 10 + n, "x", 0.0, False, n, finish)]))
             seen = await asyncio.wait_for(consumer, 10)
             assert seen == [1, 2, (2, 1), (3, 0)]
-        finally:
-            await manager.stop()
-            router.close(linger=0)
-            to_http.close(linger=0)
 
     asyncio.run(scenario())
 
