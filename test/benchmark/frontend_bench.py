@@ -21,9 +21,7 @@ import argparse
 import logging
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -113,49 +111,29 @@ def bench(args) -> dict:
     import asyncio
 
     import psutil
-    import requests as http
 
-    from server_process import free_port
+    from server_process import ServerProcess
     from serving_client import run_requests_in_processes, warm_up
     from serving_metrics import summarize
     from sharegpt import read_requests
 
     sample = read_requests(args.requests)[: args.num_prompts]
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (args.tree, os.environ.get("PYTHONPATH")) if p))
-    log_path = args.out_dir / "server.log"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--device-scale", str(args.device_scale), "--",
-           "--model_dir", str(args.model), "--host", "127.0.0.1", "--port", str(port), "--dp", str(args.dp),
-           *args.server_args.split()]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    entry = [str(Path(__file__).resolve()), "--serve", "--device-scale", str(args.device_scale), "--"]
+    server = ServerProcess(["--model_dir", str(args.model), "--host", "127.0.0.1", "--dp", str(args.dp),
+                            *args.server_args.split()], args.out_dir / "server.log", own_session=True, entry=entry,
+                           env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-            try:
-                if http.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except http.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not healthy in 120 s")
-            time.sleep(0.2)
-        asyncio.run(warm_up(url, sample[:16]))
-        roles = {proc.pid: "http", **server_pids(log_path.read_text())}
+        server.wait_healthy(120)
+        asyncio.run(warm_up(server.url, sample[:16]))
+        roles = {server.proc.pid: "http", **server_pids(server.log_text())}
         procs = {pid: psutil.Process(pid) for pid in roles}
         before = {pid: sum(p.cpu_times()[:2]) for pid, p in procs.items()}
-        results, duration, client_cpu = run_requests_in_processes(url, sample, True, args.client_procs)
+        results, duration, client_cpu = run_requests_in_processes(server.url, sample, True, args.client_procs)
         cpu = {roles[pid]: sum(p.cpu_times()[:2]) - before[pid] for pid, p in procs.items()}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        server.stop(timeout=60)
     summary = summarize(results, duration)
     tokens = summary["total_output_tokens"]
     cpu["client"] = client_cpu

@@ -42,19 +42,20 @@ def metric_samples(text: str) -> dict[str, float]:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, port: int | None = None, *, own_session: bool = False,
-                 preexec_fn=None, cwd: str | None = None):
+                 preexec_fn=None, cwd: str | None = None, entry: list[str] | None = None, env: dict | None = None):
         """`python -m lightllm.server.api_server --port PORT ARGS`, its output in `log_path`.
-        `own_session`: a process group of its own, which stop() signals as a whole."""
+        `own_session`: a process group of its own, which stop() signals as a whole. `entry`: what
+        runs instead of `-m lightllm.server.api_server` (a wrapper that ends in api_server's flags)."""
         self.port = port or free_port()
         scheme = "https" if "--ssl_certfile" in args else "http"  # a test trusts its certificate (REQUESTS_CA_BUNDLE)
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self._own_session = own_session
-        cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(self.port), *args]
+        cmd = [sys.executable, *(entry or ["-m", "lightllm.server.api_server"]), "--port", str(self.port), *args]
         logger.info("starting %s (log: %s)", " ".join(cmd), self.log_path)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=own_session,
-                                     preexec_fn=preexec_fn, cwd=cwd)
+                                     preexec_fn=preexec_fn, cwd=cwd, env=env)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
