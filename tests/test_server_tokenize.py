@@ -12,6 +12,7 @@ import requests
 from transformers import AutoTokenizer
 
 from lightllm.server.httpserver.params import Limits
+from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.httpserver.tokenize_api import TokenizeRequest, tokenize_route
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -104,8 +105,9 @@ class BosTokenizer:
 
 @pytest.mark.parametrize("given, expected", [(None, [1, 104, 105]), (True, [1, 104, 105]), (False, [104, 105])])
 def test_add_special_tokens_reaches_the_tokenizer(given, expected):
-    state = SimpleNamespace(config=SimpleNamespace(served_model_name="m"), tokenizer=BosTokenizer(),
-                            limits=Limits(8, 16, 100, 1000))
+    tokenizer = BosTokenizer()
+    state = SimpleNamespace(config=SimpleNamespace(served_model_name="m"), tokenizer=tokenizer,
+                            encoder=PromptEncoder(tokenizer), limits=Limits(8, 16, 100, 1000))
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=state)))
     body = TokenizeRequest(prompt="hi", add_special_tokens=given)
     reply = json.loads(asyncio.run(tokenize_route(request, body)).body)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -136,10 +137,14 @@ def bench(args) -> dict:
         server.stop(timeout=60)
     summary = summarize(results, duration)
     tokens = summary["total_output_tokens"]
+    ttfts = sorted(r.ttft for r in results if r.success and r.ttft is not None)
     cpu["client"] = client_cpu
     return {"tree": args.tree or "this checkout", "dp": args.dp, "requests": len(sample), "failed": summary["failed"],
             "req_s": summary["request_throughput"], "tok_s": summary["output_throughput"],
             "duration_s": duration, "median_tpot_ms": summary["median_tpot_ms"],
+            # The first and the tenth percentile's first token: how long the burst takes to reach the routers.
+            "first_ttft_ms": ttfts[0] * 1e3 if ttfts else math.nan,
+            "p10_ttft_ms": ttfts[len(ttfts) // 10] * 1e3 if ttfts else math.nan,
             "cpu_us_per_token": {k: v / max(tokens, 1) * 1e6 for k, v in cpu.items()},
             "core_share": {k: v / duration for k, v in cpu.items()}}
 
@@ -148,7 +153,7 @@ def format_row(r: dict) -> str:
     cpu = ", ".join(f"{k} {r['cpu_us_per_token'][k]:.0f} us ({r['core_share'][k] * 100:.0f}%)"
                     for k in sorted(r["cpu_us_per_token"]))
     return (f"| {r['tree']} | {r['dp']} | {r['requests']} | {r['failed']} | {r['req_s']:.2f} | {r['tok_s']:.0f} | "
-            f"{r['median_tpot_ms']:.1f} | {cpu} |")
+            f"{r['first_ttft_ms']:.0f} / {r['p10_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {cpu} |")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     row = bench(args)
-    print("| tree | dp | requests | failed | req/s | streamed tok/s | median TPOT ms | CPU a token (share of a core) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| tree | dp | requests | failed | req/s | streamed tok/s | TTFT first / P10 ms | median TPOT ms | CPU a token (share of a core) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     print(format_row(row))
     return 0 if row["failed"] == 0 else 1
 

@@ -48,9 +48,11 @@ def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = N
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 
 
+CHAT_SPECIAL_TOKENS = False  # the template writes any special tokens (BOS, role markers) itself
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    # The template writes any special tokens (BOS, role markers) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=CHAT_SPECIAL_TOKENS)
 
 
 def fit_to_template(template: str, messages: list[dict], tools: list[dict] | None, call_format) -> list[dict]:

@@ -32,6 +32,7 @@ from lightllm.server.httpserver.messages_api import add_messages_routes
 from lightllm.server.httpserver.openai_api import add_openai_routes
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
 from lightllm.server.httpserver.responses_api import add_responses_routes
+from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
 
@@ -40,6 +41,7 @@ from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady
 class ServerState:
     config: ServerConfig
     tokenizer: object
+    encoder: PromptEncoder  # prompt text -> token ids, off the event loop
     manager: HttpServerManager
     metrics: Metrics
     limits: Limits
@@ -59,6 +61,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     state = ServerState(
         config=config,
         tokenizer=tokenizer,
+        encoder=PromptEncoder(tokenizer),
         manager=HttpServerManager(config, metrics, heartbeats),
         metrics=metrics,
         limits=Limits(config.max_req_input_len, config.max_req_total_len, min(capacities),

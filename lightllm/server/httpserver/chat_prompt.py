@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lightllm.server.chat.template import ChatTemplateError, chat_prompt_ids, render_chat
+from lightllm.server.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateError, render_chat
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import RequestError
 from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
@@ -32,7 +32,7 @@ async def chat_prompt(state, messages: list[dict], tools: list[dict] | None = No
         text = await off_loop(render)
     except ChatTemplateError as exc:
         raise RequestError(str(exc)) from None
-    return text, await off_loop(chat_prompt_ids, state.tokenizer, text)
+    return text, await state.encoder.encode(text, add_special_tokens=CHAT_SPECIAL_TOKENS)
 
 
 def default_max_tokens(state, prompt_ids: list[int]) -> int:

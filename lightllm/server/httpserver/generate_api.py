@@ -17,7 +17,7 @@ from json.encoder import encode_basestring
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
+from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
 from lightllm.server.httpserver.errors import error_body
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
@@ -36,9 +36,9 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     params = body.parameters
     check_prompt_chars(len(body.inputs), state.limits)
     check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids)
-    sampling = await off_loop(params.sampling)
+    sampling = await sampling_of(params)
     await state.grammars.attach(sampling)
-    prompt_ids = await off_loop(state.tokenizer.encode, body.inputs)
+    prompt_ids = await state.encoder.encode(body.inputs)
     return Generation(request, prompt_ids, sampling, start, params.n or 1), sampling
 
 

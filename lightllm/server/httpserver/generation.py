@@ -50,6 +50,13 @@ async def off_loop(fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
+async def sampling_of(body) -> SamplingParams:
+    """body.sampling(): off the event loop where it reads a grammar (xgrammar's check can take a
+    while), inline otherwise: a hop to a thread costs more than the rest, and under a burst the
+    thread waits for the busy event loop's GIL (prompt_encoder.py)."""
+    return await off_loop(body.sampling) if body.reads_grammar else body.sampling()
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from lightllm.server.chat.output import Block, Blocks, answer_blocks
 from lightllm.server.httpserver.chat_prompt import chat_inputs, chat_prompt
 from lightllm.server.httpserver.errors import anthropic_error
-from lightllm.server.httpserver.generation import Generation, failure, off_loop
+from lightllm.server.httpserver.generation import Generation, failure, sampling_of
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_api import check_request
 from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, OpenAIBody, check_tools,
@@ -223,7 +223,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     body.check()
     openai_body = body.openai_body()
     check_request(openai_body, state)
-    sampling = await off_loop(openai_body.sampling)
+    sampling = await sampling_of(openai_body)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
                                          body.template_options(), sampling, max_tokens_given=True)
     parser = state.chat.answer_parser(text, body.choice != "none")

@@ -19,7 +19,7 @@ from lightllm.server.chat.output import Answer, AnswerParser, merge_events
 from lightllm.server.chat.tool_calls import CallStart, Text
 from lightllm.server.httpserver.chat_prompt import chat_inputs
 from lightllm.server.httpserver.errors import openai_error
-from lightllm.server.httpserver.generation import Choice, Generation, failure, off_loop
+from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
@@ -54,9 +54,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     prompt = body.prompt_value(state.model_info["vocab_size"])
     if isinstance(prompt, str):
         check_prompt_chars(len(prompt), state.limits)
-        prompt = await off_loop(state.tokenizer.encode, prompt)
+        prompt = await state.encoder.encode(prompt)
     fmt = CompletionFormat(state.tokenizer, body, prompt)
-    sampling = await off_loop(body.sampling)
+    sampling = await sampling_of(body)
     await state.grammars.attach(sampling)
     return await answer(request, body, sampling, prompt, start, fmt)
 
@@ -66,7 +66,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     state = request.app.state.server
     check_request(body, state)
     body.check_tools()
-    sampling = await off_loop(body.sampling)
+    sampling = await sampling_of(body)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
                                          body.max_tokens_given)

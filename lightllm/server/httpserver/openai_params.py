@@ -109,6 +109,10 @@ class OpenAIBody(SamplingRanges):
     def choices(self) -> int:
         return self.n or 1
 
+    @property
+    def reads_grammar(self) -> bool:
+        return self.response_format is not None
+
     def sampling(self) -> SamplingParams:
         given = {ours: value for name, ours in SAMPLING_NAMES.items() if (value := getattr(self, name, None)) is not None}
         if self.logit_bias:

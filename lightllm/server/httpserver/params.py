@@ -97,6 +97,10 @@ class GenerateParameters(SamplingRanges):
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_TOKENS, description="the n most likely tokens per position")
     grammar: Grammar | None = Field(None, description="structured output: the text follows a JSON schema or a regex")
 
+    @property
+    def reads_grammar(self) -> bool:
+        return self.grammar is not None
+
     def sampling(self) -> SamplingParams:
         given = self.model_dump(exclude_none=True, exclude=ROUTE_FIELDS)
         if self.logit_bias:

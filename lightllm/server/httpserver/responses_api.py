@@ -23,7 +23,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from lightllm.engine.sampling_ranges import SEED_BOUND
 from lightllm.server.chat.output import Block, Blocks, answer_blocks
 from lightllm.server.httpserver.chat_prompt import chat_inputs
-from lightllm.server.httpserver.generation import Generation, failure, off_loop
+from lightllm.server.httpserver.generation import Generation, failure, sampling_of
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_api import check_request
 from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, JsonSchemaFormat, OpenAIBody,
@@ -221,7 +221,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     body.check()
     openai_body = body.openai_body()
     check_request(openai_body, state)
-    sampling = await off_loop(openai_body.sampling)
+    sampling = await sampling_of(openai_body)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.tools or [], body.choice,
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
                                          body.max_output_tokens is not None)

@@ -72,7 +72,7 @@ async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONRespons
     if body.prompt is not None:
         check_prompt_chars(len(body.prompt), state.limits)
         add_special = body.add_special_tokens is not False
-        ids = await off_loop(lambda: state.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        ids = await state.encoder.encode(body.prompt, add_special_tokens=add_special)
     else:
         messages = [message.for_template(i) for i, message in enumerate(body.messages)]
         check_tools([tool.function for tool in body.tools or ()], None)
