@@ -3,7 +3,7 @@
 # against one GPU, and measured. From the repo root:
 #
 #   bash test/benchmark/multi_gpu.sh [dry] ITEM...          (a quoted list is accepted)
-#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl]:REQUESTS | serve-dpN:REQUESTS | single-tpN[-nccl]
+#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl][-graphT]:REQUESTS | serve-dpN[-graphT]:REQUESTS | single-tpN[-nccl]
 #   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
 #     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
@@ -15,6 +15,7 @@
 #     .gpu/requests-R.json (else the first R of requests-2000.json), all at once, streamed;
 #     GPU busy: nvidia-smi's utilisation over GPUs 0..N-1 during the measured run.
 #   serve-dpN:R: the same with --dp N --tp 1 (N replicas, one GPU each, one HTTP endpoint).
+#   -graphT (serve items, before :R): the server with --cuda_graph_max_tokens T.
 #   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
 #     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
 #   -nccl: every all-reduce through NCCL (LIGHTLLM_SYMM_MEM_ALL_REDUCE=0), the "before".
@@ -103,17 +104,18 @@ gpu_log() {  # gpu_log FILE: nvidia-smi's utilisation of every GPU every 200 ms,
   echo $!
 }
 
-parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl) and name from NAME-tpN[-nccl][:R] or NAME-dpN[:R]
+parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl), graph (-graphT) and name from NAME-tpN[-nccl][-graphT][:R] or NAME-dpN[-graphT][:R]
   local head=${1%%:*}
-  name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 dp=1
+  name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 dp=1 graph=
+  if [[ $head == *-graph* ]]; then graph=${head##*-graph}; head=${head%-graph*}; fi
   if [[ $head == *-dp* ]]; then tp=1 dp=${head#*-dp}; else tp=${head#*-tp}; tp=${tp%-nccl}; fi
   [[ $head == *-nccl ]] && env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=0
-  [[ $tp =~ ^[0-9]+$ && $dp =~ ^[0-9]+$ ]] || { echo "bad item $1: no tensor- or data-parallel degree" >&2; exit 2; }
+  [[ $tp =~ ^[0-9]+$ && $dp =~ ^[0-9]+$ && $graph =~ ^[0-9]*$ ]] || { echo "bad item $1: no tensor- or data-parallel degree" >&2; exit 2; }
   gpus=$((tp * dp))
 }
 
 check() {  # check-tpN: unit tests on the GPUs, then greedy tokens of --tp N against --tp 1
-  local tp dp gpus env name dir tiny
+  local tp dp gpus env graph name dir tiny
   parse "$1"; dir=$WORK/$name; mkdir -p "$dir"; tiny=$WORK/tiny
   enough_gpus "$tp" "$name" || return 0
   [[ ${CHECK_TESTS:-1} == 0 ]] || step "$name-pytest" 300 python3 -m pytest -q -p no:cacheprovider \
@@ -162,7 +164,7 @@ PY
 }
 
 serve() {  # serve-tpN[-nccl]:R, serve-dpN:R: gpu_compare.py's server phase
-  local tp dp gpus env name n=${1#*:} smi rc=0 server_args=
+  local tp dp gpus env graph name n=${1#*:} smi rc=0 server_args=
   parse "$1"; name+=-$n
   enough_gpus "$gpus" "$name" || return 0
   local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
@@ -174,6 +176,7 @@ serve() {  # serve-tpN[-nccl]:R, serve-dpN:R: gpu_compare.py's server phase
     --tp "$tp" --requests "$requests" --num-prompts "$n" --skip-transformers --out-dir "$dir" --start-timeout 240
     --total-timeout "$t" --bench-timeout "$t" ${SERVE_ARGS:-})
   ((dp == 1)) || server_args="--dp $dp"
+  [[ -z $graph ]] || server_args+=" --cuda_graph_max_tokens $graph"
   [[ $DEVICE == cuda ]] || { server_args="--data_type float32 $server_args"; cmd+=(--device cpu); }
   [[ -z $server_args ]] || cmd+=("--server-args=$server_args")
   echo "== $name: ${t} s at most"
@@ -186,7 +189,7 @@ serve() {  # serve-tpN[-nccl]:R, serve-dpN:R: gpu_compare.py's server phase
 }
 
 single() {  # single-tpN[-nccl]: batch-1 latency through every process
-  local tp dp gpus env name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
+  local tp dp gpus env graph name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
   parse "$1"; dir=$WORK/$name; mkdir -p "$dir"
   enough_gpus "$tp" "$name" || return 0
   [[ $DEVICE == cuda ]] || flags=(--data_type float32)
@@ -205,7 +208,7 @@ single() {  # single-tpN[-nccl]: batch-1 latency through every process
 }
 
 profile() {  # profile-tpN: allreduce_bench.py's decode profile
-  local tp dp gpus env name modes=tp1,nccl,symmetric
+  local tp dp gpus env graph name modes=tp1,nccl,symmetric
   parse "$1"; enough_gpus "$tp" "$name" || return 0
   [[ $MODEL == bench-70b ]] && modes=nccl,symmetric  # 141 GB of weights: not on one GPU
   step "$name" 420 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$tp" --sizes '' \
