@@ -29,6 +29,24 @@ def test_the_tokenizer_flags_reach_the_model_runner():
     assert (workers.kwargs["tokenizer_mode"], workers.kwargs["trust_remote_code"]) == ("slow", True)
 
 
+@pytest.mark.parametrize("tp, chunk, running, given", [(1, 2048, 1024, None), (2, 2048, 1024, None),
+                                                       (4, 2048, 1024, None), (2, 512, 64, None), (2, 2048, 1024, 777)])
+def test_graphs_cover_per_rank_tokens_up_to_the_largest_step(tp, chunk, running, given):
+    """Absent --cuda_graph_max_tokens, graphs reach GRAPH_TOKENS_A_RANK tokens a rank (a rank's share
+    of a step is what its device time follows) but never past the largest step the scheduler makes;
+    a given value is kept."""
+    workers = RecordingWorkers()
+    config = ServerConfig(model_dir="m", tp=tp, chunked_prefill_size=chunk, running_max_req_size=running,
+                          cuda_graph_max_tokens=given)
+    load_model(workers, config)
+    limit = workers.kwargs["cuda_graph_max_tokens"]
+    if given is not None:
+        assert limit == given
+    else:
+        assert limit <= chunk + running and limit / tp <= build.GRAPH_TOKENS_A_RANK
+        assert limit == chunk + running or limit / tp == build.GRAPH_TOKENS_A_RANK
+
+
 def test_structured_output_loads_the_tokenizer_with_the_flags(monkeypatch):
     seen = []
 

@@ -17,6 +17,20 @@ from lightllm.engine.workers import ModelWorkers
 logger = logging.getLogger(__name__)
 
 
+# Steps of up to this many tokens a rank come from graphs: above it, an 8B model's step at tp 1
+# takes longer on an H100 (about 40 ms at 2048 tokens) than its eager launch on the host (about
+# 25 ms). Each rank computes 1/tp of a step, so its device time falls with tp while the launch
+# stays: at tp 2, a burst's 3072-token steps (1024 decodes and a 2048-token chunk) left the GPUs
+# 65-80% busy when eager, 92-100% from graphs (docs/multi_gpu.md).
+GRAPH_TOKENS_A_RANK = 2048
+
+
+def graph_max_tokens(tp: int, chunked_prefill_size: int, running_max_req_size: int) -> int:
+    """The default --cuda_graph_max_tokens: GRAPH_TOKENS_A_RANK x tp, at most the largest step
+    the scheduler can make (a full chunk beside a full batch of decodes)."""
+    return min(GRAPH_TOKENS_A_RANK * tp, chunked_prefill_size + running_max_req_size)
+
+
 class EngineStartError(RuntimeError):
     """The engine cannot start (wrong model directory, flags or memory; nodes that do not join):
     the message says why."""
@@ -42,7 +56,7 @@ class EngineSettings(Protocol):
     quantization: str | None
     kv_cache_dtype: str
     disable_cuda_graph: bool
-    cuda_graph_max_tokens: int
+    cuda_graph_max_tokens: int | None  # None: graph_max_tokens's rule
     step_trace: str | None
     tokenizer_mode: str
     trust_remote_code: bool
@@ -92,7 +106,8 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             cuda_graph=not config.disable_cuda_graph,
-            cuda_graph_max_tokens=config.cuda_graph_max_tokens,
+            cuda_graph_max_tokens=config.cuda_graph_max_tokens or graph_max_tokens(
+                config.tp, config.chunked_prefill_size, config.running_max_req_size),
             step_trace=config.step_trace and (f"{config.step_trace}.replica{replica}" if replica else config.step_trace),
             world_size=config.tp,
             nccl_port=config.nccl_port + replica,  # each replica's ranks are a group of their own

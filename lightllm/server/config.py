@@ -128,7 +128,7 @@ class ServerConfig:
     )
     load_format: str = field(default="auto", metadata=_flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag("run every step eagerly instead of replaying captured CUDA graphs (GPU only)"))
-    cuda_graph_max_tokens: int = field(default=2048, metadata=_flag("largest step, in tokens (decodes plus prompt chunks), replayed from a CUDA graph; larger steps run eagerly, their device time then covers their launch (see docs/architecture.md)"))
+    cuda_graph_max_tokens: int | None = field(default=None, metadata=_flag("largest step, in tokens (decodes plus prompt chunks), replayed from a CUDA graph; larger steps run eagerly, their device time then covers their launch (see docs/architecture.md). Absent: 2048 x --tp (a step's device time shrinks with the ranks, its launch on the host does not), at most the largest step there can be (--chunked_prefill_size + --running_max_req_size)"))
     step_trace: str | None = field(default=None, metadata=_flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/step_trace.py"))
     disable_log_stats: bool = field(default=False, metadata=_flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=_flag("seconds between throughput logs (only when there was activity)"))
@@ -166,7 +166,7 @@ class ServerConfig:
             raise ValueError("--mem_fraction must be above 0 and at most 1")
         for name in ("tp", "dp", "running_max_req_size", "chunked_prefill_size", "max_request_body_bytes",
                      "max_queued_requests", "cuda_graph_max_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
