@@ -213,6 +213,16 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
                          running_max_req_size=max(args.batches), data_type=args.profile_dtype, load_format="dummy",
                          tp_rank=rank, world_size=world_size, nccl_port=port, device=device)
     bench = Bench(runner, seed=0)  # the same requests on every rank
+    # Only rank 0 profiles. Its profiler starts and stops while no rank has a step on its device:
+    # the tp 2 profile hung at rank 0's profiler start (2026-11-26/27, NCCL and symmetric alike)
+    # while rank 1's first all-reduce spun waiting for it, so the ranks meet on the CPU (gloo)
+    # around the profiler's start and stop.
+    cpu_group = dist.new_group(backend="gloo") if world_size > 1 else None
+
+    def meet() -> None:
+        sync(runner.device)
+        if cpu_group is not None:
+            dist.barrier(group=cpu_group)
     for batch in args.batches:
         reqs = bench.new_reqs(batch, args.context)
         per_chunk = max(1, 16384 // args.context)
@@ -222,14 +232,17 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
         step = lambda: run_step(runner, ids)  # noqa: E731
         step_ms = 1000 * statistics.median(timed(runner.device, step) for _ in range(args.iters))
         replay = replay_ms(runner, batch, args.iters) if runner.device.type == "cuda" else None
+        meet()  # every device idle
         if rank == 0:
-            prof = profile_steps(step, args.profile_steps)
-            row = {"mode": mode, "batch": batch, "step ms": step_ms, "replay ms": replay}
-            results.append({**row, **step_breakdown(device_kernels(prof), args.profile_steps, step_ms)})
+            prof = profile_steps(step, args.profile_steps, started=meet)
         else:
+            meet()  # rank 0's profiler is on
             for _ in range(args.profile_steps):
                 step()
-            sync(runner.device)
+        meet()  # and off again
+        if rank == 0:
+            row = {"mode": mode, "batch": batch, "step ms": step_ms, "replay ms": replay}
+            results.append({**row, **step_breakdown(device_kernels(prof), args.profile_steps, step_ms)})
         runner.free(ids)
     if world_size > 1:
         dist.destroy_process_group()

@@ -130,11 +130,14 @@ def busy_us(kernels) -> float:
     return total + (cur_end - cur_start if cur_end is not None else 0.0)
 
 
-def profile_steps(fn, steps: int):
+def profile_steps(fn, steps: int, started=None):
+    """`steps` calls of fn under torch's profiler; `started()` runs once the profiler is on."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
+        if started is not None:
+            started()
         for _ in range(steps):
             fn()
         if torch.cuda.is_available():
