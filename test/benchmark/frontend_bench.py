@@ -3,7 +3,7 @@ GPUs, so that what is measured is how many streamed tokens a second the processe
 model deliver, on the CPU, with no GPU.
 
     python test/benchmark/frontend_bench.py --model .gpu/bench-8b --num-prompts 1000 [--dp 2]
-        [--client-procs 2] [--tree DIR] [--device-scale S]
+        [--client-procs 2] [--tree DIR] [--device-scale S] [--request-rate R]
 
 Each router's model workers are `sim_device.SimDevice` (the H100 cost model of bench-8b,
 `--device-scale` times faster: 0 for a device that takes no time): the router, its scheduler,
@@ -131,7 +131,8 @@ def bench(args) -> dict:
         roles = {server.proc.pid: "http", **server_pids(server.log_text())}
         procs = {pid: psutil.Process(pid) for pid in roles}
         before = {pid: sum(p.cpu_times()[:2]) for pid, p in procs.items()}
-        results, duration, client_cpu = run_requests_in_processes(server.url, sample, True, args.client_procs)
+        results, duration, client_cpu = run_requests_in_processes(server.url, sample, True, args.client_procs,
+                                                                  request_rate=args.request_rate)
         cpu = {roles[pid]: sum(p.cpu_times()[:2]) - before[pid] for pid, p in procs.items()}
     finally:
         server.stop(timeout=60)
@@ -142,9 +143,9 @@ def bench(args) -> dict:
     return {"tree": args.tree or "this checkout", "dp": args.dp, "requests": len(sample), "failed": summary["failed"],
             "req_s": summary["request_throughput"], "tok_s": summary["output_throughput"],
             "duration_s": duration, "median_tpot_ms": summary["median_tpot_ms"],
-            # The first and the tenth percentile's first token: how long the burst takes to reach the routers.
-            "first_ttft_ms": ttfts[0] * 1e3 if ttfts else math.nan,
-            "p10_ttft_ms": ttfts[len(ttfts) // 10] * 1e3 if ttfts else math.nan,
+            # The first and the tenth percentile's first token: how long a burst takes to reach the routers.
+            "ttft_ms": {name: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1e3 if ttfts else math.nan
+                        for name, q in (("first", 0.0), ("P10", 0.1), ("P50", 0.5), ("P99", 0.99))},
             "cpu_us_per_token": {k: v / max(tokens, 1) * 1e6 for k, v in cpu.items()},
             "core_share": {k: v / duration for k, v in cpu.items()}}
 
@@ -153,7 +154,7 @@ def format_row(r: dict) -> str:
     cpu = ", ".join(f"{k} {r['cpu_us_per_token'][k]:.0f} us ({r['core_share'][k] * 100:.0f}%)"
                     for k in sorted(r["cpu_us_per_token"]))
     return (f"| {r['tree']} | {r['dp']} | {r['requests']} | {r['failed']} | {r['req_s']:.2f} | {r['tok_s']:.0f} | "
-            f"{r['first_ttft_ms']:.0f} / {r['p10_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {cpu} |")
+            f"{' / '.join(f'{v:.0f}' for v in r['ttft_ms'].values())} | {r['median_tpot_ms']:.1f} | {cpu} |")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-prompts", type=int, default=1000)
     add("--dp", type=int, default=1, help="routers (simulated GPUs) behind the one HTTP process and detokenizer")
     add("--client-procs", type=int, default=2)
+    add("--request-rate", type=float, default=math.inf, help="Poisson arrivals a second (default: all at once)")
     add("--device-scale", type=float, default=1.0, help="times the H100 cost model's step time (0: none)")
     add("--tree", default="", help="serve this checkout's lightllm (PYTHONPATH) instead of the installed one")
     add("--server-args", default="", help="more server flags, one string (--server-args='--flag value')")
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     row = bench(args)
-    print("| tree | dp | requests | failed | req/s | streamed tok/s | TTFT first / P10 ms | median TPOT ms | CPU a token (share of a core) |")
+    print("| tree | dp | requests | failed | req/s | streamed tok/s | TTFT first / P10 / P50 / P99 ms | median TPOT ms | CPU a token (share of a core) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     print(format_row(row))
     return 0 if row["failed"] == 0 else 1

@@ -5,10 +5,10 @@ Why not one thread-pool hop per prompt: a fast (Rust) tokenizer lets go of the G
 encodes and must take it back after, and a busy event loop holds it for up to the interpreter's
 switch interval (5 ms) at a time. With a thread a prompt, a burst of requests made each encode
 cost that wait: 2000 ShareGPT prompts (0.65 ms each alone) took seconds to reach the router,
-with the GPUs idle meanwhile (docs/architecture.md, "A burst's first second"). Encoding the
-prompts waiting together pays the wait once a batch, and the tokenizer's batch call (Rust,
-parallel where TOKENIZERS_PARALLELISM allows) encodes them faster than one by one. One thread
-also means the tokenizer is never used by two threads at once.
+with the GPUs idle meanwhile (docs/architecture.md, "A burst's first second", under Processes).
+Encoding the prompts waiting together pays the wait once a batch, and the tokenizer's batch
+call (Rust, parallel where TOKENIZERS_PARALLELISM allows) encodes them faster than one by one.
+One thread also means the tokenizer is never used by two threads at once.
 """
 
 from __future__ import annotations
