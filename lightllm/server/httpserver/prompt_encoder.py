@@ -14,11 +14,8 @@ One thread also means the tokenizer is never used by two threads at once.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections import deque
-
-logger = logging.getLogger(__name__)
 
 # Most prompts in one batch call: the first of a burst reach the router after one batch's time,
 # not after the whole burst's (2000 ShareGPT prompts encode in about 0.6 s on a 2-core CPU).
