@@ -195,5 +195,17 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "next_power_of_2", "score_scale",
-           "triton", "tl"]
+def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype an attention kernel's dots run in: q's, except over an fp8 (e4m3) cache with bf16
+    queries, where K/V widen to fp16 and q is rounded to it. The fp8 cache's decode attention was
+    bound by widening e4m3 to bf16 in registers, not by its KV stream (docs/benchmarks-log.md,
+    2026-11-25); e4m3 -> fp16 is Hopper's own conversion (cvt.rn.f16x2.e4m3x2). fp16 holds what
+    the dots see: q (|q| < 65504), e4m3's every value, and the softmax weights in [0, 1] with
+    three more bits than bf16."""
+    if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
+        return torch.float16
+    return q.dtype
+
+
+__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype", "next_power_of_2",
+           "score_scale", "triton", "tl"]

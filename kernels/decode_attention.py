@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ._triton import attend_kv_block, cdiv, fast_launch, next_power_of_2, score_scale, tl, triton
+from ._triton import attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, tl, triton
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -89,7 +89,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                         SOFTCAP: tl.constexpr):
+                         SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
     """Partial attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     Writes the chunk's normalised output and its log2-sum-exp2 per query head; empty chunks
@@ -114,6 +114,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     # BLOCK_G >= 16 rows for tl.dot; the padding rows are zero queries and are never stored.
     q = tl.load(q_ptr + req.to(tl.int64) * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    if AS_F16:  # an fp8 cache: K/V are widened to q's dtype (attend_kv_block), here fp16
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -184,8 +186,11 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
-                            softcap: float = 0.0, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """As decode_attention_ref; `launch` overrides stage 1's (BLOCK_N, warps, stages) (tune_decode_attention.py)."""
+                            softcap: float = 0.0, launch: tuple[int, int, int] | None = None,
+                            fp8_as_f16: bool = True) -> torch.Tensor:
+    """As decode_attention_ref; `launch` overrides stage 1's (BLOCK_N, warps, stages) (tune_decode_attention.py).
+    An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
+    old way (decode_attention_kv_dtype.py times both)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -205,8 +210,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, MIN_KEYS=MIN_CHUNK,
-        DOT_UPCAST=not q.is_cuda,
-        WINDOW=window, SOFTCAP=float(softcap), num_warps=warps, num_stages=stages)
+        DOT_UPCAST=not q.is_cuda, WINDOW=window, SOFTCAP=float(softcap),
+        AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) == torch.float16, num_warps=warps, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,

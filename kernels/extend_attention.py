@@ -18,7 +18,7 @@ before it belong to the step's decodes): the grid never depends on the step's le
 """
 import torch
 
-from ._triton import attend_kv_block, cdiv, fast_launch, next_power_of_2, score_scale, tl, triton
+from ._triton import attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, tl, triton
 
 
 def extend_block_m(head_dim: int) -> int:
@@ -96,7 +96,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
                    num_blocks, qk_scale, q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                    o_token_stride, o_head_stride, req_to_token_stride, GROUP: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
     """One program: BLOCK_M queries of one request's chunk (as the block table says) and one query head."""
     block, head = tl.program_id(0), tl.program_id(1)
     req = tl.load(q_blocks_ptr + block)
@@ -115,6 +115,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
     dim_mask = dims < HEAD_DIM
     q = tl.load(q_ptr + (q_start + rows)[:, None] * q_token_stride + head * q_head_stride + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if AS_F16:  # an fp8 cache: K/V are widened to q's dtype (attend_kv_block), here fp16
+        q = q.to(tl.float16)
     # A finite floor, not -inf: under a window a row may see no key of a block (before its window
     # starts), and exp2(-inf - -inf) would make its sums NaN. Every real row sees itself, so no row
     # divides by zero at the end.
@@ -161,5 +163,5 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
-        SOFTCAP=float(softcap), num_warps=warps, num_stages=2)
+        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) == torch.float16, num_warps=warps, num_stages=2)
     return out

@@ -23,6 +23,13 @@ tokens and time synchronous decode steps (run_step: upload, graph replay, sampli
 profiles --profile-steps of them. Per step: device busy time, split into all-reduce kernels,
 all-gather (the LM head's logits) and the rest (compute, copies into the symmetric buffer
 included), and gaps (the step's wall time in which no kernel runs).
+
+torch's profiler runs at tp 1 only (or with --kernel-profile): at tp 2 it hung at its start in
+four calls of 2026-11-26/27, with the ranks idle and met on the CPU first. Without it the
+all-reduce's share is timed by subtraction, from events alone: the batch's decode graph is
+captured once more with TPGroup.all_reduce an identity (wrong sums, the same kernels otherwise)
+and replayed; the all-reduce's time, its copies and the wait for the other rank included, is the
+served graph's replay less that one's.
 """
 
 from __future__ import annotations
@@ -200,6 +207,30 @@ def step_breakdown(kernels: list, steps: int, step_ms: float) -> dict:
             "gaps": max(0.0, 1000 * step_ms - busy)}
 
 
+def replay_without_all_reduce_ms(runner, batch: int, iters: int) -> float:
+    """ms per replay of the decode graph of `batch`'s bucket captured with every all-reduce an
+    identity (its sums wrong; every other kernel, the LM head's all-gather included, as served)."""
+    from static_benchmark import replay_us
+
+    graphs = runner.graphs
+    bucket = graphs.bucket(batch)
+    forward = lambda: graphs._forward(bucket, graphs.max_seqlen)  # noqa: E731  (the meta of the last step)
+    served = TPGroup.all_reduce
+    TPGroup.all_reduce = lambda self, x: x
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            graphs.logits[:bucket].copy_(forward())
+        torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        TPGroup.all_reduce = served
+    return replay_us(graph, iters) / 1000
+
+
 def profile_worker(rank: int, args, mode: str, world_size: int, port: int, results) -> None:
     from profile_step import device_kernels, profile_steps, replay_ms
     from static_benchmark import Bench, sync, timed
@@ -231,18 +262,23 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
         ids = [r[0] for r in reqs]
         step = lambda: run_step(runner, ids)  # noqa: E731
         step_ms = 1000 * statistics.median(timed(runner.device, step) for _ in range(args.iters))
-        replay = replay_ms(runner, batch, args.iters) if runner.device.type == "cuda" else None
-        meet()  # every device idle
+        cuda = runner.device.type == "cuda"
+        replay = replay_ms(runner, batch, args.iters) if cuda else None
+        bare = replay_without_all_reduce_ms(runner, batch, args.iters) if cuda and world_size > 1 else None
+        kernels = []
+        if world_size == 1 or args.kernel_profile:
+            meet()  # every device idle
+            if rank == 0:
+                kernels = device_kernels(profile_steps(step, args.profile_steps, started=meet))
+            else:
+                meet()  # rank 0's profiler is on
+                for _ in range(args.profile_steps):
+                    step()
+            meet()  # and off again
         if rank == 0:
-            prof = profile_steps(step, args.profile_steps, started=meet)
-        else:
-            meet()  # rank 0's profiler is on
-            for _ in range(args.profile_steps):
-                step()
-        meet()  # and off again
-        if rank == 0:
-            row = {"mode": mode, "batch": batch, "step ms": step_ms, "replay ms": replay}
-            results.append({**row, **step_breakdown(device_kernels(prof), args.profile_steps, step_ms)})
+            row = {"mode": mode, "batch": batch, "step ms": step_ms, "replay ms": replay, "bare ms": bare,
+                   "reduce calls": 2 * runner.model.config.num_layers if world_size > 1 else 0}
+            results.append({**row, **step_breakdown(kernels, args.profile_steps, step_ms)})
         runner.free(ids)
     if world_size > 1:
         dist.destroy_process_group()
@@ -250,16 +286,27 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
 
 def profile_table(rows: list[dict], args) -> list[str]:
     lines = [f"### One decode step of {Path(args.profile_model).name}, context {args.context}: where the time goes",
-             "", "| all-reduce | batch | engine step ms | graph replay ms | device busy us | compute us "
-             "| all-reduce us (calls) | all-gather us | gaps us |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "", "Kernel columns from torch's profiler (tp 1; '-' where it did not run); the last two by "
+             "subtraction: the decode graph's replay less its replay with every all-reduce an identity, "
+             "in all and per call.", "",
+             "| all-reduce | batch | engine step ms | graph replay ms | device busy us | compute us "
+             "| all-reduce us (calls) | all-gather us | gaps us | replay without all-reduce ms "
+             "| all-reduce by subtraction us (per call) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     def cell(value, spec=".0f"):
         return "-" if value is None else format(value, spec)
+
+    def subtracted(r) -> str:
+        if r["bare ms"] is None or r["replay ms"] is None:
+            return "-"
+        us = 1000 * (r["replay ms"] - r["bare ms"])
+        return f"{us:.0f} ({us / r['reduce calls']:.1f})"
 
     for r in rows:
         lines.append(f"| {r['mode']} | {r['batch']} | {r['step ms']:.3f} | {cell(r['replay ms'], '.3f')} | "
                      f"{cell(r['busy'])} | {cell(r['compute'])} | {cell(r['all-reduce'])} "
-                     f"({cell(r['all-reduce calls'])}) | {cell(r['all-gather'])} | {cell(r['gaps'])} |")
+                     f"({cell(r['all-reduce calls'])}) | {cell(r['all-gather'])} | {cell(r['gaps'])} | "
+                     f"{cell(r['bare ms'], '.3f')} | {subtracted(r)} |")
     return lines + [""]
 
 
@@ -283,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 64, 256])
     add("--context", type=int, default=1024)
     add("--profile-steps", type=int, default=5)
+    add("--kernel-profile", action="store_true", help="torch's profiler at tp > 1 too (it hung there: see above)")
     add("--out-md", type=Path, default=None, help="also write the tables here")
     return parser
 

@@ -10,7 +10,8 @@
 #   allreduce: allreduce_bench.py over the largest group of 2, 4 or 8 GPUs here: us per call by
 #     message size, NCCL / one-shot / two-shot / chosen, eager and in CUDA graphs; sums against NCCL.
 #   profile-tpN: allreduce_bench.py's decode profile of MODEL (batch 1, 64, 256; context 1024): tp 1
-#     (not for bench-70b), tp N through NCCL only, tp N as served: compute, all-reduce, gaps.
+#     (not for bench-70b; kernels from torch's profiler), tp N through NCCL only, tp N as served
+#     (the all-reduce's time by subtraction: the graph replayed with it an identity).
 #   serve-tpN[-nccl]:R: gpu_compare.py's server phase at --tp N, R ShareGPT requests from
 #     .gpu/requests-R.json (else the first R of requests-2000.json), all at once, streamed;
 #     GPU busy: nvidia-smi's utilisation over GPUs 0..N-1 during the measured run.
