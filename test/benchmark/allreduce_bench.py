@@ -35,6 +35,7 @@ served graph's replay less that one's.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import statistics
@@ -147,7 +148,16 @@ def slowest_rank(row: dict, device: torch.device) -> dict:
     return {**row, **dict(zip(keys, values[:-1].tolist())), "sums": values[-1].item() < 0}
 
 
+def worker_logging(rank: int, args) -> None:
+    """A spawned rank's logging (INFO, to stderr, as the parent's), and with --stacks-after S every
+    thread's stack to stderr S seconds in: where a rank waits when a run hangs."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    if args.stacks_after:
+        faulthandler.dump_traceback_later(args.stacks_after)
+
+
 def sizes_worker(rank: int, args, port: int, results) -> None:
+    worker_logging(rank, args)
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     group = init_tp(rank, args.world_size, port, device)
     bench = None
@@ -237,12 +247,14 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
 
     from lightllm.engine.model_runner import ModelRunner, run_step
 
+    worker_logging(rank, args)
     os.environ[SYMMETRIC_ENV] = "0" if mode == "nccl" else "1"  # read by init_tp's set-up
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     longest = max(args.batches) * (args.context + args.iters + args.profile_steps + 16)
     runner = ModelRunner(str(args.profile_model), max_total_token_num=longest, max_req_total_len=args.context + 1024,
                          running_max_req_size=max(args.batches), data_type=args.profile_dtype, load_format="dummy",
                          tp_rank=rank, world_size=world_size, nccl_port=port, device=device)
+    logger.info("rank %d (%s): runner ready", rank, mode)
     bench = Bench(runner, seed=0)  # the same requests on every rank
     # Only rank 0 profiles. Its profiler starts and stops while no rank has a step on its device:
     # the tp 2 profile hung at rank 0's profiler start (2026-11-26/27, NCCL and symmetric alike)
@@ -260,11 +272,14 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
         for start in range(0, batch, per_chunk):
             run_step(runner, prompts=reqs[start: start + per_chunk])
         ids = [r[0] for r in reqs]
+        logger.info("rank %d (%s): batch %d prefilled", rank, mode, batch)
         step = lambda: run_step(runner, ids)  # noqa: E731
         step_ms = 1000 * statistics.median(timed(runner.device, step) for _ in range(args.iters))
+        logger.info("rank %d (%s): batch %d steps timed", rank, mode, batch)
         cuda = runner.device.type == "cuda"
         replay = replay_ms(runner, batch, args.iters) if cuda else None
         bare = replay_without_all_reduce_ms(runner, batch, args.iters) if cuda and world_size > 1 else None
+        logger.info("rank %d (%s): batch %d graphs timed", rank, mode, batch)
         kernels = []
         if world_size == 1 or args.kernel_profile:
             meet()  # every device idle
@@ -330,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 64, 256])
     add("--context", type=int, default=1024)
     add("--profile-steps", type=int, default=5)
+    add("--stacks-after", type=float, default=0, help="seconds: each rank then prints its threads' stacks (0: never)")
     add("--kernel-profile", action="store_true", help="torch's profiler at tp > 1 too (it hung there: see above)")
     add("--out-md", type=Path, default=None, help="also write the tables here")
     return parser
