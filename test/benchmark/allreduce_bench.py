@@ -24,9 +24,11 @@ profiles --profile-steps of them. Per step: device busy time, split into all-red
 all-gather (the LM head's logits) and the rest (compute, copies into the symmetric buffer
 included), and gaps (the step's wall time in which no kernel runs).
 
-torch's profiler runs at tp 1 only (or with --kernel-profile): at tp 2 it hung at its start in
-four calls of 2026-11-26/27, with the ranks idle and met on the CPU first. Without it the
-all-reduce's share is timed by subtraction, from events alone: the batch's decode graph is
+torch's profiler runs at tp 1, and at tp N with --kernel-profile. The tp 2 profile "hung" in
+five calls of 2026-11-26/27; the stacks (--stacks-after) showed every rank done measuring and
+waiting in destroy_process_group, which CUDA ranks now skip. Whether the profiler itself runs
+at tp 2 is not yet seen. At tp N the all-reduce's share is also timed by subtraction, from
+events alone: the batch's decode graph is
 captured once more with TPGroup.all_reduce an identity (wrong sums, the same kernels otherwise)
 and replayed; the all-reduce's time, its copies and the wait for the other rank included, is the
 served graph's replay less that one's.
@@ -295,6 +297,13 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
                    "reduce calls": 2 * runner.model.config.num_layers if world_size > 1 else 0}
             results.append({**row, **step_breakdown(kernels, args.profile_steps, step_ms)})
         runner.free(ids)
+    if world_size > 1 and runner.device.type == "cuda":
+        # The rows are in; the rank ends here. destroy_process_group never returned on two H100s
+        # with the runner's captured NCCL kernels alive: every "profile hang" of 2026-11-26/27 was
+        # this, after the table was measured (--stacks-after's stacks, 2026-11-27).
+        meet()
+        logging.shutdown()
+        os._exit(0)
     if world_size > 1:
         dist.destroy_process_group()
 
@@ -346,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--context", type=int, default=1024)
     add("--profile-steps", type=int, default=5)
     add("--stacks-after", type=float, default=0, help="seconds: each rank then prints its threads' stacks (0: never)")
-    add("--kernel-profile", action="store_true", help="torch's profiler at tp > 1 too (it hung there: see above)")
+    add("--kernel-profile", action="store_true", help="torch's profiler at tp > 1 too (not yet seen to run there: see above)")
     add("--out-md", type=Path, default=None, help="also write the tables here")
     return parser
 
