@@ -3,7 +3,7 @@
 # against one GPU, and measured. From the repo root:
 #
 #   bash test/benchmark/multi_gpu.sh [dry] ITEM...          (a quoted list is accepted)
-#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl][-graphT]:REQUESTS | serve-dpN[-graphT]:REQUESTS | single-tpN[-nccl]
+#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl][-graphT]:REQUESTS[@RATE] | serve-dpN[-graphT]:REQUESTS[@RATE] | single-tpN[-nccl]
 #   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
 #     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
@@ -16,6 +16,7 @@
 #     .gpu/requests-R.json (else the first R of requests-2000.json), all at once, streamed;
 #     GPU busy: nvidia-smi's utilisation over GPUs 0..N-1 during the measured run.
 #   serve-dpN:R: the same with --dp N --tp 1 (N replicas, one GPU each, one HTTP endpoint).
+#   :R@RATE (serve items): Poisson arrivals at RATE req/s instead of all at once (name ...-R-rRATE).
 #   -graphT (serve items, before :R): the server with --cuda_graph_max_tokens T.
 #   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
 #     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
@@ -164,18 +165,22 @@ PY
   return $rc
 }
 
-serve() {  # serve-tpN[-nccl]:R, serve-dpN:R: gpu_compare.py's server phase
-  local tp dp gpus env graph name n=${1#*:} smi rc=0 server_args=
-  parse "$1"; name+=-$n
+serve() {  # serve-tpN[-nccl]:R[@RATE], serve-dpN:R[@RATE]: gpu_compare.py's server phase
+  local tp dp gpus env graph name n=${1#*:} smi rc=0 server_args= rate=inf
+  [[ $n == *@* ]] && { rate=${n#*@}; n=${n%@*}; }
+  [[ $n =~ ^[0-9]+$ && $rate =~ ^(inf|[0-9]+([.][0-9]+)?)$ ]] || { echo "bad item $1: R[@RATE] wanted" >&2; exit 2; }
+  parse "$1"; name+=-$n; [[ $rate == inf ]] || name+=-r$rate
   enough_gpus "$gpus" "$name" || return 0
   local requests=$ROOT/.gpu/requests-$n.json; [[ -f $requests ]] || requests=$ROOT/.gpu/requests-2000.json
   local dir=$WORK/$name; mkdir -p "$dir"; ROWS+=("serve|$name|$gpus")
   # start (dummy weights, graph capture: ~20 s for bench-8b, more for 70B) + ~35 s per 1000 requests at once.
-  local t; t=$(( 150 + n * 15 / 100 )); t=$(( t < $(left) ? t : $(left) ))
+  local t; t=$(( 150 + n * 15 / 100 ))
+  [[ $rate == inf ]] || t=$(( 150 + ${n}0 / ${rate%.*}0 ))  # the arrivals' span, then the start and the tail
+  t=$(( t < $(left) ? t : $(left) ))
   if ((t < 90)); then echo "$name: skipped, $t s left" | tee "$dir/run.log"; return; fi
   local cmd=(timeout -k 15 $((t + 25)) env "$env" python3 "$ROOT/test/benchmark/gpu_compare.py" --model "$MODEL_DIR"
     --tp "$tp" --requests "$requests" --num-prompts "$n" --skip-transformers --out-dir "$dir" --start-timeout 240
-    --total-timeout "$t" --bench-timeout "$t" ${SERVE_ARGS:-})
+    --total-timeout "$t" --bench-timeout "$t" --request-rate "$rate" ${SERVE_ARGS:-})
   ((dp == 1)) || server_args="--dp $dp"
   [[ -z $graph ]] || server_args+=" --cuda_graph_max_tokens $graph"
   [[ $DEVICE == cuda ]] || { server_args="--data_type float32 $server_args"; cmd+=(--device cpu); }
@@ -279,11 +284,12 @@ for kind, name, tp in rows:
         single[name] = (int(tp), float(m.group(1)) if m else None, float(m.group(2)) if m else None)
 
 if serve:
-    print("| server | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms | failed | GPU busy % |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| server | req/s | output tok/s | median TTFT ms | P99 TTFT ms | median TPOT ms | P99 TPOT ms | failed | GPU busy % |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (tp, s, b) in serve.items():
         print(f"| {name} | {fmt(s.get('request_throughput'))} | {fmt(s.get('output_throughput'), '.0f')} | "
-              f"{fmt(s.get('median_ttft_ms'))} | {fmt(s.get('median_tpot_ms'))} | {fmt(s.get('p99_tpot_ms'))} | "
+              f"{fmt(s.get('median_ttft_ms'))} | {fmt(s.get('p99_ttft_ms'))} | {fmt(s.get('median_tpot_ms'))} | "
+              f"{fmt(s.get('p99_tpot_ms'))} | "
               f"{s.get('failed', '-')} | {b} |")
     print()
 if single:
