@@ -73,6 +73,16 @@ def test_build_engine_takes_the_scheduler_settings():
     scheduler = core.scheduler
     assert (scheduler.max_total_token_num, scheduler.chunk_budget, scheduler.max_running) == (1000, 64, 7)
     assert scheduler.policy == "fcfs"
+    assert scheduler.burst_chunk_budget == 64  # absent: off
+    config = ServerConfig(model_dir="m", chunked_prefill_size=64, burst_chunked_prefill_size=256)
+    assert build.build_engine(config, RecordingWorkers(), 1000, {"eos_token_ids": [2], "vocab_size": 10}
+                              ).scheduler.burst_chunk_budget == 256
+
+
+def test_the_runner_sizes_its_largest_step_for_the_burst_budget():
+    workers = RecordingWorkers()
+    load_model(workers, ServerConfig(model_dir="m", chunked_prefill_size=512, burst_chunked_prefill_size=1536))
+    assert workers.kwargs["chunked_prefill_size"] == 1536
 
 
 @pytest.mark.parametrize("setting", [{"dp": 2}, {"nnodes": 2}])

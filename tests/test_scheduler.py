@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
-from lightllm.engine.scheduler import AGING_STEPS, POLICIES, Scheduler, peak_token_usage
+from lightllm.engine.scheduler import AGING_STEPS, BURST_BACKLOG_STEPS, POLICIES, Scheduler, peak_token_usage
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from seeds import fresh_rng  # noqa: E402
 
@@ -128,13 +128,13 @@ def shared_prompt(rng: random.Random, length: int) -> list[int]:
 @settings(max_examples=60, deadline=None)
 @given(requests, st.integers(1, 70), st.integers(0, 200), st.booleans(), st.sampled_from([0.0, 0.05]),
        st.one_of(st.integers(1, 16), st.just(32)), st.sampled_from(POLICIES), st.booleans(), st.sampled_from([0, 3]),
-       st.randoms(use_true_random=False))
+       st.sampled_from([1, 2, 8]), st.randoms(use_true_random=False))
 def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overlap, eos_rate, max_running, policy,
-                                                prefix_cache, admission_wait_steps, rng):
+                                                prefix_cache, admission_wait_steps, burst, rng):
     budget = max(p + n for p, n, _ in reqs) + extra_budget
     runner = FakeRunner(budget, eos_rate, rng)
     scheduler = Scheduler(budget, chunk, max_running, policy, prefix_cache=prefix_cache,
-                          admission_wait_steps=admission_wait_steps)
+                          admission_wait_steps=admission_wait_steps, burst_chunk_budget=burst * chunk)
     core = EngineCore(scheduler, runner, eos_token_ids=[EOS], overlap=overlap)
     arrivals = sorted(((at, i) for i, (_, _, at) in enumerate(reqs)), reverse=True)
     aborted = {i for i in range(len(reqs)) if rng.random() < 0.1}
@@ -168,6 +168,52 @@ def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overl
         last = got[-1].finish_reason
         assert (last is FinishReason.LENGTH and len(got) == max_new) or (last is FinishReason.EOS and len(got) <= max_new)
     assert runner.peak <= budget
+
+
+class PlanRecorder(FakeRunner):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.chunk_tokens: list[int] = []
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        if not plan.empty:
+            self.chunk_tokens.append(sum(len(c.token_ids) for c in plan.chunks))
+        return super().step(plan)
+
+
+def chunk_tokens_per_step(burst_budget: int, arrivals: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """(prompt tokens planned, backlog before the plan) of every step of a scheduler with chunk
+    budget 64 serving prompts of the given lengths arriving at the given steps, 4 tokens each."""
+    scheduler = Scheduler(100_000, 64, 1000, "fcfs", prefix_cache=False, burst_chunk_budget=burst_budget)
+    runner = PlanRecorder(100_000, 0.0, random.Random(0))
+    core = EngineCore(scheduler, runner, eos_token_ids=[EOS], overlap=False)
+    backlogs, next_id = [], 0
+    for step in itertools.count():
+        for n in arrivals.get(step, []):
+            core.add(GenerateReq(next_id, [5] * n, SamplingParams(max_new_tokens=4)))
+            next_id += 1
+        planned = len(runner.chunk_tokens)
+        backlog = (sum(r.prompt_len for r in scheduler.waiting.values())
+                   + sum(r.prompt_left for r in scheduler.running))
+        core.step()
+        backlogs += [backlog] * (len(runner.chunk_tokens) - planned)
+        if not core.has_work and step >= max(arrivals):
+            return list(zip(runner.chunk_tokens, backlogs))
+
+
+def test_a_burst_is_prefilled_in_steps_of_the_burst_budget_until_its_backlog_is_short():
+    """A burst of 40 prompts of 50 tokens (2000 > BURST_BACKLOG_STEPS steps x 64): steps of 256
+    prompt tokens while more than that waits, then 64; the same work in fewer steps. Prompts of
+    50 tokens arriving every other step never leave the chunk budget."""
+    bursting = chunk_tokens_per_step(256, {0: [50] * 40})
+    plain = chunk_tokens_per_step(64, {0: [50] * 40})  # burst budget = chunk budget: off
+    assert sum(t for t, _ in bursting) == sum(t for t, _ in plain) == 2000
+    for tokens, backlog in bursting:
+        assert tokens == min(backlog, 256 if backlog > BURST_BACKLOG_STEPS * 64 else 64)
+    assert max(t for t, _ in bursting) == 256 and max(t for t, _ in plain) == 64
+    assert len([t for t, _ in bursting if t]) < len([t for t, _ in plain if t])
+    steady = chunk_tokens_per_step(256, {2 * i: [50] for i in range(20)})
+    assert max(t for t, _ in steady) <= 64
 
 
 def admitted_order(scheduler: Scheduler) -> list[int]:

@@ -47,6 +47,7 @@ class EngineSettings(Protocol):
     max_req_total_len: int
     running_max_req_size: int
     chunked_prefill_size: int
+    burst_chunk_budget: int  # the step's prompt tokens while a burst waits (Scheduler.step_budget)
     schedule_policy: str
     admission_wait_steps: int
     disable_prefix_cache: bool
@@ -99,7 +100,7 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
             max_total_token_num=config.max_total_token_num,
             max_req_total_len=config.max_req_total_len,
             running_max_req_size=config.running_max_req_size,
-            chunked_prefill_size=config.chunked_prefill_size,
+            chunked_prefill_size=config.burst_chunk_budget,  # the largest step's prompt tokens
             mem_fraction=config.mem_fraction,
             data_type=config.data_type,
             load_format=config.load_format,
@@ -125,7 +126,7 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
 def build_engine(config: EngineSettings, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
-                          admission_wait_steps=config.admission_wait_steps)
+                          admission_wait_steps=config.admission_wait_steps, burst_chunk_budget=config.burst_chunk_budget)
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

@@ -1,7 +1,8 @@
 """The scheduler: admission, prefill chunks, the prefix cache and step plans. CPU bookkeeping only.
 
 Every step runs every decoding request once plus prefill chunks of admitted requests, in
-admission order, up to `chunk_budget` prompt tokens. Admission proves that the KV budget holds
+admission order, up to `chunk_budget` prompt tokens, or `burst_chunk_budget` while a burst's
+prompts wait (`step_budget`). Admission proves that the KV budget holds
 whatever happens next (see `peak_token_usage`): an admitted request's whole prompt is reserved
 at once, so a partly prefilled request never waits for room.
 
@@ -33,6 +34,14 @@ AGING_STEPS = 256
 
 # With admission_wait_steps, free slots are gathered while fewer than max_running / this are free.
 ADMISSION_ROOM_DIVISOR = 16
+
+# The step's prompt-token budget is burst_chunk_budget while more than this many steps' worth of
+# chunk_budget waits to be prefilled (admitted or not): a burst's prompts are prefilled in fewer,
+# larger steps, each of which pays the running batch's decode once, so its last first token
+# comes sooner; at a steady rate the backlog stays below and every step stays short. 2 rather
+# than 8: with 8 the burst's last 8 steps of prompts, whose requests are its TTFT tail, went at
+# the small budget (simulated H100, 1000 at once: P99 TTFT 7.65 s against 7.30 at 2, budget 4096).
+BURST_BACKLOG_STEPS = 2
 
 # A finished request's slots are freed by the plan after the step whose result shows it
 # finished: up to two steps after its last scheduled decode when a step is in flight.
@@ -104,14 +113,18 @@ def cache_path(node) -> list:
 
 class Scheduler:
     def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
-                 prefix_cache: bool = True, admission_wait_steps: int = 0):
+                 prefix_cache: bool = True, admission_wait_steps: int = 0, burst_chunk_budget: int | None = None):
         """admission_wait_steps: while requests decode and fewer slots are free than
         max_running / ADMISSION_ROOM_DIVISOR (and than requests waiting), admit at most once in
-        that many steps, so that slots freed one by one are filled by one prefill step, not one each."""
+        that many steps, so that slots freed one by one are filled by one prefill step, not one each.
+        burst_chunk_budget: the prompt tokens a step may prefill while a burst waits (`step_budget`);
+        None or chunk_budget: always chunk_budget."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.max_total_token_num = max_total_token_num
         self.chunk_budget = chunk_budget
+        self.burst_chunk_budget = max(chunk_budget, burst_chunk_budget or chunk_budget)
+        self._waiting_prompt_tokens = 0  # over self.waiting
         self.max_running = max_running
         self.policy = policy
         self.admission_wait_steps = admission_wait_steps
@@ -132,6 +145,7 @@ class Scheduler:
     def add(self, req: Req) -> None:
         req.arrival_step = self._next_step
         self.waiting[req.req_id] = req
+        self._waiting_prompt_tokens += req.prompt_len
         self._by_id[req.req_id] = req
 
     def abort(self, req_id: int) -> bool:
@@ -141,6 +155,8 @@ class Scheduler:
             return False
         if self.waiting.pop(req_id, None) is None:
             self._end(req)
+        else:
+            self._waiting_prompt_tokens -= req.prompt_len
         req.status = ReqStatus.FINISHED
         return True
 
@@ -196,11 +212,14 @@ class Scheduler:
         self._grow_cache()
         self._admit()
         plan = StepPlan(self._next_step)
+        prefilling = 0  # prompt tokens of admitted requests still to prefill
         for req in self.running:
             if req.needs_decode:
                 req.decode_steps += 1
                 plan.decodes.append(req.req_id)
-        budget = self.chunk_budget
+            elif req.status is ReqStatus.PREFILLING:
+                prefilling += req.prompt_left
+        budget = self.step_budget(prefilling)
         first_chunks = []
         computing = set()  # what the chunks planned so far start with: (position, SHARE_PROBE tokens)
         for req in self.running:
@@ -230,6 +249,16 @@ class Scheduler:
             self._in_steps.add(plan.step_id)
             self._next_step += 1
         return plan
+
+    def step_budget(self, prefilling: int) -> int:
+        """Prompt tokens this step may prefill: burst_chunk_budget while the prompts waiting to be
+        prefilled (`prefilling` tokens admitted, and every waiting request's) exceed
+        BURST_BACKLOG_STEPS steps of chunk_budget, else chunk_budget. Admission's delay term counts
+        steps of chunk_budget, so a larger step only ever brings a request's growth sooner than it
+        assumed, which its bound allows."""
+        if prefilling + self._waiting_prompt_tokens > BURST_BACKLOG_STEPS * self.chunk_budget:
+            return self.burst_chunk_budget
+        return self.chunk_budget
 
     def _take_cached(self, req: Req) -> None:
         """Before its first chunk: take whatever more of its prompt is cached by now (requests
@@ -325,6 +354,7 @@ class Scheduler:
             self._last_admission_step = self._next_step
         for req in candidates[:lo]:
             del self.waiting[req.req_id]
+            self._waiting_prompt_tokens -= req.prompt_len
             req.status = ReqStatus.PREFILLING
             self.running.append(req)
             if matches is not None and req.uses_cache:  # matched again: an earlier admission may have split a node
@@ -423,6 +453,7 @@ class Scheduler:
         for req in reqs:
             req.status = ReqStatus.FINISHED
         self.running, self.waiting, self._by_id, self._growing = [], {}, {}, []
+        self._waiting_prompt_tokens = 0
         self._in_steps.clear()
         self._ops.clear()
         self._ops.append(Reset())

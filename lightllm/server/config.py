@@ -52,6 +52,10 @@ class ServerConfig:
         default=2048,
         metadata=_flag("most prompt tokens prefilled in one step, over all requests; longer prompts are prefilled in chunks over several steps, beside the running decodes. 2048 bounds a step beside a full batch to ~60 ms on an H100 with an 8B model, which keeps the tail of time to first token and per token low at moderate load (docs/benchmarks.md)"),
     )
+    burst_chunked_prefill_size: int | None = field(
+        default=None,
+        metadata=_flag("most prompt tokens prefilled in one step while a burst waits (more than 2 steps' worth of --chunked_prefill_size not yet prefilled, admitted or waiting): fewer, larger steps each pay the running batch's decode once, so a burst's last requests get their first token sooner, at a longer step for the running ones meanwhile; at a steady moderate rate the backlog stays below and steps keep --chunked_prefill_size. Absent: off (--chunked_prefill_size always); 8192 beside the default chunk is estimated in docs/benchmarks.md (simulated H100), not yet measured on a GPU. The start-up's memory profile runs a step of this many prompt tokens"),
+    )
     schedule_policy: str = field(
         default="lpt",
         metadata=_flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order; lpt was chosen in simulation (test/benchmark/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs")),
@@ -168,6 +172,8 @@ class ServerConfig:
                      "max_queued_requests", "cuda_graph_max_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
+        if self.burst_chunked_prefill_size is not None and self.burst_chunked_prefill_size < self.chunked_prefill_size:
+            raise ValueError("--burst_chunked_prefill_size must be at least --chunked_prefill_size")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
         for name in ("log_stats_interval", "health_timeout", "step_timeout", "grammar_compile_timeout"):
@@ -185,6 +191,11 @@ class ServerConfig:
         if self.allowed_origins is not None and not self.origins:
             raise ValueError("--allowed_origins must name at least one origin")
         self._check_nodes()
+
+    @property
+    def burst_chunk_budget(self) -> int:
+        """--burst_chunked_prefill_size, or --chunked_prefill_size where it is absent (off)."""
+        return self.burst_chunked_prefill_size or self.chunked_prefill_size
 
     @property
     def origins(self) -> list[str]:
