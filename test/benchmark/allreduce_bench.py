@@ -28,10 +28,9 @@ torch's profiler runs at tp 1, and at tp N with --kernel-profile. The tp 2 profi
 five calls of 2026-11-26/27; the stacks (--stacks-after) showed every rank done measuring and
 waiting in destroy_process_group, which CUDA ranks now skip. Whether the profiler itself runs
 at tp 2 is not yet seen. At tp N the all-reduce's share is also timed by subtraction, from
-events alone: the batch's decode graph is
-captured once more with TPGroup.all_reduce an identity (wrong sums, the same kernels otherwise)
-and replayed; the all-reduce's time, its copies and the wait for the other rank included, is the
-served graph's replay less that one's.
+events alone: the batch's decode graph is captured once more with TPGroup.all_reduce an
+identity (wrong sums, the same kernels otherwise) and replayed; the all-reduce's time, its
+copies and the wait for the other rank included, is the served graph's replay less that one's.
 """
 
 from __future__ import annotations
@@ -258,10 +257,8 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
                          tp_rank=rank, world_size=world_size, nccl_port=port, device=device)
     logger.info("rank %d (%s): runner ready", rank, mode)
     bench = Bench(runner, seed=0)  # the same requests on every rank
-    # Only rank 0 profiles. Its profiler starts and stops while no rank has a step on its device:
-    # the tp 2 profile hung at rank 0's profiler start (2026-11-26/27, NCCL and symmetric alike)
-    # while rank 1's first all-reduce spun waiting for it, so the ranks meet on the CPU (gloo)
-    # around the profiler's start and stop.
+    # Only rank 0 profiles; its profiler starts and stops while no rank has a step on its device
+    # (the ranks meet on the CPU, gloo), so no rank's collective waits on a profiler's start.
     cpu_group = dist.new_group(backend="gloo") if world_size > 1 else None
 
     def meet() -> None:
