@@ -211,7 +211,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, MIN_KEYS=MIN_CHUNK,
         DOT_UPCAST=not q.is_cuda, WINDOW=window, SOFTCAP=float(softcap),
-        AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) == torch.float16, num_warps=warps, num_stages=stages)
+        AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype, num_warps=warps, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,

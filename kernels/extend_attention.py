@@ -163,5 +163,5 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
-        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) == torch.float16, num_warps=warps, num_stages=2)
+        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, num_warps=warps, num_stages=2)
     return out

@@ -115,7 +115,9 @@ def bench(args) -> dict:
 
     from server_process import ServerProcess
     from serving_client import run_requests_in_processes, warm_up
-    from serving_metrics import summarize
+    import numpy as np
+
+    from serving_metrics import latency_values, summarize
     from sharegpt import read_requests
 
     sample = read_requests(args.requests)[: args.num_prompts]
@@ -138,14 +140,15 @@ def bench(args) -> dict:
         server.stop(timeout=60)
     summary = summarize(results, duration)
     tokens = summary["total_output_tokens"]
-    ttfts = sorted(r.ttft for r in results if r.success and r.ttft is not None)
+    ttft_s = latency_values([r for r in results if r.success])["ttft"]
     cpu["client"] = client_cpu
     return {"tree": args.tree or "this checkout", "dp": args.dp, "requests": len(sample), "failed": summary["failed"],
             "req_s": summary["request_throughput"], "tok_s": summary["output_throughput"],
             "duration_s": duration, "median_tpot_ms": summary["median_tpot_ms"],
             # The first and the tenth percentile's first token: how long a burst takes to reach the routers.
-            "ttft_ms": {name: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1e3 if ttfts else math.nan
-                        for name, q in (("first", 0.0), ("P10", 0.1), ("P50", 0.5), ("P99", 0.99))},
+            "ttft_ms": {"first": 1e3 * min(ttft_s, default=math.nan),
+                        "P10": 1e3 * float(np.percentile(ttft_s, 10)) if ttft_s else math.nan,
+                        "P50": summary["median_ttft_ms"] or math.nan, "P99": summary["p99_ttft_ms"] or math.nan},
             "cpu_us_per_token": {k: v / max(tokens, 1) * 1e6 for k, v in cpu.items()},
             "core_share": {k: v / duration for k, v in cpu.items()}}
 
