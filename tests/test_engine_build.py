@@ -8,6 +8,7 @@ import pytest
 
 from lightllm.engine import build, grammar
 from lightllm.engine.build import EngineStartError, load_model
+from lightllm.engine.scheduler import GPU_BURST_CHUNK_BUDGET, burst_budget
 from lightllm.server.config import ServerConfig
 
 
@@ -73,16 +74,25 @@ def test_build_engine_takes_the_scheduler_settings():
     scheduler = core.scheduler
     assert (scheduler.max_total_token_num, scheduler.chunk_budget, scheduler.max_running) == (1000, 64, 7)
     assert scheduler.policy == "fcfs"
-    assert scheduler.burst_chunk_budget == 64  # absent: off
-    config = ServerConfig(model_dir="m", chunked_prefill_size=64, burst_chunked_prefill_size=256)
-    assert build.build_engine(config, RecordingWorkers(), 1000, {"eos_token_ids": [2], "vocab_size": 10}
-                              ).scheduler.burst_chunk_budget == 256
+    assert scheduler.burst_chunk_budget == 64  # the runner's info names none: off
+    info = {"eos_token_ids": [2], "vocab_size": 10, "burst_chunked_prefill_size": 256}
+    assert build.build_engine(config, RecordingWorkers(), 1000, info).scheduler.burst_chunk_budget == 256
 
 
-def test_the_runner_sizes_its_largest_step_for_the_burst_budget():
+@pytest.mark.parametrize("setting", [None, 0, 1536])
+def test_the_burst_setting_reaches_the_runner_as_given(setting):
+    """The runner resolves it on its device (scheduler.burst_budget), the router takes its answer."""
     workers = RecordingWorkers()
-    load_model(workers, ServerConfig(model_dir="m", chunked_prefill_size=512, burst_chunked_prefill_size=1536))
-    assert workers.kwargs["chunked_prefill_size"] == 1536
+    load_model(workers, ServerConfig(model_dir="m", chunked_prefill_size=512, burst_chunked_prefill_size=setting))
+    assert (workers.kwargs["chunked_prefill_size"], workers.kwargs["burst_chunked_prefill_size"]) == (512, setting)
+
+
+@pytest.mark.parametrize("setting, device, budget", [
+    (None, "cuda", GPU_BURST_CHUNK_BUDGET), (None, "cpu", 512), (0, "cuda", 512), (0, "cpu", 512),
+    (1536, "cpu", 1536), (1536, "cuda", 1536)])
+def test_burst_budget_by_device(setting, device, budget):
+    assert burst_budget(setting, 512, device) == budget
+    assert burst_budget(setting, 16384, device) == 16384  # never below the chunk budget
 
 
 @pytest.mark.parametrize("setting", [{"dp": 2}, {"nnodes": 2}])

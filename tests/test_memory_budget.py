@@ -92,3 +92,20 @@ def test_server_refuses_a_budget_that_does_not_fit(tmp_path):
     assert result.returncode == 1
     assert f"--max_total_token_num {10**12} does not fit: at most " in result.stderr
     assert "tokens fit in" in result.stderr and "before it was ready" in result.stderr
+
+
+@pytest.mark.parametrize("setting, budget", [(None, 256), (0, 256), (384, 384)])
+def test_the_profile_step_prefills_the_burst_budget_the_device_takes(wide_dir, monkeypatch, setting, budget):
+    """--burst_chunked_prefill_size reaches the runner as given; the runner resolves it on its
+    device (absent: off on the CPU) and sizes its profile step by it."""
+    sized = []
+
+    def recording(max_running, chunk_budget, *args, **kwargs):
+        sized.append(chunk_budget)
+        return largest_step(max_running, chunk_budget, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "largest_step", recording)
+    args = {**RUNNER_ARGS, "chunked_prefill_size": 256, "burst_chunked_prefill_size": setting}
+    runner = ModelRunner(wide_dir, max_total_token_num=None, **args)
+    assert runner.info["burst_chunked_prefill_size"] == budget
+    assert sized == [budget]

@@ -45,7 +45,7 @@ def test_help_documents_every_flag():
     [
         (["--chunked_prefill_size", "0"], "--chunked_prefill_size must be at least 1"),
         (["--burst_chunked_prefill_size", "100", "--chunked_prefill_size", "200"],
-         "--burst_chunked_prefill_size must be at least --chunked_prefill_size"),
+         "--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size"),
         (["--max_req_input_len", "100", "--max_req_total_len", "50"], "--max_req_total_len must be larger"),
         (["--tp", "0"], "--tp must be at least 1"),
         (["--port", "eighty"], "invalid int value"),

@@ -47,7 +47,7 @@ class EngineSettings(Protocol):
     max_req_total_len: int
     running_max_req_size: int
     chunked_prefill_size: int
-    burst_chunk_budget: int  # the step's prompt tokens while a burst waits (Scheduler.step_budget)
+    burst_chunked_prefill_size: int | None  # the runner resolves it on its device (scheduler.burst_budget)
     schedule_policy: str
     admission_wait_steps: int
     disable_prefix_cache: bool
@@ -100,7 +100,8 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
             max_total_token_num=config.max_total_token_num,
             max_req_total_len=config.max_req_total_len,
             running_max_req_size=config.running_max_req_size,
-            chunked_prefill_size=config.burst_chunk_budget,  # the largest step's prompt tokens
+            chunked_prefill_size=config.chunked_prefill_size,
+            burst_chunked_prefill_size=config.burst_chunked_prefill_size,
             mem_fraction=config.mem_fraction,
             data_type=config.data_type,
             load_format=config.load_format,
@@ -126,7 +127,8 @@ def load_model(workers, config: EngineSettings, replica: int = 0) -> tuple[int, 
 def build_engine(config: EngineSettings, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
-                          admission_wait_steps=config.admission_wait_steps, burst_chunk_budget=config.burst_chunk_budget)
+                          admission_wait_steps=config.admission_wait_steps,
+                          burst_chunk_budget=model_info.get("burst_chunked_prefill_size"))
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

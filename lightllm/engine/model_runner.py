@@ -38,6 +38,7 @@ from .cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, gr
 from .memory import PROFILE_SAMPLING, PROFILE_SAMPLING_CPU, MemoryBudget, PeakMemory, largest_step, memory_info
 from .step_trace import StepTrace
 from .sampling import SamplingBatch, SamplingState, host_lists, prompt_logprobs, sample
+from .scheduler import burst_budget
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +112,19 @@ def resolve_device(device: str | None, local_rank: int) -> torch.device:
 
 class ModelRunner:
     def __init__(self, model_dir: str, *, max_total_token_num: int | None, max_req_total_len: int,
-                 running_max_req_size: int, chunked_prefill_size: int | None = None, mem_fraction: float = 0.9,
+                 running_max_req_size: int, chunked_prefill_size: int | None = None,
+                 burst_chunked_prefill_size: int | None = 0, mem_fraction: float = 0.9,
                  data_type: str = "auto", load_format: str = "auto",
                  tp_rank: int = 0, world_size: int = 1, nccl_port: int = 28765, device: str | None = None,
                  cuda_graph: bool = True, local_rank: int | None = None, dist_init_addr: str | None = None,
                  step_trace: str | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto",
                  cuda_graph_max_tokens: int = 2048, tokenizer_mode: str = "auto", trust_remote_code: bool = False):
-        """`chunked_prefill_size` (the scheduler's chunk budget) and `running_max_req_size` bound
-        the largest step, which runs once to size or check the KV budget (memory.py); None, with
-        a budget given, skips that step (tests and tools that drive the runner alone).
+        """`chunked_prefill_size` (the scheduler's chunk budget), or the burst budget that
+        `burst_chunked_prefill_size` means on this device (scheduler.burst_budget; None: the
+        device's default; 0: off), and `running_max_req_size` bound the largest step, which runs
+        once to size or check the KV budget (memory.py); None, with a budget given, skips that
+        step (tests and tools that drive the runner alone). info["burst_chunked_prefill_size"]
+        is the burst budget the scheduler takes (None with no chunk budget).
         `local_rank`: this rank's index on its machine (its GPU), tp_rank if absent;
         `dist_init_addr`: HOST:PORT of the rendezvous when the ranks span machines;
         `step_trace`: a JSON-lines file for the device's per-step timeline (step_trace.py);
@@ -154,10 +159,13 @@ class ModelRunner:
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
-                     "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir)}
+                     "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir),
+                     "burst_chunked_prefill_size": None if chunked_prefill_size is None else burst_budget(
+                         burst_chunked_prefill_size, chunked_prefill_size, self.device.type)}
         graph_bytes = graph_memory_bytes(running_max_req_size, cuda_graph_max_tokens, cfg.hidden_size,
                                          cfg.intermediate_size, cfg.vocab_size, dtype.itemsize) if capture else 0
-        self.max_total_token_num = self._token_budget(max_total_token_num, chunked_prefill_size, mem_fraction,
+        largest_chunk = self.info["burst_chunked_prefill_size"]  # the largest step's prompt tokens
+        self.max_total_token_num = self._token_budget(max_total_token_num, largest_chunk, mem_fraction,
                                                       graph_bytes)
         self.token_table = self._token_table(self.max_total_token_num)
         if cuda_graph:

@@ -43,6 +43,22 @@ ADMISSION_ROOM_DIVISOR = 16
 # the small budget (simulated H100, 1000 at once: P99 TTFT 7.65 s against 7.30 at 2, budget 4096).
 BURST_BACKLOG_STEPS = 2
 
+# The burst budget where --burst_chunked_prefill_size is absent, on a GPU. Measured on an H100
+# (bench-8b, ShareGPT, 2026-11-27, docs/benchmarks.md) against the chunk budget alone: 1000 at
+# once, P99 TTFT 9.45 -> 6.96 s and 39.6 -> 41.0 req/s; 2000 at once, median TTFT 8.61 -> 7.79 s
+# at the same req/s; the price, the bursts' P99 TPOT 79-89 -> 226-234 ms (a step of 8192 prompt
+# tokens beside the running decodes). None on a CPU, where such a step takes seconds.
+GPU_BURST_CHUNK_BUDGET = 8192
+
+
+def burst_budget(setting: int | None, chunk_budget: int, device_type: str) -> int:
+    """The burst budget a --burst_chunked_prefill_size setting means on a device of this type:
+    absent, GPU_BURST_CHUNK_BUDGET on a GPU and chunk_budget (off) elsewhere; 0, chunk_budget;
+    never below chunk_budget."""
+    if setting is None:
+        setting = GPU_BURST_CHUNK_BUDGET if device_type == "cuda" else 0
+    return max(chunk_budget, setting)
+
 # A finished request's slots are freed by the plan after the step whose result shows it
 # finished: up to two steps after its last scheduled decode when a step is in flight.
 FREE_LAG_STEPS = 1

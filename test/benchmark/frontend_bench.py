@@ -81,12 +81,14 @@ def _eos_ids(config) -> list[int]:
 
 
 def _sim_model(workers, config, replica: int = 0):
+    from sim_serving import sim_burst_budget
+
     from lightllm.models import read_config
 
     cfg = read_config(config.model_dir)
     info = {"architecture": cfg.architecture, "dtype": "bfloat16", "vocab_size": cfg.vocab_size,
             "eos_token_ids": list(cfg.eos_token_ids), "max_position_embeddings": cfg.max_position_embeddings,
-            "model_dir": str(config.model_dir)}
+            "model_dir": str(config.model_dir), "burst_chunked_prefill_size": sim_burst_budget(config)}
     from sim_serving import H100_MAX_TOTAL_TOKEN_NUM
 
     return config.max_total_token_num or H100_MAX_TOTAL_TOKEN_NUM, info

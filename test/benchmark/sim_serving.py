@@ -48,6 +48,7 @@ from sim_device import SimDevice  # noqa: E402
 
 from lightllm.server.config import ServerConfig, parse_config  # noqa: E402
 from lightllm.engine.build import build_engine  # noqa: E402
+from lightllm.engine.scheduler import burst_budget  # noqa: E402
 from lightllm.server.router.manager import RouterManager  # noqa: E402
 from lightllm.server.io_struct import AbortReq, BatchTokenOut, FinishReason, GenerateReq, SamplingParams  # noqa: E402
 
@@ -58,9 +59,15 @@ TITLE = "Simulated H100 Serving Benchmark (estimates)"
 _run_ids = itertools.count()
 
 
+def sim_burst_budget(config: ServerConfig) -> int:
+    """The burst budget a GPU's model runner would take from these settings."""
+    return burst_budget(config.burst_chunked_prefill_size, config.chunked_prefill_size, "cuda")
+
+
 def build_router(config: ServerConfig, device: SimDevice, max_total_token_num: int, eos_token_ids):
     """The router process's own shell and engine core, over the simulated device."""
-    core = build_engine(config, device, max_total_token_num, {"eos_token_ids": list(eos_token_ids), "vocab_size": None})
+    info = {"eos_token_ids": list(eos_token_ids), "vocab_size": None, "burst_chunked_prefill_size": sim_burst_budget(config)}
+    core = build_engine(config, device, max_total_token_num, info)
     return RouterManager(config, core)
 
 
@@ -209,6 +216,7 @@ def simulate(requests: list[SampledRequest], config: ServerConfig, request_rate:
     return {**summary, "device_busy_s": device.busy_s, "device_busy_share": device.busy_s / duration,
             "device_steps": device.steps, "max_total_token_num": budget,
             "overlap": not config.disable_overlap, "chunked_prefill_size": config.chunked_prefill_size,
+            "burst_chunked_prefill_size": sim_burst_budget(config),
             "kv_tokens_held_at_end": sum(device.context.values())}
 
 

@@ -223,7 +223,7 @@ async def info(request: Request) -> JSONResponse:
             "max_req_input_len": config.max_req_input_len,
             "max_req_total_len": config.max_req_total_len,
             "chunked_prefill_size": config.chunked_prefill_size,
-            "burst_chunked_prefill_size": config.burst_chunk_budget,
+            "burst_chunked_prefill_size": model.get("burst_chunked_prefill_size"),
             "running_max_req_size": config.running_max_req_size,
             "tool_call_parser": state.chat.tool_call_parser,
             "reasoning_parser": config.reasoning_parser,
