@@ -196,6 +196,46 @@ def test_gloo_sums_of_two_ranks():
     assert all(results.values()), [key for key, ok in results.items() if not ok]
 
 
+def interpreted_fused_rank(rank, data, flags, parts, residuals, weight, outputs):
+    """One rank of the fused all-reduce + add + RMSNorm under Triton's interpreter, its peers'
+    buffers and flags shared CPU memory (each process maps them at its own addresses)."""
+    from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton
+
+    pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    for call in range(parts.shape[0]):
+        y, _ = one_shot_add_rms_norm_triton(parts[call, rank], residuals[call, rank], weight, 1e-6,
+                                            data_ptrs=pointers(data), flags_ptrs=pointers(flags), rank=rank,
+                                            max_rows=FUSED_TEST_MAX_ROWS)
+        outputs[call, rank] = y
+
+
+FUSED_TEST_MAX_ROWS = 4
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors: under Triton's interpreter")
+def test_the_fused_kernels_barriers_between_two_interpreted_ranks():
+    """The whole protocol on the CPU: two processes run the kernel as ranks 0 and 1, three calls
+    in a row over the same buffers: no deadlock, every call's sums, residuals and norms equal
+    the reference's on both ranks, every flag back to zero at the end."""
+    from lightllm_kernels.allreduce_norm import flag_words, one_shot_add_rms_norm_ref
+
+    calls, rows, hidden, world = 3, 3, 32, 2
+    data = [torch.zeros(FUSED_TEST_MAX_ROWS * hidden).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(flag_words(FUSED_TEST_MAX_ROWS, world), dtype=torch.int32).share_memory_()
+             for _ in range(world)]
+    parts = torch.randn(calls, world, rows, hidden).share_memory_()
+    residuals = torch.randn(calls, 1, rows, hidden).expand(calls, world, rows, hidden).clone().share_memory_()
+    weight = torch.randn(hidden).share_memory_()
+    outputs = torch.zeros(calls, world, rows, hidden).share_memory_()
+    expected = [one_shot_add_rms_norm_ref(list(parts[c]), residuals[c, 0].clone(), weight, 1e-6) for c in range(calls)]
+    mp.spawn(interpreted_fused_rank, args=(data, flags, parts, residuals, weight, outputs), nprocs=world, join=True)
+    for c, (y, residual) in enumerate(expected):
+        for rank in range(world):
+            torch.testing.assert_close(residuals[c, rank], residual, atol=0, rtol=0)
+            torch.testing.assert_close(outputs[c, rank], y, atol=1e-5, rtol=1e-5)
+    assert not any(f.any() for f in flags)
+
+
 # ---- CUDA: symmetric memory against NCCL (skipped without two GPUs) ----
 
 def gpu_world_size() -> int:
@@ -268,3 +308,83 @@ def test_symmetric_sums_equal_nccl_eager_and_in_graphs():
     paths = {key[3] for key in results if len(key) == 5}
     assert paths == {p.value for p in AllReducePath}, paths
     assert all(results.values()), [key for key, ok in results.items() if not ok]
+
+
+# ---- CUDA: the all-reduce fused with the residual add and RMSNorm (kernels/allreduce_norm.py) ----
+
+FUSED_ROWS = (1, 3, 64, 128)  # bench-8b's decode batches; 128 x 4096 x 2 bytes is the one-shot limit (2 ranks)
+
+
+def fused_worker(rank, world_size, port, seed, results):
+    """Per row count and dtype: the fused kernel against NCCL's sum then add_rms_norm (the
+    residual bitwise for two ranks, the norm's output within a rounding), every rank's outputs
+    the same bits, eagerly, 100 times in a row, and replayed from a CUDA graph on new inputs."""
+    from lightllm_kernels.rms_norm import add_rms_norm_triton
+
+    device, hidden, eps = torch.device("cuda", rank), 4096, 1e-5
+    group = init_tp(rank, world_size, port, device)
+    results[(rank, "fused set up")] = group.symmetric is not None and group.symmetric.fused is not None
+    if not results[(rank, "fused set up")]:
+        return
+
+    def inputs(salt: int, rows: int, dtype: torch.dtype):
+        parts = [rank_input(seed + salt, r, rows * hidden, dtype, device).view(rows, hidden) for r in range(world_size)]
+        generator = torch.Generator(device="cpu").manual_seed(seed + salt)  # the same on every rank
+        residual = torch.randn(rows, hidden, generator=generator).to(dtype).to(device)
+        return parts, residual
+
+    def unfused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+        x = x.clone()
+        dist.all_reduce(x)
+        residual = residual.clone()
+        return add_rms_norm_triton(x, residual, weight, eps), residual
+
+    def agree(key, got, expected) -> None:
+        (y, residual), (y_ref, residual_ref) = got, expected
+        exact = world_size > 2 or torch.equal(residual, residual_ref)
+        results[key] = exact and torch.allclose(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+        gathered = [torch.empty_like(residual) for _ in range(world_size)]
+        dist.all_gather(gathered, residual)
+        results[key + ("same on every rank",)] = all(torch.equal(g, gathered[0]) for g in gathered)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(seed))).to(dtype).to(device)
+        for rows in FUSED_ROWS:
+            if rows * hidden * dtype.itemsize > group.symmetric.fused.data_bytes:
+                continue
+            parts, residual = inputs(rows, rows, dtype)
+            got = group.reduce_add_rms_norm(parts[rank].clone(), residual.clone(), weight, eps)
+            results[(rank, rows, str(dtype), "taken")] = got is not None
+            if got is None:
+                continue
+            agree((rank, rows, str(dtype), "eager"), got, unfused(parts[rank], residual, weight))
+            for _ in range(100):  # the flags are all taken again after every call
+                last = group.reduce_add_rms_norm(parts[rank].clone(), residual.clone(), weight, eps)
+            agree((rank, rows, str(dtype), "100 in a row"), last, unfused(parts[rank], residual, weight))
+            static_x, static_residual = parts[rank].clone(), residual.clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                y, _ = group.reduce_add_rms_norm(static_x, static_residual, weight, eps)
+            for salt in range(3):
+                new_parts, new_residual = inputs(1000 * rows + salt, rows, dtype)
+                static_x.copy_(new_parts[rank])
+                static_residual.copy_(new_residual)
+                graph.replay()
+                torch.cuda.synchronize()
+                agree((rank, rows, str(dtype), f"graph {salt}"), (y.clone(), static_residual.clone()),
+                      unfused(new_parts[rank], new_residual, weight))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_the_fused_all_reduce_add_rms_norm_equals_nccl_then_the_norm():
+    world_size, seed = gpu_world_size(), random.randrange(1 << 20)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fused_worker, args=(world_size, free_port(), seed, results), nprocs=world_size, join=True)
+        results = dict(results)
+    assert all(results[(r, "fused set up")] for r in range(world_size)), "the fused regions were not set up"
+    assert all(results.values()), [key for key, ok in results.items() if not ok]
+    assert len(results) > 10 * world_size  # every case ran

@@ -57,3 +57,23 @@ def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
     projections = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads * d * 2 + 2 * kv)
                                     + 3 * cfg.hidden_size * cfg.intermediate_size)
     assert weight_bytes(cfg, 2) - weight_bytes(fp8, 2) == projections
+
+
+def test_the_tp_profile_groups_kernels_with_the_all_reduce_apart():
+    """allreduce_bench's by-group table: an all-reduce after the o and down projections neither
+    takes a GEMM's label nor hides the neighbours that name it; each group sums its kernels."""
+    import allreduce_bench
+
+    names = ["_rms_norm_kernel", "nvjet_qkv", "_rotary_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+             "nvjet_o", "one_shot_all_reduce_kernel", "_rms_norm_kernel", "nvjet_gate_up", "_silu_and_mul_kernel",
+             "nvjet_down", "one_shot_all_reduce_kernel", "_rms_norm_kernel", "nvjet_lm", "ncclAllGather"]
+    kernels = [(n, 10.0 * i, 10.0 * i + 2) for i, n in enumerate(names)]
+    row = allreduce_bench.step_breakdown(kernels, steps=2, step_ms=0.2)
+    groups = row["groups"]
+    for gemm in ("qkv", "o", "gate_up", "down", "lm_head"):
+        assert groups[f"GEMM {gemm}"] == 1.0  # one 2 us kernel over 2 steps
+    assert groups["all-reduce"] == 2.0 and groups["all-gather"] == 1.0
+    assert groups["rms norm (+ residual)"] == 3.0 and groups["attention (decode)"] == 2.0
+    assert sum(groups.values()) == len(names)
+    table = allreduce_bench.group_table([{"mode": "symmetric", "batch": 1, **row}])
+    assert "| GEMM o | 1 |" in table and f"| all kernels | {len(names)} |" in table

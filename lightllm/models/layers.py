@@ -132,9 +132,22 @@ class RowParallelLinear:
         self.fp8 = Fp8Weight(weight) if quantization == "fp8" else None
         self.weight_t = None if self.fp8 else weight.t().contiguous()
         self.bias = weights.get(f"{name}.bias", (out_features,)) if bias else None
+        # Off (`defer_reduce`): the output is this rank's partial sum and the RMSNorm that takes
+        # it all-reduces it, fused with its residual add where it can (RMSNorm.reduce).
+        self.reduce_output = True
+
+    def defer_reduce(self, norm: RMSNorm) -> bool:
+        """Leave the all-reduce to `norm`, the next to take this output; False (and nothing
+        changed) with a bias, which must be added once, after the sum."""
+        if self.bias is not None or self.tp.world_size == 1:
+            return False
+        self.reduce_output, norm.reduce = False, self.tp
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
+        if not self.reduce_output:
+            return y
         return _add_bias(self.tp.all_reduce(y), self.bias)
 
 
@@ -193,9 +206,17 @@ class RMSNorm:
             self.weight = self.weight.float() + offset
         self.eps = eps
         self.fp8_out = fp8_out
+        # Set where x comes unreduced from a row-parallel projection (`RowParallelLinear.reduce_output`
+        # off): the norm all-reduces it first, in the same kernel where TPGroup.reduce_add_rms_norm can.
+        self.reduce: TPGroup | None = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
         """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream."""
+        if self.reduce is not None:
+            fused = None if self.fp8_out else self.reduce.reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = self.reduce.all_reduce(x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.fp8_out), x
         return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out), residual

@@ -41,6 +41,14 @@ class DecoderLayer:
             self.mlp_out_norm = norm("post_feedforward_layernorm")
         else:
             self.post_norm = norm("post_attention_layernorm", mlp_fp8)
+            self.attn.o.defer_reduce(self.post_norm)  # tp > 1: the all-reduce fused with the norm's add
+
+    def defer_mlp_reduce(self, next_norm: RMSNorm) -> None:
+        """tp > 1: the dense MLP's all-reduce left to the norm that takes its output next (the
+        next layer's input norm, or the final one), fused with its residual add. Not with
+        sandwich norms (their output norm needs the sum alone) nor experts (moe.py reduces)."""
+        if self.mlp_out_norm is None and isinstance(self.mlp, GatedMLP):
+            self.mlp.down.defer_reduce(next_norm)
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)
@@ -64,6 +72,8 @@ class LlamaModel:
                              if cfg.local_rope_theta else None)
         self.layers = [DecoderLayer(weights, tp, cfg, i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset)
+        for layer, next_norm in zip(self.layers, [later.input_norm for later in self.layers[1:]] + [self.norm]):
+            layer.defer_mlp_reduce(next_norm)
         head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
             weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
         self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size, tied=cfg.tie_word_embeddings,

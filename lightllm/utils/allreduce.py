@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,14 @@ ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}  # by group size; 
 SYMMETRIC_MAX_BYTES = 8 << 20
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # the symmetric kernels' dispatch
 ANOTHER_RANK = "another rank could not set it up (see its log)"
+# The all-reduce after the o and down projections fused with the residual add and RMSNorm that
+# follow it (kernels/allreduce_norm.py): one kernel a layer fewer, twice, where a message takes
+# the one-shot path. "0" turns it off (before/after measurements). One program per token row:
+# FUSED_MAX_ROWS bounds the rows, and so the flags, FUSED_MAX_HIDDEN a row's registers.
+FUSED_ENV = "LIGHTLLM_FUSED_ALL_REDUCE_NORM"
+FUSED_MAX_ROWS = 1024
+FUSED_MAX_HIDDEN = 16384
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGNMENT = 16  # bytes: the kernels' vector width, for the message's start and its length
 
 
@@ -82,12 +91,16 @@ def symmetric_enabled() -> bool:
 
 
 class SymmetricAllReduce:
-    """One symmetric buffer of `capacity` bytes, exchanged among the group once; each call copies
-    its message into the buffer's start and reduces it there."""
+    """One symmetric buffer, exchanged among the group once. Its first `capacity` bytes take
+    torch's one-shot and two-shot kernels' messages (each call copies its message there and
+    reduces it); after them, unless FUSED_ENV is "0", the fused all-reduce + add + RMSNorm's
+    rows (ONE_SHOT_MAX_BYTES) and its flags (kernels/allreduce_norm.py)."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int):
+    def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int, capacity: int,
+                 fused: FusedRegions | None = None):
         self.buffer, self.group_name, self.world_size = buffer, group_name, world_size
-        self.capacity = buffer.numel()
+        self.capacity = capacity
+        self.fused = fused
         # The copy into the buffer fused into the one-shot kernel (torch >= 2.8).
         self._one_shot_copy = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
 
@@ -98,12 +111,41 @@ class SymmetricAllReduce:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
+        from lightllm_kernels.allreduce_norm import flag_words
+
         group_name = dist.group.WORLD.group_name
-        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, group_name)
+        fused = os.environ.get(FUSED_ENV, "1") != "0"
+        data_bytes = ONE_SHOT_MAX_BYTES[world_size] if fused else 0
+        flag_bytes = 4 * flag_words(FUSED_MAX_ROWS, world_size) if fused else 0
+        buffer = symm_mem.empty(capacity + data_bytes + flag_bytes, dtype=torch.uint8, device=device)
+        buffer[capacity + data_bytes:].zero_()  # the flags: zero on every rank before any peer can signal
+        torch.cuda.synchronize(device)
+        handle = symm_mem.rendezvous(buffer, group_name)
         for op in ("one_shot_all_reduce_out", "two_shot_all_reduce_out"):
             getattr(torch.ops.symm_mem, op)  # AttributeError now rather than at the first step
-        return cls(buffer, group_name, world_size)
+        regions = None
+        if fused:
+            bases = [int(p) for p in handle.buffer_ptrs]  # every rank's buffer, mapped here
+            regions = FusedRegions(
+                data_ptrs=torch.tensor([b + capacity for b in bases], dtype=torch.int64, device=device),
+                flags_ptrs=torch.tensor([b + capacity + data_bytes for b in bases], dtype=torch.int64, device=device),
+                rank=dist.get_rank(), data_bytes=data_bytes)
+        return cls(buffer, group_name, world_size, capacity, regions)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(residual + sum of x over the ranks), residual) in one kernel, residual
+        updated in place; None where the fused kernel does not take these tensors."""
+        fused = self.fused
+        if (fused is None or residual is None or x.dim() != 2 or x.dtype not in FUSED_DTYPES
+                or residual.dtype != x.dtype or weight.dtype != x.dtype or residual.shape != x.shape
+                or not (x.is_contiguous() and residual.is_contiguous()) or x.shape[0] > FUSED_MAX_ROWS
+                or x.shape[1] > FUSED_MAX_HIDDEN or x.numel() * x.element_size() > fused.data_bytes):
+            return None
+        from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton
+
+        return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
+                                            flags_ptrs=fused.flags_ptrs, rank=fused.rank, max_rows=FUSED_MAX_ROWS)
 
     def path(self, x: torch.Tensor) -> AllReducePath:
         if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % ALIGNMENT:
@@ -131,6 +173,16 @@ class SymmetricAllReduce:
 
     def _staging(self, flat: torch.Tensor) -> torch.Tensor:
         return self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
+
+
+@dataclass(frozen=True)
+class FusedRegions:
+    """Where the fused all-reduce + add + RMSNorm finds every rank's rows and flags."""
+
+    data_ptrs: torch.Tensor  # int64 [world]: each rank's data region, as mapped on this rank
+    flags_ptrs: torch.Tensor  # int64 [world]: each rank's flags
+    rank: int
+    data_bytes: int  # each data region's size: the largest message it takes
 
 
 def setup_symmetric(device: torch.device, world_size: int, single_node: bool,

@@ -17,8 +17,9 @@ bitwise for 2 ranks (a + b in either order), within the dtype's rounding beyond.
 when one does not.
 
 The profile (CUDA; the CPU runs its plumbing): for each of --profile-modes (tp1: one GPU;
-nccl: every message through NCCL, LIGHTLLM_SYMM_MEM_ALL_REDUCE=0; symmetric: the server's
-choice) the ranks load the model (dummy weights), prefill --batches requests of --context
+nccl: every message through NCCL, LIGHTLLM_SYMM_MEM_ALL_REDUCE=0; unfused: symmetric memory,
+the all-reduce and the RMSNorm after it apart, LIGHTLLM_FUSED_ALL_REDUCE_NORM=0; symmetric: the
+server's choice) the ranks load the model (dummy weights), prefill --batches requests of --context
 tokens and time synchronous decode steps (run_step: upload, graph replay, sampling); rank 0 then
 profiles --profile-steps of them. Per step: device busy time, split into all-reduce kernels,
 all-gather (the LM head's logits) and the rest (compute, copies into the symmetric buffer
@@ -29,8 +30,10 @@ five calls of 2026-11-26/27; the stacks (--stacks-after) showed every rank done 
 waiting in destroy_process_group, which CUDA ranks now skip. Whether the profiler itself runs
 at tp 2 is not yet seen. At tp N the all-reduce's share is also timed by subtraction, from
 events alone: the batch's decode graph is captured once more with TPGroup.all_reduce an
-identity (wrong sums, the same kernels otherwise) and replayed; the all-reduce's time, its
-copies and the wait for the other rank included, is the served graph's replay less that one's.
+identity (wrong sums, the same kernels otherwise; where the all-reduce is fused with the
+residual add and RMSNorm, kernels/allreduce_norm.py, the norm alone) and replayed; the
+all-reduce's time, its copies and the wait for the other rank included, is the served graph's
+replay less that one's.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
 from static_benchmark import graph_call_us  # noqa: E402
 
-from lightllm.utils.allreduce import SYMMETRIC_ENV, AllReducePath, SymmetricAllReduce  # noqa: E402
+from lightllm.utils.allreduce import FUSED_ENV, SYMMETRIC_ENV, AllReducePath, SymmetricAllReduce  # noqa: E402
 from lightllm.utils.dist import TPGroup, init_tp  # noqa: E402
 from lightllm.utils.net import free_port  # noqa: E402
 
@@ -211,23 +214,37 @@ def step_breakdown(kernels: list, steps: int, step_ms: float) -> dict:
         kind = comm_kind(kernel[0])
         (comm[kind] if kind else compute).append(kernel)
     if not kernels:  # the CPU: no device timeline
-        return dict.fromkeys(("busy", "compute", "all-reduce", "all-reduce calls", "all-gather", "gaps"))
+        return {**dict.fromkeys(("busy", "compute", "all-reduce", "all-reduce calls", "all-gather", "gaps")),
+                "groups": {}}
     busy = busy_us(kernels) / steps
     return {"busy": busy, "compute": busy_us(compute) / steps, "all-reduce": busy_us(comm["all-reduce"]) / steps,
             "all-reduce calls": len(comm["all-reduce"]) / steps, "all-gather": busy_us(comm["all-gather"]) / steps,
-            "gaps": max(0.0, 1000 * step_ms - busy)}
+            "gaps": max(0.0, 1000 * step_ms - busy), "groups": kernel_groups(compute, comm, steps)}
+
+
+def kernel_groups(compute: list, comm: dict, steps: int) -> dict[str, float]:
+    """us a step by kernel group (profile_step's: each projection GEMM by its role, attention,
+    norms, ...), the collectives apart so that they do not hide a GEMM's neighbours."""
+    from profile_step import label_kernels
+
+    groups: dict[str, float] = {}
+    for label, start, end in label_kernels(compute, 0) + [(k, s, e) for k, ks in comm.items() for _, s, e in ks]:
+        groups[label] = groups.get(label, 0.0) + (end - start) / steps
+    return groups
 
 
 def replay_without_all_reduce_ms(runner, batch: int, iters: int) -> float:
     """ms per replay of the decode graph of `batch`'s bucket captured with every all-reduce an
-    identity (its sums wrong; every other kernel, the LM head's all-gather included, as served)."""
+    identity (its sums wrong; every other kernel, the LM head's all-gather included, as served;
+    a fused all-reduce + add + RMSNorm becomes the add + RMSNorm kernel)."""
     from static_benchmark import replay_us
 
     graphs = runner.graphs
     bucket = graphs.bucket(batch)
     forward = lambda: graphs._forward(bucket, graphs.max_seqlen)  # noqa: E731  (the meta of the last step)
-    served = TPGroup.all_reduce
+    served, fused = TPGroup.all_reduce, TPGroup.reduce_add_rms_norm
     TPGroup.all_reduce = lambda self, x: x
+    TPGroup.reduce_add_rms_norm = lambda self, *args: None  # the norms then run alone, as unfused
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -238,7 +255,7 @@ def replay_without_all_reduce_ms(runner, batch: int, iters: int) -> float:
             graphs.logits[:bucket].copy_(forward())
         torch.cuda.current_stream().wait_stream(stream)
     finally:
-        TPGroup.all_reduce = served
+        TPGroup.all_reduce, TPGroup.reduce_add_rms_norm = served, fused
     return replay_us(graph, iters) / 1000
 
 
@@ -250,6 +267,7 @@ def profile_worker(rank: int, args, mode: str, world_size: int, port: int, resul
 
     worker_logging(rank, args)
     os.environ[SYMMETRIC_ENV] = "0" if mode == "nccl" else "1"  # read by init_tp's set-up
+    os.environ[FUSED_ENV] = "0" if mode == "unfused" else "1"
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     longest = max(args.batches) * (args.context + args.iters + args.profile_steps + 16)
     runner = ModelRunner(str(args.profile_model), max_total_token_num=longest, max_req_total_len=args.context + 1024,
@@ -328,6 +346,22 @@ def profile_table(rows: list[dict], args) -> list[str]:
                      f"{cell(r['busy'])} | {cell(r['compute'])} | {cell(r['all-reduce'])} "
                      f"({cell(r['all-reduce calls'])}) | {cell(r['all-gather'])} | {cell(r['gaps'])} | "
                      f"{cell(r['bare ms'], '.3f')} | {subtracted(r)} |")
+    return lines + [""] + group_table(rows)
+
+
+def group_table(rows: list[dict]) -> list[str]:
+    """Kernel time a step by group, one column per profiled mode and batch: which parts of the
+    step shrink with the ranks and which do not."""
+    rows = [r for r in rows if r["groups"]]
+    if not rows:
+        return []
+    names = sorted({g for r in rows for g in r["groups"]}, key=lambda g: -max(r["groups"].get(g, 0) for r in rows))
+    lines = ["Kernel time a step by group (us, torch's profiler, summed over each group's kernels):", "",
+             "| group | " + " | ".join(f"{r['mode']} b{r['batch']}" for r in rows) + " |",
+             "| --- |" + " ---: |" * len(rows)]
+    for name in names + ["all kernels"]:
+        cells = [sum(r["groups"].values()) if name == "all kernels" else r["groups"].get(name, 0.0) for r in rows]
+        lines.append(f"| {name} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
     return lines + [""]
 
 
@@ -346,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--graph-replays", type=int, default=20)
     add("--seed", type=int, default=0)
     add("--profile-model", type=Path, default=None, help="model directory (dummy weights) for the decode profile")
-    add("--profile-modes", default="tp1,nccl,symmetric")
+    add("--profile-modes", default="tp1,nccl,unfused,symmetric")
     add("--profile-dtype", default="bfloat16")
     add("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 64, 256])
     add("--context", type=int, default=1024)

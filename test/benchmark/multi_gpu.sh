@@ -3,15 +3,16 @@
 # against one GPU, and measured. From the repo root:
 #
 #   bash test/benchmark/multi_gpu.sh [dry] ITEM...          (a quoted list is accepted)
-#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl][-graphT]:REQUESTS[@RATE] | serve-dpN[-graphT]:REQUESTS[@RATE] | single-tpN[-nccl]
+#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl|-unfused][-graphT]:REQUESTS[@RATE] | serve-dpN[-graphT]:REQUESTS[@RATE] | single-tpN[-nccl|-unfused]
 #   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
 #     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
 #   allreduce: allreduce_bench.py over the largest group of 2, 4 or 8 GPUs here: us per call by
 #     message size, NCCL / one-shot / two-shot / chosen, eager and in CUDA graphs; sums against NCCL.
 #   profile-tpN: allreduce_bench.py's decode profile of MODEL (batch 1, 64, 256; context 1024): tp 1
-#     (not for bench-70b; kernels from torch's profiler), tp N through NCCL only, tp N as served
-#     (the all-reduce's time by subtraction: the graph replayed with it an identity).
+#     (not for bench-70b; kernels from torch's profiler), tp N through NCCL only, tp N with the
+#     all-reduce and the norm after it apart (unfused), tp N as served (the all-reduce's time by
+#     subtraction: the graph replayed with it an identity).
 #   serve-tpN[-nccl]:R: gpu_compare.py's server phase at --tp N, R ShareGPT requests from
 #     .gpu/requests-R.json (else the first R of requests-2000.json), all at once, streamed;
 #     GPU busy: nvidia-smi's utilisation over GPUs 0..N-1 during the measured run.
@@ -21,6 +22,8 @@
 #   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
 #     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
 #   -nccl: every all-reduce through NCCL (LIGHTLLM_SYMM_MEM_ALL_REDUCE=0), the "before".
+#   -unfused: symmetric memory, but the all-reduce and the RMSNorm after it as two kernels
+#     (LIGHTLLM_FUSED_ALL_REDUCE_NORM=0, kernels/allreduce_norm.py's "before").
 #
 # MODEL = bench-8b (.gpu/bench-8b, the default) | bench-70b (written to /tmp/bench-70b here by
 # lightllm.tools.bench_model: config and tokenizer, dummy weights) | a model directory.
@@ -106,12 +109,13 @@ gpu_log() {  # gpu_log FILE: nvidia-smi's utilisation of every GPU every 200 ms,
   echo $!
 }
 
-parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl), graph (-graphT) and name from NAME-tpN[-nccl][-graphT][:R] or NAME-dpN[-graphT][:R]
+parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl, no fused norm for -unfused), graph (-graphT) and name from NAME-tpN[-nccl|-unfused][-graphT][:R] or NAME-dpN[-graphT][:R]
   local head=${1%%:*}
   name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 dp=1 graph=
   if [[ $head == *-graph* ]]; then graph=${head##*-graph}; head=${head%-graph*}; fi
-  if [[ $head == *-dp* ]]; then tp=1 dp=${head#*-dp}; else tp=${head#*-tp}; tp=${tp%-nccl}; fi
+  if [[ $head == *-dp* ]]; then tp=1 dp=${head#*-dp}; else tp=${head#*-tp}; tp=${tp%-nccl}; tp=${tp%-unfused}; fi
   [[ $head == *-nccl ]] && env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=0
+  [[ $head == *-unfused ]] && env=LIGHTLLM_FUSED_ALL_REDUCE_NORM=0
   [[ $tp =~ ^[0-9]+$ && $dp =~ ^[0-9]+$ && $graph =~ ^[0-9]*$ ]] || { echo "bad item $1: no tensor- or data-parallel degree" >&2; exit 2; }
   gpus=$((tp * dp))
 }
@@ -214,9 +218,9 @@ single() {  # single-tpN[-nccl]: batch-1 latency through every process
 }
 
 profile() {  # profile-tpN: allreduce_bench.py's decode profile
-  local tp dp gpus env graph name modes=tp1,nccl,symmetric
+  local tp dp gpus env graph name modes=tp1,nccl,unfused,symmetric
   parse "$1"; enough_gpus "$tp" "$name" || return 0
-  [[ $MODEL == bench-70b ]] && modes=nccl,symmetric  # 141 GB of weights: not on one GPU
+  [[ $MODEL == bench-70b ]] && modes=nccl,unfused,symmetric  # 141 GB of weights: not on one GPU
   step "$name" 420 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$tp" --sizes '' \
     --profile-model "$MODEL_DIR" --profile-modes "${PROFILE_MODES:-$modes}" --out-md "$WORK/$name.md" ${PROFILE_ARGS:-}
 }
@@ -306,16 +310,18 @@ def ratios(table, key, label):
     many GPUs (which way to use them)."""
     groups = {}
     for name, entry in table.items():
-        groups.setdefault(re.sub(r"(tp|dp)\d+(-nccl)?", "", name), []).append((name, entry))
+        groups.setdefault(re.sub(r"(tp|dp)\d+(-nccl|-unfused)?", "", name), []).append((name, entry))
     for members in groups.values():
-        base_name, base = min(members, key=lambda m: (m[1][0], "-nccl" in m[0], "-dp" in m[0]))
+        base_name, base = min(members, key=lambda m: (m[1][0], "-nccl" in m[0] or "-unfused" in m[0], "-dp" in m[0]))
         for name, entry in members:
             pairs = [(base_name, base)] if entry[0] > base[0] else []
             if "-tp" in name:
-                twin_name = name.replace(f"tp{entry[0]}", f"tp{entry[0]}-nccl", 1)
-                pairs += [(twin_name, table[twin_name])] if twin_name != name and twin_name in table else []
+                for twin in ("-nccl", "-unfused"):
+                    twin_name = name.replace(f"tp{entry[0]}", f"tp{entry[0]}{twin}", 1)
+                    pairs += [(twin_name, table[twin_name])] if twin_name != name and twin_name in table else []
             else:
-                pairs += [(n, e) for n, e in members if "-tp" in n and "-nccl" not in n and e[0] == entry[0]]
+                pairs += [(n, e) for n, e in members if "-tp" in n and "-nccl" not in n and "-unfused" not in n
+                          and e[0] == entry[0]]
             for other_name, other in pairs:
                 if key(entry) and key(other):
                     print(f"- {label}: {name} / {other_name} = {key(entry) / key(other):.3f}")
