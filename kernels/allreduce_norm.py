@@ -30,7 +30,7 @@ import torch
 from ._triton import fast_launch, next_power_of_2, tl, triton
 from .rms_norm import add_rms_norm_ref
 
-START, END = 0, 1  # the two barriers' flag sets
+START, END = 0, 1  # the two barriers' flag sets (the kernel writes them as literals: no globals in a jit)
 
 
 def flag_words(max_rows: int, world_size: int) -> int:
@@ -76,15 +76,16 @@ def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, residual_ptr, we
     mask = cols < hidden
     offsets = row.to(tl.int64) * hidden + cols
     dtype = x_ptr.dtype.element_ty
-    mine = tl.load(data_ptrs + rank).to(tl.pointer_type(dtype))
+    # 16-byte aligned regions (the buffer's and the offsets'): without the hint, scalar loads
+    mine = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dtype)), 16)
     tl.store(mine + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
     tl.debug_barrier()  # every thread's part of the row is written before the signal
-    _signal_peers(flags_ptrs, START, row, rank, max_rows, WORLD)
-    _wait_for_peers(flags_ptrs, START, row, rank, max_rows, WORLD)
+    _signal_peers(flags_ptrs, 0, row, rank, max_rows, WORLD)  # START
+    _wait_for_peers(flags_ptrs, 0, row, rank, max_rows, WORLD)
     tl.debug_barrier()
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for peer in tl.static_range(WORLD):  # in rank order: every rank gets the same bits
-        data = tl.load(data_ptrs + peer).to(tl.pointer_type(dtype))
+        data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(dtype)), 16)
         total += tl.load(data + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     total = total.to(dtype).to(tl.float32)  # the all-reduce's result, as the unfused path rounds it
     residual_ptrs = residual_ptr + offsets
@@ -96,8 +97,8 @@ def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, residual_ptr, we
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offsets, (normed * weight).to(dtype), mask=mask)
     tl.debug_barrier()  # this program's reads of the peers' rows are done before it says so
-    _signal_peers(flags_ptrs, END, row, rank, max_rows, WORLD)
-    _wait_for_peers(flags_ptrs, END, row, rank, max_rows, WORLD)
+    _signal_peers(flags_ptrs, 1, row, rank, max_rows, WORLD)  # END
+    _wait_for_peers(flags_ptrs, 1, row, rank, max_rows, WORLD)
 
 
 def one_shot_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lightllm_kernels import _triton  # noqa: E402
+from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton  # noqa: E402
 from lightllm_kernels.apply_penalties import apply_penalties_triton  # noqa: E402
 from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E402
 from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
@@ -123,6 +124,10 @@ def call_every_kernel() -> None:
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
                            counts, torch.tensor([0, 2, 3], dtype=torch.int32))
     random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
+    # the all-reduce fused with the residual add and RMSNorm, two ranks (its pointers are never read here)
+    pointers = torch.zeros(2, dtype=torch.int64)
+    one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers, rank=0,
+                                 max_rows=1024)
     call_moe_kernels()
 
 

@@ -52,7 +52,7 @@ CHECKS=() ROWS=() SERVER= MODEL_DIR=
 trap 'stop_server; save' EXIT  # logs come back whatever happens; no server outlives the call
 
 . "$ROOT/test/benchmark/gpu_lib.sh"  # do_or_say, left, install_kit, healthy, wait_healthy, stop_server
-save() { ((DRY)) || tar -czf "$OUT/multi_gpu.tar.gz" -C "$WORK" --exclude=requests.json . || true; }
+save() { ((DRY)) || tar -czf "$OUT/multi_gpu.tar.gz" -C "$WORK" --exclude=requests.json --exclude=tiny . || true; }
 note() { CHECKS+=("$1"); echo "$1"; }
 
 setup() {
