@@ -50,6 +50,7 @@ POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32:
 OPTIONS = ("num_warps", "num_stages")
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 H100_SMS = 132
+H100_SHARED_BYTES = 232448  # a block's most shared memory, opted in (the H200's too)
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
@@ -146,6 +147,11 @@ def call_moe_kernels() -> None:
     for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
         fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
                          down_plan=down_plan)
+    # fp32 experts (the GPU tests' tiny models) with the plan a large step picks: their tiles must fit
+    tokens32, hidden32, inter32 = 2048, 256, 128
+    fused_moe_triton(torch.randn(tokens32, hidden32), torch.randn(experts, 2 * inter32, hidden32),
+                     torch.randn(experts, hidden32, inter32), torch.rand(tokens32, top_k),
+                     torch.randint(0, experts, (tokens32, top_k), dtype=torch.int32))
     # a prefill's alignment: the ids cut into chunks (counts, runs, placement)
     align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
 
@@ -164,6 +170,8 @@ def main() -> int:
         try:
             compiled = compile_for_sm90(kernel, types, constexprs, options)
             assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+            shared = compiled.metadata.shared
+            assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
             print(f"OK   {kernel.fn.__name__}({shown})", flush=True)
         except Exception as exc:  # the compiler's own errors, shown per kernel
             failed += 1
