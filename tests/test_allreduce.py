@@ -187,11 +187,7 @@ def gloo_worker(rank, world_size, port, seed, results):
 
 
 def test_gloo_sums_of_two_ranks():
-    seed = random.randrange(1 << 20)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(gloo_worker, args=(2, free_port(), seed, results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawned_results(gloo_worker, 2)
     assert len(results) == 2 * len(SIZES) * len(DTYPES)
     assert all(results.values()), [key for key, ok in results.items() if not ok]
 
@@ -297,13 +293,20 @@ def same_sum(got: torch.Tensor, reference: torch.Tensor, inputs: list[torch.Tens
     return bool(((got.double() - exact).abs() <= len(inputs) * u * magnitude + 1e-30).all())
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
-def test_symmetric_sums_equal_nccl_eager_and_in_graphs():
-    world_size, seed = gpu_world_size(), random.randrange(1 << 20)
+def spawned_results(worker, world_size: int) -> dict:
+    """What `world_size` spawned ranks of worker(rank, world_size, port, seed, results) put in
+    `results`, with one random seed for all."""
+    seed = random.randrange(1 << 20)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(cuda_worker, args=(world_size, free_port(), seed, results), nprocs=world_size, join=True)
-        results = dict(results)
+        mp.spawn(worker, args=(world_size, free_port(), seed, results), nprocs=world_size, join=True)
+        return dict(results)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_symmetric_sums_equal_nccl_eager_and_in_graphs():
+    world_size = gpu_world_size()
+    results = spawned_results(cuda_worker, world_size)
     assert all(results[(r, "set up")] for r in range(world_size)), "symmetric memory was not set up"
     paths = {key[3] for key in results if len(key) == 5}
     assert paths == {p.value for p in AllReducePath}, paths
@@ -380,11 +383,8 @@ def fused_worker(rank, world_size, port, seed, results):
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_the_fused_all_reduce_add_rms_norm_equals_nccl_then_the_norm():
-    world_size, seed = gpu_world_size(), random.randrange(1 << 20)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(fused_worker, args=(world_size, free_port(), seed, results), nprocs=world_size, join=True)
-        results = dict(results)
+    world_size = gpu_world_size()
+    results = spawned_results(fused_worker, world_size)
     assert all(results[(r, "fused set up")] for r in range(world_size)), "the fused regions were not set up"
     assert all(results.values()), [key for key, ok in results.items() if not ok]
     assert len(results) > 10 * world_size  # every case ran

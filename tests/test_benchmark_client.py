@@ -133,6 +133,18 @@ def test_summary_figures_follow_their_definitions():
     assert summary["errors"] == {"HTTP 500: boom": 1}
     text = format_summary(summary)
     assert all(name in text for name in METRIC_LINES)
+    assert "per_request" not in summary  # no send times: nothing to place
+
+
+def test_the_summary_places_each_request_in_the_run():
+    results = [
+        RequestResult(10, 3, True, 3, latency=0.5, ttft=0.1, sent_at=1000.25),
+        RequestResult(20, 5, True, 5, latency=1.0, ttft=0.4, sent_at=1000.0),
+        RequestResult(30, 4, False, 0, latency=0.1, error="HTTP 500: boom", sent_at=1001.0),
+    ]
+    rows = summarize(results, duration=2.0)["per_request"]
+    assert rows == {"sent_s": [0.25, 0.0, 1.0], "prompt_len": [10, 20, 30], "output_len": [3, 5, 0],
+                    "ttft_s": [0.1, 0.4, None], "latency_s": [0.5, 1.0, None]}
 
 
 def fake_server_app() -> web.Application:

@@ -96,6 +96,7 @@ async def post_generate_stream(session: aiohttp.ClientSession, url: str, body: d
 async def send(session: aiohttp.ClientSession, url: str, request: SampledRequest, stream: bool) -> RequestResult:
     result = RequestResult(request.prompt_len, request.output_len)
     post = post_generate_stream if stream else post_generate
+    result.sent_at = time.time()
     start = time.perf_counter()
     try:
         await post(session, url, payload(request), result)

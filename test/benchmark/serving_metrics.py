@@ -52,6 +52,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between consecutive tokens
     error: str = ""
     output_text: str = ""
+    sent_at: float = 0.0  # time.time() when sent (the wall clock, comparable between client processes); 0: unknown
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,21 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     for key, values in latency_values(ok).items():
         for stat, value in stats_ms(values).items():
             summary[f"{stat}_{key}_ms"] = value
+    if any(r.sent_at for r in results):
+        summary["per_request"] = per_request(results)
     return summary
+
+
+def per_request(results: list[RequestResult]) -> dict[str, list]:
+    """Each request's send time (seconds after the first), prompt and output length, TTFT and
+    latency (seconds; None where it failed or did not stream), in the results' order: which
+    requests make a latency tail, and when in the run they were sent."""
+    first = min(r.sent_at for r in results if r.sent_at)
+    return {"sent_s": [round(r.sent_at - first, 4) if r.sent_at else None for r in results],
+            "prompt_len": [r.prompt_len for r in results],
+            "output_len": [r.output_len for r in results],
+            "ttft_s": [round(r.ttft, 4) if r.success and r.ttft is not None else None for r in results],
+            "latency_s": [round(r.latency, 4) if r.success else None for r in results]}
 
 
 def meets_slo(result: RequestResult, slo: SLO) -> bool:
