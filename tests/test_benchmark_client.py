@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "test" / "benchmark"))
 import sharegpt  # noqa: E402
 from server_process import start_server  # noqa: E402
 from serving_client import run_requests, run_requests_in_processes  # noqa: E402
-from serving_metrics import RequestResult, format_summary, summarize  # noqa: E402
+from serving_metrics import RequestResult, format_summary, slowest_first_tokens, summarize  # noqa: E402
 from sharegpt import SampledRequest  # noqa: E402
 
 METRIC_LINES = (
@@ -145,6 +145,8 @@ def test_the_summary_places_each_request_in_the_run():
     rows = summarize(results, duration=2.0)["per_request"]
     assert rows == {"sent_s": [0.25, 0.0, 1.0], "prompt_len": [10, 20, 30], "output_len": [3, 5, 0],
                     "ttft_s": [0.1, 0.4, None], "latency_s": [0.5, 1.0, None]}
+    assert slowest_first_tokens(rows, 1) == "400 ms (sent at 0.00 s, prompt 20)"  # the failed one has none
+    assert slowest_first_tokens(rows) == "400 ms (sent at 0.00 s, prompt 20), 100 ms (sent at 0.25 s, prompt 10)"
 
 
 def fake_server_app() -> web.Application:

@@ -343,8 +343,9 @@ def busy(gpu_csv, start, end):  # mean nvidia-smi utilisation between two epoch 
     return f"{statistics.mean(samples):.1f} ({len(samples)} samples)" if samples else "-"
 
 def serve_rows(entries):
-    print("| variant | requests | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms | GPU busy % |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| variant | requests | req/s | output tok/s | median TTFT ms | P99 TTFT ms | median TPOT ms | P99 TPOT ms | GPU busy % |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    tails = []
     for name, variant, n, rate in entries:
         d = work / name
         s = load(d / "compare.json").get("lightllm", {})
@@ -356,8 +357,13 @@ def serve_rows(entries):
             m = re.search(r"^(\S+ \S+) .*" + pattern, log, re.M)
             window.append(m and stamp(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
         print(f"| {variant} | {requests} | {num(s, 'request_throughput')} | {num(s, 'output_throughput')} | "
-              f"{num(s, 'median_ttft_ms')} | {num(s, 'median_tpot_ms')} | {num(s, 'p99_tpot_ms')} | "
-              f"{busy(d / 'gpu.csv', *window)} |")
+              f"{num(s, 'median_ttft_ms')} | {num(s, 'p99_ttft_ms')} | {num(s, 'median_tpot_ms')} | "
+              f"{num(s, 'p99_tpot_ms')} | {busy(d / 'gpu.csv', *window)} |")
+        if s.get("per_request"):
+            sys.path.insert(0, "test/benchmark")
+            from serving_metrics import slowest_first_tokens
+            tails.append(f"- {name}, the slowest first tokens: {slowest_first_tokens(s['per_request'])}")
+    print("", *tails, sep="\n")
 
 def bench_rows(runs):
     print("| variant | workload | requests | req/s | output tok/s | median TTFT ms | median TPOT ms | P99 TPOT ms "

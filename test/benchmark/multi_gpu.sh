@@ -296,6 +296,11 @@ if serve:
               f"{fmt(s.get('p99_tpot_ms'))} | "
               f"{s.get('failed', '-')} | {b} |")
     print()
+    from serving_metrics import slowest_first_tokens
+    for name, (tp, s, b) in serve.items():  # which requests make the TTFT tail, and when they were sent
+        if s.get("per_request"):
+            print(f"- {name}, the slowest first tokens: {slowest_first_tokens(s['per_request'])}")
+    print()
 if single:
     print("| server | batch-1 TTFT ms | batch-1 TPOT ms | TPOT floor ms (weights per GPU / copy bandwidth) | floor / TPOT |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -132,6 +132,15 @@ def per_request(results: list[RequestResult]) -> dict[str, list]:
             "latency_s": [round(r.latency, 4) if r.success else None for r in results]}
 
 
+def slowest_first_tokens(per_request_rows: dict[str, list], count: int = 5) -> str:
+    """The `count` longest TTFTs of a summary's per_request rows, each with when it was sent and
+    its prompt's length, as one line: '812 ms (sent at 0.02 s, prompt 920), ...'."""
+    rows = [(ttft, sent, prompt) for ttft, sent, prompt in zip(per_request_rows["ttft_s"], per_request_rows["sent_s"],
+                                                               per_request_rows["prompt_len"]) if ttft is not None]
+    rows.sort(key=lambda row: -row[0])
+    return ", ".join(f"{1000 * ttft:.0f} ms (sent at {sent:.2f} s, prompt {prompt})" for ttft, sent, prompt in rows[:count])
+
+
 def meets_slo(result: RequestResult, slo: SLO) -> bool:
     if not result.success or result.ttft is None:
         return False
