@@ -28,7 +28,7 @@ TRITON_INTERPRET the kernel runs as one rank whose peers' signals are already se
 import torch
 
 from ._triton import fast_launch, next_power_of_2, tl, triton
-from .rms_norm import add_rms_norm_ref
+from .rms_norm import _add_and_normalise, add_rms_norm_ref, norm_warps
 
 START, END = 0, 1  # the two barriers' flag sets (the kernel writes them as literals: no globals in a jit)
 
@@ -88,14 +88,9 @@ def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, residual_ptr, we
         data = tl.multiple_of(tl.load(data_ptrs + peer).to(tl.pointer_type(dtype)), 16)
         total += tl.load(data + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     total = total.to(dtype).to(tl.float32)  # the all-reduce's result, as the unfused path rounds it
-    residual_ptrs = residual_ptr + offsets
-    summed = (total + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    tl.store(residual_ptrs, summed, mask=mask)
-    x = summed.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    normed = (x * inv_rms).to(dtype).to(tl.float32)  # as add_rms_norm_ref
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offsets, (normed * weight).to(dtype), mask=mask)
+    y = _add_and_normalise(total, x_ptr, residual_ptr, residual_ptr + offsets, weight_ptr, cols, mask, hidden, eps,
+                           True)
+    tl.store(y_ptr + offsets, y.to(dtype), mask=mask)
     tl.debug_barrier()  # this program's reads of the peers' rows are done before it says so
     _signal_peers(flags_ptrs, 1, row, rank, max_rows, WORLD)  # END
     _wait_for_peers(flags_ptrs, 1, row, rank, max_rows, WORLD)
@@ -114,5 +109,5 @@ def one_shot_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight
     block = next_power_of_2(hidden)
     _one_shot_add_rms_norm_kernel[(rows,)](x, data_ptrs, flags_ptrs, residual, weight, y, hidden, rank, max_rows,
                                            eps, WORLD=data_ptrs.numel(), BLOCK=block,
-                                           num_warps=min(max(block // 512, 1), 16))
+                                           num_warps=norm_warps(block))
     return y, residual

@@ -24,6 +24,27 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(residual, weight, eps, fp8_out)
 
 
+def norm_warps(block: int) -> int:
+    """Warps for a program that normalises one row of `block` columns."""
+    return min(max(block // 512, 1), 16)
+
+
+@triton.jit
+def _add_and_normalise(x, x_ptr, residual_ptr, residual_ptrs, weight_ptr, cols, mask, hidden, eps,
+                       HAS_RESIDUAL: tl.constexpr):
+    """weight * rms_norm(x [+ residual]) in fp32, rounded where add_rms_norm_ref rounds: the sum
+    to the residual's dtype (stored back at residual_ptrs, then normalised), the normalised row
+    to x's dtype before the weight. x: the row in fp32."""
+    if HAS_RESIDUAL:
+        summed = (x + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptrs, summed, mask=mask)
+        x = summed.to(tl.float32)  # normalise the stored (rounded) residual, as the reference does
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # x's dtype, as the reference
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return normed * weight
+
+
 @fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, x_stride, residual_stride, y_stride,
@@ -33,15 +54,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        residual_ptrs = residual_ptr + row * residual_stride + cols
-        summed = (x + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(residual_ptr.dtype.element_ty)
-        tl.store(residual_ptrs, summed, mask=mask)
-        x = summed.to(tl.float32)  # normalise the stored (rounded) residual, as the reference does
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # x's dtype, as the reference
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = normed * weight
+    y = _add_and_normalise(x, x_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr, cols,
+                           mask, hidden, eps, HAS_RESIDUAL)
     if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         y, scale = quantize_row(y, fp8_max, min_scale)
@@ -60,7 +74,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     residual = residual if has_residual else x  # unused pointer when there is no residual
     _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, hidden, x.stride(0), residual.stride(0), y.stride(0),
                                 eps, FP8_MAX, MIN_SCALE, HAS_RESIDUAL=has_residual, FP8_OUT=fp8_out, BLOCK=block,
-                                num_warps=min(max(block // 512, 1), 16))
+                                num_warps=norm_warps(block))
     return (y, scale) if fp8_out else y
 
 

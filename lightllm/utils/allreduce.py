@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightllm_kernels.allreduce_norm import flag_words, one_shot_add_rms_norm_triton
+
 logger = logging.getLogger(__name__)
 
 SYMMETRIC_ENV = "LIGHTLLM_SYMM_MEM_ALL_REDUCE"
@@ -111,8 +113,6 @@ class SymmetricAllReduce:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
-        from lightllm_kernels.allreduce_norm import flag_words
-
         group_name = dist.group.WORLD.group_name
         fused = os.environ.get(FUSED_ENV, "1") != "0"
         data_bytes = ONE_SHOT_MAX_BYTES[world_size] if fused else 0
@@ -142,8 +142,6 @@ class SymmetricAllReduce:
                 or not (x.is_contiguous() and residual.is_contiguous()) or x.shape[0] > FUSED_MAX_ROWS
                 or x.shape[1] > FUSED_MAX_HIDDEN or x.numel() * x.element_size() > fused.data_bytes):
             return None
-        from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton
-
         return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
                                             flags_ptrs=fused.flags_ptrs, rank=fused.rank, max_rows=FUSED_MAX_ROWS)
 
