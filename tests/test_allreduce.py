@@ -192,7 +192,7 @@ def test_gloo_sums_of_two_ranks():
     assert all(results.values()), [key for key, ok in results.items() if not ok]
 
 
-def interpreted_fused_rank(rank, data, flags, parts, residuals, weight, outputs):
+def interpreted_fused_rank(rank, data, flags, counters, parts, residuals, weight, outputs):
     """One rank of the fused all-reduce + add + RMSNorm under Triton's interpreter, its peers'
     buffers and flags shared CPU memory (each process maps them at its own addresses)."""
     from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton
@@ -200,8 +200,9 @@ def interpreted_fused_rank(rank, data, flags, parts, residuals, weight, outputs)
     pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     for call in range(parts.shape[0]):
         y, _ = one_shot_add_rms_norm_triton(parts[call, rank], residuals[call, rank], weight, 1e-6,
-                                            data_ptrs=pointers(data), flags_ptrs=pointers(flags), rank=rank,
-                                            max_rows=FUSED_TEST_MAX_ROWS)
+                                            data_ptrs=pointers(data), flags_ptrs=pointers(flags),
+                                            counters=counters[rank], rank=rank,
+                                            region_bytes=data[rank].numel() * data[rank].element_size() // 2)
         outputs[call, rank] = y
 
 
@@ -212,24 +213,32 @@ FUSED_TEST_MAX_ROWS = 4
 def test_the_fused_kernels_barriers_between_two_interpreted_ranks():
     """The whole protocol on the CPU: two processes run the kernel as ranks 0 and 1, three calls
     in a row over the same buffers: no deadlock, every call's sums, residuals and norms equal
-    the reference's on both ranks, every flag back to zero at the end."""
-    from lightllm_kernels.allreduce_norm import flag_words, one_shot_add_rms_norm_ref
+    the reference's on both ranks; at the end every row's counter and every flag it was
+    signalled through holds the number of calls, and the rows past them nothing."""
+    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref
 
     calls, rows, hidden, world = 3, 3, 32, 2
-    data = [torch.zeros(FUSED_TEST_MAX_ROWS * hidden).share_memory_() for _ in range(world)]
-    flags = [torch.zeros(flag_words(FUSED_TEST_MAX_ROWS, world), dtype=torch.int32).share_memory_()
+    data = [torch.zeros(2 * FUSED_TEST_MAX_ROWS * hidden).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(flag_count(FUSED_TEST_MAX_ROWS, world), dtype=torch.int64).share_memory_()
              for _ in range(world)]
+    counters = [torch.zeros(FUSED_TEST_MAX_ROWS, dtype=torch.int64).share_memory_() for _ in range(world)]
     parts = torch.randn(calls, world, rows, hidden).share_memory_()
     residuals = torch.randn(calls, 1, rows, hidden).expand(calls, world, rows, hidden).clone().share_memory_()
     weight = torch.randn(hidden).share_memory_()
     outputs = torch.zeros(calls, world, rows, hidden).share_memory_()
     expected = [one_shot_add_rms_norm_ref(list(parts[c]), residuals[c, 0].clone(), weight, 1e-6) for c in range(calls)]
-    mp.spawn(interpreted_fused_rank, args=(data, flags, parts, residuals, weight, outputs), nprocs=world, join=True)
+    mp.spawn(interpreted_fused_rank, args=(data, flags, counters, parts, residuals, weight, outputs), nprocs=world,
+             join=True)
     for c, (y, residual) in enumerate(expected):
         for rank in range(world):
             torch.testing.assert_close(residuals[c, rank], residual, atol=0, rtol=0)
             torch.testing.assert_close(outputs[c, rank], y, atol=1e-5, rtol=1e-5)
-    assert not any(f.any() for f in flags)
+    used = torch.arange(FUSED_TEST_MAX_ROWS) < rows
+    for rank in range(world):
+        assert torch.equal(counters[rank], torch.where(used, calls, 0))
+        signalled = flags[rank].view(FUSED_TEST_MAX_ROWS, world)  # [row, sender]: a rank never signals itself
+        sent_by_peer = torch.arange(world)[None, :] != rank
+        assert torch.equal(signalled, torch.where(used[:, None] & sent_by_peer, calls, 0))
 
 
 # ---- CUDA: symmetric memory against NCCL (skipped without two GPUs) ----
@@ -316,12 +325,14 @@ def test_symmetric_sums_equal_nccl_eager_and_in_graphs():
 # ---- CUDA: the all-reduce fused with the residual add and RMSNorm (kernels/allreduce_norm.py) ----
 
 FUSED_ROWS = (1, 3, 64, 128)  # bench-8b's decode batches; 128 x 4096 x 2 bytes is the one-shot limit (2 ranks)
+IN_A_ROW = 40
 
 
 def fused_worker(rank, world_size, port, seed, results):
     """Per row count and dtype: the fused kernel against NCCL's sum then add_rms_norm (the
     residual bitwise for two ranks, the norm's output within a rounding), every rank's outputs
-    the same bits, eagerly, 100 times in a row, and replayed from a CUDA graph on new inputs."""
+    the same bits, eagerly, IN_A_ROW times in a row on new inputs with the ranks out of step,
+    and replayed from a CUDA graph on new inputs."""
     from lightllm_kernels.rms_norm import add_rms_norm_triton
 
     device, hidden, eps = torch.device("cuda", rank), 4096, 1e-5
@@ -361,9 +372,21 @@ def fused_worker(rank, world_size, port, seed, results):
             if got is None:
                 continue
             agree((rank, rows, str(dtype), "eager"), got, unfused(parts[rank], residual, weight))
-            for _ in range(100):  # the flags are all taken again after every call
-                last = group.reduce_add_rms_norm(parts[rank].clone(), residual.clone(), weight, eps)
-            agree((rank, rows, str(dtype), "100 in a row"), last, unfused(parts[rank], residual, weight))
+            # Back to back on new inputs, with no host sync between the calls, one rank held back
+            # on the device now and then (the other runs ahead into the next call): every call's
+            # output is its own inputs' (a row region read too early or too late would give
+            # another call's sum).
+            calls = [inputs(10_000 * rows + i, rows, dtype) for i in range(IN_A_ROW)]
+            staged = [(p[rank].clone(), r.clone()) for p, r in calls]
+            torch.cuda.synchronize()
+            outs = []
+            for i, (x, res) in enumerate(staged):
+                if i % 3 == 0 and rank == (i // 3) % world_size:
+                    torch.cuda._sleep(50_000)  # ~25 us at H100 clocks
+                y, res = group.reduce_add_rms_norm(x, res, weight, eps)
+                outs.append((y, res))
+            for i, ((p, r), got_i) in enumerate(zip(calls, outs)):
+                agree((rank, rows, str(dtype), f"in a row {i}"), got_i, unfused(p[rank], r, weight))
             static_x, static_residual = parts[rank].clone(), residual.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -730,37 +730,37 @@ def test_windowed_decode_attention_ref_is_extend_attention_of_one_token(window, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank):
-    """The fused all-reduce + residual add + RMSNorm as rank `rank` of two, its peer's row
-    already in the peer's buffer and the peer's signals already set: the sum, the residual and
-    the norm as the reference (the residual bitwise where the rounding is torch's: two ranks'
-    sum is rounded once either way); every signal from the peer taken, one sent to the peer for each row and barrier."""
-    from lightllm_kernels.allreduce_norm import (END, START, flag_words, one_shot_add_rms_norm_ref,
-                                                 one_shot_add_rms_norm_triton)
+    """The fused all-reduce + residual add + RMSNorm as rank `rank` of two, two calls, its
+    peer's rows already in the peer's buffer (each call's in the region of its epoch's parity)
+    and the peer's signals already set: the sum, the residual and the norm as the reference
+    (the residual bitwise where the rounding is torch's: two ranks' sum is rounded once either
+    way); each row's epoch counted, each sent to the peer, this rank's row staged in its region."""
+    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, one_shot_add_rms_norm_triton
 
     rows, hidden, max_rows, world = 5, 96, 8, 2
     peer = 1 - rank
-    parts = [randn(rows, hidden, dtype=dtype) for _ in range(world)]
-    residual, weight = randn(rows, hidden, dtype=dtype), randn(hidden, dtype=dtype)
-    data = [torch.zeros(max_rows * hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
-    data[peer][: rows * hidden] = parts[peer].flatten()
-    flags = [torch.zeros(flag_words(max_rows, world), dtype=torch.int32, device=DEVICE) for _ in range(world)]
-    slot = lambda phase, row, sender: (phase * max_rows + row) * world + sender  # noqa: E731
-    for row in range(rows):
-        for phase in (START, END):
-            flags[rank][slot(phase, row, peer)] = 1  # the peer has signalled
+    region = max_rows * hidden  # elements of each of a buffer's two regions
+    data = [torch.zeros(2 * region, dtype=dtype, device=DEVICE) for _ in range(world)]
+    flags = [torch.zeros(flag_count(max_rows, world), dtype=torch.int64, device=DEVICE) for _ in range(world)]
+    counters = torch.zeros(max_rows, dtype=torch.int64, device=DEVICE)
+    flags[rank].view(max_rows, world)[:, peer] = 2  # the peer has signalled both epochs
     pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
-    expected, expected_residual = one_shot_add_rms_norm_ref(parts, residual.clone(), weight, 1e-6)
-    got, got_residual = one_shot_add_rms_norm_triton(parts[rank], residual, weight, 1e-6, data_ptrs=pointers(data),
-                                                     flags_ptrs=pointers(flags), rank=rank, max_rows=max_rows)
-    assert got_residual is residual
-    # bitwise on a GPU; the interpreter rounds to bf16 toward zero (TOL), twice here
-    exact = dtype is torch.float32 or DEVICE == "cuda"
-    torch.testing.assert_close(residual, expected_residual, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
-    torch.testing.assert_close(got, expected, **TOL[dtype])
-    assert torch.equal(data[rank][: rows * hidden], parts[rank].flatten())  # its row staged for the peer
-    assert not flags[rank].any()  # every signal taken
-    sent = torch.zeros_like(flags[peer])
-    for row in range(rows):
-        for phase in (START, END):
-            sent[slot(phase, row, rank)] = 1
-    assert torch.equal(flags[peer], sent)
+    exact = dtype is torch.float32 or DEVICE == "cuda"  # bitwise on a GPU; the interpreter rounds to bf16 toward zero
+    for epoch in (1, 2):
+        parts = [randn(rows, hidden, dtype=dtype) for _ in range(world)]
+        residual, weight = randn(rows, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+        parity = (epoch % 2) * region
+        data[peer][parity: parity + rows * hidden] = parts[peer].flatten()
+        expected, expected_residual = one_shot_add_rms_norm_ref(parts, residual.clone(), weight, 1e-6)
+        got, got_residual = one_shot_add_rms_norm_triton(parts[rank], residual, weight, 1e-6, data_ptrs=pointers(data),
+                                                         flags_ptrs=pointers(flags), counters=counters, rank=rank,
+                                                         region_bytes=region * data[0].element_size())
+        assert got_residual is residual
+        torch.testing.assert_close(residual, expected_residual, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
+        torch.testing.assert_close(got, expected, **TOL[dtype])
+        assert torch.equal(data[rank][parity: parity + rows * hidden], parts[rank].flatten())  # staged for the peer
+        used = torch.arange(max_rows, device=DEVICE) < rows
+        assert torch.equal(counters, torch.where(used, epoch, 0))
+        sent = torch.zeros(max_rows, world, dtype=torch.int64, device=DEVICE)
+        sent[:rows, rank] = epoch
+        assert torch.equal(flags[peer].view(max_rows, world), sent)

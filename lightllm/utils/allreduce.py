@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightllm_kernels.allreduce_norm import flag_words, one_shot_add_rms_norm_triton
+from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_triton
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class SymmetricAllReduce:
     """One symmetric buffer, exchanged among the group once. Its first `capacity` bytes take
     torch's one-shot and two-shot kernels' messages (each call copies its message there and
     reduces it); after them, unless FUSED_ENV is "0", the fused all-reduce + add + RMSNorm's
-    rows (ONE_SHOT_MAX_BYTES) and its flags (kernels/allreduce_norm.py)."""
+    rows (two regions of ONE_SHOT_MAX_BYTES, used in turn) and its flags (kernels/allreduce_norm.py)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int, capacity: int,
                  fused: FusedRegions | None = None):
@@ -115,8 +115,8 @@ class SymmetricAllReduce:
 
         group_name = dist.group.WORLD.group_name
         fused = os.environ.get(FUSED_ENV, "1") != "0"
-        data_bytes = ONE_SHOT_MAX_BYTES[world_size] if fused else 0
-        flag_bytes = 4 * flag_words(FUSED_MAX_ROWS, world_size) if fused else 0
+        data_bytes = 2 * ONE_SHOT_MAX_BYTES[world_size] if fused else 0
+        flag_bytes = 8 * flag_count(FUSED_MAX_ROWS, world_size) if fused else 0
         buffer = symm_mem.empty(capacity + data_bytes + flag_bytes, dtype=torch.uint8, device=device)
         buffer[capacity + data_bytes:].zero_()  # the flags: zero on every rank before any peer can signal
         torch.cuda.synchronize(device)
@@ -129,7 +129,8 @@ class SymmetricAllReduce:
             regions = FusedRegions(
                 data_ptrs=torch.tensor([b + capacity for b in bases], dtype=torch.int64, device=device),
                 flags_ptrs=torch.tensor([b + capacity + data_bytes for b in bases], dtype=torch.int64, device=device),
-                rank=dist.get_rank(), data_bytes=data_bytes)
+                counters=torch.zeros(FUSED_MAX_ROWS, dtype=torch.int64, device=device),
+                rank=dist.get_rank(), data_bytes=data_bytes // 2)
         return cls(buffer, group_name, world_size, capacity, regions)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -143,7 +144,8 @@ class SymmetricAllReduce:
                 or x.shape[1] > FUSED_MAX_HIDDEN or x.numel() * x.element_size() > fused.data_bytes):
             return None
         return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
-                                            flags_ptrs=fused.flags_ptrs, rank=fused.rank, max_rows=FUSED_MAX_ROWS)
+                                            flags_ptrs=fused.flags_ptrs, counters=fused.counters, rank=fused.rank,
+                                            region_bytes=fused.data_bytes)
 
     def path(self, x: torch.Tensor) -> AllReducePath:
         if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % ALIGNMENT:
@@ -177,8 +179,9 @@ class SymmetricAllReduce:
 class FusedRegions:
     """Where the fused all-reduce + add + RMSNorm finds every rank's rows and flags."""
 
-    data_ptrs: torch.Tensor  # int64 [world]: each rank's data region, as mapped on this rank
+    data_ptrs: torch.Tensor  # int64 [world]: each rank's two data regions, as mapped on this rank
     flags_ptrs: torch.Tensor  # int64 [world]: each rank's flags
+    counters: torch.Tensor  # int64 [FUSED_MAX_ROWS]: this rank's calls so far, per row (the epochs)
     rank: int
     data_bytes: int  # each data region's size: the largest message it takes
 

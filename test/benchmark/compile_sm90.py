@@ -127,8 +127,8 @@ def call_every_kernel() -> None:
     random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
     # the all-reduce fused with the residual add and RMSNorm, two ranks (its pointers are never read here)
     pointers = torch.zeros(2, dtype=torch.int64)
-    one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers, rank=0,
-                                 max_rows=1024)
+    one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
+                                 counters=torch.zeros(1024, dtype=torch.int64), rank=0, region_bytes=1 << 20)
     call_moe_kernels()
 
 
