@@ -1,10 +1,13 @@
 """Decode attention: one query token per request over its KV slots in the token table, GQA.
 
-The Triton version is split-K ("flash-decoding"): stage 1 splits each request's keys into
-chunks and, per (request, kv head, chunk), computes a partial softmax for all the query heads
-of that kv group at once, so each K/V row is read once per group; stage 2 merges the chunks
-by their log-sum-exp. Large batches keep one chunk per request: stage 1 then writes the output
-and stage 2 is not launched. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
+The Triton version is split-K ("flash-decoding"), one launch: each request's keys are split
+into chunks and, per (request, kv head, chunk), a program computes a partial softmax for all the
+query heads of that kv group at once, so each K/V row is read once per group. The chunks are
+merged by their log-sum-exp in the same launch: each program of a (request, kv head) counts
+itself done on a device counter once its partial is stored, and the last to arrive merges them
+all and sets the counter back to zero (a merge kernel of its own cost a decode step one launch
+a layer, ~2 us each at batch 1). Large batches keep one chunk per request, written straight to
+the output. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
 
 A sliding-window layer (`window` > 0) attends to the last `window` keys only, the query's own
 included (as transformers' sliding mask: key position > query position - window); its chunks
@@ -19,8 +22,8 @@ from ._triton import attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_pow
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
-WAVES = 4  # stage-1 programs to aim for, per SM
-# (keys per inner step, warps, pipeline stages) of stage 1: with one split per request (large
+WAVES = 4  # programs to aim for, per SM
+# (keys per inner step, warps, pipeline stages) of a launch: with one split per request (large
 # batches) small programs keep more of them in flight per SM; split requests (small batches) do
 # better with wider blocks. Measured on an H100 with test/benchmark/tune_decode_attention.py, 8B
 # heads, context 1024: batch 256 at 0.96 of the KV stream's copy-speed floor (0.82 with the old
@@ -76,7 +79,7 @@ def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seql
 @triton.jit
 def _chunk(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
     """Keys per split of one request: its keys (its window's, if any) over NUM_SPLITS, at least
-    MIN_KEYS, a multiple of BLOCK_N. Stage 1 and stage 2 agree on it."""
+    MIN_KEYS, a multiple of BLOCK_N. Every program of the request agrees on it."""
     seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
     return tl.cdiv(tl.maximum(tl.cdiv(seen, NUM_SPLITS), MIN_KEYS), BLOCK_N) * BLOCK_N
 
@@ -84,18 +87,20 @@ def _chunk(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, o_ptr, qk_scale, q_batch_stride, q_head_stride, k_slot_stride,
+                         part_lse_ptr, counters_ptr, o_ptr, qk_scale, q_batch_stride, q_head_stride, k_slot_stride,
                          k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                         SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
-    """Partial attention of one request's chunk for the GROUP query heads sharing one kv head.
+                         BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
+    """Attention of one request's chunk for the GROUP query heads sharing one kv head.
 
-    Writes the chunk's normalised output and its log2-sum-exp2 per query head; empty chunks
-    (past this request's length) write nothing, stage 2 does not read them. With one chunk per
-    request (NUM_SPLITS == 1, large batches) the output is final: it goes straight to o and
-    there is no stage 2. Chunks count from the first key the query sees: 0, or its window's first.
+    With one chunk per request (NUM_SPLITS == 1, large batches) the output is final: it goes
+    straight to o. Otherwise the program writes the chunk's normalised output and its
+    log2-sum-exp2 per query head, counts itself on the (request, kv head)'s counter, and the
+    last of the request's used chunks merges them into o (_merge_chunks); empty chunks (past
+    this request's length) neither write nor count. Chunks count from the first key the query
+    sees: 0, or its window's first.
     Each request splits its own keys (_chunk), so a short request beside a long one, or under a
     CUDA graph's fixed bound, still spreads over the splits."""
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -130,31 +135,41 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
                  (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
     else:
         # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
-        part = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
-        tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None], mask=head_mask[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
+        parts = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS  # split 0 of each head
+        tl.store(part_o_ptr + (parts + split)[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None],
+                 mask=head_mask[:, None])
+        tl.store(part_lse_ptr + parts + split, m_i + tl.log2(l_i), mask=head_mask)
+        tl.debug_barrier()  # every thread's stores before the count (the atomic releases them)
+        seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
+        num_used = tl.cdiv(seen, _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS))
+        counter = counters_ptr + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:  # the last chunk done: merge
+            tl.store(counter, 0)  # every used chunk has counted: ready for the next launch
+            tl.debug_barrier()  # the other programs' partials, acquired, before any thread reads them
+            _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr + req.to(tl.int64) * o_batch_stride, parts, num_used,
+                          heads, head_mask, dims, dim_mask, o_head_stride, BLOCK_G, BLOCK_D, BLOCK_S)
 
 
-@fast_launch
 @triton.jit
-def _decode_merge_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, o_batch_stride, o_head_stride,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr,
-                         WINDOW: tl.constexpr):
-    req, head = tl.program_id(0), tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
-    num_used = tl.cdiv(seen, _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS))
-    splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < num_used
-    dims = tl.arange(0, BLOCK_D)
-    part = (req.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
-    weights = tl.where(split_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    parts = tl.load(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
-    out = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
-    tl.store(o_ptr + req.to(tl.int64) * o_batch_stride + head * o_head_stride + dims, out.to(o_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+def _merge_chunks(part_o_ptr, part_lse_ptr, o_row_ptr, parts, num_used, heads, head_mask, dims, dim_mask,
+                  o_head_stride, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """o[head] = the chunks' outputs weighted by exp2 of their log2-sum-exp2, for each head of
+    the group (parts: each head's first chunk); loads bypass L1, which may hold none of them."""
+    chunks = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + parts[:, None] + chunks[None, :], mask=head_mask[:, None] & (chunks[None, :] < num_used),
+                  other=float("-inf"), cache_modifier=".cg")
+    top = tl.where(head_mask, tl.max(lse, 1), 0.0)  # padding heads: no chunks, no NaN
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for chunk in range(0, num_used):
+        weight = tl.exp2(tl.load(part_lse_ptr + parts + chunk, mask=head_mask, other=float("-inf"),
+                                 cache_modifier=".cg") - top)
+        part = tl.load(part_o_ptr + (parts + chunk)[:, None] * BLOCK_D + dims[None, :], mask=head_mask[:, None],
+                       other=0.0, cache_modifier=".cg")
+        acc += weight[:, None] * part
+        total += weight
+    tl.store(o_row_ptr + heads[:, None] * o_head_stride + dims[None, :],
+             (acc / total[:, None]).to(o_row_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
 
 
 @functools.cache
@@ -166,6 +181,24 @@ def _programs_per_wave(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: any plan is correct, this one is small
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_counters(device: torch.device) -> torch.Tensor:
+    """The device's chunk counters, int32, one per (request, kv head) of a split launch, zero
+    between launches (each launch's last programs set theirs back). A split launch has fewer
+    than WAVES x programs_per_wave of them (_split_plan). Made at the first call on the device,
+    which must run before any CUDA graph capture (cuda_graph.py warms every bucket up first):
+    made inside a capture, the buffer would belong to that graph's memory pool."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention: run it once outside CUDA graph capture first")
+        counters = _COUNTERS[device] = torch.zeros(WAVES * _programs_per_wave(device), dtype=torch.int32,
+                                                   device=device)
+    return counters
 
 
 def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device,
@@ -188,7 +221,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
                             softcap: float = 0.0, launch: tuple[int, int, int] | None = None,
                             fp8_as_f16: bool = True) -> torch.Tensor:
-    """As decode_attention_ref; `launch` overrides stage 1's (BLOCK_N, warps, stages) (tune_decode_attention.py).
+    """As decode_attention_ref; `launch` overrides the (BLOCK_N, warps, stages) of the launch (tune_decode_attention.py).
     An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
     old way (decode_attention_kv_dtype.py times both)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
@@ -203,18 +236,16 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if splits > 1:
         part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+        counters = _chunk_counters(q.device)
+        assert batch * num_kv_heads <= counters.numel()  # the plan splits only batches below that
     else:  # one split writes `out` directly and never touches the partials: `out` stands in for them
-        part_o = part_lse = out
+        part_o = part_lse = counters = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, out, score_scale(sm_scale, softcap),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=splits, MIN_KEYS=MIN_CHUNK,
-        DOT_UPCAST=not q.is_cuda, WINDOW=window, SOFTCAP=float(softcap),
-        AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype, num_warps=warps, num_stages=stages)
-    if splits > 1:
-        _decode_merge_kernel[(batch, num_q_heads)](
-            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), BLOCK_N=block_n,
-            MIN_KEYS=MIN_CHUNK, WINDOW=window, num_warps=4)
+        q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, counters, out,
+        score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group,
+        BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=MIN_CHUNK, DOT_UPCAST=not q.is_cuda,
+        WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
+        num_warps=warps, num_stages=stages)
     return out

@@ -18,7 +18,7 @@ if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists() and not os.envi
 TOOL = Path(__file__).resolve().parents[1] / "test" / "benchmark" / "compile_sm90.py"
 KERNELS = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel", "_quantize_rows_kernel",
            "_fp8_gemm_small_m_kernel", "_reduce_splits_kernel", "_rotary_kv_kernel", "_decode_split_kernel",
-           "_decode_merge_kernel", "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel",
+           "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel",
            "_moe_gate_up_kernel", "_moe_down_kernel", "_align_kernel", "_align_count_kernel", "_align_runs_kernel",
            "_align_place_kernel", "_one_shot_add_rms_norm_kernel"}
 
@@ -30,7 +30,7 @@ def test_every_kernel_compiles_for_sm90():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert all(line.startswith("OK ") for line in lines), done.stdout
     assert {re.match(r"OK\s+(\w+)\(", line).group(1) for line in lines} == KERNELS
-    # both KV cache dtypes, and decode attention with and without its merge; a windowed, capped layer
+    # both KV cache dtypes, and decode attention split (merged by its last chunk) and whole; a windowed, capped layer
     assert sum("_rotary_kv_kernel(" in line for line in lines) == 2
     assert sum("_decode_split_kernel(" in line for line in lines) == 5
     assert sum("_extend_kernel(" in line and "WINDOW=256" in line for line in lines) == 1

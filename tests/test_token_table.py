@@ -23,19 +23,22 @@ def longest_free_run(mem_state):
     return best
 
 
-def check_alloc(table, held, n):
+def check_alloc(table, held, n, contiguous=True):
     had_run = longest_free_run(table.mem_state) >= n
-    slots = table.alloc(n).tolist()
+    first_free = torch.nonzero(table.mem_state).flatten()[:n].tolist()
+    slots = table.alloc(n, contiguous).tolist()
     assert len(slots) == n == len(set(slots))
     assert not set(slots) & held, "a slot was handed out twice"
-    if had_run and n > 0:
+    if not contiguous:
+        assert slots == first_free, "not the first free slots"
+    elif had_run and n > 0:
         assert slots == list(range(slots[0], slots[0] + n)), "a contiguous run existed but was not used"
     held |= set(slots)
 
 
-# Each op: ("alloc", n) or ("free", fraction of the held slots, as a random subset seed).
-ops = st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(0, 24)),
-                         st.tuples(st.just("free"), st.integers(0, 2**16))), max_size=40)
+# Each op: ("alloc", n, contiguous) or ("free", fraction of the held slots, as a random subset seed, unused).
+ops = st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(0, 24), st.booleans()),
+                         st.tuples(st.just("free"), st.integers(0, 2**16), st.just(False))), max_size=40)
 
 
 @settings(max_examples=150, deadline=None)
@@ -43,12 +46,12 @@ ops = st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(0, 24)),
 def test_random_alloc_free_keeps_exact_counts(op_list):
     table = make_table()
     held = set()
-    for op, arg in op_list:
+    for op, arg, contiguous in op_list:
         if op == "alloc" and arg <= table.free_count:
-            check_alloc(table, held, arg)
+            check_alloc(table, held, arg, contiguous)
         elif op == "alloc":
             with pytest.raises(OutOfTokensError):
-                table.alloc(arg)
+                table.alloc(arg, contiguous)
         elif held:
             gen = torch.Generator().manual_seed(arg)
             order = torch.randperm(len(held), generator=gen).tolist()
@@ -69,6 +72,13 @@ def test_contiguous_run_preferred_over_first_free():
     table.free(torch.tensor([1, 3, 8, 9, 10, 11, 12]))  # scattered 1, 3 and a run 8..12
     assert table.alloc(4).tolist() == [8, 9, 10, 11]
     assert table.alloc(3).tolist() == [1, 3, 12]  # no run of 3 left: first free slots
+
+
+def test_decode_slots_are_the_first_free_even_beside_a_run():
+    table = make_table(16)
+    table.alloc(16)
+    table.free(torch.tensor([1, 3, 8, 9, 10, 11, 12]))
+    assert table.alloc(4, contiguous=False).tolist() == [1, 3, 8, 9]
 
 
 def test_over_allocation_raises():

@@ -54,23 +54,27 @@ class TokenTable:
     def used_count(self) -> int:
         return self.size - self.free_count
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """n free slots (int64, on the device): a contiguous run when one exists, else the first n free."""
+    def alloc(self, n: int, contiguous: bool = True) -> torch.Tensor:
+        """n free slots (int64, on the device): with `contiguous`, a contiguous run when one
+        exists, else the first n free; without, the first n free (one request's decode token
+        each: a run buys nothing, and finding one costs a step ten kernels over the whole table)."""
         if n > self.free_count:
             raise OutOfTokensError(f"cannot allocate {n} KV cache tokens: only {self.free_count} "
                                    f"of {self.size} are free")
         if n <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        slots = self._pick_slots(n)
+        slots = self._pick_slots(n, contiguous)
         # index_fill_ takes the value as a kernel argument; `mem_state[slots] = 0` would copy a
         # CPU scalar to the device, which waits for the step in flight (0.5 ms a decode step, H100)
         self.mem_state.index_fill_(0, slots, 0)
         self.free_count -= n
         return slots
 
-    def _pick_slots(self, n: int) -> torch.Tensor:
+    def _pick_slots(self, n: int, contiguous: bool) -> torch.Tensor:
         cum = torch.cumsum(self.mem_state, 0)
         first_free = torch.searchsorted(cum, torch.arange(1, n + 1, device=self.device, dtype=cum.dtype))
+        if not contiguous:
+            return first_free
         # free slots in the window [i, i + n) = cum[i + n - 1] - cum[i - 1]
         window = cum[n - 1:] - torch.cat([cum.new_zeros(1), cum[:-n]])
         run = window == n

@@ -305,7 +305,7 @@ class ModelRunner:
             layout = self._mixed_layout(plan, chunks, lists)
             ints.update(lists if layout is None else self._mixed_meta(lists, len(decodes), layout))
         grammar = self._grammar_masks(states)
-        slots = self.token_table.alloc(plan.num_tokens)
+        slots = self.token_table.alloc(plan.num_tokens, contiguous=bool(chunks))  # a decode's slot is its own
         t = self._upload(ints, floats)
         for r in decodes:
             r.seq_len += 1

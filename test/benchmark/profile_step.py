@@ -53,7 +53,7 @@ logger = logging.getLogger("profile_step")
 
 GEMM_NAMES = ("qkv", "o", "gate_up", "down")
 TRITON_GROUPS = {  # kernel name fragment -> group
-    "_decode_split": "attention (decode)", "_decode_merge": "attention (decode)", "_extend": "attention (extend)",
+    "_decode_split": "attention (decode)", "_extend": "attention (extend)",
     "_rms_norm": "rms norm (+ residual)", "_rotary_kv": "rotary + kv write", "_silu": "silu*mul",
     "_quantize_rows": "fp8 input quantisation", "_reduce_splits": "GEMM split-K reduction",
 }
