@@ -156,8 +156,8 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, o_row_ptr, parts, num_used, heads, h
     """o[head] = the chunks' outputs weighted by exp2 of their log2-sum-exp2, for each head of
     the group (parts: each head's first chunk); loads bypass L1, which may hold none of them."""
     chunks = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + parts[:, None] + chunks[None, :], mask=head_mask[:, None] & (chunks[None, :] < num_used),
-                  other=float("-inf"), cache_modifier=".cg")
+    used = head_mask[:, None] & (chunks[None, :] < num_used)
+    lse = tl.load(part_lse_ptr + parts[:, None] + chunks[None, :], mask=used, other=float("-inf"), cache_modifier=".cg")
     top = tl.where(head_mask, tl.max(lse, 1), 0.0)  # padding heads: no chunks, no NaN
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -221,7 +221,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
                             softcap: float = 0.0, launch: tuple[int, int, int] | None = None,
                             fp8_as_f16: bool = True) -> torch.Tensor:
-    """As decode_attention_ref; `launch` overrides the (BLOCK_N, warps, stages) of the launch (tune_decode_attention.py).
+    """As decode_attention_ref; `launch` overrides the launch's (BLOCK_N, warps, stages) (tune_decode_attention.py).
     An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
     old way (decode_attention_kv_dtype.py times both)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1

@@ -202,7 +202,7 @@ def interpreted_fused_rank(rank, data, flags, counters, parts, residuals, weight
         y, _ = one_shot_add_rms_norm_triton(parts[call, rank], residuals[call, rank], weight, 1e-6,
                                             data_ptrs=pointers(data), flags_ptrs=pointers(flags),
                                             counters=counters[rank], rank=rank,
-                                            region_bytes=data[rank].numel() * data[rank].element_size() // 2)
+                                            region_bytes=data[rank].nbytes // (2 * len(data)))
         outputs[call, rank] = y
 
 
@@ -218,7 +218,7 @@ def test_the_fused_kernels_barriers_between_two_interpreted_ranks():
     from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref
 
     calls, rows, hidden, world = 3, 3, 32, 2
-    data = [torch.zeros(2 * FUSED_TEST_MAX_ROWS * hidden).share_memory_() for _ in range(world)]
+    data = [torch.zeros(2 * world * FUSED_TEST_MAX_ROWS * hidden).share_memory_() for _ in range(world)]
     flags = [torch.zeros(flag_count(FUSED_TEST_MAX_ROWS, world), dtype=torch.int64).share_memory_()
              for _ in range(world)]
     counters = [torch.zeros(FUSED_TEST_MAX_ROWS, dtype=torch.int64).share_memory_() for _ in range(world)]

@@ -731,26 +731,27 @@ def test_windowed_decode_attention_ref_is_extend_attention_of_one_token(window, 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank):
     """The fused all-reduce + residual add + RMSNorm as rank `rank` of two, two calls, its
-    peer's rows already in the peer's buffer (each call's in the region of its epoch's parity)
-    and the peer's signals already set: the sum, the residual and the norm as the reference
-    (the residual bitwise where the rounding is torch's: two ranks' sum is rounded once either
-    way); each row's epoch counted, each sent to the peer, this rank's row staged in its region."""
+    peer's rows already pushed into this rank's buffer (each call's into the region of its
+    epoch's parity and the peer) and the peer's signals already set: the sum, the residual and
+    the norm as the reference (the residual bitwise where the rounding is torch's: two ranks'
+    sum is rounded once either way); each row's epoch counted and sent to the peer, this rank's
+    rows pushed into the peer's region of (parity, this rank)."""
     from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, one_shot_add_rms_norm_triton
 
     rows, hidden, max_rows, world = 5, 96, 8, 2
     peer = 1 - rank
-    region = max_rows * hidden  # elements of each of a buffer's two regions
-    data = [torch.zeros(2 * region, dtype=dtype, device=DEVICE) for _ in range(world)]
+    region = max_rows * hidden  # elements of each of a buffer's 2 x world regions
+    data = [torch.zeros(2 * world * region, dtype=dtype, device=DEVICE) for _ in range(world)]
     flags = [torch.zeros(flag_count(max_rows, world), dtype=torch.int64, device=DEVICE) for _ in range(world)]
     counters = torch.zeros(max_rows, dtype=torch.int64, device=DEVICE)
     flags[rank].view(max_rows, world)[:, peer] = 2  # the peer has signalled both epochs
     pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
     exact = dtype is torch.float32 or DEVICE == "cuda"  # bitwise on a GPU; the interpreter rounds to bf16 toward zero
+    start = lambda epoch, sender: ((epoch % 2) * world + sender) * region  # noqa: E731
     for epoch in (1, 2):
         parts = [randn(rows, hidden, dtype=dtype) for _ in range(world)]
         residual, weight = randn(rows, hidden, dtype=dtype), randn(hidden, dtype=dtype)
-        parity = (epoch % 2) * region
-        data[peer][parity: parity + rows * hidden] = parts[peer].flatten()
+        data[rank][start(epoch, peer): start(epoch, peer) + rows * hidden] = parts[peer].flatten()
         expected, expected_residual = one_shot_add_rms_norm_ref(parts, residual.clone(), weight, 1e-6)
         got, got_residual = one_shot_add_rms_norm_triton(parts[rank], residual, weight, 1e-6, data_ptrs=pointers(data),
                                                          flags_ptrs=pointers(flags), counters=counters, rank=rank,
@@ -758,7 +759,8 @@ def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank):
         assert got_residual is residual
         torch.testing.assert_close(residual, expected_residual, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
         torch.testing.assert_close(got, expected, **TOL[dtype])
-        assert torch.equal(data[rank][parity: parity + rows * hidden], parts[rank].flatten())  # staged for the peer
+        pushed = data[peer][start(epoch, rank): start(epoch, rank) + rows * hidden]
+        assert torch.equal(pushed, parts[rank].flatten())  # this rank's rows, in the peer's region for them
         used = torch.arange(max_rows, device=DEVICE) < rows
         assert torch.equal(counters, torch.where(used, epoch, 0))
         sent = torch.zeros(max_rows, world, dtype=torch.int64, device=DEVICE)

@@ -96,7 +96,8 @@ class SymmetricAllReduce:
     """One symmetric buffer, exchanged among the group once. Its first `capacity` bytes take
     torch's one-shot and two-shot kernels' messages (each call copies its message there and
     reduces it); after them, unless FUSED_ENV is "0", the fused all-reduce + add + RMSNorm's
-    rows (two regions of ONE_SHOT_MAX_BYTES, used in turn) and its flags (kernels/allreduce_norm.py)."""
+    rows (a region of ONE_SHOT_MAX_BYTES per epoch parity and sender, which the senders push
+    their rows into) and its flags (kernels/allreduce_norm.py)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int, capacity: int,
                  fused: FusedRegions | None = None):
@@ -115,7 +116,8 @@ class SymmetricAllReduce:
 
         group_name = dist.group.WORLD.group_name
         fused = os.environ.get(FUSED_ENV, "1") != "0"
-        data_bytes = 2 * ONE_SHOT_MAX_BYTES[world_size] if fused else 0
+        region_bytes = ONE_SHOT_MAX_BYTES[world_size]
+        data_bytes = 2 * world_size * region_bytes if fused else 0  # a region per parity and sender
         flag_bytes = 8 * flag_count(FUSED_MAX_ROWS, world_size) if fused else 0
         buffer = symm_mem.empty(capacity + data_bytes + flag_bytes, dtype=torch.uint8, device=device)
         buffer[capacity + data_bytes:].zero_()  # the flags: zero on every rank before any peer can signal
@@ -130,7 +132,7 @@ class SymmetricAllReduce:
                 data_ptrs=torch.tensor([b + capacity for b in bases], dtype=torch.int64, device=device),
                 flags_ptrs=torch.tensor([b + capacity + data_bytes for b in bases], dtype=torch.int64, device=device),
                 counters=torch.zeros(FUSED_MAX_ROWS, dtype=torch.int64, device=device),
-                rank=dist.get_rank(), data_bytes=data_bytes // 2)
+                rank=dist.get_rank(), data_bytes=region_bytes)
         return cls(buffer, group_name, world_size, capacity, regions)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -179,7 +181,7 @@ class SymmetricAllReduce:
 class FusedRegions:
     """Where the fused all-reduce + add + RMSNorm finds every rank's rows and flags."""
 
-    data_ptrs: torch.Tensor  # int64 [world]: each rank's two data regions, as mapped on this rank
+    data_ptrs: torch.Tensor  # int64 [world]: each rank's data regions, as mapped on this rank
     flags_ptrs: torch.Tensor  # int64 [world]: each rank's flags
     counters: torch.Tensor  # int64 [FUSED_MAX_ROWS]: this rank's calls so far, per row (the epochs)
     rank: int
