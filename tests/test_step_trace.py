@@ -1,6 +1,7 @@
 """The step trace (`--step_trace`): one line per launched step with its shape and device times,
 and the summary script's accounting of busy and idle time."""
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,13 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     for _ in range(3):
         run_step(runner, [1])
         sent.append((1, 0, 0))
+    forward = runner.model.forward
+
+    def collecting(*args, **kwargs):  # a full collection inside this step's launch
+        gc.collect()
+        return forward(*args, **kwargs)
+
+    runner.model.forward = collecting
     run_step(runner, [1], prompts=[(2, list(range(1, 21)), params), (3, [5, 6, 7], params)])
     sent.append((1, 23, 2))
     runner._trace.close()
@@ -40,10 +48,13 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     assert [s["graph"] for s in lines] == [decodes + tokens <= 16 for decodes, tokens, _ in sent]
     for s in lines:
         assert 0 <= s["start_ms"] <= s["end_ms"] and s["launch_ms"] >= 0
+        assert 0 <= s["gc_ms"] <= s["launch_ms"] and s["launch_cpu_ms"] >= 0
         # on the CPU the device thread's clock brackets the launch, on the host's clock
         assert s["start_ms"] <= s["launched_ms"] <= s["end_ms"]
     for before, after in zip(lines, lines[1:]):
         assert before["end_ms"] <= after["start_ms"]  # the CPU device thread runs steps one at a time
+    assert lines[-1]["gc_ms"] > 0  # the collection forced inside the last launch
+    assert gc.callbacks.count(runner._trace._on_gc) == 0  # closing the trace unhooks it
 
 
 def test_summary_splits_idle_by_the_step_that_waited():
@@ -65,7 +76,12 @@ def test_summary_splits_idle_by_the_step_that_waited():
     assert s["groups"]["decode only (graph)"]["waited_ms"] == [3, 0]  # step 5 has no launched_ms: not counted
     text = step_trace.table(s)
     assert "with chunks, <= 256 chunk tokens (eager) | 1 |" in text
-    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 | 1.50 |" in text
+    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | - | - | 1.50 |" in text
+    steps[1].update(launch_cpu_ms=0.5, gc_ms=0.25)  # traced since those were recorded
+    steps[3].update(launch_cpu_ms=0.7, gc_ms=0.0)
+    steps[4].update(launch_cpu_ms=0.9, gc_ms=0.5)
+    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | 0.70 | 0.25 / 0.5 | 1.50 |" in step_trace.table(
+        step_trace.summarise(steps, long_gap_ms=1000))
 
 
 def test_plot_writes_a_png(tmp_path):

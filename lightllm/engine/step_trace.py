@@ -5,7 +5,14 @@ the CPU the device thread's clock around the step), how long the host took to la
 its shape. Lines go to a JSON-lines file in batches, once the device has passed them:
 
     {"step": 12, "decodes": 250, "chunk_tokens": 3846, "chunks": 9, "graph": false,
-     "launch_ms": 24.1, "launched_ms": 5020.7, "start_ms": 5021.3, "end_ms": 5130.8}
+     "launch_ms": 24.1, "launch_cpu_ms": 23.8, "gc_ms": 0.0, "launched_ms": 5020.7, "start_ms": 5021.3,
+     "end_ms": 5130.8}
+
+`launch_cpu_ms` is the launching thread's CPU time over the launch (`time.thread_time`): far
+below `launch_ms`, the thread was held up without running (a lock, the GIL, a blocking driver
+call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
+Eager steps on CUDA also carry `alloc_retries`, the caching allocator's count so far of
+allocations it could only serve after freeing its cached blocks (which waits for the device).
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
@@ -18,6 +25,7 @@ host. `test/benchmark/step_trace.py` summarises a file.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -30,6 +38,7 @@ class StepTrace:
     def __init__(self, path: str, device: torch.device):
         self.file = open(path, "a", buffering=1 << 16)
         self.cuda = device.type == "cuda"
+        self.device = device
         self._t0 = time.perf_counter()
         self._ref = None
         if self.cuda:
@@ -38,6 +47,15 @@ class StepTrace:
             self._ref = torch.cuda.Event(enable_timing=True)
             self._ref.record()
         self._pending: list[dict] = []
+        self._gc_ms, self._gc_start = 0.0, None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self._gc_ms += (time.perf_counter() - self._gc_start) * 1000
+            self._gc_start = None
 
     def _mark(self):
         if self.cuda:
@@ -48,13 +66,18 @@ class StepTrace:
 
     def begin(self) -> dict:
         """Call before the step's first device work; returns the record `end` completes."""
-        return {"host_start": time.perf_counter(), "start": self._mark()}
+        return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
+                "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
-                      launch_ms=(now - record.pop("host_start")) * 1000, launched_ms=round((now - self._t0) * 1000, 3),
-                      end=self._mark())
+                      launch_ms=(now - record.pop("host_start")) * 1000,
+                      launch_cpu_ms=round((cpu - record.pop("cpu_start")) * 1000, 3),
+                      gc_ms=round(self._gc_ms - record.pop("gc_start"), 3),
+                      launched_ms=round((now - self._t0) * 1000, 3), end=self._mark())
+        if self.cuda and not graph:  # a dict of every allocator statistic: eager steps only, a few of them
+            record["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         self._pending.append(record)
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()
@@ -81,5 +104,7 @@ class StepTrace:
     def close(self) -> None:
         if self.file.closed:
             return
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         self.flush(wait=True)
         self.file.close()
