@@ -216,6 +216,8 @@ class ModelRunner:
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running_max_req_size,
                                      cuda_graph_max_tokens, capture)
+        if self.device.type == "cuda" and largest_chunk is not None:
+            self._keep_step_memory(largest_chunk)
         if step_trace:
             self._trace = StepTrace(step_trace if world_size == 1 else f"{step_trace}.rank{tp_rank}", self.device)
             atexit.register(self._trace.close)
@@ -282,6 +284,21 @@ class ModelRunner:
                     len(plans[-1].decodes), plans[-1].num_tokens - len(plans[-1].decodes),
                     time.perf_counter() - start, peak.bytes / 2**30)
         return MemoryBudget(total, total - free, peak.bytes, graph_bytes, mem_fraction)
+
+    def _keep_step_memory(self, chunk_budget: int) -> None:
+        """Run the largest step once more, now on the serving token table, and leave its memory in
+        torch's cache (no empty_cache): the memory the KV budget set aside for a step's activations
+        is then held from the start. Otherwise the first steps of each larger shape (a burst's eager
+        steps, their decodes growing) take new blocks from the driver, each a wait for the device
+        (H100 step trace: 8192-token steps whose host launch lasted until the device had run them,
+        docs/benchmarks.md). Skipped where the table cannot hold that step (a budget given by hand)."""
+        plans = largest_step(self.req_table.max_reqs, chunk_budget, self.max_req_total_len, self.config.vocab_size,
+                             PROFILE_SAMPLING)
+        if sum(p.num_tokens for p in plans) > self.max_total_token_num:
+            return
+        for plan in plans:
+            self._submit(plan).result().tokens()
+        self._reset()
 
     # ---- the step ----
 

@@ -11,8 +11,9 @@ its shape. Lines go to a JSON-lines file in batches, once the device has passed 
 `launch_cpu_ms` is the launching thread's CPU time over the launch (`time.thread_time`): far
 below `launch_ms`, the thread was held up without running (a lock, the GIL, a blocking driver
 call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
-Eager steps on CUDA also carry `alloc_retries`, the caching allocator's count so far of
-allocations it could only serve after freeing its cached blocks (which waits for the device).
+Eager steps on CUDA also carry the caching allocator's counts so far: `device_allocs`, the
+blocks it had to take from the driver (cudaMalloc), and `alloc_retries`, the allocations it could
+only serve after freeing its cached blocks (cudaFree, which waits for the device).
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
@@ -77,7 +78,8 @@ class StepTrace:
                       gc_ms=round(self._gc_ms - record.pop("gc_start"), 3),
                       launched_ms=round((now - self._t0) * 1000, 3), end=self._mark())
         if self.cuda and not graph:  # a dict of every allocator statistic: eager steps only, a few of them
-            record["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            stats = torch.cuda.memory_stats(self.device)
+            record.update(device_allocs=stats.get("num_device_alloc", 0), alloc_retries=stats.get("num_alloc_retries", 0))
         self._pending.append(record)
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()
