@@ -109,22 +109,3 @@ def test_the_profile_step_prefills_the_burst_budget_the_device_takes(wide_dir, m
     runner = ModelRunner(wide_dir, max_total_token_num=None, **args)
     assert runner.info["burst_chunked_prefill_size"] == budget
     assert sized == [budget]
-
-
-def test_the_kept_step_leaves_the_runner_as_it_found_it(wide_dir):
-    """ModelRunner._keep_step_memory, which a CUDA runner calls at the end of its start-up so the
-    largest step's memory stays in torch's cache: it runs that step on the serving token table
-    and leaves no request, row or slot behind, and the next steps' tokens are a fresh runner's."""
-    from lightllm.engine.model_runner import run_step
-    from lightllm.engine.request import SamplingParams
-
-    args = {**RUNNER_ARGS, "chunked_prefill_size": 256}
-    fresh = ModelRunner(wide_dir, max_total_token_num=4096, **args)
-    kept = ModelRunner(wide_dir, max_total_token_num=4096, **args)
-    kept._keep_step_memory(256)
-    assert not kept.reqs and not kept.req_table._used and kept.token_table.used_count == 0
-    params = SamplingParams(max_new_tokens=8)
-    prompts = [(1, list(range(3, 40)), params), (2, list(range(7, 19)), params)]
-    for runner in (fresh, kept):
-        runner.outputs = [run_step(runner, prompts=prompts)] + [run_step(runner, [1, 2]) for _ in range(3)]
-    assert kept.outputs == fresh.outputs

@@ -75,7 +75,6 @@ class LaunchedStep:
         if self._tokens is None:
             if self._event is not None:
                 self._event.synchronize()
-                self._host = self._host.clone()  # off the staging ring, which a later step reuses
             self._tokens = list(zip(map(int, self._host[0].tolist()), self._host[1].tolist()))
         return self._tokens
 
@@ -101,48 +100,6 @@ def _top_lists(top, n: int) -> list[tuple]:
         return [()] * n
     ids, values = top
     return [tuple(zip(map(int, i), v)) for i, v in zip(ids.tolist(), values.tolist())]
-
-
-class StagingRing:
-    """Page-locked host buffers for the steps' uploads or downloads, used in turn and kept.
-
-    Allocating page-locked memory is an implicit device-wide synchronisation (CUDA's "implicit
-    synchronization"): the host waits there for everything queued. `Tensor.pin_memory()` and
-    `torch.empty(pin_memory=True)` allocate whenever torch's pinned cache has no free block of
-    the size, which in a burst, where each step's metadata is larger than the last, was most
-    eager steps' launch: the host waited for the step in flight, or for the step it had just
-    launched, and the device then waited for the next launch (H100 step trace, docs/benchmarks.md).
-    Here a buffer is taken `len(buffers)` steps after its last use, once the copy through it
-    has finished (normally long before); when a step needs more than the buffers hold, all
-    of them grow at once (the start-up profile step is the largest, so that is where)."""
-
-    def __init__(self, size: int = 4, pin: bool = True):
-        self._buffers: list[torch.Tensor | None] = [None] * size
-        self._events: list[torch.cuda.Event | None] = [None] * size
-        self._next = 0
-        self._pin = pin  # False: plain memory (the CPU tests of the ring itself)
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A [numel] tensor of `dtype` in the next buffer; call `used` once its copy is queued."""
-        i, self._current = self._next, self._next
-        self._next = (i + 1) % len(self._buffers)
-        nbytes = numel * dtype.itemsize
-        if self._buffers[i] is None or self._buffers[i].numel() < nbytes:
-            self._grow(max(nbytes, 2 * max(b.numel() if b is not None else 0 for b in self._buffers)))
-        if self._events[i] is not None:
-            self._events[i].synchronize()
-        return self._buffers[i][:nbytes].view(dtype)
-
-    def used(self, event: torch.cuda.Event) -> None:
-        """`event` (recorded after the copy through the last buffer taken) says when it is free."""
-        self._events[self._current] = event
-
-    def _grow(self, nbytes: int) -> None:
-        for i, buffer in enumerate(self._buffers):
-            if buffer is None or buffer.numel() < nbytes:
-                if self._events[i] is not None:
-                    self._events[i].synchronize()
-                self._buffers[i], self._events[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin), None
 
 
 def resolve_device(device: str | None, local_rank: int) -> torch.device:
@@ -199,8 +156,6 @@ class ModelRunner:
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
         self._trace = None
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
-        cuda = self.device.type == "cuda"
-        self._uploads, self._downloads = (StagingRing(), StagingRing()) if cuda else (None, None)
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
@@ -216,8 +171,6 @@ class ModelRunner:
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running_max_req_size,
                                      cuda_graph_max_tokens, capture)
-        if self.device.type == "cuda" and largest_chunk is not None:
-            self._keep_step_memory(largest_chunk)
         if step_trace:
             self._trace = StepTrace(step_trace if world_size == 1 else f"{step_trace}.rank{tp_rank}", self.device)
             atexit.register(self._trace.close)
@@ -284,21 +237,6 @@ class ModelRunner:
                     len(plans[-1].decodes), plans[-1].num_tokens - len(plans[-1].decodes),
                     time.perf_counter() - start, peak.bytes / 2**30)
         return MemoryBudget(total, total - free, peak.bytes, graph_bytes, mem_fraction)
-
-    def _keep_step_memory(self, chunk_budget: int) -> None:
-        """Run the largest step once more, now on the serving token table, and leave its memory in
-        torch's cache (no empty_cache): the memory the KV budget set aside for a step's activations
-        is then held from the start. Otherwise the first steps of each larger shape (a burst's eager
-        steps, their decodes growing) take new blocks from the driver, each a wait for the device
-        (H100 step trace: 8192-token steps whose host launch lasted until the device had run them,
-        docs/benchmarks.md). Skipped where the table cannot hold that step (a budget given by hand)."""
-        plans = largest_step(self.req_table.max_reqs, chunk_budget, self.max_req_total_len, self.config.vocab_size,
-                             PROFILE_SAMPLING)
-        if sum(p.num_tokens for p in plans) > self.max_total_token_num:
-            return
-        for plan in plans:
-            self._submit(plan).result().tokens()
-        self._reset()
 
     # ---- the step ----
 
@@ -498,18 +436,11 @@ class ModelRunner:
         flat_ints = [v for values in ints.values() for v in values]
         flat_floats = [v for values in floats.values() for v in values]
         flat_floats += [0.0] * (len(flat_floats) % 2)
-        if self._uploads is None:
-            host = torch.cat([torch.tensor(flat_ints, dtype=torch.int64),
-                              torch.tensor(flat_floats, dtype=torch.float32).view(torch.int64)])
-            dev = host.to(self.device)
-        else:
-            host = self._uploads.take(len(flat_ints) + len(flat_floats) // 2, torch.int64)
-            host[: len(flat_ints)] = torch.tensor(flat_ints, dtype=torch.int64)
-            host[len(flat_ints):].view(torch.float32)[:] = torch.tensor(flat_floats, dtype=torch.float32)
-            dev = host.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._uploads.used(event)
+        host = torch.cat([torch.tensor(flat_ints, dtype=torch.int64),
+                          torch.tensor(flat_floats, dtype=torch.float32).view(torch.int64)])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
         out = _split(dev[: len(flat_ints)], ints)
         out.update(_split(dev[len(flat_ints):].view(torch.float32), floats))
         return out
@@ -521,16 +452,13 @@ class ModelRunner:
         if top is not None:
             rows += [top[0].T.double(), top[1].T.double()]
         stacked = torch.cat(rows)
-        if self._downloads is None:
+        if self.device.type != "cuda":
             return stacked, parts, None
-        host = self._downloads.take(stacked.numel(), stacked.dtype).view(stacked.shape)
-        host.copy_(stacked, non_blocking=True)
-        # prompt logprobs (rare, and of any size): pinned for this step alone
+        host = _pinned_copy(stacked)
         host_parts = [(r, _pinned_copy(chosen), None if top is None else tuple(map(_pinned_copy, top)))
                       for r, chosen, top in parts]
         event = torch.cuda.Event()
         event.record()
-        self._downloads.used(event)
         return host, host_parts, event
 
     # ---- ops: ended requests and the prefix cache's nodes ----
