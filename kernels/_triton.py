@@ -4,6 +4,7 @@ Without Triton the `@triton.jit` kernels are still defined (so the modules impor
 torch references stay usable) but calling one raises a clear error.
 """
 import logging
+import time
 
 import torch
 
@@ -118,6 +119,12 @@ class _Direct:
                  *args, *self.constexprs)
 
 
+# Launches that took Triton's own path because their specialisation was new to this process, and
+# their host time: where Triton compiled a kernel or loaded it from its disk cache. The step trace
+# records both per step (lightllm/engine/step_trace.py): a serving step should show none.
+NEW_SPECIALISATIONS = {"launches": 0, "ms": 0.0}
+
+
 class _FastKernel:
     """`kernel[grid](*args, **constexprs_and_options)` as Triton's JIT launch, minus its per-call
     binding: Triton specialises and hashes every argument on every call (25-50 us of Python on the
@@ -141,7 +148,10 @@ class _FastKernel:
         key = (_launch_key(args), tuple(kwargs.items()))
         launch = self._compiled.get(key)
         if launch is None:
+            start = time.perf_counter()
             kernel = self.fn[grid](*args, **kwargs)
+            NEW_SPECIALISATIONS["launches"] += 1
+            NEW_SPECIALISATIONS["ms"] += (time.perf_counter() - start) * 1000
             # The compiled kernel takes every parameter in order, constexprs included; they are
             # part of the key, so fixed for it.
             self._compiled[key] = _Direct.of(kernel, tuple(kwargs[n] for n in self.arg_names[len(args):]))

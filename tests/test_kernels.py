@@ -489,10 +489,11 @@ class _FakeJit:
 
 
 def test_fast_launch_compiles_once_per_specialisation_and_passes_every_parameter():
-    from lightllm_kernels._triton import _FastKernel
+    from lightllm_kernels._triton import NEW_SPECIALISATIONS, _FastKernel
 
     jit = _FakeJit()
     kernel = _FastKernel(jit)
+    before = NEW_SPECIALISATIONS["launches"]
     aligned, misaligned = _FakeTensor(4096), _FakeTensor(4098)
     kernel[(4,)](aligned, 32, BLOCK=64, FLAG=True, num_warps=4)  # compiles through Triton
     kernel[(4,)](aligned, 48, BLOCK=64, FLAG=True, num_warps=4)  # same specialisation: direct
@@ -502,6 +503,7 @@ def test_fast_launch_compiles_once_per_specialisation_and_passes_every_parameter
     kernel[(4,)](aligned, 1, BLOCK=64, FLAG=True, num_warps=4)  # 1 is specialised apart: Triton
     kernel[(2, 3)](aligned, 33, BLOCK=64, FLAG=True, num_warps=4)  # as the third: direct
     assert [args[1] for _, args, _ in jit.triton_calls] == [32, 17, 32, 32, 1]
+    assert NEW_SPECIALISATIONS["launches"] - before == 5  # the step trace's new_kernels counts these
     assert jit.direct_calls == [((4, 1, 1), (aligned, 48, 64, True)), ((2, 3, 1), (aligned, 33, 64, True))]
 
 

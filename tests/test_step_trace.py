@@ -49,6 +49,7 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     for s in lines:
         assert 0 <= s["start_ms"] <= s["end_ms"] and s["launch_ms"] >= 0
         assert 0 <= s["gc_ms"] <= s["launch_ms"] and s["launch_cpu_ms"] >= 0
+        assert s["new_kernels"] == 0 and s["new_kernel_ms"] == 0  # CPU tensors never take the fast path
         # on the CPU the device thread's clock brackets the launch, on the host's clock
         assert s["start_ms"] <= s["launched_ms"] <= s["end_ms"]
     for before, after in zip(lines, lines[1:]):
@@ -76,12 +77,13 @@ def test_summary_splits_idle_by_the_step_that_waited():
     assert s["groups"]["decode only (graph)"]["waited_ms"] == [3, 0]  # step 5 has no launched_ms: not counted
     text = step_trace.table(s)
     assert "with chunks, <= 256 chunk tokens (eager) | 1 |" in text
-    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | - | - | 1.50 |" in text
-    steps[1].update(launch_cpu_ms=0.5, gc_ms=0.25)  # traced since those were recorded
-    steps[3].update(launch_cpu_ms=0.7, gc_ms=0.0)
-    steps[4].update(launch_cpu_ms=0.9, gc_ms=0.5)
-    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | 0.70 | 0.25 / 0.5 | 1.50 |" in step_trace.table(
-        step_trace.summarise(steps, long_gap_ms=1000))
+    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | - | - | - | 1.50 |" in text
+    # traced since these were recorded
+    steps[1].update(launch_cpu_ms=0.5, gc_ms=0.25, new_kernels=0, new_kernel_ms=0.0)
+    steps[3].update(launch_cpu_ms=0.7, gc_ms=0.0, new_kernels=2, new_kernel_ms=180.0)
+    steps[4].update(launch_cpu_ms=0.9, gc_ms=0.5, new_kernels=1, new_kernel_ms=20.0)
+    text = step_trace.table(step_trace.summarise(steps, long_gap_ms=1000))
+    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | 0.70 | 0.25 / 0.5 | 3 (180.0) | 1.50 |" in text
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -11,7 +11,9 @@ its shape. Lines go to a JSON-lines file in batches, once the device has passed 
 `launch_cpu_ms` is the launching thread's CPU time over the launch (`time.thread_time`): far
 below `launch_ms`, the thread was held up without running (a lock, the GIL, a blocking driver
 call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
-Eager steps on CUDA also carry the caching allocator's counts so far: `device_allocs`, the
+`new_kernels` and `new_kernel_ms` are the launches in it whose Triton specialisation was new to
+the process and their host time (Triton compiling, or loading from its cache; kernels/_triton.py,
+CUDA only). Eager steps on CUDA also carry the caching allocator's counts so far: `device_allocs`, the
 blocks it had to take from the driver (cudaMalloc), and `alloc_retries`, the allocations it could
 only serve after freeing its cached blocks (cudaFree, which waits for the device).
 
@@ -31,6 +33,8 @@ import json
 import time
 
 import torch
+
+from lightllm_kernels._triton import NEW_SPECIALISATIONS
 
 FLUSH_EVERY = 64  # steps between writes: the events of a step in flight are not ready yet
 
@@ -68,7 +72,7 @@ class StepTrace:
     def begin(self) -> dict:
         """Call before the step's first device work; returns the record `end` completes."""
         return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
-                "start": self._mark()}
+                "new_start": dict(NEW_SPECIALISATIONS), "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
@@ -76,10 +80,13 @@ class StepTrace:
                       launch_ms=(now - record.pop("host_start")) * 1000,
                       launch_cpu_ms=round((cpu - record.pop("cpu_start")) * 1000, 3),
                       gc_ms=round(self._gc_ms - record.pop("gc_start"), 3),
+                      new_kernels=NEW_SPECIALISATIONS["launches"] - record["new_start"]["launches"],
+                      new_kernel_ms=round(NEW_SPECIALISATIONS["ms"] - record.pop("new_start")["ms"], 3),
                       launched_ms=round((now - self._t0) * 1000, 3), end=self._mark())
         if self.cuda and not graph:  # a dict of every allocator statistic: eager steps only, a few of them
             stats = torch.cuda.memory_stats(self.device)
-            record.update(device_allocs=stats.get("num_device_alloc", 0), alloc_retries=stats.get("num_alloc_retries", 0))
+            record.update(device_allocs=stats.get("num_device_alloc", 0),
+                          alloc_retries=stats.get("num_alloc_retries", 0))
         self._pending.append(record)
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()

@@ -45,7 +45,8 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     for step in steps:
         gap = 0.0 if previous_end is None else max(0.0, step["start_ms"] - previous_end)
         g = groups.setdefault(kind(step), {"steps": 0, "device_ms": [], "launch_ms": [], "idle_before_ms": 0.0,
-                                           "decodes": [], "waited_ms": [], "cpu_ms": [], "gc_ms": []})
+                                           "decodes": [], "waited_ms": [], "cpu_ms": [], "gc_ms": [],
+                                           "new_kernels": 0, "new_kernel_ms": []})
         g["steps"] += 1
         if "launched_ms" in step:  # traces from before launched_ms was recorded have none
             g["waited_ms"].append(max(0.0, step["launched_ms"] - step["start_ms"]))
@@ -54,6 +55,9 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
         if "launch_cpu_ms" in step:  # traces from before these were recorded have neither
             g["cpu_ms"].append(step["launch_cpu_ms"])
             g["gc_ms"].append(step["gc_ms"])
+        if "new_kernels" in step:
+            g["new_kernels"] += step["new_kernels"]
+            g["new_kernel_ms"].append(step["new_kernel_ms"])
         g["decodes"].append(step["decodes"])
         if gap > long_gap_ms:
             long_idle += gap
@@ -74,16 +78,18 @@ def table(summary: dict) -> str:
              f"{active / 1000:.2f} s with work (idle between steps {summary['idle_ms'] / 1000:.2f} s; "
              f"{summary['long_idle_ms'] / 1000:.2f} s in gaps with no work left out)", "",
              "| steps | count | mean decodes | mean device ms | host launch ms, mean / max | its CPU ms, mean | "
-             "its GC ms, mean / max | device waited for the launch, mean ms | idle before them, s | share of idle |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "its GC ms, mean / max | its new Triton kernels (most ms in one launch) | device waited for the launch, "
+             "mean ms | idle before them, s | share of idle |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def mean(values: list, fmt: str = ".2f") -> str:
         return format(statistics.mean(values), fmt) if values else "-"
 
     for name, g in sorted(summary["groups"].items(), key=lambda kv: -kv[1]["idle_before_ms"]):
         gc_ms = f"{mean(g['gc_ms'])} / {max(g['gc_ms']):.1f}" if g["gc_ms"] else "-"
+        new = f"{g['new_kernels']} ({max(g['new_kernel_ms']):.1f})" if g["new_kernel_ms"] else "-"
         lines.append(f"| {name} | {g['steps']} | {mean(g['decodes'], '.0f')} | {mean(g['device_ms'])} | "
-                     f"{mean(g['launch_ms'])} / {max(g['launch_ms']):.1f} | {mean(g['cpu_ms'])} | {gc_ms} | "
+                     f"{mean(g['launch_ms'])} / {max(g['launch_ms']):.1f} | {mean(g['cpu_ms'])} | {gc_ms} | {new} | "
                      f"{mean(g['waited_ms'])} | {g['idle_before_ms'] / 1000:.2f} | "
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
     return "\n".join(lines)
