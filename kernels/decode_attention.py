@@ -183,21 +183,22 @@ def _programs_per_wave(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Chunk counters a device keeps: more than a split launch has, which is fewer (request, kv head)
+# pairs than WAVES x programs_per_wave (_split_plan: 528 on an H100), whatever WAVES a test sets.
+NUM_COUNTERS = 4096
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _chunk_counters(device: torch.device) -> torch.Tensor:
     """The device's chunk counters, int32, one per (request, kv head) of a split launch, zero
-    between launches (each launch's last programs set theirs back). A split launch has fewer
-    than WAVES x programs_per_wave of them (_split_plan). Made at the first call on the device,
-    which must run before any CUDA graph capture (cuda_graph.py warms every bucket up first):
-    made inside a capture, the buffer would belong to that graph's memory pool."""
+    between launches (each launch's last programs set theirs back). Made at the first call on
+    the device, which must run before any CUDA graph capture (cuda_graph.py warms every bucket
+    up first): made inside a capture, the buffer would belong to that graph's memory pool."""
     counters = _COUNTERS.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode attention: run it once outside CUDA graph capture first")
-        counters = _COUNTERS[device] = torch.zeros(WAVES * _programs_per_wave(device), dtype=torch.int32,
-                                                   device=device)
+        counters = _COUNTERS[device] = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
     return counters
 
 

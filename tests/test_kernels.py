@@ -231,6 +231,20 @@ def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     assert buffer[[0, -1]].isnan().all() and buffer[:, num_q_heads].isnan().all()
 
 
+def test_decode_attention_split_launches_leave_their_counters_at_zero(monkeypatch):
+    """The chunks of a request are merged by the last of its programs to count itself done, and
+    that program zeroes the (request, kv head)'s counter: after launches of different plans in a
+    row (the counters shared, as by the layers of a step) each output is the reference's and
+    every counter is back at zero."""
+    monkeypatch.setattr(decode_module, "WAVES", 64)
+    for seq_lens, num_kv_heads in (([5, 130, 37, 300], 2), ([200, 1, 64], 4), ([300] * 6, 2)):
+        args = decode_batch(seq_lens, 8, num_kv_heads, 64, torch.float32) + (max(seq_lens), 0.125)
+        num_splits, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
+        assert num_splits > 1
+        assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[torch.float32])
+        assert not decode_module._chunk_counters(args[0].device).any()
+
+
 @pytest.mark.parametrize("window", [0, 40])
 def test_decode_attention_under_a_graph_bound_splits_each_request(window, monkeypatch):
     """A CUDA graph launches with max_req_total_len as the bound, far above the lengths that run:
