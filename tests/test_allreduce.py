@@ -364,7 +364,7 @@ def fused_worker(rank, world_size, port, seed, results):
     for dtype in (torch.bfloat16, torch.float32):
         weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(seed))).to(dtype).to(device)
         for rows in FUSED_ROWS:
-            if rows * hidden * dtype.itemsize > group.symmetric.fused.data_bytes:
+            if rows * hidden * dtype.itemsize > group.symmetric.fused.region_bytes:
                 continue
             parts, residual = inputs(rows, rows, dtype)
             got = group.reduce_add_rms_norm(parts[rank].clone(), residual.clone(), weight, eps)

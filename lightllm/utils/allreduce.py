@@ -132,7 +132,7 @@ class SymmetricAllReduce:
                 data_ptrs=torch.tensor([b + capacity for b in bases], dtype=torch.int64, device=device),
                 flags_ptrs=torch.tensor([b + capacity + data_bytes for b in bases], dtype=torch.int64, device=device),
                 counters=torch.zeros(FUSED_MAX_ROWS, dtype=torch.int64, device=device),
-                rank=dist.get_rank(), data_bytes=region_bytes)
+                rank=dist.get_rank(), region_bytes=region_bytes)
         return cls(buffer, group_name, world_size, capacity, regions)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -143,11 +143,11 @@ class SymmetricAllReduce:
         if (fused is None or residual is None or x.dim() != 2 or x.dtype not in FUSED_DTYPES
                 or residual.dtype != x.dtype or weight.dtype != x.dtype or residual.shape != x.shape
                 or not (x.is_contiguous() and residual.is_contiguous()) or x.shape[0] > FUSED_MAX_ROWS
-                or x.shape[1] > FUSED_MAX_HIDDEN or x.numel() * x.element_size() > fused.data_bytes):
+                or x.shape[1] > FUSED_MAX_HIDDEN or x.numel() * x.element_size() > fused.region_bytes):
             return None
         return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
                                             flags_ptrs=fused.flags_ptrs, counters=fused.counters, rank=fused.rank,
-                                            region_bytes=fused.data_bytes)
+                                            region_bytes=fused.region_bytes)
 
     def path(self, x: torch.Tensor) -> AllReducePath:
         if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % ALIGNMENT:
@@ -185,7 +185,7 @@ class FusedRegions:
     flags_ptrs: torch.Tensor  # int64 [world]: each rank's flags
     counters: torch.Tensor  # int64 [FUSED_MAX_ROWS]: this rank's calls so far, per row (the epochs)
     rank: int
-    data_bytes: int  # each data region's size: the largest message it takes
+    region_bytes: int  # each data region's size: the largest message it takes
 
 
 def setup_symmetric(device: torch.device, world_size: int, single_node: bool,

@@ -316,6 +316,9 @@ import json, re, statistics, sys
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, "test/benchmark")
+from serving_metrics import slowest_first_tokens
+
 def stamp(text, fmt):
     try:
         return datetime.strptime(text, fmt).timestamp()
@@ -360,8 +363,6 @@ def serve_rows(entries):
               f"{num(s, 'median_ttft_ms')} | {num(s, 'p99_ttft_ms')} | {num(s, 'median_tpot_ms')} | "
               f"{num(s, 'p99_tpot_ms')} | {busy(d / 'gpu.csv', *window)} |")
         if s.get("per_request"):
-            sys.path.insert(0, "test/benchmark")
-            from serving_metrics import slowest_first_tokens
             tails.append(f"- {name}, the slowest first tokens: {slowest_first_tokens(s['per_request'])}")
     print("", *tails, sep="\n")
 
