@@ -3,6 +3,7 @@
 Without Triton the `@triton.jit` kernels are still defined (so the modules import and the
 torch references stay usable) but calling one raises a clear error.
 """
+import functools
 import logging
 import time
 
@@ -165,6 +166,36 @@ def fast_launch(fn):
     return _FastKernel(fn) if HAS_TRITON else fn
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device, elsewhere: int = 1) -> int:
+    """The device's streaming multiprocessors (what a wave of programs fills); `elsewhere` for a
+    CPU tensor (the interpreter, where any launch plan is correct)."""
+    if device.type != "cuda":
+        return elsewhere
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def zeroed_counters(owner: str, size: int, device: torch.device) -> torch.Tensor:
+    """`owner`'s int32 counters on `device`, zero between launches: a kernel whose programs count
+    themselves done (the last one then finishes the work: decode attention's merge, the split-K
+    GEMM's sum) sets its counters back before it ends. Made at the first call on the device, which
+    must run before any CUDA graph capture (cuda_graph.py warms every bucket up first): made
+    inside a capture, the buffer would belong to that graph's memory pool."""
+    counters = _COUNTERS.get((owner, device))
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner}: run it once outside CUDA graph capture first")
+        counters = _COUNTERS[owner, device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
 @triton.jit
 def dot(a, b, UPCAST: tl.constexpr):
     """tl.dot with fp32 accumulation. UPCAST (set for CPU tensors, i.e. under TRITON_INTERPRET)
@@ -218,4 +249,4 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 __all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype", "next_power_of_2",
-           "score_scale", "triton", "tl"]
+           "num_sms", "score_scale", "triton", "tl", "zeroed_counters"]

@@ -14,11 +14,10 @@ included (as transformers' sliding mask: key position > query position - window)
 split those keys alone. `softcap` > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2).
 Both are compile-time constants of the Triton kernel: an unwindowed, uncapped layer pays nothing.
 """
-import functools
-
 import torch
 
-from ._triton import attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, tl, triton
+from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, num_sms, score_scale, tl,
+                      triton, zeroed_counters)
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -172,34 +171,18 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, o_row_ptr, parts, num_used, heads, h
              (acc / total[:, None]).to(o_row_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _programs_per_wave(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: any plan is correct, this one is small
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return num_sms(device)
 
 
 # Chunk counters a device keeps: more than a split launch has, which is fewer (request, kv head)
 # pairs than WAVES x programs_per_wave (_split_plan: 528 on an H100), whatever WAVES a test sets.
 NUM_COUNTERS = 4096
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _chunk_counters(device: torch.device) -> torch.Tensor:
-    """The device's chunk counters, int32, one per (request, kv head) of a split launch, zero
-    between launches (each launch's last programs set theirs back). Made at the first call on
-    the device, which must run before any CUDA graph capture (cuda_graph.py warms every bucket
-    up first): made inside a capture, the buffer would belong to that graph's memory pool."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention: run it once outside CUDA graph capture first")
-        counters = _COUNTERS[device] = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
-    return counters
+    """One int32 per (request, kv head) of a split launch, zero between launches."""
+    return zeroed_counters("decode attention", NUM_COUNTERS, device)
 
 
 def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device,

@@ -3,19 +3,19 @@ and x quantised to fp8 per token at each call ("dynamic" activation scales), as 
 SGLang's `--quantization fp8` do for a bf16 checkpoint.
 
 Two GEMMs, one operation (y = sx * sw * (xq @ wq^T), accumulated in fp32):
-- up to SMALL_M_MAX tokens (decode steps), a split-K Triton kernel that streams the fp8
-  weight at close to copy speed: cuBLAS's fp8 kernels do not at these sizes (H100, 8B shapes,
-  M = 1: qkv 21.6 us against 20.6 us in bf16, o 17.9 against 9.1, down 53.8 against 42.9);
+- up to SMALL_M_MAX tokens (decode steps), the split-K Triton kernel of kernels/linear.py, which
+  streams the fp8 weight at close to copy speed: cuBLAS's fp8 kernels do not at these sizes
+  (H100, 8B shapes, M = 1: qkv 21.6 us against 20.6 us in bf16, o 17.9 against 9.1, down 53.8
+  against 42.9);
 - above it, cuBLAS's scaled fp8 GEMM (`torch._scaled_mm`, row-wise scales), on fp8 tensor cores
   1.4-1.6x faster than bf16 from M = 512 (gate_up at M = 4096: 867 against 1422 us).
 The per-token quantisation in front of both is the first kernel here. The reference does the
 same quantisation in torch and the GEMM in fp32, so the paths differ only by accumulation order.
 """
-import functools
-
 import torch
 
-from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
+from ._triton import fast_launch, next_power_of_2, tl, triton
+from .linear import small_m_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -100,108 +100,13 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return fp8_gemm_ref(*quantize_fp8_rows_ref(x), weight, weight_scale, x.dtype)
 
 
-
-
-SMALL_M_MAX = 64
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def small_m_plan(m: int, n: int, k: int, num_sms: int, block_n: int | None = None, block_k: int = 256,
-                 waves: int | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits): enough (column block, K slice) programs for `waves`
-    per SM, each K slice a whole number of BLOCK_K. The defaults are the H100's best or within
-    8% of it (test/benchmark/fp8_gemm_bench.py --tune, 8B shapes, M = 1 and 48): at M <= 16 two
-    waves, and columns in blocks of 32 when a layer is wide enough to fill them without splitting
-    K (gate_up: 41.8 against 50.3 us); above, one wave, since each split's fp32 partial grows with M."""
-    block_m = max(16, next_power_of_2(m))
-    if waves is None:
-        waves = 2 if m <= 16 else 1
-    if block_n is None:
-        block_n = 32 if m <= 16 and cdiv(n, 64) >= 2 * num_sms else 64
-    col_blocks = cdiv(n, block_n)
-    k_blocks = cdiv(k, block_k)
-    splits = max(1, min(k_blocks, cdiv(waves * num_sms, col_blocks)))
-    splits = cdiv(k_blocks, cdiv(k_blocks, splits))  # equal slices, none empty
-    return block_m, block_n, block_k, splits
-
-
-@fast_launch
-@triton.jit
-def _fp8_gemm_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, m, n, k, k_per_split, x_stride, w_stride,
-                             out_split_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One column block over one K slice. PARTIAL: store the fp32 sum for _reduce_splits_kernel;
-    else scale and store the output."""
-    col_block, split = tl.program_id(0), tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < m, cols < n
-    ks = tl.arange(0, BLOCK_K)
-    k_start = split * k_per_split
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):
-        kk = k0 + ks
-        k_mask = kk < k
-        x = tl.load(xq_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + kk[:, None],
-                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-        acc += dot(x, w, DOT_UPCAST)
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + split * out_split_stride + rows[:, None] * out_stride + cols[None, :], acc, mask=out_mask)
-    else:
-        xs = tl.load(xs_ptr + rows, mask=row_mask, other=0.0)
-        ws = tl.load(ws_ptr + cols, mask=col_mask, other=0.0)
-        y = acc * xs[:, None] * ws[None, :]
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@fast_launch
-@triton.jit
-def _reduce_splits_kernel(part_ptr, xs_ptr, ws_ptr, out_ptr, n, splits, part_split_stride, part_stride, out_stride,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * part_split_stride + row * part_stride + cols, mask=mask, other=0.0)
-    y = acc * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def fp8_gemm_small_m(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     out_dtype: torch.dtype, plan: tuple[int, int, int, int] | None = None,
-                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """sx * sw * (q @ weight^T) for up to a few dozen rows; `plan` (small_m_plan's) overrides the choice."""
-    m, k = q.shape
-    n = weight.shape[0]
-    num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
-    block_m, block_n, block_k, splits = plan or small_m_plan(m, n, k, num_sms)
-    k_per_split = cdiv(cdiv(k, block_k), splits) * block_k
-    out = torch.empty(m, n, dtype=out_dtype, device=q.device)
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
-    grid = (cdiv(n, block_n), splits)
-    _fp8_gemm_small_m_kernel[grid](q, scale, weight, weight_scale, part, m, n, k, k_per_split, q.stride(0),
-                                   weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
-                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=splits > 1,
-                                   DOT_UPCAST=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        block = min(next_power_of_2(n), 1024)
-        _reduce_splits_kernel[(m, cdiv(n, block))](part, scale, weight_scale, out, n, splits, part.stride(0),
-                                                          part.stride(1), out.stride(0), BLOCK=block, num_warps=4)
-    return out
+SMALL_M_MAX = 64  # rows served by the split-K kernel (kernels/linear.py); above, cuBLAS's scaled GEMM
 
 
 def fp8_gemm_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     if q.shape[0] <= SMALL_M_MAX:
-        return fp8_gemm_small_m(q, scale, weight, weight_scale, out_dtype)
+        return small_m_gemm(q, weight, out_dtype, x_scale=scale, weight_scale=weight_scale)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
 
 
