@@ -3,10 +3,10 @@ and x quantised to fp8 per token at each call ("dynamic" activation scales), as 
 SGLang's `--quantization fp8` do for a bf16 checkpoint.
 
 Two GEMMs, one operation (y = sx * sw * (xq @ wq^T), accumulated in fp32):
-- up to SMALL_M_MAX tokens (decode steps), the split-K Triton kernel of kernels/linear.py, which
-  streams the fp8 weight at close to copy speed: cuBLAS's fp8 kernels do not at these sizes
-  (H100, 8B shapes, M = 1: qkv 21.6 us against 20.6 us in bf16, o 17.9 against 9.1, down 53.8
-  against 42.9);
+- up to SMALL_M_MAX tokens (decode steps), a split-K Triton kernel that streams the fp8
+  weight at close to copy speed (one launch: each column block's last K slice to finish adds
+  the slices up, counted on a device counter as decode attention merges its chunks): cuBLAS's fp8 kernels do not at these sizes (H100, 8B shapes,
+  M = 1: qkv 21.6 us against 20.6 us in bf16, o 17.9 against 9.1, down 53.8 against 42.9);
 - above it, cuBLAS's scaled fp8 GEMM (`torch._scaled_mm`, row-wise scales), on fp8 tensor cores
   1.4-1.6x faster than bf16 from M = 512 (gate_up at M = 4096: 867 against 1422 us).
 The per-token quantisation in front of both is the first kernel here. The reference does the
@@ -14,8 +14,7 @@ same quantisation in torch and the GEMM in fp32, so the paths differ only by acc
 """
 import torch
 
-from ._triton import fast_launch, next_power_of_2, tl, triton
-from .linear import small_m_gemm
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, num_sms, tl, triton, zeroed_counters
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -100,13 +99,105 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return fp8_gemm_ref(*quantize_fp8_rows_ref(x), weight, weight_scale, x.dtype)
 
 
-SMALL_M_MAX = 64  # rows served by the split-K kernel (kernels/linear.py); above, cuBLAS's scaled GEMM
+
+
+SMALL_M_MAX = 64
+
+
+def small_m_plan(m: int, n: int, k: int, num_sms: int, block_n: int | None = None, block_k: int = 256,
+                 waves: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits): enough (column block, K slice) programs for `waves`
+    per SM, each K slice a whole number of BLOCK_K. The defaults are the H100's best or within
+    8% of it (test/benchmark/fp8_gemm_bench.py --tune, 8B shapes, M = 1 and 48): at M <= 16 two
+    waves, and columns in blocks of 32 when a layer is wide enough to fill them without splitting
+    K (gate_up: 41.8 against 50.3 us); above, one wave, since each split's fp32 partial grows with M."""
+    block_m = max(16, next_power_of_2(m))
+    if waves is None:
+        waves = 2 if m <= 16 else 1
+    if block_n is None:
+        block_n = 32 if m <= 16 and cdiv(n, 64) >= 2 * num_sms else 64
+    col_blocks = cdiv(n, block_n)
+    k_blocks = cdiv(k, block_k)
+    splits = max(1, min(k_blocks, cdiv(waves * num_sms, col_blocks)))
+    splits = cdiv(k_blocks, cdiv(k_blocks, splits))  # equal slices, none empty
+    return block_m, block_n, block_k, splits
+
+
+@triton.jit
+def _store_scaled(acc, xs_ptr, ws_ptr, out_ptr, rows, cols, row_mask, col_mask, out_stride):
+    y = acc * tl.load(xs_ptr + rows, mask=row_mask, other=0.0)[:, None] * tl.load(ws_ptr + cols, mask=col_mask,
+                                                                                  other=0.0)[None, :]
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@fast_launch
+@triton.jit
+def _fp8_gemm_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, out_ptr, counters_ptr, m, n, k, k_per_split,
+                             splits, x_stride, w_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One column block over one K slice. SPLIT: the slice's fp32 sum goes to part [splits, m, n],
+    and the column block's last slice to count itself done adds them up, scales and stores."""
+    col_block, split = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    ks = tl.arange(0, BLOCK_K)
+    k_start = split * k_per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):
+        kk = k0 + ks
+        k_mask = kk < k
+        x = tl.load(xq_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + kk[:, None],
+                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += dot(x, w, DOT_UPCAST)
+    if SPLIT:
+        parts = part_ptr + rows[:, None] * n + cols[None, :]  # split 0's; split s is s * m * n further
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(parts + split * m * n, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's stores before the count (the atomic releases them)
+        counter = counters_ptr + col_block
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:  # the last slice done: add them up
+            tl.store(counter, 0)  # every slice has counted: ready for the next launch
+            tl.debug_barrier()  # the other slices' sums, acquired, before any thread reads them
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, splits):  # L1 may hold none of them: bypass it
+                total += tl.load(parts + s * m * n, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_scaled(total, xs_ptr, ws_ptr, out_ptr, rows, cols, row_mask, col_mask, out_stride)
+    else:
+        _store_scaled(acc, xs_ptr, ws_ptr, out_ptr, rows, cols, row_mask, col_mask, out_stride)
+
+
+# Column blocks one split launch may have, one counter each (gate_up of an 8B model: 896).
+NUM_COUNTERS = 8192
+
+
+def fp8_gemm_small_m(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     out_dtype: torch.dtype, plan: tuple[int, int, int, int] | None = None,
+                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """sx * sw * (q @ weight^T) for up to a few dozen rows, one launch; `plan` (small_m_plan's)
+    overrides the choice."""
+    m, k = q.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, splits = plan or small_m_plan(m, n, k, num_sms(q.device, elsewhere=4))
+    split = splits > 1
+    assert not split or cdiv(n, block_n) <= NUM_COUNTERS
+    out = torch.empty(m, n, dtype=out_dtype, device=q.device)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if split else out
+    counters = zeroed_counters("fp8 small-M GEMM", NUM_COUNTERS, q.device) if split else out
+    _fp8_gemm_small_m_kernel[(cdiv(n, block_n), splits)](
+        q, scale, weight, weight_scale, part, out, counters, m, n, k, cdiv(cdiv(k, block_k), splits) * block_k,
+        splits, q.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT=split, DOT_UPCAST=not q.is_cuda, num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 def fp8_gemm_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     if q.shape[0] <= SMALL_M_MAX:
-        return small_m_gemm(q, weight, out_dtype, x_scale=scale, weight_scale=weight_scale)
+        return fp8_gemm_small_m(q, scale, weight, weight_scale, out_dtype)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
 
 

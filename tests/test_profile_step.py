@@ -33,10 +33,10 @@ def test_profile_step_reports_every_measure(tmp_path):
 
 
 def test_fp8_kernels_are_labelled_by_their_place_in_the_layer():
-    names = ["_rms_norm_kernel", "_quantize_rows_kernel", "_small_m_gemm_kernel",
+    names = ["_rms_norm_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel",
              "_rotary_kv_kernel", "_decode_split_kernel",
-             "_quantize_rows_kernel", "_small_m_gemm_kernel", "_rms_norm_kernel", "_quantize_rows_kernel",
-             "sm90_xmma_gemm_e4m3", "_silu_and_mul_kernel", "_quantize_rows_kernel", "_small_m_gemm_kernel",
+             "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel", "_rms_norm_kernel", "_quantize_rows_kernel",
+             "sm90_xmma_gemm_e4m3", "_silu_and_mul_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel",
              "sm90_xmma_splitKreduce", "_rms_norm_kernel", "nvjet_sm90_tst_lm"]
     labels = [g for g, _, _ in profile_step.label_kernels([(n, i, i + 1) for i, n in enumerate(names)], 1)]
     assert [g for g in labels if g.startswith("GEMM") and "split" not in g] == [

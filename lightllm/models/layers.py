@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
 from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear,
-                              gelu_tanh_and_mul, linear, rms_norm, rotary_kv_, silu_and_mul)
+                              gelu_tanh_and_mul, rms_norm, rotary_kv_, silu_and_mul)
 from lightllm_kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
@@ -113,7 +113,7 @@ class ColumnParallelLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is None:
-            return linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         return _add_bias(self.fp8(x), self.bias)
 
 
@@ -145,7 +145,7 @@ class RowParallelLinear:
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight_t.t()) if self.fp8 is None else self.fp8(x)
+        y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
         if not self.reduce_output:
             return y
         return _add_bias(self.tp.all_reduce(y), self.bias)

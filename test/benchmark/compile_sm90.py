@@ -33,8 +33,8 @@ from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton  # noqa
 from lightllm_kernels.apply_penalties import apply_penalties_triton  # noqa: E402
 from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E402
 from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
-from lightllm_kernels.fp8_linear import quantize_fp8_rows_triton, quantize_fp8_weight  # noqa: E402
-from lightllm_kernels.linear import small_m_gemm, small_m_plan  # noqa: E402
+from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
+                                         small_m_plan)
 from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
@@ -96,12 +96,8 @@ def call_every_kernel() -> None:
         gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
     q8, scale = quantize_fp8_rows_triton(x)
     w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
-    w16 = torch.randn(1024, HIDDEN, dtype=BF16)
-    for sms in (4, H100_SMS):  # K whole, and split (the column block's last slice adds them up)
-        plan = small_m_plan(tokens, 1024, HIDDEN, sms)
-        small_m_gemm(q8, w8, BF16, x_scale=scale, weight_scale=w_scale, plan=plan)
-        small_m_gemm(x, w16, BF16, plan=plan)  # bf16, W [N, K] (column-parallel layers)
-        small_m_gemm(x, w16.t().contiguous().t(), BF16, bias=w16[0], plan=plan)  # W^T's view, a bias
+    for sms in (4, H100_SMS):  # K whole, and split (each column block's last slice adds the slices up)
+        fp8_gemm_small_m(q8, scale, w8, w_scale, BF16, plan=small_m_plan(tokens, 1024, HIDDEN, sms))
     qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=BF16)
     q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))

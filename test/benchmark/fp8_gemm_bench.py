@@ -24,19 +24,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from static_benchmark import graph_call_us  # noqa: E402
 
-from lightllm_kernels.fp8_linear import fp8_linear_triton, quantize_fp8_rows_triton, quantize_fp8_weight
-from lightllm_kernels.linear import bf16_plan, linear_triton, small_m_gemm, small_m_plan
-
-
-def fp8_gemm_small_m(xq, xs, wq, ws, out_dtype, plan=None, num_warps=4, num_stages=3):
-    return small_m_gemm(xq, wq, out_dtype, x_scale=xs, weight_scale=ws, plan=plan, num_warps=num_warps,
-                        num_stages=num_stages)
+from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, fp8_linear_triton, quantize_fp8_rows_triton,
+                                         quantize_fp8_weight, small_m_plan)
 
 logger = logging.getLogger("fp8_gemm_bench")
 
 SHAPES = {  # name -> [(projection, N, K)]
     "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
-    "8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168)],
     "70b-tp8": [("qkv", 1280, 8192), ("o", 8192, 1024), ("gate_up", 7168, 8192), ("down", 8192, 3584)],
 }
 
@@ -117,101 +111,18 @@ def tune(shapes, ms: list[int]) -> list[str]:
     return lines
 
 
-ROW_PARALLEL = ("o", "down")  # the layers keep W^T [K, N] for these: the kernels see its [N, K] view
-COLD_BYTES = 256 << 20  # weights cycled through per call, > 2x the L2 (50 MB on an H100): as a step's layers
-
-
-def bf16_weights(name: str, n: int, k: int) -> list[torch.Tensor]:
-    """Enough copies of one projection's weight, in the layer's layout, that a graph calling them in
-    turn reads each from memory, not from L2, as a decode step does (every layer its own weight)."""
-    copies = max(2, -(-COLD_BYTES // (2 * n * k)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    return [w.t().contiguous().t() for w in ws] if name in ROW_PARALLEL else ws
-
-
-def cold_us(fn, weights: list[torch.Tensor]) -> float:
-    """Microseconds of fn(w) a call, the graph cycling through `weights` (5 rounds, 5 replays)."""
-    return graph_call_us(lambda: [fn(w) for w in weights], calls=5, replays=5) / len(weights)
-
-
-def bf16_small_m(shapes, ms: list[int], tune_ms: list[int]) -> list[str]:
-    """cuBLAS (F.linear on the layer's layout) against the split-K kernel with bf16_plan's plan and
-    against `linear` (which takes one or the other) at each M, weights read from memory; at
-    tune_ms, every plan around bf16_plan's too, the best five."""
-    lines = ["| proj | M | cuBLAS us | small-M us | small-M GB/s | linear us | linear / cuBLAS |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    tuned = []
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, n, k in shapes:
-        ws = bf16_weights(name, n, k)
-        for m in sorted(set(ms) | set(tune_ms)):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x, ws[0]).float()
-            plan, warps, stages = bf16_plan(m, n, k, num_sms, name in ROW_PARALLEL)
-            kernel = functools.partial(small_m_gemm, x, out_dtype=torch.bfloat16, plan=plan, num_warps=warps,
-                                       num_stages=stages)
-            for fn in (kernel, lambda w: linear_triton(x, w)):
-                assert torch.allclose(fn(ws[0]).float(), ref, rtol=2e-2, atol=2e-2)
-            cublas = cold_us(lambda w: F.linear(x, w), ws)
-            small = cold_us(kernel, ws)
-            dispatched = cold_us(lambda w: linear_triton(x, w), ws)
-            lines.append(f"| {name} | {m} | {cublas:.1f} | {small:.1f} | {2 * n * k / small / 1e3:.0f} | "
-                         f"{dispatched:.1f} | {dispatched / cublas:.3f} |")
-            logger.info(lines[-1])
-            if m in tune_ms:
-                tuned.append(tune_bf16(name, x, ws, ref, num_sms, cublas, small))
-    return tuned + lines
-
-
-def tune_bf16(name: str, x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor, num_sms: int,
-              cublas: float, default: float) -> str:
-    (m, k), n = x.shape, ws[0].shape[0]
-    results = []
-    for block_n in (16, 32, 64, 128):
-        for block_k in (128, 256, 512):
-            for waves in (1, 2, 4):
-                for warps, stages in ((2, 4), (4, 3), (4, 4), (8, 4)):
-                    plan = small_m_plan(m, n, k, num_sms, block_n, block_k, waves)
-                    run = functools.partial(small_m_gemm, x, out_dtype=torch.bfloat16, plan=plan, num_warps=warps,
-                                            num_stages=stages)
-                    try:
-                        assert torch.allclose(run(ws[0]).float(), ref, rtol=2e-2, atol=2e-2)
-                        results.append((cold_us(lambda w: run(w), ws), plan, waves, warps, stages))
-                    except Exception as e:  # a config Triton cannot compile (shared memory)
-                        logger.info("%s M=%d %s: %s", name, m, plan, str(e).splitlines()[0][:120])
-    results.sort(key=lambda r: r[0])
-    line = (f"bf16 {name} M={m}: cuBLAS {cublas:.1f} us, bf16_plan {default:.1f} us ({2 * n * k / default / 1e3:.0f} "
-            "GB/s); best: " + "; ".join(f"{t:.1f} us {p} waves {wv} warps {wp} stages {st}"
-                                        for t, p, wv, wp, st in results[:5]))
-    logger.info(line)
-    return line
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--ms", default="1,8,32,64,128,256,512,1024,4096")
     parser.add_argument("--out-md", default=None)
     parser.add_argument("--tune", default="", help="M values to tune the small-M kernel at (e.g. 1,16,64)")
-    parser.add_argument("--bf16-small-m", default="", help="bf16 weights instead: the split-K kernel against "
-                        "cuBLAS at these M (e.g. 1,2,4,8,16,32), weights read from memory")
-    parser.add_argument("--bf16-tune", default="", help="with --bf16-small-m: M values to tune its plan at")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         logger.error("fp8_gemm_bench needs a CUDA GPU")
         return 2
     torch.manual_seed(0)
-    if args.bf16_small_m:
-        ms = [int(m) for m in args.bf16_small_m.split(",")]
-        tune_ms = [int(m) for m in args.bf16_tune.split(",") if m]
-        text = "\n".join([f"{torch.cuda.get_device_name()}, {args.shapes}, bf16 weights"]
-                         + bf16_small_m(SHAPES[args.shapes], ms, tune_ms))
-        print(text)
-        if args.out_md:
-            with open(args.out_md, "w") as f:
-                f.write(text + "\n")
-        return 0
     tuned = tune(SHAPES[args.shapes], [int(m) for m in args.tune.split(",")]) if args.tune else []
     rows = []
     for name, n, k in SHAPES[args.shapes]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib
 import io
 import logging
 import pstats
@@ -65,7 +64,7 @@ def is_gemm(name: str) -> bool:
     lowered = name.lower()
     if "reduce" in lowered:  # cuBLAS's split-K reduction: part of the GEMM before it
         return False
-    return any(s in lowered for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")) or "_small_m_gemm" in name
+    return any(s in lowered for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")) or "_fp8_gemm" in name
 
 
 def group_of(name: str) -> str:
@@ -368,9 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-cuda-graph", action="store_true")
     add("--triton-launch", choices=("fast", "triton"), default="fast",
         help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
-    add("--small-m-max", type=int, default=None,
-        help="bf16 projections of up to this many rows on the split-K Triton GEMM, above on cuBLAS "
-             "(lightllm_kernels.linear.SMALL_M_MAX; 0: cuBLAS always)")
     add("--out-md", type=Path, default=None)
     return parser
 
@@ -382,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         import lightllm_kernels._triton
 
         lightllm_kernels._triton.FAST_LAUNCH = False
-    if args.small_m_max is not None:  # the module: the package's `linear` is the function of that name
-        importlib.import_module("lightllm_kernels.linear").SMALL_M_MAX = args.small_m_max
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
