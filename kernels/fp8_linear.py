@@ -4,9 +4,10 @@ SGLang's `--quantization fp8` do for a bf16 checkpoint.
 
 Two GEMMs, one operation (y = sx * sw * (xq @ wq^T), accumulated in fp32):
 - up to SMALL_M_MAX tokens (decode steps), a split-K Triton kernel that streams the fp8
-  weight at close to copy speed (one launch: each column block's last K slice to finish adds
-  the slices up, counted on a device counter as decode attention merges its chunks): cuBLAS's fp8 kernels do not at these sizes (H100, 8B shapes,
-  M = 1: qkv 21.6 us against 20.6 us in bf16, o 17.9 against 9.1, down 53.8 against 42.9);
+  weight at close to copy speed, where cuBLAS's fp8 kernels do not (H100, 8B shapes, M = 1:
+  qkv 21.6 us against 20.6 us in bf16, o 17.9 against 9.1, down 53.8 against 42.9); one launch:
+  each column block's last K slice to finish adds the slices up, counted on a device counter
+  as decode attention merges its chunks;
 - above it, cuBLAS's scaled fp8 GEMM (`torch._scaled_mm`, row-wise scales), on fp8 tensor cores
   1.4-1.6x faster than bf16 from M = 512 (gate_up at M = 4096: 867 against 1422 us).
 The per-token quantisation in front of both is the first kernel here. The reference does the
