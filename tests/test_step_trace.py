@@ -44,6 +44,9 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     runner._trace.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(s["decodes"], s["chunk_tokens"], s["chunks"]) for s in lines] == sent
+    # the KV tokens each step's attention reads: request 1 has 7 + k tokens at its k-th decode;
+    # the last step's chunks hold 20 and 3 tokens, and its decode the 5th token of request 1
+    assert [(s["decode_context"], s["chunk_context"]) for s in lines] == [(0, 7), (8, 0), (9, 0), (10, 0), (11, 23)]
     # every step fits a graph bucket (padded, run eagerly on the CPU) but the last, of 24 tokens > 16
     assert [s["graph"] for s in lines] == [decodes + tokens <= 16 for decodes, tokens, _ in sent]
     for s in lines:
@@ -92,3 +95,24 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "timeline.png"
     step_trace.plot(steps, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_floor_table_prices_each_step_by_its_weights_kv_and_flops(tiny_model):
+    """The floor of a step from its shape, by hand for the tiny model: weights and KV at the
+    bandwidth, against (or, GEMMs then attention, beside) its tokens' FLOPs at the peak."""
+    model = step_trace.floor_model(tiny_model, bandwidth_gbs=1.0, peak_tflops=1e-3)  # 1 GB/s, 1 GFLOP/s
+    decode = {"decodes": 4, "chunk_tokens": 0, "chunks": 0, "decode_context": 100, "chunk_context": 0,
+              "start_ms": 0.0, "end_ms": 1.0}
+    prefill = dict(decode, decodes=0, chunk_tokens=3000, chunks=1, decode_context=0, chunk_context=3000)
+    for step in (decode, prefill):
+        memory = (model["weight_bytes"] + (step["decode_context"] + step["chunk_context"]) * model["kv_bytes"]) / 1e6
+        flops = ((step["decodes"] + step["chunk_tokens"]) * model["flops_per_token"]
+                 + step["decodes"] * model["head_flops"]) / 1e6
+        roofline, serial = step_trace.step_floor(step, model)
+        assert roofline == pytest.approx(max(memory, flops))
+        assert serial == pytest.approx(max(model["weight_bytes"] / 1e6, flops)
+                                       + (step["decode_context"] + step["chunk_context"]) * model["kv_bytes"] / 1e6)
+        assert roofline <= serial
+    assert step_trace.step_floor(prefill, model)[0] > step_trace.step_floor(decode, model)[0]
+    text = step_trace.floor_table([decode, prefill], model)
+    assert "| decode only, <= 8 decodes | 1 |" in text and "| with chunks | 1 |" in text and "| all | 2 |" in text

@@ -332,7 +332,8 @@ class ModelRunner:
         self._last_launched = launched
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(decodes), sum(len(c.token_ids) for _, c in chunks), len(chunks),
-                            decode_graph or layout is not None)
+                            decode_graph or layout is not None, sum(r.seq_len for r in decodes),
+                            sum(r.seq_len for r, _ in chunks))
         return launched
 
     def _matcher(self, params):

@@ -5,9 +5,11 @@ the CPU the device thread's clock around the step), how long the host took to la
 its shape. Lines go to a JSON-lines file in batches, once the device has passed them:
 
     {"step": 12, "decodes": 250, "chunk_tokens": 3846, "chunks": 9, "graph": false,
-     "launch_ms": 24.1, "launch_cpu_ms": 23.8, "gc_ms": 0.0, "launched_ms": 5020.7, "start_ms": 5021.3,
-     "end_ms": 5130.8}
+     "decode_context": 98310, "chunk_context": 4410, "launch_ms": 24.1, "launch_cpu_ms": 23.8,
+     "gc_ms": 0.0, "launched_ms": 5020.7, "start_ms": 5021.3, "end_ms": 5130.8}
 
+`decode_context` and `chunk_context` are the KV tokens the step's attention reads: the decodes'
+lengths and the chunked requests' lengths after the step (its prefix and chunk), summed.
 `launch_cpu_ms` is the launching thread's CPU time over the launch (`time.thread_time`): far
 below `launch_ms`, the thread was held up without running (a lock, the GIL, a blocking driver
 call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
@@ -74,9 +76,11 @@ class StepTrace:
         return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
                 "new_start": dict(NEW_SPECIALISATIONS), "start": self._mark()}
 
-    def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool) -> None:
+    def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
+            decode_context: int, chunk_context: int) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
+                      decode_context=decode_context, chunk_context=chunk_context,
                       launch_ms=(now - record.pop("host_start")) * 1000,
                       launch_cpu_ms=round((cpu - record.pop("cpu_start")) * 1000, 3),
                       gc_ms=round(self._gc_ms - record.pop("gc_start"), 3),

@@ -1,6 +1,6 @@
 """Summarise a step trace (`--step_trace PATH` of the server): where the device idled, and why.
 
-    python test/benchmark/step_trace.py TRACE.jsonl [--long-gap-ms 1000] [--plot timeline.png]
+    python test/benchmark/step_trace.py TRACE.jsonl [--long-gap-ms 1000] [--plot timeline.png] [--floor MODEL_DIR]
 
 Prints one table: the run's wall time on the device clock (first step's start to last step's
 end), the device's busy time (sum of step times) and its idle time, split by what came next:
@@ -12,6 +12,15 @@ and steps with prefill chunks by their chunk tokens) and by how they ran (CUDA g
 "device waited for the launch" is, per step, how long past the moment the device reached the
 step the host was still launching it (`launched_ms - start_ms`, at least 0): time inside the
 step's device interval in which the device may have waited for the host, not run kernels.
+
+`--floor MODEL_DIR` adds a second table: the steps' device time against what the step could take
+at best on that model (bf16), from its shape alone, grouped by decodes. Each step reads every
+weight once and its attention reads its KV tokens (`decode_context` + `chunk_context`, traces
+since 2026-11-27), at `--bandwidth-gbs`; its tokens' projections cost 2 FLOPs a parameter (the LM
+head for the decodes alone; attention's own FLOPs left out) at `--peak-tflops`. "roofline" is the
+larger of the two, as if every kernel overlapped memory and compute perfectly; "GEMMs, then
+attention" is max(weights, FLOPs) + the KV stream, what a step takes when its projections and its
+attention run one after the other, as the layers launch them.
 """
 
 from __future__ import annotations
@@ -95,6 +104,57 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+DECODE_EDGES = (8, 64, 256, 512)
+
+
+def step_floor(step: dict, model: dict) -> tuple[float, float]:
+    """(roofline ms, GEMMs-then-attention ms) of one step; model: floor_model's constants."""
+    weights = model["weight_bytes"] / model["bandwidth"]
+    kv = (step["decode_context"] + step["chunk_context"]) * model["kv_bytes"] / model["bandwidth"]
+    flops = ((step["decodes"] + step["chunk_tokens"]) * model["flops_per_token"]
+             + step["decodes"] * model["head_flops"]) / model["peak"]
+    return 1000 * max(weights + kv, flops), 1000 * (max(weights, flops) + kv)
+
+
+def floor_model(model_dir: Path, bandwidth_gbs: float, peak_tflops: float) -> dict:
+    from lightllm.models import read_config
+    from static_benchmark import kv_bytes_per_token, weight_bytes
+
+    cfg = read_config(str(model_dir))
+    head = cfg.vocab_size * cfg.hidden_size
+    body = weight_bytes(cfg, 2) // 2 - head - cfg.num_layers * 2 * cfg.hidden_size - cfg.hidden_size
+    return {"weight_bytes": weight_bytes(cfg, 2), "kv_bytes": kv_bytes_per_token(cfg, 2), "flops_per_token": 2 * body,
+            "head_flops": 2 * head, "bandwidth": bandwidth_gbs * 1e9, "peak": peak_tflops * 1e12}
+
+
+def floor_table(steps: list[dict], model: dict) -> str:
+    groups: dict[str, list] = {}
+    for step in steps:
+        if step["chunks"]:
+            name = "with chunks"
+        else:
+            top = next((e for e in DECODE_EDGES if step["decodes"] <= e), None)
+            name = f"decode only, <= {top} decodes" if top else f"decode only, > {DECODE_EDGES[-1]} decodes"
+        g = groups.setdefault(name, [0, 0.0, 0.0, 0.0])
+        roofline, serial = step_floor(step, model)
+        g[0] += 1
+        g[1] += step["end_ms"] - step["start_ms"]
+        g[2] += roofline
+        g[3] += serial
+    lines = [f"Against the floor: {model['bandwidth'] / 1e9:.0f} GB/s, {model['peak'] / 1e12:.0f} TFLOP/s, "
+             f"{model['weight_bytes'] / 1e9:.2f} GB of weights a step, {model['kv_bytes']} B of KV a token", "",
+             "| steps | count | device s | roofline s | device / roofline | GEMMs, then attention s | "
+             "device / that |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    total = [0, 0.0, 0.0, 0.0]
+    for name, g in sorted(groups.items()):
+        total = [a + b for a, b in zip(total, g)]
+        lines.append(f"| {name} | {g[0]} | {g[1] / 1000:.2f} | {g[2] / 1000:.2f} | {g[1] / g[2]:.2f} | "
+                     f"{g[3] / 1000:.2f} | {g[1] / g[3]:.2f} |")
+    lines.append(f"| all | {total[0]} | {total[1] / 1000:.2f} | {total[2] / 1000:.2f} | {total[1] / total[2]:.2f} | "
+                 f"{total[3] / 1000:.2f} | {total[1] / total[3]:.2f} |")
+    return "\n".join(lines)
+
+
 def plot(steps: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -119,12 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--long-gap-ms", type=float, default=1000.0)
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the device timeline")
+    parser.add_argument("--floor", type=Path, default=None, metavar="MODEL_DIR",
+                        help="the steps against their floor on this model (the trace's decode_context, chunk_context)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=3000.0, help="H100 copy bandwidth, measured")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM)")
     args = parser.parse_args(argv)
     steps = load(args.trace)
     if not steps:
         print(f"{args.trace}: no steps", file=sys.stderr)
         return 1
     print(table(summarise(steps, args.long_gap_ms)))
+    if args.floor:
+        if "decode_context" not in steps[0]:
+            print(f"{args.trace}: no decode_context (a trace from before 2026-11-27): no floor", file=sys.stderr)
+            return 1
+        print()
+        print(floor_table(steps, floor_model(args.floor, args.bandwidth_gbs, args.peak_tflops)))
     if args.plot:
         plot(steps, args.plot)
     return 0
