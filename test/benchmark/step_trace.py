@@ -146,7 +146,9 @@ def floor_table(steps: list[dict], model: dict) -> str:
              "| steps | count | device s | roofline s | device / roofline | GEMMs, then attention s | "
              "device / that |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     total = [0, 0.0, 0.0, 0.0]
-    for name, g in sorted(groups.items()):
+    order = [f"decode only, <= {e} decodes" for e in DECODE_EDGES] + [f"decode only, > {DECODE_EDGES[-1]} decodes",
+                                                                       "with chunks"]
+    for name, g in sorted(groups.items(), key=lambda kv: order.index(kv[0])):
         total = [a + b for a, b in zip(total, g)]
         lines.append(f"| {name} | {g[0]} | {g[1] / 1000:.2f} | {g[2] / 1000:.2f} | {g[1] / g[2]:.2f} | "
                      f"{g[3] / 1000:.2f} | {g[1] / g[3]:.2f} |")
