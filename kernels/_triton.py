@@ -179,35 +179,6 @@ def num_sms(device: torch.device, elsewhere: int = 1) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Programmatic dependent launch (Hopper and later): a kernel launched with it may be scheduled
-# while the kernel before it on the stream is still finishing, and waits for that one's results
-# with gdc_wait before it reads or writes anything. It hides a launch's latency behind the tail of
-# the kernel before: the decode step's small kernels (norms, rotary, attention, silu) follow
-# GEMMs. Set False to time the difference (test/benchmark/profile_step.py --no-pdl).
-USE_PDL = True
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def pdl_options(device: torch.device) -> dict:
-    """The launch's PDL constexpr (the kernel's `wait_for_previous`) and Triton's launch_pdl option."""
-    if not (USE_PDL and HAS_TRITON and device.type == "cuda"):
-        return {"PDL": False}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _capability(index) >= (9, 0) else {"PDL": False}
-
-
-@triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """First in a kernel launched with pdl_options: nothing of the kernel before it is read (or
-    overwritten) until it has finished and its writes are visible."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
 _COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -278,5 +249,4 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 __all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype", "next_power_of_2",
-           "num_sms", "pdl_options", "score_scale", "triton", "tl", "wait_for_previous",
-           "zeroed_counters"]
+           "num_sms", "score_scale", "triton", "tl", "zeroed_counters"]

@@ -16,8 +16,8 @@ Both are compile-time constants of the Triton kernel: an unwindowed, uncapped la
 """
 import torch
 
-from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, num_sms, pdl_options,
-                      score_scale, tl, triton, wait_for_previous, zeroed_counters)
+from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, num_sms, score_scale, tl,
+                      triton, zeroed_counters)
 
 MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
@@ -91,7 +91,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr, PDL: tl.constexpr):
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
     """Attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     With one chunk per request (NUM_SPLITS == 1, large batches) the output is final: it goes
@@ -102,7 +102,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     sees: 0, or its window's first.
     Each request splits its own keys (_chunk), so a short request beside a long one, or under a
     CUDA graph's fixed bound, still spreads over the splits."""
-    wait_for_previous(PDL)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     first = split * _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS)
@@ -232,5 +231,5 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=MIN_CHUNK, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
-        num_warps=warps, num_stages=stages, **pdl_options(q.device))
+        num_warps=warps, num_stages=stages)
     return out

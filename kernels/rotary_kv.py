@@ -4,7 +4,7 @@ reads keys only from the cache, so k itself is left as it came. Layout: HF Llama
 (dimension i pairs with i + D/2)."""
 import torch
 
-from ._triton import fast_launch, next_power_of_2, pdl_options, tl, triton, wait_for_previous
+from ._triton import fast_launch, next_power_of_2, tl, triton
 from .fp8_linear import FP8, FP8_MAX, round_to_e4m3
 
 
@@ -77,8 +77,7 @@ def _rotary_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cach
                       cos_stride, sin_stride, k_cache_stride, k_cache_head_stride, v_cache_stride,
                       v_cache_head_stride, num_q_heads, num_kv_heads,
                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                      BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -105,5 +104,4 @@ def rotary_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                                  k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                  num_q_heads, num_kv_heads, HALF=half, BLOCK_HQ=next_power_of_2(num_q_heads),
                                  BLOCK_HK=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(half),
-                                 BLOCK_D=next_power_of_2(head_dim), KV_FP8=k_cache.dtype == FP8, num_warps=4,
-                                 **pdl_options(q.device))
+                                 BLOCK_D=next_power_of_2(head_dim), KV_FP8=k_cache.dtype == FP8, num_warps=4)

@@ -6,7 +6,7 @@ pair), in the same launch (see rms_norm.py)."""
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, fast_launch, next_power_of_2, pdl_options, tl, triton, wait_for_previous
+from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
 from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, store_quantized_row
 
 
@@ -36,9 +36,7 @@ def _act(gate, GELU: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, GELU: tl.constexpr,
-                         PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -83,5 +81,5 @@ def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,
-                                                       GELU=gelu, num_warps=4, **pdl_options(x.device))
+                                                       GELU=gelu, num_warps=4)
     return y

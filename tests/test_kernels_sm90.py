@@ -32,9 +32,6 @@ def test_every_kernel_compiles_for_sm90():
     assert {re.match(r"OK\s+(\w+)\(", line).group(1) for line in lines} == KERNELS
     # both KV cache dtypes, and decode attention split (merged by its last chunk) and whole; a windowed, capped layer
     assert sum("_rotary_kv_kernel(" in line for line in lines) == 2
-    # as on an H100, the decode step's small kernels wait for the kernel before them (griddepcontrol.wait)
-    assert all("PDL=True" in line and "launch_pdl=True" in line for line in lines
-               if re.match(r"OK\s+_(rms_norm|rotary_kv|silu_and_mul|decode_split)_kernel\(", line))
     assert sum("_decode_split_kernel(" in line for line in lines) == 5
     assert sum("_extend_kernel(" in line and "WINDOW=256" in line for line in lines) == 1
     assert sum("_silu_and_mul_kernel(" in line and "GELU=True" in line for line in lines) == 1

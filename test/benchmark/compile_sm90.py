@@ -47,9 +47,7 @@ decode_module = importlib.import_module("lightllm_kernels.decode_attention")
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
                  torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.bool: "*i1"}
-OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-# The kernels that take programmatic dependent launch where the GPU has it (an H100 does)
-PDL_MODULES = ("rms_norm", "rotary_kv", "silu_and_mul", "decode_attention")
+OPTIONS = ("num_warps", "num_stages")
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 H100_SMS = 132
 H100_SHARED_BYTES = 232448  # a block's most shared memory, opted in (the H200's too)
@@ -80,15 +78,10 @@ def captured_launches() -> list[tuple]:
 
     saved = _triton._FastKernel._launch
     _triton._FastKernel._launch = capture
-    modules = [importlib.import_module(f"lightllm_kernels.{name}") for name in PDL_MODULES]
-    for module in modules:  # as on an H100: these kernels wait for the one before (gdc_wait)
-        module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}
     try:
         call_every_kernel()
     finally:
         _triton._FastKernel._launch = saved
-        for module in modules:
-            module.pdl_options = _triton.pdl_options
     return list(launches.values())
 
 
@@ -177,7 +170,6 @@ def main() -> int:
         try:
             compiled = compile_for_sm90(kernel, types, constexprs, options)
             assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
-            assert not constexprs.get("PDL") or "griddepcontrol.wait" in compiled.asm["ptx"]
             shared = compiled.metadata.shared
             assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
             print(f"OK   {kernel.fn.__name__}({shown})", flush=True)

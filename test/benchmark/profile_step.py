@@ -367,8 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-cuda-graph", action="store_true")
     add("--triton-launch", choices=("fast", "triton"), default="fast",
         help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
-    add("--no-pdl", action="store_true",
-        help="no programmatic dependent launch (lightllm_kernels._triton.USE_PDL off)")
     add("--out-md", type=Path, default=None)
     return parser
 
@@ -380,10 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         import lightllm_kernels._triton
 
         lightllm_kernels._triton.FAST_LAUNCH = False
-    if args.no_pdl:
-        import lightllm_kernels._triton
-
-        lightllm_kernels._triton.USE_PDL = False
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
