@@ -225,6 +225,26 @@ def test_a_second_sigterm_stops_at_once(tiny_dir, tmp_path):
     server.stop()
 
 
+def test_a_stop_signal_during_a_child_start_stops_once_the_child_is_registered(monkeypatch):
+    """The router's stop handler, run while it starts a model worker (the race the start-up test
+    below can hit: the worker, not yet among active_children, was left reading its start-up data
+    from a closed pipe and printed an EOFError): it waits for the start, then stops and exits."""
+    from lightllm.utils import process
+
+    calls = []
+    monkeypatch.setattr(process, "_stop_deferred", False)
+    monkeypatch.setattr(process, "stop_processes", lambda children: calls.append("stop children"))
+    monkeypatch.setattr(process.logging, "shutdown", lambda: None)
+    monkeypatch.setattr(process.os, "_exit", lambda code: calls.append(("exit", code)))
+    with process.starting_child():
+        with process.starting_child():
+            process._exit_on_stop(process.STOP_SIGNAL, None)  # as the signal, mid-start
+        assert calls == []  # the outer start is still going
+    assert calls == ["stop children", ("exit", 0)]
+    process._exit_on_stop(process.STOP_SIGNAL, None)  # outside a start: at once
+    assert calls[2:] == ["stop children", ("exit", 0)]
+
+
 @pytest.mark.parametrize("stage", ["children importing", "model worker loading"])
 def test_sigterm_to_the_process_group_during_start_up_stops_cleanly(tiny_dir, tmp_path, stage):
     """A stop in the first seconds (a supervisor that gives up, a container stopped at once) reaches

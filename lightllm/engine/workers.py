@@ -31,7 +31,7 @@ from rpyc.utils.authenticators import AuthenticationError
 
 from lightllm.engine.core import WorkerDied
 from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
-from lightllm.utils.process import STOP_SIGNAL, init_child_process, stop_processes, use_one_heap
+from lightllm.utils.process import STOP_SIGNAL, init_child_process, starting_child, stop_processes, use_one_heap
 
 if TYPE_CHECKING:
     from lightllm.utils.dist import NodeLayout  # imports torch, which the router does without
@@ -241,7 +241,8 @@ class ModelWorkers:
             name=f"model_worker_{rank}",
             daemon=True,
         )
-        process.start()
+        with starting_child():
+            process.start()
         theirs.close()
         self.processes.append(process)
         return rpyc.connect_stream(SocketStream(mine), config=RPYC_CONFIG)

@@ -26,13 +26,37 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
 
 
+_starting = 0  # children being started now (starting_child)
+_stop_deferred = False  # a stop signal came while one was
+
+
 def _exit_on_stop(signum, frame) -> None:
     # Not SystemExit: raised while the garbage collector runs a __del__ (as it does during imports
     # and model loading) it is printed and dropped, and the process would go on. A child's own
     # children (a router's model workers) are stopped first; its sockets close with the process.
+    global _stop_deferred
+    if _starting:  # a child half started is not among active_children yet: stop once it is
+        _stop_deferred = True
+        return
     stop_processes(multiprocessing.active_children())
     logging.shutdown()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def starting_child():
+    """Start a child inside this in a process whose stop signal init_child_process handles (a
+    router starting its model workers). A stop that arrives meanwhile waits for the start to end,
+    then stops the new child with the others: stopped halfway, the parent would leave the child
+    reading the rest of its start-up data from a closed pipe, and printing the EOFError."""
+    global _starting
+    _starting += 1
+    try:
+        yield
+    finally:
+        _starting -= 1
+        if _stop_deferred and not _starting:
+            _exit_on_stop(STOP_SIGNAL, None)
 
 
 def die_with_parent(parent_pid: int, signum: int = STOP_SIGNAL) -> None:
