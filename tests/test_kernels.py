@@ -646,8 +646,10 @@ def test_rms_norm_fp8_out_triton_matches_ref(dtype, with_residual):
     # The norm's own rounding (the interpreter's bf16 cast, summation order) may move a value
     # across an fp8 rounding boundary: a step of 2^-3 relative at most, and rarely.
     # scale: a row's largest |y| / 448; bf16 y is rounded twice (normed, then times the weight),
-    # toward zero in the interpreter: two bf16 steps of 2^-7 at most.
-    torch.testing.assert_close(scale, scale_ref, rtol=2e-5 if dtype is torch.float32 else 2 * 2**-7, atol=0)
+    # with a residual three times (the sum first), toward zero in the interpreter: a bf16 step of
+    # 2^-7 at most each (seed 3631056701 put one row 2.09 steps off with the residual).
+    roundings = 3 if with_residual else 2
+    torch.testing.assert_close(scale, scale_ref, rtol=2e-5 if dtype is torch.float32 else roundings * 2**-7, atol=0)
     assert_within_one_fp8_step(q, scale, q_ref, scale_ref)
     if not with_residual:  # the reference is the norm, then quantize_fp8_rows
         assert torch.equal(quantize_fp8_rows_ref(rms_norm_ref(x, weight, 1e-5))[0].float(), q_ref.float())
