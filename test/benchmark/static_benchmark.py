@@ -99,16 +99,22 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
     return 2 * nbytes * iters / seconds
 
 
+def projection_params(cfg) -> int:
+    """Parameters of every layer's q/k/v, o, gate/up and down projections (`cfg`: a lightllm
+    ModelConfig): a token's projections cost two FLOPs each."""
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attention = cfg.hidden_size * (q_out + 2 * kv_out) + q_out * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (attention + mlp)
+
+
 def weight_bytes(cfg, itemsize: int) -> int:
     """Bytes of weights a decode step reads: all but the embedding table (one row per token),
     which the LM head reads in full when it is tied. `cfg` is a lightllm ModelConfig; with
     `quantization` fp8 the projections take one byte a parameter."""
-    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attention = cfg.hidden_size * (q_out + 2 * kv_out) + q_out * cfg.hidden_size
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     projection_itemsize = 1 if getattr(cfg, "quantization", None) == "fp8" else itemsize
     rest = cfg.num_layers * 2 * cfg.hidden_size + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
-    return cfg.num_layers * (attention + mlp) * projection_itemsize + rest * itemsize
+    return projection_params(cfg) * projection_itemsize + rest * itemsize
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:

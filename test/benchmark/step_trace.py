@@ -118,13 +118,12 @@ def step_floor(step: dict, model: dict) -> tuple[float, float]:
 
 def floor_model(model_dir: Path, bandwidth_gbs: float, peak_tflops: float) -> dict:
     from lightllm.models import read_config
-    from static_benchmark import kv_bytes_per_token, weight_bytes
+    from static_benchmark import kv_bytes_per_token, projection_params, weight_bytes
 
     cfg = read_config(str(model_dir))
-    head = cfg.vocab_size * cfg.hidden_size
-    body = weight_bytes(cfg, 2) // 2 - head - cfg.num_layers * 2 * cfg.hidden_size - cfg.hidden_size
-    return {"weight_bytes": weight_bytes(cfg, 2), "kv_bytes": kv_bytes_per_token(cfg, 2), "flops_per_token": 2 * body,
-            "head_flops": 2 * head, "bandwidth": bandwidth_gbs * 1e9, "peak": peak_tflops * 1e12}
+    return {"weight_bytes": weight_bytes(cfg, 2), "kv_bytes": kv_bytes_per_token(cfg, 2),
+            "flops_per_token": 2 * projection_params(cfg), "head_flops": 2 * cfg.vocab_size * cfg.hidden_size,
+            "bandwidth": bandwidth_gbs * 1e9, "peak": peak_tflops * 1e12}
 
 
 def floor_table(steps: list[dict], model: dict) -> str:
