@@ -88,6 +88,11 @@ class MoEPlan(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # The order of the programs (moe_tile): group_m row blocks at a time run across all their
+    # column tiles, so that a block's gathered rows are read from memory once and then from L2.
+    # 0: every row block for one column tile, then the next column tile (each block's rows read
+    # again for every column tile).
+    group_m: int = 0
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
@@ -294,23 +299,44 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     return sorted_pairs, block_experts
 
 
+@triton.jit
+def moe_tile(num_blocks, num_cols, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program in a 1-D grid of num_blocks * num_cols. GROUP_M 0:
+    row blocks fastest (a column tile's every block, then the next tile). GROUP_M g: g row blocks
+    at a time over all the column tiles, the g blocks fastest: their rows (up to g * BLOCK_M of
+    the gathered activations) stay in L2 while every column tile reads them, and the blocks of one
+    expert share its weight tile. Blocks past the last expert's run come last either way."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        block = pid % num_blocks
+        col_tile = pid // num_blocks
+    else:
+        per_group = GROUP_M * num_cols
+        first = pid // per_group * GROUP_M
+        rows = tl.minimum(num_blocks - first, GROUP_M)
+        block = first + pid % per_group % rows
+        col_tile = pid % per_group // rows
+    return block, col_tile
+
+
 @fast_launch
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
                         num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
-                        w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
+                        w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
     same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
     the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
     BLOCK_K divides H, so the K loop's loads need no K mask."""
-    block = tl.program_id(0)
+    block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_mask = pairs < num_pairs
         tokens = (pairs // top_k).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
         w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
         w_up = w_gate + inter * w_row_stride
@@ -342,17 +368,18 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
 @triton.jit
 def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
                      out_ptr, num_pairs, num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride,
-                     w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
+                     w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
     (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
-    block = tl.program_id(0)
+    block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_mask = pairs < num_pairs
         rows = pairs.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
         w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
         ks = tl.arange(0, BLOCK_K)
@@ -383,10 +410,11 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     num_pairs = a.shape[0] * top_k
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None
-    _moe_gate_up_kernel[(block_experts.shape[0], cdiv(inter, plan.block_n))](
+    num_blocks, num_cols = block_experts.shape[0], cdiv(inter, plan.block_n)
+    _moe_gate_up_kernel[(num_blocks * num_cols,)](
         a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
         top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), **_options(plan, fp8, a, hidden))
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden))
     return out
 
 
@@ -399,16 +427,18 @@ def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch
     num_pairs = a.shape[0]
     out = torch.empty(num_pairs, hidden, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None
-    _moe_down_kernel[(block_experts.shape[0], cdiv(hidden, plan.block_n))](
+    num_blocks, num_cols = block_experts.shape[0], cdiv(hidden, plan.block_n)
+    _moe_down_kernel[(num_blocks * num_cols,)](
         a, w_down, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, pair_weights, out,
         num_pairs, num_experts, hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), **_options(plan, fp8, a, inter))
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, inter))
     return out
 
 
 def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
     return dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=not a.is_cuda,
-                EVEN_K=reduced % plan.block_k == 0, num_warps=plan.num_warps, num_stages=plan.num_stages)
+                EVEN_K=reduced % plan.block_k == 0, GROUP_M=plan.group_m, num_warps=plan.num_warps,
+                num_stages=plan.num_stages)
 
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

@@ -109,6 +109,41 @@ def test_moe_plan_grows_its_row_block_with_the_groups():
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(40, 4, 2), plan=plan)
 
 
+@pytest.mark.parametrize("num_blocks,num_cols,group_m", [(7, 3, 0), (7, 3, 1), (7, 3, 3), (5, 4, 8), (1, 6, 4)])
+def test_moe_tile_order_visits_every_tile_once_in_groups(num_blocks, num_cols, group_m):
+    """moe_tile maps the 1-D grid onto every (row block, column tile) exactly once; with groups,
+    the first group_m * num_cols programs are the first group_m blocks' every tile (a ragged last
+    group included), the blocks of a group fastest."""
+    from lightllm_kernels._triton import tl, triton
+
+    @triton.jit
+    def tiles(out_ptr, num_blocks, num_cols, GROUP_M: tl.constexpr):
+        block, col_tile = fused_moe_module.moe_tile(num_blocks, num_cols, GROUP_M)
+        tl.store(out_ptr + tl.program_id(0) * 2, block)
+        tl.store(out_ptr + tl.program_id(0) * 2 + 1, col_tile)
+
+    out = torch.full((num_blocks * num_cols, 2), -1, dtype=torch.int32, device=DEVICE)
+    tiles[(num_blocks * num_cols,)](out, num_blocks, num_cols, GROUP_M=group_m)
+    visited = [tuple(t) for t in out.tolist()]
+    assert sorted(visited) == [(b, c) for b in range(num_blocks) for c in range(num_cols)]
+    if group_m == 0:
+        assert visited == [(b, c) for c in range(num_cols) for b in range(num_blocks)]
+    else:
+        for first in range(0, num_blocks, group_m):
+            rows = min(group_m, num_blocks - first)
+            group = visited[first * num_cols:(first + rows) * num_cols]
+            assert group == [(first + b, c) for c in range(num_cols) for b in range(rows)]
+
+
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_fused_moe_grouped_tile_order_matches_ref(group_m):
+    """Both kernels in grouped order (several row blocks and column tiles, a ragged last group)
+    give the reference's output."""
+    x = torch.randn(33, HIDDEN, device=DEVICE)
+    plan = MoEPlan(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=group_m)
+    assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(33, 4, 2), plan=plan)
+
+
 def test_fused_moe_down_kernel_takes_its_own_plan():
     """The down kernel tiled apart from the gate/up kernel (K blocks that divide I = 48, so its K
     loop runs unmasked, while H = 40 leaves the gate/up kernel a masked tail) gives the reference's

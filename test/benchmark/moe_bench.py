@@ -1,7 +1,8 @@
 """The fused MoE kernel against its floors: memory at decode batches, bf16 peak at prefill.
 
     python test/benchmark/moe_bench.py [--shape qwen3-30b-a3b] [--tp 1] [--decode 1,64,256]
-        [--prefill 4096] [--fp8] [--plan BM,BN,BK,WARPS,STAGES ...] [--tune] [--out-md moe.md]
+        [--prefill 4096] [--fp8] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
+        [--tune [--tune-rows 64,128] [--tune-groups 0,8]] [--out-md moe.md]
 
 One MoE layer of the shape (router choices drawn at random: softmax of normal logits, top k, as
 a balanced router spreads tokens), bf16 weights (--fp8: e4m3 experts with row scales, as
@@ -19,7 +20,9 @@ Floors: memory = bytes of the experts the step touches (gate/up and down of ever
 at least once) over the device's copy bandwidth (read + write, as static_benchmark measures);
 compute = FLOPs (6 H I a pair) over --peak-tflops (dense bf16: 989 on an H100 or H200 SXM).
 Decode rows are judged by "% mem floor" (the issue's goal: 70% at batch 64-256), prefill rows by
-"% bf16 peak" (goal: 50%). --plan times other block plans beside moe_plans' choice; --tune
+"% bf16 peak" (goal: 50%). --plan times other block plans beside moe_plans' choice, --groups its
+choice in other program orders (MoEPlan.group_m: how many row blocks run across all their column
+tiles before the next; 0 = each column tile over every row block); --tune
 times each kernel alone over a grid of plans at each size and row block, prints the five fastest
 of each and the best pair's total. CUDA only.
 """
@@ -138,16 +141,17 @@ def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan]
 
 # Each kernel is tuned alone over this grid, for each row block (which the alignment fixes and
 # the two kernels share): 2 x 3 x 2 x 5 = 60 plans a kernel and size, each compiled, checked
-# against the default plan's output and timed.
+# against the default plan's output and timed; times as many again for each program order
+# (--tune-groups: MoEPlan.group_m) and fewer with --tune-rows.
 TUNE_GRID = dict(block_m=(64, 128), block_n=(64, 128, 256), block_k=(64, 128),
-                 warps_stages=((4, 3), (4, 4), (8, 3), (8, 4), (8, 5)))
+                 warps_stages=((4, 3), (4, 4), (8, 3), (8, 4), (8, 5)), group_m=(0,))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
     return bool(((got.float() - want.float()).norm() / want.float().norm()).item() <= limit)
 
 
-def tune(layer: Layer, tokens: int) -> list[str]:
+def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID) -> list[str]:
     """Per row block: each kernel's fastest plans of TUNE_GRID alone, and the best pair's total
     (alignment + both kernels + the sum over k, one graph) checked against the reference."""
     x, weights, ids = layer.inputs(tokens)
@@ -155,7 +159,7 @@ def tune(layer: Layer, tokens: int) -> list[str]:
     fp8 = bool(scales)
     default = moe_plans(tokens * layer.top_k, layer.experts, layer.fp8)
     lines, best = [f"tokens {tokens} (default {tuple(default[0])} / {tuple(default[1])})"], []
-    for bm in TUNE_GRID["block_m"]:
+    for bm in grid["block_m"]:
         sorted_pairs, block_experts = align_by_expert_triton(ids, layer.experts, bm)
         a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)
         base = MoEPlan(bm, 64, 64, 4, 3)
@@ -174,8 +178,8 @@ def tune(layer: Layer, tokens: int) -> list[str]:
         fastest = {}
         for kernel, (run, want) in runs.items():
             results = []
-            for bn, bk, (warps, stages) in itertools.product(*list(TUNE_GRID.values())[1:]):
-                plan = MoEPlan(bm, bn, bk, warps, stages)
+            for bn, bk, (warps, stages), group_m in itertools.product(*list(grid.values())[1:]):
+                plan = MoEPlan(bm, bn, bk, warps, stages, group_m)
                 try:
                     assert _close(run(plan), want, 1e-2), "differs from the default plan's output"
                     results.append((graph_call_us(lambda plan=plan: run(plan)), plan))
@@ -217,11 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", default="1,64,256", help="decode batch sizes (tokens)")
     parser.add_argument("--prefill", default="4096", help="prefill sizes (tokens)")
     parser.add_argument("--plan", action="append", type=parse_plan, default=[],
-                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[/the down "
-                        "kernel's, same BLOCK_M] (repeatable)")
+                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,group_m][/the "
+                        "down kernel's, same BLOCK_M] (repeatable)")
+    parser.add_argument("--groups", default=None,
+                        help="time the chosen plans in each of these program orders (MoEPlan.group_m, e.g. 0,1,8) "
+                        "instead of their own")
     parser.add_argument("--fp8", action="store_true", help="fp8 experts (--quantization fp8)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune-groups", default="0", help="--tune's program orders (MoEPlan.group_m), e.g. 0,1,8")
+    parser.add_argument("--tune-rows", default="64,128", help="--tune's row blocks")
     parser.add_argument("--out-md", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -236,11 +245,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                         for t in args.prefill.split(",") if t]
     rows, tuned = [], []
     for (case, tokens), plan in itertools.product(sizes, [None, *args.plan]):
+        if plan is None and args.groups is not None:  # moe_plans' choice, in each order
+            chosen = moe_plans(tokens * top_k, experts, args.fp8)
+            for group_m in map(int, args.groups.split(",")):
+                rows.append(one_row(layer, case, tokens, tuple(p._replace(group_m=group_m) for p in chosen),
+                                    bandwidth, args.peak_tflops))
+            continue
         rows.append(one_row(layer, case, tokens, plan, bandwidth, args.peak_tflops))
         logger.info("%s %d: %.1f us, %.0f%% of the memory floor", case, tokens, rows[-1]["fused us"],
                     rows[-1]["% mem floor"])
     if args.tune:
-        tuned = [line for _, tokens in sizes for line in tune(layer, tokens)]
+        grid = dict(TUNE_GRID, block_m=tuple(int(v) for v in args.tune_rows.split(",")),
+                    group_m=tuple(int(v) for v in args.tune_groups.split(",")))
+        tuned = [line for _, tokens in sizes for line in tune(layer, tokens, grid)]
     dtype = "fp8" if args.fp8 else "bf16"
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape} tp {args.tp} (hidden "
                       f"{hidden}, {experts} {dtype} experts of {inter // args.tp}, top {top_k}); copy bandwidth "
