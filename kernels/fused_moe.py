@@ -93,6 +93,8 @@ class MoEPlan(NamedTuple):
     # 0: every row block for one column tile, then the next column tile (each block's rows read
     # again for every column tile).
     group_m: int = 0
+    # The gate/up kernel: 1 multiplies its gate and up columns in one dot of 2 * block_n columns.
+    one_dot: int = 0
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
@@ -103,11 +105,11 @@ class MoEPlan(NamedTuple):
 # bf16 977 / 1721 us against 1117 / 1986 us with the shared (128, 128, 64, 8, 3) both kernels had
 # before; fp8 756 / 1382 against 1043 / 1825 us. The other plans are untuned guesses (--tune and
 # --plan time any other).
-DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3)
-MID_PLAN = MoEPlan(32, 64, 128, 4, 3)
-PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3)
-LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 4), MoEPlan(128, 256, 64, 8, 4)),
-               True: (MoEPlan(64, 256, 128, 8, 3), MoEPlan(64, 256, 128, 8, 5))}
+DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3, group_m=1)
+MID_PLAN = MoEPlan(32, 64, 128, 4, 3, group_m=1)
+PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3, group_m=1)
+LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 3, group_m=1), MoEPlan(128, 256, 64, 8, 3, group_m=1)),
+               True: (MoEPlan(64, 256, 128, 8, 3, group_m=8), MoEPlan(64, 256, 128, 8, 5, group_m=8))}
 LARGE_PLAN = LARGE_PLANS[False][0]
 
 
@@ -325,11 +327,13 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
                         num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
                         w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, ONE_DOT: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
     same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
     the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
-    BLOCK_K divides H, so the K loop's loads need no K mask."""
+    BLOCK_K divides H, so the K loop's loads need no K mask. ONE_DOT: the gate and up columns are
+    loaded as one tile of 2 * BLOCK_N, interleaved (gate j, up j, ...), and multiplied in one dot
+    (one wider tensor-core instruction a step instead of two), then split."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -338,19 +342,34 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
         tokens = (pairs // top_k).to(tl.int64)
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
-        w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
-        w_up = w_gate + inter * w_row_stride
+        w_expert = w_ptr + expert.to(tl.int64) * w_expert_stride
         ks = tl.arange(0, BLOCK_K)
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            kk = k0 + ks
-            k_mask = (kk < hidden) | EVEN_K
-            a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w_mask = col_mask[None, :] & k_mask[:, None]
-            acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
-            acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+        if ONE_DOT:
+            lanes = tl.arange(0, 2 * BLOCK_N)
+            both_cols = col_tile * BLOCK_N + lanes // 2
+            w_both = w_expert + (both_cols + lanes % 2 * inter)[None, :].to(tl.int64) * w_row_stride
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                kk = k0 + ks
+                k_mask = (kk < hidden) | EVEN_K
+                a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                acc += dot(a, tl.load(w_both + kk[:, None], mask=(both_cols < inter)[None, :] & k_mask[:, None],
+                                      other=0.0), DOT_UPCAST)
+            acc_gate, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        else:
+            w_gate = w_expert + cols[None, :].to(tl.int64) * w_row_stride
+            w_up = w_gate + inter * w_row_stride
+            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                kk = k0 + ks
+                k_mask = (kk < hidden) | EVEN_K
+                a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w_mask = col_mask[None, :] & k_mask[:, None]
+                acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+                acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
             w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
@@ -414,7 +433,8 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     _moe_gate_up_kernel[(num_blocks * num_cols,)](
         a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
         top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden))
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, ONE_DOT=bool(plan.one_dot),
+        **_options(plan, fp8, a, hidden))
     return out
 
 
