@@ -93,18 +93,17 @@ class MoEPlan(NamedTuple):
     # 0: every row block for one column tile, then the next column tile (each block's rows read
     # again for every column tile).
     group_m: int = 0
-    # The gate/up kernel: 1 multiplies its gate and up columns in one dot of 2 * block_n columns.
-    one_dot: int = 0
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
 # long K blocks. Prefill-sized groups are GEMMs: larger tiles. Groups of over 64 pairs an expert
-# take LARGE_PLANS: moe_bench.py --tune's best on the H100 for qwen3-30b-a3b at 4096 and 8192
-# tokens (256-512 pairs an expert), each kernel tuned alone (2026-11-25), (gate/up, down) for bf16
-# and for fp8 experts (K blocks of 128 bytes, 64-row blocks). Whole layer at 4096 / 8192 tokens:
-# bf16 977 / 1721 us against 1117 / 1986 us with the shared (128, 128, 64, 8, 3) both kernels had
-# before; fp8 756 / 1382 against 1043 / 1825 us. The other plans are untuned guesses (--tune and
-# --plan time any other).
+# take LARGE_PLANS: moe_bench.py --tune's best on the H100 for qwen3-30b-a3b, each kernel tuned
+# alone, (gate/up, down) for bf16 and for fp8 experts (K blocks of 128 bytes, 64-row blocks):
+# tiles at 4096 and 8192 tokens (2026-11-25), program order and bf16 stages at 4096 and 16384
+# (2026-11-27: moe_bench.py --groups 0,1,8, --tune --tune-rows 128 --tune-groups 1,8). The grouped
+# order took the whole layer at 16384 tokens from 3002 to 2866 us (bf16, the 2026-11-25 tiles;
+# 2797 us with three stages) and 2666 to 2539 us (fp8, group 8); at 4096, 946 to 845 us (bf16).
+# Decode rows moved by under 2% either way (group 1 kept). PREFILL_PLAN is an untuned guess.
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3, group_m=1)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3, group_m=1)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3, group_m=1)
@@ -327,13 +326,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
                         num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
                         w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, ONE_DOT: tl.constexpr):
+                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
     same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
     the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
-    BLOCK_K divides H, so the K loop's loads need no K mask. ONE_DOT: the gate and up columns are
-    loaded as one tile of 2 * BLOCK_N, interleaved (gate j, up j, ...), and multiplied in one dot
-    (one wider tensor-core instruction a step instead of two), then split."""
+    BLOCK_K divides H, so the K loop's loads need no K mask."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -342,34 +339,19 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
         tokens = (pairs // top_k).to(tl.int64)
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
-        w_expert = w_ptr + expert.to(tl.int64) * w_expert_stride
+        w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
+        w_up = w_gate + inter * w_row_stride
         ks = tl.arange(0, BLOCK_K)
-        if ONE_DOT:
-            lanes = tl.arange(0, 2 * BLOCK_N)
-            both_cols = col_tile * BLOCK_N + lanes // 2
-            w_both = w_expert + (both_cols + lanes % 2 * inter)[None, :].to(tl.int64) * w_row_stride
-            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                kk = k0 + ks
-                k_mask = (kk < hidden) | EVEN_K
-                a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += dot(a, tl.load(w_both + kk[:, None], mask=(both_cols < inter)[None, :] & k_mask[:, None],
-                                      other=0.0), DOT_UPCAST)
-            acc_gate, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        else:
-            w_gate = w_expert + cols[None, :].to(tl.int64) * w_row_stride
-            w_up = w_gate + inter * w_row_stride
-            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                kk = k0 + ks
-                k_mask = (kk < hidden) | EVEN_K
-                a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                w_mask = col_mask[None, :] & k_mask[:, None]
-                acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
-                acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + ks
+            k_mask = (kk < hidden) | EVEN_K
+            a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w_mask = col_mask[None, :] & k_mask[:, None]
+            acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+            acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
             w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
@@ -433,8 +415,7 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     _moe_gate_up_kernel[(num_blocks * num_cols,)](
         a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
         top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, ONE_DOT=bool(plan.one_dot),
-        **_options(plan, fp8, a, hidden))
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden))
     return out
 
 
@@ -461,6 +442,16 @@ def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
                 num_stages=plan.num_stages)
 
 
+def fit_plan(plan: MoEPlan, dtype: torch.dtype, fp8: bool) -> MoEPlan:
+    """The plan for activations of `dtype`. fp32 (tiny test models) with bf16 or fp32 experts:
+    the K blocks halved, or the large plans' pipelined tiles need more shared memory than an H100
+    or H200 has (288 KiB). fp8 experts multiply fp8 tiles whatever x's dtype (x is quantised
+    first), so their plans stand: fp8 tensor cores take no K block under 32."""
+    if dtype.itemsize == 4 and not fp8:
+        return plan._replace(block_k=max(16, plan.block_k // 2))
+    return plan
+
+
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                      w_down_scale: torch.Tensor | None = None, plan: MoEPlan | None = None,
@@ -477,9 +468,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     if plan is None:
         plan, down_plan = moe_plans(num_pairs, num_experts, fp8=w_gate_up_scale is not None)
     down_plan = down_plan or plan
-    if x.element_size() == 4:  # fp32 (tiny test models): the bf16 plans' K blocks halved, or the
-        # large plans' pipelined tiles need more shared memory than an H100 or H200 has (288 KiB)
-        plan, down_plan = (p._replace(block_k=max(16, p.block_k // 2)) for p in (plan, down_plan))
+    plan, down_plan = (fit_plan(p, x.dtype, w_gate_up_scale is not None) for p in (plan, down_plan))
     assert down_plan.block_m == plan.block_m, "the gate/up and down kernels share the alignment's row blocks"
     sorted_pairs, block_experts = align_by_expert_triton(topk_ids, num_experts, plan.block_m)
     fp8 = w_gate_up_scale is not None

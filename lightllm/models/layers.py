@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
 from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear,
-                              gelu_tanh_and_mul, prefetch_l2, rms_norm, rotary_kv_, silu_and_mul)
+                              gelu_tanh_and_mul, rms_norm, rotary_kv_, silu_and_mul)
 from lightllm_kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
@@ -266,13 +266,6 @@ class Attention:
     """q/k/v projection (column-parallel, merged), rotary, KV written to the token table,
     attention over the requests' rows of the table, o projection."""
 
-    # Steps of up to this many tokens (on a GPU) start bringing the o projection's weight into L2
-    # right after the q/k/v GEMM, while rotary and attention leave the memory bus idle
-    # (kernels/l2_prefetch.py): "bulk" inline, "load" on a second stream joined before the o GEMM.
-    l2_prefetch: str | None = None
-    l2_prefetch_max_tokens = 0
-    _side_streams: dict = {}
-
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str, window: int = 0):
         d = cfg.head_dim
         q_start, self.q_heads = split_even(cfg.num_heads, tp, "num_attention_heads")
@@ -296,32 +289,12 @@ class Attention:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
         qkv = self.qkv(h)
         tokens, d = qkv.shape[0], self.head_dim
-        side = self._start_prefetch(qkv) if self.l2_prefetch and tokens <= self.l2_prefetch_max_tokens else None
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
         if self.q_norm is not None:
             q, k = self.q_norm.heads(q), self.k_norm.heads(k)
         rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
-        attended = self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1)
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
-        return self.o(attended)
-
-    def _start_prefetch(self, qkv: torch.Tensor):
-        """The o weight's L2 prefetch; the second stream to join for "load", else None."""
-        weight = self.o.weight_t if self.o.fp8 is None else self.o.fp8.weight
-        if not qkv.is_cuda:
-            return None
-        if self.l2_prefetch == "bulk":
-            prefetch_l2(weight, "bulk")
-            return None
-        side = Attention._side_streams.get(qkv.device)
-        if side is None:
-            side = Attention._side_streams[qkv.device] = torch.cuda.Stream(qkv.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            prefetch_l2(weight, "load")
-        return side
+        return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,8 @@ from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E
 from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
-from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN,  # noqa: E402
+from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
-from lightllm_kernels.l2_prefetch import prefetch_l2_triton  # noqa: E402
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -126,9 +125,6 @@ def call_every_kernel() -> None:
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
                            counts, torch.tensor([0, 2, 3], dtype=torch.int32))
     random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
-    o_weight = torch.empty(HIDDEN, HIDDEN, dtype=BF16)
-    prefetch_l2_triton(o_weight, "bulk")
-    prefetch_l2_triton(o_weight, "load")
     # the all-reduce fused with the residual add and RMSNorm, two ranks (its pointers are never read here)
     pointers = torch.zeros(2, dtype=torch.int64)
     one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
@@ -151,16 +147,14 @@ def call_moe_kernels() -> None:
     for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
         fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
                          down_plan=down_plan)
-    # the gate/up kernel's single interleaved dot
-    fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=LARGE_PLAN._replace(one_dot=1),
-                     down_plan=LARGE_PLANS[False][1])
-    fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale,
-                     plan=LARGE_PLANS[True][0]._replace(block_n=128, one_dot=1), down_plan=LARGE_PLANS[True][1])
     # fp32 experts (the GPU tests' tiny models) with the plan a large step picks: their tiles must fit
     tokens32, hidden32, inter32 = 2048, 256, 128
     fused_moe_triton(torch.randn(tokens32, hidden32), torch.randn(experts, 2 * inter32, hidden32),
                      torch.randn(experts, hidden32, inter32), torch.rand(tokens32, top_k),
                      torch.randint(0, experts, (tokens32, top_k), dtype=torch.int32))
+    # fp8 experts under fp32 activations (the GPU tests' tiny models with --quantization fp8): fp8 tiles
+    fused_moe_triton(x.float(), w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale,
+                     plan=MoEPlan(32, 32, 32, 4, 2))
     # a prefill's alignment: the ids cut into chunks (counts, runs, placement)
     align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
 

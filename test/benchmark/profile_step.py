@@ -55,9 +55,9 @@ GEMM_NAMES = ("qkv", "o", "gate_up", "down")
 TRITON_GROUPS = {  # kernel name fragment -> group
     "_decode_split": "attention (decode)", "_extend": "attention (extend)",
     "_rms_norm": "rms norm (+ residual)", "_rotary_kv": "rotary + kv write", "_silu": "silu*mul",
-    "_quantize_rows": "fp8 input quantisation", "_prefetch_kernel": "L2 prefetch (o weight)",
+    "_quantize_rows": "fp8 input quantisation",
 }
-SKIPPED_NEIGHBOURS = ("GEMM split", "fp8 input", "L2 prefetch")  # between a projection GEMM and the kernels that name it
+SKIPPED_NEIGHBOURS = ("GEMM split", "fp8 input")  # between a projection GEMM and the kernels that name it
 
 
 def is_gemm(name: str) -> bool:
@@ -367,9 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-cuda-graph", action="store_true")
     add("--triton-launch", choices=("fast", "triton"), default="fast",
         help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
-    add("--l2-prefetch", choices=("bulk", "load"), default=None,
-        help="steps of up to --l2-prefetch-max-tokens bring the o weight into L2 during attention (layers.Attention)")
-    add("--l2-prefetch-max-tokens", type=int, default=16)
     add("--out-md", type=Path, default=None)
     return parser
 
@@ -381,10 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         import lightllm_kernels._triton
 
         lightllm_kernels._triton.FAST_LAUNCH = False
-    if args.l2_prefetch:
-        from lightllm.models.layers import Attention
-
-        Attention.l2_prefetch, Attention.l2_prefetch_max_tokens = args.l2_prefetch, args.l2_prefetch_max_tokens
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
@@ -393,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
     lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}{', fp8 KV cache' if args.kv_cache_dtype != 'auto' else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
-             f"Triton launches: {args.triton_launch}, L2 prefetch of the o weight: {args.l2_prefetch or 'off'}", ""]
+             f"Triton launches: {args.triton_launch}", ""]
     bench = Bench(runner, seed=0)
     print("\n".join(lines), flush=True)
     for section in [lambda b=b: decode_section(runner, bench, b, args.context, bandwidth, args) for b in args.batches] + [
