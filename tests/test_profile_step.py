@@ -32,6 +32,21 @@ def test_profile_step_reports_every_measure(tmp_path):
     assert re.search(rf"\| mixed: 2 decodes \+ 1 x 8 \| {number} \|", text)
 
 
+def test_profile_step_fits_the_mixed_step_to_the_request_rows(tmp_path):
+    """--mixed-decodes beyond the rows --running-max-req-size leaves: the mixed step takes every
+    row but the chunk's, instead of failing with OutOfRowsError after the decode sections."""
+    from lightllm.tools.bench_model import write_bench_model
+
+    model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "profile.md"
+    assert profile_step.main([
+        "--model", str(model), "--device", "cpu", "--dtype", "float32", "--batches", "1", "--context", "16",
+        "--iters", "1", "--warmup", "1", "--host-steps", "1", "--mixed-decodes", "64", "--mixed-chunk", "8",
+        "--max-req-total-len", "512", "--running-max-req-size", "4", "--max-total-token-num", "4096",
+        "--out-md", str(out)]) == 0
+    assert re.search(r"\| mixed: 3 decodes \+ 1 x 8 \| \d+\.\d+ \|", out.read_text())
+
+
 def test_fp8_kernels_are_labelled_by_their_place_in_the_layer():
     names = ["_rms_norm_kernel", "_quantize_rows_kernel", "_fp8_gemm_small_m_kernel",
              "_rotary_kv_kernel", "_decode_split_kernel",

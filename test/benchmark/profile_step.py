@@ -309,12 +309,17 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
     how = "eager" if runner.graphs is None else f"replayed from a CUDA graph up to {runner.graphs.max_tokens} tokens"
     lines = [f"### Steps with prompt chunks ({how})", "",
              "| step | wall ms | host launch ms | device busy ms | busy share |", "| --- | ---: | ---: | ---: | ---: |"]
-    decodes = bench.new_reqs(args.mixed_decodes, 256)
+    # the mixed step's decodes and its chunk each take a request row: fewer decodes where there are fewer
+    num_decodes = min(args.mixed_decodes, runner.req_table.free_count - 1)
+    if num_decodes < args.mixed_decodes:
+        logger.info("mixed step: %d decodes, not %d: --running-max-req-size leaves %d request rows", num_decodes,
+                    args.mixed_decodes, runner.req_table.free_count)
+    decodes = bench.new_reqs(num_decodes, 256)
     for start in range(0, len(decodes), 32):
         run_step(runner, prompts=decodes[start: start + 32])
     ids = [r[0] for r in decodes]
     shapes = {"prefill 1 x 128": lambda: ([], bench.new_reqs(1, 128)),
-              f"mixed: {args.mixed_decodes} decodes + 1 x {args.mixed_chunk}": lambda: (ids, bench.new_reqs(1, args.mixed_chunk))}
+              f"mixed: {num_decodes} decodes + 1 x {args.mixed_chunk}": lambda: (ids, bench.new_reqs(1, args.mixed_chunk))}
     host = []
     for label, make in shapes.items():
         def one(make=make):
