@@ -184,10 +184,13 @@ def relative_error(actual, expected):
 
 
 # fp32 activations: the per-pair rows the down projection quantises differ between the paths by
-# summation order only, so they land on the same e4m3 values. bf16: each path rounds those rows
-# itself (the interpreter toward zero), and a row whose largest entry moves by one bf16 step is
-# quantised on another grid: entries up to half an e4m3 step (6%) apart, a few percent of the norm.
-FP8_REL_ERR = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+# summation order only, so they land on the same e4m3 values, except on a GPU, where the fp8 tensor
+# cores' sums differ by more than that and now and then move an entry to the next e4m3 value (an
+# H100, 200 draws of the 21-token case: median 1.3e-7, largest 2.5e-4, one above 1e-4). bf16: each
+# path rounds those rows itself (the interpreter toward zero), and a row whose largest entry moves
+# by one bf16 step is quantised on another grid: entries up to half an e4m3 step (6%) apart, a few
+# percent of the norm.
+FP8_REL_ERR = {torch.float32: 1e-3 if DEVICE == "cuda" else 1e-4, torch.bfloat16: 6e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
