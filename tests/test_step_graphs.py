@@ -28,6 +28,9 @@ def test_mixed_buckets():
     big = mixed_buckets(2048)
     assert big[:5] == [16, 32, 64, 128, 192] and 1024 in big and big[-2:] == [1920, 2048]
     assert big == sorted(set(big))
+    burst = mixed_buckets(8704)  # a burst step: 8192 prompt tokens beside 512 decodes
+    assert burst[:len(big)] == big and 4096 in burst and burst[-3:] == [7680, 8192, 8704]
+    assert all(b - a == 512 for a, b in zip(burst[burst.index(4096):], burst[burst.index(4096) + 1:]))
 
 
 def schedule(prompts):
@@ -98,8 +101,8 @@ def test_steps_past_the_graphs_run_eagerly_and_equal(tmp_path, captured_logits, 
     replays = []
     original = StepGraphs.run_mixed
     monkeypatch.setattr(StepGraphs, "run_mixed", lambda self, *a: replays.append(1) or original(self, *a))
-    many = random_prompts(4, lengths=[2] * (MAX_GRAPH_CHUNKS + 1))
-    long = random_prompts(5, lengths=(40,))
+    many = random_prompts(4, lengths=[2] * (MAX_GRAPH_CHUNKS + 1))  # within the largest bucket's tokens
+    long = random_prompts(5, lengths=(3 * MAX_GRAPH_CHUNKS,))  # past them
     logprobs = SamplingParams(prompt_logprobs=2)
     plans = [([], [Chunk(i, p, 0, True, GREEDY) for i, p in enumerate(many)], []),
              ([], [Chunk(100, long[0], 0, True, GREEDY)], [Release(i) for i in range(len(many))]),
@@ -107,8 +110,9 @@ def test_steps_past_the_graphs_run_eagerly_and_equal(tmp_path, captured_logits, 
              ([], [], [Release(101)])]
     tokens = {}
     for graphs in (False, True):
-        runner = ModelRunner(str(tmp_path), max_total_token_num=256, max_req_total_len=64, running_max_req_size=32,
-                             device="cpu", cuda_graph=graphs, cuda_graph_max_tokens=32)
+        runner = ModelRunner(str(tmp_path), max_total_token_num=4 * MAX_GRAPH_CHUNKS,
+                             max_req_total_len=4 * MAX_GRAPH_CHUNKS, running_max_req_size=MAX_GRAPH_CHUNKS + 8,
+                             device="cpu", cuda_graph=graphs, cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
         tokens[graphs] = [t for t, *_ in run(runner, plans, captured_logits)]
         assert runner.stats()["tokens_used"] == 0
     assert replays == [] and tokens[True] == tokens[False]
@@ -124,7 +128,9 @@ def test_every_layout_warms_up_on_padding_alone(tmp_path):
     for layout in graphs.mixed:
         graphs._pad_only(layout)
         v = layout.views(graphs.mixed_meta)
-        ids, positions, rows, decode_rows, decode_lens = v["tokens"].view(5, -1).tolist()
+        ids, positions, rows = v["tokens"].view(3, -1).tolist()
+        decode_rows, decode_lens = v["decodes"].view(2, -1).tolist()
+        assert len(decode_rows) == min(layout.tokens, graphs.buckets[-1])  # the most decodes a step holds
         assert set(rows) == set(decode_rows) == {graphs.padding_row} and set(ids) == set(positions) == {0}
         assert set(decode_lens) == {1} and set(v["ext_cu_q"].tolist()) == {0}
         assert set(v["q_blocks"].view(2, -1)[0].tolist()) == {-1}

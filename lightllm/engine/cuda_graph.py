@@ -14,10 +14,13 @@ Padding is harmless: a padding token has token 0 at position 0 in the request ta
 row, whose first entry is the token table's scratch slot (outside the budget); its decode
 attention has seq_len 1. So padding writes K/V only to the scratch slot, attends only to it,
 never touches a request's row or the prefix cache, and its logits are dropped. In a mixed step
-decode attention covers every token (bucket-sized, so its grid is fixed); the rows of chunk
-tokens and padding attend to the scratch slot only, and extend attention then writes the chunk
-tokens' rows over them. Padding chunks are empty (kv_len 0) and extend attention's block table
-has padding slots that leave at once, so its grid is fixed too.
+decode attention covers the first min(bucket, max batch) tokens (its grid fixed by the bucket:
+no step has more decodes than that); the rows of chunk tokens and padding among them attend to
+the scratch slot only, and extend attention then writes the chunk tokens' rows over them. The
+padding tokens past them get no attention output at all: their rows of the step's activations
+are whatever the memory held, which no real row reads (each row is its own through the GEMMs,
+norms and all-reduces) and whose logits are dropped. Padding chunks are empty (kv_len 0) and
+extend attention's block table has padding slots that leave at once, so its grid is fixed too.
 
 A captured forward reads its step from one static metadata buffer, derives the new tokens' KV
 slots from the request table inside the graph, and writes one static logits buffer. Decode
@@ -52,9 +55,12 @@ META_ROWS = 4  # decode steps: input_ids, positions, request rows, sequence leng
 # Mixed steps, in tokens: every 64 up to 1024 (a mixed step of a few hundred tokens is at the
 # GEMMs' compute knee, so padding costs about its share of tokens), every 128 above.
 MIXED_SMALL = (16, 32, 64)
-MIXED_STEPS = ((1024, 64), (4096, 128))
-MAX_GRAPH_CHUNKS = 16
-MIXED_TOKEN_ROWS = 5  # input_ids, positions, token rows, decode-attention rows, decode seq lens
+MIXED_STEPS = ((1024, 64), (4096, 128), (16384, 512))
+# Chunks a graphed step may hold: a burst's step of 8192 prompt tokens takes whole ShareGPT
+# prompts (a few hundred tokens each) by the dozen. Each chunk costs a logit row and an extend-
+# attention block slot that leaves at once when unused.
+MAX_GRAPH_CHUNKS = 64
+MIXED_TOKEN_ROWS = 3  # input_ids, positions, token rows (then decode attention's rows and seq lens, `decodes` each)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -89,12 +95,13 @@ class MixedLayout:
     tokens: int
     blocks: int  # extend attention's block slots
     logit_rows: int
+    decodes: int  # decode attention's rows: the most decodes a step of `tokens` can hold
 
     @property
     def sizes(self) -> dict[str, int]:
         c = MAX_GRAPH_CHUNKS
-        return {"tokens": MIXED_TOKEN_ROWS * self.tokens, "ext_rows": c, "ext_cu_q": c + 1, "ext_kv_lens": c,
-                "q_blocks": 2 * self.blocks, "logit_index": self.logit_rows}
+        return {"tokens": MIXED_TOKEN_ROWS * self.tokens, "decodes": 2 * self.decodes, "ext_rows": c,
+                "ext_cu_q": c + 1, "ext_kv_lens": c, "q_blocks": 2 * self.blocks, "logit_index": self.logit_rows}
 
     @property
     def size(self) -> int:
@@ -138,7 +145,7 @@ class StepGraphs:
     def _layout(self, tokens: int, max_batch: int) -> MixedLayout:
         head_dim = self.model.config.head_dim
         return MixedLayout(tokens, max_q_blocks(tokens, MAX_GRAPH_CHUNKS, head_dim),
-                           min(tokens, max_batch + MAX_GRAPH_CHUNKS))
+                           min(tokens, max_batch + MAX_GRAPH_CHUNKS), min(tokens, max_batch))
 
     # ---- decode steps ----
 
@@ -184,7 +191,7 @@ class StepGraphs:
         absolute chunk bounds) padded to `layout` and flattened in its order for the one upload.
         The decodes' input ids are filled on the device from the last sampled tokens."""
         pad_row, n = self.padding_row, len(lists["positions"])
-        pad, undecoded = layout.tokens - n, layout.tokens - num_decodes
+        pad, undecoded = layout.tokens - n, layout.decodes - num_decodes
         cu_q = lists["ext_cu_q"]
         chunk_pad = MAX_GRAPH_CHUNKS - len(lists["ext_rows"])
         return ([0] * num_decodes + lists["chunk_ids"] + [0] * pad
@@ -217,7 +224,8 @@ class StepGraphs:
 
     def _mixed_forward(self, layout: MixedLayout, max_seqlen: int) -> torch.Tensor:
         v = layout.views(self.mixed_meta)
-        input_ids, positions, token_rows, decode_rows, decode_lens = v["tokens"].view(MIXED_TOKEN_ROWS, -1)
+        input_ids, positions, token_rows = v["tokens"].view(MIXED_TOKEN_ROWS, -1)
+        decode_rows, decode_lens = v["decodes"].view(2, -1)
         slots = self.req_to_token[token_rows, positions].long()
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=decode_rows.int(),
                              decode_seq_lens=decode_lens.int(), decode_max_seqlen=max_seqlen,

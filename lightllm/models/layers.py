@@ -28,8 +28,9 @@ class ForwardBatch:
     Tokens are packed decodes first (one per request), then prefill chunks. Every new token's
     K/V is written to the token table first; attention then reads the requests' rows there.
     A graph-replayed step pads every array to its bucket (cuda_graph.py): its decode rows then
-    cover all its tokens (those past the real decodes attend to the scratch slot and their rows
-    are then written by extend attention), and its chunk arrays have empty padding chunks."""
+    cover its first min(bucket, max batch) tokens (those past the real decodes attend to the
+    scratch slot and chunk tokens' rows are then written by extend attention), and its chunk
+    arrays have empty padding chunks."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its request
