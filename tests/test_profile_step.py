@@ -10,17 +10,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark
 import profile_step  # noqa: E402
 
 
-def test_profile_step_reports_every_measure(tmp_path):
+def profile_tiny(tmp_path, *args: str) -> str:
+    """profile_step.py's report on the tiny model on the CPU, run with these extra arguments."""
     from lightllm.tools.bench_model import write_bench_model
 
     model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
     out = tmp_path / "profile.md"
     assert profile_step.main([
-        "--model", str(model), "--device", "cpu", "--dtype", "float32", "--batches", "1,3", "--context", "16",
-        "--iters", "2", "--warmup", "1", "--host-steps", "2", "--mixed-decodes", "2", "--mixed-chunk", "8",
-        "--max-req-total-len", "512", "--running-max-req-size", "4", "--max-total-token-num", "2048",
+        "--model", str(model), "--device", "cpu", "--dtype", "float32", "--context", "16", "--warmup", "1",
+        "--mixed-chunk", "8", "--max-req-total-len", "512", "--running-max-req-size", "4", *args,
         "--out-md", str(out)]) == 0
-    text = out.read_text()
+    return out.read_text()
+
+
+def test_profile_step_reports_every_measure(tmp_path):
+    text = profile_tiny(tmp_path, "--batches", "1,3", "--iters", "2", "--host-steps", "2", "--mixed-decodes", "2",
+                        "--max-total-token-num", "2048")
     number = r"\d+\.\d+"
     for batch in (1, 3):
         section = text.split(f"### Decode, batch {batch}, context 16")[1].split("###")[0]
@@ -35,16 +40,9 @@ def test_profile_step_reports_every_measure(tmp_path):
 def test_profile_step_fits_the_mixed_step_to_the_request_rows(tmp_path):
     """--mixed-decodes beyond the rows --running-max-req-size leaves: the mixed step takes every
     row but the chunk's, instead of failing with OutOfRowsError after the decode sections."""
-    from lightllm.tools.bench_model import write_bench_model
-
-    model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)
-    out = tmp_path / "profile.md"
-    assert profile_step.main([
-        "--model", str(model), "--device", "cpu", "--dtype", "float32", "--batches", "1", "--context", "16",
-        "--iters", "1", "--warmup", "1", "--host-steps", "1", "--mixed-decodes", "64", "--mixed-chunk", "8",
-        "--max-req-total-len", "512", "--running-max-req-size", "4", "--max-total-token-num", "4096",
-        "--out-md", str(out)]) == 0
-    assert re.search(r"\| mixed: 3 decodes \+ 1 x 8 \| \d+\.\d+ \|", out.read_text())
+    text = profile_tiny(tmp_path, "--batches", "1", "--iters", "1", "--host-steps", "1", "--mixed-decodes", "64",
+                        "--max-total-token-num", "4096")
+    assert re.search(r"\| mixed: 3 decodes \+ 1 x 8 \| \d+\.\d+ \|", text)
 
 
 def test_fp8_kernels_are_labelled_by_their_place_in_the_layer():
