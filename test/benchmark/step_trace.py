@@ -39,11 +39,16 @@ def load(path: Path) -> list[dict]:
     return sorted(steps, key=lambda s: s["start_ms"])
 
 
+def size_class(value: int, edges: tuple[int, ...]) -> tuple[int, str]:
+    """(index, label) of the first edge >= value: "<= edge", or "> last edge" past them all."""
+    i = next((i for i, e in enumerate(edges) if value <= e), len(edges))
+    return i, f"<= {edges[i]}" if i < len(edges) else f"> {edges[-1]}"
+
+
 def kind(step: dict) -> str:
     if not step["chunks"]:
         return "decode only (graph)" if step["graph"] else "decode only (eager)"
-    top = next((e for e in SIZE_EDGES if step["chunk_tokens"] <= e), None)
-    label = f"<= {top}" if top else f"> {SIZE_EDGES[-1]}"
+    label = size_class(step["chunk_tokens"], SIZE_EDGES)[1]
     return f"with chunks, {label} chunk tokens ({'graph' if step['graph'] else 'eager'})"
 
 
@@ -127,14 +132,14 @@ def floor_model(model_dir: Path, bandwidth_gbs: float, peak_tflops: float) -> di
 
 
 def floor_table(steps: list[dict], model: dict) -> str:
-    groups: dict[str, list] = {}
+    groups: dict[tuple[int, str], list] = {}  # (order, name) -> [steps, device ms, roofline ms, serial ms]
     for step in steps:
         if step["chunks"]:
-            name = "with chunks"
+            key = (len(DECODE_EDGES) + 1, "with chunks")
         else:
-            top = next((e for e in DECODE_EDGES if step["decodes"] <= e), None)
-            name = f"decode only, <= {top} decodes" if top else f"decode only, > {DECODE_EDGES[-1]} decodes"
-        g = groups.setdefault(name, [0, 0.0, 0.0, 0.0])
+            i, label = size_class(step["decodes"], DECODE_EDGES)
+            key = (i, f"decode only, {label} decodes")
+        g = groups.setdefault(key, [0, 0.0, 0.0, 0.0])
         roofline, serial = step_floor(step, model)
         g[0] += 1
         g[1] += step["end_ms"] - step["start_ms"]
@@ -145,9 +150,7 @@ def floor_table(steps: list[dict], model: dict) -> str:
              "| steps | count | device s | roofline s | device / roofline | GEMMs, then attention s | "
              "device / that |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     total = [0, 0.0, 0.0, 0.0]
-    order = [f"decode only, <= {e} decodes" for e in DECODE_EDGES] + [f"decode only, > {DECODE_EDGES[-1]} decodes",
-                                                                       "with chunks"]
-    for name, g in sorted(groups.items(), key=lambda kv: order.index(kv[0])):
+    for (_, name), g in sorted(groups.items()):
         total = [a + b for a, b in zip(total, g)]
         lines.append(f"| {name} | {g[0]} | {g[1] / 1000:.2f} | {g[2] / 1000:.2f} | {g[1] / g[2]:.2f} | "
                      f"{g[3] / 1000:.2f} | {g[1] / g[3]:.2f} |")
