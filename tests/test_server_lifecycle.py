@@ -232,7 +232,7 @@ def test_a_stop_signal_during_a_child_start_stops_once_the_child_is_registered(m
     from lightllm.utils import process
 
     calls = []
-    monkeypatch.setattr(process, "_stop_deferred", False)
+    monkeypatch.setattr(process, "_deferred", None)
     monkeypatch.setattr(process, "stop_processes", lambda children: calls.append("stop children"))
     monkeypatch.setattr(process.logging, "shutdown", lambda: None)
     monkeypatch.setattr(process.os, "_exit", lambda code: calls.append(("exit", code)))
@@ -243,6 +243,23 @@ def test_a_stop_signal_during_a_child_start_stops_once_the_child_is_registered(m
     assert calls == ["stop children", ("exit", 0)]
     process._exit_on_stop(process.STOP_SIGNAL, None)  # outside a start: at once
     assert calls[2:] == ["stop children", ("exit", 0)]
+
+
+def test_the_main_process_stop_waits_for_a_child_start_too(monkeypatch):
+    """The main process's SIGTERM handler (SystemExit), run inside a router's or the detokenizer's
+    start (Python runs a handler that arrived just before the signals were blocked at the next
+    bytecode, also inside Process.start()): the start ends first, then the stop unwinds."""
+    from lightllm.server import api_server
+    from lightllm.utils import process
+
+    monkeypatch.setattr(process, "_deferred", None)
+    monkeypatch.setattr(api_server, "_stop_signals", [])
+    started = False
+    with pytest.raises(SystemExit):
+        with process.starting_child():
+            api_server.stop_when_asked(signal.SIGTERM, None)
+            started = True  # the rest of the start still runs
+    assert started and api_server.stop_asked()
 
 
 @pytest.mark.parametrize("stage", ["children importing", "model worker loading"])

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
-from lightllm.utils.process import GROUP_SIGNALS, group_signals_blocked, setup_logging, stop_processes
+from lightllm.utils.process import (GROUP_SIGNALS, deferred_while_starting, group_signals_blocked, setup_logging,
+                                    starting_child, stop_processes)
 
 if TYPE_CHECKING:
     from lightllm.server.httpserver.manager import HttpServerManager
@@ -61,7 +62,7 @@ def start_children(config: ServerConfig, heartbeats: list[RouterHeartbeat], chil
     for name, target, extra in (*routers, ("detokenizer", start_detokenization_process, ())):
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(target=target, args=(config, theirs, os.getpid(), *extra), name=name)
-        with group_signals_blocked():
+        with group_signals_blocked(), starting_child():
             process.start()
             children.append(Child(name, process, ours))
         theirs.close()
@@ -180,6 +181,7 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
 _stop_signals: list[int] = []  # SIGTERM / SIGINT received before uvicorn handles them
 
 
+@deferred_while_starting
 def stop_when_asked(signum, frame) -> None:
     """SIGTERM or SIGINT before the server serves: unwind (the `finally` blocks stop the children),
     exit status 0. SystemExit raised inside a __del__ (the garbage collector runs during the

@@ -27,36 +27,47 @@ def setup_logging(level: str) -> None:
 
 
 _starting = 0  # children being started now (starting_child)
-_stop_deferred = False  # a stop signal came while one was
+_deferred = None  # the stop handler call that came while one was, to make once it ends
 
 
-def _exit_on_stop(signum, frame) -> None:
-    # Not SystemExit: raised while the garbage collector runs a __del__ (as it does during imports
-    # and model loading) it is printed and dropped, and the process would go on. A child's own
-    # children (a router's model workers) are stopped first; its sockets close with the process.
-    global _stop_deferred
-    if _starting:  # a child half started is not among active_children yet: stop once it is
-        _stop_deferred = True
-        return
-    stop_processes(multiprocessing.active_children())
-    logging.shutdown()
-    os._exit(0)
+def deferred_while_starting(handler):
+    """A stop signal's handler that waits for a child's start to end (starting_child). Python runs
+    a handler between any two bytecodes, also inside `Process.start()` (even with the signal
+    blocked, once it arrived just before): a handler that exits there leaves the child reading its
+    start-up data from a closed pipe, and printing the EOFError."""
+    def handle(signum, frame) -> None:
+        global _deferred
+        if _starting:
+            _deferred = lambda: handler(signum, None)
+            return
+        handler(signum, frame)
+
+    return handle
 
 
 @contextlib.contextmanager
 def starting_child():
-    """Start a child inside this in a process whose stop signal init_child_process handles (a
-    router starting its model workers). A stop that arrives meanwhile waits for the start to end,
-    then stops the new child with the others: stopped halfway, the parent would leave the child
-    reading the rest of its start-up data from a closed pipe, and printing the EOFError."""
-    global _starting
+    """Start a child inside this: a stop handler made by deferred_while_starting runs when the
+    start ends, and stops the new child with the others."""
+    global _starting, _deferred
     _starting += 1
     try:
         yield
     finally:
         _starting -= 1
-        if _stop_deferred and not _starting:
-            _exit_on_stop(STOP_SIGNAL, None)
+        if _deferred is not None and not _starting:
+            run, _deferred = _deferred, None
+            run()
+
+
+@deferred_while_starting
+def _exit_on_stop(signum, frame) -> None:
+    # Not SystemExit: raised while the garbage collector runs a __del__ (as it does during imports
+    # and model loading) it is printed and dropped, and the process would go on. A child's own
+    # children (a router's model workers) are stopped first; its sockets close with the process.
+    stop_processes(multiprocessing.active_children())
+    logging.shutdown()
+    os._exit(0)
 
 
 def die_with_parent(parent_pid: int, signum: int = STOP_SIGNAL) -> None:
