@@ -75,18 +75,18 @@ def test_summary_splits_idle_by_the_step_that_waited():
     assert s["wall_ms"] == 5100 and s["busy_ms"] == 50 + 10 + 8 + 9 + 10
     assert s["idle_ms"] == 12 + 1 and s["long_idle_ms"] == 5000
     assert s["groups"]["with chunks, <= 256 chunk tokens (eager)"]["idle_before_ms"] == 12
-    assert s["groups"]["decode only (graph)"]["idle_before_ms"] == 1
+    assert s["groups"]["decode only, <= 8 decodes (graph)"]["idle_before_ms"] == 1
     assert s["groups"]["with chunks, <= 4096 chunk tokens (eager)"]["steps"] == 1
-    assert s["groups"]["decode only (graph)"]["waited_ms"] == [3, 0]  # step 5 has no launched_ms: not counted
+    assert s["groups"]["decode only, <= 8 decodes (graph)"]["waited_ms"] == [3, 0]  # step 5 has no launched_ms: not counted
     text = step_trace.table(s)
     assert "with chunks, <= 256 chunk tokens (eager) | 1 |" in text
-    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | - | - | - | 1.50 |" in text
+    assert "| decode only, <= 8 decodes (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | - | - | - | 1.50 |" in text
     # traced since these were recorded
     steps[1].update(launch_cpu_ms=0.5, gc_ms=0.25, new_kernels=0, new_kernel_ms=0.0)
     steps[3].update(launch_cpu_ms=0.7, gc_ms=0.0, new_kernels=2, new_kernel_ms=180.0)
     steps[4].update(launch_cpu_ms=0.9, gc_ms=0.5, new_kernels=1, new_kernel_ms=20.0)
     text = step_trace.table(step_trace.summarise(steps, long_gap_ms=1000))
-    assert "| decode only (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | 0.70 | 0.25 / 0.5 | 3 (180.0) | 1.50 |" in text
+    assert "| decode only, <= 8 decodes (graph) | 3 | 6 | 9.67 | 1.00 / 1.0 | 0.70 | 0.25 / 0.5 | 3 (180.0) | 1.50 |" in text
 
 
 def test_plot_writes_a_png(tmp_path):

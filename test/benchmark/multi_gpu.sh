@@ -3,7 +3,7 @@
 # against one GPU, and measured. From the repo root:
 #
 #   bash test/benchmark/multi_gpu.sh [dry] ITEM...          (a quoted list is accepted)
-#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl|-unfused][-graphT]:REQUESTS[@RATE] | serve-dpN[-graphT]:REQUESTS[@RATE] | single-tpN[-nccl|-unfused]
+#   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl|-unfused][-graphT][-trace]:REQUESTS[@RATE] | serve-dpN[-graphT][-trace]:REQUESTS[@RATE] | single-tpN[-nccl|-unfused]
 #   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
 #     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
@@ -19,6 +19,9 @@
 #   serve-dpN:R: the same with --dp N --tp 1 (N replicas, one GPU each, one HTTP endpoint).
 #   :R@RATE (serve items): Poisson arrivals at RATE req/s instead of all at once (name ...-R-rRATE).
 #   -graphT (serve items, before :R): the server with --cuda_graph_max_tokens T.
+#   -trace (serve items, last before :R): the server with --step_trace (a file per rank and
+#     replica), each summarised by test/benchmark/step_trace.py into the item's directory; rank 0's
+#     (replica 0's) summary is printed too.
 #   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
 #     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
 #   -nccl: every all-reduce through NCCL (LIGHTLLM_SYMM_MEM_ALL_REDUCE=0), the "before".
@@ -109,9 +112,10 @@ gpu_log() {  # gpu_log FILE: nvidia-smi's utilisation of every GPU every 200 ms,
   echo $!
 }
 
-parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl, no fused norm for -unfused), graph (-graphT) and name from NAME-tpN[-nccl|-unfused][-graphT][:R] or NAME-dpN[-graphT][:R]
+parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl, no fused norm for -unfused), graph (-graphT), trace (-trace) and name from NAME-tpN[-nccl|-unfused][-graphT][-trace][:R] or NAME-dpN[-graphT][-trace][:R]
   local head=${1%%:*}
-  name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 dp=1 graph=
+  name=$head env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=1 dp=1 graph= trace=0
+  if [[ $head == *-trace ]]; then trace=1; head=${head%-trace}; fi
   if [[ $head == *-graph* ]]; then graph=${head##*-graph}; head=${head%-graph*}; fi
   if [[ $head == *-dp* ]]; then tp=1 dp=${head#*-dp}; else tp=${head#*-tp}; tp=${tp%-nccl}; tp=${tp%-unfused}; fi
   [[ $head == *-nccl ]] && env=LIGHTLLM_SYMM_MEM_ALL_REDUCE=0
@@ -121,7 +125,7 @@ parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl, no fused n
 }
 
 check() {  # check-tpN: unit tests on the GPUs, then greedy tokens of --tp N against --tp 1
-  local tp dp gpus env graph name dir tiny
+  local tp dp gpus env graph trace name dir tiny
   parse "$1"; dir=$WORK/$name; mkdir -p "$dir"; tiny=$WORK/tiny
   enough_gpus "$tp" "$name" || return 0
   [[ ${CHECK_TESTS:-1} == 0 ]] || step "$name-pytest" 300 python3 -m pytest -q -p no:cacheprovider \
@@ -170,7 +174,7 @@ PY
 }
 
 serve() {  # serve-tpN[-nccl]:R[@RATE], serve-dpN:R[@RATE]: gpu_compare.py's server phase
-  local tp dp gpus env graph name n=${1#*:} smi rc=0 server_args= rate=inf
+  local tp dp gpus env graph trace name n=${1#*:} smi rc=0 server_args= rate=inf
   [[ $n == *@* ]] && { rate=${n#*@}; n=${n%@*}; }
   [[ $n =~ ^[0-9]+$ && $rate =~ ^(inf|[0-9]+([.][0-9]+)?)$ ]] || { echo "bad item $1: R[@RATE] wanted" >&2; exit 2; }
   parse "$1"; name+=-$n; [[ $rate == inf ]] || name+=-r$rate
@@ -187,6 +191,7 @@ serve() {  # serve-tpN[-nccl]:R[@RATE], serve-dpN:R[@RATE]: gpu_compare.py's ser
     --total-timeout "$t" --bench-timeout "$t" --request-rate "$rate" ${SERVE_ARGS:-})
   ((dp == 1)) || server_args="--dp $dp"
   [[ -z $graph ]] || server_args+=" --cuda_graph_max_tokens $graph"
+  ((trace == 0)) || server_args+=" --step_trace $dir/steps.jsonl"
   [[ $DEVICE == cuda ]] || { server_args="--data_type float32 $server_args"; cmd+=(--device cpu); }
   [[ -z $server_args ]] || cmd+=("--server-args=$server_args")
   echo "== $name: ${t} s at most"
@@ -195,11 +200,21 @@ serve() {  # serve-tpN[-nccl]:R[@RATE], serve-dpN:R[@RATE]: gpu_compare.py's ser
   "${cmd[@]}" > "$dir/run.log" 2>&1 || rc=$?
   [[ -z $smi ]] || { kill "$smi" 2>/dev/null || true; wait "$smi" 2>/dev/null || true; }
   echo "$name: rc $rc; $(grep -m1 'server healthy' "$dir/run.log" | sed 's/.*: //' || true)"
+  ((trace == 0)) || summarise_traces "$dir"
   save
 }
 
+summarise_traces() {  # DIR: step_trace.py's tables of each trace file there; the first one's printed
+  local file first=1
+  for file in "$1"/steps.jsonl*; do
+    [[ -s $file ]] || continue
+    python3 "$ROOT/test/benchmark/step_trace.py" "$file" > "$file.md" 2>&1 || true
+    ((first)) && { echo "-- $(basename "$file")"; cat "$file.md"; first=0; }
+  done
+}
+
 single() {  # single-tpN[-nccl]: batch-1 latency through every process
-  local tp dp gpus env graph name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
+  local tp dp gpus env graph trace name dir url rc=0 flags=(--load_format dummy --data_type bfloat16)
   parse "$1"; dir=$WORK/$name; mkdir -p "$dir"
   enough_gpus "$tp" "$name" || return 0
   [[ $DEVICE == cuda ]] || flags=(--data_type float32)
@@ -218,7 +233,7 @@ single() {  # single-tpN[-nccl]: batch-1 latency through every process
 }
 
 profile() {  # profile-tpN: allreduce_bench.py's decode profile
-  local tp dp gpus env graph name modes=tp1,nccl,unfused,symmetric
+  local tp dp gpus env graph trace name modes=tp1,nccl,unfused,symmetric
   parse "$1"; enough_gpus "$tp" "$name" || return 0
   [[ $MODEL == bench-70b ]] && modes=nccl,unfused,symmetric  # 141 GB of weights: not on one GPU
   step "$name" 420 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$tp" --sizes '' \

@@ -7,8 +7,8 @@ end), the device's busy time (sum of step times) and its idle time, split by wha
 idle before a step is the time from the previous step's end to this step's start, which on the
 GPU is when the host had finished launching it (steps are launched while the previous one runs,
 so any idle there is host time the device waited for). Gaps over `--long-gap-ms` (no work: the
-server waited for requests) are counted apart. Steps are grouped by kind (decode-only steps,
-and steps with prefill chunks by their chunk tokens) and by how they ran (CUDA graph or eager).
+server waited for requests) are counted apart. Steps are grouped by kind (decode-only steps by
+their decodes, steps with prefill chunks by their chunk tokens) and by how they ran (CUDA graph or eager).
 "device waited for the launch" is, per step, how long past the moment the device reached the
 step the host was still launching it (`launched_ms - start_ms`, at least 0): time inside the
 step's device interval in which the device may have waited for the host, not run kernels.
@@ -31,7 +31,8 @@ import statistics
 import sys
 from pathlib import Path
 
-SIZE_EDGES = (256, 1024, 2048, 4096)
+SIZE_EDGES = (256, 1024, 2048, 4096)  # chunk tokens
+DECODE_EDGES = (8, 64, 256, 512)  # decodes
 
 
 def load(path: Path) -> list[dict]:
@@ -47,7 +48,8 @@ def size_class(value: int, edges: tuple[int, ...]) -> tuple[int, str]:
 
 def kind(step: dict) -> str:
     if not step["chunks"]:
-        return "decode only (graph)" if step["graph"] else "decode only (eager)"
+        label = size_class(step["decodes"], DECODE_EDGES)[1]
+        return f"decode only, {label} decodes ({'graph' if step['graph'] else 'eager'})"
     label = size_class(step["chunk_tokens"], SIZE_EDGES)[1]
     return f"with chunks, {label} chunk tokens ({'graph' if step['graph'] else 'eager'})"
 
@@ -108,8 +110,6 @@ def table(summary: dict) -> str:
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
     return "\n".join(lines)
 
-
-DECODE_EDGES = (8, 64, 256, 512)
 
 
 def step_floor(step: dict, model: dict) -> tuple[float, float]:
