@@ -209,7 +209,7 @@ summarise_traces() {  # DIR: step_trace.py's tables of each trace file there; th
   for file in "$1"/steps.jsonl*; do
     [[ -s $file ]] || continue
     python3 "$ROOT/test/benchmark/step_trace.py" "$file" > "$file.md" 2>&1 || true
-    ((first)) && { echo "-- $(basename "$file")"; cat "$file.md"; first=0; }
+    if ((first)); then echo "-- $(basename "$file")"; cat "$file.md"; first=0; fi
   done
 }
 
