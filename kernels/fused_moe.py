@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton, use_descriptor_allocator
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
 from .fp8_linear import fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
 
 
@@ -93,9 +93,6 @@ class MoEPlan(NamedTuple):
     # 0: every row block for one column tile, then the next column tile (each block's rows read
     # again for every column tile).
     group_m: int = 0
-    # Weight tiles through the Hopper tensor memory accelerator (a device-side tensor descriptor
-    # over all experts' rows) instead of per-thread loads; the gathered activations stay loads.
-    tma: bool = False
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
@@ -329,13 +326,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
                         num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
                         w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr):
+                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
     same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
     the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
-    BLOCK_K divides H, so the K loop's loads need no K mask. TMA: the weight tiles come through a
-    tensor descriptor over every expert's rows (experts contiguous); rows past the expert's gate
-    or up columns belong to the next ones and are masked at the store, keys past H read zeros."""
+    BLOCK_K divides H, so the K loop's loads need no K mask."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -346,10 +341,6 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
         col_mask = cols < inter
         w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
         w_up = w_gate + inter * w_row_stride
-        if TMA:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * inter, hidden],
-                                               strides=[w_row_stride, 1], block_shape=[BLOCK_N, BLOCK_K])
-            gate_row = expert * 2 * inter + col_tile * BLOCK_N
         ks = tl.arange(0, BLOCK_K)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -358,15 +349,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
             k_mask = (kk < hidden) | EVEN_K
             a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            if TMA:
-                w_g = w_desc.load([gate_row, k0]).T
-                w_u = w_desc.load([gate_row + inter, k0]).T
-            else:
-                w_mask = col_mask[None, :] & k_mask[:, None]
-                w_g = tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0)
-                w_u = tl.load(w_up + kk[:, None], mask=w_mask, other=0.0)
-            acc_gate += dot(a, w_g, DOT_UPCAST)
-            acc_up += dot(a, w_u, DOT_UPCAST)
+            w_mask = col_mask[None, :] & k_mask[:, None]
+            acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+            acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
             w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
@@ -386,9 +371,9 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
                      out_ptr, num_pairs, num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride,
                      w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, TMA: tl.constexpr):
+                     GROUP_M: tl.constexpr):
     """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
-    (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I; TMA as the gate/up kernel's)."""
+    (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:
@@ -398,10 +383,6 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
         w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
-        if TMA:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * hidden, inter], strides=[w_row_stride, 1],
-                                               block_shape=[BLOCK_N, BLOCK_K])
-            first_row = expert * hidden + col_tile * BLOCK_N
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
@@ -409,11 +390,8 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
             k_mask = (kk < inter) | EVEN_K
             a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            if TMA:
-                w = w_desc.load([first_row, k0]).T
-            else:
-                w = tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-            acc += dot(a, w, DOT_UPCAST)
+            acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
+                       DOT_UPCAST)
         if FP8:
             acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
             acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
@@ -437,7 +415,7 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     _moe_gate_up_kernel[(num_blocks * num_cols,)](
         a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
         top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, w_gate_up))
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden))
     return out
 
 
@@ -454,17 +432,13 @@ def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch
     _moe_down_kernel[(num_blocks * num_cols,)](
         a, w_down, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, pair_weights, out,
         num_pairs, num_experts, hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, w_down))
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, inter))
     return out
 
 
-def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, w: torch.Tensor) -> dict:
-    reduced = w.shape[2]
-    if plan.tma:  # the descriptor spans every expert's rows: experts back to back, rows 16-byte aligned
-        assert w.stride(0) == w.shape[1] * w.stride(1) and w.stride(1) * w.element_size() % 16 == 0
-        use_descriptor_allocator(w.device)
+def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
     return dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=not a.is_cuda,
-                EVEN_K=reduced % plan.block_k == 0, GROUP_M=plan.group_m, TMA=plan.tma, num_warps=plan.num_warps,
+                EVEN_K=reduced % plan.block_k == 0, GROUP_M=plan.group_m, num_warps=plan.num_warps,
                 num_stages=plan.num_stages)
 
 

@@ -144,29 +144,6 @@ def test_fused_moe_grouped_tile_order_matches_ref(group_m):
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(33, 4, 2), plan=plan)
 
 
-@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_fused_moe_weight_tiles_through_tensor_descriptors_match_ref(dtype, fp8):
-    """MoEPlan.tma: both kernels load their weight tiles through one tensor descriptor over every
-    expert's rows. Neither the gate/up columns (80) nor the down columns (48) fill the column
-    tiles, so a tile's last rows are the next expert's (or past the last one: zeros) and must not
-    reach the output; H (48) leaves a K tail of the gate/up loop. Rows are 16-byte multiples, as
-    the descriptor needs, in fp8 too."""
-    hidden, inter, num_experts = 48, 80, 6
-    x = torch.randn(29, hidden, device=DEVICE).to(dtype)
-    w_gate_up, w_down = experts(num_experts, dtype, hidden, inter)
-    weights, ids = random_routing(29, num_experts, 3)
-    plan = MoEPlan(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2, tma=True)
-    if not fp8:
-        expected = fused_moe_ref(x, w_gate_up, w_down, weights, ids)
-        actual = fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan)
-        torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
-        return
-    w_gate_up8, gate_up_scale, w_down8, down_scale = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
-    expected = fused_moe_ref(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale)
-    actual = fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan)
-    assert relative_error(actual, expected) < FP8_REL_ERR[dtype]
-
-
 def test_fit_plan_keeps_fp8_k_blocks_of_at_least_32():
     """fp32 activations halve the K blocks of bf16/fp32 experts (shared memory), but fp8 experts
     multiply fp8 tiles whatever x's dtype, and fp8 tensor cores take no K block under 32 (an H100
