@@ -37,6 +37,12 @@ def test_profile_step_reports_every_measure(tmp_path):
     assert re.search(rf"\| mixed: 2 decodes \+ 1 x 8 \| {number} \|", text)
 
 
+def test_profile_step_cuts_the_mixed_steps_prompt_tokens_into_prompts(tmp_path):
+    text = profile_tiny(tmp_path, "--batches", "1", "--iters", "1", "--host-steps", "1", "--mixed-decodes", "2",
+                        "--mixed-prompts", "4", "--running-max-req-size", "8", "--max-total-token-num", "1024")
+    assert re.search(r"\| mixed: 2 decodes \+ 4 x 2 \| \d+\.\d+ \|", text)
+
+
 def test_profile_step_fits_the_mixed_step_to_the_request_rows(tmp_path):
     """--mixed-decodes beyond the rows --running-max-req-size leaves: the mixed step takes every
     row but the chunk's, instead of failing with OutOfRowsError after the decode sections."""

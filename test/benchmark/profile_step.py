@@ -21,7 +21,8 @@ server's `max_req_total_len` and `running_max_req_size` so the same CUDA graphs 
 
 Then steps with prompt chunks (replayed from the mixed-step graphs where they fit, eager with
 `--no-cuda-graph`): a prefill step of one 128-token prompt and a mixed step (`--mixed-decodes`
-decodes and one `--mixed-chunk`-token chunk): wall time, the host's launch time, device busy
+decodes and `--mixed-chunk` prompt tokens in `--mixed-prompts` prompts; on CUDA its kernels
+grouped as the decode steps' are): wall time, the host's launch time, device busy
 time, and a cProfile of the host's Python (the top functions by own time).
 
 Runs on the CPU too (`--device cpu`, tiny model: the plumbing; CUDA-only parts are skipped).
@@ -309,8 +310,8 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
     how = "eager" if runner.graphs is None else f"replayed from a CUDA graph up to {runner.graphs.max_tokens} tokens"
     lines = [f"### Steps with prompt chunks ({how})", "",
              "| step | wall ms | host launch ms | device busy ms | busy share |", "| --- | ---: | ---: | ---: | ---: |"]
-    # the mixed step's decodes and its chunk each take a request row: fewer decodes where there are fewer
-    num_decodes = min(args.mixed_decodes, runner.req_table.free_count - 1)
+    # the mixed step's decodes and its prompts each take a request row: fewer decodes where there are fewer
+    num_decodes = min(args.mixed_decodes, runner.req_table.free_count - args.mixed_prompts)
     if num_decodes < args.mixed_decodes:
         logger.info("mixed step: %d decodes, not %d: --running-max-req-size leaves %d request rows", num_decodes,
                     args.mixed_decodes, runner.req_table.free_count)
@@ -318,9 +319,11 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
     for start in range(0, len(decodes), 32):
         run_step(runner, prompts=decodes[start: start + 32])
     ids = [r[0] for r in decodes]
+    prompts, length = args.mixed_prompts, args.mixed_chunk // args.mixed_prompts
+    mixed = f"mixed: {num_decodes} decodes + {prompts} x {length}"
     shapes = {"prefill 1 x 128": lambda: ([], bench.new_reqs(1, 128)),
-              f"mixed: {num_decodes} decodes + 1 x {args.mixed_chunk}": lambda: (ids, bench.new_reqs(1, args.mixed_chunk))}
-    host = []
+              mixed: lambda: (ids, bench.new_reqs(prompts, length))}
+    host, kernels = [], []
     for label, make in shapes.items():
         def one(make=make):
             dec, prompts = make()
@@ -335,10 +338,14 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
         if runner.device.type == "cuda":
             prof = profile_steps(one, args.profile_steps)
             busy = busy_us(device_kernels(prof)) / args.profile_steps / 1000
+            if label == mixed:  # where the mixed step's device time goes
+                kernels = kernel_table(device_kernels(prof), args.profile_steps, wall, f"Kernels of the {label} step",
+                                       runner.config.num_layers)
         cells = f"{busy:.3f} | {100 * busy / wall:.0f}%" if busy is not None else "- | -"
         lines.append(f"| {label} | {wall:.3f} | {launch_ms:.3f} | {cells} |")
         host.append((label, one))
     lines.append("")
+    lines += kernels
     for label, one in host:
         lines += [f"Host, {args.host_steps} steps of {label} (cProfile, own time):", ""]
         lines += host_profile(one, args.host_steps, args.top)
@@ -363,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gemm-m", type=int_list, default=[1, 256, 4096], help="M of the projection GEMMs timed alone")
     add("--context", type=int, default=1024)
     add("--mixed-decodes", type=int, default=64)
-    add("--mixed-chunk", type=int, default=512)
+    add("--mixed-chunk", type=int, default=512, help="the mixed step's prompt tokens")
+    add("--mixed-prompts", type=int, default=1, help="the prompts they are cut into (a burst's step holds dozens)")
     add("--warmup", type=int, default=3)
     add("--iters", type=int, default=20)
     add("--profile-steps", type=int, default=5)
