@@ -7,14 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
-from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, round_to_e4m3, store_quantized_row
-
-# fp8_out: rows up to this wide are held whole by one program; wider ones (an 8B model's 14336)
-# go in chunks of FP8_CHUNK columns, twice (_silu_and_mul_fp8_chunked_kernel): a whole row of
-# them fills most of an SM's registers, so one program at a time ran on each SM and the kernel
-# alternated between loading and reducing.
-FP8_WHOLE_ROW_MAX = 4096
-FP8_CHUNK = 1024
+from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, store_quantized_row
 
 
 def silu_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
@@ -66,37 +59,6 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride,
     store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale)
 
 
-@triton.jit
-def _gated_chunk(x_row, cols, inter, GELU: tl.constexpr, EVICT: tl.constexpr):
-    """act(gate) * up of columns `cols` of one row, rounded to x's dtype as the reference (masked
-    columns give 0)."""
-    mask = cols < inter
-    gate = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    up = tl.load(x_row + inter + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    return (_act(gate, GELU) * up).to(x_row.dtype.element_ty).to(tl.float32)
-
-
-@fast_launch
-@triton.jit
-def _silu_and_mul_fp8_chunked_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride, fp8_max, min_scale,
-                                     BLOCK: tl.constexpr, GELU: tl.constexpr):
-    """One row in BLOCK-column chunks, twice: the first pass finds its largest |y|, the second
-    computes y again, scales and stores it (quantize_row's arithmetic, chunk by chunk). The first
-    pass's loads ask L2 to keep the row, so the second reads it from there."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    top = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, inter, BLOCK):
-        top = tl.maximum(top, tl.abs(_gated_chunk(x_row, start + tl.arange(0, BLOCK), inter, GELU, "evict_last")))
-    scale = tl.maximum(tl.max(top, axis=0) / fp8_max, min_scale)
-    for start in range(0, inter, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        y = _gated_chunk(x_row, cols, inter, GELU, "evict_first")
-        q = round_to_e4m3(tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max))
-        tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=cols < inter)
-    tl.store(scale_ptr + row, scale)
-
-
 def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
     return _gated_triton(x, fp8_out, gelu=False)
 
@@ -112,10 +74,6 @@ def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
     if fp8_out:
         q = torch.empty(tokens, inter, dtype=FP8, device=x.device)
         scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
-        if inter > FP8_WHOLE_ROW_MAX:
-            _silu_and_mul_fp8_chunked_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX,
-                                                        MIN_SCALE, BLOCK=FP8_CHUNK, GELU=gelu, num_warps=4)
-            return q, scale
         block = next_power_of_2(inter)
         _silu_and_mul_fp8_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
                                             BLOCK=block, GELU=gelu, num_warps=min(max(block // 1024, 1), 16))

@@ -667,21 +667,6 @@ def test_silu_and_mul_fp8_out_triton_matches_ref(dtype):
     assert torch.equal(quantize_fp8_rows_ref(silu_and_mul_ref(x))[0].float(), q_ref.float())
 
 
-@pytest.mark.parametrize("gelu", [False, True])
-def test_silu_and_mul_fp8_out_in_chunks_equals_the_whole_row_kernel(gelu, monkeypatch):
-    """Rows wider than FP8_WHOLE_ROW_MAX go in two passes of FP8_CHUNK columns: the same fp8 values
-    and scales as the one-pass kernel, bit for bit (here 5 chunks of 16, the last partial)."""
-    module = importlib.import_module("lightllm_kernels.silu_and_mul")  # the package's function shadows it
-
-    x = randn(6, 2 * 72, dtype=torch.bfloat16) * 3
-    gated = module.gelu_tanh_and_mul_triton if gelu else module.silu_and_mul_triton
-    whole = gated(x, fp8_out=True)
-    monkeypatch.setattr(module, "FP8_WHOLE_ROW_MAX", 64)
-    monkeypatch.setattr(module, "FP8_CHUNK", 16)
-    chunked = gated(x, fp8_out=True)
-    assert torch.equal(chunked[0].float(), whole[0].float()) and torch.equal(chunked[1], whole[1])
-
-
 def test_host_cdiv_and_next_power_of_2_equal_tritons():
     import triton
 

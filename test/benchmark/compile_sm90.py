@@ -92,9 +92,8 @@ def call_every_kernel() -> None:
     for fp8_out in (False, True):
         rms_norm_triton(x, weight, 1e-5, fp8_out)
         add_rms_norm_triton(x, x.clone(), weight, 1e-5, fp8_out)
-        for inter in (INTER, 2048):  # fp8_out: an 8B model's rows in chunks, narrower ones whole
-            silu_and_mul_triton(torch.randn(tokens, 2 * inter, dtype=BF16), fp8_out)
-            gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * inter, dtype=BF16), fp8_out)
+        silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
+        gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
     q8, scale = quantize_fp8_rows_triton(x)
     w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
     for sms in (4, H100_SMS):  # K whole, and split (each column block's last slice adds the slices up)
