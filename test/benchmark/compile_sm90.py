@@ -63,8 +63,18 @@ def scalar_type(value) -> str:
     return "fp32"
 
 
+def divisible_by_16(value) -> bool:
+    """What Triton's launch specialises on (`tt.divisibility` 16): a pointer's 16-byte alignment, an
+    integer's divisibility by 16. It decides whether loads vectorise and are pipelined (copied to
+    shared memory ahead, which takes shared memory per stage), so a compile without it is not the GPU's."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def captured_launches() -> list[tuple]:
-    """(kernel, argument types, constexprs, options) of each distinct launch the wrappers make."""
+    """(kernel, argument types, constexprs, options, divisibility attributes) of each distinct
+    launch the wrappers make."""
     launches = {}
 
     def capture(kernel, grid, args, kwargs):
@@ -73,8 +83,10 @@ def captured_launches() -> list[tuple]:
                  for name, a in zip(names, args)}
         constexprs = {k: (False if k == "DOT_UPCAST" else v) for k, v in kwargs.items() if k not in OPTIONS}
         options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-        key = (kernel.fn.__name__, tuple(types.items()), tuple(constexprs.items()), tuple(options.items()))
-        launches[key] = (kernel, types, constexprs, options)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if divisible_by_16(a)}
+        key = (kernel.fn.__name__, tuple(types.items()), tuple(constexprs.items()), tuple(options.items()),
+               tuple(attrs))
+        launches[key] = (kernel, types, constexprs, options, attrs)
 
     saved = _triton._FastKernel._launch
     _triton._FastKernel._launch = capture
@@ -147,6 +159,12 @@ def call_moe_kernels() -> None:
     for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
         fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
                          down_plan=down_plan)
+    # the large plans with persistent programs (MoEPlan.persistent; the flattened loop takes a stage
+    # more of shared memory: fp8's gate/up tiles in two stages)
+    for fp8, args in ((False, (w_gate_up, w_down, weights, ids)), (True, (w_gate_up8, w_down8, weights, ids,
+                                                                           gate_up_scale, down_scale))):
+        plan, down_plan = (p._replace(persistent=1) for p in LARGE_PLANS[fp8])
+        fused_moe_triton(x, *args, plan=plan._replace(num_stages=2) if fp8 else plan, down_plan=down_plan)
     # fp32 experts (the GPU tests' tiny models) with the plan a large step picks: their tiles must fit
     tokens32, hidden32, inter32 = 2048, 256, 128
     fused_moe_triton(torch.randn(tokens32, hidden32), torch.randn(experts, 2 * inter32, hidden32),
@@ -159,19 +177,19 @@ def call_moe_kernels() -> None:
     align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
 
 
-def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict):
+def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict, attrs: dict):
     fn = kernel.fn
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main() -> int:
     failed = 0
-    for kernel, types, constexprs, options in captured_launches():
+    for kernel, types, constexprs, options, attrs in captured_launches():
         shown = ", ".join(f"{k}={v}" for k, v in {**constexprs, **options}.items())
         try:
-            compiled = compile_for_sm90(kernel, types, constexprs, options)
+            compiled = compile_for_sm90(kernel, types, constexprs, options, attrs)
             assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
             shared = compiled.metadata.shared
             assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
