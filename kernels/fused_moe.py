@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, dot, fast_launch, next_power_of_2, num_sms, tl, triton
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
 from .fp8_linear import fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
 
 
@@ -93,8 +93,6 @@ class MoEPlan(NamedTuple):
     # 0: every row block for one column tile, then the next column tile (each block's rows read
     # again for every column tile).
     group_m: int = 0
-    # 0: one program a tile; n: n programs an SM, each taking tiles in turn (a persistent kernel).
-    persistent: int = 0
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
@@ -303,13 +301,13 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
 
 
 @triton.jit
-def moe_tile(pid, num_blocks, num_cols, GROUP_M: tl.constexpr):
-    """(row block, column tile) of tile `pid` of num_blocks * num_cols (a program's id, or the tiles a
-    persistent program takes in turn). GROUP_M 0:
+def moe_tile(num_blocks, num_cols, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program in a 1-D grid of num_blocks * num_cols. GROUP_M 0:
     row blocks fastest (a column tile's every block, then the next tile). GROUP_M g: g row blocks
     at a time over all the column tiles, the g blocks fastest: their rows (up to g * BLOCK_M of
     the gathered activations) stay in L2 while every column tile reads them, and the blocks of one
     expert share its weight tile. Blocks past the last expert's run come last either way."""
+    pid = tl.program_id(0)
     if GROUP_M == 0:
         block = pid % num_blocks
         col_tile = pid // num_blocks
@@ -322,87 +320,49 @@ def moe_tile(pid, num_blocks, num_cols, GROUP_M: tl.constexpr):
     return block, col_tile
 
 
-USED_BLOCKS_CHUNK = tl.constexpr(1024)  # block experts a step of used_blocks reads
-
-
-@triton.jit
-def used_blocks(block_experts_ptr, num_blocks, num_experts):
-    """How many row blocks hold pairs: the alignment puts the blocks past the last expert's run
-    (expert num_experts) at the end, so it is the count of the others."""
-    lanes = tl.arange(0, USED_BLOCKS_CHUNK)
-    count = 0
-    for start in range(0, num_blocks, USED_BLOCKS_CHUNK):
-        experts = tl.load(block_experts_ptr + start + lanes, mask=start + lanes < num_blocks, other=num_experts)
-        count += tl.sum((experts < num_experts).to(tl.int32))
-    return count
-
-
 @fast_launch
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
                         num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
                         w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr):
-    """One program a tile, or (PERSISTENT) a few programs an SM, each taking every num_programs-th
-    tile of the blocks that hold pairs: with no test on the block inside, Triton flattens the tile
-    loop into the K loop and pipelines it whole, so a tile's first loads start under the previous
-    tile's last products and store."""
-    if PERSISTENT:
-        valid = used_blocks(block_experts_ptr, num_blocks, num_experts)
-        for tile in tl.range(tl.program_id(0), valid * num_cols, tl.num_programs(0), flatten=True):
-            block, col_tile = moe_tile(tile, valid, num_cols, GROUP_M)
-            _moe_gate_up_block(block, col_tile, tl.load(block_experts_ptr + block), x_ptr, w_ptr, x_scale_ptr,
-                               w_scale_ptr, sorted_pairs_ptr, out_ptr, num_pairs, top_k, hidden, inter, x_stride,
-                               w_expert_stride, w_row_stride, w_scale_stride, out_stride, BLOCK_M, BLOCK_N, BLOCK_K,
-                               FP8, DOT_UPCAST, EVEN_K)
-    else:
-        block, col_tile = moe_tile(tl.program_id(0), num_blocks, num_cols, GROUP_M)
-        expert = tl.load(block_experts_ptr + block)
-        if expert < num_experts:  # blocks past the last expert's run hold no pairs
-            _moe_gate_up_block(block, col_tile, expert, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr,
-                               out_ptr, num_pairs, top_k, hidden, inter, x_stride, w_expert_stride, w_row_stride,
-                               w_scale_stride, out_stride, BLOCK_M, BLOCK_N, BLOCK_K, FP8, DOT_UPCAST, EVEN_K)
-
-
-@triton.jit
-def _moe_gate_up_block(block, col_tile, expert, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, out_ptr,
-                       num_pairs, top_k, hidden, inter, x_stride, w_expert_stride, w_row_stride, w_scale_stride,
-                       out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
+                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
     same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
     the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
     BLOCK_K divides H, so the K loop's loads need no K mask."""
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < inter
-    w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
-    w_up = w_gate + inter * w_row_stride
-    ks = tl.arange(0, BLOCK_K)
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        kk = k0 + ks
-        k_mask = (kk < hidden) | EVEN_K
-        a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w_mask = col_mask[None, :] & k_mask[:, None]
-        acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
-        acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
-    if FP8:
-        x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
-        w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
-        acc_gate *= x_scale * tl.load(w_scales, mask=col_mask, other=0.0)[None, :]
-        acc_up *= x_scale * tl.load(w_scales + inter, mask=col_mask, other=0.0)[None, :]
-    # gate and up rounded to the output's dtype first, as the reference (and transformers) compute them
-    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
+    expert = tl.load(block_experts_ptr + block)
+    if expert < num_experts:  # blocks past the last expert's run hold no pairs
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = pairs < num_pairs
+        tokens = (pairs // top_k).to(tl.int64)
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
+        w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
+        w_up = w_gate + inter * w_row_stride
+        ks = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + ks
+            k_mask = (kk < hidden) | EVEN_K
+            a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w_mask = col_mask[None, :] & k_mask[:, None]
+            acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+            acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+        if FP8:
+            x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
+            w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
+            acc_gate *= x_scale * tl.load(w_scales, mask=col_mask, other=0.0)[None, :]
+            acc_up *= x_scale * tl.load(w_scales + inter, mask=col_mask, other=0.0)[None, :]
+        # gate and up rounded to the output's dtype first, as the reference (and transformers) compute them
+        gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
 
 
 @fast_launch
@@ -411,56 +371,35 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
                      out_ptr, num_pairs, num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride,
                      w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr):
-    """One program a tile, or persistent programs (as the gate/up kernel's)."""
-    if PERSISTENT:
-        valid = used_blocks(block_experts_ptr, num_blocks, num_experts)
-        for tile in tl.range(tl.program_id(0), valid * num_cols, tl.num_programs(0), flatten=True):
-            block, col_tile = moe_tile(tile, valid, num_cols, GROUP_M)
-            _moe_down_block(block, col_tile, tl.load(block_experts_ptr + block), a_ptr, w_ptr, a_scale_ptr,
-                            w_scale_ptr, sorted_pairs_ptr, pair_weights_ptr, out_ptr, num_pairs, hidden, inter,
-                            a_stride, w_expert_stride, w_row_stride, w_scale_stride, out_stride, BLOCK_M, BLOCK_N,
-                            BLOCK_K, FP8, DOT_UPCAST, EVEN_K)
-    else:
-        block, col_tile = moe_tile(tl.program_id(0), num_blocks, num_cols, GROUP_M)
-        expert = tl.load(block_experts_ptr + block)
-        if expert < num_experts:
-            _moe_down_block(block, col_tile, expert, a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr,
-                            pair_weights_ptr, out_ptr, num_pairs, hidden, inter, a_stride, w_expert_stride,
-                            w_row_stride, w_scale_stride, out_stride, BLOCK_M, BLOCK_N, BLOCK_K, FP8, DOT_UPCAST,
-                            EVEN_K)
-
-
-@triton.jit
-def _moe_down_block(block, col_tile, expert, a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr,
-                    pair_weights_ptr, out_ptr, num_pairs, hidden, inter, a_stride, w_expert_stride, w_row_stride,
-                    w_scale_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
+                     GROUP_M: tl.constexpr):
     """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
     (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pairs < num_pairs
-    rows = pairs.to(tl.int64)
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
-    w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        kk = k0 + ks
-        k_mask = (kk < inter) | EVEN_K
-        a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
-                   DOT_UPCAST)
-    if FP8:
-        acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
-    # the expert's output rounded to x's dtype before it is weighted, as the reference
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = y * tl.load(pair_weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
+    expert = tl.load(block_experts_ptr + block)
+    if expert < num_experts:
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = pairs < num_pairs
+        rows = pairs.to(tl.int64)
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden
+        w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kk = k0 + ks
+            k_mask = (kk < inter) | EVEN_K
+            a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
+                       DOT_UPCAST)
+        if FP8:
+            acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
+        # the expert's output rounded to x's dtype before it is weighted, as the reference
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.load(pair_weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
 
 
 def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up: torch.Tensor,
@@ -473,7 +412,7 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None
     num_blocks, num_cols = block_experts.shape[0], cdiv(inter, plan.block_n)
-    _moe_gate_up_kernel[(_programs(plan, num_blocks * num_cols, a.device),)](
+    _moe_gate_up_kernel[(num_blocks * num_cols,)](
         a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
         top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden))
@@ -490,22 +429,17 @@ def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch
     out = torch.empty(num_pairs, hidden, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None
     num_blocks, num_cols = block_experts.shape[0], cdiv(hidden, plan.block_n)
-    _moe_down_kernel[(_programs(plan, num_blocks * num_cols, a.device),)](
+    _moe_down_kernel[(num_blocks * num_cols,)](
         a, w_down, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, pair_weights, out,
         num_pairs, num_experts, hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1),
         w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, inter))
     return out
 
 
-def _programs(plan: MoEPlan, tiles: int, device: torch.device) -> int:
-    """The grid: one program a tile, or plan.persistent an SM (the interpreter: 3), each taking tiles in turn."""
-    return min(tiles, plan.persistent * num_sms(device, elsewhere=3)) if plan.persistent else tiles
-
-
 def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
     return dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=not a.is_cuda,
-                EVEN_K=reduced % plan.block_k == 0, GROUP_M=plan.group_m, PERSISTENT=plan.persistent > 0,
-                num_warps=plan.num_warps, num_stages=plan.num_stages)
+                EVEN_K=reduced % plan.block_k == 0, GROUP_M=plan.group_m, num_warps=plan.num_warps,
+                num_stages=plan.num_stages)
 
 
 def fit_plan(plan: MoEPlan, dtype: torch.dtype, fp8: bool) -> MoEPlan:

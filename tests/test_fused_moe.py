@@ -118,7 +118,7 @@ def test_moe_tile_order_visits_every_tile_once_in_groups(num_blocks, num_cols, g
 
     @triton.jit
     def tiles(out_ptr, num_blocks, num_cols, GROUP_M: tl.constexpr):
-        block, col_tile = fused_moe_module.moe_tile(tl.program_id(0), num_blocks, num_cols, GROUP_M)
+        block, col_tile = fused_moe_module.moe_tile(num_blocks, num_cols, GROUP_M)
         tl.store(out_ptr + tl.program_id(0) * 2, block)
         tl.store(out_ptr + tl.program_id(0) * 2 + 1, col_tile)
 
@@ -142,23 +142,6 @@ def test_fused_moe_grouped_tile_order_matches_ref(group_m):
     x = torch.randn(33, HIDDEN, device=DEVICE)
     plan = MoEPlan(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=group_m)
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(33, 4, 2), plan=plan)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_persistent_programs_match_ref(fp8):
-    """MoEPlan.persistent: fewer programs than tiles (3 here, on the CPU), each taking every third
-    tile in the grouped order, blocks past the last expert's run among them."""
-    x = torch.randn(37, 48, device=DEVICE)
-    w_gate_up, w_down = experts(6, torch.float32, 48, 80)
-    weights, ids = random_routing(37, 6, 3)
-    plan = MoEPlan(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2, persistent=1)
-    if not fp8:
-        assert_triton_matches_ref(x, w_gate_up, w_down, weights, ids, plan=plan)
-        return
-    w_gate_up8, gate_up_scale, w_down8, down_scale = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
-    expected = fused_moe_ref(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale)
-    actual = fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan)
-    assert relative_error(actual, expected) < FP8_REL_ERR[torch.float32]
 
 
 def test_fit_plan_keeps_fp8_k_blocks_of_at_least_32():

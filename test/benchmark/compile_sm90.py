@@ -159,12 +159,6 @@ def call_moe_kernels() -> None:
     for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
         fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
                          down_plan=down_plan)
-    # the large plans with persistent programs (MoEPlan.persistent; the flattened loop takes a stage
-    # more of shared memory: fp8's gate/up tiles in two stages)
-    for fp8, args in ((False, (w_gate_up, w_down, weights, ids)), (True, (w_gate_up8, w_down8, weights, ids,
-                                                                           gate_up_scale, down_scale))):
-        plan, down_plan = (p._replace(persistent=1) for p in LARGE_PLANS[fp8])
-        fused_moe_triton(x, *args, plan=plan._replace(num_stages=2) if fp8 else plan, down_plan=down_plan)
     # fp32 experts (the GPU tests' tiny models) with the plan a large step picks: their tiles must fit
     tokens32, hidden32, inter32 = 2048, 256, 128
     fused_moe_triton(torch.randn(tokens32, hidden32), torch.randn(experts, 2 * inter32, hidden32),

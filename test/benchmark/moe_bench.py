@@ -2,7 +2,7 @@
 
     python test/benchmark/moe_bench.py [--shape qwen3-30b-a3b] [--tp 1] [--decode 1,64,256]
         [--prefill 4096] [--fp8] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
-        [--tune [--tune-rows 64,128] [--tune-groups 0,8] [--tune-persistent 0,1]] [--out-md moe.md]
+        [--tune [--tune-rows 64,128] [--tune-groups 0,8]] [--out-md moe.md]
 
 One MoE layer of the shape (router choices drawn at random: softmax of normal logits, top k, as
 a balanced router spreads tokens), bf16 weights (--fp8: e4m3 experts with row scales, as
@@ -144,7 +144,7 @@ def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan]
 # against the default plan's output and timed; times as many again for each program order
 # (--tune-groups: MoEPlan.group_m) and fewer with --tune-rows.
 TUNE_GRID = dict(block_m=(64, 128), block_n=(64, 128, 256), block_k=(64, 128),
-                 warps_stages=((4, 3), (4, 4), (8, 3), (8, 4), (8, 5)), group_m=(0,), persistent=(0,))
+                 warps_stages=((4, 3), (4, 4), (8, 3), (8, 4), (8, 5)), group_m=(0,))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
@@ -178,8 +178,8 @@ def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID) -> list[str]:
         fastest = {}
         for kernel, (run, want) in runs.items():
             results = []
-            for bn, bk, (warps, stages), group_m, persistent in itertools.product(*list(grid.values())[1:]):
-                plan = MoEPlan(bm, bn, bk, warps, stages, group_m, persistent)
+            for bn, bk, (warps, stages), group_m in itertools.product(*list(grid.values())[1:]):
+                plan = MoEPlan(bm, bn, bk, warps, stages, group_m)
                 try:
                     assert _close(run(plan), want, 1e-2), "differs from the default plan's output"
                     results.append((graph_call_us(lambda plan=plan: run(plan)), plan))
@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", default="1,64,256", help="decode batch sizes (tokens)")
     parser.add_argument("--prefill", default="4096", help="prefill sizes (tokens)")
     parser.add_argument("--plan", action="append", type=parse_plan, default=[],
-                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,group_m[,persistent]]"
-                        "[/the down kernel's, same BLOCK_M] (repeatable)")
+                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,group_m][/the "
+                        "down kernel's, same BLOCK_M] (repeatable)")
     parser.add_argument("--groups", default=None,
                         help="time the chosen plans in each of these program orders (MoEPlan.group_m, e.g. 0,1,8) "
                         "instead of their own")
@@ -231,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-groups", default="0", help="--tune's program orders (MoEPlan.group_m), e.g. 0,1,8")
     parser.add_argument("--tune-rows", default="64,128", help="--tune's row blocks")
-    parser.add_argument("--tune-persistent", default="0", help="--tune's programs an SM (MoEPlan.persistent; 0: one "
-                        "a tile), e.g. 0,1,2")
     parser.add_argument("--out-md", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -258,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows[-1]["% mem floor"])
     if args.tune:
         grid = dict(TUNE_GRID, block_m=tuple(int(v) for v in args.tune_rows.split(",")),
-                    group_m=tuple(int(v) for v in args.tune_groups.split(",")),
-                    persistent=tuple(int(v) for v in args.tune_persistent.split(",")))
+                    group_m=tuple(int(v) for v in args.tune_groups.split(",")))
         tuned = [line for _, tokens in sizes for line in tune(layer, tokens, grid)]
     dtype = "fp8" if args.fp8 else "bf16"
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape} tp {args.tp} (hidden "
