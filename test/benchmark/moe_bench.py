@@ -140,11 +140,12 @@ def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan]
 
 
 # Each kernel is tuned alone over this grid, for each row block (which the alignment fixes and
-# the two kernels share): 2 x 3 x 2 x 5 = 60 plans a kernel and size, each compiled, checked
+# the two kernels share): 2 x 3 x 2 x 7 = 84 plans a kernel and size, each compiled, checked
 # against the default plan's output and timed; times as many again for each program order
-# (--tune-groups: MoEPlan.group_m) and fewer with --tune-rows.
+# (--tune-groups: MoEPlan.group_m) and fewer with --tune-rows. Two stages leave room for two
+# programs of the large tiles on an SM (one's epilogue beside the other's loop).
 TUNE_GRID = dict(block_m=(64, 128), block_n=(64, 128, 256), block_k=(64, 128),
-                 warps_stages=((4, 3), (4, 4), (8, 3), (8, 4), (8, 5)), group_m=(0,))
+                 warps_stages=((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 5)), group_m=(0,))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
