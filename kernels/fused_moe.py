@@ -103,11 +103,14 @@ class MoEPlan(NamedTuple):
 # (2026-11-27: moe_bench.py --groups 0,1,8, --tune --tune-rows 128 --tune-groups 1,8). The grouped
 # order took the whole layer at 16384 tokens from 3002 to 2866 us (bf16, the 2026-11-25 tiles;
 # 2797 us with three stages) and 2666 to 2539 us (fp8, group 8); at 4096, 946 to 845 us (bf16).
-# Decode rows moved by under 2% either way (group 1 kept). PREFILL_PLAN is an untuned guess.
+# Decode rows moved by under 2% either way (group 1 kept). The bf16 gate/up kernel takes four
+# stages since 2026-11-27's seventh session: faster than three in three tunes of four (16384 tokens:
+# 1600.4/1612.5/1614.7 against 1609.5/1640.4/1676.6 us; 4096: 506.4 against 536.3 us), ~1% slower
+# in one. PREFILL_PLAN is an untuned guess.
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3, group_m=1)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3, group_m=1)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3, group_m=1)
-LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 3, group_m=1), MoEPlan(128, 256, 64, 8, 3, group_m=1)),
+LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 4, group_m=1), MoEPlan(128, 256, 64, 8, 3, group_m=1)),
                True: (MoEPlan(64, 256, 128, 8, 3, group_m=8), MoEPlan(64, 256, 128, 8, 5, group_m=8))}
 LARGE_PLAN = LARGE_PLANS[False][0]
 
