@@ -63,6 +63,17 @@ def test_fp8_kernels_are_labelled_by_their_place_in_the_layer():
     assert labels.count("fp8 input quantisation") == 4 and labels.count("GEMM split-K reduction") == 1
 
 
+def test_an_eager_mixed_steps_gemms_are_labelled_across_its_memsets():
+    """An eager step has memsets between the kernels (about 4 a layer in the burst step); they do not
+    hide a GEMM's neighbours."""
+    names = ["_rms_norm_kernel", "Memset (Device)", "nvjet_qkv", "_rotary_kv_kernel", "_decode_split_kernel",
+             "Memset (Device)", "_extend_kernel", "Memset (Device)", "nvjet_o", "_rms_norm_kernel", "nvjet_gate_up",
+             "_silu_and_mul_kernel", "Memset (Device)", "nvjet_down", "_rms_norm_kernel", "nvjet_lm"]
+    labels = [g for g, _, _ in profile_step.label_kernels([(n, i, i + 1) for i, n in enumerate(names)], 1)]
+    assert [g for g in labels if g.startswith("GEMM")] == ["GEMM qkv", "GEMM o", "GEMM gate_up", "GEMM down",
+                                                           "GEMM lm_head"]
+
+
 def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
     import dataclasses
 

@@ -58,7 +58,8 @@ TRITON_GROUPS = {  # kernel name fragment -> group
     "_rms_norm": "rms norm (+ residual)", "_rotary_kv": "rotary + kv write", "_silu": "silu*mul",
     "_quantize_rows": "fp8 input quantisation",
 }
-SKIPPED_NEIGHBOURS = ("GEMM split", "fp8 input")  # between a projection GEMM and the kernels that name it
+# between a projection GEMM and the kernels that name it (an eager mixed step has memsets there)
+SKIPPED_NEIGHBOURS = ("GEMM split", "fp8 input", "copies")
 
 
 def is_gemm(name: str) -> bool:
@@ -319,10 +320,10 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
     for start in range(0, len(decodes), 32):
         run_step(runner, prompts=decodes[start: start + 32])
     ids = [r[0] for r in decodes]
-    prompts, length = args.mixed_prompts, args.mixed_chunk // args.mixed_prompts
-    mixed = f"mixed: {num_decodes} decodes + {prompts} x {length}"
+    num_prompts, length = args.mixed_prompts, args.mixed_chunk // args.mixed_prompts
+    mixed = f"mixed: {num_decodes} decodes + {num_prompts} x {length}"
     shapes = {"prefill 1 x 128": lambda: ([], bench.new_reqs(1, 128)),
-              mixed: lambda: (ids, bench.new_reqs(prompts, length))}
+              mixed: lambda: (ids, bench.new_reqs(num_prompts, length))}
     host, kernels = [], []
     for label, make in shapes.items():
         def one(make=make):
