@@ -18,7 +18,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen3MoeForCausalLM)
 
 import lightllm_kernels
-from lightllm.models import ModelConfigError, WeightLoadError, layers, moe
+from lightllm.models import ModelConfigError, WeightLoadError, layers, llama, moe
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
 
@@ -119,7 +119,7 @@ def max_hf_difference(hf_model, captured_logits, steps) -> float:
 
 
 def run_schedule(runner, prompts):
-    """Prefill two requests, decode, add a third, decode all, free one, decode the rest.
+    """Prefill two requests, decode, add a third, decode all, free one, decode the rest, then the last alone.
     Returns [(sequences fed so far, for each row of that step's logits)]."""
     seqs = {i: list(p) for i, p in enumerate(prompts)}
     steps = []
@@ -137,7 +137,10 @@ def run_schedule(runner, prompts):
         record([1, 0, 2], run_step(runner, [1, 0, 2]))
     runner.free([0])
     record([2, 1], run_step(runner, [2, 1]))
-    runner.free([1, 2])
+    runner.free([1])
+    for _ in range(2):  # one request alone: its decode steps run the norms inside the projections (llama.py)
+        record([2], run_step(runner, [2]))
+    runner.free([2])
     return steps
 
 
@@ -272,6 +275,7 @@ def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monk
     for op, triton_fn in TRITON_OPS.items():
         monkeypatch.setattr(layers, op, getattr(lightllm_kernels, triton_fn))
     monkeypatch.setattr(moe, "fused_moe", lightllm_kernels.fused_moe_triton)
+    monkeypatch.setattr(llama, "norm_linear", lightllm_kernels.norm_linear_triton)  # the decode steps' norms
     hf_model = make_model(name, tmp_path)
     steps = run_schedule(make_runner(tmp_path), random_prompts(4))
     assert_logits_match_hf(hf_model, captured_logits, steps)
