@@ -12,7 +12,6 @@ from .decode_attention import decode_attention_ref, decode_attention_triton
 from .extend_attention import extend_attention_ref, extend_attention_triton
 from .fused_moe import fused_moe_ref, fused_moe_triton, route_topk
 from .fp8_linear import fp8_gemm_ref, fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton
-from .norm_linear import norm_linear_ref, norm_linear_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_kv import rotary_kv_ref, rotary_kv_triton
@@ -43,10 +42,9 @@ random_uniform = _by_device(random_uniform_ref, random_uniform_triton)
 fp8_linear = _by_device(fp8_linear_ref, fp8_linear_triton)
 fp8_gemm = _by_device(fp8_gemm_ref, fp8_gemm_triton)
 fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
-norm_linear = _by_device(norm_linear_ref, norm_linear_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "fp8_linear", "fp8_gemm",
-    "fused_moe", "route_topk", "norm_linear",
+    "fused_moe", "route_topk",
 ]

@@ -17,8 +17,6 @@ from lightllm_kernels.extend_attention import (extend_attention_ref, extend_atte
 from lightllm_kernels.fp8_linear import (FP8_MAX, NUM_COUNTERS, SMALL_M_MAX, fp8_gemm_small_m, fp8_linear_ref,
                                          fp8_linear_triton, quantize_fp8_rows_ref, quantize_fp8_rows_triton,
                                          quantize_fp8_weight)
-from lightllm_kernels.norm_linear import NUM_COUNTERS as NORM_LINEAR_COUNTERS
-from lightllm_kernels.norm_linear import norm_linear_ref, norm_linear_triton
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
@@ -611,42 +609,6 @@ def test_fp8_gemm_small_m_matches_ref(m, plan):
 def test_fp8_linear_triton_matches_ref(m):
     x, w_q, w_scale = fp8_inputs(m, 48, 128)
     assert_close(fp8_linear_triton(x, w_q, w_scale), fp8_linear_ref(x, w_q, w_scale), TOL[torch.bfloat16])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gated,residual,bias,plan", [
-    (False, True, False, None), (False, True, True, (32, 64, 3)), (True, True, False, (16, 64, 2)),
-    (True, False, False, None), (False, False, True, (64, 64, 1)), (True, True, False, (8, 128, 3))])
-def test_norm_linear_matches_ref(dtype, gated, residual, bias, plan):
-    """RMSNorm (+ residual add), the projection and (gated) SiLU-and-mul in one launch, K whole and
-    split (the last slice adds the sums and the sums of squares): N and K not multiples of the
-    blocks; the input residual is left as it was, the new one is the rounded sum."""
-    m, k, n = 1, 300, 40 if gated else 96
-    x = randn(m, k, dtype=dtype)
-    res = randn(m, k, dtype=dtype) if residual else None
-    before = None if res is None else res.clone()
-    g = (torch.rand(k) + 0.5).to(device=DEVICE, dtype=dtype)
-    w = randn(2 * n if gated else n, k, dtype=dtype) * 0.05
-    b = randn(n, dtype=dtype) if bias else None
-    y, res_out = norm_linear_triton(x, res, g, 1e-5, w, b, gated, plan=plan)
-    y_ref, res_ref = norm_linear_ref(x, None if res is None else res.clone(), g, 1e-5, w, b, gated)
-    assert y.shape == y_ref.shape == (m, n) and y.dtype == dtype
-    # bf16 gated: gate and up each a rounding or two apart (the reference rounds the normed row and
-    # its scaled form, the kernel g * s), then multiplied; fp32 holds the arithmetic to 2e-5
-    assert_close(y, y_ref, dict(atol=5e-2, rtol=5e-2) if gated and dtype == torch.bfloat16 else TOL[dtype])
-    assert res is None or torch.equal(res, before)
-    assert_close(res_out, res_ref, TOL[dtype])  # equal on the GPU; the interpreter rounds bf16 toward zero
-    assert res is not None or res_out is x
-    assert not zeroed_counters("norm_linear", NORM_LINEAR_COUNTERS, x.device).any()
-
-
-def test_norm_linear_ref_is_the_unfused_path():
-    """The reference, the CPU path, computes exactly what the layers did unfused."""
-    x, res, g, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64) + 0.5, torch.randn(48, 64)
-    y, res_out = norm_linear_ref(x, res, g, 1e-6, w, gated=True)
-    summed = res + x
-    assert torch.equal(res_out, summed)
-    assert torch.equal(y, silu_and_mul_ref(F.linear(rms_norm_ref(summed, g, 1e-6), w)))
 
 
 def test_fp8_linear_ref_is_close_to_the_unquantised_product():

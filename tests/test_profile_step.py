@@ -74,19 +74,6 @@ def test_an_eager_mixed_steps_gemms_are_labelled_across_its_memsets():
                                                            "GEMM lm_head"]
 
 
-def test_fused_norm_kernels_are_labelled_by_their_place_in_the_layer():
-    """A step of a few tokens runs its norms inside the q/k/v and gate/up kernels (norm_linear): the
-    one before rotary is q/k/v, the other gate/up with silu, and the cuBLAS GEMMs after attention
-    and after that kernel are o and down."""
-    layer = ["_norm_linear_kernel", "_rotary_kv_kernel", "_decode_split_kernel", "nvjet_o", "_norm_linear_kernel",
-             "nvjet_down", "cublasLt_splitKreduce"]
-    names = layer * 2 + ["_rms_norm_kernel", "nvjet_lm"]
-    labels = [g for g, _, _ in profile_step.label_kernels([(n, i, i + 1) for i, n in enumerate(names)], 2)]
-    assert labels[:7] == ["norm + qkv (one kernel)", "rotary + kv write", "attention (decode)", "GEMM o",
-                          "norm + gate_up + silu (one kernel)", "GEMM down", "GEMM split-K reduction"]
-    assert labels[7:14] == labels[:7] and labels[-1] == "GEMM lm_head"
-
-
 def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
     import dataclasses
 

@@ -288,11 +288,7 @@ class Attention:
     def __call__(self, h, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
-        return self.from_qkv(self.qkv(h), batch, rope, k_cache, v_cache)
-
-    def from_qkv(self, qkv: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The rest of the layer from the q/k/v projection's output [T, (Hq + 2 Hkv) D]."""
+        qkv = self.qkv(h)
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)

@@ -9,15 +9,11 @@ import torch
 
 from lightllm.common.token_table import TokenTable
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import norm_linear
-from lightllm_kernels.norm_linear import SMALL_M_MAX as NORM_LINEAR_MAX_M
 
 from .config import ModelConfig
 from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      VocabParallelEmbedding, vocab_shard)
 from .moe import SparseMoE
-
-FUSE_NORMS = True  # DecoderLayer.fuse_norms; profile_step.py --no-fused-norms turns it off to compare
 
 
 class DecoderLayer:
@@ -46,12 +42,6 @@ class DecoderLayer:
         else:
             self.post_norm = norm("post_attention_layernorm", mlp_fp8)
             self.attn.o.defer_reduce(self.post_norm)  # tp > 1: the all-reduce fused with the norm's add
-        # Steps of up to NORM_LINEAR_MAX_M tokens (decodes of a few requests): each norm in one launch
-        # with the projection that takes its output, and SiLU-and-mul with the gate/up projection
-        # (kernels/norm_linear.py). Plain layers only: one rank (no all-reduce in front of a norm),
-        # unquantised weights, silu, no sandwich norms or experts.
-        self.fuse_norms = (FUSE_NORMS and tp.world_size == 1 and not fp8 and not sparse and not cfg.sandwich_norms
-                           and not self.mlp.gelu)
 
     def defer_mlp_reduce(self, next_norm: RMSNorm) -> None:
         """tp > 1: the dense MLP's all-reduce left to the norm that takes its output next (the
@@ -61,8 +51,6 @@ class DecoderLayer:
             self.mlp.down.defer_reduce(next_norm)
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
-        if self.fuse_norms and x.shape[0] <= NORM_LINEAR_MAX_M:
-            return self._fused(x, residual, batch, ropes[self.local_rope], k_cache, v_cache)
         h, residual = self.input_norm(x, residual)
         x = self.attn(h, batch, ropes[self.local_rope], k_cache, v_cache)
         if self.attn_out_norm is not None:
@@ -72,15 +60,6 @@ class DecoderLayer:
         if self.mlp_out_norm is not None:
             x, _ = self.mlp_out_norm(x, None)
         return x, residual
-
-    def _fused(self, x, residual, batch: ForwardBatch, rope, k_cache, v_cache):
-        """As __call__, the norms fused with the projections after them (fuse_norms)."""
-        norm, qkv = self.input_norm, self.attn.qkv
-        qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias)
-        x = self.attn.from_qkv(qkv, batch, rope, k_cache, v_cache)
-        norm = self.post_norm
-        act, residual = norm_linear(x, residual, norm.weight, norm.eps, self.mlp.gate_up.weight, gated=True)
-        return self.mlp.down(act), residual
 
 
 class LlamaModel:

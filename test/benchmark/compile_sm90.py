@@ -37,7 +37,6 @@ from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_tri
                                          small_m_plan)
 from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
-from lightllm_kernels.norm_linear import norm_linear_plan, norm_linear_triton  # noqa: E402
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -111,17 +110,6 @@ def call_every_kernel() -> None:
     w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
     for sms in (4, H100_SMS):  # K whole, and split (each column block's last slice adds the slices up)
         fp8_gemm_small_m(q8, scale, w8, w_scale, BF16, plan=small_m_plan(tokens, 1024, HIDDEN, sms))
-    # a decode step's norms fused with q/k/v (K split, with a bias, the first layer without a residual)
-    # and with gate/up (gated, K whole) as the H100 plans them
-    w_qkv, w_gate_up = torch.empty(6144, HIDDEN, dtype=BF16), torch.empty(2 * INTER, HIDDEN, dtype=BF16)
-    row = x[:1]  # one request's decode step
-    norm_linear_triton(row, row.clone(), weight, 1e-5, w_qkv, plan=norm_linear_plan(1, 6144, HIDDEN, False, H100_SMS))
-    norm_linear_triton(row, None, weight, 1e-5, w_qkv, torch.empty(6144, dtype=BF16),
-                       plan=norm_linear_plan(1, 6144, HIDDEN, False, H100_SMS))
-    norm_linear_triton(row, row.clone(), weight, 1e-5, w_gate_up, gated=True,
-                       plan=norm_linear_plan(1, INTER, HIDDEN, True, H100_SMS))
-    x32 = torch.randn(1, 256)  # an fp32 tiny model's (gpu_check_model.py)
-    norm_linear_triton(x32, x32.clone(), torch.randn(256), 1e-5, torch.empty(1024, 256), gated=True)
     qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=BF16)
     q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))

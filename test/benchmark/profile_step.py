@@ -56,7 +56,7 @@ GEMM_NAMES = ("qkv", "o", "gate_up", "down")
 TRITON_GROUPS = {  # kernel name fragment -> group
     "_decode_split": "attention (decode)", "_extend": "attention (extend)",
     "_rms_norm": "rms norm (+ residual)", "_rotary_kv": "rotary + kv write", "_silu": "silu*mul",
-    "_quantize_rows": "fp8 input quantisation", "_norm_linear": "norm fused with a projection",
+    "_quantize_rows": "fp8 input quantisation",
 }
 # between a projection GEMM and the kernels that name it (an eager mixed step has memsets there)
 SKIPPED_NEIGHBOURS = ("GEMM split", "fp8 input", "copies")
@@ -97,10 +97,6 @@ def label_kernels(kernels: list[tuple[str, float, float]], num_layers: int) -> l
     them: norm -> qkv -> rotary, attention -> o, norm -> gate_up -> silu, silu -> down, and the
     last norm -> LM head (whichever cuBLAS kernel serves each)."""
     groups = [None if is_gemm(name) else group_of(name) for name, _, _ in kernels]
-    for i, group in enumerate(groups):  # norm_linear: q/k/v when rotary follows, else gate/up and silu
-        if group == TRITON_GROUPS["_norm_linear"]:
-            after = next((g for g in groups[i + 1:] if g and not g.startswith(SKIPPED_NEIGHBOURS)), "")
-            groups[i] = "norm + qkv (one kernel)" if after.startswith("rotary") else "norm + gate_up + silu (one kernel)"
     named = [g if g and not g.startswith(SKIPPED_NEIGHBOURS) else None for g in groups]
     labelled = []
     for i, (name, start, end) in enumerate(kernels):
@@ -111,7 +107,7 @@ def label_kernels(kernels: list[tuple[str, float, float]], num_layers: int) -> l
         after = next((g for g in named[i + 1:] if g), "")
         if before.startswith("attention"):
             which = "o"
-        elif before.startswith("silu") or before.endswith("silu (one kernel)"):
+        elif before.startswith("silu"):
             which = "down"
         elif after.startswith("silu"):
             which = "gate_up"
@@ -383,8 +379,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host-steps", type=int, default=10)
     add("--top", type=int, default=15)
     add("--no-cuda-graph", action="store_true")
-    add("--no-fused-norms", action="store_true",
-        help="steps of a few tokens with their RMSNorms and SiLU-and-mul apart from the projections (llama.FUSE_NORMS off)")
     add("--triton-launch", choices=("fast", "triton"), default="fast",
         help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
     add("--out-md", type=Path, default=None)
@@ -398,10 +392,6 @@ def main(argv: list[str] | None = None) -> int:
         import lightllm_kernels._triton
 
         lightllm_kernels._triton.FAST_LAUNCH = False
-    if args.no_fused_norms:
-        from lightllm.models import llama
-
-        llama.FUSE_NORMS = False
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
@@ -410,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
     lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}{', fp8 KV cache' if args.kv_cache_dtype != 'auto' else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
-             f"Triton launches: {args.triton_launch}, norms fused: {not args.no_fused_norms}", ""]
+             f"Triton launches: {args.triton_launch}", ""]
     bench = Bench(runner, seed=0)
     print("\n".join(lines), flush=True)
     for section in [lambda b=b: decode_section(runner, bench, b, args.context, bandwidth, args) for b in args.batches] + [
