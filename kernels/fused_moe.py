@@ -401,10 +401,8 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
         # the expert's output rounded to x's dtype before it is weighted, as the reference
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.load(pair_weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        # streamed (.cs): read once, by the sum over k; at prefill sizes [T * K, H] is ten times the L2
-        # and would push out the experts' weights, which the next row blocks read again
         tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :], cache_modifier=".cs")
+                 mask=row_mask[:, None] & col_mask[None, :])
 
 
 def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up: torch.Tensor,
