@@ -138,7 +138,7 @@ def run_schedule(runner, prompts):
     runner.free([0])
     record([2, 1], run_step(runner, [2, 1]))
     runner.free([1])
-    for _ in range(2):  # one request alone (batch-1 decode steps, graph bucket 1 on the GPU)
+    for _ in range(2):  # one request alone: batch-1 decode steps
         record([2], run_step(runner, [2]))
     runner.free([2])
     return steps
