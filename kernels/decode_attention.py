@@ -19,7 +19,6 @@ import torch
 from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, num_sms, score_scale, tl,
                       triton, zeroed_counters)
 
-MIN_CHUNK = 64  # keys per split, at least
 MAX_SPLITS = 32
 WAVES = 4  # programs to aim for, per SM
 # (keys per inner step, warps, pipeline stages) of a launch: with one split per request (large
@@ -29,6 +28,17 @@ WAVES = 4  # programs to aim for, per SM
 # single setting 64/4/2), batch 64 at 0.89 (0.61).
 WHOLE_LAUNCH = (64, 2, 2)
 SPLIT_LAUNCH = (128, 4, 2)
+# Split requests also take at least this many keys a chunk. Up to FEW_REQUESTS requests, whose
+# step waits on a chain of latencies rather than on the KV stream, narrow blocks over 8 warps and
+# chunks of 64, and a request whose keys fit one chunk writes its output directly (DIRECT); more,
+# wide blocks and chunks of 256. H100, 8B heads (2026-11-27, eighth session), against wide blocks
+# and chunks of 64 for all: tune_decode_attention.py (the kernel alone, its KV warm in L2) batch 1 at
+# 1024 keys 6.2 us against 8.0, batch 8 12.2 against 15.0; in the step (profile_step.py, graph
+# replay) batch 8 6.221 ms against 6.272, batch 1 at 256 keys 5.665 against 5.685, batches 16-64
+# unchanged.
+MIN_CHUNK = 256
+FEW_REQUESTS = 2
+FEW_LAUNCH, FEW_MIN_CHUNK = (64, 8, 2), 64
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -91,11 +101,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
+                         DIRECT: tl.constexpr):
     """Attention of one request's chunk for the GROUP query heads sharing one kv head.
 
-    With one chunk per request (NUM_SPLITS == 1, large batches) the output is final: it goes
-    straight to o. Otherwise the program writes the chunk's normalised output and its
+    With one chunk per request (NUM_SPLITS == 1, large batches), or (DIRECT, one or two requests)
+    where this request's keys fit one chunk, the output is final: it goes straight to o. Otherwise the program writes the chunk's normalised output and its
     log2-sum-exp2 per query head, counts itself on the (request, kv head)'s counter, and the
     last of the request's used chunks merges them into o (_merge_chunks); empty chunks (past
     this request's length) neither write nor count. Chunks count from the first key the query
@@ -129,24 +140,56 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
         m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, col_mask[None, :],
                                         kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
                                         v_head_stride, qk_scale, DOT_UPCAST, SOFTCAP)
+    o_row = o_ptr + req.to(tl.int64) * o_batch_stride
     if NUM_SPLITS == 1:
-        tl.store(o_ptr + req.to(tl.int64) * o_batch_stride + heads[:, None] * o_head_stride + dims[None, :],
-                 (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+        _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
+    elif DIRECT:  # one or two requests: one whose keys fit one chunk skips the partials, the count and the merge
+        if _num_used(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS) == 1:
+            _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
+        else:
+            _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len,
+                           heads, head_mask, dims, dim_mask, o_head_stride, GROUP, BLOCK_G, BLOCK_D, BLOCK_N,
+                           NUM_SPLITS, BLOCK_S, MIN_KEYS, WINDOW)
     else:
-        # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
-        parts = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS  # split 0 of each head
-        tl.store(part_o_ptr + (parts + split)[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None],
-                 mask=head_mask[:, None])
-        tl.store(part_lse_ptr + parts + split, m_i + tl.log2(l_i), mask=head_mask)
-        tl.debug_barrier()  # every thread's stores before the count (the atomic releases them)
-        seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
-        num_used = tl.cdiv(seen, _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS))
-        counter = counters_ptr + req * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:  # the last chunk done: merge
-            tl.store(counter, 0)  # every used chunk has counted: ready for the next launch
-            tl.debug_barrier()  # the other programs' partials, acquired, before any thread reads them
-            _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr + req.to(tl.int64) * o_batch_stride, parts, num_used,
-                          heads, head_mask, dims, dim_mask, o_head_stride, BLOCK_G, BLOCK_D, BLOCK_S)
+        _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len,
+                       heads, head_mask, dims, dim_mask, o_head_stride, GROUP, BLOCK_G, BLOCK_D, BLOCK_N, NUM_SPLITS,
+                       BLOCK_S, MIN_KEYS, WINDOW)
+
+
+@triton.jit
+def _num_used(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+              MIN_KEYS: tl.constexpr):
+    """The chunks that hold a request's keys (its window's, if any)."""
+    seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
+    return tl.cdiv(seen, _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS))
+
+
+@triton.jit
+def _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride):
+    tl.store(o_row + heads[:, None] * o_head_stride + dims[None, :], (acc / l_i[:, None]).to(o_row.dtype.element_ty),
+             mask=head_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len, heads,
+                   head_mask, dims, dim_mask, o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   MIN_KEYS: tl.constexpr, WINDOW: tl.constexpr):
+    """A chunk's normalised output and log2-sum-exp2 per query head, counted on the (request, kv
+    head)'s counter; the last of the request's used chunks merges them into o."""
+    # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
+    parts = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS  # split 0 of each head
+    tl.store(part_o_ptr + (parts + split)[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None],
+             mask=head_mask[:, None])
+    tl.store(part_lse_ptr + parts + split, m_i + tl.log2(l_i), mask=head_mask)
+    tl.debug_barrier()  # every thread's stores before the count (the atomic releases them)
+    num_used = _num_used(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    counter = counters_ptr + req * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:  # the last chunk done: merge
+        tl.store(counter, 0)  # every used chunk has counted: ready for the next launch
+        tl.debug_barrier()  # the other programs' partials, acquired, before any thread reads them
+        _merge_chunks(part_o_ptr, part_lse_ptr, o_row, parts, num_used, heads, head_mask, dims, dim_mask,
+                      o_head_stride, BLOCK_G, BLOCK_D, BLOCK_S)
 
 
 @triton.jit
@@ -186,26 +229,35 @@ def _chunk_counters(device: torch.device) -> torch.Tensor:
 
 
 def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.device,
-                launch: tuple[int, int, int] | None = None) -> tuple[int, tuple[int, int, int]]:
-    """(num_splits, (BLOCK_N, warps, stages)) from host ints only, so choosing them never waits
-    on the GPU; `launch` overrides the settings (tune_decode_attention.py).
+                launch: tuple[int, int, int] | None = None,
+                min_chunk: int | None = None) -> tuple[int, tuple[int, int, int], int]:
+    """(num_splits, (BLOCK_N, warps, stages), the fewest keys a chunk takes) from host ints only,
+    so choosing them never waits on the GPU; `launch` and `min_chunk` override the settings
+    (tune_decode_attention.py).
 
     Large batches already fill the GPU with one program per (request, kv head); small ones
     split the keys until there are about WAVES programs per SM, with no more splits than
-    chunks of MIN_CHUNK (and of the block) in `max_seqlen`. Each request then cuts its own keys
-    into that many chunks (_chunk, on the device): a CUDA graph's bound (max_req_total_len) no
-    longer leaves a short request's keys to one program."""
+    chunks of the fewest keys (and of the block) in `max_seqlen`. Each request then cuts its own
+    keys into that many chunks (_chunk, on the device): a CUDA graph's bound (max_req_total_len)
+    no longer leaves a short request's keys to one program."""
     wanted = cdiv(WAVES * _programs_per_wave(device), batch * num_kv_heads)
-    launch = launch or (SPLIT_LAUNCH if wanted > 1 else WHOLE_LAUNCH)
-    return max(1, min(wanted, MAX_SPLITS, cdiv(max_seqlen, max(MIN_CHUNK, launch[0])))), launch
+    if wanted <= 1:
+        default, fewest = WHOLE_LAUNCH, MIN_CHUNK  # one chunk a request: the fewest keys play no part
+    elif batch <= FEW_REQUESTS:
+        default, fewest = FEW_LAUNCH, FEW_MIN_CHUNK
+    else:
+        default, fewest = SPLIT_LAUNCH, MIN_CHUNK
+    launch, min_chunk = launch or default, min_chunk or fewest
+    return max(1, min(wanted, MAX_SPLITS, cdiv(max_seqlen, max(min_chunk, launch[0])))), launch, min_chunk
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
                             softcap: float = 0.0, launch: tuple[int, int, int] | None = None,
-                            fp8_as_f16: bool = True) -> torch.Tensor:
-    """As decode_attention_ref; `launch` overrides the launch's (BLOCK_N, warps, stages) (tune_decode_attention.py).
+                            fp8_as_f16: bool = True, min_chunk: int | None = None) -> torch.Tensor:
+    """As decode_attention_ref; `launch` overrides the launch's (BLOCK_N, warps, stages), `min_chunk`
+    the fewest keys a split takes (tune_decode_attention.py).
     An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
     old way (decode_attention_kv_dtype.py times both)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
@@ -213,7 +265,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     span = min(max_seqlen, window) if window else max_seqlen  # the most keys one query sees
-    splits, (block_n, warps, stages) = _split_plan(batch, num_kv_heads, span, q.device, launch)
+    splits, (block_n, warps, stages), min_chunk = _split_plan(batch, num_kv_heads, span, q.device, launch, min_chunk)
     block_d = next_power_of_2(head_dim)
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
@@ -229,7 +281,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=MIN_CHUNK, DOT_UPCAST=not q.is_cuda,
+        NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=min_chunk, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
+        DIRECT=batch <= FEW_REQUESTS,
         num_warps=warps, num_stages=stages)
     return out

@@ -217,10 +217,11 @@ def decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, num_slots
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS + [(8, 2, 64)])
 @pytest.mark.parametrize("waves", [0, 64], ids=["one-split", "split-k"])
 def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim, waves, monkeypatch):
-    # WAVES drives the split plan: 0 gives one chunk per request, 64 several, so the merge is tested.
+    # WAVES drives the split plan: 0 gives one chunk per request, 64 several, so the merge is tested
+    # (the longest request past a chunk's fewest keys); the short ones fit one chunk and skip it.
     monkeypatch.setattr(decode_module, "WAVES", waves)
-    seq_lens = PROMPT_LENS + [200]
-    num_splits, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
+    seq_lens = PROMPT_LENS + [decode_module.MIN_CHUNK + 100]
+    num_splits, *_ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
     assert (num_splits > 1) == (waves > 1)
     args = decode_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype) + (max(seq_lens), head_dim ** -0.5)
     # The output goes to rows of a larger buffer, as the layers pass it (one output for decodes and
@@ -232,17 +233,22 @@ def test_decode_attention_triton_matches_ref(dtype, num_q_heads, num_kv_heads, h
     assert buffer[[0, -1]].isnan().all() and buffer[:, num_q_heads].isnan().all()
 
 
-def test_decode_attention_split_launches_leave_their_counters_at_zero(monkeypatch):
+@pytest.mark.parametrize("min_chunk", [None, 64, 256])  # None: the plan's own (one or two requests: 64)
+def test_decode_attention_split_launches_leave_their_counters_at_zero(min_chunk, monkeypatch):
     """The chunks of a request are merged by the last of its programs to count itself done, and
-    that program zeroes the (request, kv head)'s counter: after launches of different plans in a
-    row (the counters shared, as by the layers of a step) each output is the reference's and
-    every counter is back at zero."""
+    that program zeroes the (request, kv head)'s counter; a request whose keys fit one chunk (at
+    most min_chunk, rounded up to the block) writes its output directly and never counts. After
+    launches of different plans in a row (the counters shared, as by the layers of a step) each
+    output is the reference's and every counter is back at zero."""
     monkeypatch.setattr(decode_module, "WAVES", 64)
-    for seq_lens, num_kv_heads in (([5, 130, 37, 300], 2), ([200, 1, 64], 4), ([300] * 6, 2)):
-        args = decode_batch(seq_lens, 8, num_kv_heads, 64, torch.float32) + (max(seq_lens), 0.125)
-        num_splits, _ = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens), torch.device(DEVICE))
-        assert num_splits > 1
-        assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[torch.float32])
+    for seq_lens, num_kv_heads in (([5, 130, 37, 300], 2), ([200, 1, 64], 4), ([300] * 6, 2), ([256, 9], 2),
+                                   ([700], 2), ([90, 400], 2)):
+        args = decode_batch(seq_lens, 8, num_kv_heads, 64, torch.float32, num_slots=800) + (max(seq_lens), 0.125)
+        num_splits, _, fewest = decode_module._split_plan(len(seq_lens), num_kv_heads, max(seq_lens),
+                                                          torch.device(DEVICE), min_chunk=min_chunk)
+        assert num_splits > 1 or fewest >= max(seq_lens)
+        got = decode_attention_triton(*args, min_chunk=min_chunk)
+        assert_close(got, decode_attention_ref(*args), ATTN_TOL[torch.float32])
         assert not decode_module._chunk_counters(args[0].device).any()
 
 
@@ -253,7 +259,7 @@ def test_decode_attention_under_a_graph_bound_splits_each_request(window, monkey
     a short request's keys alone), and the result equals the reference's."""
     monkeypatch.setattr(decode_module, "WAVES", 64)
     seq_lens, bound = [1, 2, 64, 65, 150, 300], 8192
-    num_splits, _ = decode_module._split_plan(len(seq_lens), 2, bound, torch.device(DEVICE))
+    num_splits, *_ = decode_module._split_plan(len(seq_lens), 2, bound, torch.device(DEVICE))
     assert num_splits > 1  # stage 1 and the merge must agree on each request's chunk
     q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(seq_lens, 4, 2, 64, torch.float32)
     wide = torch.full((req_to_token.shape[0], bound), -1, dtype=torch.int32, device=DEVICE)

@@ -69,7 +69,7 @@ def leave_together():
 
 def assert_tp2_matches_tp1(tmp_path, worker, tp1_logits):
     """`worker` on 2 ranks over TP_CASES' models (rank 0 saves its logits), against
-    `tp1_logits(model_dir, seen)` in this process: the same 7 steps' logits, within ATOL/RTOL."""
+    `tp1_logits(model_dir, seen)` in this process: the same 9 steps' logits, within ATOL/RTOL."""
     dirs = [tmp_path / name for name in TP_CASES]
     for name, d in zip(TP_CASES, dirs):
         make_model(name, d)
@@ -83,7 +83,7 @@ def assert_tp2_matches_tp1(tmp_path, worker, tp1_logits):
     finally:
         model_runner.sample = original_sample
     for name, ours, reference in zip(TP_CASES, tp2, tp1):
-        assert len(ours) == len(reference) == 7, name
+        assert len(ours) == len(reference) == 9, name
         for a, b in zip(ours, reference):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=name)
 

@@ -159,7 +159,7 @@ def decode_table(bandwidth_gbps: float) -> list[dict]:
         floor_ms = kv_bytes / (bandwidth_gbps * 1e9) * 1e3
         triton_ms = bench_ms(lambda: decode_attention_triton(*args))
         ref_ms = bench_ms(lambda: decode_attention_ref(*args))
-        splits, _ = _split_plan(batch, NUM_KV_HEADS, DECODE_CONTEXT, args[0].device)
+        splits = _split_plan(batch, NUM_KV_HEADS, DECODE_CONTEXT, args[0].device)[0]
         rows.append(dict(batch=batch, context=DECODE_CONTEXT, num_splits=splits, triton_ms=triton_ms, ref_ms=ref_ms,
                          kv_bytes=kv_bytes, floor_ms=floor_ms, fraction_of_floor=floor_ms / triton_ms))
         del args

@@ -120,11 +120,14 @@ def call_every_kernel() -> None:
     for kv_dtype in (BF16, FP8):
         k_cache, v_cache = (torch.zeros(1024, KV_HEADS, HEAD_DIM, dtype=kv_dtype) for _ in range(2))
         rotary_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
-        # the plan as on the H100 (keys split, then merged) and as for a large batch (one split, no merge)
+        # the plans as on the H100 (keys split, then merged: two requests, then four) and as for a large
+        # batch (one split, no merge)
         per_wave = decode_module._programs_per_wave
         for sms in (H100_SMS, 0):
             decode_module._programs_per_wave = lambda device, sms=sms: sms
             decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1)
+        decode_module._programs_per_wave = lambda device: H100_SMS
+        decode_attention_triton(q, k_cache, v_cache, table, rows.repeat(2), lens.repeat(2), 512, 0.1)
         decode_module._programs_per_wave = per_wave
         cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
         blocks = torch.tensor(extend_q_blocks([1, 3], HEAD_DIM, 4), dtype=torch.int32).view(2, -1)
