@@ -106,9 +106,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     """Attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     With one chunk per request (NUM_SPLITS == 1, large batches), or (DIRECT, one or two requests)
-    where this request's keys fit one chunk, the output is final: it goes straight to o. Otherwise the program writes the chunk's normalised output and its
-    log2-sum-exp2 per query head, counts itself on the (request, kv head)'s counter, and the
-    last of the request's used chunks merges them into o (_merge_chunks); empty chunks (past
+    where this request's keys fit one chunk, the output is final: it goes straight to o. Otherwise
+    the program writes the chunk's normalised output and its log2-sum-exp2 per query head, counts
+    itself on the (request, kv head)'s counter, and the last of the request's used chunks merges
+    them into o (_merge_chunks); empty chunks (past
     this request's length) neither write nor count. Chunks count from the first key the query
     sees: 0, or its window's first.
     Each request splits its own keys (_chunk), so a short request beside a long one, or under a

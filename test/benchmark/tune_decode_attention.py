@@ -7,7 +7,8 @@ KV stream's floor.
 The cases are the decode CUDA graphs' (split plan from the server's max_req_total_len, 3072 by
 default), each request's slots a contiguous run of the token table as the allocator gives them,
 Llama-3.1-8B's heads (32 query, 8 KV, 128 dims, bf16). Prints one markdown table: microseconds per
-call (timed in a CUDA graph of 20 calls, as a decode step runs them) and the floor fraction (the K/V bytes over the measured
+call (timed in a CUDA graph of 20 calls, as a decode step runs them, the KV warm in L2 where it
+fits: a step's layers read it from memory) and the floor fraction (the K/V bytes over the measured
 device-to-device copy bandwidth, divided by the time). GPU only.
 """
 
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         shipped = graph_call_us(lambda: decode_attention_triton(q, k, v, table, rows, lens, args.max_seqlen, scale))
         error = (decode_attention_triton(q, k, v, table, rows, lens, args.max_seqlen, scale).float() - ref).abs().max()
         failed += error.item() > 2e-2
-        print(f"| {batch} | {context} | shipped | | | | {shipped:.1f} | {floor_us / shipped:.2f} | {error.item():.4f} |")
+        print(f"| {batch} | {context} | shipped | | | | {shipped:.1f} | {floor_us / shipped:.2f} | "
+              f"{error.item():.4f} |")
         results = []
         for min_chunk, block_n, warps, stages in grid:
             extra = {} if min_chunk is None else {"min_chunk": min_chunk}
