@@ -142,15 +142,16 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
                                         kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
                                         v_head_stride, qk_scale, DOT_UPCAST, SOFTCAP)
     o_row = o_ptr + req.to(tl.int64) * o_batch_stride
+    # Whether this program's output is final: known at compile time but for DIRECT's split launches,
+    # so the other kernels compile one store path only.
     if NUM_SPLITS == 1:
-        _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
+        final = True
     elif DIRECT:  # one or two requests: one whose keys fit one chunk skips the partials, the count and the merge
-        if _num_used(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS) == 1:
-            _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
-        else:
-            _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len,
-                           heads, head_mask, dims, dim_mask, o_head_stride, GROUP, BLOCK_G, BLOCK_D, BLOCK_N,
-                           NUM_SPLITS, BLOCK_S, MIN_KEYS, WINDOW)
+        final = _num_used(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS) == 1
+    else:
+        final = False
+    if final:
+        _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
     else:
         _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len,
                        heads, head_mask, dims, dim_mask, o_head_stride, GROUP, BLOCK_G, BLOCK_D, BLOCK_N, NUM_SPLITS,
