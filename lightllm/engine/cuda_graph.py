@@ -41,7 +41,7 @@ import torch
 
 from lightllm.common.req_table import ReqTable
 from lightllm.common.token_table import TokenTable
-from lightllm.models import ForwardBatch, LlamaModel, WeightPrefetch
+from lightllm.models import ForwardBatch, LlamaModel
 from lightllm_kernels.extend_attention import max_q_blocks, pad_q_blocks
 
 logger = logging.getLogger(__name__)
@@ -60,13 +60,6 @@ MIXED_STEPS = ((1024, 64), (4096, 128), (16384, 512))
 # prompts (a few hundred tokens each) by the dozen. Each chunk costs a logit row and an extend-
 # attention block slot that leaves at once when unused.
 MAX_GRAPH_CHUNKS = 64
-# Decode steps of up to PREFETCH_MAX_BATCH requests pull the first PREFETCH_BYTES of each projection's
-# weight into L2 on a side stream while the small kernels before it run (WeightPrefetch). H100,
-# bench-8b, 1024 keys, graph replay against none (test/benchmark/profile_step.py): batch 1 0.994x,
-# 4 0.987x, 16 0.991x, 32 0.994x, 64 1.001x; 4 or 8 MB a window, or the lines at the normal priority,
-# gained less (test/benchmark/tune_prefetch.py; docs/benchmarks-log.md).
-PREFETCH_BYTES = 6 << 20
-PREFETCH_MAX_BATCH = 32
 MIXED_TOKEN_ROWS = 3  # input_ids, positions, token rows (then decode attention's rows and seq lens, `decodes` each)
 
 
@@ -146,8 +139,6 @@ class StepGraphs:
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # captured graphs only: a prefetch is a side stream's hint (CUDA), and eagerly it costs launches
-        self.prefetch = WeightPrefetch(dict.fromkeys(WeightPrefetch.NAMES, PREFETCH_BYTES)) if capture else None
         if capture:
             self._capture_all()
 
@@ -181,11 +172,10 @@ class StepGraphs:
         return self.logits[:n]
 
     def _forward(self, bucket: int, max_seqlen: int) -> torch.Tensor:
-        prefetch = self.prefetch if bucket <= PREFETCH_MAX_BATCH else None
         input_ids, positions, rows, seq_lens = self.meta[:, :bucket]
         slots = self.req_to_token[rows, positions].long()  # the runner wrote them before the step
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=rows.int(),
-                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen, prefetch=prefetch)
+                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen)
         return self.model.forward(batch, self.token_table)
 
     # ---- mixed steps ----

@@ -11,7 +11,7 @@ from lightllm.utils.dist import TPGroup
 
 from .config import (SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError, read_config,
                      resolve_dtype, resolve_kv_dtype)
-from .layers import ForwardBatch, WeightPrefetch
+from .layers import ForwardBatch
 from .llama import LlamaModel
 from .weights import CheckpointWeights, DummyWeights, WeightLoadError
 
@@ -36,5 +36,5 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tp
     return model
 
 
-__all__ = ["ModelConfig", "ModelConfigError", "WeightLoadError", "ForwardBatch", "LlamaModel", "WeightPrefetch",
+__all__ = ["ModelConfig", "ModelConfigError", "WeightLoadError", "ForwardBatch", "LlamaModel",
            "read_config", "resolve_dtype", "resolve_kv_dtype", "load_model", "SUPPORTED_ARCHITECTURES"]

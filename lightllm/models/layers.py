@@ -17,7 +17,6 @@ from lightllm.utils.dist import TPGroup
 from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear,
                               gelu_tanh_and_mul, rms_norm, rotary_kv_, silu_and_mul)
 from lightllm_kernels.fp8_linear import quantize_fp8_weight
-from lightllm_kernels.l2_prefetch import l2_prefetch_triton
 
 from .config import ModelConfig, ModelConfigError
 
@@ -45,7 +44,6 @@ class ForwardBatch:
     ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
     ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
-    prefetch: WeightPrefetch | None = None  # small decode steps: weights pulled into L2 ahead of their GEMMs
 
     @property
     def num_decodes(self) -> int:
@@ -54,45 +52,6 @@ class ForwardBatch:
     @property
     def has_chunks(self) -> bool:
         return self.ext_rows is not None
-
-
-class WeightPrefetch:
-    """Each projection's weight partly pulled into L2 on a side stream while the small kernels
-    before it run (kernels/l2_prefetch.py): where a step's GEMMs stream their weights (a decode
-    step of few requests), HBM otherwise idles through attention, norms and rotary. `plan` gives
-    the bytes to fetch ahead of each projection, by name: qkv, o, gate_up, down, lm_head; `policy`
-    the priority of the lines fetched in L2 ("last": kept before others, "normal"). CUDA only."""
-
-    NAMES = ("qkv", "o", "gate_up", "down", "lm_head")
-    POLICIES = ("last", "normal")
-
-    def __init__(self, plan: dict[str, int], policy: str = "last"):
-        unknown = set(plan) - set(self.NAMES)
-        if unknown or policy not in self.POLICIES:
-            raise ValueError(f"a plan takes the names {self.NAMES} and the policies {self.POLICIES}, not "
-                             f"{sorted(unknown)} / {policy!r}")
-        self.plan, self.policy = plan, policy
-        self.stream: torch.cuda.Stream | None = None
-        self.forked = False
-
-    def __call__(self, name: str, weight: torch.Tensor) -> None:
-        """Fetch ahead of the GEMM that reads `weight` (as stored: contiguous), ordered after
-        everything the current stream has launched so far."""
-        nbytes = self.plan.get(name, 0)
-        if nbytes <= 0 or not weight.is_cuda:
-            return
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(weight.device)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            l2_prefetch_triton(weight, nbytes, self.policy)
-        self.forked = True
-
-    def join(self) -> None:
-        """The current stream waits for the prefetches (a captured graph must join its streams)."""
-        if self.forked:
-            torch.cuda.current_stream().wait_stream(self.stream)
-            self.forked = False
 
 
 def split_even(units: int, tp: TPGroup, what: str) -> tuple[int, int]:
@@ -153,11 +112,6 @@ class ColumnParallelLinear:
         self.fp8 = Fp8Weight(weight) if quantization == "fp8" else None
         self.weight = None if self.fp8 else weight
 
-    @property
-    def stored(self) -> torch.Tensor:
-        """The weight as the GEMM reads it (WeightPrefetch)."""
-        return self.weight if self.fp8 is None else self.fp8.weight
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is None:
             return F.linear(x, self.weight, self.bias)
@@ -182,11 +136,6 @@ class RowParallelLinear:
         # Off (`defer_reduce`): the output is this rank's partial sum and the RMSNorm that takes
         # it all-reduces it, fused with its residual add where it can (RMSNorm.reduce).
         self.reduce_output = True
-
-    @property
-    def stored(self) -> torch.Tensor:
-        """The weight as the GEMM reads it (WeightPrefetch)."""
-        return self.weight_t if self.fp8 is None else self.fp8.weight
 
     def defer_reduce(self, norm: RMSNorm) -> bool:
         """Leave the all-reduce to `norm`, the next to take this output; False (and nothing
@@ -237,7 +186,6 @@ class ParallelLMHead:
         self.weight_t = weight.t() if tied else weight.t().contiguous()
         self.tp, self.vocab = tp, vocab
         self.softcap = softcap  # > 0: logits capped at +-softcap by tanh (Gemma 2)
-        self.stored = weight if tied else self.weight_t  # the bytes the GEMM reads, contiguous (WeightPrefetch)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather((h @ self.weight_t).float(), dim=-1)[:, : self.vocab]
@@ -341,8 +289,6 @@ class Attention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
         qkv = self.qkv(h)
-        if batch.prefetch is not None:
-            batch.prefetch("o", self.o.stored)
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
@@ -381,10 +327,7 @@ class GatedMLP:
                                       start, count, False, cfg.quantization)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
-    def __call__(self, h, prefetch: WeightPrefetch | None = None) -> torch.Tensor:
+    def __call__(self, h) -> torch.Tensor:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
         act_and_mul = gelu_tanh_and_mul if self.gelu else silu_and_mul  # looked up here: tests swap the kernels
-        gate_up = self.gate_up(h)
-        if prefetch is not None:
-            prefetch("down", self.down.stored)
-        return self.down(act_and_mul(gate_up, self.down.fp8 is not None))
+        return self.down(act_and_mul(self.gate_up(h), self.down.fp8 is not None))

@@ -51,18 +51,12 @@ class DecoderLayer:
             self.mlp.down.defer_reduce(next_norm)
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
-        prefetch = batch.prefetch
-        if prefetch is not None:
-            prefetch("qkv", self.attn.qkv.stored)
         h, residual = self.input_norm(x, residual)
         x = self.attn(h, batch, ropes[self.local_rope], k_cache, v_cache)
         if self.attn_out_norm is not None:
             x, _ = self.attn_out_norm(x, None)
-        dense = isinstance(self.mlp, GatedMLP)
-        if prefetch is not None and dense:
-            prefetch("gate_up", self.mlp.gate_up.stored)
         h, residual = self.post_norm(x, residual)
-        x = self.mlp(h, prefetch) if dense else self.mlp(h)
+        x = self.mlp(h)
         if self.mlp_out_norm is not None:
             x, _ = self.mlp_out_norm(x, None)
         return x, residual
@@ -101,10 +95,5 @@ class LlamaModel:
             x, residual = layer(x, residual, batch, ropes, k_cache, v_cache)
         if batch.logit_index is not None:
             x, residual = x[batch.logit_index], residual[batch.logit_index]
-        if batch.prefetch is not None:
-            batch.prefetch("lm_head", self.lm_head.stored)
         h, _ = self.norm(x, residual)
-        logits = self.lm_head(h)
-        if batch.prefetch is not None:
-            batch.prefetch.join()
-        return logits
+        return self.lm_head(h)

@@ -35,7 +35,6 @@ from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E
 from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
-from lightllm_kernels.l2_prefetch import l2_prefetch_triton  # noqa: E402
 from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
@@ -145,8 +144,6 @@ def call_every_kernel() -> None:
     pointers = torch.zeros(2, dtype=torch.int64)
     one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
                                  counters=torch.zeros(1024, dtype=torch.int64), rank=0, region_bytes=1 << 20)
-    for policy in ("last", "normal"):  # a weight's first bytes pulled into L2
-        l2_prefetch_triton(torch.empty(1024, HIDDEN, dtype=BF16), 1 << 20, policy)
     call_moe_kernels()
 
 
