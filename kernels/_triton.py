@@ -196,6 +196,37 @@ def zeroed_counters(owner: str, size: int, device: torch.device) -> torch.Tensor
     return counters
 
 
+# Programmatic dependent launch (sm90+): a kernel launched with it may be scheduled while the
+# kernel ahead of it in the stream is still finishing, and waits (grid_dependency_wait) before it
+# reads that kernel's output; in a decode step this overlaps the launch of the norms, rotary,
+# attention and the gated activation with the tail of the GEMM or kernel before them. False
+# launches them as ordinary kernels (test/benchmark/profile_step.py times the difference).
+USE_PDL = True
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options for a kernel whose every program calls grid_dependency_wait(PDL) before it
+    reads what earlier kernels wrote: programmatic dependent launch for CUDA tensors on sm90+."""
+    if USE_PDL and t.is_cuda and _capability(t.device.index if t.device.index is not None
+                                             else torch.cuda.current_device())[0] >= 9:
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def grid_dependency_wait(PDL: tl.constexpr):
+    """Wait until the kernel ahead in the stream has finished and its writes are visible (PTX
+    griddepcontrol.wait; a no-op in a kernel launched without PDL). Loads of what the host or
+    older kernels wrote may come before it; nothing that kernel writes or reads may."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def dot(a, b, UPCAST: tl.constexpr):
     """tl.dot with fp32 accumulation. UPCAST (set for CPU tensors, i.e. under TRITON_INTERPRET)
@@ -248,5 +279,5 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype", "next_power_of_2",
-           "num_sms", "score_scale", "triton", "tl", "zeroed_counters"]
+__all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype",
+           "grid_dependency_wait", "next_power_of_2", "num_sms", "pdl", "score_scale", "triton", "tl", "zeroed_counters"]

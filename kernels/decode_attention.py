@@ -16,8 +16,8 @@ Both are compile-time constants of the Triton kernel: an unwindowed, uncapped la
 """
 import torch
 
-from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, num_sms, score_scale, tl,
-                      triton, zeroed_counters)
+from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, grid_dependency_wait, next_power_of_2,
+                      num_sms, pdl, score_scale, tl, triton, zeroed_counters)
 
 MAX_SPLITS = 32
 WAVES = 4  # programs to aim for, per SM
@@ -102,7 +102,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr,
                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
-                         DIRECT: tl.constexpr):
+                         DIRECT: tl.constexpr, PDL: tl.constexpr):
     """Attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     With one chunk per request (NUM_SPLITS == 1, large batches), or (DIRECT, one or two requests)
@@ -123,6 +123,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
         return
     last = tl.minimum(first + _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS), seq_len)
     token_row = req_to_token_ptr + tl.load(req_rows_ptr + req).to(tl.int64) * req_to_token_stride
+    # The lengths and the token table are the step's; q and this step's keys come from rotary_kv.
+    grid_dependency_wait(PDL)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     head_mask = tl.arange(0, BLOCK_G) < GROUP
     dims = tl.arange(0, BLOCK_D)
@@ -286,5 +288,5 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=min_chunk, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
         DIRECT=batch <= FEW_REQUESTS,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl(q))
     return out

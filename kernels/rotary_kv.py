@@ -4,7 +4,7 @@ reads keys only from the cache, so k itself is left as it came. Layout: HF Llama
 (dimension i pairs with i + D/2)."""
 import torch
 
-from ._triton import fast_launch, next_power_of_2, tl, triton
+from ._triton import fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
 from .fp8_linear import FP8, FP8_MAX, round_to_e4m3
 
 
@@ -77,12 +77,13 @@ def _rotary_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cach
                       cos_stride, sin_stride, k_cache_stride, k_cache_head_stride, v_cache_stride,
                       v_cache_head_stride, num_q_heads, num_kv_heads,
                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+                      BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + token * cos_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * sin_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    grid_dependency_wait(PDL)  # the slots and angles are the step's; q, k and v come from the GEMM before
     q = q_ptr + token * q_token_stride
     _rotate_heads(q, q, num_q_heads, q_head_stride, q_head_stride, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF, False)
     _rotate_heads(k_ptr + token * k_token_stride, k_cache_ptr + slot * k_cache_stride, num_kv_heads, k_head_stride,
@@ -104,4 +105,5 @@ def rotary_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                                  k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                  num_q_heads, num_kv_heads, HALF=half, BLOCK_HQ=next_power_of_2(num_q_heads),
                                  BLOCK_HK=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(half),
-                                 BLOCK_D=next_power_of_2(head_dim), KV_FP8=k_cache.dtype == FP8, num_warps=4)
+                                 BLOCK_D=next_power_of_2(head_dim), KV_FP8=k_cache.dtype == FP8, num_warps=4,
+                                 **pdl(q))

@@ -6,7 +6,7 @@ pair), in the same launch (see rms_norm.py)."""
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
+from ._triton import cdiv, fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
 from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, store_quantized_row
 
 
@@ -36,10 +36,12 @@ def _act(gate, GELU: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                         PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    grid_dependency_wait(PDL)  # x is the gate/up GEMM's output
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_stride + cols, (_act(gate, GELU) * up).to(y_ptr.dtype.element_ty), mask=mask)
@@ -48,11 +50,12 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.cons
 @fast_launch
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride, fp8_max, min_scale,
-                             BLOCK: tl.constexpr, GELU: tl.constexpr):
+                             BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
     """One row whole (BLOCK >= inter): its largest |y| scales it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
+    grid_dependency_wait(PDL)
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = (_act(gate, GELU) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the reference
@@ -76,10 +79,11 @@ def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
         scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
         block = next_power_of_2(inter)
         _silu_and_mul_fp8_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
-                                            BLOCK=block, GELU=gelu, num_warps=min(max(block // 1024, 1), 16))
+                                            BLOCK=block, GELU=gelu, num_warps=min(max(block // 1024, 1), 16),
+                                            **pdl(x))
         return q, scale
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,
-                                                       GELU=gelu, num_warps=4)
+                                                       GELU=gelu, num_warps=4, **pdl(x))
     return y

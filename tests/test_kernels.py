@@ -17,6 +17,7 @@ from lightllm_kernels.extend_attention import (extend_attention_ref, extend_atte
 from lightllm_kernels.fp8_linear import (FP8_MAX, NUM_COUNTERS, SMALL_M_MAX, fp8_gemm_small_m, fp8_linear_ref,
                                          fp8_linear_triton, quantize_fp8_rows_ref, quantize_fp8_rows_triton,
                                          quantize_fp8_weight)
+from lightllm_kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
 from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
 from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
@@ -417,6 +418,22 @@ def test_apply_penalties_ref_matches_python_loop():
             expected[b, token] = value - float(frequency[b]) * count - float(presence[b])
     apply_penalties_ref(logits, presence, frequency, repetition, token_ids, token_counts, cu_offsets)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- greedy_sample
+@pytest.mark.parametrize("vocab", [100, 5000])  # within one block, and over three (the last partly masked)
+def test_greedy_sample_triton_matches_ref(vocab):
+    logits = randn(6, vocab) * 4
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2, : vocab // 2] = float("-inf")  # masked columns, as a grammar or a ban leaves them
+    logits[3, 7] = logits[3, vocab // 2 + 7] = logits[3].max() + 2  # tied in the same lane of two blocks
+    logits[4] = 0.0  # all equal: column 0, log(1 / vocab)
+    tokens, logprobs = greedy_sample_triton(logits)
+    expected_tokens, expected_logprobs = greedy_sample_ref(logits)
+    assert torch.equal(tokens, expected_tokens)
+    assert tokens[1] == vocab // 3 and tokens[3] == 7 and tokens[4] == 0
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=1e-5)
+    assert abs(logprobs[4].item() + torch.log(torch.tensor(float(vocab))).item()) < 1e-5
 
 
 # ---------------------------------------------------------------- random_uniform

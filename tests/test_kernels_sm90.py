@@ -18,7 +18,7 @@ if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists() and not os.envi
 TOOL = Path(__file__).resolve().parents[1] / "test" / "benchmark" / "compile_sm90.py"
 KERNELS = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel", "_quantize_rows_kernel",
            "_fp8_gemm_small_m_kernel", "_rotary_kv_kernel", "_decode_split_kernel",
-           "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel",
+           "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel", "_greedy_sample_kernel",
            "_moe_gate_up_kernel", "_moe_down_kernel", "_align_kernel", "_align_count_kernel", "_align_runs_kernel",
            "_align_place_kernel", "_one_shot_add_rms_norm_kernel"}
 

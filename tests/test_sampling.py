@@ -33,6 +33,20 @@ def test_greedy_is_argmax_with_its_logprob():
     torch.testing.assert_close(logprobs, expected)
 
 
+def test_greedy_shortcut_equals_the_general_path():
+    """An all-greedy batch with nothing changing its logits takes greedy_sample; asking for top
+    logprobs takes the general path, which must choose the same tokens with the same logprobs."""
+    logits = random_logits(8, 700, 5)
+    logits[0, 3] = logits[0, 600] = logits[0].max() + 1  # a tie
+    quick = sample(logits.clone(), to_batch([SamplingState(SamplingParams())] * 8))
+    general = to_batch([SamplingState(SamplingParams())] * 8)
+    general.top_logprobs = 1
+    full = sample(logits.clone(), general)
+    assert quick[2] is None and torch.equal(quick[0], full[0]) and quick[0][0] == 3
+    torch.testing.assert_close(quick[1], full[1])
+    torch.testing.assert_close(full[2][1][:, 0], quick[1])  # the chosen token is the top one
+
+
 def test_same_seed_same_tokens_whatever_the_batch():
     vocab = 300
     mine = SamplingParams(do_sample=True, temperature=0.9, top_p=0.95, top_k=50, seed=1234)

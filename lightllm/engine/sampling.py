@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightllm.engine.request import SamplingParams
-from lightllm_kernels import apply_penalties_, random_uniform
+from lightllm_kernels import apply_penalties_, greedy_sample, random_uniform
 
 _INT64_SPAN = 1 << 64
 
@@ -127,6 +127,11 @@ class SamplingBatch:
     grammar: tuple | None = None  # (bitmask int32 [R, ceil(V/32)], rows [R]): allowed tokens of constrained rows
     top_logprobs: int = 0  # the most top logprobs any request wants
 
+    @property
+    def changes_logits(self) -> bool:
+        """Some request's logits are changed before the choice (bias, grammar, bans, penalties)."""
+        return any(x is not None for x in (self.bias, self.grammar, self.bans, self.penalties))
+
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], all_greedy: bool, top_logprobs: int = 0,
                      grammar: tuple | None = None) -> "SamplingBatch":
@@ -146,6 +151,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     """(token ids int64 [B], their logprobs fp32 [B], top) from fp32 logits [B, V] (modified in
     place); top is None or (token ids [B, k], logprobs [B, k]) with k = batch.top_logprobs.
     Log probabilities are those of the raw logits."""
+    if batch.all_greedy and not batch.changes_logits and not batch.top_logprobs:
+        tokens, logprobs = greedy_sample(logits)  # one pass over the logits (a kernel on the GPU)
+        return tokens, logprobs, None
     # Raw log-probabilities first (one kernel, as before logprobs were raw); the logits are
     # modified in place below, so they are read from this.
     logp = torch.log_softmax(logits, -1)

@@ -7,8 +7,9 @@ The CPU tests run the kernels in Triton's interpreter, which executes Python and
 the GPU compiler may refuse (an fp8 conversion, a pointer of the wrong type in a branch not taken);
 this is the check that the GPU path at least builds. Each kernel is compiled with the argument
 types of a real call (the Python wrappers are called with bench-8b's head shapes and a few tokens,
-and each launch is captured instead of run) and the constexprs that call chose, DOT_UPCAST set as
-on a GPU. Prints one line a launch (OK or FAIL with the compiler's message); exits 1 on any FAIL.
+and each launch is captured instead of run) and the constexprs that call chose, DOT_UPCAST and PDL
+(with Triton's launch_pdl option) set as on an H100. Prints one line a launch (OK or FAIL with
+the compiler's message); exits 1 on any FAIL.
 Not under TRITON_INTERPRET=1: the interpreter's kernels cannot be compiled.
 """
 
@@ -37,6 +38,7 @@ from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_tri
                                          small_m_plan)
 from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
+from lightllm_kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -47,7 +49,7 @@ decode_module = importlib.import_module("lightllm_kernels.decode_attention")
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
                  torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.bool: "*i1"}
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 H100_SMS = 132
 H100_SHARED_BYTES = 232448  # a block's most shared memory, opted in (the H200's too)
@@ -81,8 +83,12 @@ def captured_launches() -> list[tuple]:
         names = kernel.fn.arg_names
         types = {name: POINTER_TYPES[a.dtype] if isinstance(a, torch.Tensor) else scalar_type(a)
                  for name, a in zip(names, args)}
-        constexprs = {k: (False if k == "DOT_UPCAST" else v) for k, v in kwargs.items() if k not in OPTIONS}
+        # as on the H100: DOT_UPCAST off, programmatic dependent launch on where the kernel takes it
+        gpu = {"DOT_UPCAST": False, "PDL": True}
+        constexprs = {k: gpu.get(k, v) for k, v in kwargs.items() if k not in OPTIONS}
         options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+        if "PDL" in constexprs:
+            options["launch_pdl"] = True
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if divisible_by_16(a)}
         key = (kernel.fn.__name__, tuple(types.items()), tuple(constexprs.items()), tuple(options.items()),
                tuple(attrs))
@@ -140,6 +146,7 @@ def call_every_kernel() -> None:
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
                            counts, torch.tensor([0, 2, 3], dtype=torch.int32))
     random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
+    greedy_sample_triton(logits)
     # the all-reduce fused with the residual add and RMSNorm, two ranks (its pointers are never read here)
     pointers = torch.zeros(2, dtype=torch.int64)
     one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
