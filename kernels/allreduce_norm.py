@@ -36,7 +36,7 @@ on GPUs tests/test_allreduce.py runs it between ranks.
 """
 import torch
 
-from ._triton import fast_launch, next_power_of_2, tl, triton
+from ._triton import fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
 from .rms_norm import _add_and_normalise, add_rms_norm_ref, norm_warps
 
 
@@ -70,11 +70,16 @@ def _barrier(flags_ptrs, epoch, row, rank, WORLD: tl.constexpr):
 @fast_launch
 @triton.jit
 def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, counters_ptr, residual_ptr, weight_ptr, y_ptr,
-                                  hidden, rank, region_elems, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+                                  hidden, rank, region_elems, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                                  PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     offsets = row.to(tl.int64) * hidden + cols
+    # Before anything is read or written: x is the projection's output, and the epoch argument
+    # (module docstring) needs every earlier kernel of this stream ended, which the wait gives
+    # (the projection ahead was launched only after them).
+    grid_dependency_wait(PDL)
     epoch = tl.load(counters_ptr + row) + 1  # this program alone touches its row's counter
     tl.store(counters_ptr + row, epoch)
     parity = (epoch % 2) * WORLD  # the first of this parity's regions, one per sender
@@ -118,5 +123,5 @@ def one_shot_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight
     block = next_power_of_2(hidden)
     _one_shot_add_rms_norm_kernel[(rows,)](x, data_ptrs, flags_ptrs, counters, residual, weight, y, hidden, rank,
                                            region_bytes // x.element_size(), eps, WORLD=data_ptrs.numel(),
-                                           BLOCK=block, num_warps=norm_warps(block))
+                                           BLOCK=block, num_warps=norm_warps(block), **pdl(x))
     return y, residual
