@@ -381,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-cuda-graph", action="store_true")
     add("--triton-launch", choices=("fast", "triton"), default="fast",
         help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
+    add("--no-pdl", action="store_true",
+        help="no programmatic dependent launch (lightllm_kernels._triton.USE_PDL off): the kernels wait for the one ahead")
     add("--out-md", type=Path, default=None)
     return parser
 
@@ -392,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         import lightllm_kernels._triton
 
         lightllm_kernels._triton.FAST_LAUNCH = False
+    if args.no_pdl:
+        import lightllm_kernels._triton
+
+        lightllm_kernels._triton.USE_PDL = False
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,
@@ -400,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
     lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}{', fp8 KV cache' if args.kv_cache_dtype != 'auto' else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
-             f"Triton launches: {args.triton_launch}", ""]
+             f"Triton launches: {args.triton_launch}{', no PDL' if args.no_pdl else ''}", ""]
     bench = Bench(runner, seed=0)
     print("\n".join(lines), flush=True)
     for section in [lambda b=b: decode_section(runner, bench, b, args.context, bandwidth, args) for b in args.batches] + [
