@@ -228,6 +228,16 @@ def grid_dependency_wait(PDL: tl.constexpr):
 
 
 @triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the kernel after this one (if launched with PDL) be scheduled now rather than when this
+    one's programs end (PTX griddepcontrol.launch_dependents): its programs run up to their own
+    grid_dependency_wait beside this kernel's, which still finishes before they pass it."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def dot(a, b, UPCAST: tl.constexpr):
     """tl.dot with fp32 accumulation. UPCAST (set for CPU tensors, i.e. under TRITON_INTERPRET)
     multiplies in fp32 because the interpreter multiplies bf16 blocks as their raw uint16 bits."""
@@ -280,4 +290,4 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 __all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype",
-           "grid_dependency_wait", "next_power_of_2", "num_sms", "pdl", "score_scale", "triton", "tl", "zeroed_counters"]
+           "grid_dependency_wait", "launch_dependents", "next_power_of_2", "num_sms", "pdl", "score_scale", "triton", "tl", "zeroed_counters"]

@@ -4,7 +4,7 @@ reads keys only from the cache, so k itself is left as it came. Layout: HF Llama
 (dimension i pairs with i + D/2)."""
 import torch
 
-from ._triton import fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
+from ._triton import fast_launch, grid_dependency_wait, launch_dependents, next_power_of_2, pdl, tl, triton
 from .fp8_linear import FP8, FP8_MAX, round_to_e4m3
 
 
@@ -78,6 +78,9 @@ def _rotary_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cach
                       v_cache_head_stride, num_q_heads, num_kv_heads,
                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                       BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
+    # Decode attention comes next: its programs may take their places and read the step's lengths
+    # while this kernel runs (a few us of a small step's attention).
+    launch_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]

@@ -197,6 +197,9 @@ def main() -> int:
             assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
             shared = compiled.metadata.shared
             assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
+            # a kernel that may start before the one ahead has finished must wait for it before it reads
+            assert not options.get("launch_pdl") or "griddepcontrol.wait" in compiled.asm["ptx"], \
+                "launched with PDL but never waits (grid_dependency_wait) for the kernel ahead"
             print(f"OK   {kernel.fn.__name__}({shown})", flush=True)
         except Exception as exc:  # the compiler's own errors, shown per kernel
             failed += 1
