@@ -206,7 +206,9 @@ USE_PDL = True
 
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+    """An NVIDIA device's compute capability; (0, 0) under ROCm, whose numbering differs and whose
+    compiler takes no PTX."""
+    return (0, 0) if torch.version.hip else torch.cuda.get_device_capability(device_index)
 
 
 def pdl(t: torch.Tensor) -> dict:
