@@ -1,6 +1,7 @@
 """Greedy choice with its log probability in one pass over the logits: each row's first maximum
 and log_softmax's value there. Torch takes three kernels for it (log_softmax, which writes a
-copy of the logits, argmax, gather), about 24 us of a batch-1 decode step on the H100."""
+copy of the logits, argmax, gather): about 25 us of a small decode step's device time on the
+H100 against this kernel's 11 (bench-8b's 49152 columns, four rows)."""
 import torch
 
 from ._triton import fast_launch, tl, triton
