@@ -47,6 +47,6 @@ fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
-    "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear", "fp8_gemm",
-    "fused_moe", "route_topk",
+    "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
+    "fp8_gemm", "fused_moe", "route_topk",
 ]

@@ -292,4 +292,5 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 __all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype",
-           "grid_dependency_wait", "launch_dependents", "next_power_of_2", "num_sms", "pdl", "score_scale", "triton", "tl", "zeroed_counters"]
+           "grid_dependency_wait", "launch_dependents", "next_power_of_2", "num_sms", "pdl", "score_scale", "triton",
+           "tl", "zeroed_counters"]

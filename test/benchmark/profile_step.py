@@ -382,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--triton-launch", choices=("fast", "triton"), default="fast",
         help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
     add("--no-pdl", action="store_true",
-        help="no programmatic dependent launch (lightllm_kernels._triton.USE_PDL off): the kernels wait for the one ahead")
+        help="no programmatic dependent launch (lightllm_kernels._triton.USE_PDL off): each kernel waits for the "
+             "one ahead to end before it is scheduled")
     add("--out-md", type=Path, default=None)
     return parser
 
