@@ -1,6 +1,6 @@
 """What a layer launches in an eager mixed step (decodes and a prompt chunk), counted by
 test/benchmark/count_launches.py on the GPU path (Triton kernels under the interpreter): the
-difference between a 4-layer and a 2-layer model is two layers' launches, nothing else. An eager
+difference between a 2-layer and a 1-layer model is one layer's launches, nothing else. An eager
 step's host time is its launches, so each one here is a choice (docs/benchmarks-log.md)."""
 
 import collections
@@ -19,14 +19,12 @@ from lightllm.models import layers  # noqa: E402
 def per_layer(model: Path, quantization=None, decodes=4, chunk=62) -> collections.Counter:
     counts = {}
     config = json.loads((model / "config.json").read_text())
-    for num_layers in (2, 4):
+    for num_layers in (1, 2):
         (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
         runner = count_launches.make_runner(model, "dummy", quantization)
         counts[num_layers] = count_launches.count_step(runner, decodes, chunk)
-    two_layers = counts[4] - counts[2]
-    assert not counts[2] - counts[4], "a deeper model launched fewer of something"
-    assert all(n % 2 == 0 for n in two_layers.values()), two_layers
-    return collections.Counter({name: n // 2 for name, n in two_layers.items()})
+    assert not counts[1] - counts[2], "a deeper model launched fewer of something"
+    return counts[2] - counts[1]
 
 
 @pytest.fixture
