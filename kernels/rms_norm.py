@@ -48,16 +48,27 @@ def _add_and_normalise(x, x_ptr, residual_ptr, residual_ptrs, weight_ptr, cols, 
 @fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, x_stride, residual_stride, y_stride,
-                     eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     part_stride, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """PARTS > 0: x holds PARTS fp32 partial sums of each row (a projection split over K,
+    add_rms_norm_triton's `x` [PARTS, T, H]), added up here and rounded to the residual's dtype as
+    the projection's own output would have been; the residual's dtype then stands for x's."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     grid_dependency_wait(PDL)  # x (and the residual) come from the kernel before
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _add_and_normalise(x, x_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr, cols,
-                           mask, hidden, eps, HAS_RESIDUAL)
-    if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype
+    if PARTS > 0:
+        x = tl.zeros([BLOCK], tl.float32)
+        for part in tl.static_range(PARTS):
+            x += tl.load(x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0)
+        x = x.to(residual_ptr.dtype.element_ty).to(tl.float32)
+        y = _add_and_normalise(x, residual_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr,
+                               cols, mask, hidden, eps, HAS_RESIDUAL)
+    else:
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _add_and_normalise(x, x_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr, cols,
+                               mask, hidden, eps, HAS_RESIDUAL)
+    if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype (never with PARTS)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         y, scale = quantize_row(y, fp8_max, min_scale)
         tl.store(scale_ptr + row, scale)
@@ -67,15 +78,18 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      fp8_out: bool):
     assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
-    tokens, hidden = x.shape
-    y = torch.empty(tokens, hidden, dtype=FP8 if fp8_out else x.dtype, device=x.device)
+    parts = x.shape[0] if x.dim() == 3 else 0  # fp32 partial sums [PARTS, T, H] of a split projection
+    assert not parts or (residual is not None and x.dtype == torch.float32 and not fp8_out)
+    tokens, hidden = x.shape[-2:]
+    dtype = residual.dtype if parts else x.dtype
+    y = torch.empty(tokens, hidden, dtype=FP8 if fp8_out else dtype, device=x.device)
     scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else y  # unused without fp8
     block = next_power_of_2(hidden)
     has_residual = residual is not None
     residual = residual if has_residual else x  # unused pointer when there is no residual
-    _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, hidden, x.stride(0), residual.stride(0), y.stride(0),
-                                eps, FP8_MAX, MIN_SCALE, HAS_RESIDUAL=has_residual, FP8_OUT=fp8_out, BLOCK=block,
-                                num_warps=norm_warps(block), **pdl(x))
+    _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, hidden, x.stride(-2), residual.stride(0), y.stride(0),
+                                x.stride(0) if parts else 0, eps, FP8_MAX, MIN_SCALE, HAS_RESIDUAL=has_residual,
+                                FP8_OUT=fp8_out, PARTS=parts, BLOCK=block, num_warps=norm_warps(block), **pdl(x))
     return (y, scale) if fp8_out else y
 
 
@@ -85,4 +99,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         fp8_out: bool = False):
+    """add_rms_norm_ref's result; x may also be fp32 partial sums [PARTS, T, H] of a projection
+    split over K (RowParallelLinear.split_sum), the sum rounded to the residual's dtype first."""
     return _launch_rms_norm(x, residual, weight, eps, fp8_out)

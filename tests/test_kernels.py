@@ -84,6 +84,27 @@ def test_add_rms_norm_triton_matches_ref(dtype):
     assert_close(actual, expected, TOL[dtype])
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+def test_add_rms_norm_adds_a_split_projections_partial_sums(parts):
+    """x as fp32 partial sums [P, T, H] of a projection split over K (RowParallelLinear.split_sum):
+    the norm adds them up, rounds the sum to the residual's dtype as the unsplit projection's
+    output, and goes on as add_rms_norm with that output (within bf16 rounding: the interpreter
+    rounds toward zero); a strided slice of T too."""
+    dtype = torch.bfloat16
+    partials, weight = randn(parts, 7, 96), randn(96, dtype=dtype)
+    residual = randn(7, 96, dtype=dtype)
+    residual_triton = residual.clone()
+    expected = add_rms_norm_ref(partials.sum(0).to(dtype), residual, weight, 1e-6)
+    actual = add_rms_norm_triton(partials, residual_triton, weight, 1e-6)
+    assert_close(residual_triton, residual, TOL[dtype])  # the bf16 sum, stored back
+    assert actual.dtype == dtype
+    assert_close(actual, expected, TOL[dtype])
+    picked = torch.tensor([0, 3, 6], device=DEVICE)  # LlamaModel.forward's logit_index on partials
+    residual = randn(7, 96, dtype=dtype)
+    expected = add_rms_norm_ref(partials.sum(0).to(dtype)[picked], residual[picked].clone(), weight, 1e-6)
+    assert_close(add_rms_norm_triton(partials[..., picked, :], residual[picked], weight, 1e-6), expected, TOL[dtype])
+
+
 def test_add_rms_norm_ref_adds_residual_in_place():
     x, residual, weight = randn(4, 32), randn(4, 32), randn(32)
     summed = x + residual

@@ -211,6 +211,22 @@ def test_dummy_weights_need_only_the_config(tmp_path, captured_logits):
     assert all(torch.isfinite(x).all() and x.std() > 0 for x in logits)
 
 
+@pytest.mark.parametrize("name,quantization,split", [
+    ("llama_gqa_llama3_rope", None, [2, 2]), ("llama_gqa_llama3_rope", "fp8", [0, 0]),
+    ("gemma2_window_16", None, [0, 0, 0]), ("qwen3_moe", None, [None, 2])])
+def test_which_down_projections_leave_their_sum_to_the_next_norm(name, quantization, split, tmp_path):
+    """tp 1: a dense MLP's bf16 down projection hands its partial sums over K to the norm after it
+    (RowParallelLinear.defer_split_sum; taken on a GPU by steps of up to SPLIT_SUM_ROWS rows): not
+    with fp8 weights, not under Gemma's sandwich norms (their output norm needs the sum alone), and
+    an expert layer has no such projection (None). K = 128 splits into two 64-column slices."""
+    config_cls, model_cls, extra = CASES[name]
+    model_cls(config_cls(**{**BASE, **extra, "intermediate_size": 128})).save_pretrained(tmp_path)
+    runner = make_runner(tmp_path, quantization=quantization, load_format="dummy")
+    got = [layer.mlp.down.split_sum if isinstance(layer.mlp, layers.GatedMLP) else None
+           for layer in runner.model.layers]
+    assert got == split
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     make_model("llama_mha", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -118,6 +118,16 @@ class ColumnParallelLinear:
         return _add_bias(self.fp8(x), self.bias)
 
 
+# RowParallelLinear.defer_split_sum: the slices of K, and the most rows a step may have to take them.
+# H100, bench-8b's down projection (K 14336), in CUDA graphs over 8 copies of the weight: cuBLAS
+# 43.3 / 43.0 / 44.0 us at 1 / 4 / 16 rows, two slices 41.0 / 40.7 / 41.5 (four: 40.8 / 41.2 / 42.1).
+# In the decode step's graph replay (2026-11-28): batch 1 5.688 against 5.717 ms, 4 5.936 against
+# 5.957, 32 7.527 against 7.551, 64 9.108 against 9.154; served one at a time 5.64 against 5.68 ms
+# a token. Not measured above 64 rows, where cuBLAS no longer splits K.
+SPLIT_SUM_PARTS = 2
+SPLIT_SUM_ROWS = 64
+
+
 class RowParallelLinear:
     """y = all_reduce(x_rank W_rank^T) + b, where this rank holds input features [start, start + count).
 
@@ -136,6 +146,9 @@ class RowParallelLinear:
         # Off (`defer_reduce`): the output is this rank's partial sum and the RMSNorm that takes
         # it all-reduces it, fused with its residual add where it can (RMSNorm.reduce).
         self.reduce_output = True
+        # > 1 (`defer_split_sum`): small bf16 steps on a GPU return SPLIT_SUM_PARTS fp32 partial
+        # sums over slices of K, which the RMSNorm that takes the output adds up.
+        self.split_sum = 0
 
     def defer_reduce(self, norm: RMSNorm) -> bool:
         """Leave the all-reduce to `norm`, the next to take this output; False (and nothing
@@ -145,7 +158,27 @@ class RowParallelLinear:
         self.reduce_output, norm.reduce = False, self.tp
         return True
 
+    def defer_split_sum(self) -> bool:
+        """One GPU, bf16 (tp 1; not with fp8 weights or a bias): steps of up to SPLIT_SUM_ROWS
+        rows return fp32 partial sums [SPLIT_SUM_PARTS, T, out] over slices of K, one batched GEMM,
+        for the next RMSNorm to add up with its residual (add_rms_norm_triton). cuBLAS splits
+        these GEMMs over K itself and adds the slices in a kernel of its own; here the norm does
+        (H100, bench-8b's down projection: 41.0 against 43.3 us at one row). False (nothing
+        changed) where K does not split into slices of whole 64-column blocks. Not taken for the
+        o projection (K 4096): two slices were no faster at one row there (14.2 against 14.0 us)."""
+        k = self.weight_t.shape[0] if self.weight_t is not None else 0
+        if self.bias is not None or self.tp.world_size > 1 or not k or k % (SPLIT_SUM_PARTS * 64):
+            return False
+        self.split_sum = SPLIT_SUM_PARTS
+        return True
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.split_sum and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLIT_SUM_ROWS and x.is_contiguous()
+                and x.dtype == self.weight_t.dtype == torch.bfloat16):
+            rows, k = x.shape
+            parts = self.split_sum
+            return torch.bmm(x.view(rows, parts, k // parts).transpose(0, 1),
+                             self.weight_t.view(parts, k // parts, -1), out_dtype=torch.float32)
         y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
         if not self.reduce_output:
             return y
@@ -212,7 +245,8 @@ class RMSNorm:
         self.reduce: TPGroup | None = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
-        """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream."""
+        """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream.
+        x [P, T, H] in fp32: a split projection's partial sums (RowParallelLinear.split_sum), added here."""
         if self.reduce is not None:
             fused = None if self.fp8_out else self.reduce.reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:

@@ -45,10 +45,11 @@ class DecoderLayer:
 
     def defer_mlp_reduce(self, next_norm: RMSNorm) -> None:
         """tp > 1: the dense MLP's all-reduce left to the norm that takes its output next (the
-        next layer's input norm, or the final one), fused with its residual add. Not with
+        next layer's input norm, or the final one), fused with its residual add; tp 1: the sum of
+        its down projection's slices of K, in small bf16 steps (defer_split_sum). Not with
         sandwich norms (their output norm needs the sum alone) nor experts (moe.py reduces)."""
         if self.mlp_out_norm is None and isinstance(self.mlp, GatedMLP):
-            self.mlp.down.defer_reduce(next_norm)
+            self.mlp.down.defer_reduce(next_norm) or self.mlp.down.defer_split_sum()
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)
@@ -93,7 +94,7 @@ class LlamaModel:
         ropes = (self.rotary(batch.positions), local)
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             x, residual = layer(x, residual, batch, ropes, k_cache, v_cache)
-        if batch.logit_index is not None:
-            x, residual = x[batch.logit_index], residual[batch.logit_index]
+        if batch.logit_index is not None:  # x may be the last projection's partial sums [P, T, H]
+            x, residual = x[..., batch.logit_index, :], residual[batch.logit_index]
         h, _ = self.norm(x, residual)
         return self.lm_head(h)

@@ -110,6 +110,8 @@ def call_every_kernel() -> None:
     for fp8_out in (False, True):
         rms_norm_triton(x, weight, 1e-5, fp8_out)
         add_rms_norm_triton(x, x.clone(), weight, 1e-5, fp8_out)
+    add_rms_norm_triton(torch.randn(2, tokens, HIDDEN), x.clone(), weight, 1e-5)  # a split projection's partial sums
+    for fp8_out in (False, True):
         silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
         gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
     q8, scale = quantize_fp8_rows_triton(x)

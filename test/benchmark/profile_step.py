@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-pdl", action="store_true",
         help="no programmatic dependent launch (lightllm_kernels._triton.USE_PDL off): each kernel waits for the "
              "one ahead to end before it is scheduled")
+    add("--split-sum-rows", type=int, default=None,
+        help="the most rows whose down projection returns partial sums over K for the next norm to add "
+             "(lightllm.models.layers.SPLIT_SUM_ROWS; 0: never)")
     add("--out-md", type=Path, default=None)
     return parser
 
@@ -395,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         import lightllm_kernels._triton
 
         lightllm_kernels._triton.FAST_LAUNCH = False
+    if args.split_sum_rows is not None:
+        from lightllm.models import layers
+
+        layers.SPLIT_SUM_ROWS = args.split_sum_rows
     if args.no_pdl:
         import lightllm_kernels._triton
 
