@@ -158,16 +158,17 @@ class RowParallelLinear:
         self.reduce_output, norm.reduce = False, self.tp
         return True
 
-    def defer_split_sum(self) -> bool:
-        """One GPU, bf16 (tp 1; not with fp8 weights or a bias): steps of up to SPLIT_SUM_ROWS
-        rows return fp32 partial sums [SPLIT_SUM_PARTS, T, out] over slices of K, one batched GEMM,
-        for the next RMSNorm to add up with its residual (add_rms_norm_triton). cuBLAS splits
+    def defer_split_sum(self, norm: RMSNorm) -> bool:
+        """One GPU, bf16 (tp 1; not with fp8 weights, a bias, or a `norm` with fp8 output): steps
+        of up to SPLIT_SUM_ROWS rows return fp32 partial sums [SPLIT_SUM_PARTS, T, out] over slices
+        of K, one batched GEMM, for `norm` to add up with its residual (add_rms_norm_triton). cuBLAS splits
         these GEMMs over K itself and adds the slices in a kernel of its own; here the norm does
         (H100, bench-8b's down projection: 41.0 against 43.3 us at one row). False (nothing
         changed) where K does not split into slices of whole 64-column blocks. Not taken for the
         o projection (K 4096): two slices were no faster at one row there (14.2 against 14.0 us)."""
         k = self.weight_t.shape[0] if self.weight_t is not None else 0
-        if self.bias is not None or self.tp.world_size > 1 or not k or k % (SPLIT_SUM_PARTS * 64):
+        if (self.bias is not None or self.tp.world_size > 1 or norm.fp8_out or not k
+                or k % (SPLIT_SUM_PARTS * 64)):
             return False
         self.split_sum = SPLIT_SUM_PARTS
         return True

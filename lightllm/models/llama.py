@@ -49,7 +49,7 @@ class DecoderLayer:
         its down projection's slices of K, in small bf16 steps (defer_split_sum). Not with
         sandwich norms (their output norm needs the sum alone) nor experts (moe.py reduces)."""
         if self.mlp_out_norm is None and isinstance(self.mlp, GatedMLP):
-            self.mlp.down.defer_reduce(next_norm) or self.mlp.down.defer_split_sum()
+            self.mlp.down.defer_reduce(next_norm) or self.mlp.down.defer_split_sum(next_norm)
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)
