@@ -62,12 +62,12 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
         for part in tl.static_range(PARTS):
             x += tl.load(x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0)
         x = x.to(residual_ptr.dtype.element_ty).to(tl.float32)
-        y = _add_and_normalise(x, residual_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr,
-                               cols, mask, hidden, eps, HAS_RESIDUAL)
+        dtype_ptr = residual_ptr  # x's rounding: the projection's output dtype
     else:
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _add_and_normalise(x, x_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr, cols,
-                               mask, hidden, eps, HAS_RESIDUAL)
+        dtype_ptr = x_ptr
+    y = _add_and_normalise(x, dtype_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr, cols,
+                           mask, hidden, eps, HAS_RESIDUAL)
     if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype (never with PARTS)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         y, scale = quantize_row(y, fp8_max, min_scale)
