@@ -6,6 +6,7 @@ who reads the rendezvous store can do (nothing with the workers), and a worker l
 """
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import signal
@@ -23,6 +24,7 @@ import pytest
 from lightllm import LLM, SamplingParams
 from lightllm.engine.workers import accept_router, connect_remote_worker, node_key, to_wire, token_authenticator
 from lightllm.server.config import NODE_TOKEN_ENV, parse_config
+from lightllm.server.node import HANGUP_GRACE, POLL_INTERVAL, watch
 from lightllm.tools.bench_model import write_bench_model
 from lightllm.utils.dist import LAYOUT_KEY, LIVENESS_TIMEOUT, RUN_KEY, NodeLayout, Rendezvous
 from lightllm.utils.net import free_port
@@ -196,6 +198,48 @@ def test_node0_counts_as_gone_when_its_store_stops_answering():
     finally:
         node0.kill()
         node0.join()
+
+
+class SilentRendezvous:
+    """Node 0's store after node 0 has stopped: it never answers."""
+
+    layout = NodeLayout(tp=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1", dist_timeout=30)
+
+    def node0_answers(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("exit_code, status, message", [
+    (0, 0, "node 0's router hung up"),
+    (3, 1, "exited with code 3"),
+    (None, 1, "node 0 stopped answering"),
+])
+def test_a_worker_that_ends_just_after_node0s_store_closes_decides_why_the_node_stops(caplog, exit_code, status,
+                                                                                      message):
+    """Node 0 closes its store as it stops, at about the moment its router hangs up on our worker;
+    on a slow machine the worker's exit can come after the store's silence is seen. A worker that
+    ends within HANGUP_GRACE of that silence gives the reason; one that does not end, the silence."""
+    context = multiprocessing.get_context("fork")  # the worker only sleeps: no second torch import
+    started = context.Event()
+    worker = context.Process(target=exit_after, args=(started, exit_code))
+    worker.start()
+    try:
+        assert started.wait(60)
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="lightllm.server.node"):
+            assert watch([worker], SilentRendezvous()) == status
+        assert message in caplog.text
+        assert time.monotonic() - start < POLL_INTERVAL + HANGUP_GRACE + 2
+    finally:
+        worker.kill()
+        worker.join()
+
+
+def exit_after(started, code: int | None) -> None:
+    """A worker that exits with `code` past the first poll and within the grace (None: never)."""
+    started.set()
+    time.sleep(POLL_INTERVAL + 0.5 if code is not None else 60)
+    sys.exit(code)
 
 
 def test_the_node_token_can_come_from_the_environment(monkeypatch):

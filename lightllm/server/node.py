@@ -25,6 +25,7 @@ from lightllm.utils.process import group_signals_blocked, starting_child, stop_p
 logger = logging.getLogger("lightllm.server.node")
 
 POLL_INTERVAL = 2.0  # seconds; node 0's loss is noticed within this plus dist.LIVENESS_TIMEOUT
+HANGUP_GRACE = 3.0  # seconds a worker gets to see node 0's router hang up once node 0's store is gone
 
 
 def serve_node(config: ServerConfig) -> int:
@@ -86,17 +87,29 @@ def watch(processes: list[multiprocessing.Process], rendezvous: Rendezvous) -> i
     """Block until a worker exits or node 0 stops answering; the node's exit status."""
     by_sentinel = {process.sentinel: process for process in processes}
     while True:
-        ended = multiprocessing.connection.wait(list(by_sentinel), POLL_INTERVAL)
-        if ended:
-            process = by_sentinel[ended[0]]
-            process.join(1.0)  # its sentinel closes a moment before it can be reaped
-            if process.exitcode == 0:  # serve_all ended: node 0's router closed the connection
-                logger.info("node 0's router hung up; this node stops")
-                return 0
-            logger.error("%s (pid %d) exited with code %s; this node stops", process.name, process.pid,
-                         process.exitcode)
-            return 1
+        status = _worker_ended(by_sentinel, POLL_INTERVAL)
+        if status is not None:
+            return status
         if not rendezvous.node0_answers():
+            # node 0 closes its store as it stops, at about the moment its router hangs up on our
+            # workers: a worker that exits cleanly within the grace says node 0 stopped on purpose
+            status = _worker_ended(by_sentinel, HANGUP_GRACE)
+            if status is not None:
+                return status
             logger.error("node 0 stopped answering at %s (gone or restarted); this node stops",
                          rendezvous.layout.dist_init_addr)
             return 1
+
+
+def _worker_ended(by_sentinel: dict, timeout: float) -> int | None:
+    """The node's exit status if a worker ends within `timeout`, else None."""
+    ended = multiprocessing.connection.wait(list(by_sentinel), timeout)
+    if not ended:
+        return None
+    process = by_sentinel[ended[0]]
+    process.join(1.0)  # its sentinel closes a moment before it can be reaped
+    if process.exitcode == 0:  # serve_all ended: node 0's router closed the connection
+        logger.info("node 0's router hung up; this node stops")
+        return 0
+    logger.error("%s (pid %d) exited with code %s; this node stops", process.name, process.pid, process.exitcode)
+    return 1
