@@ -17,6 +17,7 @@ captured with NB slots replays any step whose blocks fit, and `cu_q` may start p
 before it belong to the step's decodes): the grid never depends on the step's lengths.
 """
 import torch
+import torch.nn.functional as F
 
 from ._triton import attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, tl, triton
 
@@ -74,19 +75,40 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, window: int,
                   softcap: float) -> torch.Tensor:
-    """q [q_len, Hq, D] are the last q_len of the n positions of k/v [n, Hk, D]."""
-    group = q.shape[1] // k.shape[1]
+    """q [q_len, Hq, D] are the last q_len of the n positions of k/v [n, Hk, D]; fp32 out.
+    Through torch's SDPA (its CPU kernel works in blocks and never holds the [Hq, q_len, n] scores:
+    a 2048-token prompt of the default model's heads in 72 ms against 538 ms written out, on 2
+    cores); a soft cap, which SDPA has no place for, through `_attend_chunk_math`."""
+    if softcap:
+        return _attend_chunk_math(q, k, v, sm_scale, window, softcap)
     q_len, n = q.shape[0], k.shape[0]
+    qs, ks, vs = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, H, len, D]
+    causal = q_len == n and not window  # aligned at the top as at the bottom: SDPA's own mask
+    everything = q_len == 1 and not window  # one query, the last position: it sees every key
+    mask = None if causal or everything else ~_hidden(q_len, n, window, q.device)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and q_len > 1,
+                                         scale=sm_scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _hidden(q_len: int, n: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, n]: which keys each query may not see (later ones; with a window, too early ones)."""
+    positions = torch.arange(n - q_len, n, device=device)[:, None]
+    keys = torch.arange(n, device=device)[None, :]
+    return (keys > positions) | (keys <= positions - window) if window else keys > positions
+
+
+def _attend_chunk_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, window: int,
+                       softcap: float) -> torch.Tensor:
+    """As _attend_chunk, every score written out."""
+    group = q.shape[1] // k.shape[1]
     qs = q.float().transpose(0, 1)  # [Hq, q_len, D]
     ks = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, n, D]
     vs = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    positions = torch.arange(n - q_len, n, device=q.device)[:, None]
-    keys = torch.arange(n, device=q.device)[None, :]
-    hidden = (keys > positions) | (keys <= positions - window) if window else keys > positions
     scores = (qs @ ks.transpose(1, 2)) * sm_scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    probs = scores.masked_fill(_hidden(q.shape[0], k.shape[0], window, q.device), float("-inf")).softmax(-1)
     return (probs @ vs).transpose(0, 1)
 
 

@@ -26,6 +26,7 @@ from lightllm_kernels.silu_and_mul import (gelu_tanh_and_mul_ref, gelu_tanh_and_
 
 # The package's public `decode_attention` function shadows the submodule of the same name.
 decode_module = importlib.import_module("lightllm_kernels.decode_attention")
+extend_attention_module = importlib.import_module("lightllm_kernels.extend_attention")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -398,6 +399,17 @@ def test_extend_attention_ref_matches_sdpa_over_each_full_sequence(num_q_heads, 
         expected = F.scaled_dot_product_attention(full_q[i].transpose(0, 1), keys, values, is_causal=True, scale=0.3)
         start = cu_q[i].item()
         torch.testing.assert_close(out[start:start + new], expected.transpose(0, 1)[cached:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len,n", [(1, 1), (1, 50), (9, 9), (9, 50), (64, 64)])
+@pytest.mark.parametrize("window", [0, 1, 7])
+def test_extend_attention_refs_sdpa_path_is_the_written_out_math(q_len, n, window):
+    """The reference attends a chunk through torch's SDPA (no soft cap); the written-out scores,
+    masked and softmaxed, must give the same: causal from the chunk's offset, and the window."""
+    q, k, v = randn(q_len, 6, 32), randn(n, 2, 32), randn(n, 2, 32)
+    got = extend_attention_module._attend_chunk(q, k, v, 0.3, window, 0.0)
+    expected = extend_attention_module._attend_chunk_math(q, k, v, 0.3, window, 0.0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_extend_attention_ref_with_one_token_chunks_is_decode_attention():
