@@ -312,19 +312,22 @@ def test_attention_over_an_fp8_cache_triton_matches_ref(dtype):
     assert_close(extend_attention_triton(*args), extend_attention_ref(*args), ATTN_TOL[dtype])
 
 
+@pytest.mark.parametrize("softcap", [0.0, 3.0])  # SDPA without a cap, the written-out scores with one
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
-def test_decode_attention_ref_matches_per_request_loop(num_q_heads, num_kv_heads, head_dim):
+def test_decode_attention_ref_matches_per_request_loop(num_q_heads, num_kv_heads, head_dim, softcap):
     seq_lens = PROMPT_LENS + [50]
     q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(
         seq_lens, num_q_heads, num_kv_heads, head_dim, torch.float32)
     # max_seqlen may exceed every length (a bucketed bound); it must not exceed the table width
-    out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, lens, req_to_token.shape[1], 0.2)
+    out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, lens, req_to_token.shape[1], 0.2,
+                               softcap=softcap)
     group = num_q_heads // num_kv_heads
     for b, (row, length) in enumerate(zip(req_rows.tolist(), seq_lens)):
         slots = req_to_token[row, :length].long()
         keys = k_cache[slots].repeat_interleave(group, 1)  # [L, Hq, D]
         values = v_cache[slots].repeat_interleave(group, 1)
-        probs = torch.einsum("hd,lhd->hl", q[b], keys).mul(0.2).softmax(-1)
+        scores = torch.einsum("hd,lhd->hl", q[b], keys).mul(0.2)
+        probs = (softcap * torch.tanh(scores / softcap) if softcap else scores).softmax(-1)
         expected = torch.einsum("hl,lhd->hd", probs, values)
         torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
 
