@@ -24,7 +24,7 @@ from lightllm.utils.process import group_signals_blocked, starting_child, stop_p
 
 logger = logging.getLogger("lightllm.server.node")
 
-POLL_INTERVAL = 2.0  # seconds; node 0's loss is noticed within this plus dist.LIVENESS_TIMEOUT
+POLL_INTERVAL = 2.0  # seconds; node 0's loss is noticed within this + dist.LIVENESS_TIMEOUT + HANGUP_GRACE
 HANGUP_GRACE = 3.0  # seconds a worker gets to see node 0's router hang up once node 0's store is gone
 
 
