@@ -1,7 +1,7 @@
 """Schemathesis against the server's own /openapi.json, on the tiny preset (bench_model: two
 layers of random weights, with the default model's tokenizer and chat template). What is fuzzed
-is the front door, not the weights. On CI's two cores the server's start and the requests took
-204 s on the default model, 108 s on this preset: the positive requests' steps are most of it.
+is the front door, not the weights. In CI (two cores) the requests took 164 s on the default
+model and 102 s on this preset, the server's start 41 s and under 17 s.
 
 Every route the schema lists gets requests generated from it: bodies that fit the schema
 (positive) and bodies that break it (negative: wrong types, out-of-range values, missing or
