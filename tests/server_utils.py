@@ -136,12 +136,12 @@ def start_server(args: list[str], log_path: Path, own_process_group: bool = Fals
 
 
 @contextlib.contextmanager
-def preset_server(tmp_path_factory, preset: str):
-    """(model directory, server) of a bench_model preset (random weights) on a free port; the
-    server must stop with status 0."""
+def preset_server(tmp_path_factory, preset: str, args: tuple[str, ...] = ()):
+    """(model directory, server) of a bench_model preset (random weights) on a free port, with
+    any further server `args`; the server must stop with status 0."""
     from lightllm.tools.bench_model import write_bench_model
 
     model_dir = write_bench_model(tmp_path_factory.mktemp(preset), preset)
-    server = start_server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("server") / "server.log")
+    server = start_server(["--model_dir", str(model_dir), *args], tmp_path_factory.mktemp("server") / "server.log")
     yield model_dir, server
     assert server.stop() == 0

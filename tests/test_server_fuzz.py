@@ -37,7 +37,7 @@ from schemathesis import GenerationMode
 
 from lightllm.server.httpserver.json_body import MAX_JSON_DEPTH
 
-from server_utils import start_server
+from server_utils import preset_server
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +50,10 @@ GREEDY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens":
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from lightllm.tools.bench_model import write_bench_model
-
-    model_dir = write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
     # A small queue bound: n up to 128 choices of fuzzed requests would otherwise flood 2 cores (n > 16 is a 400)
-    args = ["--model_dir", str(model_dir), "--max_req_input_len", "48", "--max_req_total_len", "52",
-            "--max_queued_requests", "16"]
-    server = start_server(args, tmp_path_factory.mktemp("fuzz") / "server.log")
-    yield server
-    assert server.stop() == 0
+    args = ("--max_req_input_len", "48", "--max_req_total_len", "52", "--max_queued_requests", "16")
+    with preset_server(tmp_path_factory, "tiny", args) as (_, server):
+        yield server
 
 
 class Tally:
