@@ -192,53 +192,59 @@ def test_gloo_sums_of_two_ranks():
     assert all(results.values()), [key for key, ok in results.items() if not ok]
 
 
-def interpreted_fused_rank(rank, data, flags, counters, parts, residuals, weight, outputs):
+def interpreted_fused_rank(rank, data, flags, counters, parts, residuals, weight, outputs, rows_per_call):
     """One rank of the fused all-reduce + add + RMSNorm under Triton's interpreter, its peers'
     buffers and flags shared CPU memory (each process maps them at its own addresses)."""
     from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton
 
     pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-    for call in range(parts.shape[0]):
-        y, _ = one_shot_add_rms_norm_triton(parts[call, rank], residuals[call, rank], weight, 1e-6,
+    for call, rows in enumerate(rows_per_call):
+        y, _ = one_shot_add_rms_norm_triton(parts[call, rank, :rows], residuals[call, rank, :rows], weight, 1e-6,
                                             data_ptrs=pointers(data), flags_ptrs=pointers(flags),
                                             counters=counters[rank], rank=rank,
                                             region_bytes=data[rank].nbytes // (2 * len(data)))
-        outputs[call, rank] = y
+        outputs[call, rank, :rows] = y
 
 
-FUSED_TEST_MAX_ROWS = 4
+FUSED_TEST_PROGRAMS = 4
+FUSED_TEST_ROWS = (3, 7, 2, 8)  # one row a program, then two (the slots hold two rows), then one again
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors: under Triton's interpreter")
 def test_the_fused_kernels_barriers_between_two_interpreted_ranks():
-    """The whole protocol on the CPU: two processes run the kernel as ranks 0 and 1, three calls
-    in a row over the same buffers: no deadlock, every call's sums, residuals and norms equal
-    the reference's on both ranks; at the end every row's counter and every flag it was
-    signalled through holds the number of calls, and the rows past them nothing."""
-    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref
+    """The whole protocol on the CPU: two processes run the kernel as ranks 0 and 1, calls in a
+    row over the same buffers with one and with several rows a program: no deadlock, every
+    call's sums, residuals and norms equal the reference's on both ranks; at the end every
+    program's counter and every flag it was signalled through holds its number of calls, and
+    the programs never launched nothing."""
+    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, slots
 
-    calls, rows, hidden, world = 3, 3, 32, 2
-    data = [torch.zeros(2 * world * FUSED_TEST_MAX_ROWS * hidden).share_memory_() for _ in range(world)]
-    flags = [torch.zeros(flag_count(FUSED_TEST_MAX_ROWS, world), dtype=torch.int64).share_memory_()
-             for _ in range(world)]
-    counters = [torch.zeros(FUSED_TEST_MAX_ROWS, dtype=torch.int64).share_memory_() for _ in range(world)]
-    parts = torch.randn(calls, world, rows, hidden).share_memory_()
-    residuals = torch.randn(calls, 1, rows, hidden).expand(calls, world, rows, hidden).clone().share_memory_()
+    hidden, world, programs = 32, 2, FUSED_TEST_PROGRAMS
+    calls, most = len(FUSED_TEST_ROWS), max(FUSED_TEST_ROWS)
+    region = 2 * programs * hidden  # elements: two rows a slot
+    data = [torch.zeros(2 * world * region).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(flag_count(programs, world), dtype=torch.int64).share_memory_() for _ in range(world)]
+    counters = [torch.zeros(programs, dtype=torch.int64).share_memory_() for _ in range(world)]
+    parts = torch.randn(calls, world, most, hidden).share_memory_()
+    residuals = torch.randn(calls, 1, most, hidden).expand(calls, world, most, hidden).clone().share_memory_()
     weight = torch.randn(hidden).share_memory_()
-    outputs = torch.zeros(calls, world, rows, hidden).share_memory_()
-    expected = [one_shot_add_rms_norm_ref(list(parts[c]), residuals[c, 0].clone(), weight, 1e-6) for c in range(calls)]
-    mp.spawn(interpreted_fused_rank, args=(data, flags, counters, parts, residuals, weight, outputs), nprocs=world,
-             join=True)
-    for c, (y, residual) in enumerate(expected):
+    outputs = torch.zeros(calls, world, most, hidden).share_memory_()
+    expected = [one_shot_add_rms_norm_ref(list(parts[c, :, :rows]), residuals[c, 0, :rows].clone(), weight, 1e-6)
+                for c, rows in enumerate(FUSED_TEST_ROWS)]
+    mp.spawn(interpreted_fused_rank, args=(data, flags, counters, parts, residuals, weight, outputs, FUSED_TEST_ROWS),
+             nprocs=world, join=True)
+    for c, ((y, residual), rows) in enumerate(zip(expected, FUSED_TEST_ROWS)):
         for rank in range(world):
-            torch.testing.assert_close(residuals[c, rank], residual, atol=0, rtol=0)
-            torch.testing.assert_close(outputs[c, rank], y, atol=1e-5, rtol=1e-5)
-    used = torch.arange(FUSED_TEST_MAX_ROWS) < rows
+            torch.testing.assert_close(residuals[c, rank, :rows], residual, atol=0, rtol=0)
+            torch.testing.assert_close(outputs[c, rank, :rows], y, atol=1e-5, rtol=1e-5)
+    launched = [slots(rows, hidden, programs, region)[1] for rows in FUSED_TEST_ROWS]
+    assert launched == [3, 4, 2, 4]  # 7 and 8 rows: 2 a program
+    calls_of = torch.tensor([sum(p < n for n in launched) for p in range(programs)])
     for rank in range(world):
-        assert torch.equal(counters[rank], torch.where(used, calls, 0))
-        signalled = flags[rank].view(FUSED_TEST_MAX_ROWS, world)  # [row, sender]: a rank never signals itself
+        assert torch.equal(counters[rank], calls_of)
+        signalled = flags[rank].view(programs, world)  # [program, sender]: a rank never signals itself
         sent_by_peer = torch.arange(world)[None, :] != rank
-        assert torch.equal(signalled, torch.where(used[:, None] & sent_by_peer, calls, 0))
+        assert torch.equal(signalled, torch.where(sent_by_peer, calls_of[:, None], 0))
 
 
 # ---- CUDA: symmetric memory against NCCL (skipped without two GPUs) ----
@@ -324,8 +330,11 @@ def test_symmetric_sums_equal_nccl_eager_and_in_graphs():
 
 # ---- CUDA: the all-reduce fused with the residual add and RMSNorm (kernels/allreduce_norm.py) ----
 
-FUSED_ROWS = (1, 3, 64, 128)  # bench-8b's decode batches; 128 x 4096 x 2 bytes is the one-shot limit (2 ranks)
+# bench-8b's decode batches (one row a program up to 256), then several rows a program (a large
+# decode batch, mixed steps, 8192 x 4096 x 2 bytes: the largest message at 2 ranks)
+FUSED_ROWS = (1, 3, 64, 256, 257, 1000, 4096, 8192)
 IN_A_ROW = 40
+GRAPH_CALLS, GRAPH_REPLAYS = 8, 25
 
 
 def fused_worker(rank, world_size, port, seed, results):
@@ -364,7 +373,7 @@ def fused_worker(rank, world_size, port, seed, results):
     for dtype in (torch.bfloat16, torch.float32):
         weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(seed))).to(dtype).to(device)
         for rows in FUSED_ROWS:
-            if rows * hidden * dtype.itemsize > group.symmetric.fused.region_bytes:
+            if rows * hidden * dtype.itemsize > group.symmetric.fused.max_bytes:
                 continue
             parts, residual = inputs(rows, rows, dtype)
             got = group.reduce_add_rms_norm(parts[rank].clone(), residual.clone(), weight, eps)
@@ -401,6 +410,18 @@ def fused_worker(rank, world_size, port, seed, results):
                 torch.cuda.synchronize()
                 agree((rank, rows, str(dtype), f"graph {salt}"), (y.clone(), static_residual.clone()),
                       unfused(new_parts[rank], new_residual, weight))
+            # A graph of GRAPH_CALLS calls replayed GRAPH_REPLAYS times back to back, no host sync
+            # between (as a decode step's layers, step after step): the residual takes every sum.
+            residual_ref = static_residual.clone()
+            with torch.cuda.graph(graph := torch.cuda.CUDAGraph(), stream=stream):
+                for _ in range(GRAPH_CALLS):
+                    y, _ = group.reduce_add_rms_norm(static_x, static_residual, weight, eps)
+            for _ in range(GRAPH_REPLAYS):
+                graph.replay()
+            for _ in range(GRAPH_CALLS * GRAPH_REPLAYS):
+                y_ref, residual_ref = unfused(static_x, residual_ref, weight)
+            torch.cuda.synchronize()
+            agree((rank, rows, str(dtype), "graph back to back"), (y, static_residual), (y_ref, residual_ref))
     dist.destroy_process_group()
 
 

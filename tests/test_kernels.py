@@ -815,29 +815,40 @@ def test_windowed_decode_attention_ref_is_extend_attention_of_one_token(window, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank):
+@pytest.mark.parametrize("rows,programs", [(5, 8), (7, 4), (13, 4)])
+def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank, rows, programs):
     """The fused all-reduce + residual add + RMSNorm as rank `rank` of two, two calls, its
     peer's rows already pushed into this rank's buffer (each call's into the region of its
-    epoch's parity and the peer) and the peer's signals already set: the sum, the residual and
-    the norm as the reference (the residual bitwise where the rounding is torch's: two ranks'
-    sum is rounded once either way); each row's epoch counted and sent to the peer, this rank's
-    rows pushed into the peer's region of (parity, this rank)."""
-    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, one_shot_add_rms_norm_triton
+    epoch's parity and the peer, program p's rows in slot p) and the peer's signals already
+    set: the sum, the residual and the norm as the reference (the residual bitwise where the
+    rounding is torch's: two ranks' sum is rounded once either way); each program's epoch
+    counted and sent to the peer, this rank's rows pushed into the peer's slots of (parity,
+    this rank). One row a program (5 rows, 8 programs), and several (7 and 13 rows over 4
+    programs: 2 and 4 rows a program, the last program with fewer)."""
+    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, one_shot_add_rms_norm_triton, slots
 
-    rows, hidden, max_rows, world = 5, 96, 8, 2
+    hidden, world = 96, 2
     peer = 1 - rank
-    region = max_rows * hidden  # elements of each of a buffer's 2 x world regions
+    region = 4 * programs * hidden  # elements of each of a buffer's 2 x world regions: 4 rows a slot
+    per_program, launched, slot = slots(rows, hidden, programs, region)
+    assert per_program == -(-rows // programs) and slot == 4 * hidden
+    assert (launched - 1) * per_program < rows <= launched * per_program  # no program empty
     data = [torch.zeros(2 * world * region, dtype=dtype, device=DEVICE) for _ in range(world)]
-    flags = [torch.zeros(flag_count(max_rows, world), dtype=torch.int64, device=DEVICE) for _ in range(world)]
-    counters = torch.zeros(max_rows, dtype=torch.int64, device=DEVICE)
-    flags[rank].view(max_rows, world)[:, peer] = 2  # the peer has signalled both epochs
+    flags = [torch.zeros(flag_count(programs, world), dtype=torch.int64, device=DEVICE) for _ in range(world)]
+    counters = torch.zeros(programs, dtype=torch.int64, device=DEVICE)
+    flags[rank].view(programs, world)[:, peer] = 2  # the peer has signalled both epochs
     pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
     exact = dtype is torch.float32 or DEVICE == "cuda"  # bitwise on a GPU; the interpreter rounds to bf16 toward zero
-    start = lambda epoch, sender: ((epoch % 2) * world + sender) * region  # noqa: E731
+
+    def row_at(epoch: int, sender: int, r: int) -> int:
+        """Where row r of `sender` lies in a buffer: its program's slot of (epoch's parity, sender)."""
+        return ((epoch % 2) * world + sender) * region + (r // per_program) * slot + (r % per_program) * hidden
+
     for epoch in (1, 2):
         parts = [randn(rows, hidden, dtype=dtype) for _ in range(world)]
         residual, weight = randn(rows, hidden, dtype=dtype), randn(hidden, dtype=dtype)
-        data[rank][start(epoch, peer): start(epoch, peer) + rows * hidden] = parts[peer].flatten()
+        for r in range(rows):
+            data[rank][row_at(epoch, peer, r):][:hidden] = parts[peer][r]
         expected, expected_residual = one_shot_add_rms_norm_ref(parts, residual.clone(), weight, 1e-6)
         got, got_residual = one_shot_add_rms_norm_triton(parts[rank], residual, weight, 1e-6, data_ptrs=pointers(data),
                                                          flags_ptrs=pointers(flags), counters=counters, rank=rank,
@@ -845,10 +856,10 @@ def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank):
         assert got_residual is residual
         torch.testing.assert_close(residual, expected_residual, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
         torch.testing.assert_close(got, expected, **TOL[dtype])
-        pushed = data[peer][start(epoch, rank): start(epoch, rank) + rows * hidden]
-        assert torch.equal(pushed, parts[rank].flatten())  # this rank's rows, in the peer's region for them
-        used = torch.arange(max_rows, device=DEVICE) < rows
+        pushed = torch.stack([data[peer][row_at(epoch, rank, r):][:hidden] for r in range(rows)])
+        assert torch.equal(pushed, parts[rank])  # this rank's rows, in the peer's slots for them
+        used = torch.arange(programs, device=DEVICE) < launched
         assert torch.equal(counters, torch.where(used, epoch, 0))
-        sent = torch.zeros(max_rows, world, dtype=torch.int64, device=DEVICE)
-        sent[:rows, rank] = epoch
-        assert torch.equal(flags[peer].view(max_rows, world), sent)
+        sent = torch.zeros(programs, world, dtype=torch.int64, device=DEVICE)
+        sent[:launched, rank] = epoch
+        assert torch.equal(flags[peer].view(programs, world), sent)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_triton
+from lightllm_kernels.allreduce_norm import fits, flag_count, one_shot_add_rms_norm_triton
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,16 @@ SYMMETRIC_MAX_BYTES = 8 << 20
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # the symmetric kernels' dispatch
 ANOTHER_RANK = "another rank could not set it up (see its log)"
 # The all-reduce after the o and down projections fused with the residual add and RMSNorm that
-# follow it (kernels/allreduce_norm.py): one kernel a layer fewer, twice, where a message takes
-# the one-shot path. "0" turns it off (before/after measurements). One program per token row:
-# FUSED_MAX_ROWS bounds the rows, and so the flags, FUSED_MAX_HIDDEN a row's registers.
+# follow it (kernels/allreduce_norm.py): one kernel a layer fewer, twice. "0" turns it off
+# (before/after measurements). FUSED_PROGRAMS programs at most (one row each up to as many rows),
+# FUSED_MAX_HIDDEN columns a row's registers. FUSED_MAX_BYTES: the largest message it takes, by
+# group size: at 2 ranks a one-shot exchange moves no more bytes than two-shot, so it takes
+# mixed steps too (measured: docs/multi_gpu.md); beyond 2 the one-shot limit above. Each data
+# region holds at least FUSED_PROGRAMS rows of FUSED_MAX_HIDDEN fp32 (one row a program).
 FUSED_ENV = "LIGHTLLM_FUSED_ALL_REDUCE_NORM"
-FUSED_MAX_ROWS = 1024
+FUSED_PROGRAMS = 256
 FUSED_MAX_HIDDEN = 16384
+FUSED_MAX_BYTES = {2: 64 << 20, 4: ONE_SHOT_MAX_BYTES[4], 8: ONE_SHOT_MAX_BYTES[8]}
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGNMENT = 16  # bytes: the kernels' vector width, for the message's start and its length
 
@@ -96,8 +100,8 @@ class SymmetricAllReduce:
     """One symmetric buffer, exchanged among the group once. Its first `capacity` bytes take
     torch's one-shot and two-shot kernels' messages (each call copies its message there and
     reduces it); after them, unless FUSED_ENV is "0", the fused all-reduce + add + RMSNorm's
-    rows (a region of ONE_SHOT_MAX_BYTES per epoch parity and sender, which the senders push
-    their rows into) and its flags (kernels/allreduce_norm.py)."""
+    rows (a region per epoch parity and sender, which the senders push their rows into) and its
+    flags (kernels/allreduce_norm.py)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int, capacity: int,
                  fused: FusedRegions | None = None):
@@ -108,7 +112,10 @@ class SymmetricAllReduce:
         self._one_shot_copy = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
 
     @classmethod
-    def create(cls, device: torch.device, world_size: int, capacity: int) -> SymmetricAllReduce:
+    def create(cls, device: torch.device, world_size: int, capacity: int, fused_bytes: int | None = None,
+               programs: int = FUSED_PROGRAMS) -> SymmetricAllReduce:
+        """fused_bytes: the largest message the fused kernel takes (FUSED_MAX_BYTES by default),
+        programs its most programs (allreduce_bench.py tries others)."""
         # Ask torch not to map the buffer for NVLink multicast: no multimem op runs here, and the
         # shared machines this is measured on forbid it (docs/multi_gpu.md).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -116,9 +123,9 @@ class SymmetricAllReduce:
 
         group_name = dist.group.WORLD.group_name
         fused = os.environ.get(FUSED_ENV, "1") != "0"
-        region_bytes = ONE_SHOT_MAX_BYTES[world_size]
+        region_bytes = fused_region_bytes(fused_bytes or FUSED_MAX_BYTES[world_size], programs)
         data_bytes = 2 * world_size * region_bytes if fused else 0  # a region per parity and sender
-        flag_bytes = 8 * flag_count(FUSED_MAX_ROWS, world_size) if fused else 0
+        flag_bytes = 8 * flag_count(programs, world_size) if fused else 0
         buffer = symm_mem.empty(capacity + data_bytes + flag_bytes, dtype=torch.uint8, device=device)
         buffer[capacity + data_bytes:].zero_()  # the flags: zero on every rank before any peer can signal
         torch.cuda.synchronize(device)
@@ -131,8 +138,9 @@ class SymmetricAllReduce:
             regions = FusedRegions(
                 data_ptrs=torch.tensor([b + capacity for b in bases], dtype=torch.int64, device=device),
                 flags_ptrs=torch.tensor([b + capacity + data_bytes for b in bases], dtype=torch.int64, device=device),
-                counters=torch.zeros(FUSED_MAX_ROWS, dtype=torch.int64, device=device),
-                rank=dist.get_rank(), region_bytes=region_bytes)
+                counters=torch.zeros(programs, dtype=torch.int64, device=device),
+                rank=dist.get_rank(), region_bytes=region_bytes,
+                max_bytes=fused_bytes or FUSED_MAX_BYTES[world_size])
         return cls(buffer, group_name, world_size, capacity, regions)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -142,8 +150,9 @@ class SymmetricAllReduce:
         fused = self.fused
         if (fused is None or residual is None or x.dim() != 2 or x.dtype not in FUSED_DTYPES
                 or residual.dtype != x.dtype or weight.dtype != x.dtype or residual.shape != x.shape
-                or not (x.is_contiguous() and residual.is_contiguous()) or x.shape[0] > FUSED_MAX_ROWS
-                or x.shape[1] > FUSED_MAX_HIDDEN or x.numel() * x.element_size() > fused.region_bytes):
+                or not (x.is_contiguous() and residual.is_contiguous()) or x.shape[1] > FUSED_MAX_HIDDEN
+                or x.numel() * x.element_size() > fused.max_bytes
+                or not fits(x.shape[0], x.shape[1], fused.counters.numel(), fused.region_bytes // x.element_size())):
             return None
         return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
                                             flags_ptrs=fused.flags_ptrs, counters=fused.counters, rank=fused.rank,
@@ -183,9 +192,17 @@ class FusedRegions:
 
     data_ptrs: torch.Tensor  # int64 [world]: each rank's data regions, as mapped on this rank
     flags_ptrs: torch.Tensor  # int64 [world]: each rank's flags
-    counters: torch.Tensor  # int64 [FUSED_MAX_ROWS]: this rank's calls so far, per row (the epochs)
+    counters: torch.Tensor  # int64 [programs]: this rank's calls so far, per program (the epochs)
     rank: int
-    region_bytes: int  # each data region's size: the largest message it takes
+    region_bytes: int  # each data region's size
+    max_bytes: int  # the largest message it takes
+
+
+def fused_region_bytes(max_bytes: int, programs: int) -> int:
+    """A data region of the fused kernel: a message of max_bytes, and at least one row of
+    FUSED_MAX_HIDDEN fp32 a program (so that every row count up to `programs` fits)."""
+    slot = max(-(-max_bytes // programs), 4 * FUSED_MAX_HIDDEN)
+    return -(-slot // 16) * 16 * programs
 
 
 def setup_symmetric(device: torch.device, world_size: int, single_node: bool,
@@ -210,8 +227,10 @@ def setup_symmetric(device: torch.device, world_size: int, single_node: bool,
         reason = _agree(reason, device)
     if reason is None:
         if dist.get_rank() == 0:
-            logger.info("all-reduce: symmetric memory, one-shot up to %d KiB, two-shot up to %d KiB, NCCL above",
-                        ONE_SHOT_MAX_BYTES[world_size] >> 10, capacity >> 10)
+            fused = symmetric.fused
+            logger.info("all-reduce: symmetric memory, one-shot up to %d KiB, two-shot up to %d KiB, NCCL above; "
+                        "fused with the next add + RMSNorm up to %s", ONE_SHOT_MAX_BYTES[world_size] >> 10,
+                        capacity >> 10, "off" if fused is None else f"{fused.max_bytes >> 10} KiB")
         return symmetric
     if dist.get_rank() == 0 or not (same_on_all_ranks or reason == ANOTHER_RANK):
         logger.warning("all-reduce: NCCL for every message (symmetric memory off: %s)", reason)

@@ -197,6 +197,82 @@ def sizes_table(rows: list[dict], args) -> list[str]:
     return lines + [""]
 
 
+# ---- the all-reduce and the add + RMSNorm after it: fused against apart, by size ----
+
+
+def norm_row(group: TPGroup, fused: dict, nbytes: int, args, device: torch.device) -> dict:
+    """One message of `nbytes` as rows of --hidden: the server's unfused way (TPGroup.all_reduce
+    by its path, then add_rms_norm) against the fused kernel with each --fused-programs, in
+    CUDA graphs; "same" whether every fused result equals the unfused one (the residual bitwise
+    at two ranks, the norm within a rounding)."""
+    from lightllm_kernels.rms_norm import add_rms_norm_triton
+
+    dtype, hidden = DTYPES[args.dtype], args.hidden
+    rows = nbytes // (hidden * dtype.itemsize)
+    gen = torch.Generator().manual_seed(1000 * args.seed + group.rank + 7)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    shared = torch.Generator().manual_seed(args.seed)  # residual and weight: the same on every rank
+    residual = torch.randn(rows, hidden, generator=shared).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=shared)).to(dtype).to(device)
+
+    def unfused(x, residual):
+        return add_rms_norm_triton(group.all_reduce(x.clone()), residual, weight, 1e-5), residual
+
+    y_ref, residual_ref = unfused(x, residual.clone())
+    path = AllReducePath.COLLECTIVE if group.symmetric is None else group.symmetric.path(x)
+    row = {"bytes": nbytes, "rows": rows, "path": path.value, "same": True}
+    work = residual.clone()
+    row["apart graph"] = graph_us(lambda x: unfused(x, work), x, args.graph_calls, args.graph_replays)
+    for programs, symmetric in fused.items():
+        got = symmetric.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+        if got is None:
+            continue
+        y, res = got
+        row["same"] &= torch.equal(res, residual_ref) and torch.allclose(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+        work = residual.clone()
+        row[f"fused {programs} graph"] = graph_us(lambda x: symmetric.add_rms_norm(x, work, weight, 1e-5), x,
+                                                 args.graph_calls, args.graph_replays)
+    return row
+
+
+def norm_worker(rank: int, args, port: int, results) -> None:
+    worker_logging(rank, args)
+    device = torch.device("cuda", rank)
+    group = init_tp(rank, args.world_size, port, device)
+    sizes = [n for n in args.norm_sizes if n % (args.hidden * DTYPES[args.dtype].itemsize) == 0]
+    fused = {p: SymmetricAllReduce.create(device, args.world_size, 16, fused_bytes=max(sizes), programs=p)
+             for p in args.fused_programs}
+    for nbytes in sizes:
+        row = norm_row(group, fused, nbytes, args, device)
+        keys = [k for k in row if k.endswith("graph")]
+        values = torch.tensor([row[k] for k in keys] + [-float(row["same"])], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        row = {**row, **dict(zip(keys, values[:-1].tolist())), "same": values[-1].item() < 0}
+        if rank == 0:
+            results.append(row)
+            logger.info("%s: %s", human(nbytes), row)
+    dist.destroy_process_group()
+
+
+def norm_table(rows: list[dict], args) -> list[str]:
+    fused = [f"fused {p} graph" for p in args.fused_programs]
+    lines = [f"### All-reduce + residual add + RMSNorm, {args.world_size} ranks, {args.dtype}, rows of {args.hidden}: "
+             "us per call in CUDA graphs (slowest rank)", "",
+             "apart: the server's all-reduce by its path, then add_rms_norm; fused P: kernels/allreduce_norm.py with "
+             "at most P programs. same: every fused result equals apart's (residual bitwise, norm within 2e-2).", "",
+             "| message | rows | all-reduce path | apart us | " + " | ".join(f"fused, {p} programs us" for p in
+                                                                     args.fused_programs)
+             + " | best fused / apart | same |",
+             "| --- | ---: | --- | ---: |" + " ---: |" * len(fused) + " ---: | --- |"]
+    for row in rows:
+        cells = [f"{row[k]:.1f}" if k in row else "-" for k in fused]
+        best = min((row[k] for k in fused if k in row), default=float("nan"))
+        lines.append(f"| {human(row['bytes'])} | {row['rows']} | {row['path']} | {row['apart graph']:.1f} | "
+                     + " | ".join(cells) + f" | {best / row['apart graph']:.2f} | "
+                     + ("ok" if row["same"] else "**DIFFERENT**") + " |")
+    return lines + [""]
+
+
 # ---- one decode step at tp N ----
 
 
@@ -379,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--graph-calls", type=int, default=10)
     add("--graph-replays", type=int, default=20)
     add("--seed", type=int, default=0)
+    add("--norm-sizes", type=parse_sizes, default=parse_sizes(""),
+        help="message bytes for the fused all-reduce + add + RMSNorm against the two apart (CUDA; '': none)")
+    add("--hidden", type=int, default=4096, help="the rows' width for --norm-sizes")
+    add("--fused-programs", type=lambda s: [int(p) for p in s.split(",")], default=[128])
     add("--profile-model", type=Path, default=None, help="model directory (dummy weights) for the decode profile")
     add("--profile-modes", default="tp1,nccl,unfused,symmetric")
     add("--profile-dtype", default="bfloat16")
@@ -408,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = spawn(sizes_worker, args.world_size, args)
         ok = all(row["sums"] for row in rows)
         lines += sizes_table(rows, args)
+    if args.norm_sizes:
+        rows = spawn(norm_worker, args.world_size, args)
+        ok &= all(row["same"] for row in rows)
+        lines += norm_table(rows, args)
     if args.profile_model is not None:
         rows = []
         for mode in args.profile_modes.split(","):

@@ -152,7 +152,7 @@ def call_every_kernel() -> None:
     # the all-reduce fused with the residual add and RMSNorm, two ranks (its pointers are never read here)
     pointers = torch.zeros(2, dtype=torch.int64)
     one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
-                                 counters=torch.zeros(1024, dtype=torch.int64), rank=0, region_bytes=1 << 20)
+                                 counters=torch.zeros(128, dtype=torch.int64), rank=0, region_bytes=32 << 20)
     call_moe_kernels()
 
 
