@@ -60,6 +60,27 @@ def test_one_shot_limits_shrink_as_the_group_grows():
     assert limits == sorted(limits, reverse=True) and limits[-1] < SYMMETRIC_MAX_BYTES
 
 
+@pytest.mark.parametrize("world_size", sorted(ONE_SHOT_MAX_BYTES))
+def test_every_message_the_fused_kernel_takes_fits_its_slots(world_size):
+    """The fused all-reduce + norm's regions, as the group sizes them: every row count of every
+    width up to FUSED_MAX_HIDDEN in either dtype, up to the group's largest fused message, fits
+    the programs' slots (kernels/allreduce_norm.slots), one row a program up to FUSED_PROGRAMS
+    rows; and the regions stay within 80 MiB each."""
+    from lightllm_kernels.allreduce_norm import slots
+
+    programs, most = allreduce.FUSED_PROGRAMS[world_size], allreduce.FUSED_MAX_BYTES[world_size]
+    region = allreduce.fused_region_bytes(most, programs)
+    assert region % 16 == 0 and region <= 80 * MiB
+    for itemsize in (2, 4):
+        for hidden in (576, 2048, 4096, 8192, allreduce.FUSED_MAX_HIDDEN):
+            for rows in range(1, most // (hidden * itemsize) + 1):
+                per_program, launched, slot = slots(rows, hidden, programs, region // itemsize)
+                assert per_program * hidden <= slot and launched <= programs
+                assert (launched - 1) * per_program < rows <= launched * per_program
+                assert per_program == 1 or rows > programs
+            assert slots(1, hidden, programs, region // itemsize)[:2] == (1, 1)
+
+
 def test_which_groups_may_try_symmetric_memory():
     assert symmetric_unsupported("cuda", 2, single_node=True, enabled=True) is None
     assert symmetric_unsupported("cuda", 8, single_node=True, enabled=True) is None

@@ -52,15 +52,17 @@ SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # the symmetric kernels' dis
 ANOTHER_RANK = "another rank could not set it up (see its log)"
 # The all-reduce after the o and down projections fused with the residual add and RMSNorm that
 # follow it (kernels/allreduce_norm.py): one kernel a layer fewer, twice. "0" turns it off
-# (before/after measurements). FUSED_PROGRAMS programs at most (one row each up to as many rows),
-# FUSED_MAX_HIDDEN columns a row's registers. FUSED_MAX_BYTES: the largest message it takes, by
-# group size: at 2 ranks a one-shot exchange moves no more bytes than two-shot, so it takes
-# mixed steps too (measured: docs/multi_gpu.md); beyond 2 the one-shot limit above. Each data
-# region holds at least FUSED_PROGRAMS rows of FUSED_MAX_HIDDEN fp32 (one row a program).
+# (before/after measurements). By group size: FUSED_MAX_BYTES, the largest message it takes (at 2
+# ranks a one-shot exchange moves no more bytes than two-shot, so it takes mixed steps too;
+# beyond 2 the one-shot limit above), and FUSED_PROGRAMS, its programs at most (one row each up
+# to as many rows; 256 measured best at 2 ranks, docs/multi_gpu.md; at 4 and 8 enough for one row
+# a program at every size they take). FUSED_MAX_HIDDEN: columns a row's registers. A data region
+# (fused_region_bytes) takes any message up to FUSED_MAX_BYTES: 80 MiB at 2 ranks (320 MiB a GPU
+# for 2 parities and 2 senders), 4.5 and 2.25 MiB at 4 and 8 (36 MiB a GPU).
 FUSED_ENV = "LIGHTLLM_FUSED_ALL_REDUCE_NORM"
-FUSED_PROGRAMS = 256
 FUSED_MAX_HIDDEN = 16384
 FUSED_MAX_BYTES = {2: 64 << 20, 4: ONE_SHOT_MAX_BYTES[4], 8: ONE_SHOT_MAX_BYTES[8]}
+FUSED_PROGRAMS = {2: 256, 4: 64, 8: 32}
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGNMENT = 16  # bytes: the kernels' vector width, for the message's start and its length
 
@@ -113,9 +115,9 @@ class SymmetricAllReduce:
 
     @classmethod
     def create(cls, device: torch.device, world_size: int, capacity: int, fused_bytes: int | None = None,
-               programs: int = FUSED_PROGRAMS) -> SymmetricAllReduce:
-        """fused_bytes: the largest message the fused kernel takes (FUSED_MAX_BYTES by default),
-        programs its most programs (allreduce_bench.py tries others)."""
+               programs: int | None = None) -> SymmetricAllReduce:
+        """fused_bytes: the largest message the fused kernel takes, programs its most programs
+        (FUSED_MAX_BYTES and FUSED_PROGRAMS by default; allreduce_bench.py tries others)."""
         # Ask torch not to map the buffer for NVLink multicast: no multimem op runs here, and the
         # shared machines this is measured on forbid it (docs/multi_gpu.md).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -123,6 +125,7 @@ class SymmetricAllReduce:
 
         group_name = dist.group.WORLD.group_name
         fused = os.environ.get(FUSED_ENV, "1") != "0"
+        programs = programs or FUSED_PROGRAMS[world_size]
         region_bytes = fused_region_bytes(fused_bytes or FUSED_MAX_BYTES[world_size], programs)
         data_bytes = 2 * world_size * region_bytes if fused else 0  # a region per parity and sender
         flag_bytes = 8 * flag_count(programs, world_size) if fused else 0
@@ -199,9 +202,10 @@ class FusedRegions:
 
 
 def fused_region_bytes(max_bytes: int, programs: int) -> int:
-    """A data region of the fused kernel: a message of max_bytes, and at least one row of
-    FUSED_MAX_HIDDEN fp32 a program (so that every row count up to `programs` fits)."""
-    slot = max(-(-max_bytes // programs), 4 * FUSED_MAX_HIDDEN)
+    """A data region of the fused kernel: slots of a programs' share of max_bytes plus one row of
+    FUSED_MAX_HIDDEN fp32, so that every message up to max_bytes fits (slots() rounds a
+    program's rows up: at most one row more than its share)."""
+    slot = -(-max_bytes // programs) + 4 * FUSED_MAX_HIDDEN
     return -(-slot // 16) * 16 * programs
 
 
