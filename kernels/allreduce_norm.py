@@ -120,7 +120,9 @@ def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, counters_ptr, re
     # (module docstring) needs every earlier kernel of this stream ended, which the wait gives
     # (the projection ahead was launched only after them).
     grid_dependency_wait(PDL)
-    epoch = tl.load(counters_ptr + program) + 1  # this program alone touches its counter
+    # This program alone touches its counter, but the program of this index in an earlier call
+    # may have run on another SM: read it from L2 (.cg), never from a stale line of this SM's L1.
+    epoch = tl.load(counters_ptr + program, cache_modifier=".cg") + 1
     tl.store(counters_ptr + program, epoch)
     parity = (epoch % 2) * WORLD  # the first of this parity's regions, one per sender
     # The first row stays in registers from its push to its sum (a decode step of few rows has

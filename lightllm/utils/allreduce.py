@@ -202,7 +202,7 @@ class FusedRegions:
 
 
 def fused_region_bytes(max_bytes: int, programs: int) -> int:
-    """A data region of the fused kernel: slots of a programs' share of max_bytes plus one row of
+    """A data region of the fused kernel: slots of a program's share of max_bytes plus one row of
     FUSED_MAX_HIDDEN fp32, so that every message up to max_bytes fits (slots() rounds a
     program's rows up: at most one row more than its share)."""
     slot = -(-max_bytes // programs) + 4 * FUSED_MAX_HIDDEN
