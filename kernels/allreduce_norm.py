@@ -150,16 +150,20 @@ def slots(rows: int, hidden: int, programs: int, region_elems: int) -> tuple[int
     call of `rows` rows, where the buffers give `programs` counters and flags per sender and
     regions of `region_elems`: the fewest rows a program that `programs` programs allow, no
     program empty. Slot p of every region is program p's; a slot's start is 16-element aligned."""
+    if not fits(rows, hidden, programs, region_elems):
+        raise ValueError(f"{rows} rows of {hidden} do not fit {programs} slots of {_slot_elems(region_elems, programs)}"
+                         " elements")
     per_program = -(-rows // programs)
-    slot_elems = region_elems // programs // 16 * 16
-    if per_program * hidden > slot_elems:
-        raise ValueError(f"{rows} rows of {hidden} do not fit {programs} slots of {slot_elems} elements")
-    return per_program, -(-rows // per_program), slot_elems
+    return per_program, -(-rows // per_program), _slot_elems(region_elems, programs)
 
 
 def fits(rows: int, hidden: int, programs: int, region_elems: int) -> bool:
     """Whether slots() takes a call of these rows."""
-    return -(-rows // programs) * hidden <= region_elems // programs // 16 * 16
+    return -(-rows // programs) * hidden <= _slot_elems(region_elems, programs)
+
+
+def _slot_elems(region_elems: int, programs: int) -> int:
+    return region_elems // programs // 16 * 16
 
 
 def one_shot_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
