@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = spawn(sizes_worker, args.world_size, args)
         ok = all(row["sums"] for row in rows)
         lines += sizes_table(rows, args)
+    if args.norm_sizes and args.device != "cuda":
+        raise SystemExit("--norm-sizes needs CUDA (the fused kernel's symmetric memory)")
     if args.norm_sizes:
         rows = spawn(norm_worker, args.world_size, args)
         ok &= all(row["same"] for row in rows)

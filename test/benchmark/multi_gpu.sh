@@ -8,7 +8,8 @@
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
 #     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
 #   allreduce: allreduce_bench.py over the largest group of 2, 4 or 8 GPUs here: us per call by
-#     message size, NCCL / one-shot / two-shot / chosen, eager and in CUDA graphs; sums against NCCL.
+#     message size, NCCL / one-shot / two-shot / chosen, eager and in CUDA graphs; sums against NCCL;
+#     then the fused all-reduce + add + RMSNorm against the two apart, by size (CUDA).
 #   profile-tpN: allreduce_bench.py's decode profile of MODEL (batch 1, 64, 256; context 1024): tp 1
 #     (not for bench-70b; kernels from torch's profiler), tp N through NCCL only, tp N with the
 #     all-reduce and the norm after it apart (unfused), tp N as served (the all-reduce's time by
@@ -237,14 +238,16 @@ profile() {  # profile-tpN: allreduce_bench.py's decode profile
   parse "$1"; enough_gpus "$tp" "$name" || return 0
   [[ $MODEL == bench-70b ]] && modes=nccl,unfused,symmetric  # 141 GB of weights: not on one GPU
   step "$name" 420 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$tp" --sizes '' \
-    --profile-model "$MODEL_DIR" --profile-modes "${PROFILE_MODES:-$modes}" --out-md "$WORK/$name.md" ${PROFILE_ARGS:-}
+    --profile-model "$MODEL_DIR" --profile-modes "${PROFILE_MODES:-$modes}" --out-md "$WORK/$name.md" \
+    --stacks-after 300 ${PROFILE_ARGS:-}  # where the ranks wait, should a run stop (docs/multi_gpu.md, 2026-11-28)
 }
 
 allreduce() {
   local n; for n in 8 4 2; do ((n <= GPUS)) && break; done
   enough_gpus "$n" allreduce || return 0
+  local norm=(); [[ $DEVICE == cuda ]] && norm=(--norm-sizes 8K,512K,1M,2M,4M,8M,16M,32M,64M)
   step allreduce 240 python3 test/benchmark/allreduce_bench.py --device "$DEVICE" --world-size "$n" \
-    --out-md "$WORK/allreduce.md" ${ALLREDUCE_ARGS:-}
+    "${norm[@]}" --out-md "$WORK/allreduce.md" ${ALLREDUCE_ARGS:-}
 }
 
 table() {  # markdown: serve and single rows, the ratios the issues ask for
