@@ -44,12 +44,16 @@ class DecoderLayer:
             self.attn.o.defer_reduce(self.post_norm)  # tp > 1: the all-reduce fused with the norm's add
 
     def defer_mlp_reduce(self, next_norm: RMSNorm) -> None:
-        """tp > 1: the dense MLP's all-reduce left to the norm that takes its output next (the
-        next layer's input norm, or the final one), fused with its residual add; tp 1: the sum of
-        its down projection's slices of K, in small bf16 steps (defer_split_sum). Not with
-        sandwich norms (their output norm needs the sum alone) nor experts (moe.py reduces)."""
-        if self.mlp_out_norm is None and isinstance(self.mlp, GatedMLP):
+        """tp > 1: the MLP's or the experts' all-reduce left to the norm that takes their output
+        next (the next layer's input norm, or the final one), fused with its residual add; tp 1:
+        the sum of a dense MLP's down projection's slices of K, in small bf16 steps
+        (defer_split_sum). Not with sandwich norms (their output norm needs the sum alone)."""
+        if self.mlp_out_norm is not None:
+            return
+        if isinstance(self.mlp, GatedMLP):
             self.mlp.down.defer_reduce(next_norm) or self.mlp.down.defer_split_sum(next_norm)
+        else:
+            self.mlp.defer_reduce(next_norm)
 
     def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
         h, residual = self.input_norm(x, residual)

@@ -47,11 +47,22 @@ class SparseMoE:
                               for name in experts])  # [E, H, count]
         self.experts = _fp8_experts(w_gate_up, w_down) if cfg.quantization == "fp8" else (w_gate_up, w_down)
         self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
+        self.reduce_output = True  # off (defer_reduce): the norm that takes the output all-reduces it
+
+    def defer_reduce(self, norm) -> bool:
+        """Leave the all-reduce to `norm` (an RMSNorm), the next to take this output, as
+        RowParallelLinear.defer_reduce: fused with its residual add where TPGroup.reduce_add_rms_norm
+        can. False (nothing changed) at tp 1."""
+        if self.tp.world_size == 1:
+            return False
+        self.reduce_output, norm.reduce = False, self.tp
+        return True
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_topk(F.linear(h, self.router), self.top_k, self.renormalize)
         w_gate_up, w_down, *scales = self.experts
-        return self.tp.all_reduce(fused_moe(h, w_gate_up, w_down, topk_weights, topk_ids, *scales))
+        out = fused_moe(h, w_gate_up, w_down, topk_weights, topk_ids, *scales)
+        return self.tp.all_reduce(out) if self.reduce_output else out
 
 
 def _fp8_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple:
