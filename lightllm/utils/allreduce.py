@@ -147,9 +147,10 @@ class SymmetricAllReduce:
         return cls(buffer, group_name, world_size, capacity, regions)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     eps: float, fp8_out: bool = False) -> tuple | None:
         """(rms_norm(residual + sum of x over the ranks), residual) in one kernel, residual
-        updated in place; None where the fused kernel does not take these tensors."""
+        updated in place (fp8_out: the norm's output quantised per row, as add_rms_norm's); None
+        where the fused kernel does not take these tensors."""
         fused = self.fused
         if (fused is None or residual is None or x.dim() != 2 or x.dtype not in FUSED_DTYPES
                 or residual.dtype != x.dtype or weight.dtype != x.dtype or residual.shape != x.shape
@@ -159,7 +160,7 @@ class SymmetricAllReduce:
             return None
         return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
                                             flags_ptrs=fused.flags_ptrs, counters=fused.counters, rank=fused.rank,
-                                            region_bytes=fused.region_bytes)
+                                            region_bytes=fused.region_bytes, fp8_out=fp8_out)
 
     def path(self, x: torch.Tensor) -> AllReducePath:
         if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % ALIGNMENT:

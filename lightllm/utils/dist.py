@@ -57,14 +57,15 @@ class TPGroup:
         return x
 
     def reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                            eps: float, fp8_out: bool = False) -> tuple | None:
         """(rms_norm(residual + all_reduce(x)), residual) from one kernel, residual updated in
-        place (kernels/allreduce_norm.py); None where that kernel does not take these tensors
-        (no symmetric memory, a message past the one-shot path's, no residual, ...): the caller
-        then all-reduces and normalises apart."""
+        place (kernels/allreduce_norm.py; fp8_out: the norm's output quantised per row, as
+        add_rms_norm's); None where that kernel does not take these tensors (no symmetric memory,
+        a message past the fused kernel's, no residual, ...): the caller then all-reduces and
+        normalises apart."""
         if self.world_size == 1 or self.symmetric is None:
             return None
-        return self.symmetric.add_rms_norm(x, residual, weight, eps)
+        return self.symmetric.add_rms_norm(x, residual, weight, eps, fp8_out)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
