@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import psutil
 import pytest
@@ -179,6 +180,20 @@ def host_rendezvous(layout: NodeLayout, opened) -> None:
     rendezvous.store.wait(["never"], timedelta(seconds=120))  # serve until the test kills this process
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of `pid` is stopped: SIGSTOP takes each thread as it next enters the
+    kernel, so one already running (the store's, answering) may still answer a request sent just
+    after os.kill returns (seen under load: a thread still "R" and the store answering)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [(task / "stat").read_text().rsplit(") ", 1)[1].split()[0]
+                  for task in Path(f"/proc/{pid}/task").iterdir()]
+        if all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout} s: {states}"
+        time.sleep(0.01)
+
+
 def test_node0_counts_as_gone_when_its_store_stops_answering():
     """A node 0 that stops without closing anything (frozen here, as a vanished machine looks):
     the poll of a node > 0 says so within LIVENESS_TIMEOUT instead of waiting forever."""
@@ -192,6 +207,7 @@ def test_node0_counts_as_gone_when_its_store_stops_answering():
         joined = Rendezvous.join(dataclasses.replace(layout, node_rank=1))
         assert joined.node0_answers()
         os.kill(node0.pid, signal.SIGSTOP)
+        wait_stopped(node0.pid)
         start = time.monotonic()
         assert not joined.node0_answers()
         assert time.monotonic() - start < LIVENESS_TIMEOUT + 1
