@@ -8,6 +8,7 @@ stream runs; per-token messages pickle as tuples; a plain /generate_stream event
 without building its dict."""
 
 import asyncio
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -135,6 +136,10 @@ def test_the_manager_routes_every_step_that_has_come_before_a_stream_runs():
             for n in (1, 2, 3):  # three steps, in the socket before the receiver runs
                 finish = FinishReason.LENGTH if n == 3 else None
                 to_http.send_pyobj(BatchTextOut([TextOut(req_id, 10 + n, "x", 0.0, False, n, finish)]))
+            # ZeroMQ's I/O threads deliver them while this loop is held (a blocking sleep: the
+            # receiver cannot run); without it, a loaded CI machine let the receiver take step 1
+            # before steps 2 and 3 had arrived (backlog 0 instead of 2).
+            time.sleep(0.5)
             seen = await asyncio.wait_for(consumer, 10)
             assert seen == [1, 2, (2, 1), (3, 0)]
 
