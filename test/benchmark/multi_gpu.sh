@@ -6,7 +6,8 @@
 #   ITEM = check-tpN | allreduce | profile-tpN | serve-tpN[-nccl|-unfused][-graphT][-trace]:REQUESTS[@RATE] | serve-dpN[-graphT][-trace]:REQUESTS[@RATE] | single-tpN[-nccl|-unfused]
 #   check-tpN: tests/test_allreduce.py and tests/test_tp.py on the GPUs, then the greedy tokens of
 #     16 prompts (32 tokens each, sent together) from a --tp N server against a --tp 1 server, on
-#     the tiny model in fp32 (bench_model's tiny preset: seeded random weights, written here).
+#     a tiny model in fp32 (bench_model's presets in CHECK_PRESETS, default "tiny"; e.g. "tiny
+#     tiny-qwen3-moe tiny-mixtral": seeded random weights, written here).
 #   allreduce: allreduce_bench.py over the largest group of 2, 4 or 8 GPUs here: us per call by
 #     message size, NCCL / one-shot / two-shot / chosen, eager and in CUDA graphs; sums against NCCL;
 #     then the fused all-reduce + add + RMSNorm against the two apart, by size (CUDA).
@@ -25,6 +26,7 @@
 #     (replica 0's) summary is printed too.
 #   single-tpN[-nccl]: a --tp N server, single_request.py (5 requests of 256 tokens, one by one):
 #     batch-1 TTFT and TPOT, and TPOT's floor: MODEL's weight bytes per GPU over the copy bandwidth.
+#   SERVER_FLAGS (serve items): more server flags, e.g. "--quantization fp8".
 #   -nccl: every all-reduce through NCCL (LIGHTLLM_SYMM_MEM_ALL_REDUCE=0), the "before".
 #   -unfused: symmetric memory, but the all-reduce and the RMSNorm after it as two kernels
 #     (LIGHTLLM_FUSED_ALL_REDUCE_NORM=0, kernels/allreduce_norm.py's "before").
@@ -125,30 +127,33 @@ parse() {  # parse ITEM: sets tp, dp, gpus, env (NCCL-only for -nccl, no fused n
   gpus=$((tp * dp))
 }
 
-check() {  # check-tpN: unit tests on the GPUs, then greedy tokens of --tp N against --tp 1
-  local tp dp gpus env graph trace name dir tiny
-  parse "$1"; dir=$WORK/$name; mkdir -p "$dir"; tiny=$WORK/tiny
-  enough_gpus "$tp" "$name" || return 0
+check() {  # check-tpN: unit tests on the GPUs, then greedy tokens of --tp N against --tp 1, per CHECK_PRESETS
+  local tp dp gpus env graph trace name dir tiny preset
+  parse "$1"; enough_gpus "$tp" "$name" || return 0
   [[ ${CHECK_TESTS:-1} == 0 ]] || step "$name-pytest" 300 python3 -m pytest -q -p no:cacheprovider \
     tests/test_allreduce.py tests/test_tp.py -k "not 70b"  # the 70b test needs the default model (network)
-  do_or_say python3 -m lightllm.tools.bench_model --out "$tiny" --preset tiny --tokenizer "$ROOT/.gpu/bench-8b"
-  ((DRY)) || python3 - "$dir/prompts.json" <<'PY'
+  for preset in ${CHECK_PRESETS:-tiny}; do
+    dir=$WORK/$name/$preset; tiny=$WORK/tiny/$preset; mkdir -p "$dir"
+    do_or_say python3 -m lightllm.tools.bench_model --out "$tiny" --preset "$preset" --tokenizer "$ROOT/.gpu/bench-8b"
+    ((DRY)) || python3 - "$dir/prompts.json" <<'PY'
 import json, random, sys
 words = "the a model token cache batch river stone light runs over under 你好 café".split()
 rng = random.Random()  # fresh prompts each call; both servers get the same ones
 json.dump([" ".join(rng.choices(words, k=rng.randrange(1, 40))) for _ in range(16)], open(sys.argv[1], "w"))
 PY
-  greedy "$dir" 1 "$tiny" && greedy "$dir" "$tp" "$tiny" || { note "$name: FAIL: a server did not answer (see $dir)"; return 0; }
-  ((DRY)) && return
-  note "$name: $(python3 - "$dir" "$tp" <<'PY'
+    greedy "$dir" 1 "$tiny" && greedy "$dir" "$tp" "$tiny" \
+      || { note "$name ($preset): FAIL: a server did not answer (see $dir)"; continue; }
+    ((DRY)) && continue
+    note "$name ($preset): $(python3 - "$dir" "$tp" "$preset" <<'PY'
 import json, sys
-d, tp = sys.argv[1], sys.argv[2]
+d, tp, preset = sys.argv[1:]
 one, many = (json.load(open(f"{d}/tokens-tp{n}.json")) for n in ("1", tp))
 same = sum(a == b for a, b in zip(one, many))
 print(f"{'PASS' if same == len(one) == len(many) else 'FAIL'}: greedy tokens of --tp {tp} equal --tp 1's "
-      f"for {same}/{len(one)} prompts (tiny model, fp32, 32 tokens each, sent together)")
+      f"for {same}/{len(one)} prompts ({preset} model, fp32, 32 tokens each, sent together)")
 PY
 )"
+  done
 }
 
 greedy() {  # greedy DIR TP MODEL: the tokens of DIR/prompts.json from a --tp TP server, into DIR/tokens-tpTP.json
@@ -190,7 +195,8 @@ serve() {  # serve-tpN[-nccl]:R[@RATE], serve-dpN:R[@RATE]: gpu_compare.py's ser
   local cmd=(timeout -k 15 $((t + 25)) env "$env" python3 "$ROOT/test/benchmark/gpu_compare.py" --model "$MODEL_DIR"
     --tp "$tp" --requests "$requests" --num-prompts "$n" --skip-transformers --out-dir "$dir" --start-timeout 240
     --total-timeout "$t" --bench-timeout "$t" --request-rate "$rate" ${SERVE_ARGS:-})
-  ((dp == 1)) || server_args="--dp $dp"
+  server_args=${SERVER_FLAGS:-}  # every serve item's server gets these too (e.g. "--quantization fp8")
+  ((dp == 1)) || server_args+=" --dp $dp"
   [[ -z $graph ]] || server_args+=" --cuda_graph_max_tokens $graph"
   ((trace == 0)) || server_args+=" --step_trace $dir/steps.jsonl"
   [[ $DEVICE == cuda ]] || { server_args="--data_type float32 $server_args"; cmd+=(--device cpu); }
