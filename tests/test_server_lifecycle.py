@@ -119,6 +119,29 @@ def test_killed_main_process_takes_its_children_along(tiny_dir, tmp_path):
     server.stop()
 
 
+def test_sigusr2_to_the_main_process_prints_every_process_stacks_and_the_server_goes_on(tiny_dir, tmp_path):
+    """`kill -USR2 MAIN_PID` on a running server: the main process and, passed on, each of its
+    processes (router, detokenizer, model worker) print their threads' stacks to the log, none
+    stops, and the server answers as before; SIGTERM then stops it cleanly."""
+    server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
+    family = server.processes()
+    servers = [p for p in family if p.pid == server.proc.pid or "spawn_main" in " ".join(p.cmdline())]
+    assert len(servers) == 4  # main, router, detokenizer, model worker (not the resource tracker)
+    before = server.generate("What is AI?", max_new_tokens=4)["generated_text"]
+    server.proc.send_signal(signal.SIGUSR2)
+    # faulthandler's header for the thread that took the signal, once per process
+    server.wait_for(lambda: server.log_text().count("Current thread") >= len(servers), what="every process's stacks")
+    log = server.log_text()
+    assert "serve_http" in log and "run_model_worker" in log  # the main process's and the worker's main threads
+    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
+    assert server.generate("What is AI?", max_new_tokens=4)["generated_text"] == before
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    server.stop()
+
+
 def write_small_vocab_model(out):
     """A model that knows only the tokenizer's first 2000 ids: longer ids make the runner raise."""
     config = LlamaConfig(

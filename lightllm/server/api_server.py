@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
-from lightllm.utils.process import (GROUP_SIGNALS, deferred_while_starting, group_signals_blocked, setup_logging,
-                                    starting_child, stop_processes)
+from lightllm.utils.process import (GROUP_SIGNALS, deferred_while_starting, dump_stacks_on_signal,
+                                    group_signals_blocked, setup_logging, starting_child, stop_processes)
 
 if TYPE_CHECKING:
     from lightllm.server.httpserver.manager import HttpServerManager
@@ -197,6 +197,7 @@ def stop_asked() -> bool:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging(config.log_level)
+    dump_stacks_on_signal()
     for signum in GROUP_SIGNALS:
         signal.signal(signum, stop_when_asked)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; children inherit it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -19,6 +20,11 @@ _M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 # and only the main process may act on them, since it drains first and stops its children after.
 STOP_SIGNAL = signal.SIGUSR1
 GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What makes a process print every thread's Python stack to its stderr (the server's log), pass
+# the signal on to its own children and go on: `kill -USR2 MAIN_PID` asks the whole server where
+# it waits (docs/architecture.md). Not to the process group: multiprocessing's resource tracker is
+# in it, and the signal's default action would end it.
+STACKS_SIGNAL = signal.SIGUSR2
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
@@ -81,24 +87,47 @@ def die_with_parent(parent_pid: int, signum: int = STOP_SIGNAL) -> None:
         os._exit(0)
 
 
+def dump_stacks_on_signal() -> None:
+    """STACKS_SIGNAL prints this process's Python stacks, every thread's, to stderr at once
+    (faulthandler's C handler, so a process waiting on the GPU or in a collective answers too),
+    then, when the main thread next runs Python, sends it to this process's children one after
+    the other (a blocked system call returns to run it), so their stacks follow in the log."""
+    signal.signal(STACKS_SIGNAL, _stacks_to_children)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=True)
+
+
+def _stacks_to_children(signum, frame) -> None:
+    for child in multiprocessing.active_children():
+        time.sleep(0.2)  # the previous process's dump written first, not interleaved with this one's
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, STACKS_SIGNAL)
+
+
 def init_child_process(parent_pid: int, log_level: str) -> None:
     """First call in every child: SIGINT and SIGTERM are the main process's to handle (they may reach
-    the whole group); STOP_SIGNAL, from the parent or at its death, exits cleanly."""
+    the whole group); STOP_SIGNAL, from the parent or at its death, exits cleanly; STACKS_SIGNAL
+    prints the stacks."""
     setup_logging(log_level)
+    dump_stacks_on_signal()
     for signum in GROUP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)  # see group_signals_blocked; one pending is dropped
+    # See group_signals_blocked: a pending SIGTERM or SIGINT is dropped, a pending STACKS_SIGNAL dumps now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, START_BLOCKED)
     signal.signal(STOP_SIGNAL, _exit_on_stop)
     die_with_parent(parent_pid)
+
+
+# What a child starts with blocked (group_signals_blocked) until init_child_process handles them.
+START_BLOCKED = (*GROUP_SIGNALS, STACKS_SIGNAL)
 
 
 @contextlib.contextmanager
 def group_signals_blocked():
     """Start children inside this. A spawned child runs its imports before init_child_process, and a
-    SIGTERM or SIGINT to the whole group then would kill it (a handler does not survive exec; the
-    signal mask does): it starts with both blocked, until it ignores them. Ours arrive when the
-    block ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
+    SIGTERM or SIGINT to the whole group, or a STACKS_SIGNAL passed on, would then kill it (a
+    handler does not survive exec; the signal mask does): it starts with them blocked, until it
+    handles them. Ours arrive when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, START_BLOCKED)
     try:
         yield
     finally:
