@@ -17,8 +17,7 @@ each sender and slot p of every data region:
    the rows land first), then wait until every peer's flag here has reached the epoch (acquire);
 4. for each row, sum the ranks' rows in rank order (the peers' from this rank's own buffer,
    where they were pushed; the same bits on every rank), add the residual, store the new
-   residual, normalise, store the norm's output (fp8_out: quantised per row, with its scale,
-   for an fp8 projection, as rms_norm's fp8 output).
+   residual, normalise, store the norm's output.
 
 Large messages (a mixed step's thousands of rows) go the same way: at two ranks a one-shot
 exchange moves as many bytes over each link direction as a reduce-scatter and all-gather do,
@@ -46,7 +45,6 @@ on GPUs tests/test_allreduce.py runs it between ranks.
 import torch
 
 from ._triton import fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
-from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_row
 from .rms_norm import _add_and_normalise, add_rms_norm_ref, norm_warps
 
 
@@ -56,11 +54,10 @@ def flag_count(programs: int, world_size: int) -> int:
 
 
 def one_shot_add_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
-                              eps: float, fp8_out: bool = False) -> tuple:
-    """(normed, residual): residual += sum(parts) (the sum rounded once to the dtype), then RMSNorm
-    (with fp8_out: normed quantised per row, the pair (fp8 rows, scales), as add_rms_norm_ref's)."""
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, residual): residual += sum(parts) (the sum rounded once to the dtype), then RMSNorm."""
     total = torch.stack([p.float() for p in parts]).sum(0).to(parts[0].dtype)
-    return add_rms_norm_ref(total, residual, weight, eps, fp8_out), residual
+    return add_rms_norm_ref(total, residual, weight, eps), residual
 
 
 @triton.jit
@@ -89,11 +86,10 @@ def _push_row(x, data_ptrs, parity, rank, region_elems, at, cols, mask, WORLD: t
 
 
 @triton.jit
-def _finish_row(x, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, row, offsets, parity, rank, region_elems,
-                at, cols, mask, hidden, eps, fp8_max, min_scale, WORLD: tl.constexpr, FP8_OUT: tl.constexpr):
+def _finish_row(x, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, offsets, parity, rank, region_elems, at, cols, mask,
+                hidden, eps, WORLD: tl.constexpr):
     """Sum one row over the ranks (the peers' from this rank's own buffer, at `at` of their
-    regions; in rank order, so every rank gets the same bits), add the residual, normalise
-    (FP8_OUT: and quantise, its scale at scale_ptr[row], as the unfused norm's fp8 output)."""
+    regions; in rank order, so every rank gets the same bits), add the residual, normalise."""
     total = tl.zeros(x.shape, dtype=tl.float32)
     for sender in tl.static_range(WORLD):
         if sender == rank:
@@ -104,20 +100,14 @@ def _finish_row(x, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, row,
     total = total.to(x.dtype).to(tl.float32)  # the all-reduce's result, as the unfused path rounds it
     y = _add_and_normalise(total, x_ptr, residual_ptr, residual_ptr + offsets, weight_ptr, cols, mask, hidden, eps,
                            True)
-    if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype
-        q, scale = quantize_row(y.to(x.dtype).to(tl.float32), fp8_max, min_scale)
-        tl.store(y_ptr + offsets, q.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row, scale)
-    else:
-        tl.store(y_ptr + offsets, y.to(x.dtype), mask=mask)
+    tl.store(y_ptr + offsets, y.to(x.dtype), mask=mask)
 
 
 @fast_launch
 @triton.jit
 def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, counters_ptr, residual_ptr, weight_ptr, y_ptr,
-                                  scale_ptr, rows, rows_per_program, hidden, rank, region_elems, slot_elems, eps,
-                                  fp8_max, min_scale, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                                  FP8_OUT: tl.constexpr, PDL: tl.constexpr):
+                                  rows, rows_per_program, hidden, rank, region_elems, slot_elems, eps,
+                                  WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program p takes rows [p R, p R + R) (R = rows_per_program; the last program fewer) and
     meets its peers' program p once, through counter, flags and slot p (module docstring)."""
     program = tl.program_id(0)
@@ -147,12 +137,12 @@ def _one_shot_add_rms_norm_kernel(x_ptr, data_ptrs, flags_ptrs, counters_ptr, re
     _barrier(flags_ptrs, epoch, program, rank, WORLD)
     tl.debug_barrier()
     mine = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(x_first.dtype)), 16)
-    _finish_row(x_first, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, first, offsets, parity, rank,
-                region_elems, slot, cols, mask, hidden, eps, fp8_max, min_scale, WORLD, FP8_OUT)
+    _finish_row(x_first, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, offsets, parity, rank, region_elems, slot,
+                cols, mask, hidden, eps, WORLD)
     for i in range(1, count):
         x = tl.load(x_ptr + offsets + i * hidden, mask=mask, other=0.0)
-        _finish_row(x, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, first + i, offsets + i * hidden, parity,
-                    rank, region_elems, slot + i * hidden, cols, mask, hidden, eps, fp8_max, min_scale, WORLD, FP8_OUT)
+        _finish_row(x, mine, x_ptr, residual_ptr, weight_ptr, y_ptr, offsets + i * hidden, parity, rank, region_elems,
+                    slot + i * hidden, cols, mask, hidden, eps, WORLD)
 
 
 def slots(rows: int, hidden: int, programs: int, region_elems: int) -> tuple[int, int, int]:
@@ -178,9 +168,8 @@ def _slot_elems(region_elems: int, programs: int) -> int:
 
 def one_shot_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                                  data_ptrs: torch.Tensor, flags_ptrs: torch.Tensor, counters: torch.Tensor,
-                                 rank: int, region_bytes: int, fp8_out: bool = False) -> tuple:
-    """(normed, residual) as one_shot_add_rms_norm_ref of every rank's x, residual updated in place
-    (fp8_out: normed is the pair (fp8 rows, scales [rows, 1] fp32)).
+                                 rank: int, region_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, residual) as one_shot_add_rms_norm_ref of every rank's x, residual updated in place.
     data_ptrs / flags_ptrs: int64 tensors of each rank's data (2 x world regions of region_bytes,
     one after the other: parity 0's per sender, then parity 1's) and flags
     (flag_count(len(counters), world) int64, zero before the first call) in its symmetric buffer;
@@ -191,11 +180,10 @@ def one_shot_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight
     assert x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape and rows > 0
     assert region_bytes % 16 == 0 and counters.dtype == torch.int64
     per_program, programs, slot_elems = slots(rows, hidden, counters.numel(), region_bytes // x.element_size())
-    y = torch.empty(rows, hidden, dtype=FP8 if fp8_out else x.dtype, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if fp8_out else y  # unused without fp8
+    y = torch.empty_like(x)
     block = next_power_of_2(hidden)
-    _one_shot_add_rms_norm_kernel[(programs,)](x, data_ptrs, flags_ptrs, counters, residual, weight, y, scale, rows,
+    _one_shot_add_rms_norm_kernel[(programs,)](x, data_ptrs, flags_ptrs, counters, residual, weight, y, rows,
                                                per_program, hidden, rank, region_bytes // x.element_size(),
-                                               slot_elems, eps, FP8_MAX, MIN_SCALE, WORLD=data_ptrs.numel(),
-                                               BLOCK=block, FP8_OUT=fp8_out, num_warps=norm_warps(block), **pdl(x))
-    return ((y, scale) if fp8_out else y), residual
+                                               slot_elems, eps, WORLD=data_ptrs.numel(), BLOCK=block,
+                                               num_warps=norm_warps(block), **pdl(x))
+    return y, residual

@@ -118,7 +118,7 @@ def test_cpu_groups_set_up_nothing_and_say_nothing(caplog):
 
 
 def test_a_failed_set_up_means_nccl_and_one_line(one_rank, monkeypatch, caplog):
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise RuntimeError("CUDA driver error: peer mapping refused\nmore detail")
 
     monkeypatch.setattr(allreduce.SymmetricAllReduce, "create", fail)
@@ -402,14 +402,6 @@ def fused_worker(rank, world_size, port, seed, results):
             if got is None:
                 continue
             agree((rank, rows, str(dtype), "eager"), got, unfused(parts[rank], residual, weight))
-            # fp8 output (a norm before fp8 projections): the unfused fp8 norm's, within one fp8 step
-            (q, scale), res = group.reduce_add_rms_norm(parts[rank].clone(), residual.clone(), weight, eps, True)
-            reduced = parts[rank].clone()
-            dist.all_reduce(reduced)
-            res_ref = residual.clone()
-            q_ref, scale_ref = add_rms_norm_triton(reduced, res_ref, weight, eps, fp8_out=True)
-            results[(rank, rows, str(dtype), "fp8")] = (world_size > 2 or torch.equal(res, res_ref)) and torch.allclose(
-                q.float() * scale, q_ref.float() * scale_ref, rtol=0.13, atol=2 ** -8 * float(scale_ref.max()))
             # Back to back on new inputs, with no host sync between the calls, one rank held back
             # on the device now and then (the other runs ahead into the next call): every call's
             # output is its own inputs' (a row region read too early or too late would give

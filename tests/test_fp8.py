@@ -96,6 +96,25 @@ def test_fp8_needs_projection_sizes_divisible_by_16(tmp_path):
         make_runner(tmp_path, quantization="fp8", load_format="dummy")
 
 
+def test_fp8_weights_set_up_no_fused_all_reduce_norm(tmp_path, monkeypatch):
+    """Under --quantization fp8 the worker asks its tensor-parallel group for no fused all-reduce +
+    norm (on two H200s bench-8b at tp 2 hung with it, docs/multi_gpu.md); bf16 asks for it."""
+    import lightllm.engine.model_runner as model_runner
+
+    asked = []
+    real_init_tp = model_runner.init_tp
+
+    def init_tp(*args, fused_norms=True, **kwargs):
+        asked.append(fused_norms)
+        return real_init_tp(*args, fused_norms=fused_norms, **kwargs)
+
+    monkeypatch.setattr(model_runner, "init_tp", init_tp)
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    make_runner(tmp_path, quantization="fp8")
+    make_runner(tmp_path)
+    assert asked == [False, True]
+
+
 def test_quantization_flag():
     assert build_parser().parse_args(["--quantization", "fp8"]).quantization == "fp8"
     assert ServerConfig.quantization is None

@@ -136,7 +136,11 @@ class ModelRunner:
             # --dp replica's worker (tp 1, GPU d > 0) must make its GPU the current one too.
             torch.cuda.set_device(self.device)
         capture = cuda_graph and self.device.type == "cuda"
-        self.tp = init_tp(tp_rank, world_size, nccl_port, self.device, dist_init_addr)
+        # Not under fp8 weights: with the fused all-reduce + norm, bench-8b at tp 2 with
+        # --quantization fp8 hung in its first graph warm-up on two H200s (both ranks waiting on
+        # the device), and served without it (docs/multi_gpu.md, 2026-11-28, fifteenth session).
+        self.tp = init_tp(tp_rank, world_size, nccl_port, self.device, dist_init_addr,
+                          fused_norms=quantization != "fp8")
         self.config = cfg = replace(read_config(model_dir), quantization=quantization)
         self._warn_long_context(max_req_total_len)
         dtype = resolve_dtype(data_type, cfg, self.device)

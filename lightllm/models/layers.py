@@ -249,7 +249,7 @@ class RMSNorm:
         """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream.
         x [P, T, H] in fp32: a split projection's partial sums (RowParallelLinear.split_sum), added here."""
         if self.reduce is not None:
-            fused = self.reduce.reduce_add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out)
+            fused = None if self.fp8_out else self.reduce.reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = self.reduce.all_reduce(x)

@@ -115,16 +115,17 @@ class SymmetricAllReduce:
 
     @classmethod
     def create(cls, device: torch.device, world_size: int, capacity: int, fused_bytes: int | None = None,
-               programs: int | None = None) -> SymmetricAllReduce:
+               programs: int | None = None, fused: bool = True) -> SymmetricAllReduce:
         """fused_bytes: the largest message the fused kernel takes, programs its most programs
-        (FUSED_MAX_BYTES and FUSED_PROGRAMS by default; allreduce_bench.py tries others)."""
+        (FUSED_MAX_BYTES and FUSED_PROGRAMS by default; allreduce_bench.py tries others); without
+        `fused` (or with FUSED_ENV "0") no fused kernel, and no regions for it."""
         # Ask torch not to map the buffer for NVLink multicast: no multimem op runs here, and the
         # shared machines this is measured on forbid it (docs/multi_gpu.md).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
         group_name = dist.group.WORLD.group_name
-        fused = os.environ.get(FUSED_ENV, "1") != "0"
+        fused = fused and os.environ.get(FUSED_ENV, "1") != "0"
         programs = programs or FUSED_PROGRAMS[world_size]
         region_bytes = fused_region_bytes(fused_bytes or FUSED_MAX_BYTES[world_size], programs)
         data_bytes = 2 * world_size * region_bytes if fused else 0  # a region per parity and sender
@@ -147,10 +148,9 @@ class SymmetricAllReduce:
         return cls(buffer, group_name, world_size, capacity, regions)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, fp8_out: bool = False) -> tuple | None:
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(residual + sum of x over the ranks), residual) in one kernel, residual
-        updated in place (fp8_out: the norm's output quantised per row, as add_rms_norm's); None
-        where the fused kernel does not take these tensors."""
+        updated in place; None where the fused kernel does not take these tensors."""
         fused = self.fused
         if (fused is None or residual is None or x.dim() != 2 or x.dtype not in FUSED_DTYPES
                 or residual.dtype != x.dtype or weight.dtype != x.dtype or residual.shape != x.shape
@@ -160,7 +160,7 @@ class SymmetricAllReduce:
             return None
         return one_shot_add_rms_norm_triton(x, residual, weight, eps, data_ptrs=fused.data_ptrs,
                                             flags_ptrs=fused.flags_ptrs, counters=fused.counters, rank=fused.rank,
-                                            region_bytes=fused.region_bytes, fp8_out=fp8_out)
+                                            region_bytes=fused.region_bytes)
 
     def path(self, x: torch.Tensor) -> AllReducePath:
         if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % ALIGNMENT:
@@ -211,7 +211,7 @@ def fused_region_bytes(max_bytes: int, programs: int) -> int:
 
 
 def setup_symmetric(device: torch.device, world_size: int, single_node: bool,
-                    capacity: int = SYMMETRIC_MAX_BYTES) -> SymmetricAllReduce | None:
+                    capacity: int = SYMMETRIC_MAX_BYTES, fused: bool = True) -> SymmetricAllReduce | None:
     """Every rank of the (just initialised) group calls this once; all get a SymmetricAllReduce
     or all get None (NCCL for every message). One log line says which: rank 0's, and that of a
     rank whose own set-up failed."""
@@ -226,7 +226,7 @@ def setup_symmetric(device: torch.device, world_size: int, single_node: bool,
         reason = _agree(_peer_access_problem(device), device)
     if reason is None:
         try:
-            symmetric = SymmetricAllReduce.create(device, world_size, capacity)
+            symmetric = SymmetricAllReduce.create(device, world_size, capacity, fused=fused)
         except Exception as exc:  # any failure of an alpha API means NCCL, never a dead server
             reason = f"set-up failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         reason = _agree(reason, device)

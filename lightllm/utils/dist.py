@@ -57,15 +57,14 @@ class TPGroup:
         return x
 
     def reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                            eps: float, fp8_out: bool = False) -> tuple | None:
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(residual + all_reduce(x)), residual) from one kernel, residual updated in
-        place (kernels/allreduce_norm.py; fp8_out: the norm's output quantised per row, as
-        add_rms_norm's); None where that kernel does not take these tensors (no symmetric memory,
-        a message past the fused kernel's, no residual, ...): the caller then all-reduces and
-        normalises apart."""
+        place (kernels/allreduce_norm.py); None where that kernel does not take these tensors
+        (no symmetric memory, a message past the fused kernel's, no residual, ...): the caller
+        then all-reduces and normalises apart."""
         if self.world_size == 1 or self.symmetric is None:
             return None
-        return self.symmetric.add_rms_norm(x, residual, weight, eps, fp8_out)
+        return self.symmetric.add_rms_norm(x, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
@@ -87,10 +86,11 @@ _symmetric: SymmetricAllReduce | None = None  # set up once per process, with it
 
 
 def init_tp(rank: int, world_size: int, port: int, device: torch.device | str,
-            dist_init_addr: str | None = None) -> TPGroup:
+            dist_init_addr: str | None = None, fused_norms: bool = True) -> TPGroup:
     """Join the TP group (a no-op for world_size 1) and return this rank's TPGroup: on localhost
     at `port`, or through the store at `dist_init_addr` (HOST:PORT) when the group spans machines.
-    On one machine's GPUs the group also gets its symmetric-memory all-reduce (allreduce.py)."""
+    On one machine's GPUs the group also gets its symmetric-memory all-reduce (allreduce.py), and
+    with `fused_norms` the all-reduce fused with the next residual add and RMSNorm."""
     global _symmetric
     if not 0 <= rank < world_size:
         raise ValueError(f"tp rank {rank} is outside the group of {world_size}")
@@ -109,7 +109,7 @@ def init_tp(rank: int, world_size: int, port: int, device: torch.device | str,
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None, **where)
         logger.info("tp rank %d/%d joined (%s, %s)", rank, world_size, backend, dist_init_addr or f"port {port}")
-        _symmetric = setup_symmetric(device, world_size, single_node=dist_init_addr is None)
+        _symmetric = setup_symmetric(device, world_size, single_node=dist_init_addr is None, fused=fused_norms)
     return TPGroup(rank, world_size, _symmetric)
 
 
