@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -140,6 +141,45 @@ def test_sigusr2_to_the_main_process_prints_every_process_stacks_and_the_server_
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, f"left behind: {alive}"
     server.stop()
+
+
+def _slow_child(pipe, parent_pid: int) -> None:
+    from lightllm.utils.process import init_child_process
+
+    init_child_process(parent_pid, "INFO")
+    time.sleep(2.5)  # a slow model load
+    pipe.send("ready")
+
+
+def test_a_slow_start_reports_every_process_stacks_and_goes_on(monkeypatch, caplog, capfd):
+    """A start not ready after LIGHTLLM_STARTUP_REPORT_S seconds says so, and every process (the
+    main one, then its children, passed on) prints its stacks; the wait goes on until the child is
+    ready."""
+    import faulthandler
+    import multiprocessing
+
+    from lightllm.server import api_server
+    from lightllm.utils.process import STACKS_SIGNAL, dump_stacks_on_signal, group_signals_blocked
+
+    monkeypatch.setenv("LIGHTLLM_STARTUP_REPORT_S", "1")
+    dump_stacks_on_signal()  # as the server's main process does first
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_slow_child, args=(theirs, os.getpid()))
+    try:
+        with group_signals_blocked():  # as the server starts its children: the signal waits for their set-up
+            child.start()
+        theirs.close()
+        assert api_server.wait_until_ready([api_server.Child("slow one", child, ours)]) == []
+    finally:
+        child.join(10)
+        faulthandler.unregister(STACKS_SIGNAL)
+        signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
+    reports = [r.getMessage() for r in caplog.records if "not ready after" in r.getMessage()]
+    assert reports and reports[0].startswith("not ready after 1 s (slow one still starting)")
+    err = capfd.readouterr().err
+    assert "wait_until_ready" in err  # this process's stack
+    assert "_slow_child" in err  # the child's, in its sleep
+    assert child.exitcode == 0
 
 
 def write_small_vocab_model(out):

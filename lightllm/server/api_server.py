@@ -25,19 +25,25 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
-from lightllm.utils.process import (GROUP_SIGNALS, deferred_while_starting, dump_stacks_on_signal,
+from lightllm.utils.process import (GROUP_SIGNALS, STACKS_SIGNAL, deferred_while_starting, dump_stacks_on_signal,
                                     group_signals_blocked, setup_logging, starting_child, stop_processes)
 
 if TYPE_CHECKING:
     from lightllm.server.httpserver.manager import HttpServerManager
 
 logger = logging.getLogger("lightllm.server")
+
+# Seconds of start-up (model load, profile step, graph capture) between two reports of a start not
+# yet ready, each with every process's stacks (wait_until_ready); the variable overrides it.
+STARTUP_REPORT_S = 600.0
+STARTUP_REPORT_ENV = "LIGHTLLM_STARTUP_REPORT_S"
 
 
 @dataclass
@@ -69,11 +75,21 @@ def start_children(config: ServerConfig, heartbeats: list[RouterHeartbeat], chil
 
 
 def wait_until_ready(children: list[Child]) -> list[RouterReady] | None:
-    """Block until every child reports ready (None if one dies first); return the routers' reports."""
+    """Block until every child reports ready (None if one dies first); return the routers' reports.
+    Every STARTUP_REPORT_S seconds without them it says so, and every process prints its stacks into
+    the log (STACKS_SIGNAL): a start that stalls (a model on a slow disk, a collective or a kernel
+    that never ends) shows where each process waits."""
     waiting = {child.ready_pipe: child for child in children}
     reports = {}
+    every = float(os.environ.get(STARTUP_REPORT_ENV, STARTUP_REPORT_S))
+    start = time.monotonic()
     while waiting:
-        for pipe in multiprocessing.connection.wait(list(waiting)):
+        ready = multiprocessing.connection.wait(list(waiting), timeout=every)
+        if not ready:
+            logger.warning("not ready after %.0f s (%s still starting); every process's stacks follow",
+                           time.monotonic() - start, ", ".join(child.name for child in waiting.values()))
+            os.kill(os.getpid(), STACKS_SIGNAL)  # this process's, then passed on to its children
+        for pipe in ready:
             child = waiting.pop(pipe)
             try:
                 reports[child.name] = pipe.recv()

@@ -94,6 +94,10 @@ def dump_stacks_on_signal() -> None:
     the other (a blocked system call returns to run it), so their stacks follow in the log."""
     signal.signal(STACKS_SIGNAL, _stacks_to_children)
     faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=True)
+    # Restart the system calls it lands in (SA_RESTART), so that a library's blocking read or
+    # write in any thread goes on rather than failing with EINTR; poll and select still return
+    # early, which is how a waiting main thread gets to pass the signal on.
+    signal.siginterrupt(STACKS_SIGNAL, False)
 
 
 def _stacks_to_children(signum, frame) -> None:
