@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lightllm.server")
 
 # Seconds of start-up (model load, profile step, graph capture) between two reports of a start not
-# yet ready, each with every process's stacks (wait_until_ready); the variable overrides it.
+# yet ready, each with every process's stacks (wait_until_ready); the variable overrides it (0: none).
 STARTUP_REPORT_S = 600.0
 STARTUP_REPORT_ENV = "LIGHTLLM_STARTUP_REPORT_S"
 
@@ -84,7 +84,7 @@ def wait_until_ready(children: list[Child]) -> list[RouterReady] | None:
     every = float(os.environ.get(STARTUP_REPORT_ENV, STARTUP_REPORT_S))
     start = time.monotonic()
     while waiting:
-        ready = multiprocessing.connection.wait(list(waiting), timeout=every)
+        ready = multiprocessing.connection.wait(list(waiting), timeout=every if every > 0 else None)
         if not ready:
             logger.warning("not ready after %.0f s (%s still starting); every process's stacks follow",
                            time.monotonic() - start, ", ".join(child.name for child in waiting.values()))
