@@ -159,14 +159,14 @@ def test_a_slow_start_reports_every_process_stacks_and_goes_on(monkeypatch, capl
     import multiprocessing
 
     from lightllm.server import api_server
-    from lightllm.utils.process import STACKS_SIGNAL, dump_stacks_on_signal, group_signals_blocked
+    from lightllm.utils.process import STACKS_SIGNAL, dump_stacks_on_signal, start_signals_blocked
 
     monkeypatch.setenv("LIGHTLLM_STARTUP_REPORT_S", "1")
     dump_stacks_on_signal()  # as the server's main process does first
     ours, theirs = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(target=_slow_child, args=(theirs, os.getpid()))
     try:
-        with group_signals_blocked():  # as the server starts its children: the signal waits for their set-up
+        with start_signals_blocked():  # as the server starts its children: the signal waits for their set-up
             child.start()
         theirs.close()
         assert api_server.wait_until_ready([api_server.Child("slow one", child, ours)]) == []

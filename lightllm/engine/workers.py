@@ -31,7 +31,7 @@ from rpyc.utils.authenticators import AuthenticationError
 
 from lightllm.engine.core import WorkerDied
 from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
-from lightllm.utils.process import (STOP_SIGNAL, group_signals_blocked, init_child_process, starting_child,
+from lightllm.utils.process import (STOP_SIGNAL, init_child_process, start_signals_blocked, starting_child,
                                     stop_processes, use_one_heap)
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ class ModelWorkers:
             name=f"model_worker_{rank}",
             daemon=True,
         )
-        with group_signals_blocked(), starting_child():
+        with start_signals_blocked(), starting_child():
             process.start()
         theirs.close()
         self.processes.append(process)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 from lightllm.utils.process import (GROUP_SIGNALS, STACKS_SIGNAL, deferred_while_starting, dump_stacks_on_signal,
-                                    group_signals_blocked, setup_logging, starting_child, stop_processes)
+                                    setup_logging, start_signals_blocked, starting_child, stop_processes)
 
 if TYPE_CHECKING:
     from lightllm.server.httpserver.manager import HttpServerManager
@@ -68,7 +68,7 @@ def start_children(config: ServerConfig, heartbeats: list[RouterHeartbeat], chil
     for name, target, extra in (*routers, ("detokenizer", start_detokenization_process, ())):
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(target=target, args=(config, theirs, os.getpid(), *extra), name=name)
-        with group_signals_blocked(), starting_child():
+        with start_signals_blocked(), starting_child():
             process.start()
             children.append(Child(name, process, ours))
         theirs.close()

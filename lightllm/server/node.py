@@ -20,7 +20,7 @@ import socket
 from lightllm.engine.workers import node_key, run_remote_model_worker
 from lightllm.server.config import ServerConfig
 from lightllm.utils.dist import JoinError, NodeLayout, Rendezvous, route_address
-from lightllm.utils.process import group_signals_blocked, starting_child, stop_processes
+from lightllm.utils.process import start_signals_blocked, starting_child, stop_processes
 
 logger = logging.getLogger("lightllm.server.node")
 
@@ -78,7 +78,7 @@ def start_worker(rank: int, listener: socket.socket, key: bytes, log_level: str,
         args=(listener, key, os.getpid(), log_level, ranks_on_node),
         name=f"model_worker_{rank}",
     )
-    with group_signals_blocked(), starting_child():
+    with start_signals_blocked(), starting_child():
         process.start()
         processes.append(process)
 

@@ -25,6 +25,8 @@ GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # it waits (docs/architecture.md). Not to the process group: multiprocessing's resource tracker is
 # in it, and the signal's default action would end it.
 STACKS_SIGNAL = signal.SIGUSR2
+# What a child starts with blocked (start_signals_blocked) until init_child_process handles them.
+START_BLOCKED = (*GROUP_SIGNALS, STACKS_SIGNAL)
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
@@ -115,18 +117,14 @@ def init_child_process(parent_pid: int, log_level: str) -> None:
     dump_stacks_on_signal()
     for signum in GROUP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    # See group_signals_blocked: a pending SIGTERM or SIGINT is dropped, a pending STACKS_SIGNAL dumps now.
+    # See start_signals_blocked: a pending SIGTERM or SIGINT is dropped, a pending STACKS_SIGNAL dumps now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, START_BLOCKED)
     signal.signal(STOP_SIGNAL, _exit_on_stop)
     die_with_parent(parent_pid)
 
 
-# What a child starts with blocked (group_signals_blocked) until init_child_process handles them.
-START_BLOCKED = (*GROUP_SIGNALS, STACKS_SIGNAL)
-
-
 @contextlib.contextmanager
-def group_signals_blocked():
+def start_signals_blocked():
     """Start children inside this. A spawned child runs its imports before init_child_process, and a
     SIGTERM or SIGINT to the whole group, or a STACKS_SIGNAL passed on, would then kill it (a
     handler does not survive exec; the signal mask does): it starts with them blocked, until it
