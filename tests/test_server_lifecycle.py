@@ -144,10 +144,15 @@ def test_sigusr2_to_the_main_process_prints_every_process_stacks_and_the_server_
 
 
 def _slow_child(pipe, parent_pid: int) -> None:
-    from lightllm.utils.process import init_child_process
+    from lightllm.utils.process import STACKS_SIGNAL, init_child_process
 
     init_child_process(parent_pid, "INFO")
     time.sleep(2.5)  # a slow model load
+    # A report can still come after this (the parent passes the signal on 0.2 s after its own
+    # dump), and while the interpreter exits its handler is gone, so the default action would end
+    # the child with -SIGUSR2 (it did in CI). A server's children never exit after their start;
+    # this one does, so it takes no more stacks signals once its stacks have been checked.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [STACKS_SIGNAL])
     pipe.send("ready")
 
 
