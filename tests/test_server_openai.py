@@ -96,6 +96,33 @@ def test_completion_matches_generate(default_server, client, model_name, hf):
     assert "".join(chunk.choices[0].text for chunk in streamed) == native["generated_text"][0]
 
 
+def test_a_batch_of_prompts_answers_each_prompt_as_alone(client, model_name, hf):
+    """A list of prompts (texts or token ids) in one body: choice i answers prompt i // n as its
+    choice i % n would alone (the same seed for every prompt, seed + c for choice c), usage counts
+    each prompt once and every choice's tokens, and a stream carries the same texts by index."""
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+    request = dict(model=model_name, n=2, temperature=1.0, seed=5, max_tokens=8)
+    alone = [client.completions.create(prompt=p, **request) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **request)
+    expected = [(i, c.text, c.finish_reason) for i, c in enumerate(c for reply in alone for c in reply.choices)]
+    assert [(c.index, c.text, c.finish_reason) for c in batch.choices] == expected
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert batch.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    by_ids = client.completions.create(prompt=[hf[0].encode(p) for p in prompts], **request)
+    assert [c.text for c in by_ids.choices] == [text for _, text, _ in expected]
+    streamed = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                              **request))
+    *token_chunks, usage_chunk = streamed
+    texts = [""] * len(expected)
+    for chunk in token_chunks:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+    assert texts == [text for _, text, _ in expected]
+    assert usage_chunk.usage == batch.usage
+    echoed = client.completions.create(prompt=prompts, echo=True, model=model_name, temperature=0, max_tokens=4)
+    assert [c.text[: len(p)] for c, p in zip(echoed.choices, prompts)] == prompts
+
+
 def test_stop_cuts_the_text(client, model_name):
     request = dict(model=model_name, prompt="Once upon a time, in a small village,", temperature=0, max_tokens=MAX_TOKENS)
     text = client.completions.create(**request).choices[0].text
@@ -139,8 +166,11 @@ BAD_CHATS = [
 ]
 BAD_COMPLETIONS = [
     ({}, 400, "'prompt': required"),
-    ({"prompt": ["one", "two"]}, 400, "List should have at most 1 item"),
+    ({"prompt": ["one", [1, 2]]}, 400, "'prompt[1]': Input should be a valid string, got [1, 2]"),
+    ({"prompt": ["hi"] * 2049}, 400, "'prompt': List should have at most 2048 items"),
+    ({"prompt": ["hi"] * 2048, "n": 3}, 400, "6144 requests at once can never be queued"),
     ({"prompt": [1, 10**9]}, 400, "'prompt' token ids must be in [0, 49152)"),
+    ({"prompt": [[1], [1, 10**9]]}, 400, "'prompt' token ids must be in [0, 49152)"),
     ({"prompt": [1, -1]}, 400, "'prompt[1]': Input should be greater than or equal to 0"),
     ({"prompt": "hi", "best_of": 2}, 400, "'best_of' = 2 is not supported"),
     ({"prompt": "hi", "logprobs": 21}, 400, "'logprobs': Input should be less than or equal to 20"),

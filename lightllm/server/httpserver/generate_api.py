@@ -39,7 +39,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     sampling = await sampling_of(params)
     await state.grammars.attach(sampling)
     prompt_ids = await state.encoder.encode(body.inputs)
-    return Generation(request, prompt_ids, sampling, start, params.n or 1), sampling
+    return Generation(request, [prompt_ids], sampling, start, params.n or 1), sampling
 
 
 async def generate(request: Request, body: GenerateRequest) -> Response:
@@ -51,14 +51,14 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
         "count_output_tokens": first.last.count_output_tokens,
         "finish_reason": first.last.finish_reason.value,
         "prompt_tokens": generation.prompt_len,
-        "cached_tokens": generation.timer.cached_tokens,
+        "cached_tokens": generation.cached_tokens,
     }
     if body.parameters.details:
         tokenizer = request.app.state.server.tokenizer
-        answer["details"] = details(tokenizer, first, sampling.seed, generation.prompt_ids)
+        answer["details"] = details(tokenizer, first, sampling.seed, generation.prompts[0])
         if len(choices) > 1:
             answer["details"]["best_of_sequences"] = [
-                {"generated_text": c.text, **details(tokenizer, c, sampling.seed + c.index, generation.prompt_ids)}
+                {"generated_text": c.text, **details(tokenizer, c, sampling.seed + c.index, generation.prompts[0])}
                 for c in choices[1:]]
     return JSONResponse(answer)
 

@@ -1,7 +1,8 @@
 """One request's life on the HTTP side, shared by every endpoint that generates text.
 
-`Generation` submits the token ids (n times for n choices), times the request for /metrics, and
-hands back either the whole choices or their outputs one by one. A client that disconnects aborts its request (the router
+`Generation` submits the token ids (n times for n choices; each prompt of a batch n times, for
+/v1/completions' lists of prompts), times the request for /metrics, and hands back either the
+whole choices or their outputs one by one. A client that disconnects aborts its request (the router
 frees its KV tokens); a request that fails in the engine raises GenerationFailed (a 500), one that the
 server ended as it stopped raises ServerUnavailable (a 503).
 """
@@ -98,27 +99,32 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 
 class Generation:
     """A submitted request with n choices (n requests in the engine; the prefix cache shares the
-    prompt's KV between them, computed once): their output streams and timers. `start` is the
-    request's arrival."""
+    prompt's KV between them, computed once): their output streams and timers. `prompts` holds
+    one prompt's token ids, or a batch's (/v1/completions): choice c of prompt p is then choice
+    p * n + c, as vLLM numbers them. `start` is the request's arrival."""
 
-    def __init__(self, request: Request, prompt_ids: list[int], sampling: SamplingParams, start: float, n: int = 1):
+    def __init__(self, request: Request, prompts: list[list[int]], sampling: SamplingParams, start: float,
+                 n: int = 1):
         state = request.app.state.server
-        check_lengths(len(prompt_ids), sampling, state.limits)
-        if n > 1:  # all choices or none: refused together, here, when the queue has no room for n
-            state.manager.check_queue(n)
+        for prompt_ids in prompts:
+            check_lengths(len(prompt_ids), sampling, state.limits)
+        count = len(prompts) * n
+        if count > 1:  # all choices or none: refused together, here, when the queue has no room for them
+            state.manager.check_queue(count)
         self.request = request
-        self.prompt_ids = prompt_ids
-        self.prompt_len = len(prompt_ids)
-        self.timers = [RequestTimer(state.metrics, self.prompt_len, start) for _ in range(n)]
-        self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i), bounded=n == 1)
-                        for i in range(n)]
+        self.prompts, self.n = prompts, n
+        self.prompt_len = sum(len(prompt_ids) for prompt_ids in prompts)  # each prompt once, as usage counts it
+        self.timers = [RequestTimer(state.metrics, len(prompt_ids), start) for prompt_ids in prompts for _ in range(n)]
+        self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i), bounded=count == 1)
+                        for prompt_ids in prompts for i in range(n)]
         self._manager = state.manager
         self._req_ids: list[int] = []  # the engine's ids of the choices, known from their first outputs
-        self._merged: asyncio.Queue | None = None  # outputs() with n > 1: the choices' outputs, merged
+        self._merged: asyncio.Queue | None = None  # outputs() with several choices: their outputs, merged
 
     @property
-    def timer(self) -> RequestTimer:
-        return self.timers[0]
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache supplied, each prompt's once (its first choice's)."""
+        return sum(timer.cached_tokens for timer in self.timers[:: self.n])
 
     async def result(self) -> list[Choice]:
         """Every choice, whole."""

@@ -227,7 +227,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
                                          body.template_options(), sampling, max_tokens_given=True)
     parser = state.chat.answer_parser(text, body.choice != "none")
-    generation = Generation(request, prompt_ids, sampling, start)
+    generation = Generation(request, [prompt_ids], sampling, start)
     fmt = MessageFormatter(body, state.config.served_model_name, generation)
     if not body.stream:
         (choice,) = await generation.result()
@@ -269,7 +269,7 @@ class MessageFormatter:
         return {"stop_reason": reason, "stop_sequence": sequence}
 
     def usage(self, output_tokens: int) -> dict:
-        cached = self.generation.timer.cached_tokens
+        cached = self.generation.cached_tokens
         return {"input_tokens": self.generation.prompt_len - cached, "output_tokens": output_tokens,
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 

@@ -7,6 +7,7 @@ the same Generation as /generate: same validation, metrics, abort on disconnect.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -51,14 +52,16 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
     check_request(body, state)
-    prompt = body.prompt_value(state.model_info["vocab_size"])
-    if isinstance(prompt, str):
-        check_prompt_chars(len(prompt), state.limits)
-        prompt = await state.encoder.encode(prompt)
-    fmt = CompletionFormat(state.tokenizer, body, prompt)
+    prompts = body.prompt_values(state.model_info["vocab_size"])
+    if isinstance(prompts[0], str):  # texts, all of them (the body's type)
+        for text in prompts:
+            check_prompt_chars(len(text), state.limits)
+        # Together, so that the encoder takes a batch's texts in one call (prompt_encoder.py).
+        prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
+    fmt = CompletionFormat(state.tokenizer, body, prompts)
     sampling = await sampling_of(body)
     await state.grammars.attach(sampling)
-    return await answer(request, body, sampling, prompt, start, fmt)
+    return await answer(request, body, sampling, prompts, start, fmt)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
@@ -72,7 +75,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
                                          body.max_tokens_given)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
                                              for _ in range(body.choices)])
-    return await answer(request, body, sampling, prompt_ids, start, fmt)
+    return await answer(request, body, sampling, [prompt_ids], start, fmt)
 
 
 def check_request(body: OpenAIBody, state) -> None:
@@ -82,9 +85,9 @@ def check_request(body: OpenAIBody, state) -> None:
         raise RequestError(f"model {body.model!r} does not exist; this server serves {served!r}", 404)
 
 
-async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompt_ids: list[int], start: float,
-                 fmt: CompletionFormat) -> Response:
-    generation = Generation(request, prompt_ids, sampling, start, body.choices)
+async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompts: list[list[int]],
+                 start: float, fmt: CompletionFormat) -> Response:
+    generation = Generation(request, prompts, sampling, start, body.choices)
     fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=request.app.state.server.config.served_model_name)
     if not body.stream:
         choices = await generation.result()
@@ -97,7 +100,7 @@ async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, p
 def usage(generation: Generation, lasts: list[TextOut]) -> dict:
     prompt, completion = generation.prompt_len, sum(last.count_output_tokens for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": generation.timer.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}
 
 
 async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: list[TextOut],
@@ -131,22 +134,23 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
 
 class CompletionFormat:
     """The bodies of /v1/completions: `text_completion` objects, with OpenAI's legacy logprobs
-    (tokens, token_logprobs, top_logprobs, text_offset); with echo the prompt comes first."""
+    (tokens, token_logprobs, top_logprobs, text_offset); with echo the prompt comes first. Choice
+    i answers prompt i // n of a batch (Generation's numbering)."""
 
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer, body: CompletionRequest, prompt_ids: list[int]):
+    def __init__(self, tokenizer, body: CompletionRequest, prompts: list[list[int]]):
         self.tokenizer = tokenizer
         self.head = {"id": "", "object": "text_completion", "created": int(time.time()), "model": ""}
         self.logprobs = body.wants_logprobs
         self.echo = bool(body.echo)
-        self.prompt_ids = prompt_ids
-        self.prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False) if self.echo else ""
+        self.prompts, self.n = prompts, body.choices
+        self.prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) if self.echo else "" for ids in prompts]
         self._echoed: set[int] = set()  # choices whose stream has sent the prompt
 
     def whole(self, choices: list[Choice], usage: dict) -> dict:
-        body = [self._choice(c.index, self.prompt_text + c.text, FINISH_REASONS[c.last.finish_reason],
-                             self._logprobs(c.outputs, echo=self.echo, offset=0)) for c in choices]
+        body = [self._choice(c.index, self.prompt_texts[c.index // self.n] + c.text, FINISH_REASONS[c.last.finish_reason],
+                             self._logprobs(c.index, c.outputs, echo=self.echo)) for c in choices]
         return {**self.head, "choices": body, "usage": usage}
 
     def opening(self, index: int) -> list[dict]:
@@ -160,9 +164,9 @@ class CompletionFormat:
     def chunk(self, index: int, out: TextOut) -> dict:
         echo = self.echo and index not in self._echoed
         self._echoed.add(index)
-        text = (self.prompt_text if echo else "") + out.text
+        text = (self.prompt_texts[index // self.n] if echo else "") + out.text
         return {**self.head, "choices": [self._choice(index, text, FINISH_REASONS.get(out.finish_reason),
-                                                      self._logprobs([out], echo=echo, offset=0))]}
+                                                      self._logprobs(index, [out], echo=echo))]}
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self.head, "choices": [], "usage": usage}
@@ -171,12 +175,12 @@ class CompletionFormat:
     def _choice(index: int, text: str, finish_reason: str | None, logprobs) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _logprobs(self, outputs: list[TextOut], echo: bool, offset: int) -> dict | None:
+    def _logprobs(self, index: int, outputs: list[TextOut], echo: bool) -> dict | None:
         if not self.logprobs:
             return None
         tokens, chosen, tops = [], [], []
         if echo:  # the prompt's tokens: the first has no logprob (nothing before it)
-            tokens += token_texts(self.tokenizer, self.prompt_ids)
+            tokens += token_texts(self.tokenizer, self.prompts[index // self.n])
             prompt = outputs[0].prompt_logprobs or []
             chosen += [None] + [logprob for logprob, _ in prompt]
             tops += [None] + [{text: lp for _, text, lp in top} | {t: lp}
@@ -185,7 +189,7 @@ class CompletionFormat:
         tokens += texts
         chosen += [out.logprob for out in outputs]
         tops += [{text: lp for _, text, lp in out.top_logprobs or ()} | {t: out.logprob} for out, t in zip(outputs, texts)]
-        offsets = []
+        offsets, offset = [], 0
         for token in tokens:
             offsets.append(offset)
             offset += len(token)

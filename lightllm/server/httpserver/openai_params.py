@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling_ranges import STRICT, SamplingRanges
@@ -39,6 +39,9 @@ SAMPLING_NAMES = {
     "stop_token_ids": "stop_token_ids",
 }
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
+# The most prompts in one /v1/completions body (a bound on one body's work); the choices of a batch
+# (prompts x n) must also fit --max_queued_requests.
+MAX_PROMPTS = 2048
 # Fields of a message, content part or tool beyond those read here change nothing.
 LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -137,6 +140,23 @@ class OpenAIBody(SamplingRanges):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+def _prompt_form(value) -> str:
+    """Which of the prompt's forms a value is meant as, by its first element: a wrong value is told
+    what that form expects, not every form's complaint about every element."""
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else None
+    return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+# The tags are type names, which error paths leave out (json_body.UNION_MEMBER_NAMES and brackets).
+Prompt = Annotated[
+    Annotated[NonEmptyStr, Tag("str")] | Annotated[TokenIds, Tag("list[int]")]
+    | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS), Tag("list[str]")]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS), Tag("list[list[int]]")],
+    Discriminator(_prompt_form)]
+
+
 class CompletionRequest(OpenAIBody):
     UNSUPPORTED: ClassVar[dict] = {
         **OpenAIBody.UNSUPPORTED,
@@ -144,8 +164,8 @@ class CompletionRequest(OpenAIBody):
         "suffix": (lambda v: v is None, "there is no insertion mode"),
     }
 
-    prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr | TokenIds], Field(min_length=1, max_length=1)] = (
-        Field(description="a string or token ids; one prompt per request"))
+    prompt: Prompt = Field(description="a string or token ids, or a batch: a list of strings or of token-id lists "
+                                       "(choice i of the answer is choice i % n of prompt i // n)")
     best_of: int | None = Field(None, ge=0, le=20, description="only 1 is supported")
     echo: bool | None = Field(None, description="the prompt comes first in each choice's text (and logprobs)")
     suffix: str | None = Field(None, description="not supported")
@@ -161,12 +181,13 @@ class CompletionRequest(OpenAIBody):
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
-    def prompt_value(self, vocab_size: int) -> str | list[int]:
-        """A string or token ids (a one-element list holds either)."""
-        prompt = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) else self.prompt
-        if isinstance(prompt, list) and max(prompt) >= vocab_size:
+    def prompt_values(self, vocab_size: int) -> list[str] | list[list[int]]:
+        """The prompts, texts or token ids: one, or a batch's."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+        prompts = self.prompt if batch else [self.prompt]
+        if isinstance(prompts[0], list) and max(max(ids) for ids in prompts) >= vocab_size:
             raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})")
-        return prompt
+        return prompts
 
 
 class TextPart(BaseModel):

@@ -226,7 +226,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
                                          body.max_output_tokens is not None)
     parser = state.chat.answer_parser(text, body.choice != "none")
-    generation = Generation(request, prompt_ids, sampling, start)
+    generation = Generation(request, [prompt_ids], sampling, start)
     fmt = ResponseFormatter(body, state.config.served_model_name)
     if not body.stream:
         (choice,) = await generation.result()
@@ -238,7 +238,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
 
 def usage(generation: Generation, last: TextOut) -> dict:
     prompt, output = generation.prompt_len, last.count_output_tokens
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": generation.timer.cached_tokens},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": generation.cached_tokens},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + output}
 
