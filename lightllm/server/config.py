@@ -112,6 +112,10 @@ class ServerConfig:
         default=10.0,
         metadata=_flag("seconds a request's grammar (JSON schema, regex) may take to compile; longer gets 400. It compiles in the HTTP process, off the engine step, once per grammar (cached)"),
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_flag("the Jinja chat template of every chat route (/v1/chat/completions, /v1/responses, /v1/messages, /tokenize's messages) and of LLM.chat, in place of the model's own: a file's path, or the template's text; for a model without one, or to change it (vLLM's --chat-template). Absent: the model directory's"),
+    )
     tool_call_parser: str | None = field(
         default=None,
         metadata=_flag("how the model writes tool calls, parsed into 'tool_calls' by the chat APIs: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Qwen3), llama3_json = {\"name\": ..., \"parameters\": ...} (Llama 3.1); absent: the one the chat template writes, else llama3_json for Llama models and hermes for the others", choices=("hermes", "llama3_json")),
@@ -190,6 +194,10 @@ class ServerConfig:
                 raise ValueError(f"--{name} {getattr(self, name)} is not a file")
         if self.allowed_origins is not None and not self.origins:
             raise ValueError("--allowed_origins must name at least one origin")
+        if self.chat_template is not None:
+            from lightllm.server.chat.template import chat_template_text  # jinja2: only when asked
+
+            chat_template_text(self.chat_template)  # a missing file or a syntax error at start, not per request
         self._check_nodes()
 
     @property

@@ -1,6 +1,6 @@
-"""A conversation as the model's prompt: the chat template from the model directory, applied once
-here for every route (/v1/chat/completions, /v1/responses, /v1/messages, /tokenize) and for the
-offline `LLM.chat`.
+"""A conversation as the model's prompt: the chat template from the model directory (or the one
+--chat_template gives, chat_template_text), applied once here for every route
+(/v1/chat/completions, /v1/responses, /v1/messages, /tokenize) and for the offline `LLM.chat`.
 
 Messages arrive in the template's own vocabulary (Hugging Face's): {"role", "content"}, an
 assistant's "tool_calls" ([{"type": "function", "function": {"name", "arguments": a dict}}]) and
@@ -14,6 +14,7 @@ its content in the server's tool-call format, so that a history is never silentl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them
 RESERVED_OPTIONS = frozenset({
@@ -46,6 +47,29 @@ def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = N
                                              add_generation_prompt=add_generation_prompt, **(options or {}))
     except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+
+
+def chat_template_text(value: str) -> str:
+    """--chat_template's template: the file `value` names, or `value` itself where it is a
+    template's text (it has a Jinja tag or expression). ValueError, naming the flag, where it is
+    neither or does not parse (with transformers' settings: sandboxed, loop controls on)."""
+    try:
+        path = Path(value).expanduser()
+        text = path.read_text() if path.is_file() else None
+    except OSError:  # a template's text is no usable path (too long a name, ...)
+        text = None
+    if text is None:
+        if "{{" not in value and "{%" not in value:
+            raise ValueError(f"--chat_template {value!r} is neither a file nor a template's text")
+        text = value
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"--chat_template does not parse: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 CHAT_SPECIAL_TOKENS = False  # the template writes any special tokens (BOS, role markers) itself
