@@ -4,6 +4,7 @@ stream_options.include_usage and response_format; and /generate's details (TGI).
 Relies on transformers' Llama modeling code (its logits are the logprobs' oracle) and tokenizer encode/decode."""
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -168,6 +169,42 @@ def test_json_schema_output_in_a_batch_with_free_requests(client, model_name):
         client.chat.completions.create(model=model_name, messages=messages, max_tokens=4,
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+
+
+CHOICES = ["strongly agree", "agree", "disagree", "it depends: \"maybe\""]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_structured_outputs_hold_on_both_routes(client, model_name, route):
+    """vLLM's structured_outputs (and its old guided_* names): each constraint holds on every
+    sampled answer, on the chat route and on plain completions."""
+    def ask(extra, max_tokens=24, seed=0):
+        common = dict(model=model_name, max_tokens=max_tokens, seed=seed, temperature=1.0, extra_body=extra)
+        if route == "chat":
+            messages = [{"role": "user", "content": "Do you like rain? Answer briefly."}]
+            return client.chat.completions.create(messages=messages, **common).choices[0]
+        return client.completions.create(prompt="Q: Do you like rain?\nA:", **common).choices[0]
+
+    def text(choice):
+        return choice.message.content if route == "chat" else choice.text
+
+    for seed in range(2):
+        for extra in ({"structured_outputs": {"choice": CHOICES}}, {"guided_choice": CHOICES}):
+            choice = ask(extra, seed=seed)
+            assert text(choice) in CHOICES and choice.finish_reason == "stop"
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text(ask({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+                                                          seed=seed)))
+        grammar = 'root ::= "rain is " ("good" | "bad") "."'
+        assert text(ask({"structured_outputs": {"grammar": grammar}}, seed=seed)) in ("rain is good.", "rain is bad.")
+        for extra in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": json.dumps(SCHEMA)}):
+            value = json.loads(text(ask(extra, max_tokens=40, seed=seed)))
+            assert set(value) == {"answer", "score"} and value["answer"] in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="takes exactly one of json, regex"):
+        ask({"structured_outputs": {"regex": "a", "choice": ["b"]}})
+    with pytest.raises(openai.BadRequestError, match="give one of 'response_format', 'guided_regex'"):
+        ask({"guided_regex": "a+", "response_format": {"type": "json_object"}})
+    with pytest.raises(openai.BadRequestError, match="the ebnf cannot be used for structured output"):
+        ask({"structured_outputs": {"grammar": "root ::= "}})
 
 
 def test_generate_details_and_grammar(default_server, hf):

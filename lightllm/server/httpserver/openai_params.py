@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling_ranges import STRICT, SamplingRanges
 from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.httpserver.params import NonEmptyStr, StopSequences, check_token_ids, checked_grammar, to_sampling
+from lightllm.server.httpserver.params import (NonEmptyStr, StopSequences, check_token_ids, checked_grammar,
+                                              json_grammar, to_sampling)
 
 # the client's name -> ours
 SAMPLING_NAMES = {
@@ -79,6 +80,42 @@ class ResponseFormat(BaseModel):
         return kind, checked_grammar(kind, spec)
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: the output follows exactly one of these (xgrammar)."""
+
+    model_config = STRICT
+    json_: dict | NonEmptyStr | None = Field(None, alias="json", description="a JSON schema (an object, or its text)")
+    regex: NonEmptyStr | None = Field(None, description="a regular expression the whole output matches")
+    choice: Annotated[list[str], Field(min_length=1)] | None = Field(None, description="the output is one of these")
+    grammar: NonEmptyStr | None = Field(None, description="an EBNF grammar (xgrammar's, GBNF-style), from `root`")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+
+    def grammar_of(self, where: str) -> tuple[str, str]:
+        """(grammar_kind, spec), checked by xgrammar (a bad one is a 400)."""
+        given = [name for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if value is not None]
+        if len(given) != 1:
+            raise RequestError(f"{where} takes exactly one of json, regex, choice, grammar, json_object; "
+                               f"got {', '.join(given) or 'none'}")
+        if self.json_ is not None:
+            kind, spec = json_grammar(self.json_, f"{where}.json")
+        elif self.regex is not None:
+            kind, spec = "regex", self.regex
+        elif self.choice is not None:  # JSON's string escapes are EBNF's
+            kind, spec = "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        elif self.grammar is not None:
+            kind, spec = "ebnf", self.grammar
+        else:
+            kind, spec = "json_object", ""
+        return kind, checked_grammar(kind, spec)
+
+
+# vLLM's names for structured_outputs' fields until its v0.12, which clients still send.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class OpenAIBody(SamplingRanges):
     """The fields both endpoints share: the shared sampling ranges (SamplingRanges, which hold
     vLLM's extensions top_k, min_p, ... too), OpenAI's narrower temperature, and OpenAI's own."""
@@ -96,6 +133,13 @@ class OpenAIBody(SamplingRanges):
     response_format: ResponseFormat | None = Field(
         None, description="{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'schema': ...}}: "
                           "the output follows it (xgrammar)")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extension: one of json, regex, choice, grammar (EBNF), json_object")
+    guided_json: dict | NonEmptyStr | None = Field(None, description="structured_outputs.json (vLLM's old name)")
+    guided_regex: NonEmptyStr | None = Field(None, description="structured_outputs.regex (vLLM's old name)")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="structured_outputs.choice (vLLM's old name)")
+    guided_grammar: NonEmptyStr | None = Field(None, description="structured_outputs.grammar (vLLM's old name)")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -114,14 +158,36 @@ class OpenAIBody(SamplingRanges):
 
     @property
     def reads_grammar(self) -> bool:
-        return self.response_format is not None
+        return bool(self._constraints())
+
+    def _constraints(self) -> list[tuple[str, object]]:
+        """(field, value) of each field that constrains the output; one at most may."""
+        given = [(name, getattr(self, name)) for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)]
+        return [(name, value) for name, value in given if value is not None
+                and not (name == "response_format" and value.type == "text")]
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(grammar_kind, spec) of the constraint on the output, None without one."""
+        constraints = self._constraints()
+        if len(constraints) > 1:
+            raise RequestError(f"give one of {', '.join(repr(name) for name, _ in constraints)}: each constrains "
+                               "the whole output")
+        if not constraints:
+            return None
+        (name, value), = constraints
+        if name == "response_format":
+            return value.grammar()
+        if name in GUIDED_FIELDS:
+            value = StructuredOutputs.model_validate({GUIDED_FIELDS[name]: value})
+        return value.grammar_of(f"'{name}'")
 
     def sampling(self) -> SamplingParams:
         given = {ours: value for name, ours in SAMPLING_NAMES.items() if (value := getattr(self, name, None)) is not None}
         if self.logit_bias:
             given["logit_bias"] = {int(token): float(bias) for token, bias in self.logit_bias.items()}
-        if self.response_format is not None:
-            given["grammar_kind"], given["grammar"] = self.response_format.grammar()
+        grammar = self.grammar()
+        if grammar is not None:
+            given["grammar_kind"], given["grammar"] = grammar
         given.update(self.logprob_fields())
         return to_sampling(given, do_sample=True)  # OpenAI samples unless temperature is 0
 
@@ -368,6 +434,6 @@ class ChatRequest(OpenAIBody):
 
     def check_tools(self) -> None:
         check_tools(self.functions_given, self.choice if self.tool_choice is not None else None)
-        if self.choice not in ("none", "auto") and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise RequestError("'response_format' cannot be combined with a forced tool call ('tool_choice')")
+        constraints = self._constraints()
+        if self.choice not in ("none", "auto") and constraints:
+            raise RequestError(f"'{constraints[0][0]}' cannot be combined with a forced tool call ('tool_choice')")

@@ -49,12 +49,16 @@ class Grammar(BaseModel):
                 raise RequestError("'grammar': a regex grammar's value is a string")
             kind, spec = "regex", self.value
         else:
-            schema = load_json(self.value, "'grammar': the json grammar's value") if isinstance(self.value, str) \
-                else self.value
-            if not isinstance(schema, dict):
-                raise RequestError("'grammar': a json grammar's value is a JSON schema: an object, or its text")
-            kind, spec = ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
+            kind, spec = json_grammar(self.value, "'grammar': the json grammar's value")
         return {"grammar_kind": kind, "grammar": checked_grammar(kind, spec)}
+
+
+def json_grammar(value: dict | str, where: str) -> tuple[str, str]:
+    """(grammar_kind, spec) of a JSON schema given as an object or its text; {} is any JSON object."""
+    schema = load_json(value, where) if isinstance(value, str) else value
+    if not isinstance(schema, dict):
+        raise RequestError(f"{where} is a JSON schema: an object, or its text")
+    return ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
 
 
 def checked_grammar(kind: str, spec: str) -> str:
