@@ -166,6 +166,16 @@ def test_chat_equals_generate_on_the_templated_prompt(llm, hf):
     assert both[0].outputs[0].token_ids == chat.outputs[0].token_ids and len(both) == 2
 
 
+def test_chat_continues_a_final_message(llm, hf):
+    tokenizer, _ = hf
+    prefill = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    (chat,) = llm.chat(prefill, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert chat.prompt == tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert chat.prompt.endswith("My favourite is")
+    with pytest.raises(ValueError, match="needs add_generation_prompt=False"):
+        llm.chat(prefill, GREEDY, use_tqdm=False, continue_final_message=True)
+
+
 def test_structured_output_and_logit_bias_reach_the_engine(llm):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}

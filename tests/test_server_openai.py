@@ -123,6 +123,34 @@ def test_a_batch_of_prompts_answers_each_prompt_as_alone(client, model_name, hf)
     assert [c.text[: len(p)] for c, p in zip(echoed.choices, prompts)] == prompts
 
 
+def test_a_continued_final_message_is_the_prompt_transformers_renders(default_server, client, model_name, hf):
+    """continue_final_message (vLLM's) and /v1/messages' prefill (a last assistant turn): the
+    prompt ends inside that message as transformers renders it, the answer is what greedy decoding
+    adds to it, /tokenize and count_tokens count the same ids."""
+    tokenizer, _ = hf
+    prefill = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    text = tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert text.endswith("My favourite is")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    greedy = dict(temperature=0, max_tokens=8)
+    expected = client.completions.create(model=model_name, prompt=ids, **greedy).choices[0].text
+    chat = client.chat.completions.create(model=model_name, messages=prefill, **greedy,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert (chat.choices[0].message.content, chat.usage.prompt_tokens) == (expected, len(ids))
+    tokenized = default_server.post("/tokenize", {"messages": prefill, "continue_final_message": True}).json()
+    assert tokenized["tokens"] == ids
+    anthropic = default_server.post("/v1/messages", {"model": model_name, "messages": prefill, "max_tokens": 8,
+                                                     "temperature": 0}).json()
+    usage = anthropic["usage"]  # Anthropic's input_tokens leave out the prefix cache's
+    assert anthropic["content"][0]["text"] == expected
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(ids)
+    counted = default_server.post("/v1/messages/count_tokens", {"model": model_name, "messages": prefill}).json()
+    assert counted["input_tokens"] == len(ids)
+    both = default_server.post("/v1/chat/completions", {"messages": prefill, "continue_final_message": True,
+                                                        "add_generation_prompt": True})
+    assert both.status_code == 400 and "cannot both be true" in both.json()["error"]["message"]
+
+
 def test_stop_cuts_the_text(client, model_name):
     request = dict(model=model_name, prompt="Once upon a time, in a small village,", temperature=0, max_tokens=MAX_TOKENS)
     text = client.completions.create(**request).choices[0].text

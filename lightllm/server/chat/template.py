@@ -29,8 +29,10 @@ class ChatTemplateError(ValueError):
 
 
 def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                options: dict | None = None, call_format=None) -> str:
-    """The prompt text of `messages`. `options`: variables for the template (chat_template_kwargs,
+                continue_final_message: bool = False, options: dict | None = None, call_format=None) -> str:
+    """The prompt text of `messages`. `continue_final_message`: the text ends inside the last
+    message, without its end of turn, so that the model continues it (an assistant's prefill;
+    not with add_generation_prompt). `options`: variables for the template (chat_template_kwargs,
     such as {"enable_thinking": False}); `call_format`: how to write an assistant's calls for a
     template that does not render them (a ToolCallFormat, tool_calls.py)."""
     template = getattr(tokenizer, "chat_template", None)
@@ -44,7 +46,8 @@ def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = N
         tools = None
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **(options or {}))
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **(options or {}))
     except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 

@@ -20,13 +20,16 @@ def message_chars(messages: list[dict]) -> int:
 
 
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
-                      add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-    """(prompt text, token ids); a conversation the template cannot render is a 400."""
+                      add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> tuple[str, list[int]]:
+    """(prompt text, token ids); a conversation the template cannot render is a 400. With
+    continue_final_message the prompt ends inside the last message (render_chat)."""
     check_prompt_chars(message_chars(messages) + (len(json.dumps(tools)) if tools else 0), state.limits)
 
     def render() -> str:
         return render_chat(state.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           options=options, call_format=state.chat.call_format)
+                           continue_final_message=continue_final_message, options=options,
+                           call_format=state.chat.call_format)
 
     try:
         text = await off_loop(render)
@@ -42,12 +45,16 @@ def default_max_tokens(state, prompt_ids: list[int]) -> int:
 
 
 async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef], choice: str, parallel: bool,
-                      options: dict | None, sampling: SamplingParams, max_tokens_given: bool) -> tuple[str, list[int]]:
+                      options: dict | None, sampling: SamplingParams, max_tokens_given: bool,
+                      add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> tuple[str, list[int]]:
     """The prompt (text, token ids) of a chat API's request, with `sampling` completed: a forced
     call's grammar (`choice` required or a function's name), the default max_new_tokens, and its
-    grammar compiled (a 400 past --grammar_compile_timeout)."""
+    grammar compiled (a 400 past --grammar_compile_timeout). The prompt ends as render_chat's
+    add_generation_prompt and continue_final_message say."""
     tools = [template_tool(f) for f in functions]
-    text, prompt_ids = await chat_prompt(state, messages, tools, options)
+    text, prompt_ids = await chat_prompt(state, messages, tools, options, add_generation_prompt,
+                                         continue_final_message)
     if choice not in ("none", "auto"):
         sampling.grammar_kind, sampling.grammar = await off_loop(
             forced_call_grammar, state.chat.call_format, functions, choice, parallel)

@@ -147,6 +147,12 @@ class CountTokensRequest(BaseModel):
             return None
         return {"enable_thinking": self.thinking.type != "disabled"}
 
+    @property
+    def prompt_ending(self) -> dict:
+        """Anthropic's prefill: a last assistant turn is continued, not followed by a new one."""
+        prefill = self.messages[-1].role == "assistant"
+        return {"add_generation_prompt": not prefill, "continue_final_message": prefill}
+
     def template_messages(self) -> list[dict]:
         system = self.system if isinstance(self.system, str) or self.system is None \
             else "".join(block.text for block in self.system)
@@ -212,7 +218,8 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
     check_model(body.model, state)
     body.check()
     tools = [template_tool(f) for f in body.functions]
-    _, prompt_ids = await chat_prompt(state, body.template_messages(), tools, body.template_options())
+    _, prompt_ids = await chat_prompt(state, body.template_messages(), tools, body.template_options(),
+                                      **body.prompt_ending)
     return JSONResponse({"input_tokens": len(prompt_ids)})
 
 
@@ -225,7 +232,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     check_request(openai_body, state)
     sampling = await sampling_of(openai_body)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
-                                         body.template_options(), sampling, max_tokens_given=True)
+                                         body.template_options(), sampling, True, **body.prompt_ending)
     parser = state.chat.answer_parser(text, body.choice != "none")
     generation = Generation(request, [prompt_ids], sampling, start)
     fmt = MessageFormatter(body, state.config.served_model_name, generation)

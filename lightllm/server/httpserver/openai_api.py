@@ -72,7 +72,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     sampling = await sampling_of(body)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
-                                         body.max_tokens_given)
+                                         body.max_tokens_given, **body.prompt_ending)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
                                              for _ in range(body.choices)])
     return await answer(request, body, sampling, [prompt_ids], start, fmt)

@@ -383,6 +383,17 @@ def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, para
     return "structural_tag", checked_grammar("structural_tag", spec)
 
 
+def prompt_ending(add_generation_prompt: bool | None, continue_final_message: bool | None) -> dict:
+    """render_chat's add_generation_prompt and continue_final_message from a request's (None: not
+    given): the assistant header unless the last message is continued."""
+    continues = bool(continue_final_message)
+    if continues and add_generation_prompt:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true: one "
+                           "continues the last message, the other starts a new one")
+    adds = not continues if add_generation_prompt is None else add_generation_prompt
+    return {"add_generation_prompt": adds, "continue_final_message": continues}
+
+
 class ChatRequest(OpenAIBody):
     UNSUPPORTED: ClassVar[dict] = {
         **OpenAIBody.UNSUPPORTED,
@@ -404,6 +415,16 @@ class ChatRequest(OpenAIBody):
     function_call: str | dict | None = Field(None, description="not supported")
     chat_template_kwargs: dict | None = Field(None, description="variables for the chat template, such as "
                                                                  "{'enable_thinking': false}")
+    add_generation_prompt: bool | None = Field(
+        None, description="vLLM's extension: end the prompt with the template's assistant header (default true, "
+                          "false with continue_final_message)")
+    continue_final_message: bool | None = Field(
+        None, description="vLLM's extension: the model continues the last message (an assistant's prefill) rather "
+                          "than starting a new one; the answer holds what it adds")
+
+    @property
+    def prompt_ending(self) -> dict:
+        return prompt_ending(self.add_generation_prompt, self.continue_final_message)
 
     def logprob_fields(self) -> dict:
         if self.top_logprobs and not self.logprobs:

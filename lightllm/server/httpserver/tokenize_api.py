@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
-from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, template_tool
+from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, prompt_ending, template_tool
 from lightllm.server.httpserver.params import STRICT, check_prompt_chars
 
 
@@ -33,6 +33,8 @@ class TokenizeRequest(BaseModel):
         None, description="chat messages, rendered with the model's chat template; or give prompt")
     add_generation_prompt: bool | None = Field(None, description="with messages: end with the template's "
                                                                  "assistant header; default true")
+    continue_final_message: bool | None = Field(None, description="with messages: end inside the last message, "
+                                                                  "as a chat request that continues it")
     tools: list[Tool] | None = Field(None, description="with messages: functions, as /v1/chat/completions takes them")
     chat_template_kwargs: dict | None = Field(None, description="with messages: variables for the chat template")
     return_token_strs: bool = Field(False, description="also return each token's vocabulary entry")
@@ -40,8 +42,8 @@ class TokenizeRequest(BaseModel):
     def check_form(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give either 'prompt' or 'messages'")
-        wrong = ("add_generation_prompt", "tools", "chat_template_kwargs") if self.prompt is not None \
-            else ("add_special_tokens",)
+        for_messages = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
+        wrong = for_messages if self.prompt is not None else ("add_special_tokens",)
         for name in wrong:
             if getattr(self, name) is not None:
                 raise RequestError(f"'{name}' goes with '{'messages' if self.prompt is not None else 'prompt'}'")
@@ -78,7 +80,7 @@ async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONRespons
         check_tools([tool.function for tool in body.tools or ()], None)
         tools = [template_tool(tool.function) for tool in body.tools or ()]
         _, ids = await chat_prompt(state, messages, tools, body.chat_template_kwargs,
-                                   add_generation_prompt=body.add_generation_prompt is not False)
+                                   **prompt_ending(body.add_generation_prompt, body.continue_final_message))
     reply = {"count": len(ids), "max_model_len": state.limits.max_req_total_len, "tokens": ids}
     if body.return_token_strs:
         reply["token_strs"] = await off_loop(state.tokenizer.convert_ids_to_tokens, ids)
