@@ -90,6 +90,21 @@ def test_completion_logprobs_and_echo_equal_transformers(client, model_name, hf)
         assert abs(best[0] - expected[pos - 1].max().item()) < TOL
 
 
+def test_streamed_logprobs_run_on_from_chunk_to_chunk(client, model_name):
+    """A stream's logprobs, chunk after chunk, are the whole answer's: text_offset counts from the
+    start of the text (the echoed prompt's), not from each chunk's."""
+    request = dict(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True, n=2)
+    whole = client.completions.create(**request)
+    streamed = {0: ([], []), 1: ([], [])}
+    for chunk in client.completions.create(**request, stream=True):
+        (choice,) = chunk.choices
+        streamed[choice.index][0].extend(choice.logprobs.tokens)
+        streamed[choice.index][1].extend(choice.logprobs.text_offset)
+    for choice in whole.choices:
+        assert streamed[choice.index] == (choice.logprobs.tokens, choice.logprobs.text_offset)
+        assert choice.logprobs.text_offset[-1] > len(PROMPT)
+
+
 def test_chat_logprobs_top_k_sorted_with_the_greedy_token_first(client, model_name):
     messages = [{"role": "user", "content": "What is AI?"}]
     reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=6,

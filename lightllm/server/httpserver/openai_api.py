@@ -147,6 +147,7 @@ class CompletionFormat:
         self.prompts, self.n = prompts, body.choices
         self.prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) if self.echo else "" for ids in prompts]
         self._echoed: set[int] = set()  # choices whose stream has sent the prompt
+        self._offsets: dict[int, int] = {}  # each choice's text_offset after what it has sent
 
     def whole(self, choices: list[Choice], usage: dict) -> dict:
         body = [self._choice(c.index, self.prompt_texts[c.index // self.n] + c.text, FINISH_REASONS[c.last.finish_reason],
@@ -189,10 +190,11 @@ class CompletionFormat:
         tokens += texts
         chosen += [out.logprob for out in outputs]
         tops += [{text: lp for _, text, lp in out.top_logprobs or ()} | {t: out.logprob} for out, t in zip(outputs, texts)]
-        offsets, offset = [], 0
+        offsets, offset = [], self._offsets.get(index, 0)  # a stream's chunks run on from the last
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
+        self._offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
