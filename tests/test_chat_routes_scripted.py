@@ -59,7 +59,8 @@ def served(default_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
     tokenizer.chat_template = TOOL_TEMPLATE
     config = ServerConfig(model_dir=str(default_model_dir), served_model_name="scripted", reasoning_parser="qwen3")
-    info = {"architecture": "Qwen3ForCausalLM", "vocab_size": len(tokenizer), "eos_token_ids": [tokenizer.eos_token_id]}
+    info = {"architecture": "Qwen3ForCausalLM", "vocab_size": len(tokenizer), "eos_token_ids": [tokenizer.eos_token_id],
+            "sampling_defaults": []}
     app = create_app(config, tokenizer, [RouterReady(100_000, info)], [RouterHeartbeat(multiprocessing)])
     engine = ScriptedEngine()
     app.state.server.manager = engine

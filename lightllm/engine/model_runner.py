@@ -164,6 +164,7 @@ class ModelRunner:
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(model_dir),
+                     "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
                      "burst_chunked_prefill_size": None if chunked_prefill_size is None else burst_budget(
                          burst_chunked_prefill_size, chunked_prefill_size, self.device.type)}
         graph_bytes = graph_memory_bytes(running_max_req_size, cuda_graph_max_tokens, cfg.hidden_size,

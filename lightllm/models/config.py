@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,11 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json'
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32}
+
+
+# The sampling fields of generation_config.json that the OpenAI-style routes may take as their
+# defaults (--sampling_defaults model): vLLM's list, less max_new_tokens (the route's own).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class ModelConfigError(ValueError):
@@ -84,6 +89,8 @@ class ModelConfig:
     o_bias: bool
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
+    # generation_config.json's SAMPLING_FIELDS, as written there (the HTTP side checks their ranges)
+    sampling_defaults: dict = field(default_factory=dict)
     quantization: str | None = None  # the server's --quantization: how the layers store their projections
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
     # Per layer: how many positions a query sees, its own included (transformers' sliding window);
@@ -152,11 +159,13 @@ def _as_id_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _eos_token_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
-    ids = _as_id_list(cfg.get("eos_token_id"))
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        ids += _as_id_list(read_json(gen_path).get("eos_token_id"))
+def _generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    return read_json(path) if path.exists() else {}
+
+
+def _eos_token_ids(cfg: dict, generation: dict) -> tuple[int, ...]:
+    ids = _as_id_list(cfg.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id"))
     return tuple(dict.fromkeys(ids))
 
 
@@ -230,6 +239,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     theta, scaling, local_theta = _rope(cfg, path, _DEFAULT_ROPE_THETA.get(arch, 10000.0))
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
+    generation = _generation_config(model_dir)
     return ModelConfig(
         model_dir=str(model_dir),
         architecture=arch,
@@ -246,7 +256,8 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        eos_token_ids=_eos_token_ids(cfg, model_dir),
+        eos_token_ids=_eos_token_ids(cfg, generation),
+        sampling_defaults={name: generation[name] for name in SAMPLING_FIELDS if generation.get(name) is not None},
         layer_windows=_layer_windows(cfg, arch, num_layers),
         local_rope_theta=(local_theta or 10000.0) if arch == "Gemma3ForCausalLM" else None,
         hidden_act=_activation(cfg, path),

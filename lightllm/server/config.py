@@ -112,6 +112,10 @@ class ServerConfig:
         default=10.0,
         metadata=_flag("seconds a request's grammar (JSON schema, regex) may take to compile; longer gets 400. It compiles in the HTTP process, off the engine step, once per grammar (cached)"),
     )
+    sampling_defaults: str = field(
+        default="model",
+        metadata=_flag("model: the OpenAI-style routes (/v1/*) take the sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty) from the model's generation_config.json, as vLLM does by default (--generation-config auto; Qwen2.5: temperature 0.7, top_p 0.8, top_k 20); openai: OpenAI's defaults (temperature 1, the whole vocabulary). /generate keeps TGI's (greedy unless do_sample)", choices=("model", "openai")),
+    )
     chat_template: str | None = field(
         default=None,
         metadata=_flag("the Jinja chat template of every chat route (/v1/chat/completions, /v1/responses, /v1/messages, /tokenize's messages) and of LLM.chat, in place of the model's own: a file's path, or the template's text; for a model without one, or to change it (vLLM's --chat-template). Absent: the model directory's"),

@@ -88,7 +88,8 @@ def _sim_model(workers, config, replica: int = 0):
     cfg = read_config(config.model_dir)
     info = {"architecture": cfg.architecture, "dtype": "bfloat16", "vocab_size": cfg.vocab_size,
             "eos_token_ids": list(cfg.eos_token_ids), "max_position_embeddings": cfg.max_position_embeddings,
-            "model_dir": str(config.model_dir), "burst_chunked_prefill_size": sim_burst_budget(config)}
+            "model_dir": str(config.model_dir), "burst_chunked_prefill_size": sim_burst_budget(config),
+            "sampling_defaults": list(cfg.sampling_defaults.items())}
     from sim_serving import H100_MAX_TOTAL_TOKEN_NUM
 
     return config.max_total_token_num or H100_MAX_TOTAL_TOKEN_NUM, info

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,11 +31,15 @@ from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
 from lightllm.server.httpserver.json_body import RequestError, describe_errors
 from lightllm.server.httpserver.messages_api import add_messages_routes
 from lightllm.server.httpserver.openai_api import add_openai_routes
+from lightllm.server.httpserver.openai_params import model_sampling_defaults
 from lightllm.server.httpserver.params import Limits, prompt_char_bound
 from lightllm.server.httpserver.responses_api import add_responses_routes
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +56,18 @@ class ServerState:
     grammars: GrammarCache
     started: float  # wall-clock time of start-up
     chat: ChatParsers  # how answers' tool calls and reasoning are read
+    sampling_defaults: dict  # for the fields an OpenAI-style request leaves out (--sampling_defaults)
+
+
+def sampling_defaults(config: ServerConfig, model_info: dict) -> dict:
+    """The OpenAI routes' defaults: the model's (generation_config.json) or none (OpenAI's own)."""
+    if config.sampling_defaults != "model":
+        return {}
+    defaults = model_sampling_defaults(dict(model_info["sampling_defaults"]))  # (name, value) pairs
+    if defaults:
+        logger.info("sampling defaults of the /v1 routes from the model's generation_config.json: %s "
+                    "(--sampling_defaults openai: OpenAI's)", defaults)
+    return defaults
 
 
 def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat]) -> FastAPI:
@@ -74,6 +91,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         started=time.time(),
         chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
                           getattr(tokenizer, "chat_template", None)),
+        sampling_defaults=sampling_defaults(config, model_info),
     )
 
     @contextlib.asynccontextmanager

@@ -230,7 +230,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     body.check()
     openai_body = body.openai_body()
     check_request(openai_body, state)
-    sampling = await sampling_of(openai_body)
+    sampling = await sampling_of(openai_body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
                                          body.template_options(), sampling, True, **body.prompt_ending)
     parser = state.chat.answer_parser(text, body.choice != "none")

@@ -59,7 +59,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         # Together, so that the encoder takes a batch's texts in one call (prompt_encoder.py).
         prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
     fmt = CompletionFormat(state.tokenizer, body, prompts)
-    sampling = await sampling_of(body)
+    sampling = await sampling_of(body, state.sampling_defaults)
     await state.grammars.attach(sampling)
     return await answer(request, body, sampling, prompts, start, fmt)
 
@@ -69,7 +69,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     state = request.app.state.server
     check_request(body, state)
     body.check_tools()
-    sampling = await sampling_of(body)
+    sampling = await sampling_of(body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
                                          body.max_tokens_given, **body.prompt_ending)

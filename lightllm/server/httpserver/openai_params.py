@@ -11,9 +11,10 @@ described with OpenAI's types and refused with a 400 rather than silently ignore
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling_ranges import STRICT, SamplingRanges
@@ -39,6 +40,7 @@ SAMPLING_NAMES = {
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
 }
+logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
 # The most prompts in one /v1/completions body (a bound on one body's work); the choices of a batch
 # (prompts x n) must also fit --max_queued_requests.
@@ -181,8 +183,11 @@ class OpenAIBody(SamplingRanges):
             value = StructuredOutputs.model_validate({GUIDED_FIELDS[name]: value})
         return value.grammar_of(f"'{name}'")
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, defaults: dict | None = None) -> SamplingParams:
+        """The request's SamplingParams; `defaults` (model_sampling_defaults') for what it leaves out."""
         given = {ours: value for name, ours in SAMPLING_NAMES.items() if (value := getattr(self, name, None)) is not None}
+        for name, value in (defaults or {}).items():
+            given.setdefault(name, value)
         if self.logit_bias:
             given["logit_bias"] = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         grammar = self.grammar()
@@ -254,6 +259,22 @@ class CompletionRequest(OpenAIBody):
         if isinstance(prompts[0], list) and max(max(ids) for ids in prompts) >= vocab_size:
             raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})")
         return prompts
+
+
+def model_sampling_defaults(model_defaults: dict) -> dict:
+    """The OpenAI routes' defaults from the model's generation_config.json (ModelConfig's
+    sampling_defaults), each within the routes' ranges: one outside (such as top_p 0) is left out
+    with a warning, since no request could then succeed."""
+    defaults = {}
+    for name, value in model_defaults.items():
+        try:
+            CompletionRequest.model_validate({"prompt": "x", name: value})
+        except ValidationError as exc:
+            logger.warning("generation_config.json's %s=%r is not used as a default: %s", name, value,
+                           exc.errors()[0]["msg"])
+            continue
+        defaults[name] = value
+    return defaults
 
 
 class TextPart(BaseModel):
