@@ -22,6 +22,8 @@ from lightllm.server.httpserver.json_body import RequestError
 from lightllm.server.httpserver.params import (NonEmptyStr, StopSequences, check_token_ids, checked_grammar,
                                               json_grammar, to_sampling)
 
+logger = logging.getLogger(__name__)
+
 # the client's name -> ours
 SAMPLING_NAMES = {
     "max_tokens": "max_new_tokens",
@@ -40,7 +42,6 @@ SAMPLING_NAMES = {
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
 }
-logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
 # The most prompts in one /v1/completions body (a bound on one body's work); the choices of a batch
 # (prompts x n) must also fit --max_queued_requests.
