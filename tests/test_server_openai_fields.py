@@ -156,6 +156,24 @@ def test_stream_n_with_usage(client, model_name):
     assert usage.completion_tokens == 10 and usage.total_tokens == usage.prompt_tokens + 10
 
 
+def test_continuous_usage_counts_each_choice_chunk_by_chunk(client, model_name):
+    """vLLM's continuous_usage_stats: every chunk carries its choice's usage so far, from 0 at the
+    role chunk up to that choice's count; the last chunk, the whole request's."""
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], n=2, temperature=0, max_tokens=5,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    *chunks, last = list(stream)
+    counts = {0: [], 1: []}
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        counts[choice.index].append(chunk.usage.completion_tokens)
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    for seen in counts.values():
+        assert seen[0] == 0 and seen == sorted(seen) and seen[-1] == 5
+    assert last.choices == [] and last.usage.completion_tokens == 10
+
+
 def test_json_schema_output_in_a_batch_with_free_requests(client, model_name):
     messages = [{"role": "user", "content": "Is the sky blue? Reply in JSON with an answer and a score."}]
     response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}

@@ -93,7 +93,7 @@ async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, p
         choices = await generation.result()
         return JSONResponse(fmt.whole(choices, usage(generation, [c.last for c in choices])))
     firsts = await generation.first()
-    events = stream_events(fmt, generation, firsts, body.include_usage)
+    events = stream_events(fmt, generation, firsts, body.include_usage, body.continuous_usage)
     return generation.event_stream(events)
 
 
@@ -104,10 +104,19 @@ def usage(generation: Generation, lasts: list[TextOut]) -> dict:
 
 
 async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: list[TextOut],
-                        include_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+    """The stream's events; with continuous_usage (vLLM's continuous_usage_stats) every chunk
+    carries its choice's usage so far."""
+    def event(chunk: dict, i: int, completion_tokens: int) -> str:
+        if continuous_usage:
+            prompt = len(generation.prompts[i // generation.n])
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt + completion_tokens}
+        return sse(chunk)
+
     for i in range(len(firsts)):
         for chunk in fmt.opening(i):
-            yield sse(chunk)
+            yield event(chunk, i, 0)
     lasts = {}
     async for i, out in generation.outputs(firsts):
         if out.finish_reason is FinishReason.ERROR:  # the last output: no usage follows
@@ -115,7 +124,7 @@ async def stream_events(fmt: CompletionFormat, generation: Generation, firsts: l
             yield sse(openai_error(str(error), error.error_type, error.status_code))
             continue
         for chunk in fmt.chunks(i, out):
-            yield sse(chunk)
+            yield event(chunk, i, out.count_output_tokens)
         if out.finish_reason is not None:
             lasts[i] = out
     if include_usage and len(lasts) == len(firsts):

@@ -53,6 +53,8 @@ LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's: with include_usage, every chunk carries "
+                                                                  "its choice's usage so far")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -207,6 +209,10 @@ class OpenAIBody(SamplingRanges):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
