@@ -77,6 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the text ends with the stop string found, not before it
     json_schema: dict | str | None = None  # structured output: a JSON schema (dict or JSON text)
     regex: str | None = None  # structured output: the text matches this regular expression
 
@@ -144,7 +145,8 @@ class SamplingParams:
             top_k=self.top_k if self.top_k > 0 else -1, min_p=float(self.min_p),
             presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty), max_new_tokens=self.max_tokens,
-            stop_sequences=self.stop_list, ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            stop_sequences=self.stop_list, include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             seed=seed + index, min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or ()),
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
             top_logprobs=self.logprobs or 0, prompt_logprobs=self.prompt_logprobs if index == 0 else None,
@@ -197,8 +199,6 @@ class _Choice:
     index: int
     req_id: int
     decoder: IncrementalDecoder
-    stops: list[str]
-    skip_special_tokens: bool
     logprobs: list | None
     pieces: list[str] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -212,17 +212,10 @@ class _Choice:
         if self.logprobs is not None:
             self.logprobs.append(logprob_dict(out.token_id, out.logprob, out.top_logprobs, text_of))
         if self.decoder.stopped:
-            self.finish_reason, self.stop_reason = "stop", self._matched_stop(text_of)
+            self.finish_reason, self.stop_reason = "stop", self.decoder.stop_found
         elif last:
             self.finish_reason = FINISH_REASONS[out.finish_reason]
             self.stop_reason = out.token_id if out.finish_reason is FinishReason.STOP else None
-
-    def _matched_stop(self, text_of) -> str | None:
-        """The stop string the decoder cut at: the earliest in the whole text (ties: list order),
-        as earlier text was checked token by token and held none."""
-        full = text_of(self.decoder.ids, self.skip_special_tokens)
-        found = [(full.find(s), i) for i, s in enumerate(self.stops) if s in full]
-        return self.stops[min(found)[1]] if found else None
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(self.index, "".join(self.pieces), list(self.decoder.ids), self.cumulative_logprob,
@@ -417,9 +410,10 @@ class LLM:
             check_lengths(len(ids), engine_params[0], self.limits)
         except RequestError as exc:
             raise ValueError(f"prompt {i} ({(text or '')[:40]!r}): {exc}") from None
-        stops = params.stop_list
-        choices = [_Choice(index, next(self._req_ids), IncrementalDecoder(self.tokenizer, params.skip_special_tokens, stops),
-                           stops, params.skip_special_tokens, [] if params.logprobs is not None else None)
+        choices = [_Choice(index, next(self._req_ids),
+                           IncrementalDecoder(self.tokenizer, params.skip_special_tokens, params.stop_list,
+                                              params.include_stop_str_in_output),
+                           [] if params.logprobs is not None else None)
                    for index in range(params.n)]
         return _Prompt(str(next(self._prompt_ids)), text, ids, choices), engine_params
 
@@ -462,11 +456,8 @@ class LLM:
         """From the engine's (token's logprob, top k) per position from the 2nd."""
         return [None] + [logprob_dict(token, lp, top, self._text_of) for token, (lp, top) in zip(ids[1:], positions)]
 
-    def _text_of(self, token, skip_special_tokens: bool = False):
-        """The text of one token id (cached), or of a list of ids."""
-        if isinstance(token, list):
-            return self.tokenizer.decode(token, skip_special_tokens=skip_special_tokens,
-                                         clean_up_tokenization_spaces=False)
+    def _text_of(self, token: int) -> str:
+        """The text of one token id (cached)."""
         text = self._token_text.get(token)
         if text is None:
             text = self._token_text[token] = self.tokenizer.decode([token])

@@ -127,6 +127,19 @@ def test_stop_sequences_cut_exactly(tokenizer, text, stops):
         assert len(decoder.ids) == completes
 
 
+@pytest.mark.parametrize("text, stops, kept", [
+    ("The answer is 42. Next question: why?", ["question"], "The answer is 42. Next question"),
+    ("alpha beta gamma delta", ["delta", "beta g"], "alpha beta g"),  # the earliest, whole
+    ("one abcd two", ["abcd", "ab"], "one ab"),  # the one completed first, however the tokens fall
+])
+def test_a_kept_stop_sequence_ends_the_text(tokenizer, text, stops, kept):
+    """include_stop (vLLM's include_stop_str_in_output): the text ends with the stop found."""
+    pieces, decoder = stream(tokenizer, tokenizer.encode(text), stop_sequences=stops, include_stop=True)
+    assert "".join(pieces) == kept and decoder.stopped and kept.endswith(decoder.stop_found)
+    _, cut = stream(tokenizer, tokenizer.encode(text), stop_sequences=stops)
+    assert cut.stop_found == decoder.stop_found and cut.ids == decoder.ids
+
+
 def test_stop_sequence_prefix_is_held_only_while_it_can_match(tokenizer):
     decoder = IncrementalDecoder(tokenizer, stop_sequences=["STOP"])
     out = [decoder.add(t) for t in tokenizer.encode("hello ST")]

@@ -142,6 +142,10 @@ def test_stop_string_ends_the_text_before_it(llm, full):
     assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
     assert choice.token_ids == full.token_ids[: len(choice.token_ids)] and len(choice.token_ids) < 16
     assert_idle(llm)  # the engine request was aborted when its text hit the stop string
+    (kept,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                      include_stop_str_in_output=True), use_tqdm=False)
+    assert kept.outputs[0].text == full.text[: full.text.index(stop) + len(stop)]
+    assert (kept.outputs[0].stop_reason, kept.outputs[0].token_ids) == (stop, choice.token_ids)
 
 
 def test_stop_token_ids_end_with_that_token(llm, full):

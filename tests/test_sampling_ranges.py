@@ -25,6 +25,7 @@ PROBES = {
     "logit_bias": [{"5": 100.0}, {"5": -100.5}, {"5": 101.0}, {"5": float("nan")}],
     "ignore_eos": [True, 1],
     "skip_special_tokens": [False, "yes"],
+    "include_stop_str_in_output": [True, 0],
 }
 
 

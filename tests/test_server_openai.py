@@ -157,6 +157,8 @@ def test_stop_cuts_the_text(client, model_name):
     stop = text[len(text) // 2 : len(text) // 2 + 4]
     cut = client.completions.create(**request, stop=[stop]).choices[0]
     assert (cut.text, cut.finish_reason) == (text[: text.index(stop)], "stop")
+    kept = client.completions.create(**request, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert (kept.choices[0].text, kept.choices[0].finish_reason) == (text[: text.index(stop) + len(stop)], "stop")
 
 
 HI = [{"role": "user", "content": "hi"}]

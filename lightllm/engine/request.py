@@ -40,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 16
     stop_sequences: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends with the stop sequence found, not before it
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int = 0  # the HTTP process draws one when the client gives none

@@ -41,6 +41,8 @@ class SamplingRanges(BaseModel):
     logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias added to its logit")
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: the text ends with the stop "
+                                                                       "sequence that ended it (default: before it)")
 
 
 SHARED_FIELDS = tuple(SamplingRanges.model_fields)

@@ -14,15 +14,20 @@ MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop_sequences: list[str] | tuple = ()):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop_sequences: list[str] | tuple = (),
+                 include_stop: bool = False):
+        """include_stop: the text ends with the stop sequence found, not right before it (vLLM's
+        include_stop_str_in_output)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stops = [s for s in stop_sequences if s]
+        self._include_stop = include_stop
         self.ids: list[int] = []
         self._prefix_offset = 0  # window start: the tokens of the last emitted piece
         self._read_offset = 0  # tokens before this are already text
         self._held = ""  # decoded text held back because a stop sequence may start in it
-        self.stopped = False  # a stop sequence was found; the text ends right before it
+        self.stopped = False  # a stop sequence was found; the text ends right before it (or with it)
+        self.stop_found: str | None = None  # which one
 
     def add(self, token_id: int, last: bool = False) -> str:
         """Take one token; return the text that is now final (possibly "")."""
@@ -50,10 +55,12 @@ class IncrementalDecoder:
     def _release(self, new_text: str, last: bool) -> str:
         """Cut at the first stop sequence; otherwise hold back only a tail that could begin one."""
         text = self._held + new_text
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # The earliest stop, and of those starting there the shortest: the one completed first.
+        found = min(((i, len(s), s) for s in self._stops if (i := text.find(s)) >= 0), default=None)
+        if found is not None:
+            cut, length, self.stop_found = found
             self.stopped, self._held = True, ""
-            return text[:cut]
+            return text[: cut + length] if self._include_stop else text[:cut]
         keep = 0 if last else self._stop_prefix_len(text)
         self._held = text[len(text) - keep:]
         return text[: len(text) - keep]

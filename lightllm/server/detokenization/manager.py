@@ -65,7 +65,7 @@ class DetokenizationManager:
     def _start(self, req: GenerateReq) -> None:
         sampling = req.sampling
         self._decoders[req.req_id] = IncrementalDecoder(
-            self._tokenizer, sampling.skip_special_tokens, sampling.stop_sequences
+            self._tokenizer, sampling.skip_special_tokens, sampling.stop_sequences, sampling.include_stop_str_in_output
         )
 
     def _detokenize(self, out: TokenOut) -> TextOut | None:

@@ -41,6 +41,7 @@ SAMPLING_NAMES = {
     "min_p": "min_p",
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
 # The most prompts in one /v1/completions body (a bound on one body's work); the choices of a batch
