@@ -201,6 +201,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ["hi"] * 2048, "n": 3}, 400, "6144 requests at once can never be queued"),
     ({"prompt": [1, 10**9]}, 400, "'prompt' token ids must be in [0, 49152)"),
     ({"prompt": [[1], [1, 10**9]]}, 400, "'prompt' token ids must be in [0, 49152)"),
+    ({"prompt": ["hi", "hi " * 3000]}, 400, "'prompt[1]': the prompt has "),
     ({"prompt": [1, -1]}, 400, "'prompt[1]': Input should be greater than or equal to 0"),
     ({"prompt": "hi", "best_of": 2}, 400, "'best_of' = 2 is not supported"),
     ({"prompt": "hi", "logprobs": 21}, 400, "'logprobs': Input should be less than or equal to 20"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from lightllm.server.httpserver.json_body import RequestError
 from lightllm.server.httpserver.manager import ServerUnavailable
 from lightllm.server.httpserver.metrics import RequestTimer
 from lightllm.server.httpserver.params import check_lengths
@@ -80,6 +81,17 @@ async def unless_disconnected(request: Request, coro):
     return work.result()
 
 
+@contextlib.contextmanager
+def batch_member(index: int, size: int):
+    """A RequestError about one prompt of a batch of `size` names it ('prompt[3]: ...')."""
+    try:
+        yield
+    except RequestError as exc:
+        if size == 1:
+            raise
+        raise RequestError(f"'prompt[{index}]': {exc}", exc.status_code) from None
+
+
 @dataclass
 class Choice:
     """One finished sequence of a request: its text and every output (for logprobs)."""
@@ -107,8 +119,9 @@ class Generation:
     def __init__(self, request: Request, prompts: list[list[int]], sampling: SamplingParams, start: float,
                  n: int = 1):
         state = request.app.state.server
-        for prompt_ids in prompts:
-            check_lengths(len(prompt_ids), sampling, state.limits)
+        for i, prompt_ids in enumerate(prompts):
+            with batch_member(i, len(prompts)):
+                check_lengths(len(prompt_ids), sampling, state.limits)
         count = len(prompts) * n
         if count > 1:  # all choices or none: refused together, here, when the queue has no room for them
             state.manager.check_queue(count)

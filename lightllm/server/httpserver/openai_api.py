@@ -20,7 +20,7 @@ from lightllm.server.chat.output import Answer, AnswerParser, merge_events
 from lightllm.server.chat.tool_calls import CallStart, Text
 from lightllm.server.httpserver.chat_prompt import chat_inputs
 from lightllm.server.httpserver.errors import openai_error
-from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
+from lightllm.server.httpserver.generation import Choice, Generation, batch_member, failure, sampling_of
 from lightllm.server.httpserver.json_body import RequestError, add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.server.httpserver.params import check_prompt_chars
@@ -54,8 +54,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     check_request(body, state)
     prompts = body.prompt_values(state.model_info["vocab_size"])
     if isinstance(prompts[0], str):  # texts, all of them (the body's type)
-        for text in prompts:
-            check_prompt_chars(len(text), state.limits)
+        for i, text in enumerate(prompts):
+            with batch_member(i, len(prompts)):
+                check_prompt_chars(len(text), state.limits)
         # Together, so that the encoder takes a batch's texts in one call (prompt_encoder.py).
         prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
     fmt = CompletionFormat(state.tokenizer, body, prompts)
