@@ -232,7 +232,8 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     check_request(openai_body, state)
     sampling = await sampling_of(openai_body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
-                                         body.template_options(), sampling, True, **body.prompt_ending)
+                                         body.template_options(), sampling, max_tokens_given=True,
+                                         **body.prompt_ending)
     parser = state.chat.answer_parser(text, body.choice != "none")
     generation = Generation(request, [prompt_ids], sampling, start)
     fmt = MessageFormatter(body, state.config.served_model_name, generation)

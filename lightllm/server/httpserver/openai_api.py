@@ -160,8 +160,9 @@ class CompletionFormat:
         self._offsets: dict[int, int] = {}  # each choice's text_offset after what it has sent
 
     def whole(self, choices: list[Choice], usage: dict) -> dict:
-        body = [self._choice(c.index, self.prompt_texts[c.index // self.n] + c.text, FINISH_REASONS[c.last.finish_reason],
-                             self._logprobs(c.index, c.outputs, echo=self.echo)) for c in choices]
+        body = [self._choice(c.index, self.prompt_texts[c.index // self.n] + c.text,
+                             FINISH_REASONS[c.last.finish_reason], self._logprobs(c.index, c.outputs, echo=self.echo))
+                for c in choices]
         return {**self.head, "choices": body, "usage": usage}
 
     def opening(self, index: int) -> list[dict]:
