@@ -318,12 +318,23 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params (vLLM's name): SamplingParams' own
+        defaults, with the model's generation_config.json sampling fields under sampling_defaults
+        "model" (the server's --sampling_defaults, the default), each within its range."""
+        if self.config.sampling_defaults != "model":
+            return SamplingParams()
+        from lightllm.server.httpserver.openai_params import model_sampling_defaults
+
+        return SamplingParams(**model_sampling_defaults(dict(self.model_info["sampling_defaults"])))
+
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt (a string, token ids, or {"prompt_token_ids": ids} / {"prompt": text});
-        `sampling_params`: one for all, or one per prompt. Outputs come in prompt order."""
+        `sampling_params`: one for all, or one per prompt (None: get_default_sampling_params()).
+        Outputs come in prompt order."""
         inputs = [self._prompt_input(p) for p in _as_list(prompts)]
         return self._run(inputs, sampling_params, use_tqdm)
 
@@ -376,7 +387,8 @@ class LLM:
     def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
-        params = _per_prompt(sampling_params, len(inputs))
+        default = self.get_default_sampling_params() if sampling_params is None else None
+        params = _per_prompt(default or sampling_params, len(inputs))
         # Every prompt is checked before any is submitted.
         prepared = [self._prepare(text, ids, p, i) for i, ((text, ids), p) in enumerate(zip(inputs, params))]
         progress = _Progress(len(prepared), use_tqdm)
@@ -472,8 +484,6 @@ def _as_list(prompts) -> list:
 
 
 def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     params = list(sampling_params)

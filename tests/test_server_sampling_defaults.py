@@ -76,3 +76,17 @@ def test_the_server_samples_with_the_models_defaults(tiny_dir, tmp_path):
         assert "top_p=0.0 is not used as a default" in log
     finally:
         assert server.stop() == 0
+
+
+def test_the_offline_llm_defaults_to_the_models_sampling_too(tiny_dir):
+    from lightllm import LLM, SamplingParams
+
+    model_dir = with_generation_config(tiny_dir, top_k=1, temperature=0.7)
+    limits = dict(max_total_token_num=1024, max_req_input_len=128, max_req_total_len=256)
+    with LLM(model_dir, **limits) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.7)
+        (greedy,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        (default,) = llm.generate("Hello", use_tqdm=False)  # top_k 1: greedy, whatever seed it draws
+        assert default.outputs[0].token_ids == greedy.outputs[0].token_ids
+    with LLM(model_dir, sampling_defaults="openai", **limits) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
