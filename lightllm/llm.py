@@ -387,8 +387,9 @@ class LLM:
     def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
-        default = self.get_default_sampling_params() if sampling_params is None else None
-        params = _per_prompt(default or sampling_params, len(inputs))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _per_prompt(sampling_params, len(inputs))
         # Every prompt is checked before any is submitted.
         prepared = [self._prepare(text, ids, p, i) for i, ((text, ids), p) in enumerate(zip(inputs, params))]
         progress = _Progress(len(prepared), use_tqdm)
