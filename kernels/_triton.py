@@ -167,6 +167,16 @@ def fast_launch(fn):
 
 
 @functools.cache
+def use_descriptor_allocator(device: torch.device) -> None:
+    """Kernels that build tensor descriptors on the device (TMA loads) keep them in global scratch,
+    which Triton's launcher takes, per launch, from the allocator set here: torch's caching
+    allocator on the current stream (a captured graph's pool during capture), freed at once and so
+    reused only by later work on the same stream. The interpreter needs none."""
+    if device.type == "cuda":
+        triton.set_allocator(lambda size, _alignment, _stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -3,14 +3,16 @@ are summed, weighted by the router.
 
     y[t] = sum_j weight[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert[t, j]
 
-Shapes: x [T, H]; w_gate_up [E, 2I, H] (each expert's gate rows, then its up rows); w_down
-[E, H, I]; the router's choice topk_weights [T, K] (fp32) and topk_ids [T, K]. A "pair" is one
+Shapes: x [T, H]; w_gate_up [E, 2I, H], each expert's gate and up rows interleaved (row 2i its
+gate row i, row 2i + 1 its up row i: interleave_gate_up), so that one tile of 2n rows holds n gate
+rows and the n up rows they multiply; w_down [E, H, I]; the router's choice topk_weights [T, K] (fp32) and topk_ids [T, K]. A "pair" is one
 (token, choice) of the T * K, numbered t * K + j.
 
 The Triton path (fused_moe_triton) never copies activations per expert. `align_by_expert_*`
 sorts the pairs by expert and pads each expert's run to a multiple of the kernel's BLOCK_M, so
 that one program's rows all belong to one expert; the gate/up kernel gathers those tokens' rows
-of x itself, applies SiLU-and-mul and writes the [T * K, I] intermediate by pair; the down kernel
+of x itself, multiplies them by a tile of gate/up rows in one dot, applies SiLU-and-mul to the
+interleaved columns and writes the [T * K, I] intermediate by pair; the down kernel
 reads it back by pair, scales by the routing weight and writes [T * K, H], which a sum over K
 reduces to [T, H]. Every size is fixed by T, K, E and BLOCK_M (the padding is bounded, the
 programs past the last expert's blocks exit), so a decode step can be captured in a CUDA graph:
@@ -31,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton, use_descriptor_allocator
 from .fp8_linear import fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
 
 
@@ -45,6 +47,11 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[E, I, H] gate and up projections -> w_gate_up [E, 2I, H]: row 2i is gate row i, 2i + 1 up row i."""
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
 
 
 def quantize_experts_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,13 +77,12 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()  # host sync: the CPU path
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    inter = w_down.shape[2]
     for expert, pairs in enumerate(torch.split(order, counts)):
         if not len(pairs):
             continue
         tokens = pairs // top_k
         gate_up = _expert_linear(x[tokens], w_gate_up, w_gate_up_scale, expert)
-        hidden = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+        hidden = (F.silu(gate_up[:, 0::2].float()) * gate_up[:, 1::2].float()).to(x.dtype)
         y = _expert_linear(hidden, w_down, w_down_scale, expert).float() * topk_weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
@@ -93,6 +99,10 @@ class MoEPlan(NamedTuple):
     # 0: every row block for one column tile, then the next column tile (each block's rows read
     # again for every column tile).
     group_m: int = 0
+    # The gate/up kernel's weight tiles through a tensor descriptor (Hopper's TMA: one copy a tile,
+    # no per-thread address arithmetic) where the weights allow one (moe_gate_up_triton); else, and
+    # in the down kernel (no faster there), per-thread loads.
+    tma: bool = False
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
@@ -106,12 +116,20 @@ class MoEPlan(NamedTuple):
 # Decode rows moved by under 2% either way (group 1 kept). The bf16 gate/up kernel takes four
 # stages since 2026-11-27's seventh session: faster than three in three tunes of four (16384 tokens:
 # 1600.4/1612.5/1614.7 against 1609.5/1640.4/1676.6 us; 4096: 506.4 against 536.3 us), ~1% slower
-# in one. PREFILL_PLAN is an untuned guess.
+# in one. Since 2026-12-01 (seventeenth session, an H200, against 7ab2b99 in the same process) the
+# gate/up weight rows are interleaved and multiplied in one dot, the large plans' gate/up tiles come
+# through TMA, and both kernels take H and I as constexprs (no column masks where the tiles divide
+# them): bf16 alone at 16384 tokens, gate/up 1567-1572 against 1693-1696 us, down 913-916 against
+# 949-951 (the two 50.3-50.4% of bf16 peak against 47.3%); fp8 gate/up 1176-1180 against 1249-1252.
+# One dot with loads alone had been slower (2026-11-27); TMA alone, or one dot alone, gained ~2%.
+# The fp8 gate/up plan was retuned for the one dot (its two 256-column dots became one of 512
+# columns, 2.5x slower): (64, 64, 128, 4, 3). Decode plans keep loads (with TMA 6% slower at batch
+# 1, within 2% at 64 and 256), the down kernel too (TMA no faster). PREFILL_PLAN is an untuned guess.
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3, group_m=1)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3, group_m=1)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3, group_m=1)
-LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 4, group_m=1), MoEPlan(128, 256, 64, 8, 3, group_m=1)),
-               True: (MoEPlan(64, 256, 128, 8, 3, group_m=8), MoEPlan(64, 256, 128, 8, 5, group_m=8))}
+LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 4, group_m=1, tma=True), MoEPlan(128, 256, 64, 8, 3, group_m=1)),
+               True: (MoEPlan(64, 64, 128, 4, 3, group_m=8, tma=True), MoEPlan(64, 256, 128, 8, 5, group_m=8))}
 LARGE_PLAN = LARGE_PLANS[False][0]
 
 
@@ -326,55 +344,65 @@ def moe_tile(num_blocks, num_cols, GROUP_M: tl.constexpr):
 @fast_launch
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
-                        num_pairs, top_k, num_experts, hidden, inter, x_stride, w_expert_stride, w_row_stride,
+                        num_pairs, top_k, num_experts, x_stride, w_expert_stride, w_row_stride,
                         w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I gate columns and the
-    same of the up columns. out[pair, cols] = silu(x[token] . gate) * (x[token] . up). FP8: x and
-    the weights are fp8, the sums scaled by x's row scale and the weights' column scales. EVEN_K:
-    BLOCK_K divides H, so the K loop's loads need no K mask."""
+                        EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                        EVEN_N: tl.constexpr, TMA: tl.constexpr):
+    """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I outputs, from the
+    2 * BLOCK_N interleaved gate/up weight rows that make them, multiplied in one dot.
+    out[pair, c] = silu(x[token] . gate_c) * (x[token] . up_c). FP8: x and the weights are fp8, the
+    sums scaled by x's row scale and the weights' row scales. EVEN_K: BLOCK_K divides H, so the K
+    loop's loads need no K mask. TMA: the weight tiles through a descriptor over every expert's rows
+    (experts back to back): rows past the expert's 2I belong to the next one (or lie past the end,
+    read as zeros) and give only masked columns; a K tail past H reads as zeros."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_mask = pairs < num_pairs
         tokens = (pairs // top_k).to(tl.int64)
-        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < inter
-        w_gate = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
-        w_up = w_gate + inter * w_row_stride
+        w_rows = col_tile * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # this tile's rows of the expert's 2I
+        w_row_mask = (w_rows < 2 * INTER) | EVEN_N
         ks = tl.arange(0, BLOCK_K)
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        if TMA:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * INTER, HIDDEN],
+                                               strides=[w_row_stride, 1], block_shape=[2 * BLOCK_N, BLOCK_K])
+            first_row = expert * 2 * INTER + col_tile * 2 * BLOCK_N
+        else:
+            w_tile = w_ptr + expert.to(tl.int64) * w_expert_stride + w_rows[None, :].to(tl.int64) * w_row_stride
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
             kk = k0 + ks
-            k_mask = (kk < hidden) | EVEN_K
+            k_mask = (kk < HIDDEN) | EVEN_K
             a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            w_mask = col_mask[None, :] & k_mask[:, None]
-            acc_gate += dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
-            acc_up += dot(a, tl.load(w_up + kk[:, None], mask=w_mask, other=0.0), DOT_UPCAST)
+            if TMA:
+                w = w_desc.load([first_row, k0]).T
+            else:
+                w = tl.load(w_tile + kk[:, None], mask=w_row_mask[None, :] & k_mask[:, None], other=0.0)
+            acc += dot(a, w, DOT_UPCAST)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
-            w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols
-            acc_gate *= x_scale * tl.load(w_scales, mask=col_mask, other=0.0)[None, :]
-            acc_up *= x_scale * tl.load(w_scales + inter, mask=col_mask, other=0.0)[None, :]
+            w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + w_rows
+            acc *= x_scale * tl.load(w_scales, mask=w_row_mask, other=0.0)[None, :]
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))  # the even columns, the odd ones
         # gate and up rounded to the output's dtype first, as the reference (and transformers) compute them
-        gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
+                 mask=row_mask[:, None] & ((cols < INTER) | EVEN_N)[None, :])
 
 
 @fast_launch
 @triton.jit
 def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
-                     out_ptr, num_pairs, num_experts, hidden, inter, a_stride, w_expert_stride, w_row_stride,
+                     out_ptr, num_pairs, num_experts, a_stride, w_expert_stride, w_row_stride,
                      w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, EVEN_N: tl.constexpr):
     """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
     (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
@@ -384,13 +412,13 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
         row_mask = pairs < num_pairs
         rows = pairs.to(tl.int64)
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < hidden
+        col_mask = (cols < HIDDEN) | EVEN_N
         w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
+        for k0 in range(0, INTER, BLOCK_K):
             kk = k0 + ks
-            k_mask = (kk < inter) | EVEN_K
+            k_mask = (kk < INTER) | EVEN_K
             a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
             acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
@@ -414,12 +442,22 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     num_pairs = a.shape[0] * top_k
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None
+    tma = bool(plan.tma) and descriptor_fits(w_gate_up)
+    if tma:
+        use_descriptor_allocator(w_gate_up.device)
     num_blocks, num_cols = block_experts.shape[0], cdiv(inter, plan.block_n)
     _moe_gate_up_kernel[(num_blocks * num_cols,)](
         a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
-        top_k, num_experts, hidden, inter, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden))
+        top_k, num_experts, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden),
+        HIDDEN=hidden, INTER=inter, EVEN_N=inter % plan.block_n == 0, TMA=tma)
     return out
+
+
+def descriptor_fits(w: torch.Tensor) -> bool:
+    """A tensor descriptor can span w's [E * rows, K] rows: experts back to back, rows and the base
+    16-byte aligned (Hopper's TMA)."""
+    return (w.is_contiguous() and w.stride(1) * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch.Tensor, w_scale: torch.Tensor | None,
@@ -434,8 +472,9 @@ def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch
     num_blocks, num_cols = block_experts.shape[0], cdiv(hidden, plan.block_n)
     _moe_down_kernel[(num_blocks * num_cols,)](
         a, w_down, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, pair_weights, out,
-        num_pairs, num_experts, hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, inter))
+        num_pairs, num_experts, a.stride(0), w_down.stride(0), w_down.stride(1),
+        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, inter),
+        HIDDEN=hidden, INTER=inter, EVEN_N=hidden % plan.block_n == 0)
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightllm_kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert_ref, align_by_expert_triton,
-                                        fused_moe_ref, fused_moe_triton,
+                                        descriptor_fits, fused_moe_ref, fused_moe_triton, interleave_gate_up,
                                         padded_pairs_bound, quantize_experts_fp8, route_topk)
 
 # the package's public `fused_moe` function shadows the submodule of the same name
@@ -144,6 +144,41 @@ def test_fused_moe_grouped_tile_order_matches_ref(group_m):
     assert_triton_matches_ref(x, *experts(4, torch.float32), *random_routing(33, 4, 2), plan=plan)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
+def test_fused_moe_gate_up_weight_tiles_through_a_descriptor(dtype):
+    """The gate/up kernel's weight tiles through a tensor descriptor (MoEPlan.tma): tiles of 2 x 32
+    rows over each expert's 96 (I = 48), so the second column tile reads 32 rows of the next expert
+    (the last expert's: past the end, zeros), which must only fill masked columns; H = 48 with K
+    blocks of 32 leaves a K tail past the end. Same output as per-thread loads and the reference."""
+    hidden = 48
+    fp8 = dtype == "fp8"
+    x = torch.randn(37, hidden, device=DEVICE).to(torch.bfloat16 if fp8 else dtype)
+    w_gate_up, w_down = experts(5, x.dtype, hidden=hidden)
+    scales = ()
+    if fp8:
+        (w_gate_up, gate_up_scale), (w_down, down_scale) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
+        scales = (gate_up_scale, down_scale)
+    assert descriptor_fits(w_gate_up)
+    weights, ids = random_routing(37, 5, 3)
+    plan = MoEPlan(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=1, tma=True)
+    expected = fused_moe_ref(x, w_gate_up, w_down, weights, ids, *scales)
+    by_descriptor = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plan)
+    by_loads = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plan._replace(tma=False))
+    torch.testing.assert_close(by_descriptor, by_loads, atol=0, rtol=0)
+    if fp8:
+        assert relative_error(by_descriptor, expected) < FP8_REL_ERR[torch.bfloat16]
+    else:
+        torch.testing.assert_close(by_descriptor.float(), expected.float(), **TOL[dtype])
+
+
+def test_descriptor_fits_only_back_to_back_aligned_rows():
+    w = torch.zeros(3, 8, 40, device=DEVICE)
+    assert descriptor_fits(w) and descriptor_fits(w.to(torch.bfloat16))
+    assert not descriptor_fits(w[:, :, :36])  # rows not back to back
+    assert not descriptor_fits(torch.zeros(3, 8, 36, device=DEVICE, dtype=torch.bfloat16))  # 72-byte rows
+    assert not descriptor_fits(torch.zeros(961, device=DEVICE)[1:].view(3, 8, 40))  # a base 4 bytes off
+
+
 def test_fit_plan_keeps_fp8_k_blocks_of_at_least_32():
     """fp32 activations halve the K blocks of bf16/fp32 experts (shared memory), but fp8 experts
     multiply fp8 tiles whatever x's dtype, and fp8 tensor cores take no K block under 32 (an H100
@@ -217,16 +252,23 @@ def test_quantize_experts_fp8_scales_each_experts_rows():
 
 
 def test_fused_moe_ref_is_the_sum_of_each_tokens_experts():
+    """The experts' gate and up projections, given apart, interleaved into w_gate_up (the layout
+    both paths take): the reference sums each token's weighted expert MLPs."""
     tokens, num_experts, top_k = 7, 6, 3
     x = torch.randn(tokens, HIDDEN, device=DEVICE)
-    w_gate_up, w_down = experts(num_experts, torch.float32)
+    gate_w, up_w = (torch.randn(num_experts, INTER, HIDDEN, device=DEVICE) / HIDDEN ** 0.5 for _ in range(2))
+    _, w_down = experts(num_experts, torch.float32)
+    w_gate_up = interleave_gate_up(gate_w, up_w)
+    assert torch.equal(w_gate_up[:, 0::2], gate_w) and torch.equal(w_gate_up[:, 1::2], up_w)
     weights, ids = random_routing(tokens, num_experts, top_k)
     expected = torch.zeros_like(x)
     for t in range(tokens):
         for j in range(top_k):
-            gate, up = (w_gate_up[ids[t, j]] @ x[t]).split(INTER)
-            expected[t] += weights[t, j] * (w_down[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
+            e = ids[t, j]
+            hidden = torch.nn.functional.silu(gate_w[e] @ x[t]) * (up_w[e] @ x[t])
+            expected[t] += weights[t, j] * (w_down[e] @ hidden)
     torch.testing.assert_close(fused_moe_ref(x, w_gate_up, w_down, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_moe_triton(x, w_gate_up, w_down, weights, ids), expected, **TOL[torch.float32])
 
 
 def test_route_topk_renormalised_is_softmax_over_the_chosen_logits():

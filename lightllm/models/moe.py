@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
 from lightllm_kernels import fused_moe, route_topk
-from lightllm_kernels.fused_moe import quantize_experts_fp8
+from lightllm_kernels.fused_moe import interleave_gate_up, quantize_experts_fp8
 
 from .config import ModelConfig, ModelConfigError
 from .layers import split_even
@@ -40,9 +40,11 @@ class SparseMoE:
         start, count = split_even(inter, tp, "the experts' intermediate size")
         self.router = weights.get(f"{prefix}.gate.weight", (moe.num_experts, hidden))
         experts = [f"{prefix}.experts.{e}" for e in range(moe.num_experts)]
-        # [E, 2 * count, H]: this rank's gate rows, then its up rows (the kernel's layout)
-        w_gate_up = torch.stack([torch.cat([weights.get(f"{name}.{proj}.weight", (inter, hidden), 0, start, count)
-                                            for proj in (gate, up)]) for name in experts])
+        # [E, 2 * count, H]: this rank's gate and up rows, interleaved (the kernel's layout)
+        gate_w, up_w = (torch.stack([weights.get(f"{name}.{proj}.weight", (inter, hidden), 0, start, count)
+                                     for name in experts]) for proj in (gate, up))
+        w_gate_up = interleave_gate_up(gate_w, up_w)
+        del gate_w, up_w
         w_down = torch.stack([weights.get(f"{name}.{down}.weight", (hidden, inter), 1, start, count)
                               for name in experts])  # [E, H, count]
         self.experts = _fp8_experts(w_gate_up, w_down) if cfg.quantization == "fp8" else (w_gate_up, w_down)

@@ -2,7 +2,8 @@
 
     python test/benchmark/moe_bench.py [--shape qwen3-30b-a3b] [--tp 1] [--decode 1,64,256]
         [--prefill 4096] [--fp8] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
-        [--tune [--tune-rows 64,128] [--tune-groups 0,8]] [--out-md moe.md]
+        [--tune [--tune-rows 64,128] [--tune-cols 64,128,256] [--tune-groups 0,8] [--tune-tma 0,1]
+        [--tune-kernels gate/up,down]] [--out-md moe.md]
 
 One MoE layer of the shape (router choices drawn at random: softmax of normal logits, top k, as
 a balanced router spreads tokens), bf16 weights (--fp8: e4m3 experts with row scales, as
@@ -101,7 +102,7 @@ def grouped_mm_moe(x, w_gate_up, w_down, weights, ids):
     offsets = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # each expert's end (no host sync)
     rows = x[order // top_k]
     gate_up = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
-    hidden = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+    hidden = (torch.nn.functional.silu(gate_up[:, 0::2].float()) * gate_up[:, 1::2].float()).to(x.dtype)
     y = torch._grouped_mm(hidden, w_down.transpose(1, 2), offs=offsets).float() * weights.flatten()[order, None]
     return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, order // top_k, y).to(x.dtype)
 
@@ -145,14 +146,14 @@ def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan]
 # (--tune-groups: MoEPlan.group_m) and fewer with --tune-rows. Two stages leave room for two
 # programs of the large tiles on an SM (one's epilogue beside the other's loop).
 TUNE_GRID = dict(block_m=(64, 128), block_n=(64, 128, 256), block_k=(64, 128),
-                 warps_stages=((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 5)), group_m=(0,))
+                 warps_stages=((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 5)), group_m=(0,), tma=(False,))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
     return bool(((got.float() - want.float()).norm() / want.float().norm()).item() <= limit)
 
 
-def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID) -> list[str]:
+def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID, kernels: tuple[str, ...] = ("gate/up", "down")) -> list[str]:
     """Per row block: each kernel's fastest plans of TUNE_GRID alone, and the best pair's total
     (alignment + both kernels + the sum over k, one graph) checked against the reference."""
     x, weights, ids = layer.inputs(tokens)
@@ -178,15 +179,22 @@ def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID) -> list[str]:
                                                   block_experts, pair_weights, x.dtype, plan), down_want)}
         fastest = {}
         for kernel, (run, want) in runs.items():
+            if kernel not in kernels:  # untuned: moe_plans' choice, on this row block
+                fastest[kernel] = default[kernel == "down"]._replace(block_m=bm)
+                continue
             results = []
-            for bn, bk, (warps, stages), group_m in itertools.product(*list(grid.values())[1:]):
-                plan = MoEPlan(bm, bn, bk, warps, stages, group_m)
+            plans = dict.fromkeys(  # the down kernel's tiles are per-thread loads whatever the grid's tma
+                MoEPlan(bm, bn, bk, warps, stages, group_m, tma and kernel == "gate/up")
+                for bn, bk, (warps, stages), group_m, tma in itertools.product(*list(grid.values())[1:]))
+            for plan in plans:
                 try:
                     assert _close(run(plan), want, 1e-2), "differs from the default plan's output"
                     results.append((graph_call_us(lambda plan=plan: run(plan)), plan))
                 except Exception as e:  # a plan Triton cannot compile (shared memory) or that fails the check
                     logger.info("%s tokens %d %s: %s", kernel, tokens, plan,
                                 str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            if not results:
+                raise RuntimeError(f"{kernel} tokens {tokens} rows {bm}: no plan of the grid compiled and passed")
             results.sort(key=lambda r: r[0])
             fastest[kernel] = results[0][1]
             lines.append(f"  {kernel}, rows {bm}: " + "; ".join(f"{t:.1f} us {tuple(p)}" for t, p in results[:5]))
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", default="1,64,256", help="decode batch sizes (tokens)")
     parser.add_argument("--prefill", default="4096", help="prefill sizes (tokens)")
     parser.add_argument("--plan", action="append", type=parse_plan, default=[],
-                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,group_m][/the "
+                        help="also time this plan: BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,group_m[,tma]][/the "
                         "down kernel's, same BLOCK_M] (repeatable)")
     parser.add_argument("--groups", default=None,
                         help="time the chosen plans in each of these program orders (MoEPlan.group_m, e.g. 0,1,8) "
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-groups", default="0", help="--tune's program orders (MoEPlan.group_m), e.g. 0,1,8")
     parser.add_argument("--tune-rows", default="64,128", help="--tune's row blocks")
+    parser.add_argument("--tune-cols", default="64,128,256", help="--tune's column blocks")
+    parser.add_argument("--tune-tma", default="0", help="--tune's gate/up weight tiles: 0 loads, 1 TMA, 0,1 both")
+    parser.add_argument("--tune-kernels", default="gate/up,down", help="--tune's kernels, of gate/up and down")
     parser.add_argument("--out-md", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -257,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows[-1]["% mem floor"])
     if args.tune:
         grid = dict(TUNE_GRID, block_m=tuple(int(v) for v in args.tune_rows.split(",")),
-                    group_m=tuple(int(v) for v in args.tune_groups.split(",")))
-        tuned = [line for _, tokens in sizes for line in tune(layer, tokens, grid)]
+                    block_n=tuple(int(v) for v in args.tune_cols.split(",")),
+                    group_m=tuple(int(v) for v in args.tune_groups.split(",")),
+                    tma=tuple(bool(int(v)) for v in args.tune_tma.split(",")))
+        kernels = tuple(args.tune_kernels.split(","))
+        tuned = [line for _, tokens in sizes for line in tune(layer, tokens, grid, kernels)]
     dtype = "fp8" if args.fp8 else "bf16"
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape} tp {args.tp} (hidden "
                       f"{hidden}, {experts} {dtype} experts of {inter // args.tp}, top {top_k}); copy bandwidth "
