@@ -5,8 +5,8 @@ are summed, weighted by the router.
 
 Shapes: x [T, H]; w_gate_up [E, 2I, H], each expert's gate and up rows interleaved (row 2i its
 gate row i, row 2i + 1 its up row i: interleave_gate_up), so that one tile of 2n rows holds n gate
-rows and the n up rows they multiply; w_down [E, H, I]; the router's choice topk_weights [T, K] (fp32) and topk_ids [T, K]. A "pair" is one
-(token, choice) of the T * K, numbered t * K + j.
+rows and the n up rows they multiply; w_down [E, H, I]; the router's choice topk_weights [T, K]
+(fp32) and topk_ids [T, K]. A "pair" is one (token, choice) of the T * K, numbered t * K + j.
 
 The Triton path (fused_moe_triton) never copies activations per expert. `align_by_expert_*`
 sorts the pairs by expert and pads each expert's run to a multiple of the kernel's BLOCK_M, so
@@ -442,7 +442,7 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     num_pairs = a.shape[0] * top_k
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None
-    tma = bool(plan.tma) and descriptor_fits(w_gate_up)
+    tma = bool(plan.tma) and 2 * plan.block_n <= TMA_MAX_BOX and descriptor_fits(w_gate_up)
     if tma:
         use_descriptor_allocator(w_gate_up.device)
     num_blocks, num_cols = block_experts.shape[0], cdiv(inter, plan.block_n)
@@ -452,6 +452,9 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
         w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden),
         HIDDEN=hidden, INTER=inter, EVEN_N=inter % plan.block_n == 0, TMA=tma)
     return out
+
+
+TMA_MAX_BOX = 256  # a tensor descriptor's block: at most 256 rows (so plans of over 128 columns take loads)
 
 
 def descriptor_fits(w: torch.Tensor) -> bool:

@@ -165,6 +165,10 @@ def test_fused_moe_gate_up_weight_tiles_through_a_descriptor(dtype):
     by_descriptor = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plan)
     by_loads = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=plan._replace(tma=False))
     torch.testing.assert_close(by_descriptor, by_loads, atol=0, rtol=0)
+    wide = plan._replace(block_n=256)  # 512 weight rows a tile: over a descriptor's 256, so per-thread loads
+    wide_by_loads = fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=wide._replace(tma=False))
+    torch.testing.assert_close(fused_moe_triton(x, w_gate_up, w_down, weights, ids, *scales, plan=wide), wide_by_loads,
+                               atol=0, rtol=0)
     if fp8:
         assert relative_error(by_descriptor, expected) < FP8_REL_ERR[torch.bfloat16]
     else:

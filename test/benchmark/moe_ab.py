@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         errs = (rel(old.fused_moe_triton(x, *args_old), ref_old), rel(new.fused_moe_triton(x, *args_new), ref_new),
                 rel(ref_new, ref_old))
         if not (errs[0] < 6e-2 and errs[1] < 6e-2 and errs[2] < 1e-6):
-            raise AssertionError(f"tokens {tokens} fp8 {fp8}: old/new against their references, references apart: {errs}")
+            raise AssertionError(f"tokens {tokens} fp8 {fp8}: old and new against their references, the references "
+                                 f"apart: {errs}")
         plans_old, plans_new = old.moe_plans(tokens * top_k, experts, fp8), new.moe_plans(tokens * top_k, experts, fp8)
         block_m = plans_new[0].block_m
         sorted_pairs, block_experts = new.align_by_expert_triton(ids, experts, block_m)
@@ -129,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
         gemms_old = med.get("gate/up old", nan) + med.get("down old", nan)
         gemms_new = med["gate/up new"] + med["down new"]
-        print(f"| {'fp8' if fp8 else 'bf16'} | {tokens} | {med['layer old']:.1f} | {med['layer new']:.1f} | "
-              f"{med['layer new'] / med['layer old']:.3f} | {med.get('gate/up old', nan):.1f} | {med['gate/up new']:.1f} "
-              f"| {med.get('down old', nan):.1f} | {med['down new']:.1f} | {med['align']:.1f} | {share(gemms_old):.1f} | "
-              f"{share(gemms_new):.1f} | {share(med['layer new']):.1f} |", flush=True)
+        cells = [med["layer old"], med["layer new"], med["layer new"] / med["layer old"], med.get("gate/up old", nan),
+                 med["gate/up new"], med.get("down old", nan), med["down new"], med["align"], share(gemms_old),
+                 share(gemms_new), share(med["layer new"])]
+        print(f"| {'fp8' if fp8 else 'bf16'} | {tokens} | "
+              + " | ".join(f"{v:.3f}" if i == 2 else f"{v:.1f}" for i, v in enumerate(cells)) + " |", flush=True)
     return 0
 
 

@@ -153,7 +153,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
     return bool(((got.float() - want.float()).norm() / want.float().norm()).item() <= limit)
 
 
-def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID, kernels: tuple[str, ...] = ("gate/up", "down")) -> list[str]:
+def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID,
+         kernels: tuple[str, ...] = ("gate/up", "down")) -> list[str]:
     """Per row block: each kernel's fastest plans of TUNE_GRID alone, and the best pair's total
     (alignment + both kernels + the sum over k, one graph) checked against the reference."""
     x, weights, ids = layer.inputs(tokens)
