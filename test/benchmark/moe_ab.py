@@ -1,11 +1,13 @@
 """This tree's fused MoE kernels against another commit's, in one process, alternating.
 
     git archive OLD_COMMIT kernels | tar -x -C /tmp/old      # that commit's kernels/ at /tmp/old/kernels
-    python test/benchmark/moe_ab.py --old /tmp/old/kernels [--rounds 3] [--smoke]
+    python test/benchmark/moe_ab.py --old /tmp/old/kernels [--shape qwen3-30b-a3b]
+        [--cases bf16:4096,fp8:16384] [--rounds 3] [--smoke]
 
-qwen3-30b-a3b's MoE layer (one layer, tp 1), bf16 at 64, 256, 4096 and 16384 tokens and fp8 experts
-at 4096 and 16384, the same weights and routing for both trees (a tree whose kernels predate
-`interleave_gate_up` takes the gate rows, then the up rows). Each size is first checked: both
+One MoE layer of the shape (moe_bench.py's shapes, tp 1), by default bf16 at 64, 256, 4096 and
+16384 tokens and fp8 experts at 4096 and 16384, the same weights and routing for both trees (a tree
+whose kernels predate `interleave_gate_up` takes the gate rows, then the up rows). Each size is
+first checked: both
 trees' Triton paths against their own reference, the references against each other. Then, in
 `--rounds` rounds, each a CUDA graph of 20 calls (static_benchmark.graph_call_us): the whole layer,
 the gate/up and the down kernel alone (on this tree's alignment and intermediate; the old tree's
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+from moe_bench import SHAPES  # noqa: E402
 from static_benchmark import graph_call_us  # noqa: E402
 
 from lightllm_kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
@@ -34,8 +37,19 @@ from lightllm_kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
 new = importlib.import_module("lightllm_kernels.fused_moe")  # the package's fused_moe function shadows the module
 logger = logging.getLogger("moe_ab")
 PEAK = 989e12
-CASES = [(False, 64), (False, 256), (False, 4096), (False, 16384), (True, 4096), (True, 16384)]
-SMOKE_CASES = [(False, 3), (False, 300), (True, 300)]
+CASES = "bf16:64,bf16:256,bf16:4096,bf16:16384,fp8:4096,fp8:16384"
+SMOKE_CASES = "bf16:3,bf16:300,fp8:300"
+
+
+def parse_cases(text: str) -> list[tuple[bool, int]]:
+    """'bf16:4096,fp8:16384' -> [(fp8, tokens), ...]"""
+    cases = []
+    for item in text.split(","):
+        kind, _, tokens = item.partition(":")
+        if kind not in ("bf16", "fp8") or not tokens.isdigit():
+            raise argparse.ArgumentTypeError(f"a case is bf16:TOKENS or fp8:TOKENS, not {item!r}")
+        cases.append((kind == "fp8", int(tokens)))
+    return cases
 
 
 def load_old(kernels_dir: Path):
@@ -56,6 +70,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", type=Path, required=True, help="another commit's kernels/ directory")
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--cases", type=parse_cases, default=None, help=f"default {CASES} ({SMOKE_CASES} with --smoke)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), untimed")
     args = parser.parse_args(argv)
@@ -66,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     old = load_old(args.old)
     timer = (lambda f: (f(), 1.0)[1]) if args.smoke else graph_call_us
     device = "cpu" if args.smoke else "cuda"
-    hidden, inter, experts, top_k = (64, 32, 8, 2) if args.smoke else (2048, 768, 128, 8)
+    hidden, inter, experts, top_k = (64, 32, 8, 2) if args.smoke else SHAPES[args.shape]
     torch.manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, device=device) * hidden ** -0.5).bfloat16()
     w_new = new.interleave_gate_up(gate_up[:, :inter], gate_up[:, inter:])
@@ -81,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| experts | tokens | layer old | layer new | new / old | gate/up old | gate/up new | down old | down new "
           "| align | GEMMs old, % bf16 peak | GEMMs new | layer new |")
     print("|" + " --- |" * 13)
-    for fp8, tokens in SMOKE_CASES if args.smoke else CASES:
+    for fp8, tokens in args.cases or parse_cases(SMOKE_CASES if args.smoke else CASES):
         x = torch.randn(tokens, hidden, device=device).bfloat16()
         weights, ids = new.route_topk(torch.randn(tokens, experts, device=device), top_k, renormalize=True)
         if fp8:  # (w_gate_up, w_down, routing, scales): fused_moe's argument order
