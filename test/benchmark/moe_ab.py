@@ -7,8 +7,8 @@
 One MoE layer of the shape (moe_bench.py's shapes, tp 1), by default bf16 at 64, 256, 4096 and
 16384 tokens and fp8 experts at 4096 and 16384, the same weights and routing for both trees (a tree
 whose kernels predate `interleave_gate_up` takes the gate rows, then the up rows). Each size is
-first checked: both
-trees' Triton paths against their own reference, the references against each other. Then, in
+first checked: both trees' Triton paths against their own reference, the references against each
+other. Then, in
 `--rounds` rounds, each a CUDA graph of 20 calls (static_benchmark.graph_call_us): the whole layer,
 the gate/up and the down kernel alone (on this tree's alignment and intermediate; the old tree's
 kernels too where both trees choose the same row block) and the alignment. Prints the medians and
