@@ -5,7 +5,9 @@
 For each projection of the model shape (qkv, o, gate_up, down) and each M (tokens in the step):
 bf16 `F.linear` (the column-parallel layers' call) and `x @ Wt` (the row-parallel layers'),
 the fp8 path split into its two launches (per-token quantisation, `torch._scaled_mm` with
-row-wise scales) and whole (`fp8_linear`), each timed in a CUDA graph of 20 calls (as decode
+row-wise scales) and whole (`fp8_linear`); cuBLAS's GEMM again with fast accumulation
+(`use_fast_accum`: Hopper's fp8 MMAs summed without promoting each K block to fp32) and with
+one scale per tensor (with and without it), each timed in a CUDA graph of 20 calls (as decode
 steps run) with static_benchmark.graph_call_us; achieved bandwidth against the weight bytes
 and TFLOP/s; and the fp8 result's relative error against the bf16 GEMM on the same inputs.
 CUDA only.
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from static_benchmark import graph_call_us  # noqa: E402
 
-from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, fp8_linear_triton, quantize_fp8_rows_triton,
-                                         quantize_fp8_weight, small_m_plan)
+from lightllm_kernels.fp8_linear import (fp8_gemm_ref, fp8_gemm_small_m, fp8_linear_triton,
+                                         quantize_fp8_rows_triton, quantize_fp8_weight, small_m_plan)
 
 logger = logging.getLogger("fp8_gemm_bench")
 
@@ -47,17 +49,38 @@ def one_row(name: str, n: int, k: int, m: int) -> dict:
     xq, xs = quantize_fp8_rows_triton(x)
     ref = F.linear(x, w).float()
     got = fp8_linear_triton(x, wq, ws).float()
+    one = torch.ones((), device="cuda")
+
+    def scaled(fast: bool, rowwise: bool = True):
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs if rowwise else one, scale_b=ws if rowwise else one,
+                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+    def or_nan(fn):  # a variant this torch's _scaled_mm refuses is nan, not the row's end
+        try:
+            return fn()
+        except RuntimeError as e:
+            logger.info("%s M=%d: %s", name, m, str(e).splitlines()[0][:160])
+            return float("nan")
+
+    def err(out):
+        return ((out.float() - exact).norm() / exact.norm()).item()
+
+    exact = fp8_gemm_ref(xq, xs, wq, ws, torch.float32)  # the same fp8 operands summed in fp32
     row = {
         "proj": name, "M": m,
         "bf16 linear": graph_call_us(lambda: F.linear(x, w)),
         "bf16 x@Wt": graph_call_us(lambda: x @ w_t),
         "quant": graph_call_us(lambda: quantize_fp8_rows_triton(x)),
-        "scaled_mm": graph_call_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
-                                                       out_dtype=torch.bfloat16)),
+        "scaled_mm": graph_call_us(lambda: scaled(False)),
+        "scaled_mm fast": or_nan(lambda: graph_call_us(lambda: scaled(True))),
+        "tensorwise": or_nan(lambda: graph_call_us(lambda: scaled(False, rowwise=False))),
+        "tensorwise fast": or_nan(lambda: graph_call_us(lambda: scaled(True, rowwise=False))),
         "small_m": (graph_call_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)) if m <= SMALL_M_TIMED
                     else float("nan")),
         "fp8_linear": graph_call_us(lambda: fp8_linear_triton(x, wq, ws)),
         "rel err": ((got - ref).norm() / ref.norm()).item(),
+        "slow err": err(scaled(False)),
+        "fast err": or_nan(lambda: err(scaled(True))),
     }
     best_bf16 = min(row["bf16 linear"], row["bf16 x@Wt"])
     row["speedup"] = best_bf16 / row["fp8_linear"]
@@ -68,8 +91,9 @@ def one_row(name: str, n: int, k: int, m: int) -> dict:
     return row
 
 
-COLUMNS = ["proj", "M", "bf16 linear", "bf16 x@Wt", "quant", "scaled_mm", "small_m", "fp8_linear", "speedup", "fp8 GB/s",
-           "fp8 TFLOP/s", "bf16 TFLOP/s", "rel err"]
+COLUMNS = ["proj", "M", "bf16 linear", "bf16 x@Wt", "quant", "scaled_mm", "scaled_mm fast", "tensorwise",
+           "tensorwise fast", "small_m", "fp8_linear", "speedup", "fp8 GB/s", "fp8 TFLOP/s", "bf16 TFLOP/s", "rel err",
+           "slow err", "fast err"]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -97,7 +121,8 @@ def tune(shapes, ms: list[int]) -> list[str]:
                     for waves in (1, 2, 4):
                         for warps, stages in ((4, 3), (4, 4), (8, 4)):
                             plan = small_m_plan(m, n, k, num_sms, block_n, block_k, waves)
-                            run = functools.partial(fp8_gemm_small_m, xq, xs, wq, ws, torch.bfloat16, plan, warps, stages)
+                            run = functools.partial(fp8_gemm_small_m, xq, xs, wq, ws, torch.bfloat16, plan, warps,
+                                                    stages)
                             try:
                                 assert torch.allclose(run().float(), ref, rtol=1e-2, atol=1e-2)
                                 results.append((graph_call_us(run), plan, waves, warps, stages))
@@ -105,8 +130,8 @@ def tune(shapes, ms: list[int]) -> list[str]:
                                 logger.info("%s M=%d %s: %s", name, m, plan, str(e).splitlines()[0][:120])
             default = graph_call_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16))
             results.sort(key=lambda r: r[0])
-            lines.append(f"{name} M={m}: default {default:.1f} us ({n * k / default / 1e3:.0f} GB/s); best: "
-                         + "; ".join(f"{t:.1f} us {p} waves {wv} warps {wp} stages {st}" for t, p, wv, wp, st in results[:5]))
+            best = "; ".join(f"{t:.1f} us {p} waves {wv} warps {wp} stages {st}" for t, p, wv, wp, st in results[:5])
+            lines.append(f"{name} M={m}: default {default:.1f} us ({n * k / default / 1e3:.0f} GB/s); best: {best}")
             logger.info(lines[-1])
     return lines
 
