@@ -49,7 +49,7 @@ def _add_and_normalise(x, x_ptr, residual_ptr, residual_ptrs, weight_ptr, cols, 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, x_stride, residual_stride, y_stride,
                      part_stride, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     PARTS: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 0: x holds PARTS fp32 partial sums of each row (a projection split over K,
     add_rms_norm_triton's `x` [PARTS, T, H]), added up here and rounded to the residual's dtype as
     the projection's own output would have been; the residual's dtype then stands for x's."""
@@ -70,7 +70,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
                            mask, hidden, eps, HAS_RESIDUAL)
     if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype (never with PARTS)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        y, scale = quantize_row(y, fp8_max, min_scale)
+        y, scale = quantize_row(y, fp8_max, min_scale, SOFT_ROUND)
         tl.store(scale_ptr + row, scale)
     tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -89,7 +89,8 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     residual = residual if has_residual else x  # unused pointer when there is no residual
     _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, hidden, x.stride(-2), residual.stride(0), y.stride(0),
                                 x.stride(0) if parts else 0, eps, FP8_MAX, MIN_SCALE, HAS_RESIDUAL=has_residual,
-                                FP8_OUT=fp8_out, PARTS=parts, BLOCK=block, num_warps=norm_warps(block), **pdl(x))
+                                FP8_OUT=fp8_out, PARTS=parts, BLOCK=block, SOFT_ROUND=not x.is_cuda,
+                                num_warps=norm_warps(block), **pdl(x))
     return (y, scale) if fp8_out else y
 
 

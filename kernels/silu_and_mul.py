@@ -50,7 +50,7 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.cons
 @fast_launch
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride, fp8_max, min_scale,
-                             BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK: tl.constexpr, GELU: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     """One row whole (BLOCK >= inter): its largest |y| scales it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -59,7 +59,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride,
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = (_act(gate, GELU) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the reference
-    store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale)
+    store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale, SOFT_ROUND)
 
 
 def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
@@ -79,8 +79,8 @@ def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
         scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
         block = next_power_of_2(inter)
         _silu_and_mul_fp8_kernel[(tokens,)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
-                                            BLOCK=block, GELU=gelu, num_warps=min(max(block // 1024, 1), 16),
-                                            **pdl(x))
+                                            BLOCK=block, GELU=gelu, SOFT_ROUND=not x.is_cuda,
+                                            num_warps=min(max(block // 1024, 1), 16), **pdl(x))
         return q, scale
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_power_of_2(inter), 1024)
