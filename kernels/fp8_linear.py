@@ -12,7 +12,8 @@ Two GEMMs, one operation (y = sx * sw * (xq @ wq^T)):
   on fp8 tensor cores 1.3-1.9x faster than bf16 from M = 512 (H200, gate_up at M = 4096: 755
   against 1440 us).
 The per-token quantisation in front of both is the first kernel here. The reference does the
-same quantisation in torch and the GEMM in fp32, so the paths differ only by accumulation order.
+same quantisation in torch and the GEMM in fp32, so the paths differ only by accumulation order
+(and, above SMALL_M_MAX, by the fast accumulation's precision: FAST_ACCUM).
 """
 import torch
 
