@@ -120,10 +120,13 @@ class _Direct:
                  *args, *self.constexprs)
 
 
-# Launches that took Triton's own path because their specialisation was new to this process, and
-# their host time: where Triton compiled a kernel or loaded it from its disk cache. The step trace
-# records both per step (lightllm/engine/step_trace.py): a serving step should show none.
-NEW_SPECIALISATIONS = {"launches": 0, "ms": 0.0}
+# Launches that took Triton's own path because their specialisation was new to this process, their
+# host time and their kernels' names: where Triton compiled a kernel or loaded it from its disk
+# cache. The step trace records them per step (lightllm/engine/step_trace.py): a serving step
+# should show none. A kernel's constexprs that follow a step's shape make one such kernel per new
+# value: decode attention's plan in eager steps compiled 0.3-0.6 s while serving on an H200 until
+# those steps took their graph bucket's plan (2026-12-02).
+NEW_SPECIALISATIONS = {"launches": 0, "ms": 0.0, "kernels": []}
 
 
 class _FastKernel:
@@ -153,6 +156,7 @@ class _FastKernel:
             kernel = self.fn[grid](*args, **kwargs)
             NEW_SPECIALISATIONS["launches"] += 1
             NEW_SPECIALISATIONS["ms"] += (time.perf_counter() - start) * 1000
+            NEW_SPECIALISATIONS["kernels"].append(self.fn.__name__)
             # The compiled kernel takes every parameter in order, constexprs included; they are
             # part of the key, so fixed for it.
             self._compiled[key] = _Direct.of(kernel, tuple(kwargs[n] for n in self.arg_names[len(args):]))

@@ -549,6 +549,7 @@ class _FakeJit:
 
     def __init__(self):
         self.triton_calls, self.direct_calls = [], []
+        self.__name__ = "fake_kernel"
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
@@ -579,6 +580,7 @@ def test_fast_launch_compiles_once_per_specialisation_and_passes_every_parameter
     assert [args[1] for _, args, _ in jit.triton_calls] == [32, 17, 32, 32, 1]
     assert NEW_SPECIALISATIONS["launches"] - before == 5  # the step trace's new_kernels counts these
     assert jit.direct_calls == [((4, 1, 1), (aligned, 48, 64, True)), ((2, 3, 1), (aligned, 33, 64, True))]
+    assert NEW_SPECIALISATIONS["kernels"][-5:] == ["fake_kernel"] * 5  # and names them
 
 
 def test_fast_launch_calls_the_launcher_as_triton_does(monkeypatch):

@@ -61,6 +61,32 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     assert gc.callbacks.count(runner._trace._on_gc) == 0  # closing the trace unhooks it
 
 
+def test_a_step_names_the_triton_kernels_it_met_first(tmp_path, monkeypatch):
+    """A step in which kernels/_triton.py's fast launch met new specialisations records their
+    count, time and kernels; the next step, which met none, records no names."""
+    import torch
+
+    from lightllm.engine.step_trace import StepTrace
+    from lightllm_kernels._triton import NEW_SPECIALISATIONS
+
+    monkeypatch.setitem(NEW_SPECIALISATIONS, "kernels", ["_older_kernel"])
+    trace = StepTrace(str(tmp_path / "trace.jsonl"), torch.device("cpu"))
+    record = trace.begin()
+    monkeypatch.setitem(NEW_SPECIALISATIONS, "launches", NEW_SPECIALISATIONS["launches"] + 2)
+    monkeypatch.setitem(NEW_SPECIALISATIONS, "ms", NEW_SPECIALISATIONS["ms"] + 300.0)
+    NEW_SPECIALISATIONS["kernels"] += ["_extend_kernel", "_rms_norm_kernel"]  # as _FastKernel appends them
+    trace.end(record, 7, decodes=1, chunk_tokens=6720, chunks=44, graph=False, decode_context=85, chunk_context=8542)
+    trace.end(trace.begin(), 8, decodes=45, chunk_tokens=0, chunks=0, graph=True, decode_context=8672,
+              chunk_context=0)
+    trace.close()
+    first, second = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert (first["new_kernels"], first["new_kernel_ms"]) == (2, 300.0)
+    assert first["new_kernel_names"] == ["_extend_kernel", "_rms_norm_kernel"]
+    assert second["new_kernels"] == 0 and "new_kernel_names" not in second
+    text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
+    assert "Steps that compiled (or loaded) a Triton kernel: step 7 300.0 ms: _extend_kernel, _rms_norm_kernel" in text
+
+
 def test_summary_splits_idle_by_the_step_that_waited():
     steps = [
         {"step": 1, "decodes": 0, "chunk_tokens": 3000, "chunks": 4, "graph": False, "launch_ms": 20, "start_ms": 0, "end_ms": 50},

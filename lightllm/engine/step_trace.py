@@ -15,7 +15,7 @@ below `launch_ms`, the thread was held up without running (a lock, the GIL, a bl
 call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
 `new_kernels` and `new_kernel_ms` are the launches in it whose Triton specialisation was new to
 the process and their host time (Triton compiling, or loading from its cache; kernels/_triton.py,
-CUDA only). Eager steps on CUDA also carry the caching allocator's counts so far: `device_allocs`, the
+CUDA only), and where there are any, `new_kernel_names`, their kernels. Eager steps on CUDA also carry the caching allocator's counts so far: `device_allocs`, the
 blocks it had to take from the driver (cudaMalloc), and `alloc_retries`, the allocations it could
 only serve after freeing its cached blocks (cudaFree, which waits for the device).
 
@@ -74,7 +74,8 @@ class StepTrace:
     def begin(self) -> dict:
         """Call before the step's first device work; returns the record `end` completes."""
         return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
-                "new_start": dict(NEW_SPECIALISATIONS), "start": self._mark()}
+                "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
+                "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
             decode_context: int, chunk_context: int) -> None:
@@ -87,6 +88,8 @@ class StepTrace:
                       new_kernels=NEW_SPECIALISATIONS["launches"] - record["new_start"]["launches"],
                       new_kernel_ms=round(NEW_SPECIALISATIONS["ms"] - record.pop("new_start")["ms"], 3),
                       launched_ms=round((now - self._t0) * 1000, 3), end=self._mark())
+        if record["new_kernels"]:
+            record["new_kernel_names"] = NEW_SPECIALISATIONS["kernels"][-record["new_kernels"]:]
         if self.cuda and not graph:  # a dict of every allocator statistic: eager steps only, a few of them
             stats = torch.cuda.memory_stats(self.device)
             record.update(device_allocs=stats.get("num_device_alloc", 0),

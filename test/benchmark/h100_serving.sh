@@ -15,7 +15,8 @@
 #   rates $SWEEP_RATES (5,10,20,30,40) with the first $SWEEP_N (500) saved requests; $OUT/sweep-VARIANT.{json,png}.
 #   api: the new server on MODEL, test/benchmark/gpu_api_check.py against it (logprobs, n, seed,
 #   logit_bias, min_tokens, stop_token_ids, echo, /generate details, /metrics), one line per check.
-#   VARIANT = old | base (.gpu/base: a git archive of HEAD, kernels in .gpu/base_path) | new | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
+#   VARIANT = old | old+--flag,value,... | base (.gpu/base: a git archive of HEAD, kernels in .gpu/base_path) | new
+#           | new-nooverlap (--disable_overlap) | new-nocache (--disable_prefix_cache)
 #           | new-cSIZE (--chunked_prefill_size SIZE) | new-fp8 (--quantization fp8) | new-fp8-trace | new-fp8-cSIZE
 #           | new-fp8-awSTEPS (--admission_wait_steps STEPS) | new-kv8, new-fp8-kv8 (--kv_cache_dtype fp8_e4m3)
 #           | new-fcfs, new-fcfs-cSIZE (--schedule_policy fcfs) | new-eager (--disable_cuda_graph)
@@ -166,6 +167,7 @@ flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags)
   path=$NEW_PATH tree=$ROOT extra=""
   case $1 in
     old) path=$OLD_PATH; tree=$ROOT/.gpu/old ;;  # cwd too: `python -m` puts it first on sys.path
+    old+*) path=$OLD_PATH; tree=$ROOT/.gpu/old; extra=${1#old+}; extra=${extra//,/ } ;;
     new) ;;
     base) path=$ROOT/.gpu/base:$ROOT/.gpu/base_path:/tmp/site; tree=$ROOT/.gpu/base ;;  # git archive of HEAD
     new-nooverlap) extra=--disable_overlap ;;

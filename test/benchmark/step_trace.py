@@ -56,6 +56,7 @@ def kind(step: dict) -> str:
 
 def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     groups: dict[str, dict] = {}
+    found = []  # (step, ms, kernel names) of the steps with new Triton specialisations
     idle = long_idle = 0.0
     previous_end = None
     for step in steps:
@@ -74,6 +75,8 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
         if "new_kernels" in step:
             g["new_kernels"] += step["new_kernels"]
             g["new_kernel_ms"].append(step["new_kernel_ms"])
+            if step["new_kernels"]:  # names since 2026-12-02
+                found.append((step["step"], step["new_kernel_ms"], step.get("new_kernel_names", [])))
         g["decodes"].append(step["decodes"])
         if gap > long_gap_ms:
             long_idle += gap
@@ -84,7 +87,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     wall = steps[-1]["end_ms"] - steps[0]["start_ms"] if steps else 0.0
     busy = sum(sum(g["device_ms"]) for g in groups.values())
     return {"steps": len(steps), "wall_ms": wall, "busy_ms": busy, "idle_ms": idle, "long_idle_ms": long_idle,
-            "groups": groups}
+            "groups": groups, "compiles": found}
 
 
 def table(summary: dict) -> str:
@@ -108,7 +111,15 @@ def table(summary: dict) -> str:
                      f"{mean(g['launch_ms'])} / {max(g['launch_ms']):.1f} | {mean(g['cpu_ms'])} | {gc_ms} | {new} | "
                      f"{mean(g['waited_ms'])} | {g['idle_before_ms'] / 1000:.2f} | "
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
-    return "\n".join(lines)
+    return "\n".join(lines + compiles(summary["compiles"]))
+
+
+def compiles(found: list[tuple[int, float, list[str]]]) -> list[str]:
+    """Lines naming the steps that met a Triton specialisation new to the server, and its kernels."""
+    if not found:
+        return []
+    return ["", "Steps that compiled (or loaded) a Triton kernel: "
+            + "; ".join(f"step {step} {ms:.1f} ms: {', '.join(names) or '?'}" for step, ms, names in found)]
 
 
 
