@@ -45,10 +45,11 @@ FEW_LAUNCH, FEW_MIN_CHUNK = (64, 8, 2), 64
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                          max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, plan_for: tuple[int, int] | None = None) -> torch.Tensor:
     """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]] (the last
     `window` of them where window > 0). The result
     [B, Hq, D] goes to `out` where given (a slice of the step's attention output), else a new tensor.
+    `plan_for` is the Triton launch's (decode_attention_triton); no part of the result.
 
     A row of length 1 attends to its one slot, so its output is that slot's V: computed apart,
     because a padded mixed step (cuda_graph.py) has one such row per prompt token, and the
@@ -262,9 +263,14 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
-                            softcap: float = 0.0, launch: tuple[int, int, int] | None = None,
-                            fp8_as_f16: bool = True, min_chunk: int | None = None) -> torch.Tensor:
-    """As decode_attention_ref; `launch` overrides the launch's (BLOCK_N, warps, stages), `min_chunk`
+                            softcap: float = 0.0, plan_for: tuple[int, int] | None = None,
+                            launch: tuple[int, int, int] | None = None, fp8_as_f16: bool = True,
+                            min_chunk: int | None = None) -> torch.Tensor:
+    """As decode_attention_ref. The launch plan (splits, block, the fewest keys a split takes) is
+    chosen for `plan_for` = (batch, max_seqlen) where given, at least this call's: each plan is a
+    kernel Triton compiles, so an eager step takes the plan of the CUDA graph its decodes would
+    replay, whose kernel the capture compiled (a plan of its own compiled it again while serving,
+    0.3-0.6 s on an H200). `launch` overrides the launch's (BLOCK_N, warps, stages), `min_chunk`
     the fewest keys a split takes (tune_decode_attention.py).
     An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
     old way (decode_attention_kv_dtype.py times both)."""
@@ -272,8 +278,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    span = min(max_seqlen, window) if window else max_seqlen  # the most keys one query sees
-    splits, (block_n, warps, stages), min_chunk = _split_plan(batch, num_kv_heads, span, q.device, launch, min_chunk)
+    plan_batch, plan_seqlen = plan_for or (batch, max_seqlen)
+    assert plan_batch >= batch and plan_seqlen >= max_seqlen  # a graph bucket holds its batch, its bound every length
+    span = min(plan_seqlen, window) if window else plan_seqlen  # the most keys one query sees
+    splits, (block_n, warps, stages), min_chunk = _split_plan(plan_batch, num_kv_heads, span, q.device, launch,
+                                                              min_chunk)
     block_d = next_power_of_2(head_dim)
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
@@ -291,6 +300,6 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=min_chunk, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
-        DIRECT=batch <= FEW_REQUESTS,
+        DIRECT=plan_batch <= FEW_REQUESTS,
         num_warps=warps, num_stages=stages, **pdl(q))
     return out

@@ -292,6 +292,26 @@ def test_decode_attention_under_a_graph_bound_splits_each_request(window, monkey
                  ATTN_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("plan_batch", [6, 8, 64])
+def test_decode_attention_planned_for_a_graph_bucket_is_the_reference(plan_batch, monkeypatch):
+    """An eager step's decodes launch with the plan of the graph bucket they would replay (batch
+    rounded up, max_req_total_len as the bound): the plan is chosen for those, not for the call's
+    own batch and lengths, and the result is still the reference's."""
+    monkeypatch.setattr(decode_module, "WAVES", 64)
+    planned = []
+    split_plan = decode_module._split_plan
+    monkeypatch.setattr(decode_module, "_split_plan", lambda *a, **k: planned.append(a[:3]) or split_plan(*a, **k))
+    seq_lens, bound = [3, 70, 150, 17, 300, 1], 4096
+    q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(seq_lens, 4, 2, 64, torch.float32)
+    args = (q, k_cache, v_cache, req_to_token, req_rows, lens, max(seq_lens), 0.125)
+    got = decode_attention_triton(*args, plan_for=(plan_batch, bound))
+    assert planned == [(plan_batch, 2, bound)]
+    assert_close(got, decode_attention_ref(*args, plan_for=(plan_batch, bound)), ATTN_TOL[torch.float32])
+    assert not decode_module._chunk_counters(q.device).any()
+    with pytest.raises(AssertionError):  # a plan for fewer requests than the call has
+        decode_attention_triton(*args, plan_for=(len(seq_lens) - 1, bound))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_over_an_fp8_cache_triton_matches_ref(dtype):
     """The kernels widen fp8 K/V as they read them (to fp16 under bf16 queries: fp8_dot_dtype), the

@@ -119,6 +119,35 @@ def test_steps_past_the_graphs_run_eagerly_and_equal(tmp_path, captured_logits, 
     assert [len(t) for t in tokens[True]] == [len(many), 1, 1, 0]
 
 
+def test_an_eager_steps_decodes_take_their_graph_buckets_attention_plan(tmp_path, captured_logits, monkeypatch):
+    """Decode attention compiles one kernel per launch plan: an eager step's decodes are planned
+    for the decode graph they would replay (its bucket, max_req_total_len), whose kernel the
+    capture compiled, and for their own batch and lengths only where there are no graphs."""
+    from lightllm.models import layers
+
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    planned = []
+    attention = layers.decode_attention
+    monkeypatch.setattr(layers, "decode_attention",
+                        lambda *a, plan_for=None, **k: planned.append((a[0].shape[0], plan_for)) or attention(*a, **k))
+    first, *many = random_prompts(6, lengths=[9] + [2] * (MAX_GRAPH_CHUNKS + 1))
+    plans = [([], [Chunk(i, p, 0, True, GREEDY) for i, p in enumerate(random_prompts(7, lengths=(9, 4, 6)))], []),
+             ([0, 1, 2], [Chunk(10 + i, p, 0, True, GREEDY) for i, p in enumerate(many)], []),  # too many chunks
+             ([], [], [Release(i) for i in [0, 1, 2] + [10 + i for i in range(len(many))]])]
+    layer_count = make_runner(tmp_path).model.config.num_layers
+    for graphs in (False, True):
+        planned.clear()
+        runner = ModelRunner(str(tmp_path), max_total_token_num=4 * MAX_GRAPH_CHUNKS,
+                             max_req_total_len=4 * MAX_GRAPH_CHUNKS, running_max_req_size=MAX_GRAPH_CHUNKS + 8,
+                             device="cpu", cuda_graph=graphs, cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
+        run(runner, plans, captured_logits)
+        eager = (3, (runner.graphs.bucket(3), 4 * MAX_GRAPH_CHUNKS) if graphs else None)
+        # the other steps ran padded (graphs) or without decodes; a padded step's decodes are the graph's own plan
+        assert [p for p in planned if p[0] == 3] == [eager] * layer_count
+        assert all(plan is None for n, plan in planned if n != 3)
+        assert runner.stats()["tokens_used"] == 0
+
+
 def test_every_layout_warms_up_on_padding_alone(tmp_path):
     """Capture warms each bucket up from its own padding-only metadata (the layouts read one
     static buffer at different offsets): every token on the padding row, every chunk empty,
@@ -134,3 +163,31 @@ def test_every_layout_warms_up_on_padding_alone(tmp_path):
         assert set(rows) == set(decode_rows) == {graphs.padding_row} and set(ids) == set(positions) == {0}
         assert set(decode_lens) == {1} and set(v["ext_cu_q"].tolist()) == {0}
         assert set(v["q_blocks"].view(2, -1)[0].tolist()) == {-1}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels on CUDA only")
+def test_eager_steps_compile_no_decode_attention_after_capture(tmp_path):
+    """On the GPU: after the graphs are captured, eager steps whose decodes differ in count and
+    lengths from every captured one launch decode attention without compiling it (a kernel per
+    plan: compiled while serving, a step's launch waited 0.3-0.6 s on an H200)."""
+    from lightllm_kernels._triton import NEW_SPECIALISATIONS
+
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    runner = ModelRunner(str(tmp_path), max_total_token_num=4096, max_req_total_len=512,
+                         running_max_req_size=MAX_GRAPH_CHUNKS + 8, device="cuda", cuda_graph=True,
+                         cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
+    captured = len(NEW_SPECIALISATIONS["kernels"])
+    step_id, rid = 0, 100
+    for decodes, length in ((1, 17), (3, 85), (5, 200), (2, 9)):
+        prompts = random_prompts(decodes, lengths=[length] * decodes)
+        first = [Chunk(rid + i, p, 0, True, GREEDY) for i, p in enumerate(prompts)]
+        many = [Chunk(rid + decodes + i, p, 0, True, GREEDY)
+                for i, p in enumerate(random_prompts(step_id, lengths=[2] * (MAX_GRAPH_CHUNKS + 1)))]
+        steps = (([], first, []), ([c.req_id for c in first], many, []),  # the second eager: too many chunks
+                 ([], [], [Release(c.req_id) for c in first + many]))
+        for decoding, chunks, ops in steps:
+            runner.step(StepPlan(step_id, decoding, chunks, ops=ops, sync=True))
+            step_id += 1
+        rid += 1000
+    assert "_decode_split_kernel" not in NEW_SPECIALISATIONS["kernels"][captured:]
+    assert runner.stats()["tokens_used"] == 0

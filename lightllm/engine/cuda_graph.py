@@ -152,6 +152,11 @@ class StepGraphs:
     def bucket(self, n: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
+    def decode_plan_for(self, n: int) -> tuple[int, int]:
+        """(batch, max_seqlen) of the graph n decodes replay: an eager step's decode attention takes
+        that graph's launch plan, a kernel the capture compiled (decode_attention_triton)."""
+        return self.bucket(n), self.max_seqlen
+
     def pad_meta(self, input_ids: list[int], positions: list[int], rows: list[int],
                  seq_lens: list[int]) -> list[int]:
         """The step's metadata padded to its bucket, flattened for the runner's one upload."""

@@ -423,8 +423,9 @@ class ModelRunner:
                  max_seqlen: int) -> torch.Tensor:
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
         input_ids = torch.cat([self.last_token[t["decode_rows"]], t["chunk_ids"]])
+        plan_for = self.graphs.decode_plan_for(len(t["decode_rows"])) if decodes and self.graphs is not None else None
         decode = dict(decode_rows=t["decode_rows"].int(), decode_seq_lens=t["decode_seq_lens"].int(),
-                      decode_max_seqlen=max_seqlen) if decodes else {}
+                      decode_max_seqlen=max_seqlen, decode_plan_for=plan_for) if decodes else {}
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,

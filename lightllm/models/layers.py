@@ -39,6 +39,7 @@ class ForwardBatch:
     decode_rows: torch.Tensor | None = None  # [D] int32, the first D tokens' request rows
     decode_seq_lens: torch.Tensor | None = None  # [D] int32, including the new token
     decode_max_seqlen: int = 0  # host-side bound on decode_seq_lens
+    decode_plan_for: tuple[int, int] | None = None  # (batch, max_seqlen) decode attention's plan is chosen for
     ext_rows: torch.Tensor | None = None  # [C] int32, one per chunk
     ext_cu_q: torch.Tensor | None = None  # [C+1] int32, chunk bounds within all T tokens (from D on)
     ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
@@ -341,7 +342,7 @@ class Attention:
         if n:
             decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows, batch.decode_seq_lens,
                              batch.decode_max_seqlen, self.scale, out=out[:n], window=self.window,
-                             softcap=self.softcap)
+                             softcap=self.softcap, plan_for=batch.decode_plan_for)
         if batch.has_chunks:  # after the decodes: a padded step's decode rows overlap the chunks' rows
             extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
                              batch.ext_kv_lens, batch.ext_q_blocks, self.scale, out=out, window=self.window,
