@@ -15,9 +15,10 @@ below `launch_ms`, the thread was held up without running (a lock, the GIL, a bl
 call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
 `new_kernels` and `new_kernel_ms` are the launches in it whose Triton specialisation was new to
 the process and their host time (Triton compiling, or loading from its cache; kernels/_triton.py,
-CUDA only), and where there are any, `new_kernel_names`, their kernels. Eager steps on CUDA also carry the caching allocator's counts so far: `device_allocs`, the
-blocks it had to take from the driver (cudaMalloc), and `alloc_retries`, the allocations it could
-only serve after freeing its cached blocks (cudaFree, which waits for the device).
+CUDA only), and where there are any, `new_kernel_names`, their kernels. Eager steps on CUDA also
+carry the caching allocator's counts so far: `device_allocs`, the blocks it had to take from the
+driver (cudaMalloc), and `alloc_retries`, the allocations it could only serve after freeing its
+cached blocks (cudaFree, which waits for the device).
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
