@@ -130,7 +130,7 @@ def test_an_eager_steps_decodes_take_their_graph_buckets_attention_plan(tmp_path
     attention = layers.decode_attention
     monkeypatch.setattr(layers, "decode_attention",
                         lambda *a, plan_for=None, **k: planned.append((a[0].shape[0], plan_for)) or attention(*a, **k))
-    first, *many = random_prompts(6, lengths=[9] + [2] * (MAX_GRAPH_CHUNKS + 1))
+    many = random_prompts(6, lengths=[2] * (MAX_GRAPH_CHUNKS + 1))
     plans = [([], [Chunk(i, p, 0, True, GREEDY) for i, p in enumerate(random_prompts(7, lengths=(9, 4, 6)))], []),
              ([0, 1, 2], [Chunk(10 + i, p, 0, True, GREEDY) for i, p in enumerate(many)], []),  # too many chunks
              ([], [], [Release(i) for i in [0, 1, 2] + [10 + i for i in range(len(many))]])]
