@@ -1,4 +1,5 @@
-"""Triton kernels, each beside its plain-torch reference (import name `lightllm_kernels`).
+"""Triton kernels, each beside its plain-torch reference (imported as `lightllm.kernels`:
+setup.py maps the folder there, lightllm/__init__.py does so in a checkout that is not installed).
 
 Every operation lives in `<op>.py` as `<op>_ref` (torch; the CPU path and the test oracle)
 and `<op>_triton` (same signature). The public `<op>` runs Triton on CUDA tensors and the

@@ -1,4 +1,4 @@
-"""Guarded Triton import: `import lightllm_kernels` must work where Triton is missing.
+"""Guarded Triton import: `import lightllm.kernels` must work where Triton is missing.
 
 Without Triton the `@triton.jit` kernels are still defined (so the modules import and the
 torch references stay usable) but calling one raises a clear error.

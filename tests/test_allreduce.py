@@ -66,7 +66,7 @@ def test_every_message_the_fused_kernel_takes_fits_its_slots(world_size):
     width up to FUSED_MAX_HIDDEN in either dtype, up to the group's largest fused message, fits
     the programs' slots (kernels/allreduce_norm.slots), one row a program up to FUSED_PROGRAMS
     rows; and the regions stay within 80 MiB each."""
-    from lightllm_kernels.allreduce_norm import slots
+    from lightllm.kernels.allreduce_norm import slots
 
     programs, most = allreduce.FUSED_PROGRAMS[world_size], allreduce.FUSED_MAX_BYTES[world_size]
     region = allreduce.fused_region_bytes(most, programs)
@@ -216,7 +216,7 @@ def test_gloo_sums_of_two_ranks():
 def interpreted_fused_rank(rank, data, flags, counters, parts, residuals, weight, outputs, rows_per_call):
     """One rank of the fused all-reduce + add + RMSNorm under Triton's interpreter, its peers'
     buffers and flags shared CPU memory (each process maps them at its own addresses)."""
-    from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton
+    from lightllm.kernels.allreduce_norm import one_shot_add_rms_norm_triton
 
     pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     for call, rows in enumerate(rows_per_call):
@@ -238,7 +238,7 @@ def test_the_fused_kernels_barriers_between_two_interpreted_ranks():
     call's sums, residuals and norms equal the reference's on both ranks; at the end every
     program's counter and every flag it was signalled through holds its number of calls, and
     the programs never launched nothing."""
-    from lightllm_kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, slots
+    from lightllm.kernels.allreduce_norm import flag_count, one_shot_add_rms_norm_ref, slots
 
     hidden, world, programs = 32, 2, FUSED_TEST_PROGRAMS
     calls, most = len(FUSED_TEST_ROWS), max(FUSED_TEST_ROWS)
@@ -363,7 +363,7 @@ def fused_worker(rank, world_size, port, seed, results):
     residual bitwise for two ranks, the norm's output within a rounding), every rank's outputs
     the same bits, eagerly, IN_A_ROW times in a row on new inputs with the ranks out of step,
     and replayed from a CUDA graph on new inputs."""
-    from lightllm_kernels.rms_norm import add_rms_norm_triton
+    from lightllm.kernels.rms_norm import add_rms_norm_triton
 
     device, hidden, eps = torch.device("cuda", rank), 4096, 1e-5
     group = init_tp(rank, world_size, port, device)

@@ -11,7 +11,7 @@ from lightllm.engine.model_runner import run_step
 from lightllm.models import ModelConfigError
 from lightllm.server.config import ServerConfig, build_parser
 from lightllm.engine.request import SamplingParams
-from lightllm_kernels.fp8_linear import quantize_fp8_rows_ref, quantize_fp8_weight
+from lightllm.kernels.fp8_linear import quantize_fp8_rows_ref, quantize_fp8_weight
 from test_model_vs_hf import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
                               random_prompts, run_schedule)
 

@@ -27,7 +27,7 @@ from lightllm.engine.model_runner import run_step
 from lightllm.models import ModelConfigError, layers, resolve_kv_dtype
 from lightllm.server.config import ServerConfig, build_parser
 from lightllm.engine.request import SamplingParams
-from lightllm_kernels.rotary_kv import rotary_kv_ref
+from lightllm.kernels.rotary_kv import rotary_kv_ref
 from test_model_vs_hf import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
                               random_prompts, run_schedule)
 

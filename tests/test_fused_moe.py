@@ -8,12 +8,12 @@ import importlib
 import pytest
 import torch
 
-from lightllm_kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert_ref, align_by_expert_triton,
+from lightllm.kernels.fused_moe import (DECODE_PLAN, MoEPlan, align_by_expert_ref, align_by_expert_triton,
                                         descriptor_fits, fused_moe_ref, fused_moe_triton, interleave_gate_up,
                                         padded_pairs_bound, quantize_experts_fp8, route_topk)
 
 # the package's public `fused_moe` function shadows the submodule of the same name
-fused_moe_module = importlib.import_module("lightllm_kernels.fused_moe")
+fused_moe_module = importlib.import_module("lightllm.kernels.fused_moe")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: summation order only. bf16: gate/up, the product and each expert's output are rounded to
 # bf16 on both paths, but at different points of an fp32 sum (and the interpreter rounds toward
@@ -93,7 +93,7 @@ def test_fused_moe_prefill_sized_blocks():
 def test_moe_plan_grows_its_row_block_with_the_groups():
     """Each plan's row block holds 1.5x the mean group up to the largest plan (128 rows, chosen by
     moe_bench --tune on the H100), which takes every larger group; 128-row blocks compute right."""
-    from lightllm_kernels.fused_moe import LARGE_PLAN, moe_plan, moe_plans
+    from lightllm.kernels.fused_moe import LARGE_PLAN, moe_plan, moe_plans
 
     experts_n, blocks = 128, []
     for pairs in (8, 1024, 2048, 4096, 8192, 16384, 65536):
@@ -114,7 +114,7 @@ def test_moe_tile_order_visits_every_tile_once_in_groups(num_blocks, num_cols, g
     """moe_tile maps the 1-D grid onto every (row block, column tile) exactly once; with groups,
     the first group_m * num_cols programs are the first group_m blocks' every tile (a ragged last
     group included), the blocks of a group fastest."""
-    from lightllm_kernels._triton import tl, triton
+    from lightllm.kernels._triton import tl, triton
 
     @triton.jit
     def tiles(out_ptr, num_blocks, num_cols, GROUP_M: tl.constexpr):

@@ -9,24 +9,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightllm_kernels._triton import fp8_dot_dtype, zeroed_counters
-from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
-from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from lightllm_kernels.extend_attention import (extend_attention_ref, extend_attention_triton, extend_q_blocks,
+from lightllm.kernels._triton import fp8_dot_dtype, zeroed_counters
+from lightllm.kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
+from lightllm.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from lightllm.kernels.extend_attention import (extend_attention_ref, extend_attention_triton, extend_q_blocks,
                                                max_q_blocks)
-from lightllm_kernels.fp8_linear import (FP8_MAX, NUM_COUNTERS, SMALL_M_MAX, fp8_gemm_ref, fp8_gemm_small_m,
+from lightllm.kernels.fp8_linear import (FP8_MAX, NUM_COUNTERS, SMALL_M_MAX, fp8_gemm_ref, fp8_gemm_small_m,
                                          fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton, quantize_fp8_rows_ref,
                                          quantize_fp8_rows_triton, quantize_fp8_weight)
-from lightllm_kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
-from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
-from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
-from lightllm_kernels.silu_and_mul import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref,
+from lightllm.kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
+from lightllm.kernels.random_uniform import random_uniform_ref, random_uniform_triton
+from lightllm.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from lightllm.kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
+from lightllm.kernels.silu_and_mul import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref,
                                            silu_and_mul_triton)
 
 # The package's public `decode_attention` function shadows the submodule of the same name.
-decode_module = importlib.import_module("lightllm_kernels.decode_attention")
-extend_attention_module = importlib.import_module("lightllm_kernels.extend_attention")
+decode_module = importlib.import_module("lightllm.kernels.decode_attention")
+extend_attention_module = importlib.import_module("lightllm.kernels.extend_attention")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -533,7 +533,7 @@ def fmix32_python(h: int) -> int:
 
 
 def test_random_uniform_hash_matches_textbook_fmix32():
-    from lightllm_kernels.random_uniform import _fmix32_ref
+    from lightllm.kernels.random_uniform import _fmix32_ref
 
     values = torch.randint(0, 2**32, (1000,), dtype=torch.int64)
     values[:3] = torch.tensor([0, 1, 2**32 - 1])
@@ -584,7 +584,7 @@ class _FakeJit:
 
 
 def test_fast_launch_compiles_once_per_specialisation_and_passes_every_parameter():
-    from lightllm_kernels._triton import NEW_SPECIALISATIONS, _FastKernel
+    from lightllm.kernels._triton import NEW_SPECIALISATIONS, _FastKernel
 
     jit = _FakeJit()
     kernel = _FastKernel(jit)
@@ -606,7 +606,7 @@ def test_fast_launch_compiles_once_per_specialisation_and_passes_every_parameter
 def test_fast_launch_calls_the_launcher_as_triton_does(monkeypatch):
     """A compiled kernel with Triton's launcher attributes is launched through them, on the
     stream current for the first argument's device, with no launch metadata or hooks."""
-    from lightllm_kernels import _triton
+    from lightllm.kernels import _triton
 
     launches = []
 
@@ -630,7 +630,7 @@ def test_fast_launch_calls_the_launcher_as_triton_does(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast launch path is taken for CUDA tensors only")
 def test_fast_launch_on_the_gpu_matches_the_reference():
-    from lightllm_kernels.rms_norm import _rms_norm_kernel
+    from lightllm.kernels.rms_norm import _rms_norm_kernel
 
     weight = randn(4096, dtype=torch.bfloat16)
     for rows in (8, 8, 24):  # the second call reuses the first's kernel
@@ -768,7 +768,7 @@ def test_silu_and_mul_fp8_out_triton_matches_ref(dtype):
 def test_host_cdiv_and_next_power_of_2_equal_tritons():
     import triton
 
-    from lightllm_kernels._triton import cdiv, next_power_of_2
+    from lightllm.kernels._triton import cdiv, next_power_of_2
 
     for n in range(0, 70000, 7):
         for d in (1, 16, 64, 132, 1024):
@@ -778,7 +778,7 @@ def test_host_cdiv_and_next_power_of_2_equal_tritons():
 
 
 def test_direct_launch_only_on_the_tested_triton_releases():
-    from lightllm_kernels._triton import _tested_triton
+    from lightllm.kernels._triton import _tested_triton
 
     assert _tested_triton("3.6.0") and _tested_triton("3.9.1+git0a1b2c")
     assert not _tested_triton("3.5.1") and not _tested_triton("3.10.0") and not _tested_triton("4.0.0")
@@ -860,7 +860,7 @@ def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank, rows,
     counted and sent to the peer, this rank's rows pushed into the peer's slots of (parity,
     this rank). One row a program (5 rows, 8 programs), and several (7 and 13 rows over 4
     programs: 2 and 4 rows a program, the last program with fewer)."""
-    from lightllm_kernels.allreduce_norm import (flag_count, one_shot_add_rms_norm_ref, one_shot_add_rms_norm_triton,
+    from lightllm.kernels.allreduce_norm import (flag_count, one_shot_add_rms_norm_ref, one_shot_add_rms_norm_triton,
                                                  slots)
 
     hidden, world = 96, 2

@@ -28,7 +28,7 @@ FORBIDDEN = {
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[0] == "kernels":
-        parts[0] = "lightllm_kernels"
+        parts[0] = "lightllm.kernels"
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -47,13 +47,20 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
     return found
 
 
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def violations(folder: str) -> list[str]:
     forbidden = FORBIDDEN[folder]
+    own = module_name(ROOT / folder / "__init__.py")  # a package may import itself
     found = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         module = module_name(path)
         for name in imported_modules(path.read_text(), module, path.name == "__init__.py"):
-            if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden):
+            if within(name, own):
+                continue
+            if any(within(name, prefix) for prefix in forbidden):
                 found.append(f"{path.relative_to(ROOT)} imports {name}")
     return found
 

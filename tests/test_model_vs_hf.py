@@ -17,7 +17,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
-import lightllm_kernels
+import lightllm.kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers, moe
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.model_runner import ModelRunner, run_step
@@ -291,8 +291,8 @@ def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monk
         pytest.skip("the runner here is on the CPU, where Triton needs TRITON_INTERPRET=1 (tests/conftest.py sets "
                     "it on machines without a GPU)")
     for op, triton_fn in TRITON_OPS.items():
-        monkeypatch.setattr(layers, op, getattr(lightllm_kernels, triton_fn))
-    monkeypatch.setattr(moe, "fused_moe", lightllm_kernels.fused_moe_triton)
+        monkeypatch.setattr(layers, op, getattr(lightllm.kernels, triton_fn))
+    monkeypatch.setattr(moe, "fused_moe", lightllm.kernels.fused_moe_triton)
     hf_model = make_model(name, tmp_path)
     steps = run_schedule(make_runner(tmp_path), random_prompts(4))
     assert_logits_match_hf(hf_model, captured_logits, steps)

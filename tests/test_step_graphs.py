@@ -170,7 +170,7 @@ def test_eager_steps_compile_no_decode_attention_after_capture(tmp_path):
     """On the GPU: after the graphs are captured, eager steps whose decodes differ in count and
     lengths from every captured one launch decode attention without compiling it (a kernel per
     plan: compiled while serving, a step's launch waited 0.3-0.6 s on an H200)."""
-    from lightllm_kernels._triton import NEW_SPECIALISATIONS
+    from lightllm.kernels._triton import NEW_SPECIALISATIONS
 
     make_model("llama_gqa_llama3_rope", tmp_path)
     runner = ModelRunner(str(tmp_path), max_total_token_num=4096, max_req_total_len=512,

@@ -67,7 +67,7 @@ def test_a_step_names_the_triton_kernels_it_met_first(tmp_path, monkeypatch):
     import torch
 
     from lightllm.engine.step_trace import StepTrace
-    from lightllm_kernels._triton import NEW_SPECIALISATIONS
+    from lightllm.kernels._triton import NEW_SPECIALISATIONS
 
     monkeypatch.setitem(NEW_SPECIALISATIONS, "kernels", ["_older_kernel"])
     trace = StepTrace(str(tmp_path / "trace.jsonl"), torch.device("cpu"))

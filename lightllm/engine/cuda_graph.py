@@ -42,7 +42,7 @@ import torch
 from lightllm.common.req_table import ReqTable
 from lightllm.common.token_table import TokenTable
 from lightllm.models import ForwardBatch, LlamaModel
-from lightllm_kernels.extend_attention import max_q_blocks, pad_q_blocks
+from lightllm.kernels.extend_attention import max_q_blocks, pad_q_blocks
 
 logger = logging.getLogger(__name__)
 

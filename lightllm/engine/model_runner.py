@@ -32,7 +32,7 @@ from lightllm.engine.plan import Chunk, Evict, Insert, Release, Reset, SampledTo
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
-from lightllm_kernels.extend_attention import extend_q_blocks
+from lightllm.kernels.extend_attention import extend_q_blocks
 
 from .cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from .memory import PROFILE_SAMPLING, PROFILE_SAMPLING_CPU, MemoryBudget, PeakMemory, largest_step, memory_info

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightllm.engine.request import SamplingParams
-from lightllm_kernels import apply_penalties_, greedy_sample, random_uniform
+from lightllm.kernels import apply_penalties_, greedy_sample, random_uniform
 
 _INT64_SPAN = 1 << 64
 

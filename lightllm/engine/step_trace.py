@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from lightllm_kernels._triton import NEW_SPECIALISATIONS
+from lightllm.kernels._triton import NEW_SPECIALISATIONS
 
 FLUSH_EVERY = 64  # steps between writes: the events of a step in flight are not ready yet
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear,
+from lightllm.kernels import (add_rms_norm, decode_attention, extend_attention, fp8_gemm, fp8_linear,
                               gelu_tanh_and_mul, rms_norm, rotary_kv_, silu_and_mul)
-from lightllm_kernels.fp8_linear import quantize_fp8_weight
+from lightllm.kernels.fp8_linear import quantize_fp8_weight
 
 from .config import ModelConfig, ModelConfigError
 

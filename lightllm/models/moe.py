@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.utils.dist import TPGroup
-from lightllm_kernels import fused_moe, route_topk
-from lightllm_kernels.fused_moe import interleave_gate_up, quantize_experts_fp8
+from lightllm.kernels import fused_moe, route_topk
+from lightllm.kernels.fused_moe import interleave_gate_up, quantize_experts_fp8
 
 from .config import ModelConfig, ModelConfigError
 from .layers import split_even

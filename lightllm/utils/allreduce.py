@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightllm_kernels.allreduce_norm import fits, flag_count, one_shot_add_rms_norm_triton
+from lightllm.kernels.allreduce_norm import fits, flag_count, one_shot_add_rms_norm_triton
 
 logger = logging.getLogger(__name__)
 

@@ -205,7 +205,7 @@ def norm_row(group: TPGroup, fused: dict, nbytes: int, args, device: torch.devic
     by its path, then add_rms_norm) against the fused kernel with each --fused-programs, in
     CUDA graphs; "same" whether every fused result equals the unfused one (the residual bitwise
     at two ranks, the norm within a rounding)."""
-    from lightllm_kernels.rms_norm import add_rms_norm_triton
+    from lightllm.kernels.rms_norm import add_rms_norm_triton
 
     dtype, hidden = DTYPES[args.dtype], args.hidden
     rows = nbytes // (hidden * dtype.itemsize)

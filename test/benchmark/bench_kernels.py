@@ -14,13 +14,13 @@ import sys
 import torch
 
 # Names come from the submodules: the package's public functions shadow the module names.
-from lightllm_kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
-from lightllm_kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton
-from lightllm_kernels.extend_attention import extend_attention_ref, extend_attention_triton, extend_q_blocks
-from lightllm_kernels.random_uniform import random_uniform_ref, random_uniform_triton
-from lightllm_kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from lightllm_kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
-from lightllm_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from lightllm.kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
+from lightllm.kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton
+from lightllm.kernels.extend_attention import extend_attention_ref, extend_attention_triton, extend_q_blocks
+from lightllm.kernels.random_uniform import random_uniform_ref, random_uniform_triton
+from lightllm.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from lightllm.kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
+from lightllm.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 DEVICE = "cuda"
 TOKENS, HIDDEN, INTER = 4096, 4096, 14336

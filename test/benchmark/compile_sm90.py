@@ -29,23 +29,23 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lightllm_kernels import _triton  # noqa: E402
-from lightllm_kernels.allreduce_norm import one_shot_add_rms_norm_triton  # noqa: E402
-from lightllm_kernels.apply_penalties import apply_penalties_triton  # noqa: E402
-from lightllm_kernels.decode_attention import decode_attention_triton  # noqa: E402
-from lightllm_kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
-from lightllm_kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
+from lightllm.kernels import _triton  # noqa: E402
+from lightllm.kernels.allreduce_norm import one_shot_add_rms_norm_triton  # noqa: E402
+from lightllm.kernels.apply_penalties import apply_penalties_triton  # noqa: E402
+from lightllm.kernels.decode_attention import decode_attention_triton  # noqa: E402
+from lightllm.kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
+from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
-from lightllm_kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
+from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
-from lightllm_kernels.greedy_sample import greedy_sample_triton  # noqa: E402
-from lightllm_kernels.random_uniform import random_uniform_triton  # noqa: E402
-from lightllm_kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from lightllm_kernels.rotary_kv import rotary_kv_triton  # noqa: E402
-from lightllm_kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
+from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
+from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
+from lightllm.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from lightllm.kernels.rotary_kv import rotary_kv_triton  # noqa: E402
+from lightllm.kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 
 # The package's public `decode_attention` function shadows the submodule of the same name.
-decode_module = importlib.import_module("lightllm_kernels.decode_attention")
+decode_module = importlib.import_module("lightllm.kernels.decode_attention")
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
                  torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.bool: "*i1"}

@@ -26,10 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_benchmark import Bench  # noqa: E402
 
-import lightllm_kernels  # noqa: E402
+import lightllm.kernels  # noqa: E402
 from lightllm.engine.model_runner import ModelRunner, run_step  # noqa: E402
 from lightllm.models import layers  # noqa: E402
-from lightllm_kernels import _triton  # noqa: E402
+from lightllm.kernels import _triton  # noqa: E402
 
 NO_LAUNCH = ("empty", "empty_like", "empty_strided", "lift_fresh", "_to_copy_meta")
 
@@ -66,7 +66,7 @@ def counting(runner: ModelRunner):
     interpreter), and the runner's steps are counted into the Counter yielded."""
     counter = Counter()
     saved = {name: getattr(layers, name) for name in dir(layers)
-             if callable(getattr(layers, name)) and hasattr(lightllm_kernels, name.rstrip("_") + "_triton")}
+             if callable(getattr(layers, name)) and hasattr(lightllm.kernels, name.rstrip("_") + "_triton")}
     launch, apply = _triton._FastKernel._launch, runner._apply_and_launch
 
     def counted_apply(plan):  # on the CPU the step runs on the runner's device thread
@@ -75,7 +75,7 @@ def counting(runner: ModelRunner):
 
     try:
         for name in saved:
-            setattr(layers, name, getattr(lightllm_kernels, name.rstrip("_") + "_triton"))
+            setattr(layers, name, getattr(lightllm.kernels, name.rstrip("_") + "_triton"))
         _triton._FastKernel._launch = counter.triton(launch)
         runner._apply_and_launch = counted_apply
         yield counter

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_benchmark import copy_bandwidth, graph_call_us, int_list  # noqa: E402
 
-from lightllm_kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton  # noqa: E402
+from lightllm.kernels.decode_attention import _split_plan, decode_attention_ref, decode_attention_triton  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, GRAPH_BOUND = 32, 8, 128, 3072
 FP8 = torch.float8_e4m3fn

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from static_benchmark import graph_call_us  # noqa: E402
 
-from lightllm_kernels.fp8_linear import (FAST_ACCUM, fp8_gemm_ref, fp8_gemm_small_m, fp8_linear_triton,
+from lightllm.kernels.fp8_linear import (FAST_ACCUM, fp8_gemm_ref, fp8_gemm_small_m, fp8_linear_triton,
                                          quantize_fp8_rows_triton, quantize_fp8_weight, small_m_plan)
 
 logger = logging.getLogger("fp8_gemm_bench")

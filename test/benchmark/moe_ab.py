@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from moe_bench import SHAPES  # noqa: E402
 from static_benchmark import graph_call_us  # noqa: E402
 
-from lightllm_kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
+from lightllm.kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
 
-new = importlib.import_module("lightllm_kernels.fused_moe")  # the package's fused_moe function shadows the module
+new = importlib.import_module("lightllm.kernels.fused_moe")  # the package's fused_moe function shadows the module
 logger = logging.getLogger("moe_ab")
 PEAK = 989e12
 CASES = "bf16:64,bf16:256,bf16:4096,bf16:16384,fp8:4096,fp8:16384"

@@ -40,10 +40,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from static_benchmark import copy_bandwidth, graph_call_us  # noqa: E402
 
-from lightllm_kernels.fused_moe import (MoEPlan, align_by_expert_triton, fused_moe_ref, fused_moe_triton,  # noqa: E402
+from lightllm.kernels.fused_moe import (MoEPlan, align_by_expert_triton, fused_moe_ref, fused_moe_triton,  # noqa: E402
                                         moe_down_triton, moe_gate_up_triton, moe_plans, quantize_experts_fp8,
                                         route_topk)
-from lightllm_kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
+from lightllm.kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
 
 logger = logging.getLogger("moe_bench")
 

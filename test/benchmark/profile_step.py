@@ -380,9 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top", type=int, default=15)
     add("--no-cuda-graph", action="store_true")
     add("--triton-launch", choices=("fast", "triton"), default="fast",
-        help="triton: every kernel through Triton's own launch path (lightllm_kernels._triton.FAST_LAUNCH off)")
+        help="triton: every kernel through Triton's own launch path (lightllm.kernels._triton.FAST_LAUNCH off)")
     add("--no-pdl", action="store_true",
-        help="no programmatic dependent launch (lightllm_kernels._triton.USE_PDL off): each kernel waits for the "
+        help="no programmatic dependent launch (lightllm.kernels._triton.USE_PDL off): each kernel waits for the "
              "one ahead to end before it is scheduled")
     add("--split-sum-rows", type=int, default=None,
         help="the most rows whose down projection returns partial sums over K for the next norm to add "
@@ -395,17 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.triton_launch == "triton":
-        import lightllm_kernels._triton
+        import lightllm.kernels._triton
 
-        lightllm_kernels._triton.FAST_LAUNCH = False
+        lightllm.kernels._triton.FAST_LAUNCH = False
     if args.split_sum_rows is not None:
         from lightllm.models import layers
 
         layers.SPLIT_SUM_ROWS = args.split_sum_rows
     if args.no_pdl:
-        import lightllm_kernels._triton
+        import lightllm.kernels._triton
 
-        lightllm_kernels._triton.USE_PDL = False
+        lightllm.kernels._triton.USE_PDL = False
     runner = ModelRunner(str(args.model), max_total_token_num=args.max_total_token_num,
                          max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                          data_type=args.dtype, load_format=args.load_format, device=args.device,

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from lightllm_kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from lightllm.kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from static_benchmark import copy_bandwidth, graph_call_us
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
