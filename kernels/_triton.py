@@ -50,7 +50,7 @@ def _tested_triton(version: str) -> bool:
 
 
 # Launch through `fast_launch` (below) rather than Triton's own per-call path, on the tested
-# releases only: set False to time the difference (test/benchmark/profile_step.py's eager rows).
+# releases only: set False to time the difference (test/benchmark/engine/profile_step.py's eager rows).
 FAST_LAUNCH = HAS_TRITON and _tested_triton(triton.__version__)
 if HAS_TRITON and not FAST_LAUNCH:
     logger.warning("triton %s is outside the tested %s: kernels launch through Triton's own (slower) path",
@@ -214,7 +214,7 @@ def zeroed_counters(owner: str, size: int, device: torch.device) -> torch.Tensor
 # kernel ahead of it in the stream is still finishing, and waits (grid_dependency_wait) before it
 # reads that kernel's output; in a decode step this overlaps the launch of the norms, rotary,
 # attention and the gated activation with the tail of the GEMM or kernel before them. False
-# launches them as ordinary kernels (test/benchmark/profile_step.py times the difference).
+# launches them as ordinary kernels (test/benchmark/engine/profile_step.py times the difference).
 USE_PDL = True
 
 
@@ -295,11 +295,12 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
 
 def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     """The dtype an attention kernel's dots run in: q's, except over an fp8 (e4m3) cache with bf16
-    queries, where K/V widen to fp16 and q is rounded to it. The fp8 cache's decode attention was
-    bound by widening e4m3 to bf16 in registers, not by its KV stream (docs/benchmarks-log.md,
-    2026-11-25); e4m3 -> fp16 is Hopper's own conversion (cvt.rn.f16x2.e4m3x2). fp16 holds what
-    the dots see: q (|q| < 65504), e4m3's every value, and the softmax weights in [0, 1] with
-    three more bits than bf16."""
+    queries, where K/V widen to fp16 and q is rounded to it. Widened to bf16 in registers, the fp8
+    cache's decode attention took 0.80-0.83x the bf16 cache's time while reading half the bytes
+    (H100, 2026-11-24, 3531f2d); widened to fp16, 0.58-0.77x (H100, 2026-11-27, 4f19535;
+    docs/benchmarks-history.md). e4m3 -> fp16 is Hopper's own conversion (cvt.rn.f16x2.e4m3x2).
+    fp16 holds what the dots see: q (|q| < 65504), e4m3's every value, and the softmax weights in
+    [0, 1] with three more bits than bf16."""
     if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
         return torch.float16
     return q.dtype

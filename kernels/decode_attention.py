@@ -24,16 +24,16 @@ MAX_SPLITS = 32
 WAVES = 4  # programs to aim for, per SM
 # (keys per inner step, warps, pipeline stages) of a launch: with one split per request (large
 # batches) small programs keep more of them in flight per SM; split requests (small batches) do
-# better with wider blocks. Measured on an H100 with test/benchmark/tune_decode_attention.py, 8B
-# heads, context 1024: batch 256 at 0.96 of the KV stream's copy-speed floor (0.82 with the old
+# better with wider blocks. Measured on an H100 with tune_decode_attention.py (2026-11-23, 6bfa73e),
+# 8B heads, context 1024: batch 256 at 0.96 of the KV stream's copy-speed floor (0.82 with the old
 # single setting 64/4/2), batch 64 at 0.89 (0.61).
 WHOLE_LAUNCH = (64, 2, 2)
 SPLIT_LAUNCH = (128, 4, 2)
 # Split requests also take at least this many keys a chunk. Up to FEW_REQUESTS requests, whose
 # step waits on a chain of latencies rather than on the KV stream, narrow blocks over 8 warps and
 # chunks of 64, and a request whose keys fit one chunk writes its output directly (DIRECT); more,
-# wide blocks and chunks of 256. H100, 8B heads (2026-11-27, eighth session), against wide blocks
-# and chunks of 64 for all: tune_decode_attention.py (the kernel alone, its KV warm in L2) batch 1 at
+# wide blocks and chunks of 256. H100, 8B heads, 2026-11-27 at e8b5a6a, against wide blocks and
+# chunks of 64 for all: tune_decode_attention.py (the kernel alone, its KV warm in L2) batch 1 at
 # 1024 keys 6.2 us against 8.0, batch 8 12.2 against 15.0; in the step (profile_step.py, graph
 # replay) batch 8 6.221 ms against 6.272, batch 1 at 256 keys 5.665 against 5.685, batches 16-64
 # unchanged.

@@ -125,7 +125,7 @@ def small_m_plan(m: int, n: int, k: int, num_sms: int, block_n: int | None = Non
                  waves: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits): enough (column block, K slice) programs for `waves`
     per SM, each K slice a whole number of BLOCK_K. The defaults are the H100's best or within
-    8% of it (test/benchmark/fp8_gemm_bench.py --tune, 8B shapes, M = 1 and 48): at M <= 16 two
+    8% of it (test/benchmark/kernels/fp8_gemm_bench.py --tune, 8B shapes, M = 1 and 48): at M <= 16 two
     waves, and columns in blocks of 32 when a layer is wide enough to fill them without splitting
     K (gate_up: 41.8 against 50.3 us); above, one wave, since each split's fp32 partial grows with M."""
     block_m = max(16, next_power_of_2(m))

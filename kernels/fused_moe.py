@@ -105,26 +105,27 @@ class MoEPlan(NamedTuple):
     tma: bool = False
 
 
-# Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks,
-# long K blocks. Prefill-sized groups are GEMMs: larger tiles. Groups of over 64 pairs an expert
-# take LARGE_PLANS: moe_bench.py --tune's best on the H100 for qwen3-30b-a3b, each kernel tuned
-# alone, (gate/up, down) for bf16 and for fp8 experts (K blocks of 128 bytes, 64-row blocks):
-# tiles at 4096 and 8192 tokens (2026-11-25), program order and bf16 stages at 4096 and 16384
-# (2026-11-27: moe_bench.py --groups 0,1,8, --tune --tune-rows 128 --tune-groups 1,8). The grouped
-# order took the whole layer at 16384 tokens from 3002 to 2866 us (bf16, the 2026-11-25 tiles;
-# 2797 us with three stages) and 2666 to 2539 us (fp8, group 8); at 4096, 946 to 845 us (bf16).
-# Decode rows moved by under 2% either way (group 1 kept). The bf16 gate/up kernel takes four
-# stages since 2026-11-27's seventh session: faster than three in three tunes of four (16384 tokens:
-# 1600.4/1612.5/1614.7 against 1609.5/1640.4/1676.6 us; 4096: 506.4 against 536.3 us), ~1% slower
-# in one. Since 2026-12-01 (seventeenth session, an H200, against 7ab2b99 in the same process) the
-# gate/up weight rows are interleaved and multiplied in one dot, the large plans' gate/up tiles come
-# through TMA, and both kernels take H and I as constexprs (no column masks where the tiles divide
-# them): bf16 alone at 16384 tokens, gate/up 1567-1572 against 1693-1696 us, down 913-916 against
-# 949-951 (the two 50.3-50.4% of bf16 peak against 47.3%); fp8 gate/up 1176-1180 against 1249-1252.
-# One dot with loads alone had been slower (2026-11-27); TMA alone, or one dot alone, gained ~2%.
-# The fp8 gate/up plan was retuned for the one dot (its two 256-column dots became one of 512
-# columns, 2.5x slower): (64, 64, 128, 4, 3). Decode plans keep loads (with TMA 6% slower at batch
-# 1, within 2% at 64 and 256), the down kernel too (TMA no faster). PREFILL_PLAN is an untuned guess.
+# Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks, long K
+# blocks. Prefill-sized groups are GEMMs: larger tiles. Groups of over 64 pairs an expert take
+# LARGE_PLANS: moe_bench.py --tune's best on the H100 for qwen3-30b-a3b, each kernel tuned alone,
+# (gate/up, down) for bf16 and for fp8 experts (K blocks of 128 bytes, 64-row blocks): tiles at 4096
+# and 8192 tokens (2026-11-25, 724aef1), program order and bf16 stages at 4096 and 16384
+# (2026-11-27, 369b8ba and b225fa2: moe_bench.py --groups 0,1,8, --tune --tune-rows 128
+# --tune-groups 1,8). The grouped order took the whole layer at 16384 tokens from 3002 to 2866 us
+# (bf16, the 2026-11-25 tiles; 2797 us with three stages) and 2666 to 2539 us (fp8, group 8); at
+# 4096, 946 to 845 us (bf16). Decode rows moved by under 2% either way (group 1 kept). The bf16
+# gate/up kernel takes four stages (H100, 2026-11-27, 077ff35): faster than three in three tunes of
+# four (16384 tokens: 1600.4/1612.5/1614.7 against 1609.5/1640.4/1676.6 us; 4096: 506.4 against
+# 536.3 us), ~1% slower in one. Since 9807f0b (H200, 2026-12-01, against 7ab2b99 in the same
+# process, moe_ab.py) the gate/up weight rows are interleaved and multiplied in one dot, the large
+# plans' gate/up tiles come through TMA, and both kernels take H and I as constexprs (no column
+# masks where the tiles divide them): bf16 alone at 16384 tokens, gate/up 1567-1572 against
+# 1693-1696 us, down 913-916 against 949-951 (the two 50.3-50.4% of bf16 peak against 47.3%); fp8
+# gate/up 1176-1180 against 1249-1252. One dot with per-thread loads alone was slower (H100,
+# 2026-11-27, 492ae4a); TMA alone, or one dot alone, gained ~2%. The fp8 gate/up plan was retuned
+# for the one dot (its two 256-column dots became one of 512 columns, 2.5x slower):
+# (64, 64, 128, 4, 3). Decode plans keep loads (with TMA 6% slower at batch 1, within 2% at 64 and
+# 256), the down kernel too (TMA no faster). PREFILL_PLAN is an untuned guess.
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3, group_m=1)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3, group_m=1)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3, group_m=1)

@@ -134,8 +134,8 @@ class RowParallelLinear:
 
     The weight is kept transposed, [in, out] row-major (`weight_t`): for the o and down
     projections cuBLAS serves x @ W^T faster from that layout where decode steps are
-    memory-bound (H100, bench-8b: o at batch 1 18.6 us against 29.8 us; down at batch 256
-    51.4 against 59.1; docs/benchmarks.md, "Batch-1 decode")."""
+    memory-bound (H100, bench-8b, 2026-11-23, 3df4290: o at batch 1 18.6 us against 29.8 us; down
+    at batch 256 51.4 against 59.1; docs/benchmarks-history.md)."""
 
     def __init__(self, weights, tp: TPGroup, name: str, out_features: int, in_features: int,
                  start: int, count: int, bias: bool, quantization: str | None = None):
