@@ -30,13 +30,17 @@ from tqdm.auto import tqdm
 from lightllm.engine.build import start_engine
 from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
 from lightllm.engine.request import SamplingParams as EngineSampling
-from lightllm.engine.sampling_ranges import SHARED_FIELDS, check_ranges
-from lightllm.server.config import ServerConfig
-from lightllm.server.detokenization.decoder import IncrementalDecoder
+from lightllm.frontend.chat.output import chat_parsers
+from lightllm.frontend.chat.template import chat_prompt_ids, render_chat
+from lightllm.frontend.config import FrontendConfig
+from lightllm.frontend.decoder import IncrementalDecoder
+from lightllm.frontend.errors import RequestError
+from lightllm.frontend.limits import Limits, check_lengths, prompt_char_bound
+from lightllm.frontend.sampling_ranges import SHARED_FIELDS, check_ranges, model_sampling_defaults
+from lightllm.frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy: dividing logits by it overflows float32
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}
 
@@ -137,11 +141,10 @@ class SamplingParams:
         drawn at random). Only choice 0 asks for prompt logprobs (they are the same for all,
         and they keep a request out of the prefix cache). max_tokens must be set by now."""
         assert self.max_tokens is not None, "LLM.generate fills in max_tokens=None from the prompt length"
-        greedy = self.temperature < GREEDY_BELOW
         kind, grammar = self._grammar()
         seed = secrets.randbelow(2**31) if self.seed is None else self.seed
         return EngineSampling(
-            do_sample=not greedy, temperature=1.0 if greedy else float(self.temperature), top_p=float(self.top_p),
+            do_sample=True, temperature=float(self.temperature), top_p=float(self.top_p),
             top_k=self.top_k if self.top_k > 0 else -1, min_p=float(self.min_p),
             presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty), max_new_tokens=self.max_tokens,
@@ -255,13 +258,13 @@ class _Progress:
         self._bar.close()
 
 
-def engine_config(model: str | Path | None, **settings) -> ServerConfig:
-    """The ServerConfig for an offline engine; a setting that is no ServerConfig field is a TypeError."""
-    names = {f.name for f in dataclasses.fields(ServerConfig) if not f.metadata.get("internal")}
+def engine_config(model: str | Path | None, **settings) -> FrontendConfig:
+    """The FrontendConfig of an offline engine; a setting that is no FrontendConfig field is a TypeError."""
+    names = {f.name for f in dataclasses.fields(FrontendConfig)}
     unknown = sorted(set(settings) - names)
     if unknown:
-        raise TypeError(f"LLM() got unknown settings {', '.join(unknown)}: they must be ServerConfig fields "
-                        "(the server's flags without the dashes)")
+        raise TypeError(f"LLM() got unknown settings {', '.join(unknown)}: they must be FrontendConfig fields "
+                        "(the server's engine and request flags without the dashes)")
     for name in ("dp", "nnodes"):  # one engine, on this machine
         if settings.get(name, 1) != 1:
             raise ValueError(f"LLM() runs one engine in this process, so {name} must be 1, not {settings[name]!r}: "
@@ -272,7 +275,7 @@ def engine_config(model: str | Path | None, **settings) -> ServerConfig:
         model = ensure_default_model()
     if not Path(model).is_dir():
         raise ValueError(f"model {str(model)!r} is not a directory: give a local Hugging Face model directory")
-    config = ServerConfig(model_dir=str(model), **settings)
+    config = FrontendConfig(model_dir=str(model), **settings)
     config.check()
     return config
 
@@ -283,9 +286,6 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, tp: int = 1, dtype: str = "auto",
                  max_total_token_num: int | None = None, tokenizer_mode: str = "auto",
                  trust_remote_code: bool = False, seed: int | None = 0, **engine_kwargs):
-        from lightllm.server.httpserver.params import Limits, prompt_char_bound
-        from lightllm.server.httpserver.tokenizer import load_tokenizer
-
         self.config = engine_config(model, tp=tp, data_type=dtype, max_total_token_num=max_total_token_num,
                                     tokenizer_mode=tokenizer_mode, trust_remote_code=trust_remote_code,
                                     **engine_kwargs)
@@ -324,8 +324,6 @@ class LLM:
         "model" (the server's --sampling_defaults, the default), each within its range."""
         if self.config.sampling_defaults != "model":
             return SamplingParams()
-        from lightllm.server.httpserver.openai_params import model_sampling_defaults
-
         return SamplingParams(**model_sampling_defaults(dict(self.model_info["sampling_defaults"])))
 
     # ---- generation ----
@@ -375,9 +373,6 @@ class LLM:
 
     def _chat_input(self, conversation, add_generation_prompt: bool, continue_final_message: bool,
                     tools: list[dict] | None, options: dict | None) -> tuple[str, list[int]]:
-        from lightllm.server.chat.output import chat_parsers
-        from lightllm.server.chat.template import chat_prompt_ids, render_chat
-
         template = getattr(self.tokenizer, "chat_template", None)
         call_format = chat_parsers(None, None, self.model_info.get("architecture"), template).call_format
         text = render_chat(self.tokenizer, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -410,9 +405,6 @@ class LLM:
     def _prepare(self, text: str | None, ids: list[int], params: SamplingParams,
                  i: int) -> tuple[_Prompt, list[EngineSampling]]:
         """The prompt's choices and the engine's parameters for each; ValueError if it cannot run."""
-        from lightllm.server.httpserver.json_body import RequestError
-        from lightllm.server.httpserver.params import check_lengths
-
         if params.max_tokens is None:  # as many as the context leaves
             room = min(self.limits.max_req_total_len, self.limits.max_total_token_num) - len(ids)
             params = dataclasses.replace(params, max_tokens=max(1, room))

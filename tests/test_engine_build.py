@@ -1,4 +1,4 @@
-"""Building an engine (lightllm/engine/build.py): the settings reach the model runner, the
+"""Building an engine (lightllm/engine/build.py): the engine config reaches the model runner whole, the
 tokenizer flags reach the structured-output tokenizer, and what the offline API cannot run is
 refused."""
 
@@ -8,26 +8,40 @@ import pytest
 
 from lightllm.engine import build, grammar
 from lightllm.engine.build import EngineStartError, load_model
+from lightllm.engine.config import GRAPH_TOKENS_A_RANK, EngineConfig
 from lightllm.engine.scheduler import GPU_BURST_CHUNK_BUDGET, burst_budget
 from lightllm.server.config import ServerConfig
 
 
 class RecordingWorkers:
     def __init__(self, error: Exception | None = None):
-        self.kwargs, self._error = None, error
+        self.config, self._error = None, error
 
-    def load(self, **kwargs):
-        self.kwargs = kwargs
+    def load(self, config):
+        self.config = config
         if self._error is not None:
             raise self._error
-        return 100, {"eos_token_ids": [0], "vocab_size": 10}
+        return 100, {"eos_token_ids": [0], "vocab_size": 10, "burst_chunked_prefill_size": None}
 
 
-def test_the_tokenizer_flags_reach_the_model_runner():
+def test_the_workers_get_the_engine_config_whole_without_the_node_token():
     workers = RecordingWorkers()
-    config = ServerConfig(model_dir="m", tokenizer_mode="slow", trust_remote_code=True)
+    config = ServerConfig(model_dir="m", tokenizer_mode="slow", trust_remote_code=True, port=1234,
+                          node_token="x" * 16, chunked_prefill_size=512)
     load_model(workers, config)
-    assert (workers.kwargs["tokenizer_mode"], workers.kwargs["trust_remote_code"]) == ("slow", True)
+    assert type(workers.config) is EngineConfig
+    assert workers.config == EngineConfig(model_dir="m", tokenizer_mode="slow", trust_remote_code=True,
+                                          chunked_prefill_size=512)
+    assert workers.config.node_token is None
+
+
+def test_each_replica_has_its_own_rendezvous_port_and_trace():
+    workers = RecordingWorkers()
+    config = ServerConfig(model_dir="m", dp=2, nccl_port=3000, step_trace="t.jsonl")
+    load_model(workers, config, replica=1)
+    assert (workers.config.nccl_port, workers.config.step_trace) == (3001, "t.jsonl.replica1")
+    load_model(workers, config, replica=0)
+    assert (workers.config.nccl_port, workers.config.step_trace) == (3000, "t.jsonl")
 
 
 @pytest.mark.parametrize("tp, chunk, running, given", [(1, 2048, 1024, None), (2, 2048, 1024, None),
@@ -36,16 +50,14 @@ def test_graphs_cover_per_rank_tokens_up_to_the_largest_step(tp, chunk, running,
     """Absent --cuda_graph_max_tokens, graphs reach GRAPH_TOKENS_A_RANK tokens a rank (a rank's share
     of a step is what its device time follows) but never past the largest step the scheduler makes;
     a given value is kept."""
-    workers = RecordingWorkers()
-    config = ServerConfig(model_dir="m", tp=tp, chunked_prefill_size=chunk, running_max_req_size=running,
+    config = EngineConfig(model_dir="m", tp=tp, chunked_prefill_size=chunk, running_max_req_size=running,
                           cuda_graph_max_tokens=given)
-    load_model(workers, config)
-    limit = workers.kwargs["cuda_graph_max_tokens"]
+    limit = config.graph_max_tokens
     if given is not None:
         assert limit == given
     else:
-        assert limit <= chunk + running and limit / tp <= build.GRAPH_TOKENS_A_RANK
-        assert limit == chunk + running or limit / tp == build.GRAPH_TOKENS_A_RANK
+        assert limit <= chunk + running and limit / tp <= GRAPH_TOKENS_A_RANK
+        assert limit == chunk + running or limit / tp == GRAPH_TOKENS_A_RANK
 
 
 def test_structured_output_loads_the_tokenizer_with_the_flags(monkeypatch):
@@ -70,7 +82,8 @@ def test_a_model_that_cannot_load_is_an_engine_start_error_naming_the_directory(
 
 def test_build_engine_takes_the_scheduler_settings():
     config = ServerConfig(model_dir="m", chunked_prefill_size=64, running_max_req_size=7, schedule_policy="fcfs")
-    core = build.build_engine(config, RecordingWorkers(), 1000, {"eos_token_ids": [2], "vocab_size": 10})
+    info = {"eos_token_ids": [2], "vocab_size": 10, "burst_chunked_prefill_size": None}
+    core = build.build_engine(config, RecordingWorkers(), 1000, info)
     scheduler = core.scheduler
     assert (scheduler.max_total_token_num, scheduler.chunk_budget, scheduler.max_running) == (1000, 64, 7)
     assert scheduler.policy == "fcfs"
@@ -84,7 +97,7 @@ def test_the_burst_setting_reaches_the_runner_as_given(setting):
     """The runner resolves it on its device (scheduler.burst_budget), the router takes its answer."""
     workers = RecordingWorkers()
     load_model(workers, ServerConfig(model_dir="m", chunked_prefill_size=512, burst_chunked_prefill_size=setting))
-    assert (workers.kwargs["chunked_prefill_size"], workers.kwargs["burst_chunked_prefill_size"]) == (512, setting)
+    assert (workers.config.chunked_prefill_size, workers.config.burst_chunked_prefill_size) == (512, setting)
 
 
 @pytest.mark.parametrize("setting, device, budget", [

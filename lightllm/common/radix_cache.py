@@ -111,10 +111,6 @@ class RadixCache:
     def evictable_tokens(self) -> int:
         return self.total_tokens - self.locked_tokens
 
-    @property
-    def node_count(self) -> int:
-        return len(self._nodes) - 1
-
     # ---- lookups ----
 
     def match(self, tokens: list[int], node: Node | None = None) -> Match:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -26,6 +27,7 @@ import torch
 
 from lightllm.engine.plan import Chunk, StepPlan
 from lightllm.engine.request import SamplingParams
+from lightllm.utils.process import return_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -141,3 +143,59 @@ class MemoryBudget:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+CPU_DEFAULT_TOKENS = 16384  # the most a CPU runner takes unless given more
+
+
+def token_budget(runner, requested: int | None, chunk_budget: int, mem_fraction: float, graph_bytes: int) -> int:
+    """The runner's KV budget: what fits beside the largest step's peak, the same on every rank
+    (the smallest); one given by hand must fit. On the CPU at most CPU_DEFAULT_TOKENS unless
+    given: the host is shared, and a larger cache buys a CPU server nothing."""
+    found = profile(runner, chunk_budget, mem_fraction, graph_bytes)
+    cfg, device = runner.config, runner.device
+    per_token = 2 * cfg.num_layers * runner.model.kv_heads * cfg.head_dim * runner.kv_dtype.itemsize
+    fits = runner.tp.min_int(found.tokens(per_token), device)
+    where = f"{found.describe(device)}, {per_token} B a token"
+    if requested is not None:
+        if requested > fits:
+            raise ValueError(f"--max_total_token_num {requested} does not fit: at most {fits} tokens fit in {where}; "
+                             "give at most that, or a larger --mem_fraction")
+        logger.info("max_total_token_num: %d as given (at most %d fit in %s)", requested, fits, where)
+        return requested
+    tokens = min(fits, CPU_DEFAULT_TOKENS) if device.type == "cpu" else fits
+    if tokens < 2:
+        raise ValueError(f"no memory left for the KV cache: {where}")
+    logger.info("max_total_token_num: %d (%d fit in %s)", tokens, fits, where)
+    return tokens
+
+
+def profile(runner, chunk_budget: int, mem_fraction: float, graph_bytes: int) -> MemoryBudget:
+    """Run the largest step on a token table just large enough for it; measure its peak."""
+    device = runner.device
+    sampling = PROFILE_SAMPLING_CPU if device.type == "cpu" else PROFILE_SAMPLING
+    plans = largest_step(runner.req_table.max_reqs, chunk_budget, runner.max_req_total_len,
+                         runner.config.vocab_size, sampling)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached while loading would read as used
+    total, free = memory_info(device)
+    runner.token_table = runner.new_token_table(sum(p.num_tokens for p in plans))
+    start = time.perf_counter()
+    with PeakMemory(device) as peak:
+        # Where serving runs them: on the CPU the device thread, which in an in-process runner
+        # allocates from a heap of its own (a model worker has one heap: use_one_heap).
+        for plan in plans:
+            runner.step(plan)
+    runner.reset()
+    runner.token_table = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        return_free_heap()
+    # What the step left in use outside its buffers counts too: kernels loaded on first use,
+    # communicators, heap pages not given back.
+    free = min(free, memory_info(device)[1])
+    logger.info("profile step (%d decodes, %d prompt tokens) in %.1f s: %.2f GiB at its peak",
+                len(plans[-1].decodes), plans[-1].num_tokens - len(plans[-1].decodes),
+                time.perf_counter() - start, peak.bytes / 2**30)
+    return MemoryBudget(total, total - free, peak.bytes, graph_bytes, mem_fraction)

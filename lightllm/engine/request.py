@@ -29,6 +29,13 @@ def pickled_by_fields(cls):
     return cls
 
 
+# Below this temperature every path samples greedily (the HTTP routes and the offline LLM alike):
+# the sampler divides the logits by the temperature, which overflows float32 to inf below about
+# 1e-37 (NaN probabilities, then garbage tokens), and long before that the distribution is
+# one-hot anyway: at 1e-5 a logit gap of 0.001 is a factor of e^100. vLLM's threshold is the same.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     do_sample: bool = False
@@ -60,7 +67,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature <= 0.0 or self.top_k == 1
+        return not self.do_sample or self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class FinishReason(str, enum.Enum):

@@ -206,3 +206,30 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     u = random_uniform(batch.seeds, batch.steps, vocab).gather(1, order)
     choice = (probs / -torch.log(u)).argmax(-1, keepdim=True)
     return order.gather(1, choice).squeeze(1)
+
+
+def grammar_masks(states: list[SamplingState], vocab_size: int, device: torch.device) -> tuple | None:
+    """(bitmask, rows) on the device for the constrained requests of the batch, or None."""
+    rows = [b for b, s in enumerate(states) if s.matcher is not None and not s.matcher.terminated]
+    if not rows:
+        return None
+    from lightllm.engine.grammar import allocate_bitmask  # xgrammar: only once a request needs it
+
+    bitmask = allocate_bitmask(len(states), vocab_size)  # rows of the other requests stay unread
+    for b in rows:
+        states[b].matcher.fill(bitmask, b)
+    return bitmask.to(device, non_blocking=True), torch.tensor(rows, device=device)
+
+
+def chunk_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor | None, chunks) -> list:
+    """(request, chosen, top) per chunk that wants prompt logprobs; its rows follow the sampled ones."""
+    parts, offset = [], 0
+    for r, c in chunks:
+        n = len(c.token_ids) - (1 if c.last else 0)
+        if r.prompt_logprobs is None or n == 0:  # a one-token last chunk: its row is the sampled one
+            continue
+        chosen, top = prompt_logprobs(logits[offset: offset + n], targets[offset: offset + n],
+                                      r.sampling.params.prompt_logprobs)
+        parts.append((r, chosen, top))
+        offset += n
+    return parts

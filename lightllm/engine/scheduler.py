@@ -44,7 +44,7 @@ ADMISSION_ROOM_DIVISOR = 16
 BURST_BACKLOG_STEPS = 2
 
 # The burst budget where --burst_chunked_prefill_size is absent, on a GPU. Measured on an H100
-# (bench-8b, ShareGPT, 2026-11-27, docs/benchmarks.md) against the chunk budget alone: 1000 at
+# (bench-8b, ShareGPT, 2026-11-27, 71975dc and 358f307; docs/benchmarks-history.md) against the chunk budget alone: 1000 at
 # once, P99 TTFT 9.45 -> 6.96 s and 39.6 -> 41.0 req/s; 2000 at once, median TTFT 8.61 -> 7.79 s
 # at the same req/s; the price, the bursts' P99 TPOT 79-89 -> 226-234 ms (a step of 8192 prompt
 # tokens beside the running decodes). None on a CPU, where such a step takes seconds.

@@ -26,7 +26,7 @@ an event recorded on an idle device at that moment. The device idled before a st
 `start_ms - previous end_ms`: the time between the previous step's end and the moment the host
 had this one launched. A step whose `launched_ms` is past its `start_ms` reached the device
 before its launch was done, so its `end_ms - start_ms` holds up to that much waiting for the
-host. `test/benchmark/step_trace.py` summarises a file.
+host. `test/benchmark/engine/step_trace.py` summarises a file.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The tokenizer, loaded one way by every process that needs one: the HTTP process and the
-detokenizer (through lightllm/server/httpserver/tokenizer.py), and a model runner's structured
+detokenizer (through lightllm/frontend/tokenizer.py), and a model runner's structured
 output (grammar.py), so that --tokenizer_mode and --trust_remote_code reach all of them."""
 
 from __future__ import annotations

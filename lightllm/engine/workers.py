@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from lightllm.utils.process import (STOP_SIGNAL, init_child_process, start_signa
                                     stop_processes, use_one_heap)
 
 if TYPE_CHECKING:
+    from lightllm.engine.config import EngineConfig
     from lightllm.utils.dist import NodeLayout  # imports torch, which the router does without
 
 logger = logging.getLogger(__name__)
@@ -61,21 +63,21 @@ class ModelWorkerService(rpyc.Service):
     runner = None
     ranks_on_node = 1  # worker processes on this machine, which share its cores
 
-    def exposed_load(self, runner_kwargs: tuple) -> tuple:
+    def exposed_load(self, config_fields: tuple, tp_rank: int, local_rank: int) -> tuple:
         if self.runner is not None:  # whoever holds the connection cannot swap the model for another
             raise RuntimeError("this model worker has loaded its model already; it loads once")
         import torch
 
+        from lightllm.engine.config import EngineConfig
         from lightllm.engine.model_runner import ModelRunner  # torch: worker only
 
-        kwargs = dict(runner_kwargs)
         if not torch.cuda.is_available():
             # Leave a core to the router, detokenizer and HTTP processes, which work on every step:
             # an OpenMP thread descheduled by them stalls the whole step (measured: 64 tokens of
             # the default model in 74 s with 2 threads on 2 cores, 3.9 s with 1).
             cores = max(1, (os.cpu_count() or 1) - 1)
             torch.set_num_threads(max(1, cores // self.ranks_on_node))
-        self.runner = ModelRunner(**kwargs)
+        self.runner = ModelRunner(EngineConfig(**dict(config_fields)), tp_rank, local_rank=local_rank)
         return self.runner.max_total_token_num, to_wire(self.runner.info)
 
     def exposed_step(self, plan: tuple) -> tuple:
@@ -270,11 +272,10 @@ class ModelWorkers:
             self._conns.append(worker.conn)
         logger.info("all %d nodes joined", layout.nnodes)
 
-    def load(self, **runner_kwargs) -> tuple[int, dict]:
-        calls = self._methods["load"]
-        pending = [call(to_wire({**runner_kwargs, "tp_rank": rank,
-                                 "local_rank": self._first_device + rank % self._ranks_per_node}))
-                   for rank, call in enumerate(calls)]
+    def load(self, config: EngineConfig) -> tuple[int, dict]:
+        fields = to_wire(dataclasses.asdict(config))
+        pending = [call(fields, rank, self._first_device + rank % self._ranks_per_node)
+                   for rank, call in enumerate(self._methods["load"])]
         max_total_token_num, info = self._gather(pending)
         return max_total_token_num, {key: list(v) if isinstance(v, tuple) else v for key, v in info}
 

@@ -17,6 +17,7 @@ With --nnodes > 1, node 0 runs as above and drives the other nodes' ranks too; a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -220,28 +221,30 @@ def main(argv: list[str] | None = None) -> int:
     if config.node_rank > 0:  # no HTTP: only model workers
         from lightllm.server.node import serve_node
 
-        resolve_model_dir(config)
-        return serve_node(config)
+        return serve_node(resolve_model_dir(config))
     try:
         sock = listen_http(config)
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", config.host, config.port, (exc.strerror or str(exc)).lower())
         return 1
     with sock:
-        resolve_model_dir(config)  # the default model's first start converts it: after the port is ours
-        config.allocate_addresses()
+        # After the port is ours: the default model's first start converts it.
+        config = resolve_model_dir(config).with_addresses()
         try:
             return serve(config, sock)
         finally:
             shutil.rmtree(config.socket_dir, ignore_errors=True)
 
 
-def resolve_model_dir(config: ServerConfig) -> None:
-    if config.model_dir is None:
+def resolve_model_dir(config: ServerConfig) -> ServerConfig:
+    """The config with its model directory (the default model's, prepared on first use) and its name."""
+    model_dir = config.model_dir
+    if model_dir is None:
         from lightllm.tools.default_model import ensure_default_model
 
-        config.model_dir = str(ensure_default_model())
-    config.served_model_name = config.served_model_name or Path(config.model_dir).resolve().name
+        model_dir = str(ensure_default_model())
+    return dataclasses.replace(config, model_dir=model_dir,
+                               served_model_name=config.served_model_name or Path(model_dir).resolve().name)
 
 
 def serve(config: ServerConfig, sock: socket.socket) -> int:
@@ -249,7 +252,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
     children: list[Child] = []
     try:
         start_children(config, heartbeats, children)
-        from lightllm.server.httpserver.tokenizer import load_tokenizer
+        from lightllm.frontend.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config)  # while the children load the model
         if stop_asked():

@@ -20,8 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-# The engine's own types, which these messages carry; importable from here too for older callers.
-from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams, TokenOut, pickled_by_fields  # noqa: F401
+from lightllm.engine.request import FinishReason, TokenOut, pickled_by_fields
 
 
 @dataclass

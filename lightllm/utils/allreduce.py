@@ -11,7 +11,7 @@ rank's address space, so one kernel reads its peers' halves over NVLink directly
   other's sums (all-gather): n times less read by each rank, one barrier more.
 
 `choose_path` picks by message size (ONE_SHOT_MAX_BYTES, SYMMETRIC_MAX_BYTES below; tune them
-with test/benchmark/allreduce_bench.py, which times all three by size). The symmetric buffer is
+with test/benchmark/kernels/allreduce_bench.py, which times all three by size). The symmetric buffer is
 allocated and exchanged once, when the group is made (init_tp), so that the decode CUDA graphs
 capture only the copy into it and the reduction kernel: nothing is allocated from symmetric
 memory or exchanged between ranks during capture or replay. NVLink multicast (the multimem
@@ -20,7 +20,7 @@ operations) is never used.
 Symmetric memory is off, with one log line saying why, when the group spans machines, when the
 group size has no compiled kernel (2, 4 and 8 do), when peer access or the set-up fails on any
 rank, and where the environment variable SYMMETRIC_ENV is "0" (read here only: it exists for
-before/after measurements, test/benchmark/multi_gpu.sh's "-nccl" items).
+before/after measurements, test/benchmark/serving/multi_gpu.sh's "-nccl" items).
 """
 
 from __future__ import annotations

@@ -31,10 +31,6 @@ def free_port(host: str = LOOPBACK) -> int:
     return free_ports(1, host)[0]
 
 
-def tcp_address(port: int, host: str = LOOPBACK) -> str:
-    return f"tcp://{host}:{port}"
-
-
 def ipc_addresses(names: list[str]) -> tuple[str, list[str]]:
     """A fresh private directory and one ZeroMQ `ipc://` address in it per name.
 

@@ -8,17 +8,15 @@ import os
 import zmq
 
 from lightllm.server.config import ServerConfig
-from lightllm.server.detokenization.decoder import IncrementalDecoder
-from lightllm.server.httpserver.tokenizer import load_tokenizer
+from lightllm.frontend.decoder import IncrementalDecoder
+from lightllm.frontend.tokenizer import load_tokenizer
+from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTextOut,
     BatchTokenOut,
-    FinishReason,
-    GenerateReq,
     ProcessReady,
     TextOut,
-    TokenOut,
 )
 from lightllm.utils.process import init_child_process
 

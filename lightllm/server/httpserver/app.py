@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lightllm
-from lightllm.server.chat.output import ChatParsers, chat_parsers
+from lightllm.frontend.chat.output import ChatParsers, chat_parsers
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
@@ -28,15 +28,17 @@ from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
 from lightllm.server.httpserver.grammar_cache import GrammarCache
 from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
-from lightllm.server.httpserver.json_body import RequestError, describe_errors
+from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_body import describe_errors
 from lightllm.server.httpserver.messages_api import add_messages_routes
 from lightllm.server.httpserver.openai_api import add_openai_routes
-from lightllm.server.httpserver.openai_params import model_sampling_defaults
-from lightllm.server.httpserver.params import Limits, prompt_char_bound
+from lightllm.frontend.sampling_ranges import model_sampling_defaults
+from lightllm.frontend.limits import Limits, prompt_char_bound
 from lightllm.server.httpserver.responses_api import add_responses_routes
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
-from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, SamplingParams
+from lightllm.engine.request import FinishReason, SamplingParams
+from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 
 
 logger = logging.getLogger(__name__)

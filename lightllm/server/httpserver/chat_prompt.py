@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from lightllm.server.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateError, render_chat
+from lightllm.frontend.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateError, render_chat
 from lightllm.server.httpserver.generation import off_loop
-from lightllm.server.httpserver.json_body import RequestError
+from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
-from lightllm.server.httpserver.params import check_prompt_chars
-from lightllm.server.io_struct import SamplingParams
+from lightllm.frontend.limits import check_prompt_chars
+from lightllm.engine.request import SamplingParams
 
 
 def message_chars(messages: list[dict]) -> int:

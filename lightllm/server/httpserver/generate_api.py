@@ -19,9 +19,12 @@ from fastapi.responses import JSONResponse, Response
 
 from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
 from lightllm.server.httpserver.errors import error_body
-from lightllm.server.httpserver.json_body import RequestError, add_json_route
-from lightllm.server.httpserver.params import GenerateRequest, check_prompt_chars, check_token_ids
-from lightllm.server.io_struct import SamplingParams, TextOut
+from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_body import add_json_route
+from lightllm.frontend.limits import check_prompt_chars
+from lightllm.server.httpserver.params import GenerateRequest, check_token_ids
+from lightllm.engine.request import SamplingParams
+from lightllm.server.io_struct import TextOut
 
 
 def add_generate_routes(app: FastAPI) -> None:

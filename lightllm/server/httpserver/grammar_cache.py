@@ -18,8 +18,8 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.io_struct import SamplingParams
+from lightllm.frontend.errors import RequestError
+from lightllm.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

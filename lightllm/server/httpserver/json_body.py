@@ -18,13 +18,7 @@ import json
 from fastapi import FastAPI, Request, Response
 from fastapi.routing import APIRoute
 
-
-class RequestError(Exception):
-    """An error the client caused: answered with `status_code` and this message."""
-
-    def __init__(self, message: str, status_code: int = 400):
-        super().__init__(message)
-        self.status_code = status_code
+from lightllm.frontend.errors import RequestError
 
 
 CURL_FORM_TYPE = "application/x-www-form-urlencoded"

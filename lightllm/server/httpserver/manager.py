@@ -22,17 +22,15 @@ import zmq
 import zmq.asyncio
 
 from lightllm.server.config import ServerConfig
-from lightllm.server.httpserver.json_body import RequestError
+from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.metrics import Metrics
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTextOut,
-    FinishReason,
-    GenerateReq,
     RouterFailed,
     RouterHeartbeat,
     RouterStats,
-    SamplingParams,
     TextOut,
 )
 

@@ -18,16 +18,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from lightllm.server.chat.output import Block, Blocks, answer_blocks
+from lightllm.frontend.chat.output import Block, Blocks, answer_blocks
 from lightllm.server.httpserver.chat_prompt import chat_inputs, chat_prompt
 from lightllm.server.httpserver.errors import anthropic_error
 from lightllm.server.httpserver.generation import Generation, failure, sampling_of
-from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_api import check_request
 from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, OpenAIBody, check_tools,
                                                       template_tool)
 from lightllm.server.httpserver.params import STRICT, NonEmptyStr
-from lightllm.server.io_struct import FinishReason, TextOut
+from lightllm.engine.request import FinishReason
+from lightllm.server.io_struct import TextOut
 
 STOP_REASONS = {FinishReason.LENGTH: "max_tokens", FinishReason.EOS: "end_turn", FinishReason.STOP: "stop_sequence"}
 

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from lightllm.server.io_struct import FinishReason, RouterStats, TextOut
+from lightllm.engine.request import FinishReason
+
+from lightllm.server.io_struct import RouterStats, TextOut
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the format generate_latest writes
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

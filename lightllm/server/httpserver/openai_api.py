@@ -16,15 +16,17 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lightllm.server.chat.output import Answer, AnswerParser, merge_events
-from lightllm.server.chat.tool_calls import CallStart, Text
+from lightllm.frontend.chat.output import Answer, AnswerParser, merge_events
+from lightllm.frontend.chat.tool_calls import CallStart, Text
 from lightllm.server.httpserver.chat_prompt import chat_inputs
 from lightllm.server.httpserver.errors import openai_error
 from lightllm.server.httpserver.generation import Choice, Generation, batch_member, failure, sampling_of
-from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
-from lightllm.server.httpserver.params import check_prompt_chars
-from lightllm.server.io_struct import FinishReason, SamplingParams, TextOut
+from lightllm.frontend.limits import check_prompt_chars
+from lightllm.engine.request import FinishReason, SamplingParams
+from lightllm.server.io_struct import TextOut
 
 # Our finish reasons in OpenAI's words: an EOS token and a stop sequence are both "stop".
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}

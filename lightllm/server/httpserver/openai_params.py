@@ -11,18 +11,14 @@ described with OpenAI's types and refused with a 400 rather than silently ignore
 from __future__ import annotations
 
 import json
-import logging
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from lightllm.engine.request import SamplingParams
-from lightllm.engine.sampling_ranges import STRICT, SamplingRanges
-from lightllm.server.httpserver.json_body import RequestError
-from lightllm.server.httpserver.params import (NonEmptyStr, StopSequences, check_token_ids, checked_grammar,
-                                              json_grammar, to_sampling)
-
-logger = logging.getLogger(__name__)
+from lightllm.frontend.errors import RequestError
+from lightllm.frontend.sampling_ranges import STRICT, OpenAIRanges, to_sampling
+from lightllm.server.httpserver.params import NonEmptyStr, StopSequences, check_token_ids, checked_grammar, json_grammar
 
 # the client's name -> ours
 SAMPLING_NAMES = {
@@ -122,7 +118,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-class OpenAIBody(SamplingRanges):
+class OpenAIBody(OpenAIRanges):
     """The fields both endpoints share: the shared sampling ranges (SamplingRanges, which hold
     vLLM's extensions top_k, min_p, ... too), OpenAI's narrower temperature, and OpenAI's own."""
 
@@ -133,7 +129,6 @@ class OpenAIBody(SamplingRanges):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2, description="default 1.0; 0 is greedy")
     stop: StopSequences | None = None
     n: int | None = Field(None, ge=1, le=128, description="choices to generate; the prompt is computed once")
     response_format: ResponseFormat | None = Field(
@@ -267,22 +262,6 @@ class CompletionRequest(OpenAIBody):
         if isinstance(prompts[0], list) and max(max(ids) for ids in prompts) >= vocab_size:
             raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})")
         return prompts
-
-
-def model_sampling_defaults(model_defaults: dict) -> dict:
-    """The OpenAI routes' defaults from the model's generation_config.json (ModelConfig's
-    sampling_defaults), each within the routes' ranges: one outside (such as top_p 0) is left out
-    with a warning, since no request could then succeed."""
-    defaults = {}
-    for name, value in model_defaults.items():
-        try:
-            CompletionRequest.model_validate({"prompt": "x", name: value})
-        except ValidationError as exc:
-            logger.warning("generation_config.json's %s=%r is not used as a default: %s", name, value,
-                           exc.errors()[0]["msg"])
-            continue
-        defaults[name] = value
-    return defaults
 
 
 class TextPart(BaseModel):

@@ -1,22 +1,21 @@
-"""The body of /generate and /generate_stream as a pydantic model, with TGI's parameter ranges,
-and the checks that need the server's limits (prompt length in characters and in tokens).
+"""The body of /generate and /generate_stream as a pydantic model, with TGI's parameter ranges.
 
 A field left out or null takes SamplingParams' default (lightllm/engine/request.py), written there
-once; the ranges TGI shares with the other front ends are lightllm/engine/sampling_ranges.py's."""
+once; the ranges TGI shares with the other front ends are lightllm/frontend/sampling_ranges.py's,
+and the length checks lightllm/frontend/limits.py's."""
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
 from lightllm.engine.request import SamplingParams
-from lightllm.engine.sampling_ranges import INT32_MAX, STRICT, SamplingRanges
-from lightllm.server.httpserver.json_body import RequestError, load_json, shown
+from lightllm.frontend.sampling_ranges import INT32_MAX, STRICT, SamplingRanges, to_sampling
+from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_body import load_json, shown
 
 MAX_STOP_SEQUENCES = 16
 # A token id as a logit_bias key: ASCII digits (str.isdigit() also takes "²", which int() refuses, and
@@ -25,14 +24,6 @@ TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopSequences = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)]
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_req_input_len: int
-    max_req_total_len: int
-    max_total_token_num: int
-    max_prompt_chars: int  # see prompt_char_bound
 
 
 class Grammar(BaseModel):
@@ -118,14 +109,6 @@ class GenerateParameters(SamplingRanges):
         return to_sampling(given)
 
 
-def to_sampling(given: dict, **fixed) -> SamplingParams:
-    """SamplingParams from the parameters a client gave; a seed is drawn when none is given."""
-    if isinstance(given.get("stop_sequences"), str):
-        given["stop_sequences"] = [given["stop_sequences"]]
-    given.setdefault("seed", secrets.randbelow(2**31))
-    return SamplingParams(**given, **fixed)
-
-
 class GenerateRequest(BaseModel):
     """TGI's request body: a prompt and its parameters."""
 
@@ -133,40 +116,3 @@ class GenerateRequest(BaseModel):
 
     inputs: NonEmptyStr
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
-
-
-def prompt_char_bound(tokenizer, max_req_input_len: int) -> int:
-    """Characters in the longest prompt that can fit in `max_req_input_len` tokens: no token's text
-    is longer than the longest vocabulary entry (byte-level BPE writes each byte as one character,
-    SentencePiece's '▁' stands for one space, byte-fallback tokens are spelt longer than their
-    byte). A longer prompt is refused before it is tokenized."""
-    return max_req_input_len * max(map(len, tokenizer.get_vocab()))
-
-
-def check_prompt_chars(chars: int, limits: Limits) -> None:
-    if chars > limits.max_prompt_chars:
-        raise RequestError(
-            f"the prompt has {chars} characters: more than max_req_input_len={limits.max_req_input_len} tokens "
-            f"can hold with this tokenizer ({limits.max_prompt_chars} characters); it was not tokenized"
-        )
-
-
-def check_lengths(prompt_len: int, sampling: SamplingParams, limits: Limits) -> None:
-    """A request that could never run is refused here, before it reaches the router."""
-    total = prompt_len + sampling.max_new_tokens
-    if prompt_len == 0:  # control characters alone, for one, may tokenize to nothing
-        raise RequestError("the prompt is empty once tokenized: there is nothing to continue")
-    if prompt_len > limits.max_req_input_len:
-        raise RequestError(
-            f"the prompt has {prompt_len} tokens, more than max_req_input_len={limits.max_req_input_len}"
-        )
-    if total > limits.max_req_total_len:
-        raise RequestError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} is more "
-            f"than max_req_total_len={limits.max_req_total_len}"
-        )
-    if total > limits.max_total_token_num:
-        raise RequestError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} can never "
-            f"fit the KV cache of max_total_token_num={limits.max_total_token_num} tokens"
-        )

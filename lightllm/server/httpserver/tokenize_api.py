@@ -15,9 +15,11 @@ from pydantic import BaseModel, Field
 
 from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
-from lightllm.server.httpserver.json_body import RequestError, add_json_route
+from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, prompt_ending, template_tool
-from lightllm.server.httpserver.params import STRICT, check_prompt_chars
+from lightllm.frontend.limits import check_prompt_chars
+from lightllm.server.httpserver.params import STRICT
 
 
 class TokenizeRequest(BaseModel):

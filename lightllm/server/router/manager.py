@@ -20,10 +20,10 @@ from lightllm.engine.build import EngineStartError, build_engine, load_model, st
 from lightllm.engine.core import EngineCore, WorkerDied, describe_error
 from lightllm.engine.workers import ModelWorkers
 from lightllm.server.config import ServerConfig
+from lightllm.engine.request import GenerateReq
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTokenOut,
-    GenerateReq,
     RouterFailed,
     RouterHeartbeat,
     RouterReady,

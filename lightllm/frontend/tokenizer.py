@@ -1,13 +1,13 @@
-"""The tokenizer, loaded the same way by the HTTP process and the detokenizer."""
+"""The tokenizer, loaded the same way by the HTTP process, the detokenizer and the offline LLM."""
 
 from __future__ import annotations
 
 from lightllm.engine import tokenizer
-from lightllm.server.chat.template import chat_template_text
-from lightllm.server.config import ServerConfig
+from lightllm.frontend.chat.template import chat_template_text
+from lightllm.frontend.config import FrontendConfig
 
 
-def load_tokenizer(config: ServerConfig):
+def load_tokenizer(config: FrontendConfig):
     """The model's tokenizer, with --chat_template in place of its own template where given."""
     loaded = tokenizer.load_tokenizer(config.model_dir, config.tokenizer_mode, config.trust_remote_code)
     if config.chat_template is not None:

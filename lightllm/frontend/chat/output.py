@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightllm.server.chat.reasoning import REASONING_PARSERS
-from lightllm.server.chat.tool_calls import FORMATS, CallArgs, CallFormat, CallStart, Text
+from lightllm.frontend.chat.reasoning import REASONING_PARSERS
+from lightllm.frontend.chat.tool_calls import FORMATS, CallArgs, CallFormat, CallStart, Text
 
 
 @dataclass

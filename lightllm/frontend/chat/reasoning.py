@@ -9,7 +9,7 @@ always think end the prompt with `<think>` themselves: then the answer starts in
 
 from __future__ import annotations
 
-from lightllm.server.chat.tool_calls import Text, _held_back
+from lightllm.frontend.chat.tool_calls import Text, _held_back
 
 
 class Qwen3Reasoning:

@@ -2,16 +2,23 @@
 
 `SamplingRanges` holds the fields every front end shares under the same name (TGI's /generate,
 the OpenAI-style /v1 routes, the offline `SamplingParams` of lightllm/llm.py): each body
-inherits them, and the offline API validates through it. Where an API documents a narrower
+inherits them, and the offline API validates through it. A temperature below the engine's
+GREEDY_TEMPERATURE (lightllm/engine/request.py) samples greedily on every route. Where an API documents a narrower
 range of its own (TGI: temperature and top_k above 0; OpenAI: temperature at most 2), its body
 narrows that field; none widens one.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lightllm.engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1  # TGI's top_k is an i32; the sampler holds it in an int64 tensor either way
 SEED_BOUND = 2**63  # seeds are in [0, 2**63): TGI's u64 seed, as the engine's int64 holds it
@@ -56,3 +63,34 @@ def check_ranges(values: dict, owner: str) -> None:
         error = exc.errors()[0]
         name = ".".join(str(part) for part in error["loc"])
         raise ValueError(f"{owner}.{name}: {error['msg']}, not {error['input']!r}") from None
+
+
+class OpenAIRanges(SamplingRanges):
+    """OpenAI's narrower temperature (at most 2), for the /v1 routes and the model's defaults."""
+
+    temperature: float | None = Field(None, ge=0, le=2, description="default 1.0; 0 is greedy")
+
+
+def model_sampling_defaults(model_defaults: dict) -> dict:
+    """The OpenAI routes' and the offline LLM's defaults from the model's generation_config.json
+    (ModelConfig's sampling_defaults), each within OpenAI's ranges: one outside (such as top_p 0)
+    is left out with a warning, since no request could then succeed."""
+    defaults = {}
+    for name, value in model_defaults.items():
+        try:
+            OpenAIRanges.model_validate({name: value})
+        except ValidationError as exc:
+            logger.warning("generation_config.json's %s=%r is not used as a default: %s", name, value,
+                           exc.errors()[0]["msg"])
+            continue
+        defaults[name] = value
+    return defaults
+
+
+def to_sampling(given: dict, **fixed) -> SamplingParams:
+    """The engine's SamplingParams from the fields a client gave (engine names); a seed is drawn
+    when none is given."""
+    if isinstance(given.get("stop_sequences"), str):
+        given["stop_sequences"] = [given["stop_sequences"]]
+    given.setdefault("seed", secrets.randbelow(2**31))
+    return SamplingParams(**given, **fixed)

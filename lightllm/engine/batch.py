@@ -1,0 +1,146 @@
+"""A step's batch on its way to the device and back: the running requests' rows, the packed
+metadata of a step (`step_lists`), its one host-to-device copy (`upload`) and the sampled tokens'
+asynchronous way back (`download`, `LaunchedStep`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightllm.engine.plan import SampledToken, StepResult
+from lightllm.engine.sampling import SamplingState
+from lightllm.kernels.extend_attention import extend_q_blocks
+
+
+@dataclass
+class RunningReq:
+    row: int  # in ReqTable.req_to_token
+    prefix_len: int  # positions [0, prefix_len) came from prefix-cache nodes
+    seq_len: int  # tokens whose K/V are in the cache (or written by a launched step)
+    sampling: SamplingState
+    prompt_logprobs: list | None = None  # (logprob, top) per prompt position from the 2nd, as computed
+
+
+class LaunchedStep:
+    """A step whose tokens are on their way to the host (pinned buffers + event on CUDA).
+
+    `host` is [2 + 2k, B] float64: token ids, their logprobs, then the top k ids and logprobs;
+    `prompt_parts` are (request, host tensors of prompt_logprobs()) of the chunks that asked."""
+
+    def __init__(self, step_id: int, req_ids: list[int], sampled_reqs: list[RunningReq], host: torch.Tensor,
+                 prompt_parts: list, event):
+        self.step_id, self.req_ids, self.sampled_reqs = step_id, req_ids, sampled_reqs
+        self._host, self._prompt_parts, self._event = host, prompt_parts, event
+        self.prompt_done: set[int] = set()  # req ids whose last chunk (with prompt logprobs) is in this step
+        self._tokens: list[tuple[int, float]] | None = None
+
+    def tokens(self) -> list[tuple[int, float]]:
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._tokens = list(zip(map(int, self._host[0].tolist()), self._host[1].tolist()))
+        return self._tokens
+
+    def result(self) -> StepResult:
+        tokens = self.tokens()
+        if self._host.shape[0] == 2 and not self._prompt_parts and not self.prompt_done:  # no logprobs asked for
+            return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in zip(self.req_ids, tokens)])
+        for r, chosen, top in self._prompt_parts:
+            r.prompt_logprobs.extend(zip(chosen.tolist(), _top_lists(top, len(chosen))))
+        out = []
+        k = (self._host.shape[0] - 2) // 2
+        tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k:].T) if k else None, len(tokens))
+        for req_id, r, (token, logprob), top in zip(self.req_ids, self.sampled_reqs, tokens, tops):
+            wanted = r.sampling.params.top_logprobs
+            prompt = tuple(r.prompt_logprobs) if req_id in self.prompt_done else None
+            out.append(SampledToken(req_id, token, logprob, top[:wanted] if wanted else None, prompt))
+        return StepResult(self.step_id, out)
+
+
+def _top_lists(top, n: int) -> list[tuple]:
+    """Per row ((token, logprob), ...) of top = (ids [n, k], logprobs [n, k]) on the host, or ()."""
+    if top is None:
+        return [()] * n
+    ids, values = top
+    return [tuple(zip(map(int, i), v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def upload(ints: dict[str, list[int]], floats: dict[str, list[float]], device: torch.device) -> dict[str, torch.Tensor]:
+    """All of a step's metadata in one host-to-device copy: ints as int64, then floats as
+    float32 packed two per int64 slot; returns named device views."""
+    flat_ints = [v for values in ints.values() for v in values]
+    flat_floats = [v for values in floats.values() for v in values]
+    flat_floats += [0.0] * (len(flat_floats) % 2)
+    host = torch.cat([torch.tensor(flat_ints, dtype=torch.int64),
+                      torch.tensor(flat_floats, dtype=torch.float32).view(torch.int64)])
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    out = _split(dev[: len(flat_ints)], ints)
+    out.update(_split(dev[len(flat_ints):].view(torch.float32), floats))
+    return out
+
+def download(tokens: torch.Tensor, logprobs: torch.Tensor, top, parts: list):
+    """(host buffer, host prompt parts, event): float64 holds token ids exactly; on CUDA the
+    copies are asynchronous into pinned memory and the event says when they have landed."""
+    rows = [tokens.double()[None], logprobs.double()[None]]
+    if top is not None:
+        rows += [top[0].T.double(), top[1].T.double()]
+    stacked = torch.cat(rows)
+    if not stacked.is_cuda:
+        return stacked, parts, None
+    host = _pinned_copy(stacked)
+    host_parts = [(r, _pinned_copy(chosen), None if top is None else tuple(map(_pinned_copy, top)))
+                  for r, chosen, top in parts]
+    event = torch.cuda.Event()
+    event.record()
+    return host, host_parts, event
+
+
+def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
+def _split(flat: torch.Tensor, lists: dict[str, list]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, values in lists.items():
+        out[name] = flat[offset: offset + len(values)]
+        offset += len(values)
+    return out
+
+
+def step_lists(decodes: list[RunningReq], chunks: list, head_dim: int) -> dict[str, list[int]]:
+    """Packed metadata: decodes first (one token each), then chunks; row and position per
+    token, per-chunk extend bounds (absolute: the first chunk starts after the decodes) and
+    extend attention's block table, the logits rows to sample and their request rows, then the
+    rows (and next tokens) of the chunks that want prompt logprobs."""
+    positions = [r.seq_len for r in decodes]
+    token_rows = [r.row for r in decodes]
+    chunk_ids, cu_q, kv_lens, logit_index = [], [len(decodes)], [], list(range(len(decodes)))
+    prompt_rows, prompt_targets = [], []
+    for r, c in chunks:
+        n = len(c.token_ids)
+        chunk_ids.extend(c.token_ids)
+        positions.extend(range(c.start, c.start + n))
+        token_rows.extend([r.row] * n)
+        first = cu_q[-1]
+        cu_q.append(first + n)
+        kv_lens.append(c.start + n)
+        if c.last:
+            logit_index.append(cu_q[-1] - 1)
+        if r.prompt_logprobs is not None:  # row j predicts the chunk's token j + 1 (then the next chunk's first)
+            targets = c.token_ids[1:] + ([] if c.last else [c.next_id])
+            prompt_rows.extend(range(first, first + len(targets)))
+            prompt_targets.extend(targets)
+    sample_rows = [r.row for r in decodes] + [r.row for r, c in chunks if c.last]
+    lists = {"chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
+             "decode_rows": [r.row for r in decodes], "decode_seq_lens": [r.seq_len + 1 for r in decodes],
+             "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
+             "ext_q_blocks": extend_q_blocks([len(c.token_ids) for _, c in chunks], head_dim),
+             "logit_index": logit_index + prompt_rows, "sample_rows": sample_rows}
+    if prompt_targets:
+        lists["prompt_targets"] = prompt_targets
+    return lists

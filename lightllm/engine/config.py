@@ -1,0 +1,164 @@
+"""EngineConfig: every engine setting, once, handed whole to the builder, the workers and the runner.
+
+The configs are layered: the frontend's (lightllm/frontend/config.py) adds request preparation
+and the server's (lightllm/server/config.py) the HTTP and process settings. The server's argparse
+reads each field's name, default and help (`flag`) from the dataclasses, so a new engine knob is
+written once, here, and read where it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+NODE_TOKEN_ENV = "LIGHTLLM_NODE_TOKEN"
+MIN_NODE_TOKEN_CHARS = 16
+
+# Steps of up to this many tokens a rank come from graphs: above it, an 8B model's step at tp 1
+# takes longer on an H100 (about 40 ms at 2048 tokens) than its eager launch on the host (about
+# 25 ms). Each rank computes 1/tp of a step, so its device time falls with tp while the launch
+# stays: at tp 2, a burst's 3072-token steps (1024 decodes and a 2048-token chunk) left the GPUs
+# 65-80% busy when eager, 92-100% from graphs (two H100s, 2026-11-27, 69e7f75; docs/multi_gpu.md).
+GRAPH_TOKENS_A_RANK = 2048
+
+
+def flag(help_text: str, **extra) -> dict:
+    """A field's metadata as a command-line flag: its help text and argparse extras (choices)."""
+    return {"help": help_text, **extra}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str | None = field(
+        default=None,
+        metadata=flag("Hugging Face model directory; absent: the default model (SmolLM2-135M-Instruct), prepared on first use"),
+    )
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata=flag("auto: fast tokenizer when there is one; slow: the Python tokenizer", choices=("auto", "slow")),
+    )
+    trust_remote_code: bool = field(default=False, metadata=flag("allow the tokenizer to run code from the model directory"))
+    max_total_token_num: int | None = field(
+        default=None,
+        metadata=flag("KV-cache budget in tokens over all requests; absent: what fits in --mem_fraction of the memory beside the largest step, which every rank runs once at start (on the CPU at most 16384). A figure that does not fit is refused at start with the largest that would"),
+    )
+    mem_fraction: float = field(
+        default=0.9,
+        metadata=flag("share of the device's memory (GPU) or of the host's RAM (CPU, less what other processes use) the server may take: weights, the KV cache, CUDA graphs and the largest step's activations, logits and sampling buffers, measured at start"),
+    )
+    chunked_prefill_size: int = field(
+        default=2048,
+        metadata=flag("most prompt tokens prefilled in one step, over all requests; longer prompts are prefilled in chunks over several steps, beside the running decodes. 2048 bounds a step beside a full batch to ~60 ms on an H100 with an 8B model, which keeps the tail of time to first token and per token low at moderate load (docs/benchmarks.md)"),
+    )
+    burst_chunked_prefill_size: int | None = field(
+        default=None,
+        metadata=flag("most prompt tokens prefilled in one step while a burst waits (more than 2 steps' worth of --chunked_prefill_size not yet prefilled, admitted or waiting): fewer, larger steps each pay the running batch's decode once, so a burst's last requests get their first token sooner, at a longer step for the running ones meanwhile; at a steady moderate rate the backlog stays below and steps keep --chunked_prefill_size. Absent: 8192 on a GPU (H100, 8B model, ShareGPT 1000 at once: P99 time to first token 9.5 -> 7.0 s, throughput 1.035x, P99 time per token 79 -> 234 ms; docs/benchmarks.md), off on a CPU; 0: off. The start-up's memory profile runs a step of this many prompt tokens"),
+    )
+    schedule_policy: str = field(
+        default="lpt",
+        metadata=flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order; lpt was chosen in simulation (test/benchmark/simulator/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs")),
+    )
+    disable_overlap: bool = field(
+        default=False,
+        metadata=flag("plan each step only after the previous one's tokens are back (a synchronous loop, for debugging); by default the next step is planned while the device runs the current one"),
+    )
+    disable_prefix_cache: bool = field(
+        default=False,
+        metadata=flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
+    )
+    admission_wait_steps: int = field(
+        default=8,
+        metadata=flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
+    )
+    running_max_req_size: int = field(default=1024, metadata=flag("most requests in the running batch (and the largest CUDA-graph decode bucket); 1024 starts a burst's requests sooner (lower time to first token) at a few percent of throughput against 512 (docs/benchmarks.md)"))
+    max_req_total_len: int = field(default=2048 + 1024, metadata=flag("longest prompt + max_new_tokens accepted"))
+    tp: int = field(default=1, metadata=flag("tensor-parallel degree: one model worker process per rank"))
+    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1) and each request goes to the least loaded one"))
+    nccl_port: int = field(default=28765, metadata=flag("port of the torch.distributed rendezvous between model workers on one machine (over several: --dist_init_addr)"))
+    nnodes: int = field(default=1, metadata=flag("machines the --tp ranks span, tp / nnodes on each (see docs/architecture.md, 'Scaling past one machine')"))
+    node_rank: int = field(default=0, metadata=flag("this machine's index: 0 serves HTTP and drives every rank; the others run only their ranks' model workers"))
+    dist_init_addr: str | None = field(default=None, metadata=flag("HOST:PORT where node 0's router hosts the rendezvous of the nodes (a torch.distributed TCPStore); required with --nnodes > 1"))
+    dist_timeout: float = field(default=300.0, metadata=flag("seconds node 0 waits for the other nodes to join, and they for node 0 to answer; then start-up ends with an error"))
+    worker_host: str | None = field(default=None, metadata=flag("nodes > 0: address their model workers listen on for node 0's router; absent: this machine's address on the route to --dist_init_addr"))
+    worker_port: int = field(default=0, metadata=flag("nodes > 0: port of the first local rank's model worker (the next rank PORT+1, ...); 0: any free port, published through the rendezvous"))
+    node_token: str | None = field(
+        default=None,
+        repr=False,  # never in a log line
+        metadata=flag(f"with --nnodes > 1, required and the same on every node (at least {MIN_NODE_TOKEN_CHARS} characters, e.g. `openssl rand -hex 16`): node 0's router must present it to the other nodes' model workers; it never crosses the rendezvous. Absent: ${NODE_TOKEN_ENV}, which keeps it out of the process list"),
+    )
+    data_type: str = field(default="auto", metadata=flag("weight and activation dtype: auto, float16, bfloat16 or float32"))
+    quantization: str | None = field(
+        default=None,
+        metadata=flag("fp8: store the four projections of every layer in fp8 (e4m3, one scale per output row, quantised at load) and quantise their inputs per token: half the weight bytes a decode step reads and fp8 tensor cores for prefill (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference). The embedding, the LM head, norms and the KV cache stay in --data_type. See docs/benchmarks.md for throughput and accuracy", choices=("fp8",)),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag("auto: the KV cache in --data_type; fp8_e4m3: one byte a value (K and V rounded to e4m3, no scale: values past +-448 saturate), so twice the tokens in the same memory and half the bytes decode attention reads (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference)", choices=("auto", "fp8_e4m3")),
+    )
+    load_format: str = field(default="auto", metadata=flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
+    disable_cuda_graph: bool = field(default=False, metadata=flag("run every step eagerly instead of replaying captured CUDA graphs (GPU only)"))
+    cuda_graph_max_tokens: int | None = field(default=None, metadata=flag(f"largest step, in tokens (decodes plus prompt chunks), replayed from a CUDA graph; larger steps run eagerly, their device time then covers their launch (see docs/architecture.md). Absent: {GRAPH_TOKENS_A_RANK} x --tp (a step's device time shrinks with the ranks, its launch on the host does not), at most the largest step there can be (--chunked_prefill_size + --running_max_req_size)"))
+    step_trace: str | None = field(default=None, metadata=flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/engine/step_trace.py"))
+    log_level: str = field(
+        default="info",
+        metadata=flag("log level of every process", choices=("debug", "info", "warning", "error")),
+    )
+
+    @property
+    def graph_max_tokens(self) -> int:
+        """--cuda_graph_max_tokens, or by default GRAPH_TOKENS_A_RANK x tp, at most the largest
+        step the scheduler can make (a full chunk beside a full batch of decodes)."""
+        if self.cuda_graph_max_tokens is not None:
+            return self.cuda_graph_max_tokens
+        return min(GRAPH_TOKENS_A_RANK * self.tp, self.chunked_prefill_size + self.running_max_req_size)
+
+    def for_replica(self, replica: int) -> EngineConfig:
+        """The settings one --dp replica's ranks run with: a rendezvous port and a trace of its own."""
+        if replica == 0:
+            return self
+        trace = self.step_trace and f"{self.step_trace}.replica{replica}"
+        return dataclasses.replace(self, nccl_port=self.nccl_port + replica, step_trace=trace)
+
+    def engine_only(self) -> EngineConfig:
+        """This config's engine settings as an EngineConfig (what crosses to the model workers),
+        without the node token: the workers never need it."""
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        values = {name: getattr(self, name) for name in names}
+        return EngineConfig(**{**values, "node_token": None})
+
+    def check(self) -> None:
+        """Raise ValueError, naming the flag, for settings that cannot work together."""
+        if self.max_req_total_len < 2:
+            raise ValueError("--max_req_total_len must be at least 2")
+        if self.max_total_token_num is not None and self.max_total_token_num < 2:
+            raise ValueError("--max_total_token_num must be at least 2")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError("--mem_fraction must be above 0 and at most 1")
+        for name in ("tp", "dp", "running_max_req_size", "chunked_prefill_size", "cuda_graph_max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1")
+        if self.burst_chunked_prefill_size and self.burst_chunked_prefill_size < self.chunked_prefill_size:
+            raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
+        if self.admission_wait_steps < 0:
+            raise ValueError("--admission_wait_steps must be 0 or more")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--node_rank must be at least 0 and below --nnodes (at least 1)")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} must be divisible by --nnodes {self.nnodes}")
+        if self.dp > 1 and self.nnodes > 1:
+            raise ValueError("--dp > 1 runs replicas on one machine; over several, run one server per replica "
+                             "(see docs/architecture.md)")
+        if self.dist_timeout <= 0:
+            raise ValueError("--dist_timeout must be positive")
+        if not 0 <= self.worker_port < 65536:
+            raise ValueError("--worker_port must be a port number (0: any)")
+        if self.nnodes > 1:
+            host, sep, port = (self.dist_init_addr or "").rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError("--dist_init_addr HOST:PORT is required with --nnodes > 1")
+            if self.node_token is None or len(self.node_token.strip()) < MIN_NODE_TOKEN_CHARS:
+                raise ValueError(f"--node_token (or ${NODE_TOKEN_ENV}) of at least {MIN_NODE_TOKEN_CHARS} characters, the "
+                                 "same on every node, is required with --nnodes > 1")
