@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import helpers  # noqa: E402,F401  (puts test/ on the path: the benchmark scripts import as `benchmark`)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Start and stop a real server (all its processes) on a free loopback port, for tests.
 
-Starting, polling /health and stopping are test/benchmark/server_process.py's, shared with the
+Starting, polling /health and stopping are test/benchmark/lib/server_process.py's, shared with the
 benchmark scripts; what tests add is looking inside (processes, log lines, requests)."""
 
 from __future__ import annotations
@@ -8,19 +8,16 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
+from benchmark.lib import server_process
+from benchmark.lib.server_process import ServerProcess
 
-import server_process  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-
-from lightllm.utils.net import socket_dirs  # noqa: E402
+from lightllm.utils.net import socket_dirs
 
 
 @contextlib.asynccontextmanager
@@ -34,7 +31,7 @@ async def wired_manager(config):
     from lightllm.server.httpserver.manager import HttpServerManager
     from lightllm.server.httpserver.metrics import Metrics
 
-    config.allocate_addresses()
+    config = config.with_addresses()
     router = zmq.asyncio.Context.instance().socket(zmq.PULL)
     router.bind(config.router_addresses[0])
     to_http = zmq.asyncio.Context.instance().socket(zmq.PUSH)

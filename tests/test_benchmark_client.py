@@ -10,19 +10,17 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "test" / "benchmark"))
+from helpers import BENCHMARK  # and makes the benchmark package importable
 
-import sharegpt  # noqa: E402
-from server_process import start_server  # noqa: E402
-from serving_client import run_requests, run_requests_in_processes  # noqa: E402
-from serving_metrics import RequestResult, format_summary, slowest_first_tokens, summarize  # noqa: E402
-from sharegpt import SampledRequest  # noqa: E402
+from benchmark.lib import sharegpt
+from benchmark.lib.server_process import start_server
+from benchmark.lib.serving_client import run_requests, run_requests_in_processes
+from benchmark.lib.serving_metrics import RequestResult, format_summary, slowest_first_tokens, summarize
+from benchmark.lib.sharegpt import SampledRequest
 
 METRIC_LINES = (
     "Successful requests:",
@@ -271,11 +269,11 @@ def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
         data_path = tmp_path / "short.json"
         rng = random.Random(2)
         data_path.write_text(json.dumps([conversation(rng.randint(4, 60), rng.randint(4, 40), rng) for _ in range(40)]))
-        client_cmd = [sys.executable, str(ROOT / "test" / "benchmark" / "benchmark_serving.py"), "--base-url", url]
+        client_cmd = [sys.executable, str(BENCHMARK / "serving" / "benchmark_serving.py"), "--base-url", url]
         client_cmd += ["--model", str(model), "--dataset", str(data_path), "--num-prompts", "20", "--stream"]
         client_cmd += ["--result-json", str(tmp_path / "result.json"), "--no-progress"]
         client = subprocess.run(client_cmd, env=env, capture_output=True, text=True, timeout=400)
-        single_cmd = [sys.executable, str(ROOT / "test" / "benchmark" / "single_request.py"), "--url", url]
+        single_cmd = [sys.executable, str(BENCHMARK / "serving" / "single_request.py"), "--url", url]
         single = subprocess.run(single_cmd + ["--max-new-tokens", "8", "--repeat", "2"], env=env,
                                 capture_output=True, text=True, timeout=400)
     finally:
@@ -304,7 +302,7 @@ def test_bandwidth_floor_counts_the_weights_a_decode_step_reads(which, tiny_mode
 
     from lightllm.models import read_config
     from lightllm.tools.default_model import ensure_default_model
-    from static_benchmark import weight_bytes
+    from benchmark.engine.static_benchmark import weight_bytes
 
     model_dir = tiny_model if which == "tiny" else ensure_default_model()
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -317,7 +315,7 @@ def test_bandwidth_floor_counts_the_weights_a_decode_step_reads(which, tiny_mode
 
 
 def test_static_benchmark_measures_the_grid_and_frees_every_token(tiny_model):
-    import static_benchmark
+    from benchmark.engine import static_benchmark
 
     args = static_benchmark.build_parser().parse_args(
         ["--model", str(tiny_model), "--load-format", "auto", "--dtype", "float32", "--device", "cpu"]
@@ -342,7 +340,7 @@ def test_frontend_bench_serves_every_request_through_simulated_gpus(tmp_path):
     request in full, and reports each server process's CPU."""
     from transformers import AutoTokenizer
 
-    import frontend_bench
+    from benchmark.serving import frontend_bench
     from lightllm.tools.bench_model import write_bench_model
 
     model = write_bench_model(tmp_path / "tiny", "tiny", seed=0)

@@ -7,19 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "test" / "benchmark"))
-
-import benchmark_serving  # noqa: E402
-import prefix_workloads as pw  # noqa: E402
-from serving_client import run_conversations  # noqa: E402
-from serving_metrics import format_summary, prefix_cache_figures, summarize, unlabelled_samples  # noqa: E402
+from benchmark.serving import benchmark_serving
+from benchmark.lib import prefix_workloads as pw
+from benchmark.lib.serving_client import run_conversations
+from benchmark.lib.serving_metrics import format_summary, prefix_cache_figures, summarize, unlabelled_samples
 
 QUERIES = "lightllm:prefix_cache_queries_total"
 HITS = "lightllm:prefix_cache_hits_total"

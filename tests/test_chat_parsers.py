@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightllm.server.chat.output import Answer, AnswerParser, chat_parsers
-from lightllm.server.chat.reasoning import Qwen3Reasoning
-from lightllm.server.chat.template import ChatTemplateError, render_chat
-from lightllm.server.chat.tool_calls import FORMATS, CallStart, HermesParser, Llama3JsonParser
+from lightllm.frontend.chat.output import Answer, AnswerParser, chat_parsers
+from lightllm.frontend.chat.reasoning import Qwen3Reasoning
+from lightllm.frontend.chat.template import ChatTemplateError, render_chat
+from lightllm.frontend.chat.tool_calls import FORMATS, CallStart, HermesParser, Llama3JsonParser
 
 # (text, content, reasoning, [(name, arguments)])
 HERMES = [

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.app import create_app
-from lightllm.server.io_struct import FinishReason, RouterHeartbeat, RouterReady, TextOut
+from lightllm.engine.request import FinishReason
+from lightllm.server.io_struct import RouterHeartbeat, RouterReady, TextOut
 from tool_model import TOOL_TEMPLATE
 
 CALL_ARGS = {"city": "Paris", "days": 3, "note": "a \"quoted\" </tool_call> inside"}

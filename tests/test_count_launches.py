@@ -1,19 +1,17 @@
 """What a layer launches in an eager mixed step (decodes and a prompt chunk), counted by
-test/benchmark/count_launches.py on the GPU path (Triton kernels under the interpreter): the
+test/benchmark/engine/count_launches.py on the GPU path (Triton kernels under the interpreter): the
 difference between a 2-layer and a 1-layer model is one layer's launches, nothing else. An eager
-step's host time is its launches, so each one here is a choice (docs/benchmarks-log.md)."""
+step's host time is its launches, so each one here is a choice (H100, 2026-11-23, 9d728fa; docs/benchmarks-history.md)."""
 
 import collections
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
-import count_launches  # noqa: E402
+from benchmark.engine import count_launches
 
-from lightllm.models import layers  # noqa: E402
+from lightllm.models import layers
 
 
 def per_layer(model: Path, quantization=None, decodes=4, chunk=62) -> collections.Counter:

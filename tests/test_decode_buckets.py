@@ -1,7 +1,7 @@
 """Decode padded to bucket sizes (the CUDA-graph path, run eagerly on CPU) equals the unpadded
 decode, and its padding rows touch nothing but the token table's scratch slot.
 
-Tiny random models from test_model_vs_hf; running_max_req_size 8 gives buckets 1, 2, 4, 8,
+Tiny random models from helpers.models; running_max_req_size 8 gives buckets 1, 2, 4, 8,
 and the schedules run batches of 3, 5, 6 and 7 requests, so every step is padded. Logits
 agree to atol = rtol = 1e-5, not bit for bit: CPU matmuls block by row count, so a row's fp32
 result moves in the last bits with the batch size (observed <= 4e-6); tokens are equal.
@@ -9,11 +9,11 @@ result moves in the last bits with the batch size (observed <= 4e-6); tokens are
 
 import pytest
 import torch
-from test_model_vs_hf import make_model, make_runner, random_prompts
+from helpers.models import make_model, make_runner, random_prompts
 
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.cuda_graph import decode_buckets
-from lightllm.engine.model_runner import run_step
+from benchmark.lib.direct_step import run_step
 
 PROMPT_LENS = (3, 17, 9, 1, 30, 6, 12)
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_new_tokens=64)

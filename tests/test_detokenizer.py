@@ -6,7 +6,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from lightllm.server.detokenization.decoder import IncrementalDecoder
+from lightllm.frontend.decoder import IncrementalDecoder
 from lightllm.tools.default_model import ensure_default_model
 from seeds import fresh_rng  # noqa: E402
 

@@ -6,12 +6,10 @@ Relies on transformers' Llama, Qwen2, Qwen3 and Qwen3-MoE modeling code (rotary 
 
 import pytest
 import torch
-from test_model_vs_hf import make_model, make_runner
+from helpers.models import assert_idle, engine, hf_greedy, make_model, make_runner
 from transformers import AutoModelForCausalLM
 
 from lightllm.engine.core import EngineCore
-from lightllm.engine.model_runner import ModelRunner
-from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from seeds import fresh_seed  # noqa: E402
 
@@ -23,11 +21,6 @@ SAMPLED = dict(do_sample=True, temperature=0.9, top_k=30, top_p=0.95, seed=1234)
 def random_prompts(vocab: int, lengths=PROMPT_LENS, seed=None) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed if seed is not None else fresh_seed("torch seed"))
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def engine(runner: ModelRunner, chunk: int, overlap: bool = True, prefix_cache: bool = True) -> EngineCore:
-    scheduler = Scheduler(runner.max_total_token_num, chunk, runner.req_table.max_reqs, prefix_cache=prefix_cache)
-    return EngineCore(scheduler, runner, eos_token_ids=[], overlap=overlap)
 
 
 def generate(core: EngineCore, prompts, params: SamplingParams, stagger: int = 0) -> dict[int, list[int]]:
@@ -49,30 +42,6 @@ def generate(core: EngineCore, prompts, params: SamplingParams, stagger: int = 0
     return tokens
 
 
-def hf_greedy(hf_model, prompts, new_tokens) -> dict[int, list[int]]:
-    hf_model.generation_config.eos_token_id = None
-    out = {}
-    with torch.no_grad():
-        for i, p in enumerate(prompts):
-            ids = torch.tensor([p])
-            full = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                     do_sample=False)
-            out[i] = full[0, len(p):].tolist()
-    return out
-
-
-def assert_idle(core: EngineCore) -> None:
-    """No request holds a slot or a row; the slots in use are the prefix cache's, and a flush
-    frees every one (so the next engine on this runner starts empty)."""
-    runner = core._workers
-    assert not runner.reqs and runner.req_table.free_count == runner.req_table.max_reqs
-    assert runner.token_table.used_count == core.scheduler.cached_tokens
-    cached = core.scheduler.cached_tokens
-    assert core.scheduler.flush_cache() == cached
-    core.drain()
-    assert runner.token_table.used_count == 0 and not runner.nodes
-
-
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_tied_bias", "qwen3_moe"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_with_running_decodes_equals_transformers(name, chunk, tmp_path):
@@ -89,8 +58,7 @@ def test_chunked_prefill_with_running_decodes_equals_transformers(name, chunk, t
 
 @pytest.fixture(scope="module")
 def default_runner(default_model_dir):
-    return ModelRunner(str(default_model_dir), max_total_token_num=2048, max_req_total_len=256,
-                       running_max_req_size=8, device="cpu")
+    return make_runner(default_model_dir, tokens=2048, max_req_total_len=256)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,7 @@ Relies on transformers' Llama modeling code (rotary with llama3 scaling) as the 
 
 import pytest
 import torch
-from test_engine_core import assert_idle, engine, random_prompts
-from test_model_vs_hf import make_model, make_runner
+from helpers.models import assert_idle, engine, make_model, make_runner, random_prompts
 
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
@@ -38,7 +37,7 @@ def hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
 def test_generated_logprobs_and_top_k_equal_transformers(model):
     hf_model, runner = model
     core = engine(runner, chunk=7)
-    prompts = random_prompts(hf_model.config.vocab_size, lengths=(20, 9), seed=3)
+    prompts = random_prompts(3, lengths=(20, 9), vocab=hf_model.config.vocab_size)
     params = [SamplingParams(max_new_tokens=6, top_logprobs=5),
               SamplingParams(max_new_tokens=6, top_logprobs=2, do_sample=True, temperature=0.8, seed=5,
                              repetition_penalty=1.3)]
@@ -63,7 +62,7 @@ def test_generated_logprobs_and_top_k_equal_transformers(model):
 def test_prompt_logprobs_over_chunks_equal_transformers(model, cached_first):
     hf_model, runner = model
     core = engine(runner, chunk=7)
-    (prompt,) = random_prompts(hf_model.config.vocab_size, lengths=(30,), seed=4)
+    (prompt,) = random_prompts(4, lengths=(30,), vocab=hf_model.config.vocab_size)
     if cached_first:  # the prefix cache holds the prompt: a request for prompt logprobs still computes it all
         run(core, [(0, prompt, SamplingParams(max_new_tokens=2))])
         assert core.scheduler.cached_tokens >= len(prompt) - 1
@@ -82,7 +81,7 @@ def test_prompt_logprobs_over_chunks_equal_transformers(model, cached_first):
 def test_stop_token_ids_and_min_tokens(model):
     hf_model, runner = model
     core = engine(runner, chunk=64)
-    (prompt,) = random_prompts(hf_model.config.vocab_size, lengths=(12,), seed=6)
+    (prompt,) = random_prompts(6, lengths=(12,), vocab=hf_model.config.vocab_size)
     greedy = [o.token_id for o in run(core, [(0, prompt, SamplingParams(max_new_tokens=8))])[0]]
     stop = greedy[3]
     first_at = greedy.index(stop)
@@ -99,7 +98,7 @@ def test_stop_token_ids_and_min_tokens(model):
 def test_prompt_logprobs_of_a_one_token_prompt_and_a_one_token_last_chunk(model):
     hf_model, runner = model
     core = engine(runner, chunk=4)
-    prompts = random_prompts(hf_model.config.vocab_size, lengths=(1, 5), seed=7)
+    prompts = random_prompts(7, lengths=(1, 5), vocab=hf_model.config.vocab_size)
     outs = run(core, [(i, p, SamplingParams(max_new_tokens=2, prompt_logprobs=1)) for i, p in enumerate(prompts)])
     assert outs[0][0].prompt_logprobs == ()
     expected = hf_log_softmax(hf_model, prompts[1])

@@ -4,7 +4,7 @@ EOS endings, aborts of running and waiting requests, a failing step, and what st
 import random
 
 import pytest
-from test_scheduler import EOS, FakeRunner
+from helpers.fake_runner import EOS, FakeRunner
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import StepPlan

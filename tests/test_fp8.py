@@ -7,13 +7,13 @@ forward replaced, as the oracle."""
 import pytest
 import torch
 
-from lightllm.engine.model_runner import run_step
+from benchmark.lib.direct_step import run_step
 from lightllm.models import ModelConfigError
 from lightllm.server.config import ServerConfig, build_parser
 from lightllm.engine.request import SamplingParams
 from lightllm.kernels.fp8_linear import quantize_fp8_rows_ref, quantize_fp8_weight
-from test_model_vs_hf import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
-                              random_prompts, run_schedule)
+from helpers.models import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
+                            random_prompts, run_schedule)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -125,7 +125,7 @@ def test_quantization_flag():
 def test_default_model_fp8_logits_stay_close(default_model_dir, captured_logits):
     """SmolLM2-135M, fp32 on the CPU: the next-token distributions of four prompts with fp8
     projections against without. Measured: KL 0.052 nats, same top-1 token for all four (this
-    small model is sensitive: greedy text first differs after 3-19 tokens; docs/benchmarks-log.md)."""
+    small model is sensitive: greedy text first differs after 3-19 tokens; CPU, 2026-11-23, 864ab51; docs/benchmarks-history.md)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)

@@ -23,13 +23,13 @@ import transformers.models.llama.modeling_llama as hf_llama
 import transformers.models.qwen2.modeling_qwen2 as hf_qwen2
 
 from lightllm.common.token_table import TokenTable
-from lightllm.engine.model_runner import run_step
+from benchmark.lib.direct_step import run_step
 from lightllm.models import ModelConfigError, layers, resolve_kv_dtype
 from lightllm.server.config import ServerConfig, build_parser
 from lightllm.engine.request import SamplingParams
 from lightllm.kernels.rotary_kv import rotary_kv_ref
-from test_model_vs_hf import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
-                              random_prompts, run_schedule)
+from helpers.models import (ATOL, assert_logits_match_hf, make_model, make_runner, max_hf_difference,
+                            random_prompts, run_schedule)
 
 FP8 = torch.float8_e4m3fn
 SAME_ROW = 1e-4  # our pre-rounding K/V rows against transformers' (observed ~1e-6)

@@ -331,19 +331,15 @@ def test_align_by_expert_triton_with_empty_experts_and_a_hot_one(chunked, monkey
 
 
 def test_moe_ab_compares_two_trees_that_agree(capsys):
-    """test/benchmark/moe_ab.py's checks and table, on tiny shapes (--smoke), with this tree's
+    """test/benchmark/kernels/moe_ab.py's checks and table, on tiny shapes (--smoke), with this tree's
     kernels as the "old" tree too: every row checked (both paths against their references, the
     references equal), one table row a case."""
     if DEVICE == "cuda":
         pytest.skip("--smoke runs under the interpreter, on the CPU")
-    import sys
     from pathlib import Path
-    bench = Path(__file__).resolve().parents[1] / "test" / "benchmark"
-    sys.path.insert(0, str(bench))
-    try:
-        moe_ab = importlib.import_module("moe_ab")
-        assert moe_ab.main(["--old", str(Path(fused_moe_module.__file__).parent), "--smoke", "--rounds", "1"]) == 0
-    finally:
-        sys.path.remove(str(bench))
+
+    from benchmark.kernels import moe_ab
+
+    assert moe_ab.main(["--old", str(Path(fused_moe_module.__file__).parent), "--smoke", "--rounds", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| bf16", "| fp8"))]
     assert [row.split(" | ")[:2] for row in rows] == [["| bf16", "3"], ["| bf16", "300"], ["| fp8", "300"]]

@@ -1,5 +1,5 @@
 """Every Triton kernel the layers and the sampler launch compiles for the H100 (sm90) on this CPU
-machine (test/benchmark/compile_sm90.py, run without the interpreter that conftest.py turns on):
+machine (test/benchmark/kernels/compile_sm90.py, run without the interpreter that conftest.py turns on):
 the other kernel tests run the kernels in Triton's interpreter, which accepts code the GPU compiler
 may refuse."""
 
@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import BENCHMARK
 
 nvidia = pytest.importorskip("triton.backends.nvidia")
 if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists() and not os.environ.get("TRITON_PTXAS_PATH"):
     pytest.skip("Triton's wheel has no ptxas here", allow_module_level=True)
 
-TOOL = Path(__file__).resolve().parents[1] / "test" / "benchmark" / "compile_sm90.py"
+TOOL = BENCHMARK / "kernels" / "compile_sm90.py"
 KERNELS = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel", "_quantize_rows_kernel",
            "_fp8_gemm_small_m_kernel", "_rotary_kv_kernel", "_decode_split_kernel",
            "_extend_kernel", "_apply_penalties_kernel", "_random_uniform_kernel", "_greedy_sample_kernel",

@@ -12,16 +12,22 @@ import sys
 
 import pytest
 
-from lightllm.engine import memory, model_runner
+from lightllm.engine import memory
+from lightllm.engine.config import EngineConfig
 from lightllm.engine.memory import PROFILE_SAMPLING_CPU, largest_step
-from lightllm.engine.model_runner import CPU_DEFAULT_TOKENS, ModelRunner
+from lightllm.engine.memory import CPU_DEFAULT_TOKENS
+from lightllm.engine.model_runner import ModelRunner
 from lightllm.tools.bench_model import write_bench_model
 from lightllm.tools.default_model import update_json
 
 HEADROOM = 768 << 20
 TOKEN_BYTES = 2 * 8 * 8 * 64 * 4  # K and V, 8 layers, 8 KV heads of 64 dims, fp32
-RUNNER_ARGS = dict(max_req_total_len=512, running_max_req_size=32, chunked_prefill_size=512, load_format="dummy",
-                   cuda_graph=False, device="cpu")
+SETTINGS = dict(max_req_total_len=512, running_max_req_size=32, chunked_prefill_size=512, load_format="dummy",
+                disable_cuda_graph=True)
+
+
+def wide_runner(model_dir, **settings) -> ModelRunner:
+    return ModelRunner(EngineConfig(model_dir=str(model_dir), **{**SETTINGS, **settings}), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +38,36 @@ def wide_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture
-def limited_host(monkeypatch):
+def limit_host(set_attribute) -> int:
     """A host of (this process's RSS now + HEADROOM) bytes; returns that total."""
     total = memory.psutil.Process().memory_info().rss + HEADROOM
 
     def memory_info(device):
         return total, total - memory.psutil.Process().memory_info().rss
 
-    monkeypatch.setattr(model_runner, "memory_info", memory_info)
+    set_attribute(memory, "memory_info", memory_info)
     return total
 
 
-def test_sized_budget_and_the_largest_step_fit_the_limit(wide_dir, limited_host):
+def in_fresh_process(fn, *args) -> None:
+    """Run fn(*args) in a fresh process, its assertions included: the peak RSS that the runner and
+    the test read is then this runner's, never what earlier tests did in the pytest process
+    (resetting the peak needs a writable /proc/self/clear_refs, not a given)."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(fn, *args).result()
+
+
+def test_sized_budget_and_the_largest_step_fit_the_limit(wide_dir):
+    in_fresh_process(sized_budget_and_the_largest_step_fit_the_limit, wide_dir)
+
+
+def sized_budget_and_the_largest_step_fit_the_limit(wide_dir: str) -> None:
+    limited_host = limit_host(setattr)
     memory._reset_peak_rss()
-    runner = ModelRunner(wide_dir, max_total_token_num=None, **RUNNER_ARGS)
+    runner = wide_runner(wide_dir)
     budget = runner.max_total_token_num
     assert 1000 < budget < CPU_DEFAULT_TOKENS, "the limit, not the CPU cap, must set the budget"
     assert runner.token_table.nbytes() >= budget * TOKEN_BYTES
@@ -61,16 +82,21 @@ def test_sized_budget_and_the_largest_step_fit_the_limit(wide_dir, limited_host)
         f"peak RSS {memory._peak_rss() / 2**20:.0f} MiB over {0.9 * limited_host / 2**20:.0f} MiB")
 
 
-def test_a_budget_that_does_not_fit_is_refused_with_the_largest_that_would(wide_dir, limited_host):
+def test_a_budget_that_does_not_fit_is_refused_with_the_largest_that_would(wide_dir):
+    in_fresh_process(a_budget_that_does_not_fit_is_refused_with_the_largest_that_would, wide_dir)
+
+
+def a_budget_that_does_not_fit_is_refused_with_the_largest_that_would(wide_dir: str) -> None:
+    limit_host(setattr)
     too_many = HEADROOM // TOKEN_BYTES + 1  # more than the whole headroom could hold
     with pytest.raises(ValueError, match=f"--max_total_token_num {too_many} does not fit: at most") as error:
-        ModelRunner(wide_dir, max_total_token_num=too_many, **RUNNER_ARGS)
+        wide_runner(wide_dir, max_total_token_num=too_many)
     fits = int(str(error.value).split("at most ")[1].split()[0])
     assert 1000 < fits < too_many
     assert "--mem_fraction 0.9" in str(error.value)
     del error  # its traceback holds the refused runner's weights
     gc.collect()
-    runner = ModelRunner(wide_dir, max_total_token_num=fits // 2, **RUNNER_ARGS)  # well inside: accepted as given
+    runner = wide_runner(wide_dir, max_total_token_num=fits // 2)  # well inside: accepted as given
     assert runner.max_total_token_num == fits // 2
 
 
@@ -104,8 +130,7 @@ def test_the_profile_step_prefills_the_burst_budget_the_device_takes(wide_dir, m
         sized.append(chunk_budget)
         return largest_step(max_running, chunk_budget, *args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "largest_step", recording)
-    args = {**RUNNER_ARGS, "chunked_prefill_size": 256, "burst_chunked_prefill_size": setting}
-    runner = ModelRunner(wide_dir, max_total_token_num=None, **args)
+    monkeypatch.setattr(memory, "largest_step", recording)
+    runner = wide_runner(wide_dir, chunked_prefill_size=256, burst_chunked_prefill_size=setting)
     assert runner.info["burst_chunked_prefill_size"] == budget
     assert sized == [budget]

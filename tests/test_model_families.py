@@ -7,12 +7,9 @@ sliding-window mask) and its greedy `generate` as the oracle."""
 
 import pytest
 import torch
-from test_engine_core import assert_idle, engine, hf_greedy
-from test_model_vs_hf import make_model
-from test_prefix_cache import Client
+from helpers.models import Client, assert_idle, engine, hf_greedy, make_model, make_runner
 
-from lightllm.engine.model_runner import ModelRunner
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 
 NEW = 24  # a 5-token prompt ends 29 positions in: decodes past the window
 
@@ -29,8 +26,7 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("name", ["qwen3_head_dim_24", "gemma2_window_16", "gemma3_window_16"])
 def test_chunked_prefill_and_prefix_cache_equal_transformers(name, tmp_path):
     hf_model = make_model(name, tmp_path)
-    runner = ModelRunner(str(tmp_path), max_total_token_num=1024, max_req_total_len=96, running_max_req_size=8,
-                         device="cpu")
+    runner = make_runner(tmp_path, tokens=1024, max_req_total_len=96)
     workload = prompts()
     expected = list(hf_greedy(hf_model, workload, NEW).values())
     greedy = SamplingParams(max_new_tokens=NEW)

@@ -12,141 +12,13 @@ import shutil
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from helpers.models import (BASE, CASES, assert_logits_match_hf, make_model, make_runner, random_prompts,
+                            run_schedule)
 
 import lightllm.kernels
 from lightllm.models import ModelConfigError, WeightLoadError, layers, moe
 from lightllm.engine.request import SamplingParams
-from lightllm.engine.model_runner import ModelRunner, run_step
-
-ATOL = RTOL = 1e-4
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=101)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-
-CASES = {
-    "llama_mha": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4)),
-    "llama_gqa_llama3_rope": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2,
-                                                                  rope_parameters=LLAMA3_ROPE)),
-    "llama_mqa_tied_theta": (LlamaConfig, LlamaForCausalLM,
-                             dict(num_key_value_heads=1, tie_word_embeddings=True,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 1234.5})),
-    "llama_head_dim_32": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
-    "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2)),
-    "mistral_window_8": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=8)),
-    "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
-    # q/k norms; head_dim apart from hidden / heads (64 / 4 = 16)
-    "qwen3_head_dim_24": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=24)),
-    "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                                                            attention_bias=True)),
-    # Sliding layers (window 16: the schedule's sequences grow past it) beside global ones; Gemma 2's
-    # soft caps (attention 50, logits 30) and alternating layers; Gemma 3's q/k norms, its own rotary
-    # base on the sliding layers and linear scaling on the global ones; query_pre_attn_scalar apart
-    # from head_dim; tied and untied heads.
-    "gemma2_window_16": (Gemma2Config, Gemma2ForCausalLM, dict(num_hidden_layers=3, num_key_value_heads=2,
-                                                               head_dim=16, sliding_window=16,
-                                                               query_pre_attn_scalar=24)),
-    "gemma3_window_16": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
-        num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=20,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}})),
-    # experts in every layer, the top 2 of 4 renormalised
-    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
-                                                        num_experts_per_tok=2)),
-    # q/k norms, head_dim apart from hidden / heads; experts in layer 0 (top 3 of 8, renormalised), a
-    # dense MLP in layer 1 (mlp_only_layers)
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_key_value_heads=2, head_dim=32, num_experts=8,
-                                                            num_experts_per_tok=3, moe_intermediate_size=32,
-                                                            norm_topk_prob=True, mlp_only_layers=[1])),
-    # Qwen3-MoE's window slides in every layer: transformers ignores max_window_layers there (its
-    # real config.json has max_window_layers = num_hidden_layers)
-    "qwen3_moe_window_8": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
-    # top-k weights as their share of all experts (norm_topk_prob false); experts in every second layer
-    "qwen3_moe_sparse_step": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                              dict(num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
-                                   moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2)),
-}
-
-
-def randomize_(model, seed):
-    """Larger-than-default weights (and nonzero biases, non-unit norms) so differences show."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-
-
-def make_model(name, out_dir, seed=0):
-    """Save the tiny model `name` of CASES to out_dir; returns the transformers model."""
-    config_cls, model_cls, extra = CASES[name]
-    config = config_cls(**{**BASE, **extra}, attn_implementation="eager")
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    randomize_(model, seed)
-    model.save_pretrained(out_dir)
-    return model
-
-
-def make_runner(model_dir, **kw):
-    return ModelRunner(str(model_dir), max_total_token_num=kw.pop("tokens", 256), max_req_total_len=64,
-                       running_max_req_size=8, device="cpu", **kw)
-
-
-def hf_last_logits(hf_model, seqs):
-    with torch.no_grad():
-        return torch.stack([hf_model(torch.tensor([s])).logits[0, -1] for s in seqs])
-
-
-def hf_pairs(hf_model, captured_logits, steps):
-    """(our logits, transformers' logits) for every step of run_schedule."""
-    return [(logits, hf_last_logits(hf_model, seqs)) for logits, seqs in zip(captured_logits, steps)]
-
-
-def assert_logits_match_hf(hf_model, captured_logits, steps):
-    for ours, theirs in hf_pairs(hf_model, captured_logits, steps):
-        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=RTOL)
-
-
-def max_hf_difference(hf_model, captured_logits, steps) -> float:
-    return max((ours - theirs).abs().max().item() for ours, theirs in hf_pairs(hf_model, captured_logits, steps))
-
-
-def run_schedule(runner, prompts):
-    """Prefill two requests, decode, add a third, decode all, free one, decode the rest, then the last alone.
-    Returns [(sequences fed so far, for each row of that step's logits)]."""
-    seqs = {i: list(p) for i, p in enumerate(prompts)}
-    steps = []
-
-    def record(ids, out):
-        steps.append([list(seqs[i]) for i in ids])
-        for i, (tok, _) in zip(ids, out):
-            seqs[i].append(tok)
-
-    greedy = SamplingParams()
-    record([0, 1], run_step(runner, prompts=[(0, prompts[0], greedy), (1, prompts[1], greedy)]))
-    record([0, 1], run_step(runner, [0, 1]))
-    record([2], run_step(runner, prompts=[(2, prompts[2], greedy)]))
-    for _ in range(3):
-        record([1, 0, 2], run_step(runner, [1, 0, 2]))
-    runner.free([0])
-    record([2, 1], run_step(runner, [2, 1]))
-    runner.free([1])
-    for _ in range(2):  # one request alone: batch-1 decode steps
-        record([2], run_step(runner, [2]))
-    runner.free([2])
-    return steps
-
-
-def random_prompts(seed, lengths=(3, 17, 9), vocab=BASE["vocab_size"]):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+from benchmark.lib.direct_step import run_step
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -285,7 +157,7 @@ TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_trito
 def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monkeypatch):
     """The GPU path (Triton kernels, under the interpreter: this runner is on the CPU) as the layers
     call it: strided q/k views, int32/int64 index tensors, packed prompts, token-table decode. On a
-    GPU machine, test/benchmark/gpu_check_model.py runs the same models on the device."""
+    GPU machine, tests/gpu/test_gpu_model.py runs such models on the device (pytest -m gpu)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the runner here is on the CPU, where Triton needs TRITON_INTERPRET=1 (tests/conftest.py sets "

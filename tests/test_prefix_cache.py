@@ -7,11 +7,9 @@ Relies on transformers' Llama modeling code (rotary with llama3 scaling) and its
 
 import pytest
 import torch
-from test_engine_core import assert_idle, engine, hf_greedy
-from test_model_vs_hf import make_model
+from helpers.models import Client, assert_idle, engine, hf_greedy, make_model, make_runner
 
-from lightllm.engine.model_runner import ModelRunner
-from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import SamplingParams
 
 VOCAB = 101
 NEW = 6
@@ -21,35 +19,12 @@ NEW = 6
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     hf_model = make_model("llama_gqa_llama3_rope", path)
-    runner = ModelRunner(str(path), max_total_token_num=1024, max_req_total_len=160, running_max_req_size=8,
-                         device="cpu")
+    runner = make_runner(path, tokens=1024, max_req_total_len=160)
     return hf_model, runner
 
 
 def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class Client:
-    """Requests through one engine, with ids that never repeat."""
-
-    def __init__(self, core):
-        self.core, self.next_id = core, 0
-
-    def run(self, prompts, params: SamplingParams, staggered: bool = False) -> list[list[int]]:
-        """All prompts at once (or, `staggered`, each after the one before has prefilled)."""
-        ids, got = [], {}
-        for prompt in prompts:
-            ids.append(self.next_id)
-            self.core.add(GenerateReq(self.next_id, prompt, params))
-            self.next_id += 1
-            if staggered:
-                for out in self.core.step() + self.core.step():
-                    got.setdefault(out.req_id, []).append(out)
-        for out in self.core.drain():
-            got.setdefault(out.req_id, []).append(out)
-        assert all(got[i][-1].finish_reason is FinishReason.LENGTH for i in ids)
-        return [[o.token_id for o in got[i]] for i in ids]
 
 
 def hf(hf_model, prompts, new=NEW) -> list[list[int]]:
@@ -117,8 +92,7 @@ def test_seeded_sampling_is_the_same_with_the_cache(tiny):
 def test_small_budget_evicts_and_holds(tmp_path):
     hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
     budget = 120
-    runner = ModelRunner(str(tmp_path), max_total_token_num=budget, max_req_total_len=64, running_max_req_size=4,
-                         device="cpu")
+    runner = make_runner(tmp_path, tokens=budget, running_max_req_size=4)
     stems = [tokens(40 + s, 24) for s in range(3)]
     prompts = [stems[i % 3] + tokens(50 + i, 6) for i in range(12)]  # 12 distinct, 3 shared stems
     expected = hf(hf_model, prompts)

@@ -1,13 +1,10 @@
-"""test/benchmark/profile_step.py runs end to end on the CPU (tiny model) and reports what it
+"""test/benchmark/engine/profile_step.py runs end to end on the CPU (tiny model) and reports what it
 promises: per decode batch the step one in flight, alone, and the host's launch time against
 the floor, then the eager steps."""
 
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
-import profile_step  # noqa: E402
+from benchmark.engine import profile_step
 
 
 def profile_tiny(tmp_path, *args: str) -> str:
@@ -79,7 +76,7 @@ def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
 
     from lightllm.models import read_config
     from lightllm.tools.bench_model import write_bench_model
-    from static_benchmark import weight_bytes
+    from benchmark.engine.static_benchmark import weight_bytes
 
     cfg = read_config(write_bench_model(tmp_path / "tiny", "tiny", seed=0))
     fp8 = dataclasses.replace(cfg, quantization="fp8")
@@ -92,7 +89,7 @@ def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
 def test_the_tp_profile_groups_kernels_with_the_all_reduce_apart():
     """allreduce_bench's by-group table: an all-reduce after the o and down projections neither
     takes a GEMM's label nor hides the neighbours that name it; each group sums its kernels."""
-    import allreduce_bench
+    from benchmark.kernels import allreduce_bench
 
     names = ["_rms_norm_kernel", "nvjet_qkv", "_rotary_kv_kernel", "_decode_split_kernel", "nvjet_o",
              "one_shot_all_reduce_kernel", "_rms_norm_kernel", "nvjet_gate_up", "_silu_and_mul_kernel", "nvjet_down", "one_shot_all_reduce_kernel", "_rms_norm_kernel", "nvjet_lm", "ncclAllGather"]

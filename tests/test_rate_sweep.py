@@ -1,21 +1,18 @@
-"""test/benchmark/rate_sweep.py: percentiles and goodput by their definitions, and a sweep of a
+"""test/benchmark/serving/rate_sweep.py: percentiles and goodput by their definitions, and a sweep of a
 real server on the tiny model (CPU) with its table, JSON and plots."""
 
 from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
-
-import rate_sweep  # noqa: E402
-from serving_metrics import SLO, RequestResult, format_summary, goodput, summarize  # noqa: E402
-from sharegpt import SampledRequest, save_requests  # noqa: E402
-from seeds import fresh_rng  # noqa: E402
+from benchmark.serving import rate_sweep
+from benchmark.lib.serving_metrics import SLO, RequestResult, format_summary, goodput, summarize
+from benchmark.lib.sharegpt import SampledRequest, save_requests
+from seeds import fresh_rng
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HUGE, TINY = SLO(1e9, 1e9), SLO(1e-3, 1e-3)

@@ -5,10 +5,11 @@ Relies on transformers' Llama modeling code and `generate` as the oracle, and on
 
 import pytest
 import torch
+from helpers.models import make_runner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightllm.engine.request import SamplingParams
-from lightllm.engine.model_runner import ModelRunner, run_step
+from benchmark.lib.direct_step import run_step
 from lightllm.tools.default_model import ensure_default_model
 
 NEW_TOKENS = 32
@@ -45,8 +46,7 @@ def hf_greedy(model_dir, prompts):
 
 @pytest.fixture(scope="module")
 def runner(model_dir):
-    return ModelRunner(str(model_dir), max_total_token_num=1024, max_req_total_len=128,
-                       running_max_req_size=8, device="cpu")
+    return make_runner(model_dir, tokens=1024, max_req_total_len=128)
 
 
 def generate(runner, prompts, first_id):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightllm.engine.sampling_ranges import SHARED_FIELDS, SamplingRanges
+from lightllm.frontend.sampling_ranges import SHARED_FIELDS, SamplingRanges
 from lightllm.llm import SamplingParams as OfflineParams
 from lightllm.server.httpserver.openai_params import CompletionRequest
 from lightllm.server.httpserver.params import GenerateParameters

@@ -6,15 +6,14 @@ import random
 
 import numpy as np
 from hypothesis import given, settings
+from helpers.fake_runner import EOS, FakeRunner
 from hypothesis import strategies as st
 
 from lightllm.engine.core import EngineCore
-from lightllm.engine.plan import Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
+from lightllm.engine.plan import StepPlan, StepResult
 from lightllm.engine.scheduler import AGING_STEPS, BURST_BACKLOG_STEPS, POLICIES, Scheduler, peak_token_usage
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from seeds import fresh_rng  # noqa: E402
-
-EOS = 2
 
 
 def simulated_peak(held: list[int], left: list[int]) -> int:
@@ -38,80 +37,6 @@ def test_peak_formula_matches_step_simulation():
         left = rng.integers(1, 40, n)
         assert peak_token_usage(held, left) == simulated_peak(held.tolist(), left.tolist())
     assert peak_token_usage(np.array([], dtype=int), np.array([], dtype=int)) == 0
-
-
-class FakeRunner:
-    """ModelRunner's step contract (ops, launch, answer with the previous step unless sync) with
-    its KV slots mirrored position by position: each request's own positions and each cache
-    node's size. It checks what the real runner relies on: a prefix covers exactly the cached
-    positions, an insert or release touches only the request's own positions, a released
-    request leaves none behind, and the slots in use never exceed the budget. EOS drawn at random."""
-
-    def __init__(self, budget: int, eos_rate: float, rng: random.Random):
-        self.budget, self.eos_rate, self.rng = budget, eos_rate, rng
-        self.seq: dict[int, int] = {}  # req id -> positions written
-        self.own: dict[int, set[int]] = {}  # req id -> positions whose slots it owns
-        self.nodes: dict[int, int] = {}  # cache node id -> slots
-        self.peak = 0
-        self._pending: StepResult | None = None
-
-    @property
-    def kv(self) -> dict[int, int]:
-        return dict(self.seq)
-
-    @property
-    def used(self) -> int:
-        return sum(self.nodes.values()) + sum(len(p) for p in self.own.values())
-
-    def apply(self, ops) -> None:
-        for op in ops:
-            if isinstance(op, Release):
-                seq, own = self.seq.pop(op.req_id), self.own.pop(op.req_id)
-                freed = set(range(op.start, seq if op.end < 0 else op.end))
-                assert freed <= own and own - freed == set(), (op, sorted(own - freed)[:5])
-            elif isinstance(op, Insert):
-                taken = set(range(op.start, op.end))
-                assert taken <= self.own[op.req_id] and op.node_id not in self.nodes, op
-                self.own[op.req_id] -= taken
-                self.nodes[op.node_id] = len(taken)
-            elif isinstance(op, Split):
-                assert 0 < op.at < self.nodes[op.node_id] and op.upper_id not in self.nodes, op
-                self.nodes[op.upper_id] = op.at
-                self.nodes[op.node_id] -= op.at
-            elif isinstance(op, Evict):
-                del self.nodes[op.node_id]
-            elif isinstance(op, Reset):
-                self.seq, self.own, self.nodes = {}, {}, {}
-
-    def step(self, plan: StepPlan) -> list[StepResult]:
-        self.apply(plan.ops)
-        launched = None
-        if not plan.empty:
-            for req_id in plan.decodes:
-                self.own[req_id].add(self.seq[req_id])
-                self.seq[req_id] += 1
-            for chunk in plan.chunks:
-                assert chunk.first == (chunk.req_id not in self.seq)
-                if chunk.first:
-                    assert sum(self.nodes[n] for n in chunk.prefix) == chunk.start, chunk
-                    self.seq[chunk.req_id], self.own[chunk.req_id] = chunk.start, set()
-                assert self.seq[chunk.req_id] == chunk.start
-                end = chunk.start + len(chunk.token_ids)
-                self.own[chunk.req_id] |= set(range(chunk.start, end))
-                self.seq[chunk.req_id] = end
-            self.peak = max(self.peak, self.used)
-            assert self.peak <= self.budget, (self.peak, self.budget)
-            launched = StepResult(plan.step_id, [SampledToken(i, self._token(), -1.0) for i in plan.sampled])
-        done = [self._pending] if self._pending is not None else []
-        self._pending = None
-        if launched is not None and (plan.sync or plan.empty):
-            done.append(launched)
-        else:
-            self._pending = launched
-        return done
-
-    def _token(self) -> int:
-        return EOS if self.rng.random() < self.eos_rate else 100
 
 
 requests = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=30)

@@ -21,9 +21,10 @@ import requests
 
 from lightllm.server.config import API_KEY_ENV, ServerConfig, build_parser, parse_config
 from lightllm.server.httpserver.auth import presented_key
-from lightllm.server.httpserver.json_body import RequestError
+from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.manager import QueueFull
-from lightllm.server.io_struct import BatchTextOut, GenerateReq, SamplingParams, TextOut
+from lightllm.engine.request import GenerateReq, SamplingParams
+from lightllm.server.io_struct import BatchTextOut, TextOut
 from lightllm.tools.bench_model import write_bench_model
 from server_utils import sse_events, start_server, wired_manager
 

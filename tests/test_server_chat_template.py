@@ -8,9 +8,9 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from lightllm.server.chat.template import ChatTemplateError, chat_template_text, render_chat
+from lightllm.frontend.chat.template import ChatTemplateError, chat_template_text, render_chat
 from lightllm.server.config import ServerConfig, parse_config
-from lightllm.server.httpserver.tokenizer import load_tokenizer
+from lightllm.frontend.tokenizer import load_tokenizer
 from server_utils import start_server
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role | upper }}: {{ m.content }}<|im_end|>\n{% endfor %}"

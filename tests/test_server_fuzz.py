@@ -146,7 +146,7 @@ def test_generated_requests_get_no_5xx(server):
     assert greedy_text(server.url) == before
 
 
-# ---- hostile JSON (issue 25): deep nesting, non-ASCII digits, huge numbers ----
+# ---- hostile JSON: deep nesting, non-ASCII digits, huge numbers ----
 
 HOSTILE_EXAMPLES = 300
 # A body of each POST route holding the fields the hostile values replace; each is accepted as it is.

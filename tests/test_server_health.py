@@ -1,4 +1,4 @@
-"""Health that tells the truth, and failures and shutdowns that reach every client (issue 10).
+"""Health that tells the truth, and failures and shutdowns that reach every client.
 
 /health answers from the router's heartbeat: at once while the server is busy, 503 when the
 router's loop stops turning or a process dies. A dead worker or a SIGTERM ends every open
@@ -61,10 +61,14 @@ def open_raw_requests(server, count: int, body: dict) -> list[socket.socket]:
     return connections
 
 
-def timed_health(server, method: str = "GET") -> tuple[int, float]:
+def timed_request(server, method: str = "GET", path: str = "/health") -> tuple[int, float]:
     start = time.monotonic()
-    status = requests.request(method, f"{server.url}/health", timeout=30).status_code
+    status = requests.request(method, f"{server.url}{path}", timeout=30).status_code
     return status, time.monotonic() - start
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def test_health_is_instant_with_200_running_and_1000_waiting(busy_server):
@@ -75,9 +79,18 @@ def test_health_is_instant_with_200_running_and_1000_waiting(busy_server):
             lambda: server.metrics()["lightllm:num_requests_running"] == 200 and server.metrics()["lightllm:num_requests_waiting"] == 1000,
             timeout=90, what="200 running and 1,000 waiting",
         )
-        for method in ("GET", "HEAD", "GET", "GET", "GET"):
-            status, seconds = timed_health(server, method)
-            assert status == 200 and seconds < 1.0, (method, status, seconds)
+        # Against /info, which the HTTP process answers alone, timed in turn under the same load (the
+        # HTTP process streams 200 requests' tokens meanwhile, and the machine may be busy): medians
+        # of 2.5 ms and 2.4 ms (2026-12-02). A /health that waited for the router's next step took
+        # 70-95 ms (a median of 77 ms), and one that queued behind the 1,000 would take minutes.
+        # Medians of 20, so that a late answer or two on a loaded machine count for nothing.
+        health, info = [], []
+        for method in ("GET", "HEAD") * 10:
+            status, seconds = timed_request(server, method)
+            assert status == 200, (method, status)
+            health.append(seconds)
+            info.append(timed_request(server, "GET", "/info")[1])
+        assert median(health) < 3 * median(info), (health, info)
         stats = server.metrics()
         assert stats["lightllm:num_requests_running"] == 200 and stats["lightllm:num_requests_waiting"] == 1000
     finally:
@@ -95,9 +108,12 @@ def test_a_stopped_router_loop_is_unhealthy_until_it_turns_again(busy_server):
     router.suspend()  # SIGSTOP: the process lives, its loop does not turn
     try:
         stopped = time.monotonic()
-        server.wait_for(lambda: server.health() == 503, timeout=10, what="/health 503")
-        # The last turn came up to one idle interval before the stop.
-        assert RouterHeartbeat.TURN_TIMEOUT - 2 * RouterHeartbeat.INTERVAL <= time.monotonic() - stopped < 10
+        server.wait_for(lambda: server.health() == 503, timeout=60, what="/health 503")
+        # The last turn came up to one idle interval before the stop. The upper bound only says that
+        # the stop is seen at all: the 503 comes once the heartbeat is TURN_TIMEOUT (5 s) old, by its
+        # own clock, and a slow poll on a loaded machine only adds to the wait, hence 12x.
+        seconds = time.monotonic() - stopped
+        assert RouterHeartbeat.TURN_TIMEOUT - 2 * RouterHeartbeat.INTERVAL <= seconds < 12 * RouterHeartbeat.TURN_TIMEOUT
         body = requests.get(f"{server.url}/health", timeout=30).json()
         assert body["status"] == "unhealthy" and "has not turned" in body["error"]
     finally:
@@ -113,8 +129,7 @@ def test_a_router_ready_after_a_long_model_load_is_healthy_at_once(monkeypatch):
     loaded_at = time.monotonic() + 10 * RouterHeartbeat.TURN_TIMEOUT
     monkeypatch.setattr(time, "monotonic", lambda: loaded_at)
     assert heartbeat.stalled(step_timeout=600) is not None
-    config = ServerConfig()
-    config.allocate_addresses()
+    config = ServerConfig().with_addresses()
     core = SimpleNamespace(scheduler=SimpleNamespace(max_total_token_num=100))
     router = RouterManager(config, core, heartbeat=heartbeat)
     try:
@@ -239,7 +254,10 @@ def test_sigterm_lets_running_requests_finish_then_ends_the_rest_as_unavailable(
     assert_unavailable(refused_openai, openai=True)
     assert not any(first["finished"] for first in firsts)
     assert finished[-1]["finish_reason"] == "length" and 1 + len(finished) == SHORT_TOKENS and "error" not in finished[-1]
-    assert DRAIN_SECONDS <= seconds < DRAIN_SECONDS + 5
+    # The upper bound guards against a drain that waits for the long requests (2,500 tokens: over 80 s
+    # at the ~28 tokens/s measured here) or ignores --shutdown_timeout; ending the streams once the
+    # drain is over takes well under a second, and 20 s of margin covers a loaded machine.
+    assert DRAIN_SECONDS <= seconds < DRAIN_SECONDS + 20
     assert last["finish_reason"] == "error" and last["error"] == "the server is shutting down"
     assert last["error_type"] == "unavailable"
     assert openai_last == {"error": {"message": "the server is shutting down", "type": "unavailable", "param": None,

@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lightllm.server.httpserver import metrics as metrics_module
 from lightllm.server.httpserver.metrics import Metrics, RequestTimer
-from lightllm.server.io_struct import FinishReason, RouterStats, TextOut
+from lightllm.engine.request import FinishReason
+from lightllm.server.io_struct import RouterStats, TextOut
 
 
 def samples(metrics: Metrics) -> dict:

@@ -10,7 +10,8 @@ import pytest
 from lightllm.models import read_config
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.app import sampling_defaults
-from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, model_sampling_defaults
+from lightllm.frontend.sampling_ranges import model_sampling_defaults
+from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest
 from server_utils import start_server
 
 QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,

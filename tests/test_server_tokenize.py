@@ -11,7 +11,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from lightllm.server.httpserver.params import Limits
+from lightllm.frontend.limits import Limits
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.httpserver.tokenize_api import TokenizeRequest, tokenize_route
 

@@ -6,25 +6,21 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
-
-from sharegpt import SampledRequest  # noqa: E402
-from sim_cost import (FP8_HOST_POINTS, H100_EAGER_POINTS, H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS,  # noqa: E402
+from benchmark.lib.sharegpt import SampledRequest
+from benchmark.simulator.sim_cost import (FP8_HOST_POINTS, H100_EAGER_POINTS, H100_FP8_DECODE_POINTS, H100_FP8_EAGER_POINTS,
                       H100_STEP_POINTS, H100CostModel, StepWork, decode_bucket, fit, fit_fp8, format_held_out,
                       held_out)
-from sim_device import FILLER_TOKEN, SimDevice  # noqa: E402
-from sim_serving import cost_model, sim_config, simulate  # noqa: E402
+from benchmark.simulator.sim_device import FILLER_TOKEN, SimDevice
+from benchmark.simulator.sim_serving import cost_model, sim_config, simulate
 
-from lightllm.engine.plan import Chunk, Release, StepPlan  # noqa: E402
-from lightllm.engine.request import SamplingParams  # noqa: E402
-from seeds import fresh_rng  # noqa: E402
+from lightllm.engine.plan import Chunk, Release, StepPlan
+from lightllm.engine.request import SamplingParams
+from seeds import fresh_rng
 
 # Relative. Each fit is exactly determined (two decode steps for fixed and per_req; three distinct
 # prefills, one measured twice 0.05% apart, for three terms; two eager rows for two host terms), so
@@ -191,7 +187,10 @@ def test_an_eager_step_on_an_idle_device_holds_the_call_and_finishes_at_its_host
 
 
 def test_an_eager_step_behind_a_busy_device_queues_its_kernels():
-    graph_ms, host_ms, device_ms = 150.0, 30.0, 20.0
+    # A graph of 1 s: a step call that waited for it would come back after it; one that does not comes
+    # back in well under a millisecond. A graph of 150 ms could be outlasted by one descheduling on a
+    # loaded machine, and the call then seem to have waited.
+    graph_ms, host_ms, device_ms = 1000.0, 30.0, 20.0
     device = SimDevice(small_cost(decode_fixed_ms=graph_ms, eager_host_ms=host_ms, prefill_fixed_ms=device_ms))
     device.step(StepPlan(0, chunks=[chunk(1)], sync=True))
     start, results, end = timed_step(device, StepPlan(1, decodes=[1]))  # a graph: no launch time

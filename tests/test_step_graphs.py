@@ -11,10 +11,9 @@ matmuls block by row count, so the last bits move with the padded size).
 
 import pytest
 import torch
-from test_model_vs_hf import make_model, make_runner, random_prompts
+from helpers.models import make_model, make_runner, random_prompts
 
 from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, StepGraphs, mixed_buckets
-from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, StepPlan
 from lightllm.engine.request import SamplingParams
 
@@ -110,9 +109,9 @@ def test_steps_past_the_graphs_run_eagerly_and_equal(tmp_path, captured_logits, 
              ([], [], [Release(101)])]
     tokens = {}
     for graphs in (False, True):
-        runner = ModelRunner(str(tmp_path), max_total_token_num=4 * MAX_GRAPH_CHUNKS,
-                             max_req_total_len=4 * MAX_GRAPH_CHUNKS, running_max_req_size=MAX_GRAPH_CHUNKS + 8,
-                             device="cpu", cuda_graph=graphs, cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
+        runner = make_runner(tmp_path, tokens=4 * MAX_GRAPH_CHUNKS, max_req_total_len=4 * MAX_GRAPH_CHUNKS,
+                             running_max_req_size=MAX_GRAPH_CHUNKS + 8, cuda_graph=graphs,
+                             cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
         tokens[graphs] = [t for t, *_ in run(runner, plans, captured_logits)]
         assert runner.stats()["tokens_used"] == 0
     assert replays == [] and tokens[True] == tokens[False]
@@ -137,9 +136,9 @@ def test_an_eager_steps_decodes_take_their_graph_buckets_attention_plan(tmp_path
     layer_count = make_runner(tmp_path).model.config.num_layers
     for graphs in (False, True):
         planned.clear()
-        runner = ModelRunner(str(tmp_path), max_total_token_num=4 * MAX_GRAPH_CHUNKS,
-                             max_req_total_len=4 * MAX_GRAPH_CHUNKS, running_max_req_size=MAX_GRAPH_CHUNKS + 8,
-                             device="cpu", cuda_graph=graphs, cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
+        runner = make_runner(tmp_path, tokens=4 * MAX_GRAPH_CHUNKS, max_req_total_len=4 * MAX_GRAPH_CHUNKS,
+                             running_max_req_size=MAX_GRAPH_CHUNKS + 8, cuda_graph=graphs,
+                             cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
         run(runner, plans, captured_logits)
         eager = (3, (runner.graphs.bucket(3), 4 * MAX_GRAPH_CHUNKS) if graphs else None)
         # the other steps ran padded (graphs) or without decodes; a padded step's decodes are the graph's own plan
@@ -173,9 +172,8 @@ def test_eager_steps_compile_no_decode_attention_after_capture(tmp_path):
     from lightllm.kernels._triton import NEW_SPECIALISATIONS
 
     make_model("llama_gqa_llama3_rope", tmp_path)
-    runner = ModelRunner(str(tmp_path), max_total_token_num=4096, max_req_total_len=512,
-                         running_max_req_size=MAX_GRAPH_CHUNKS + 8, device="cuda", cuda_graph=True,
-                         cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
+    runner = make_runner(tmp_path, tokens=4096, max_req_total_len=512, running_max_req_size=MAX_GRAPH_CHUNKS + 8,
+                         device="cuda", cuda_graph_max_tokens=2 * MAX_GRAPH_CHUNKS + 16)
     captured = len(NEW_SPECIALISATIONS["kernels"])
     step_id, rid = 0, 100
     for decodes, length in ((1, 17), (3, 85), (5, 200), (2, 9)):

@@ -3,16 +3,15 @@ and the summary script's accounting of busy and idle time."""
 
 import gc
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from lightllm.engine.model_runner import ModelRunner, run_step
+from lightllm.engine.config import EngineConfig
+from lightllm.engine.model_runner import ModelRunner
+from benchmark.lib.direct_step import run_step
 from lightllm.engine.request import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "benchmark"))
-import step_trace  # noqa: E402
+from benchmark.engine import step_trace
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +23,9 @@ def tiny_model(tmp_path_factory):
 
 def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     path = tmp_path / "trace.jsonl"
-    runner = ModelRunner(str(tiny_model), max_total_token_num=2048, max_req_total_len=256, running_max_req_size=4,
-                         data_type="float32", device="cpu", step_trace=str(path), cuda_graph_max_tokens=16)
+    config = EngineConfig(model_dir=str(tiny_model), max_total_token_num=2048, max_req_total_len=256,
+                          running_max_req_size=4, data_type="float32", step_trace=str(path), cuda_graph_max_tokens=16)
+    runner = ModelRunner(config, device="cpu", check_budget=False)
     params = SamplingParams(max_new_tokens=64)
     sent = [(0, 7, 1)]  # (decodes, chunk tokens, chunks) of each step, in order
     run_step(runner, prompts=[(1, list(range(1, 8)), params)])

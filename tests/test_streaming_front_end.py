@@ -116,7 +116,8 @@ def test_the_manager_routes_every_step_that_has_come_before_a_stream_runs():
     request's queue in one pass, so its stream finds a backlog of two behind the first (and writes
     the three at once) instead of getting one step a pass of the event loop."""
     from lightllm.server.config import ServerConfig
-    from lightllm.server.io_struct import BatchTextOut, FinishReason, SamplingParams, TextOut
+    from lightllm.engine.request import FinishReason, SamplingParams
+    from lightllm.server.io_struct import BatchTextOut, TextOut
     from server_utils import wired_manager
 
     async def scenario():
@@ -153,7 +154,9 @@ def test_per_token_messages_pickle_as_their_fields():
     import dataclasses
     import pickle
 
-    from lightllm.server.io_struct import FinishReason, TextOut, TokenOut
+    from lightllm.engine.request import FinishReason, TokenOut
+
+    from lightllm.server.io_struct import TextOut
 
     text = TextOut(3, 7, "hé", -0.25, True, 5, FinishReason.LENGTH, "why", 4, 12, 0.5, [(1, "x", -1.0)],
                    [(0.1, [(2, "y", -2.0)])])
@@ -176,7 +179,8 @@ def test_a_generate_stream_event_is_the_json_of_its_body(token_id, text, logprob
     import json
 
     from lightllm.server.httpserver.generate_api import event_body, sse_event
-    from lightllm.server.io_struct import FinishReason, TextOut
+    from lightllm.engine.request import FinishReason
+    from lightllm.server.io_struct import TextOut
 
     reason = None if finish is None else FinishReason(finish)
     out = TextOut(7, token_id, text, logprob, special, 3, reason, top_logprobs=[(token_id, text, -1.5)] if top else None)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_model_vs_hf import make_model, make_runner, random_prompts, run_schedule
+from helpers.models import make_model, make_runner, random_prompts, run_schedule
 
 from lightllm.models import ModelConfigError
 from lightllm.models.layers import split_even, split_kv_heads
@@ -53,7 +53,7 @@ def schedule_logits(model_dir, seen, **kw):
 
 def tp_worker(rank, world_size, port, model_dirs, out_file):
     seen = capture_logits()
-    results = [schedule_logits(d, seen, tp_rank=rank, world_size=world_size, nccl_port=port)
+    results = [schedule_logits(d, seen, tp_rank=rank, tp=world_size, nccl_port=port)
                for d in model_dirs]
     if rank == 0:
         torch.save(results, out_file)
@@ -108,9 +108,7 @@ def test_kv_heads_split_or_replicate():
 
 
 def cuda_runner(model_dir, rank=0, world_size=1, port=0):
-    return model_runner.ModelRunner(str(model_dir), max_total_token_num=256, max_req_total_len=64,
-                                    running_max_req_size=8, device=f"cuda:{rank}", tp_rank=rank,
-                                    world_size=world_size, nccl_port=port)
+    return make_runner(model_dir, device=f"cuda:{rank}", tp_rank=rank, tp=world_size, nccl_port=port)
 
 
 def cuda_schedule_logits(model_dir, seen, **kw):

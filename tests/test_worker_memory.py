@@ -1,7 +1,7 @@
 """A CPU model worker's memory comes back to one idle level, however many steps of whatever shapes ran.
 
-The soak test (docs/benchmarks.md) found the worker's idle RSS growing under steady load: its
-device thread allocated from a glibc arena of its own, whose free top malloc_trim never returns, so
+Under steady load the worker's idle RSS wandered (CPU, 2026-11-25, efedf3f;
+docs/benchmarks-history.md): its device thread allocated from a glibc arena of its own, whose free top malloc_trim never returns, so
 the idle level depended on where that arena's top happened to be. Here a worker process runs busy
 periods of random steps (prompts of 1-255 tokens, decodes, top and prompt logprobs, releases), each
 followed by idle, and its RSS once idle must be the same after every period. With the device
@@ -20,7 +20,7 @@ import pytest
 
 from lightllm.engine.plan import Chunk, Release, StepPlan
 from lightllm.engine.workers import ModelWorkers
-from lightllm.server.io_struct import SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.tools.bench_model import write_bench_model
 from lightllm.tools.default_model import update_json
 

@@ -1,0 +1,215 @@
+"""Compile every Triton kernel the layers and the sampler launch for the H100 (sm90) on a machine
+without a GPU, through Triton's own compiler and the ptxas its wheel bundles.
+
+    python test/benchmark/kernels/compile_sm90.py
+
+The CPU tests run the kernels in Triton's interpreter, which executes Python and so accepts code
+the GPU compiler may refuse (an fp8 conversion, a pointer of the wrong type in a branch not taken);
+this is the check that the GPU path at least builds. Each kernel is compiled with the argument
+types of a real call (the Python wrappers are called with bench-8b's head shapes and a few tokens,
+and each launch is captured instead of run) and the constexprs that call chose, DOT_UPCAST and PDL
+(with Triton's launch_pdl option) set as on an H100. Prints one line a launch (OK or FAIL with
+the compiler's message); exits 1 on any FAIL.
+Not under TRITON_INTERPRET=1: the interpreter's kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_sm90.py compiles real kernels: run it without TRITON_INTERPRET=1")
+
+import importlib  # noqa: E402
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightllm.kernels import _triton  # noqa: E402
+from lightllm.kernels.allreduce_norm import one_shot_add_rms_norm_triton  # noqa: E402
+from lightllm.kernels.apply_penalties import apply_penalties_triton  # noqa: E402
+from lightllm.kernels.decode_attention import decode_attention_triton  # noqa: E402
+from lightllm.kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
+from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
+                                         small_m_plan)
+from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
+                                        align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
+from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
+from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
+from lightllm.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from lightllm.kernels.rotary_kv import rotary_kv_triton  # noqa: E402
+from lightllm.kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
+
+# The package's public `decode_attention` function shadows the submodule of the same name.
+decode_module = importlib.import_module("lightllm.kernels.decode_attention")
+
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+                 torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.bool: "*i1"}
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
+H100_SMS = 132
+H100_SHARED_BYTES = 232448  # a block's most shared memory, opted in (the H200's too)
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def scalar_type(value) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
+    assert isinstance(value, float), type(value)
+    return "fp32"
+
+
+def divisible_by_16(value) -> bool:
+    """What Triton's launch specialises on (`tt.divisibility` 16): a pointer's 16-byte alignment, an
+    integer's divisibility by 16. It decides whether loads vectorise and are pipelined (copied to
+    shared memory ahead, which takes shared memory per stage), so a compile without it is not the GPU's."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
+def captured_launches() -> list[tuple]:
+    """(kernel, argument types, constexprs, options, divisibility attributes) of each distinct
+    launch the wrappers make."""
+    launches = {}
+
+    def capture(kernel, grid, args, kwargs):
+        names = kernel.fn.arg_names
+        types = {name: POINTER_TYPES[a.dtype] if isinstance(a, torch.Tensor) else scalar_type(a)
+                 for name, a in zip(names, args)}
+        # as on the H100: DOT_UPCAST off, programmatic dependent launch on where the kernel takes it
+        gpu = {"DOT_UPCAST": False, "PDL": True}
+        constexprs = {k: gpu.get(k, v) for k, v in kwargs.items() if k not in OPTIONS}
+        options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+        if "PDL" in constexprs:
+            options["launch_pdl"] = True
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if divisible_by_16(a)}
+        key = (kernel.fn.__name__, tuple(types.items()), tuple(constexprs.items()), tuple(options.items()),
+               tuple(attrs))
+        launches[key] = (kernel, types, constexprs, options, attrs)
+
+    saved = _triton._FastKernel._launch
+    _triton._FastKernel._launch = capture
+    try:
+        call_every_kernel()
+    finally:
+        _triton._FastKernel._launch = saved
+    return list(launches.values())
+
+
+def call_every_kernel() -> None:
+    """Each wrapper once per path the server takes; nothing runs (the launches are captured)."""
+    tokens = 4
+    x, weight = torch.randn(tokens, HIDDEN, dtype=BF16), torch.randn(HIDDEN, dtype=BF16)
+    for fp8_out in (False, True):
+        rms_norm_triton(x, weight, 1e-5, fp8_out)
+        add_rms_norm_triton(x, x.clone(), weight, 1e-5, fp8_out)
+    add_rms_norm_triton(torch.randn(2, tokens, HIDDEN), x.clone(), weight, 1e-5)  # a split projection's partial sums
+    for fp8_out in (False, True):
+        silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
+        gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
+    q8, scale = quantize_fp8_rows_triton(x)
+    w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
+    for sms in (4, H100_SMS):  # K whole, and split (each column block's last slice adds the slices up)
+        fp8_gemm_small_m(q8, scale, w8, w_scale, BF16, plan=small_m_plan(tokens, 1024, HIDDEN, sms))
+    qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=BF16)
+    q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
+    cos, sin = torch.randn(tokens, HEAD_DIM // 2), torch.randn(tokens, HEAD_DIM // 2)
+    slots = torch.arange(tokens)
+    table = torch.arange(1024, dtype=torch.int32).view(2, 512)
+    rows, lens = torch.arange(2, dtype=torch.int32), torch.tensor([512, 300], dtype=torch.int32)
+    for kv_dtype in (BF16, FP8):
+        k_cache, v_cache = (torch.zeros(1024, KV_HEADS, HEAD_DIM, dtype=kv_dtype) for _ in range(2))
+        rotary_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+        # the plans as on the H100 (keys split, then merged: two requests, then four) and as for a large
+        # batch (one split, no merge)
+        per_wave = decode_module._programs_per_wave
+        for sms in (H100_SMS, 0):
+            decode_module._programs_per_wave = lambda device, sms=sms: sms
+            decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1)
+        decode_module._programs_per_wave = lambda device: H100_SMS
+        decode_attention_triton(q, k_cache, v_cache, table, rows.repeat(2), lens.repeat(2), 512, 0.1)
+        decode_module._programs_per_wave = per_wave
+        cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
+        blocks = torch.tensor(extend_q_blocks([1, 3], HEAD_DIM, 4), dtype=torch.int32).view(2, -1)
+        extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1)
+    # a sliding-window layer with soft-capped scores (Gemma 2), on the last pass's (fp8) cache
+    decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1, window=256, softcap=50.0)
+    extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1, window=256, softcap=50.0)
+    logits = torch.randn(2, 1000)
+    counts = torch.ones(3, dtype=torch.int32)
+    apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
+                           counts, torch.tensor([0, 2, 3], dtype=torch.int32))
+    random_uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 3]), 1000)
+    greedy_sample_triton(logits)
+    # the all-reduce fused with the residual add and RMSNorm, two ranks (its pointers are never read here)
+    pointers = torch.zeros(2, dtype=torch.int64)
+    one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
+                                 counters=torch.zeros(256, dtype=torch.int64), rank=0, region_bytes=80 << 20)
+    call_moe_kernels()
+
+
+def call_moe_kernels() -> None:
+    """Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, 8 active; 16 experts, not 128:
+    nothing runs), with the decode and the prefill plan, bf16 and fp8 experts."""
+    experts, hidden, inter, top_k, tokens = 16, 2048, 768, 8, 4
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, dtype=BF16)
+    w_down = torch.randn(experts, hidden, inter, dtype=BF16)
+    weights, ids = torch.rand(tokens, top_k), torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+    fp8_experts = (*quantize_experts_fp8(w_gate_up), *quantize_experts_fp8(w_down))
+    w_gate_up8, gate_up_scale, w_down8, down_scale = fp8_experts
+    for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[False]):
+        fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan, down_plan=down_plan)
+    for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
+        fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
+                         down_plan=down_plan)
+    # fp32 experts (the GPU tests' tiny models) with the plan a large step picks: their tiles must fit
+    tokens32, hidden32, inter32 = 2048, 256, 128
+    fused_moe_triton(torch.randn(tokens32, hidden32), torch.randn(experts, 2 * inter32, hidden32),
+                     torch.randn(experts, hidden32, inter32), torch.rand(tokens32, top_k),
+                     torch.randint(0, experts, (tokens32, top_k), dtype=torch.int32))
+    # fp8 experts under fp32 activations (the GPU tests' tiny models with --quantization fp8): fp8 tiles
+    fused_moe_triton(x.float(), w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale,
+                     plan=MoEPlan(32, 32, 32, 4, 2))
+    # a prefill's alignment: the ids cut into chunks (counts, runs, placement)
+    align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
+
+
+def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict, attrs: dict):
+    fn = kernel.fn
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    failed = 0
+    for kernel, types, constexprs, options, attrs in captured_launches():
+        shown = ", ".join(f"{k}={v}" for k, v in {**constexprs, **options}.items())
+        try:
+            compiled = compile_for_sm90(kernel, types, constexprs, options, attrs)
+            assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+            shared = compiled.metadata.shared
+            assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
+            # a kernel that may start before the one ahead has finished must wait for it before it reads
+            assert not options.get("launch_pdl") or "griddepcontrol.wait" in compiled.asm["ptx"], \
+                "launched with PDL but never waits (grid_dependency_wait) for the kernel ahead"
+            print(f"OK   {kernel.fn.__name__}({shown})", flush=True)
+        except Exception as exc:  # the compiler's own errors, shown per kernel
+            failed += 1
+            print(f"FAIL {kernel.fn.__name__}({shown}): {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

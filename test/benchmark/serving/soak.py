@@ -1,0 +1,372 @@
+"""A bounded soak test: mixed valid, invalid, aborted and streamed requests for N minutes.
+
+    python test/benchmark/serving/soak.py --minutes 10                  # starts a server on the default model
+    python test/benchmark/serving/soak.py --minutes 10 --url http://127.0.0.1:8000   # a running server
+
+Clients loop until the time is up, each picking a request at random (seeded): whole and streamed
+generations on /generate, /generate_stream and the OpenAI routes; invalid bodies that must get a
+4xx; and aborts (the client disconnects mid-stream, or gives up on a whole answer). It reports
+requests by outcome, latency percentiles, and the server's memory (RSS of all its processes) and
+KV tokens in use, idle, after a warm-up and at the end. It fails (exit status 1) on any unexpected
+answer (a 5xx, a hang, a valid request refused, an invalid one accepted), on KV tokens still held
+when idle, or on memory that grew by more than --max_rss_growth. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import benchmark.*` (README.md)
+
+from benchmark.lib.server_process import ServerProcess, free_port, metric_samples, start_server  # noqa: E402
+
+logger = logging.getLogger("soak")
+
+ABORTED_TOKENS = 1000  # an aborted request would run this long: the client always leaves first
+WORDS = "the a river model token quiet orange seven build light cache north value stream window".split()
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Outcomes:
+    counts: Counter = field(default_factory=Counter)  # (kind, outcome)
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    unexpected: list[str] = field(default_factory=list)  # the first few, for the report
+
+    def add(self, kind: str, outcome: str, seconds: float, detail: str = "") -> None:
+        self.counts[kind, outcome] += 1
+        if outcome == "ok":
+            self.latencies[kind].append(seconds)
+        if outcome == "unexpected" and len(self.unexpected) < 20:
+            self.unexpected.append(f"{kind}: {detail}")
+
+
+def prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+
+
+def generate_params(rng: random.Random) -> dict:
+    sampled = rng.random() < 0.5
+    return {"max_new_tokens": rng.randint(1, 24), "do_sample": sampled, "temperature": 0.8, "seed": rng.randint(0, 99)}
+
+
+# ---- the requests: each returns (outcome, detail) ----
+
+
+async def whole(session, url, rng) -> tuple[str, str]:
+    async with session.post(f"{url}/generate", json={"inputs": prompt(rng), "parameters": generate_params(rng)}) as reply:
+        body = await reply.json(content_type=None)
+        return ("ok", "") if reply.status == 200 and body.get("finish_reason") else ("unexpected", f"{reply.status} {body}")
+
+
+async def streamed(session, url, rng) -> tuple[str, str]:
+    body = {"inputs": prompt(rng), "parameters": generate_params(rng)}
+    async with session.post(f"{url}/generate_stream", json=body) as reply:
+        if reply.status != 200:
+            return "unexpected", f"{reply.status} {await reply.text()}"
+        last = None
+        async for line in reply.content:
+            if line.startswith(b"data:"):
+                last = json.loads(line[len(b"data:"):])
+        ok = last is not None and last["finished"] and last["finish_reason"] in ("length", "eos", "stop")
+        return ("ok", "") if ok else ("unexpected", f"last event {last}")
+
+
+async def chat_streamed(session, url, rng) -> tuple[str, str]:
+    body = {"messages": [{"role": "user", "content": prompt(rng)}], "max_tokens": rng.randint(1, 24), "stream": True}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        if reply.status != 200:
+            return "unexpected", f"{reply.status} {await reply.text()}"
+        lines = [line async for line in reply.content if line.startswith(b"data:")]
+        ok = lines and lines[-1].strip() == b"data: [DONE]" and b'"error"' not in b"".join(lines)
+        return ("ok", "") if ok else ("unexpected", f"stream ended with {lines[-1:]}")
+
+
+async def completion(session, url, rng) -> tuple[str, str]:
+    body = {"prompt": prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0.0, 1.0])}
+    async with session.post(f"{url}/v1/completions", json=body) as reply:
+        data = await reply.json(content_type=None)
+        return ("ok", "") if reply.status == 200 and data.get("choices") else ("unexpected", f"{reply.status} {data}")
+
+
+INVALID_BODIES = [
+    ("/generate", b"{not json", "application/json"),
+    ("/generate", json.dumps({"inputs": "x", "parameters": {"max_new_tokens": -1}}).encode(), "application/json"),
+    ("/generate", json.dumps({"inputs": "x", "parameters": {"top_p": 2}}).encode(), "application/json"),
+    ("/generate", b'{"inputs": "\\ud800"}', "application/json"),
+    ("/generate", json.dumps({"inputs": "x"}).encode(), "text/plain"),
+    ("/generate", json.dumps({"inputs": "word " * 5000}).encode(), "application/json"),
+    ("/generate_stream", json.dumps({"parameters": {}}).encode(), "application/json"),
+    ("/v1/completions", json.dumps({"max_tokens": 4}).encode(), "application/json"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}).encode(),
+     "application/json"),
+    ("/v1/chat/completions", json.dumps({"messages": "hello"}).encode(), "application/json"),
+]
+
+
+async def invalid(session, url, rng) -> tuple[str, str]:
+    path, data, content_type = rng.choice(INVALID_BODIES)
+    async with session.post(f"{url}{path}", data=data, headers={"Content-Type": content_type}) as reply:
+        body = await reply.text()
+        is_json = reply.content_type == "application/json"
+        ok = 400 <= reply.status < 500 and is_json
+        return ("rejected", "") if ok else ("unexpected", f"{path} {data[:60]!r}: {reply.status} {body[:200]}")
+
+
+async def aborted_stream(session, url, rng) -> tuple[str, str]:
+    body = {"inputs": prompt(rng), "parameters": {"max_new_tokens": ABORTED_TOKENS, "ignore_eos": True}}
+    async with session.post(f"{url}/generate_stream", json=body) as reply:
+        if reply.status != 200:
+            return "unexpected", f"{reply.status} {await reply.text()}"
+        events, wanted = 0, rng.randint(1, 5)
+        async for line in reply.content:
+            events += line.startswith(b"data:")
+            if events >= wanted:
+                reply.close()  # the client goes away mid-stream
+                return "aborted", ""
+    return "unexpected", "the stream ended before the client left"
+
+
+async def aborted_whole(session, url, rng) -> tuple[str, str]:
+    body = {"inputs": prompt(rng), "parameters": {"max_new_tokens": ABORTED_TOKENS, "ignore_eos": True}}
+    try:
+        async with asyncio.timeout(rng.uniform(0.05, 0.5)):
+            async with session.post(f"{url}/generate", json=body) as reply:
+                return "unexpected", f"answered before the client gave up: {reply.status}"
+    except TimeoutError:
+        return "aborted", ""
+
+
+MIX = {  # kind: (request, weight)
+    "generate": (whole, 4),
+    "generate_stream": (streamed, 4),
+    "chat_stream": (chat_streamed, 2),
+    "completion": (completion, 2),
+    "invalid": (invalid, 4),
+    "abort_stream": (aborted_stream, 2),
+    "abort_whole": (aborted_whole, 1),
+}
+
+
+async def client(url: str, seed: int, deadline: float, outcomes: Outcomes) -> None:
+    rng = random.Random(seed)
+    kinds = list(MIX)
+    weights = [MIX[kind][1] for kind in kinds]
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() < deadline:
+            kind = rng.choices(kinds, weights)[0]
+            start = time.monotonic()
+            try:
+                outcome, detail = await MIX[kind][0](session, url, rng)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                outcome, detail = "unexpected", repr(exc)
+            outcomes.add(kind, outcome, time.monotonic() - start, detail)
+
+
+# ---- the server's state ----
+
+
+def server_processes(pid: int) -> list[psutil.Process]:
+    main = psutil.Process(pid)
+    return [main, *main.children(recursive=True)]
+
+
+def rss_mib(pid: int) -> float:
+    return sum(p.memory_info().rss for p in server_processes(pid)) / 2**20
+
+
+def rss_by_role(pid: int) -> dict[str, float]:
+    """MiB per process of the server: main (HTTP), router, model workers, detokenizer."""
+    main = psutil.Process(pid)
+    roles = Counter({"main": main.memory_info().rss})
+    for child in main.children():
+        if "resource_tracker" in " ".join(child.cmdline()):
+            continue
+        workers = child.children()
+        roles["router" if workers else "detokenizer"] += child.memory_info().rss
+        roles["workers"] += sum(worker.memory_info().rss for worker in workers)
+    return {role: round(rss / 2**20) for role, rss in roles.items()}
+
+
+def listening_pid(port: int) -> int:
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise SystemExit(f"no process of ours listens on port {port}: pass --pid")
+
+
+async def metrics(session, url) -> dict[str, float]:
+    async with session.get(f"{url}/metrics") as reply:
+        return metric_samples(await reply.text())
+
+
+async def wait_idle(url: str, timeout_s: float = 120.0) -> dict[str, float]:
+    """Wait until nothing runs or waits and every KV token is free; the last /metrics sample."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            sample = await metrics(session, url)
+            idle = sample["lightllm:num_requests_running"] == 0 and sample["lightllm:num_requests_waiting"] == 0
+            if (idle and sample["lightllm:kv_cache_used_tokens"] == 0) or time.monotonic() > deadline:
+                return sample
+            await asyncio.sleep(0.5)  # polling interval
+
+
+async def health_prober(url: str, deadline: float, times: list[float]) -> None:
+    """GET /health every second during the soak: it must answer 200, and at once."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            async with session.get(f"{url}/health") as reply:
+                times.append(time.monotonic() - start if reply.status == 200 else float("inf"))
+            await asyncio.sleep(1.0)
+
+
+async def progress(deadline: float, seconds: float, outcomes: Outcomes) -> None:
+    with tqdm(total=int(seconds), unit="s", desc="soak") as bar:
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            bar.n = min(int(seconds), int(seconds - (deadline - time.monotonic())))
+            by_outcome = Counter()
+            for (_, outcome), count in outcomes.counts.items():
+                by_outcome[outcome] += count
+            bar.set_postfix(dict(by_outcome))
+
+
+async def memory_sampler(pid: int, deadline: float, samples: list[float]) -> None:
+    """The server's RSS once a minute during the soak (busy, so higher than idle)."""
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(60.0, max(0.0, deadline - time.monotonic())))
+        samples.append(rss_mib(pid))
+
+
+async def soak(url: str, pid: int, seconds: float, concurrency: int, seed: int, outcomes: Outcomes,
+               health_times: list[float], rss_samples: list[float]) -> None:
+    deadline = time.monotonic() + seconds
+    tasks = [client(url, seed * 1000 + i, deadline, outcomes) for i in range(concurrency)]
+    await asyncio.gather(*tasks, health_prober(url, deadline, health_times), progress(deadline, seconds, outcomes),
+                         memory_sampler(pid, deadline, rss_samples))
+
+
+# ---- the report ----
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[float], rss_samples: list[float],
+           elapsed: float) -> tuple[str, bool]:
+    lines = [f"Soak: {elapsed / 60:.1f} min, {args.concurrency} clients, seed {args.seed}, server {args.url}", ""]
+    lines += ["| request | ok | rejected (4xx) | aborted | unexpected | p50 s | p99 s |", "|---|---|---|---|---|---|---|"]
+    total = Counter()
+    for kind in MIX:
+        row = {outcome: outcomes.counts[kind, outcome] for outcome in ("ok", "rejected", "aborted", "unexpected")}
+        total.update(row)
+        done = outcomes.latencies[kind]
+        p50, p99 = (f"{percentile(done, 0.5):.3f}", f"{percentile(done, 0.99):.3f}") if done else ("-", "-")
+        lines.append(f"| {kind} | {row['ok']} | {row['rejected']} | {row['aborted']} | {row['unexpected']} | {p50} | {p99} |")
+    all_ok = [s for kind in MIX for s in outcomes.latencies[kind]]
+    lines.append(f"| all | {total['ok']} | {total['rejected']} | {total['aborted']} | {total['unexpected']} "
+                 f"| {percentile(all_ok, 0.5):.3f} | {percentile(all_ok, 0.99):.3f} |")
+    growth = end["rss_mib"] / start["rss_mib"] - 1.0
+    lines += [
+        "",
+        f"Requests: {sum(total.values())} ({sum(total.values()) / elapsed:.1f}/s); "
+        f"/health: {len(health_times)} probes, p99 {percentile(health_times, 0.99) * 1000:.0f} ms, max {max(health_times, default=0) * 1000:.0f} ms",
+        f"Server RSS (all processes), idle: {start['rss_mib']:.0f} MiB after warm-up, {end['rss_mib']:.0f} MiB at the end ({growth:+.1%})",
+        f"RSS by process, MiB: {start['by_role']} after warm-up, {end['by_role']} at the end",
+        f"RSS while busy, once a minute, MiB: {', '.join(f'{mib:.0f}' for mib in rss_samples)}",
+        f"KV tokens in use, idle: {start['kv']:.0f} after warm-up, {end['kv']:.0f} at the end (of {end['kv_total']:.0f}); "
+        f"requests running/waiting at the end: {end['running']:.0f}/{end['waiting']:.0f}",
+    ]
+    if outcomes.unexpected:
+        lines += ["", "Unexpected answers (first 20):", *[f"- {line}" for line in outcomes.unexpected]]
+    healthy_probes = all(t < 1.0 for t in health_times)
+    passed = total["unexpected"] == 0 and end["kv"] == 0 and growth <= args.max_rss_growth and healthy_probes
+    lines += ["", "PASS" if passed else "FAIL"]
+    return "\n".join(lines), passed
+
+
+async def idle_state(url: str, pid: int) -> dict:
+    sample = await wait_idle(url)
+    return {"rss_mib": rss_mib(pid), "by_role": rss_by_role(pid), "kv": sample["lightllm:kv_cache_used_tokens"], "kv_total": sample["lightllm:kv_cache_capacity_tokens"],
+            "running": sample["lightllm:num_requests_running"], "waiting": sample["lightllm:num_requests_waiting"]}
+
+
+def run(args) -> bool:
+    pid = args.pid or listening_pid(int(args.url.rsplit(":", 1)[1].split("/")[0]))
+    warmup = Outcomes()
+    asyncio.run(soak(args.url, pid, args.warmup_s, args.concurrency, args.seed + 1, warmup, [], []))
+    start = asyncio.run(idle_state(args.url, pid))
+    logger.info("after warm-up: %s", start)
+    outcomes, health_times, rss_samples = Outcomes(), [], []
+    began = time.monotonic()
+    asyncio.run(soak(args.url, pid, args.minutes * 60, args.concurrency, args.seed, outcomes, health_times, rss_samples))
+    elapsed = time.monotonic() - began
+    end = asyncio.run(idle_state(args.url, pid))
+    text, passed = report(args, outcomes, start, end, health_times, rss_samples, elapsed)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text + "\n")
+    return passed
+
+
+def stop_server(server: ServerProcess) -> bool:
+    """SIGTERM; True if it exited 0 and left no socket directory."""
+    from lightllm.utils.net import socket_dirs
+
+    code = server.stop(timeout=120)
+    left = socket_dirs(server.proc.pid)
+    logger.info("server exited with %d; socket directories left: %s", code, left)
+    return code == 0 and not left
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--url", help="a running server; absent: start one on the default model")
+    parser.add_argument("--pid", type=int, help="the server's main process (found from the URL's port when absent)")
+    parser.add_argument("--server_args", default="", help="flags for the server this script starts")
+    parser.add_argument("--concurrency", type=int, default=8, help="clients sending one request after another")
+    parser.add_argument("--warmup_s", type=float, default=30.0, help="seconds of the same mix before the start sample")
+    parser.add_argument("--max_rss_growth", type=float, default=0.10, help="largest accepted RSS growth, as a fraction")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report", help="also write the report to this file")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.url:
+        return 0 if run(args) else 1
+    port = free_port()
+    server = start_server(args.server_args.split(), Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
+                          timeout=600, port=port)
+    args.url = server.url
+    try:
+        args.pid = server.proc.pid
+        passed = run(args)
+    finally:
+        clean_stop = stop_server(server)
+    print(f"server stopped with SIGTERM: {'exit 0, no socket directory left' if clean_stop else 'NOT clean'}")
+    return 0 if passed and clean_stop else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
