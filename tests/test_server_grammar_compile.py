@@ -70,6 +70,9 @@ def test_a_grammar_over_the_bound_gets_400_while_a_stream_keeps_its_pace(server)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error_type"] == "validation"
     assert f"did not compile within {BOUND:g} s (--grammar_compile_timeout)" in reply.json()["error"]
+    # The 400 comes at BOUND by the server's clock; the upper bound leaves a loaded machine 5 s. The
+    # compile alone takes several seconds more here, so a server that waited for it before answering
+    # would most often, not always, pass that: the stream's pace below is the sharper check.
     assert BOUND <= answered - sent < BOUND + 5
     # the compile goes on after the 400: watch the stream for 2 s more
     server.wait_for(lambda: arrivals[-1] > answered + 2.0, timeout=60, what="tokens 2 s after the 400")
