@@ -18,6 +18,7 @@ import random
 import psutil
 import pytest
 
+from lightllm.engine.config import EngineConfig
 from lightllm.engine.plan import Chunk, Release, StepPlan
 from lightllm.engine.workers import ModelWorkers
 from lightllm.engine.request import SamplingParams
@@ -40,8 +41,8 @@ def worker(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:  # the worker process inherits it
         env.setenv("MKL_DISABLE_FAST_MM", "1")
         workers = ModelWorkers(tp=1, log_level="info")
-    workers.load(model_dir=str(path), world_size=1, max_total_token_num=8192, max_req_total_len=512,
-                 running_max_req_size=MAX_RUNNING, chunked_prefill_size=CHUNK_BUDGET, load_format="dummy")
+    workers.load(EngineConfig(model_dir=str(path), max_total_token_num=8192, max_req_total_len=512,
+                              running_max_req_size=MAX_RUNNING, chunked_prefill_size=CHUNK_BUDGET, load_format="dummy"))
     yield workers
     workers.shutdown()
 
