@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                           data_type=args.dtype, load_format=args.load_format, disable_cuda_graph=args.no_cuda_graph,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    runner = ModelRunner(config, device=args.device)
+    runner = ModelRunner(config, device=args.device, check_budget=False)  # a given budget is taken as given
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
     lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}{', fp8 KV cache' if args.kv_cache_dtype != 'auto' else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
