@@ -1,0 +1,48 @@
+"""Answers that OpenAI's (or vLLM's) API gives and a client relies on: schemas that refer outside
+themselves, tool messages and tool schemas, models.retrieve, vLLM's prompt_logprobs, each route's
+own name for max_new_tokens in its errors, and a /docs page that loads nothing from outside."""
+
+import re
+
+import openai
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+TOL = 1e-3
+PROMPT = "The capital of France is"
+HI = [{"role": "user", "content": "hi"}]
+REMOTE = "https://example.com/schema.json"
+BAD_TYPE = {"type": "object", "properties": {"x": {"type": "no-such-type"}}}
+
+
+def error_message(response: requests.Response) -> str:
+    """The message of an error body of any route's shape (ours, OpenAI's, Anthropic's)."""
+    error = response.json()["error"]
+    return error if isinstance(error, str) else error["message"]
+
+
+def post(server, path: str, body: dict) -> requests.Response:
+    if path == "/v1/messages":  # Anthropic's body names its model
+        body = {"model": requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"], **body}
+    return requests.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+REMOTE_REFS = {
+    "response_format": ("/v1/chat/completions", {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": REMOTE}}}}),
+    "structured_outputs": ("/v1/completions", {"prompt": PROMPT, "structured_outputs": {"json": {
+        "type": "object", "properties": {"a": {"$ref": REMOTE}}}}}),
+    "guided_json": ("/v1/completions", {"prompt": PROMPT, "guided_json": {"$ref": REMOTE}}),
+    "generate's grammar": ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {
+        "type": "json", "value": {"items": {"$ref": REMOTE}, "type": "array"}}}}),
+}
+
+
+@pytest.mark.parametrize("path, body", REMOTE_REFS.values(), ids=REMOTE_REFS.keys())
+def test_a_remote_ref_is_refused_and_named(default_server, path, body):
+    """xgrammar reads a remote $ref as no constraint; OpenAI refuses one (nothing is fetched)."""
+    response = post(default_server, path, {**body, **({} if path == "/generate" else {"max_tokens": 4})})
+    assert response.status_code == 400, response.text
+    assert REMOTE in error_message(response)
