@@ -46,3 +46,25 @@ def test_a_remote_ref_is_refused_and_named(default_server, path, body):
     response = post(default_server, path, {**body, **({} if path == "/generate" else {"max_tokens": 4})})
     assert response.status_code == 400, response.text
     assert REMOTE in error_message(response)
+
+
+BAD_TOOLS = {
+    "chat, a bad type": ("/v1/chat/completions", {"messages": HI, "tools": [
+        {"type": "function", "function": {"name": "bad_tool", "parameters": BAD_TYPE}}]}),
+    "chat, a remote ref": ("/v1/chat/completions", {"messages": HI, "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "bad_tool", "parameters": {"$ref": REMOTE}}}]}),
+    "chat, a dangling ref": ("/v1/chat/completions", {"messages": HI, "tools": [
+        {"type": "function", "function": {"name": "bad_tool", "parameters": {"$ref": "#/$defs/none"}}}]}),
+    "messages": ("/v1/messages", {"messages": HI, "tools": [{"name": "bad_tool", "input_schema": BAD_TYPE}]}),
+    "responses": ("/v1/responses", {"input": "hi", "tools": [
+        {"type": "function", "name": "bad_tool", "parameters": BAD_TYPE}]}),
+}
+
+
+@pytest.mark.parametrize("path, body", BAD_TOOLS.values(), ids=BAD_TOOLS.keys())
+def test_an_invalid_tool_schema_is_400_with_auto_too(tool_server, path, body):
+    """With tool_choice auto (the default) no grammar is compiled, and the schema is still checked."""
+    limit = {"max_output_tokens": 16} if path == "/v1/responses" else {"max_tokens": 4}
+    response = post(tool_server, path, {**body, **limit})
+    assert response.status_code == 400, response.text
+    assert "bad_tool" in error_message(response)

@@ -15,6 +15,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from lightllm.engine.json_schema import SchemaError, check_json_schema
 from lightllm.engine.request import SamplingParams
 from lightllm.frontend.errors import RequestError
 from lightllm.frontend.sampling_ranges import STRICT, OpenAIRanges, to_sampling
@@ -371,6 +372,18 @@ def check_tools(tools: list[FunctionDef] | None, choice: str | None) -> None:
         raise RequestError(f"'tool_choice' {choice!r} needs 'tools'")
     if choice not in (None, "none", "auto", "required") and choice not in names:
         raise RequestError(f"'tool_choice' names the function {choice!r}, which is not in 'tools'")
+    for function in tools or ():
+        check_parameters(function)
+
+
+def check_parameters(function: FunctionDef) -> None:
+    """A tool's parameters are a schema whatever tool_choice is (a forced call compiles them, an
+    "auto" one does not): the structural check, no grammar."""
+    try:
+        check_json_schema(function.parameters or EMPTY_PARAMETERS)
+    except SchemaError as exc:
+        raise RequestError(f"'tools': function {function.name!r}: its parameters are not a usable JSON schema: "
+                           f"{exc}") from None
 
 
 def arguments_grammar(function: FunctionDef) -> str:
