@@ -48,6 +48,16 @@ def test_a_remote_ref_is_refused_and_named(default_server, path, body):
     assert REMOTE in error_message(response)
 
 
+def test_a_tool_message_needs_its_tool_call_id(tool_server):
+    call = {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "sunny"}]
+    response = post(tool_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert "messages[2].tool_call_id" in error_message(response)
+    messages[2]["tool_call_id"] = "call_7"
+    assert post(tool_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}).status_code == 200
+
+
 BAD_TOOLS = {
     "chat, a bad type": ("/v1/chat/completions", {"messages": HI, "tools": [
         {"type": "function", "function": {"name": "bad_tool", "parameters": BAD_TYPE}}]}),

@@ -314,6 +314,9 @@ class Message(BaseModel):
             raise RequestError(f"messages[{i}].content may be null only for role 'assistant'")
         if self.tool_calls and self.role != "assistant":
             raise RequestError(f"messages[{i}].tool_calls: only an assistant makes calls")
+        if self.role == "tool" and self.tool_call_id is None:  # OpenAI's 400: the result of which call?
+            raise RequestError(f"missing required parameter 'messages[{i}].tool_call_id': a 'tool' message is "
+                               "the result of the call with that id")
         content = self.content or ""
         text = content if isinstance(content, str) else "".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
