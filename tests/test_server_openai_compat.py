@@ -29,6 +29,11 @@ def post(server, path: str, body: dict) -> requests.Response:
     return requests.post(f"{server.url}{path}", json=body, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def served(default_server) -> str:
+    return requests.get(f"{default_server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
 REMOTE_REFS = {
     "response_format": ("/v1/chat/completions", {"messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": REMOTE}}}}),
@@ -78,3 +83,14 @@ def test_an_invalid_tool_schema_is_400_with_auto_too(tool_server, path, body):
     response = post(tool_server, path, {**body, **limit})
     assert response.status_code == 400, response.text
     assert "bad_tool" in error_message(response)
+
+
+def test_models_retrieve(default_server, served):
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    model = client.models.retrieve(served)
+    listed = requests.get(f"{default_server.url}/v1/models", timeout=10).json()["data"][0]
+    assert model.model_dump(exclude_unset=True) == listed and model.id == served and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    missing = requests.get(f"{default_server.url}/v1/models/no-such-model", timeout=10)
+    assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]["message"]

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""OpenAI-compatible endpoints: GET /v1/models and /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions.
 
 Both POST endpoints answer with one JSON object, or with server-sent events (`stream: true`)
 ending in `data: [DONE]`, so that OpenAI's client libraries work unchanged. They run through
@@ -34,20 +35,33 @@ FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", Finis
 
 def add_openai_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])  # ids may hold '/'
     add_json_route(app, "/v1/completions", completions)
     add_json_route(app, "/v1/chat/completions", chat_completions)
 
 
-async def list_models(request: Request) -> JSONResponse:
-    state = request.app.state.server
-    model = {
+def model_object(state) -> dict:
+    """The served model as OpenAI's model object (with vLLM's max_model_len)."""
+    return {
         "id": state.config.served_model_name,
         "object": "model",
         "created": int(state.started),
         "owned_by": "lightllm",
         "max_model_len": state.limits.max_req_total_len,
     }
-    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [model_object(request.app.state.server)]})
+
+
+async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
+    """OpenAI's models.retrieve: the model object of the served name, a 404 for any other."""
+    state = request.app.state.server
+    if model_id != state.config.served_model_name:
+        raise RequestError(f"the model {model_id!r} does not exist; this server serves "
+                           f"{state.config.served_model_name!r}", 404)
+    return JSONResponse(model_object(state))
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
