@@ -34,6 +34,13 @@ def served(default_server) -> str:
     return requests.get(f"{default_server.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+@pytest.fixture(scope="module")
+def hf(default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32, local_files_only=True)
+    return tokenizer, model
+
+
 REMOTE_REFS = {
     "response_format": ("/v1/chat/completions", {"messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": REMOTE}}}}),
@@ -94,3 +101,43 @@ def test_models_retrieve(default_server, served):
         client.models.retrieve("no-such-model")
     missing = requests.get(f"{default_server.url}/v1/models/no-such-model", timeout=10)
     assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]["message"]
+
+
+def check_prompt_logprobs(entries: list, prompt_ids: list[int], k: int, hf) -> None:
+    """vLLM's shape: None, then per prompt token {id: {logprob, rank, decoded_token}} of the token
+    and the k most likely; the values are transformers' log-softmax of the same prompt."""
+    expected = torch.log_softmax(hf[1](torch.tensor([prompt_ids])).logits[0].float(), -1)
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for j, entry in enumerate(entries[1:], 1):
+        token = prompt_ids[j]
+        row = expected[j - 1]
+        assert abs(entry[str(token)]["logprob"] - row[token].item()) < TOL
+        assert entry[str(token)]["decoded_token"] == hf[0].decode([token], skip_special_tokens=False,
+                                                                  clean_up_tokenization_spaces=False)
+        top = sorted((e for t, e in entry.items() if e["rank"] is not None and e["rank"] <= k),
+                     key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == list(range(1, k + 1))
+        assert [e["logprob"] for e in top] == pytest.approx(row.topk(k).values.tolist(), abs=TOL)
+        assert len(entry) <= k + 1
+
+
+@torch.no_grad()
+def test_prompt_logprobs_as_vllm(default_server, hf):
+    prompt_ids = hf[0].encode(PROMPT)
+    reply = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                                      "prompt_logprobs": 2, "n": 2})
+    assert reply.status_code == 200, reply.text
+    for choice in reply.json()["choices"]:  # vLLM's completions: per choice
+        check_prompt_logprobs(choice["prompt_logprobs"], prompt_ids, 2, hf)
+    chat = post(default_server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()  # vLLM's chat: once, beside the choices
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and body["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in body["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                                   {"prompt_logprobs": 1, "stream": True}])
+def test_prompt_logprobs_bounds(default_server, extra):
+    response = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra})
+    assert response.status_code == 400 and "prompt_logprobs" in error_message(response)

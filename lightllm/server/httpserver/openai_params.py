@@ -142,6 +142,9 @@ class OpenAIBody(OpenAIRanges):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
         None, description="structured_outputs.choice (vLLM's old name)")
     guided_grammar: NonEmptyStr | None = Field(None, description="structured_outputs.grammar (vLLM's old name)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's extension: each prompt token's logprob and the k most "
+                                                    "likely tokens' at its position (not with stream)")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -152,6 +155,8 @@ class OpenAIBody(OpenAIRanges):
             value = getattr(self, name)
             if not accepts(value):
                 raise RequestError(f"'{name}' = {value!r} is not supported: {why}")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: the answer is whole, not streamed
+            raise RequestError("'prompt_logprobs' is not available with 'stream': true")
         check_token_ids(vocab_size, self.logit_bias, self.stop_token_ids)
 
     @property
@@ -194,6 +199,8 @@ class OpenAIBody(OpenAIRanges):
         if grammar is not None:
             given["grammar_kind"], given["grammar"] = grammar
         given.update(self.logprob_fields())
+        if self.prompt_logprobs is not None:  # with echo's (CompletionRequest), the larger k serves both
+            given["prompt_logprobs"] = max(self.prompt_logprobs, given.get("prompt_logprobs", 0))
         return to_sampling(given, do_sample=True)  # OpenAI samples unless temperature is 0
 
     def logprob_fields(self) -> dict:
