@@ -141,3 +141,22 @@ def test_prompt_logprobs_as_vllm(default_server, hf):
 def test_prompt_logprobs_bounds(default_server, extra):
     response = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra})
     assert response.status_code == 400 and "prompt_logprobs" in error_message(response)
+
+
+LONG_REQUESTS = {
+    "chat max_tokens": ("/v1/chat/completions", {"messages": HI, "max_tokens": 5000}, "max_tokens"),
+    "chat max_completion_tokens": ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 5000},
+                                   "max_completion_tokens"),
+    "completions": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens"),
+    "messages": ("/v1/messages", {"messages": HI, "max_tokens": 5000}, "max_tokens"),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
+    "generate": ("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 5000}}, "max_new_tokens"),
+}
+
+
+@pytest.mark.parametrize("path, body, field", LONG_REQUESTS.values(), ids=LONG_REQUESTS.keys())
+def test_length_errors_name_the_routes_field(default_server, path, body, field):
+    response = post(default_server, path, body)
+    assert response.status_code == 400, response.text
+    message = error_message(response)
+    assert re.search(rf"\+ {field} \(5000\) = \d+ is more than max_req_total_len", message), message

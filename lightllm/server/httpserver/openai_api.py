@@ -104,7 +104,7 @@ def check_request(body: OpenAIBody, state) -> None:
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompts: list[list[int]],
                  start: float, fmt: CompletionFormat) -> Response:
-    generation = Generation(request, prompts, sampling, start, body.choices)
+    generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices)
     fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=request.app.state.server.config.served_model_name)
     if not body.stream:
         choices = await generation.result()

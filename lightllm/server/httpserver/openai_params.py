@@ -211,6 +211,11 @@ class OpenAIBody(OpenAIRanges):
         return False
 
     @property
+    def max_tokens_field(self) -> str:
+        """The name of max_new_tokens in this body, for its errors."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -469,6 +474,10 @@ class ChatRequest(OpenAIBody):
     @property
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None or self.max_completion_tokens is not None
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict]:
         return [message.for_template(i) for i, message in enumerate(self.messages)]
