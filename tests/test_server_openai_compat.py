@@ -160,3 +160,14 @@ def test_length_errors_name_the_routes_field(default_server, path, body, field):
     assert response.status_code == 400, response.text
     message = error_message(response)
     assert re.search(rf"\+ {field} \(5000\) = \d+ is more than max_req_total_len", message), message
+
+
+def test_docs_load_nothing_from_outside(default_server):
+    page = requests.get(f"{default_server.url}/docs", timeout=10)
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    assert not re.search(r"(https?:)?//[A-Za-z0-9]", page.text), "the page refers to another host"
+    assets = re.findall(r'(?:src|href)="(/[^"]+)"', page.text)
+    assert {"/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css"} <= set(assets)
+    for asset in assets:
+        served_asset = requests.get(f"{default_server.url}{asset}", timeout=10)
+        assert served_asset.status_code == 200 and len(served_asset.content) > 100, asset
