@@ -136,11 +136,14 @@ def test_prompt_logprobs_as_vllm(default_server, hf):
     assert all(len(entry) == 1 for entry in body["prompt_logprobs"][1:])
 
 
-@pytest.mark.parametrize("extra", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1},
-                                   {"prompt_logprobs": 1, "stream": True}])
-def test_prompt_logprobs_bounds(default_server, extra):
+@pytest.mark.parametrize("extra, why", [({"prompt_logprobs": 21}, "less than or equal to 20"),
+                                        ({"prompt_logprobs": -1}, "greater than or equal to 0"),
+                                        ({"prompt_logprobs": 1, "stream": True}, "'stream'")])
+def test_prompt_logprobs_bounds(default_server, extra, why):
+    """k is bounded as logprobs' is (MAX_LOGPROBS), and the list comes whole, never streamed (vLLM)."""
     response = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra})
     assert response.status_code == 400 and "prompt_logprobs" in error_message(response)
+    assert why in error_message(response)
 
 
 LONG_REQUESTS = {
