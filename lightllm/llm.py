@@ -412,7 +412,7 @@ class LLM:
             params = dataclasses.replace(params, seed=self._seeds.randrange(2**31))
         engine_params = [params.to_engine(index) for index in range(params.n)]
         try:
-            check_lengths(len(ids), engine_params[0], self.limits)
+            check_lengths(len(ids), engine_params[0], self.limits, "max_tokens")
         except RequestError as exc:
             raise ValueError(f"prompt {i} ({(text or '')[:40]!r}): {exc}") from None
         choices = [_Choice(index, next(self._req_ids),

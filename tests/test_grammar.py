@@ -17,13 +17,19 @@ SCHEMA = {"type": "object",
           "required": ["name", "age", "color"]}
 REGEX = r"[A-Z][a-z]{2,6}-\d{3}"
 
+LOCAL_REF = {"type": "object", "$defs": {"city": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/city"}}}
 GOOD = [("json_object", ""), ("json_schema", json.dumps(SCHEMA)), ("json_schema", "{}"),
+        ("json_schema", json.dumps(LOCAL_REF)),
         ("regex", REGEX), ("ebnf", 'root ::= "yes" | "no" | item\nitem ::= [0-9]+')]
 BAD = [("yaml", "a: 1", "unknown grammar kind"),
        ("json_object", "{}", "takes no spec"),
        ("json_schema", '{"type": "object"', "not valid JSON"),
        ("json_schema", "[1, 2]", "should be an object"),
-       ("json_schema", '{"type": "foo"}', "Unsupported type"),
+       ("json_schema", '{"type": "foo"}', "not a JSON type"),
+       # xgrammar reads a remote $ref as no constraint at all
+       ("json_schema", '{"properties": {"a": {"$ref": "https://example.com/s.json"}}}', "/properties/a"),
+       ("json_schema", '{"$ref": "#/$defs/none"}', "names nothing"),
+       ("json_schema", '{"anyOf": {"type": "string"}}', "anyOf"),
        ("regex", "(ab", "not closed"),
        ("regex", "[a-", "Unclosed"),
        ("ebnf", 'item ::= "a"', "root"),

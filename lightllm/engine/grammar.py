@@ -30,6 +30,8 @@ from collections import OrderedDict
 
 import torch
 
+from lightllm.engine.json_schema import SchemaError, check_json_schema
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
@@ -65,9 +67,14 @@ def _build(kind: str, spec: str):
         raise GrammarError("a json_object grammar takes no spec (any JSON object is allowed)")
     if kind in ("json_schema", "structural_tag"):
         try:
-            json.loads(spec)
+            parsed = json.loads(spec)
         except (ValueError, RecursionError) as e:
             raise GrammarError(f"{kind} is not valid JSON: {e}") from None
+        if kind == "json_schema":  # xgrammar reads a remote $ref as no constraint at all
+            try:
+                check_json_schema(parsed)
+            except SchemaError as e:
+                raise GrammarError(str(e)) from None
     import xgrammar
 
     parse = {"json_object": lambda _: _json_schema(_ANY_OBJECT),

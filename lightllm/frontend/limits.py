@@ -1,5 +1,6 @@
 """The length checks every request passes before it reaches an engine: the prompt in characters
-(before tokenizing) and in tokens, and prompt + max_new_tokens against the engine's limits."""
+(before tokenizing) and in tokens, and prompt + max_new_tokens against the engine's limits; their
+messages name fields as the caller's API does."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def check_prompt_chars(chars: int, limits: Limits) -> None:
         )
 
 
-def check_lengths(prompt_len: int, sampling: SamplingParams, limits: Limits) -> None:
-    """A request that could never run is refused here, before it reaches the router."""
+def check_lengths(prompt_len: int, sampling: SamplingParams, limits: Limits, max_tokens_field: str) -> None:
+    """A request that could never run is refused here, before it reaches the router. The message
+    calls max_new_tokens by the name the caller's API gives it (`max_tokens_field`)."""
     total = prompt_len + sampling.max_new_tokens
     if prompt_len == 0:  # control characters alone, for one, may tokenize to nothing
         raise RequestError("the prompt is empty once tokenized: there is nothing to continue")
@@ -44,11 +46,11 @@ def check_lengths(prompt_len: int, sampling: SamplingParams, limits: Limits) -> 
         )
     if total > limits.max_req_total_len:
         raise RequestError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} is more "
+            f"prompt ({prompt_len} tokens) + {max_tokens_field} ({sampling.max_new_tokens}) = {total} is more "
             f"than max_req_total_len={limits.max_req_total_len}"
         )
     if total > limits.max_total_token_num:
         raise RequestError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} can never "
+            f"prompt ({prompt_len} tokens) + {max_tokens_field} ({sampling.max_new_tokens}) = {total} can never "
             f"fit the KV cache of max_total_token_num={limits.max_total_token_num} tokens"
         )

@@ -1,7 +1,7 @@
 """The HTTP app: /health, /info, /metrics and the error handlers; /generate and /generate_stream
 are in generate_api.py, the OpenAI-style /v1/* routes in openai_api.py (chat and completions) and
 responses_api.py (/v1/responses), Anthropic's /v1/messages in messages_api.py, /tokenize and
-/detokenize in tokenize_api.py, the --api_key check in auth.py."""
+/detokenize in tokenize_api.py, /docs in docs_page.py, the --api_key check in auth.py."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from lightllm.frontend.chat.output import ChatParsers, chat_parsers
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.auth import ApiKeyAuth
 from lightllm.server.httpserver.body_limit import BodyLimit
+from lightllm.server.httpserver.docs_page import add_docs_routes
 from lightllm.server.httpserver.errors import error_body
 from lightllm.server.httpserver.generate_api import add_generate_routes
 from lightllm.server.httpserver.generation import ClientGone, GenerationFailed
@@ -103,7 +104,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         await state.manager.stop()
         state.grammars.close()
 
-    app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key is not None:  # added after the body limit, so it runs first: a keyless body is never read
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)
@@ -126,6 +127,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     add_responses_routes(app)
     add_messages_routes(app)
     add_tokenize_routes(app)
+    add_docs_routes(app)
     return app
 
 

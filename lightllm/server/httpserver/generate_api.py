@@ -42,7 +42,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     sampling = await sampling_of(params)
     await state.grammars.attach(sampling)
     prompt_ids = await state.encoder.encode(body.inputs)
-    return Generation(request, [prompt_ids], sampling, start, params.n or 1), sampling
+    return Generation(request, [prompt_ids], sampling, start, "max_new_tokens", params.n or 1), sampling
 
 
 async def generate(request: Request, body: GenerateRequest) -> Response:

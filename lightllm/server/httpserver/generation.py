@@ -115,14 +115,15 @@ class Generation:
     """A submitted request with n choices (n requests in the engine; the prefix cache shares the
     prompt's KV between them, computed once): their output streams and timers. `prompts` holds
     one prompt's token ids, or a batch's (/v1/completions): choice c of prompt p is then choice
-    p * n + c, as vLLM numbers them. `start` is the request's arrival."""
+    p * n + c, as vLLM numbers them. `start` is the request's arrival; `max_tokens_field` the name
+    of max_new_tokens in the route's API, for its errors."""
 
     def __init__(self, request: Request, prompts: list[list[int]], sampling: SamplingParams, start: float,
-                 n: int = 1):
+                 max_tokens_field: str, n: int = 1):
         state = request.app.state.server
         for i, prompt_ids in enumerate(prompts):
             with batch_member(i, len(prompts)):
-                check_lengths(len(prompt_ids), sampling, state.limits)
+                check_lengths(len(prompt_ids), sampling, state.limits, max_tokens_field)
         count = len(prompts) * n
         if count > 1:  # all choices or none: refused together, here, when the queue has no room for them
             state.manager.check_queue(count)

@@ -237,7 +237,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
                                          body.template_options(), sampling, max_tokens_given=True,
                                          **body.prompt_ending)
     parser = state.chat.answer_parser(text, body.choice != "none")
-    generation = Generation(request, [prompt_ids], sampling, start)
+    generation = Generation(request, [prompt_ids], sampling, start, "max_tokens")
     fmt = MessageFormatter(body, state.config.served_model_name, generation)
     if not body.stream:
         (choice,) = await generation.result()

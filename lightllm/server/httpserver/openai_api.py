@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""OpenAI-compatible endpoints: GET /v1/models and /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions.
 
 Both POST endpoints answer with one JSON object, or with server-sent events (`stream: true`)
 ending in `data: [DONE]`, so that OpenAI's client libraries work unchanged. They run through
@@ -34,20 +35,33 @@ FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", Finis
 
 def add_openai_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])  # ids may hold '/'
     add_json_route(app, "/v1/completions", completions)
     add_json_route(app, "/v1/chat/completions", chat_completions)
 
 
-async def list_models(request: Request) -> JSONResponse:
-    state = request.app.state.server
-    model = {
+def model_object(state) -> dict:
+    """The served model as OpenAI's model object (with vLLM's max_model_len)."""
+    return {
         "id": state.config.served_model_name,
         "object": "model",
         "created": int(state.started),
         "owned_by": "lightllm",
         "max_model_len": state.limits.max_req_total_len,
     }
-    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [model_object(request.app.state.server)]})
+
+
+async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
+    """OpenAI's models.retrieve: the model object of the served name, a 404 for any other."""
+    state = request.app.state.server
+    if model_id != state.config.served_model_name:
+        raise RequestError(f"the model {model_id!r} does not exist; this server serves "
+                           f"{state.config.served_model_name!r}", 404)
+    return JSONResponse(model_object(state))
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -77,7 +91,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
                                          body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
                                          body.max_tokens_given, **body.prompt_ending)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
-                                             for _ in range(body.choices)])
+                                             for _ in range(body.choices)], prompt_ids)
     return await answer(request, body, sampling, [prompt_ids], start, fmt)
 
 
@@ -90,7 +104,7 @@ def check_request(body: OpenAIBody, state) -> None:
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompts: list[list[int]],
                  start: float, fmt: CompletionFormat) -> Response:
-    generation = Generation(request, prompts, sampling, start, body.choices)
+    generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices)
     fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=request.app.state.server.config.served_model_name)
     if not body.stream:
         choices = await generation.result()
@@ -155,6 +169,8 @@ class CompletionFormat:
         self.tokenizer = tokenizer
         self.head = {"id": "", "object": "text_completion", "created": int(time.time()), "model": ""}
         self.logprobs = body.wants_logprobs
+        self.top_k = body.logprobs or 0  # echo's prompt logprobs may have come with prompt_logprobs' larger k
+        self.prompt_top_k = body.prompt_logprobs
         self.echo = bool(body.echo)
         self.prompts, self.n = prompts, body.choices
         self.prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) if self.echo else "" for ids in prompts]
@@ -165,6 +181,10 @@ class CompletionFormat:
         body = [self._choice(c.index, self.prompt_texts[c.index // self.n] + c.text,
                              FINISH_REASONS[c.last.finish_reason], self._logprobs(c.index, c.outputs, echo=self.echo))
                 for c in choices]
+        if self.prompt_top_k is not None:  # vLLM's: per choice, of the prompt it continues
+            for choice, c in zip(body, choices):
+                choice["prompt_logprobs"] = prompt_logprobs(self.tokenizer, self.prompts[c.index // self.n],
+                                                            c.outputs[0].prompt_logprobs, self.prompt_top_k)
         return {**self.head, "choices": body, "usage": usage}
 
     def opening(self, index: int) -> list[dict]:
@@ -197,7 +217,7 @@ class CompletionFormat:
             tokens += token_texts(self.tokenizer, self.prompts[index // self.n])
             prompt = outputs[0].prompt_logprobs or []
             chosen += [None] + [logprob for logprob, _ in prompt]
-            tops += [None] + [{text: lp for _, text, lp in top} | {t: lp}
+            tops += [None] + [{text: lp for _, text, lp in top[:self.top_k]} | {t: lp}
                               for (lp, top), t in zip(prompt, tokens[1:])]
         texts = token_texts(self.tokenizer, [out.token_id for out in outputs])
         tokens += texts
@@ -217,10 +237,11 @@ class ChatFormat(CompletionFormat):
 
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, body: ChatRequest, parsers: list[AnswerParser]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, body: ChatRequest, parsers: list[AnswerParser], prompt_ids: list[int]):
+        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.head = {"id": "", "object": "chat.completion.chunk", "created": int(time.time()), "model": ""}
         self.logprobs = body.wants_logprobs
+        self.prompt_top_k = body.prompt_logprobs
         self.parsers = parsers
         self._called: set[int] = set()  # streamed choices that made a call
 
@@ -230,7 +251,11 @@ class ChatFormat(CompletionFormat):
             answer = self.parsers[c.index].parse(c.text)
             body.append({"index": c.index, "message": self._message(answer), "logprobs": self._chat_logprobs(c.outputs),
                          "finish_reason": finish_reason(c.last, bool(answer.calls))})
-        return {**self.head, "object": "chat.completion", "choices": body, "usage": usage}
+        whole = {**self.head, "object": "chat.completion", "choices": body, "usage": usage}
+        if self.prompt_top_k is not None:  # vLLM's: once, beside the choices (they share the prompt)
+            whole["prompt_logprobs"] = prompt_logprobs(self.tokenizer, self.prompt_ids,
+                                                       choices[0].outputs[0].prompt_logprobs, self.prompt_top_k)
+        return whole
 
     def _message(self, answer: Answer) -> dict:
         message = {"role": "assistant", "content": answer.content or (None if answer.calls else "")}
@@ -267,6 +292,21 @@ class ChatFormat(CompletionFormat):
                     "top_logprobs": [_entry(t, lp) for _, t, lp in out.top_logprobs or ()]}
                    for out, text in zip(outputs, texts)]
         return {"content": content, "refusal": None}
+
+
+def prompt_logprobs(tokenizer, prompt_ids: list[int], computed: list, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first token (nothing comes before it), then per prompt
+    token {token id: {logprob, rank, decoded_token}} of that token and of the k most likely there.
+    `computed` holds (logprob, top) per position from the second, top most likely first (its k may
+    be larger: echo's). A rank is 1 for the most likely; a prompt token outside the top computed is
+    given none (null), as the offline LLM does."""
+    entries: list[dict | None] = [None]
+    for token, text, (logprob, top) in zip(prompt_ids[1:], token_texts(tokenizer, prompt_ids[1:]), computed):
+        ranks = {t: rank for rank, (t, _, _) in enumerate(top, 1)}
+        mine = {"logprob": logprob, "rank": ranks.get(token), "decoded_token": text}
+        entries.append({token: mine} | {t: {"logprob": lp, "rank": rank, "decoded_token": t_text}
+                                        for rank, (t, t_text, lp) in enumerate(top[:k], 1) if t != token})
+    return entries
 
 
 def finish_reason(last: TextOut, called: bool) -> str:

@@ -15,6 +15,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from lightllm.engine.json_schema import SchemaError, check_json_schema
 from lightllm.engine.request import SamplingParams
 from lightllm.frontend.errors import RequestError
 from lightllm.frontend.sampling_ranges import STRICT, OpenAIRanges, to_sampling
@@ -141,6 +142,9 @@ class OpenAIBody(OpenAIRanges):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
         None, description="structured_outputs.choice (vLLM's old name)")
     guided_grammar: NonEmptyStr | None = Field(None, description="structured_outputs.grammar (vLLM's old name)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's extension: each prompt token's logprob and the k most "
+                                                    "likely tokens' at its position (not with stream)")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -151,6 +155,8 @@ class OpenAIBody(OpenAIRanges):
             value = getattr(self, name)
             if not accepts(value):
                 raise RequestError(f"'{name}' = {value!r} is not supported: {why}")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: the answer is whole, not streamed
+            raise RequestError("'prompt_logprobs' is not available with 'stream': true")
         check_token_ids(vocab_size, self.logit_bias, self.stop_token_ids)
 
     @property
@@ -193,6 +199,8 @@ class OpenAIBody(OpenAIRanges):
         if grammar is not None:
             given["grammar_kind"], given["grammar"] = grammar
         given.update(self.logprob_fields())
+        if self.prompt_logprobs is not None:  # with echo's (CompletionRequest), the larger k serves both
+            given["prompt_logprobs"] = max(self.prompt_logprobs, given.get("prompt_logprobs", 0))
         return to_sampling(given, do_sample=True)  # OpenAI samples unless temperature is 0
 
     def logprob_fields(self) -> dict:
@@ -201,6 +209,11 @@ class OpenAIBody(OpenAIRanges):
     @property
     def wants_logprobs(self) -> bool:
         return False
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name of max_new_tokens in this body, for its errors."""
+        return "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -313,6 +326,9 @@ class Message(BaseModel):
             raise RequestError(f"messages[{i}].content may be null only for role 'assistant'")
         if self.tool_calls and self.role != "assistant":
             raise RequestError(f"messages[{i}].tool_calls: only an assistant makes calls")
+        if self.role == "tool" and self.tool_call_id is None:  # OpenAI's 400: the result of which call?
+            raise RequestError(f"missing required parameter 'messages[{i}].tool_call_id': a 'tool' message is "
+                               "the result of the call with that id")
         content = self.content or ""
         text = content if isinstance(content, str) else "".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
@@ -371,6 +387,18 @@ def check_tools(tools: list[FunctionDef] | None, choice: str | None) -> None:
         raise RequestError(f"'tool_choice' {choice!r} needs 'tools'")
     if choice not in (None, "none", "auto", "required") and choice not in names:
         raise RequestError(f"'tool_choice' names the function {choice!r}, which is not in 'tools'")
+    for function in tools or ():
+        check_parameters(function)
+
+
+def check_parameters(function: FunctionDef) -> None:
+    """A tool's parameters are a schema whatever tool_choice is (a forced call compiles them, an
+    "auto" one does not): the structural check, no grammar."""
+    try:
+        check_json_schema(function.parameters or EMPTY_PARAMETERS)
+    except SchemaError as exc:
+        raise RequestError(f"'tools': function {function.name!r}: its parameters are not a usable JSON schema: "
+                           f"{exc}") from None
 
 
 def arguments_grammar(function: FunctionDef) -> str:
@@ -446,6 +474,10 @@ class ChatRequest(OpenAIBody):
     @property
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None or self.max_completion_tokens is not None
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict]:
         return [message.for_template(i) for i, message in enumerate(self.messages)]

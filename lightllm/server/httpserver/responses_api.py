@@ -228,7 +228,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
                                          body.max_output_tokens is not None)
     parser = state.chat.answer_parser(text, body.choice != "none")
-    generation = Generation(request, [prompt_ids], sampling, start)
+    generation = Generation(request, [prompt_ids], sampling, start, "max_output_tokens")
     fmt = ResponseFormatter(body, state.config.served_model_name)
     if not body.stream:
         (choice,) = await generation.result()
