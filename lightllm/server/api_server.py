@@ -138,12 +138,16 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     import uvloop
 
     from lightllm.server.httpserver.app import create_app
+    from lightllm.server.httpserver.connections import guarded_protocol
 
     app = create_app(config, tokenizer, ready, heartbeats)
     manager = app.state.server.manager
     # Every request has ended before uvicorn stops; this bounds the writing of their last bytes.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3,
-                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile))
+                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                                           http=guarded_protocol(config.request_receive_timeout,
+                                                                 config.max_connections),
+                                           timeout_keep_alive=config.keep_alive_timeout))
     exit_code = 0
     drain_task = None
 
