@@ -18,12 +18,33 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from lightllm.server.httpserver.errors import error_body
 
 logger = logging.getLogger(__name__)
+QUIET_S = 10.0  # a flood of refused or timed-out connections logs a line this often, with a count
+
+
+class CountedLine:
+    """One INFO line, at most once every QUIET_S seconds, saying how many times it happened since."""
+
+    def __init__(self, text: str):
+        self.text, self.count, self.logged_at = text, 0, -QUIET_S
+
+    def add(self, *args) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= QUIET_S:
+            logger.info(self.text + " (%d since the last such line)", *args, self.count)
+            self.count, self.logged_at = 0, now
+
+
+REFUSED = CountedLine("refused a connection from %s: %d open (--max_connections)")
+TIMED_OUT = CountedLine("closed a connection from %s: the request was not received within %g s "
+                        "(--request_receive_timeout)")
 
 
 def raw_response(status: int, reason: str, path: str, message: str, error_type: str,
@@ -48,8 +69,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):
         self._receive_timer = None
         self._earlier_cycle = None  # the cycle of the request before the one being received
         if len(self.connections) > self.max_connections:
-            logger.info("refused a connection from %s: %d open (--max_connections)", self._client(),
-                        len(self.connections) - 1)
+            REFUSED.add(self._client(), len(self.connections) - 1)
             transport.write(raw_response(503, "Service Unavailable", "", "too many open connections; retry later",
                                          "unavailable", "retry-after: 1\r\n"))
             transport.close()
@@ -87,8 +107,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):
         if self.transport.is_closing() or self._received():
             return
         started = self.cycle is not self._earlier_cycle
-        logger.info("closed a connection from %s: the request was not received within %g s "
-                    "(--request_receive_timeout)", self._client(), self.receive_timeout)
+        TIMED_OUT.add(self._client(), self.receive_timeout)
         if not (started and self.cycle.response_started):  # the app answered already (a 413): just close
             path = self.cycle.scope["path"] if started else ""
             self.transport.write(raw_response(408, "Request Timeout", path,
