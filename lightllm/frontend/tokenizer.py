@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 from lightllm.engine import tokenizer
 from lightllm.frontend.chat.template import chat_template_text
 from lightllm.frontend.config import FrontendConfig
 
 
+def unchecked_length_warning(record: logging.LogRecord) -> bool:
+    """False for transformers' warning that a text encodes to more tokens than the model takes:
+    what uses this tokenizer checks lengths itself (--max_req_input_len: a 400 that says so), and
+    the warning would read as a fault in the log of every prompt refused for its length."""
+    return not str(record.msg).startswith("Token indices sequence length is longer than")
+
+
 def load_tokenizer(config: FrontendConfig):
     """The model's tokenizer, with --chat_template in place of its own template where given."""
+    # Only this logger and only this message: every other tokenizer warning stays in the log.
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(unchecked_length_warning)
     loaded = tokenizer.load_tokenizer(config.model_dir, config.tokenizer_mode, config.trust_remote_code)
     if config.chat_template is not None:
         loaded.chat_template = chat_template_text(config.chat_template)

@@ -131,6 +131,16 @@ def announce_serving(config: ServerConfig, sock: socket.socket, manager: HttpSer
         logger.error("listening on %s, but unhealthy: %s", url, problem)
 
 
+PROBE_PATHS = ("/health", "/metrics")
+
+
+def no_probe_lines(record: logging.LogRecord) -> bool:
+    """Leaves out the access-log lines of load balancers' and Prometheus' probes, a line every few
+    seconds each that would bury the requests (uvicorn's args: client, method, path, version, status)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (len(args) > 2 and isinstance(args[2], str) and args[2].split("?")[0] in PROBE_PATHS)
+
+
 def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat],
                sock: socket.socket, children: list[Child]) -> int:
     """Serve until Ctrl-C/SIGTERM (exit status 0, after draining) or until a child process dies (1)."""
@@ -138,12 +148,18 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     import uvloop
 
     from lightllm.server.httpserver.app import create_app
+    from lightllm.server.httpserver.connections import guarded_protocol
 
     app = create_app(config, tokenizer, ready, heartbeats)
     manager = app.state.server.manager
     # Every request has ended before uvicorn stops; this bounds the writing of their last bytes.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=3,
-                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile))
+                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                                           http=guarded_protocol(config.request_receive_timeout,
+                                                                 config.max_connections),
+                                           timeout_keep_alive=config.keep_alive_timeout))
+    if config.log_level != "debug":  # after uvicorn.Config, which sets its loggers up
+        logging.getLogger("uvicorn.access").addFilter(no_probe_lines)
     exit_code = 0
     drain_task = None
 

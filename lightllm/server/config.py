@@ -48,6 +48,18 @@ class ServerConfig(FrontendConfig):
         default=None,
         metadata=flag("comma-separated origins (scheme://host[:port]) whose browser pages may call the API (CORS), or '*' for any; absent: no CORS headers, so browsers refuse cross-origin calls"),
     )
+    request_receive_timeout: float = field(
+        default=30.0,
+        metadata=flag("seconds a client has to send a whole request (headers and body), from its first byte (or from the connection); past it the server answers 408 and closes the connection. 30 s: an 8 MiB body needs 280 kB/s"),
+    )
+    keep_alive_timeout: float = field(
+        default=5.0,
+        metadata=flag("seconds an idle keep-alive connection stays open between two requests (uvicorn's and vLLM's default)"),
+    )
+    max_connections: int = field(
+        default=8192,
+        metadata=flag("most open HTTP connections; one more is answered 503 with Retry-After and closed at once, while those already open go on being served. Twice --max_queued_requests, so that a full queue and its streams fit"),
+    )
     disable_log_stats: bool = field(default=False, metadata=flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=flag("seconds between throughput logs (only when there was activity)"))
     health_timeout: float = field(default=10.0, metadata=flag("seconds GET /health?generate=1 waits for its one-token generation"))
@@ -76,10 +88,11 @@ class ServerConfig(FrontendConfig):
     def check(self) -> None:
         """Raise ValueError, naming the flag, for settings that cannot work together."""
         super().check()
-        for name in ("max_request_body_bytes", "max_queued_requests"):
+        for name in ("max_request_body_bytes", "max_queued_requests", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
-        for name in ("log_stats_interval", "health_timeout", "step_timeout"):
+        for name in ("log_stats_interval", "health_timeout", "step_timeout", "request_receive_timeout",
+                     "keep_alive_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive")
         if self.shutdown_timeout < 0:

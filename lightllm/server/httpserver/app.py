@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import lightllm
 from lightllm.frontend.chat.output import ChatParsers, chat_parsers
@@ -117,6 +118,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(GenerationFailed, generation_failed)
     app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(ClientDisconnect, client_disconnected)
     app.add_exception_handler(ServerUnavailable, server_unavailable)
     app.add_exception_handler(QueueFull, queue_full)
     add_generate_routes(app)
@@ -170,6 +172,14 @@ async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
 
 async def client_gone(request: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)  # nobody reads it; the request was aborted
+
+
+async def client_disconnected(request: Request, exc: ClientDisconnect) -> Response:
+    """The client hung up before its body was whole (or --request_receive_timeout closed it): a line,
+    not the traceback of an unhandled exception."""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    logger.info("%s went away before sending the whole body of %s %s", client, request.method, request.url.path)
+    return Response(status_code=499)  # nobody reads it
 
 
 # ---- /health, /info, /metrics ----
