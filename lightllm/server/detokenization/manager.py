@@ -7,10 +7,10 @@ import os
 
 import zmq
 
-from lightllm.server.config import ServerConfig
+from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
 from lightllm.frontend.decoder import IncrementalDecoder
 from lightllm.frontend.tokenizer import load_tokenizer
-from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
+from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTextOut,

@@ -17,13 +17,13 @@ from json.encoder import encode_basestring
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
-from lightllm.server.httpserver.errors import error_body
-from lightllm.frontend.errors import RequestError
-from lightllm.server.httpserver.json_body import add_json_route
-from lightllm.frontend.limits import check_prompt_chars
-from lightllm.server.httpserver.params import GenerateRequest, check_token_ids
 from lightllm.engine.request import SamplingParams
+from lightllm.frontend.errors import RequestError
+from lightllm.frontend.limits import check_prompt_chars
+from lightllm.server.httpserver.errors import error_body
+from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
+from lightllm.server.httpserver.json_body import add_json_route
+from lightllm.server.httpserver.params import GenerateRequest, check_token_ids
 from lightllm.server.io_struct import TextOut
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.frontend.errors import RequestError
+from lightllm.frontend.limits import check_lengths
 from lightllm.server.httpserver.manager import ServerUnavailable
 from lightllm.server.httpserver.metrics import RequestTimer
-from lightllm.frontend.limits import check_lengths
-from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.server.io_struct import TextOut
 
 

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from lightllm.server.config import ServerConfig
-from lightllm.frontend.errors import RequestError
-from lightllm.server.httpserver.metrics import Metrics
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from lightllm.frontend.errors import RequestError
+from lightllm.server.config import ServerConfig
+from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTextOut,

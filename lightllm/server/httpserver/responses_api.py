@@ -20,17 +20,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from lightllm.frontend.sampling_ranges import SEED_BOUND
+from lightllm.engine.request import FinishReason
 from lightllm.frontend.chat.output import Block, Blocks, answer_blocks
+from lightllm.frontend.errors import RequestError
+from lightllm.frontend.sampling_ranges import SEED_BOUND
 from lightllm.server.httpserver.chat_prompt import chat_inputs
 from lightllm.server.httpserver.generation import Generation, failure, sampling_of
-from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_api import check_request
 from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, JsonSchemaFormat, OpenAIBody,
                                                       ResponseFormat, call_for_template, check_tools)
 from lightllm.server.httpserver.params import STRICT
-from lightllm.engine.request import FinishReason
 from lightllm.server.io_struct import TextOut
 
 

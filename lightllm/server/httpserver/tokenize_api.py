@@ -13,12 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from lightllm.frontend.errors import RequestError
+from lightllm.frontend.limits import check_prompt_chars
 from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
-from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, prompt_ending, template_tool
-from lightllm.frontend.limits import check_prompt_chars
 from lightllm.server.httpserver.params import STRICT
 
 

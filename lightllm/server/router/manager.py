@@ -18,9 +18,9 @@ import zmq
 
 from lightllm.engine.build import EngineStartError, build_engine, load_model, start_workers
 from lightllm.engine.core import EngineCore, WorkerDied, describe_error
+from lightllm.engine.request import GenerateReq
 from lightllm.engine.workers import ModelWorkers
 from lightllm.server.config import ServerConfig
-from lightllm.engine.request import GenerateReq
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTokenOut,
