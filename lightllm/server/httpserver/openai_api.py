@@ -24,7 +24,7 @@ from lightllm.server.httpserver.generation import Choice, Generation, batch_memb
 from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
-from lightllm.frontend.limits import check_prompt_chars
+from lightllm.frontend.limits import check_lengths, check_prompt_chars
 from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.server.io_struct import TextOut
 
@@ -63,6 +63,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
     fmt = CompletionFormat(state.tokenizer, body, prompts)
     sampling = await sampling_of(body, state.sampling_defaults)
+    for i, prompt_ids in enumerate(prompts):  # before the grammar compiles
+        with batch_member(i, len(prompts)):
+            check_lengths(len(prompt_ids), sampling, state.limits)
     await state.grammars.attach(sampling)
     return await answer(request, body, sampling, prompts, start, fmt)
 
