@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ def serve(spec: CompilerSpec, conn) -> None:
     """The child's entry: build the compiler, say ready, then answer (kind, grammar) with
     ("ok", serialized) or ("error", message) until the pipe closes."""
     init_child_process(spec.parent_pid, spec.log_level)
-    os.nice(COMPILER_NICENESS)
+    os.setpriority(os.PRIO_PROCESS, 0, COMPILER_NICENESS)
     from lightllm.engine.grammar import Grammars
 
     grammars = Grammars(spec.model_dir, spec.vocab_size, stop_token_ids=spec.stop_token_ids, max_threads=1)
@@ -101,6 +102,9 @@ class CompileWorker:
         if self._process is not None:
             return
         started = time.monotonic()
+        # Linux keeps a priority per thread, and a child inherits its starter's: so lowered, the
+        # child's imports at start take what the engine leaves, as its compiles do.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILER_NICENESS)
         context = multiprocessing.get_context("spawn")
         self._conn, theirs = context.Pipe()
         self._process = context.Process(target=serve, args=(self.spec, theirs), name="grammar compiler", daemon=True)
