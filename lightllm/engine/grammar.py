@@ -15,8 +15,11 @@ as requests with penalties already do. A refused token (`accept` returns False) 
 
 Where a grammar compiles: in the HTTP process, off the engine step and within a time bound
 (lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized form down with the
-request; the runner only deserializes it (about 1 ms; `Grammars.matcher`), once per grammar. The
-runner's first grammar still builds its tokenizer view (TokenizerInfo) in the step, once. The
+request; the runner only deserializes it (`Grammars.matcher`), once per grammar, inside the step:
+about 25 ms per MB of serialized form on a 2-core CPU (a 3-field schema 0.37 MB, 5 ms; a $ref chain
+grows as its square, 2000 $refs 94 MB, 1.7 s), which is why the HTTP side refuses one over 4 MiB
+(grammar_worker.MAX_COMPILED_BYTES). The runner's first grammar also builds its tokenizer view
+(TokenizerInfo) in the step, once. The
 offline LLM sends no compiled form: its runner compiles. `check_grammar` needs no tokenizer.
 xgrammar is imported lazily, inside functions: the GPU machine and most requests never need it.
 """
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 64  # compiled grammars kept per model runner (least recently used dropped first)
+CACHE_BYTES = 64 << 20  # and their size at most, as their serialized forms measure it
 _MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgrammar's
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's C++ errors start "[hh:mm:ss] /path/file.cc:123: " and at times "Check failed: (...) is false: "
@@ -156,7 +160,9 @@ class Grammars:
         self.max_threads = max_threads  # xgrammar's threads for one compile
         self._compiler = None
         self._info = None  # xgrammar.TokenizerInfo, made with the compiler
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        # (compiled grammar, its size: spec and serialized form, in characters, about its bytes in memory)
+        self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
+        self._compiled_bytes = 0
 
     @property
     def compiler(self):
@@ -179,14 +185,19 @@ class Grammars:
         """The compiled grammar of (kind, spec), from the cache when it is there; else read from
         `serialized` (xgrammar's JSON of it, from `serialize`) when given, else compiled."""
         key = (kind, spec)
-        compiled = self._compiled.get(key)
-        if compiled is None:
+        entry = self._compiled.get(key)
+        if entry is None:
             compiled = self._deserialize(serialized) if serialized else self.compiler.compile_grammar(_build(kind, spec))
-            self._compiled[key] = compiled
+            entry = self._compiled[key] = (compiled, len(spec) + len(serialized))
+            self._compiled_bytes += entry[1]
         self._compiled.move_to_end(key)
-        while len(self._compiled) > CACHE_SIZE:
-            self._compiled.popitem(last=False)
-        return compiled
+        while len(self._compiled) > CACHE_SIZE or self._compiled_bytes > CACHE_BYTES:
+            self._compiled_bytes -= self._compiled.popitem(last=False)[1][1]
+        return entry[0]
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._compiled_bytes
 
     def serialize(self, kind: str, spec: str) -> str:
         """Compile (kind, spec) (uncached: the caller keeps the result) into xgrammar's JSON, which

@@ -13,7 +13,7 @@ class FrontendConfig(EngineConfig):
     max_req_input_len: int = field(default=2048, metadata=flag("longest prompt accepted, in tokens"))
     grammar_compile_timeout: float = field(
         default=10.0,
-        metadata=flag("seconds a request's grammar (JSON schema, regex) may take to compile; longer gets 400. It compiles in the HTTP process, off the engine step, once per grammar (cached)"),
+        metadata=flag("seconds a request's grammar (JSON schema, regex, forced tool call) may take to compile; longer gets 400 and the compile is killed. It compiles in a child process of the HTTP server, off the engine step, once per grammar (cached)"),
     )
     sampling_defaults: str = field(
         default="model",

@@ -9,7 +9,7 @@ from lightllm.frontend.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateErr
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
-from lightllm.frontend.limits import check_prompt_chars
+from lightllm.frontend.limits import check_lengths, check_prompt_chars
 from lightllm.engine.request import SamplingParams
 
 
@@ -46,19 +46,21 @@ def default_max_tokens(state, prompt_ids: list[int]) -> int:
 
 async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef], choice: str, parallel: bool,
                       options: dict | None, sampling: SamplingParams, max_tokens_given: bool,
-                      add_generation_prompt: bool = True,
+                      max_tokens_field: str, add_generation_prompt: bool = True,
                       continue_final_message: bool = False) -> tuple[str, list[int]]:
     """The prompt (text, token ids) of a chat API's request, with `sampling` completed: a forced
     call's grammar (`choice` required or a function's name), the default max_new_tokens, and its
-    grammar compiled (a 400 past --grammar_compile_timeout). The prompt ends as render_chat's
-    add_generation_prompt and continue_final_message say."""
+    grammar compiled (a 400 past --grammar_compile_timeout) once the lengths are known to fit
+    (an error names max_new_tokens as the route does: `max_tokens_field`). The prompt ends as
+    render_chat's add_generation_prompt and continue_final_message say."""
     tools = [template_tool(f) for f in functions]
     text, prompt_ids = await chat_prompt(state, messages, tools, options, add_generation_prompt,
                                          continue_final_message)
+    if not max_tokens_given:
+        sampling.max_new_tokens = default_max_tokens(state, prompt_ids)
+    check_lengths(len(prompt_ids), sampling, state.limits, max_tokens_field)  # a prompt refused compiles nothing
     if choice not in ("none", "auto"):
         sampling.grammar_kind, sampling.grammar = await off_loop(
             forced_call_grammar, state.chat.call_format, functions, choice, parallel)
-    if not max_tokens_given:
-        sampling.max_new_tokens = default_max_tokens(state, prompt_ids)
     await state.grammars.attach(sampling)  # the forced call's or the response format's, compiled here
     return text, prompt_ids

@@ -25,7 +25,7 @@ from lightllm.server.httpserver.generation import Choice, Generation, batch_memb
 from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
-from lightllm.frontend.limits import check_prompt_chars
+from lightllm.frontend.limits import check_lengths, check_prompt_chars
 from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.server.io_struct import TextOut
 
@@ -77,6 +77,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
     fmt = CompletionFormat(state.tokenizer, body, prompts)
     sampling = await sampling_of(body, state.sampling_defaults)
+    for i, prompt_ids in enumerate(prompts):  # before the grammar compiles
+        with batch_member(i, len(prompts)):
+            check_lengths(len(prompt_ids), sampling, state.limits, body.max_tokens_field)
     await state.grammars.attach(sampling)
     return await answer(request, body, sampling, prompts, start, fmt)
 
@@ -89,7 +92,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     sampling = await sampling_of(body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
-                                         body.max_tokens_given, **body.prompt_ending)
+                                         body.max_tokens_given, body.max_tokens_field, **body.prompt_ending)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
                                              for _ in range(body.choices)], prompt_ids)
     return await answer(request, body, sampling, [prompt_ids], start, fmt)

@@ -374,6 +374,9 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# The most functions one request may give (OpenAI's bound): each is in the prompt, and a forced call
+# compiles a grammar of all of them (1000 took the compiler 11 GB).
+MAX_TOOLS = 128
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -381,6 +384,9 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 def check_tools(tools: list[FunctionDef] | None, choice: str | None) -> None:
     """`choice`: none, auto, required or a function's name."""
     names = [f.name for f in tools or ()]
+    if len(names) > MAX_TOOLS:
+        raise RequestError(f"'tools' holds {len(names)} functions, more than {MAX_TOOLS} (the most a request may "
+                           "give, as OpenAI's API)")
     if len(set(names)) < len(names):
         raise RequestError("'tools': two functions have the same name")
     if choice not in (None, "none") and not names:

@@ -22,6 +22,9 @@ MAX_STOP_SEQUENCES = 16
 # "٣", which int() reads as 3), few enough for any vocabulary and for int() (which refuses over 4300).
 TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
+# The longest grammar a client may send (a JSON schema as json.dumps writes it, a regex, an EBNF):
+# the compile's time and the compiled form's size grow with it.
+MAX_GRAMMAR_BYTES = 64 << 10
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopSequences = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)]
 
@@ -53,9 +56,12 @@ def json_grammar(value: dict | str, where: str) -> tuple[str, str]:
 
 
 def checked_grammar(kind: str, spec: str) -> str:
-    """`spec`, once xgrammar has read it; a bad one is a 400."""
+    """`spec`, once xgrammar has read it; a bad one, or a client's longer than MAX_GRAMMAR_BYTES, is a 400."""
     from lightllm.engine.grammar import GrammarError, check_grammar  # xgrammar: only when asked for
 
+    if kind != "structural_tag" and len(spec.encode()) > MAX_GRAMMAR_BYTES:  # a structural tag is ours
+        raise RequestError(f"the {kind.replace('_', ' ')} takes {len(spec.encode())} bytes, more than the "
+                           f"{MAX_GRAMMAR_BYTES} a grammar for structured output may")
     try:
         check_grammar(kind, spec)
     except GrammarError as exc:

@@ -226,7 +226,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     sampling = await sampling_of(openai_body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.tools or [], body.choice,
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
-                                         body.max_output_tokens is not None)
+                                         body.max_output_tokens is not None, "max_output_tokens")
     parser = state.chat.answer_parser(text, body.choice != "none")
     generation = Generation(request, [prompt_ids], sampling, start, "max_output_tokens")
     fmt = ResponseFormatter(body, state.config.served_model_name)

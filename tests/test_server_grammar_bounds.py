@@ -1,0 +1,187 @@
+"""Grammar work is bounded (issue 53): a request gets a fast 400 for too many tools, too long a
+schema or too long a prompt, before anything compiles; a compile past --grammar_compile_timeout is
+killed with its process; what is cached is bounded in bytes; and a big grammar costs a running
+stream nothing, on the default model."""
+
+import asyncio
+import contextlib
+import json
+import re
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from lightllm.engine import grammar as engine_grammar
+from lightllm.server.httpserver import grammar_cache
+from lightllm.server.httpserver.openai_params import MAX_TOOLS
+from lightllm.server.httpserver.params import MAX_GRAMMAR_BYTES
+from server_utils import sse_events, start_server
+from test_server_grammar_compile import slow_schema
+
+BOUND = 2.0  # --grammar_compile_timeout of the test's server
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+FAST_S = 1.0  # a refusal that compiles nothing: tokenizing and checking a body, with a loaded machine's margin
+
+
+def tools(count: int, parameters: dict | None = None) -> list[dict]:
+    parameters = parameters or {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": parameters}} for i in range(count)]
+
+
+def ref_chain(refs: int) -> dict:
+    """As test/benchmark/serving/hostile_requests.py's: about 35 bytes a $ref."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(refs)}
+    defs[f"d{refs}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    server = start_server(["--model_dir", str(default_model_dir), "--grammar_compile_timeout", str(BOUND)],
+                          tmp_path_factory.mktemp("grammar_bounds") / "server.log")
+    yield server
+    assert server.stop() == 0
+
+
+def timed_post(server, path: str, body: dict):
+    start = time.monotonic()
+    reply = server.post(path, body)
+    return reply, time.monotonic() - start
+
+
+def compiler_pids(server) -> list[int]:
+    """The grammar compiler's process ids, in the order the server's log says they started."""
+    return [int(pid) for pid in re.findall(r"grammar compiler \(pid (\d+)\) ready", server.log_text())]
+
+
+def test_a_thousand_forced_tools_get_a_fast_400_and_hold_no_memory(server):
+    """1000 forced tools took the HTTP process from 451 MB to 11 GB while they compiled."""
+    http = psutil.Process(server.proc.pid)
+    before = http.memory_info().rss
+    model = requests.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    for path, body in (("/v1/chat/completions", {"messages": QUESTION, "tools": tools(1000),
+                                                 "tool_choice": "required", "max_tokens": 16}),
+                       ("/v1/messages", {"model": model, "messages": QUESTION, "max_tokens": 16,
+                                         "tool_choice": {"type": "any"},
+                                         "tools": [{"name": f"tool_{i}", "input_schema": {"type": "object"}}
+                                                   for i in range(1000)]})):
+        reply, seconds = timed_post(server, path, body)
+        assert reply.status_code == 400, reply.text
+        assert f"more than {MAX_TOOLS}" in reply.text and seconds < FAST_S, (reply.text, seconds)
+    assert http.memory_info().rss < before + 200e6
+
+
+def test_a_forced_call_of_some_tools_compiles(server):
+    reply = server.post("/v1/chat/completions", {"messages": QUESTION, "tools": tools(16),
+                                                 "tool_choice": "required", "max_tokens": 8})
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_too_long_request_with_a_forced_call_compiles_nothing(server):
+    """Its tool's arguments take several seconds to compile, past BOUND: a 400 about the length
+    within FAST_S shows that the compile never started (before, the 400 said "did not compile")."""
+    body = {"messages": QUESTION, "tools": tools(1, slow_schema()), "tool_choice": "required", "max_tokens": 10**6}
+    reply, seconds = timed_post(server, "/v1/chat/completions", body)
+    assert reply.status_code == 400 and "more than max_req_" in reply.text, reply.text
+    assert seconds < FAST_S
+
+
+def test_a_schema_past_the_size_bound_gets_400(server):
+    schema = ref_chain(3000)  # about 105 KB: compiled, it stalled every request for 20 s
+    assert len(json.dumps(schema)) > MAX_GRAMMAR_BYTES
+    reply, seconds = timed_post(server, "/generate", {"inputs": "x", "parameters": {
+        "max_new_tokens": 4, "grammar": {"type": "json", "value": schema}}})
+    assert reply.status_code == 400 and f"more than the {MAX_GRAMMAR_BYTES}" in reply.text, reply.text
+    assert seconds < FAST_S
+
+
+def test_a_compile_past_the_bound_is_killed(server):
+    server.generate("warm", max_new_tokens=2, grammar={"type": "regex", "value": "[ab]+"})  # the compiler is up
+    (compiler,) = compiler_pids(server)[-1:]
+    assert psutil.Process(compiler).ppid() == server.proc.pid
+    schema = ref_chain(1700)  # within MAX_GRAMMAR_BYTES; about 5 s to compile, alone on a core
+    reply, seconds = timed_post(server, "/generate", {"inputs": "x", "parameters": {
+        "max_new_tokens": 4, "grammar": {"type": "json", "value": schema}}})
+    assert reply.status_code == 400 and "did not compile within" in reply.text, reply.text
+    assert BOUND <= seconds < BOUND + 5
+    # killed at the deadline and reaped by the thread that drives it before the next compile
+    server.wait_for(lambda: not psutil.pid_exists(compiler), timeout=10, what="the killed compiler gone")
+    server.wait_for(lambda: compiler_pids(server)[-1] != compiler, timeout=120, what="a new compiler")
+    server.generate("again", max_new_tokens=2, grammar={"type": "regex", "value": "[ab]+c"})
+
+
+def test_a_running_stream_keeps_its_pace_while_a_big_grammar_is_handled(server):
+    """A chain of 800 $refs compiles within BOUND (1.2 s) to about 14 MB, which the model runner took
+    0.35 s to read back inside a step: it is refused now (past MAX_COMPILED_BYTES), and the stream
+    goes on; the compile, in a process of lower priority, takes only what the steps leave."""
+    server.generate("warm", max_new_tokens=2, grammar={"type": "regex", "value": "[ab]+"})  # the compiler is up
+    arrivals = []
+    stream = server.stream({"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
+
+    def read() -> None:
+        with contextlib.suppress(Exception):  # the test closes the stream under it
+            for _ in sse_events(stream):
+                arrivals.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
+    sent = time.monotonic()
+    reply = server.post("/generate", {"inputs": "x", "parameters": {
+        "max_new_tokens": 2, "grammar": {"type": "json", "value": ref_chain(800)}}})
+    assert reply.status_code == 400, reply.text  # past MAX_COMPILED_BYTES (or, on a loaded machine, BOUND)
+    answered = time.monotonic()
+    server.wait_for(lambda: arrivals[-1] > answered + 1.0, timeout=60, what="tokens 1 s after the answer")
+    stream.close()
+    reader.join(30)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    before = sorted(gap for gap, b in zip(gaps, arrivals[1:]) if b <= sent)
+    during = [gap for gap, b in zip(gaps, arrivals[1:]) if b > sent]
+    median = before[len(before) // 2]
+    assert max(during) < 3 * median, (max(during), median)
+
+
+class FakeWorker:
+    """CompileWorker's interface; a compiled grammar of `size` characters."""
+
+    pid = 1
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def start(self) -> None:
+        pass
+
+    def compile(self, kind, grammar, deadline) -> str:
+        return "x" * self.size
+
+    def kill(self) -> None:
+        pass
+
+
+def test_the_http_cache_is_bounded_in_bytes():
+    cache = grammar_cache.GrammarCache("unused", {"vocab_size": 8, "eos_token_ids": [0]}, timeout=30)
+    cache._worker = FakeWorker(grammar_cache.CACHE_BYTES // 8)
+
+    async def compile_all() -> None:
+        for i in range(20):
+            await cache.compiled("regex", f"a{i}")
+            await asyncio.sleep(0)  # the cache's bookkeeping, scheduled from the compile thread
+
+    asyncio.run(compile_all())
+    assert cache.cached_bytes <= grammar_cache.CACHE_BYTES
+    assert len(cache._done) == 7 and ("regex", "a19") in cache._done
+    cache.close()
+
+
+def test_the_runner_cache_is_bounded_in_bytes(monkeypatch):
+    grammars = engine_grammar.Grammars("unused", 8)
+    monkeypatch.setattr(grammars, "_deserialize", lambda serialized: object())
+    size = engine_grammar.CACHE_BYTES // 8
+    for i in range(20):
+        grammars.compile("regex", f"a{i}", "x" * size)
+    assert grammars.cached_bytes <= engine_grammar.CACHE_BYTES
+    assert len(grammars._compiled) == 7
