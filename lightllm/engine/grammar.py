@@ -17,7 +17,7 @@ Where a grammar compiles: in the HTTP process, off the engine step and within a 
 (lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized form down with the
 request; the runner only deserializes it (`Grammars.matcher`), once per grammar, inside the step:
 about 25 ms per MB of serialized form on a 2-core CPU (a 3-field schema 0.37 MB, 5 ms; a $ref chain
-grows as its square, 2000 $refs 94 MB, 1.7 s), which is why the HTTP side refuses one over 4 MiB
+grows as its square, 2000 $refs 94 MB, 1.7 s), which is why the HTTP side refuses one over 16 MiB
 (grammar_worker.MAX_COMPILED_BYTES). The runner's first grammar also builds its tokenizer view
 (TokenizerInfo) in the step, once. The
 offline LLM sends no compiled form: its runner compiles. `check_grammar` needs no tokenizer.

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 COMPILE_MEMORY_BYTES = 1 << 30
 KEPT_MEMORY_BYTES = 128 << 20
 # The longest serialized grammar accepted: the model runner reads it back inside a step (engine/grammar.py)
-MAX_COMPILED_BYTES = 4 << 20
+MAX_COMPILED_BYTES = 16 << 20
 # Below the engine's processes: on a machine of few cores a compile takes what the steps leave.
 COMPILER_NICENESS = 10
 POLL_S = 0.05  # how often a compile's deadline and memory are checked

@@ -4,7 +4,7 @@
     python test/benchmark/serving/hostile_requests.py --tree /tmp/old       # ... of another checkout's tree
     python test/benchmark/serving/hostile_requests.py --url http://127.0.0.1:8000 --pid PID
 
-Cases (issue 53), after a control (a plain 2-token /generate: what the probes alone cost the
+Cases, after a control (a plain 2-token /generate: what the probes alone cost the
 stream): a --refs_within chain of `$ref`s that fits the size bound on grammars, a forced tool call (`tool_choice: "required"`, Anthropic's {"type": "any"}) over
 --tools functions, and a JSON schema that is a chain of --refs `$ref`s, sent twice (the second
 finds whatever the first left compiled). Each case runs while a normal stream generates: it
@@ -31,7 +31,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import benchmark.*` (README.md)
 
-from benchmark.lib.server_process import ServerProcess, free_port, start_server  # noqa: E402
+from benchmark.lib.server_process import free_port, start_server  # noqa: E402
 
 logger = logging.getLogger("hostile_requests")
 

@@ -1,4 +1,4 @@
-"""Hostile and slow clients against a running server (issue 53, items 3-5): bodies that take long to
+"""Hostile and slow clients against a running server: bodies that take long to
 parse or validate, requests that never finish arriving, clients that hang up, and what each writes
 to the server's log. One row a case: HTTP status (or what the socket did), seconds, the size of the
 answer, the HTTP process's RSS before and after, and /health's latency while the case ran (median
@@ -213,7 +213,7 @@ def main() -> None:
         idle.append(time.monotonic() - start)
     idle_ms = statistics.median(idle) * 1000
     print(f"/health idle: median {idle_ms:.1f} ms\n")
-    print(f"| case | status | s | answer bytes | RSS MB before -> after | /health median / worst ms | log |")
+    print("| case | status | s | answer bytes | RSS MB before -> after | /health median / worst ms | log |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, run in (case for case in cases(args) if args.only in case[0]):
         log_before = open(args.log, errors="replace").read()
