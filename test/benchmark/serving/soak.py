@@ -9,16 +9,30 @@ generations on /generate, /generate_stream and the OpenAI routes; invalid bodies
 requests by outcome, latency percentiles, and the server's memory (RSS of all its processes) and
 KV tokens in use, idle, after a warm-up and at the end. It fails (exit status 1) on any unexpected
 answer (a 5xx, a hang, a valid request refused, an invalid one accepted), on KV tokens still held
-when idle, or on memory that grew by more than --max_rss_growth. Not part of CI.
+when idle, on memory that grew by more than --max_rss_growth, and on a normal stream whose longest
+gap between tokens exceeds --max_gap_ratio times the median gap of all normal streams (a stall of
+the engine: one hostile request must delay only itself). Not part of CI.
+
+--hostile (on by default; --no-hostile for the normal mix alone) adds hostile.py's mix beside the
+normal one: tool calls, forced calls, structured output, large schemas and $ref chains (200 or
+400), slow clients on raw sockets (408 or a closed socket) and clients that hang up mid-body or
+mid-stream. It is on by default because the failures this soak exists to catch (memory held by
+one request, an engine stalled by one grammar, sockets never timed out) need that traffic. A server
+this script starts gets --request_receive_timeout 5 unless --server_args names it, so that slow
+clients finish in seconds. The report adds one table of RSS per process (HTTP, router,
+detokenizer, model workers) idle, after warm-up and at the end, the normal streams' gaps between
+tokens, and every non-2xx by route and status, expected apart from unexpected.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import logging
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -33,12 +47,17 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import benchmark.*` (README.md)
 
 from benchmark.lib.server_process import ServerProcess, free_port, metric_samples, start_server  # noqa: E402
+from benchmark.serving import hostile  # noqa: E402
 
 logger = logging.getLogger("soak")
 
 ABORTED_TOKENS = 1000  # an aborted request would run this long: the client always leaves first
 WORDS = "the a river model token quiet orange seven build light cache north value stream window".split()
 REQUEST_TIMEOUT_S = 300.0
+# below the server's --keep_alive_timeout (5 s): a client that idled through a slow-client request
+# would otherwise reuse a connection the server is closing (a reset, not the server's answer)
+CLIENT_KEEPALIVE_S = 2.0
+GAPS: contextvars.ContextVar[list] = contextvars.ContextVar("gaps")  # seconds between a normal stream's events
 
 
 @dataclass
@@ -46,9 +65,15 @@ class Outcomes:
     counts: Counter = field(default_factory=Counter)  # (kind, outcome)
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     unexpected: list[str] = field(default_factory=list)  # the first few, for the report
+    statuses: Counter = field(default_factory=Counter)  # (route, status, expected) of every non-2xx answer
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive events of normal streams
 
-    def add(self, kind: str, outcome: str, seconds: float, detail: str = "") -> None:
+    def add(self, kind: str, outcome: str, seconds: float, detail: str = "", seen=(), gaps=()) -> None:
         self.counts[kind, outcome] += 1
+        self.gaps.extend(gaps)
+        for route, status in seen:
+            if not str(status).startswith("2"):
+                self.statuses[route, str(status), outcome != "unexpected"] += 1
         if outcome == "ok":
             self.latencies[kind].append(seconds)
         if outcome == "unexpected" and len(self.unexpected) < 20:
@@ -78,10 +103,12 @@ async def streamed(session, url, rng) -> tuple[str, str]:
     async with session.post(f"{url}/generate_stream", json=body) as reply:
         if reply.status != 200:
             return "unexpected", f"{reply.status} {await reply.text()}"
-        last = None
+        last, times = None, []
         async for line in reply.content:
             if line.startswith(b"data:"):
+                times.append(time.monotonic())
                 last = json.loads(line[len(b"data:"):])
+        GAPS.get().extend(b - a for a, b in zip(times, times[1:]))
         ok = last is not None and last["finished"] and last["finish_reason"] in ("length", "eos", "stop")
         return ("ok", "") if ok else ("unexpected", f"last event {last}")
 
@@ -91,7 +118,12 @@ async def chat_streamed(session, url, rng) -> tuple[str, str]:
     async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
         if reply.status != 200:
             return "unexpected", f"{reply.status} {await reply.text()}"
-        lines = [line async for line in reply.content if line.startswith(b"data:")]
+        lines, times = [], []
+        async for line in reply.content:
+            if line.startswith(b"data:"):
+                lines.append(line)
+                times.append(time.monotonic())
+        GAPS.get().extend(b - a for a, b in zip(times[:-1], times[1:-1]))  # [DONE] is no token
         ok = lines and lines[-1].strip() == b"data: [DONE]" and b'"error"' not in b"".join(lines)
         return ("ok", "") if ok else ("unexpected", f"stream ended with {lines[-1:]}")
 
@@ -162,20 +194,40 @@ MIX = {  # kind: (request, weight)
 }
 
 
-async def client(url: str, seed: int, deadline: float, outcomes: Outcomes) -> None:
+def on_raw_socket(request, receive_timeout_s: float):
+    """A raw-socket request with the signature of the others (it needs no session)."""
+    async def run(session, url, rng):
+        return await request(url, rng, receive_timeout_s)
+    return run
+
+
+def request_mix(with_hostile: bool, receive_timeout_s: float) -> dict:
+    """kind: (request(session, url, rng), weight); hostile kinds only with --hostile."""
+    if not with_hostile:
+        return dict(MIX)
+    sockets = {kind: (on_raw_socket(request, receive_timeout_s), weight)
+               for kind, (request, weight) in hostile.SOCKET_MIX.items()}
+    return {**MIX, **hostile.HTTP_MIX, **sockets}
+
+
+async def client(url: str, seed: int, deadline: float, outcomes: Outcomes, mix: dict) -> None:
     rng = random.Random(seed)
-    kinds = list(MIX)
-    weights = [MIX[kind][1] for kind in kinds]
+    kinds = list(mix)
+    weights = [mix[kind][1] for kind in kinds]
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    connector = aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                     trace_configs=[hostile.trace_config()]) as session:
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
-            start = time.monotonic()
+            start, seen, gaps = time.monotonic(), [], []
+            hostile.SEEN.set(seen)
+            GAPS.set(gaps)
             try:
-                outcome, detail = await MIX[kind][0](session, url, rng)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                outcome, detail = await mix[kind][0](session, url, rng)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
                 outcome, detail = "unexpected", repr(exc)
-            outcomes.add(kind, outcome, time.monotonic() - start, detail)
+            outcomes.add(kind, outcome, time.monotonic() - start, detail, seen, gaps)
 
 
 # ---- the server's state ----
@@ -191,9 +243,9 @@ def rss_mib(pid: int) -> float:
 
 
 def rss_by_role(pid: int) -> dict[str, float]:
-    """MiB per process of the server: main (HTTP), router, model workers, detokenizer."""
+    """MiB per process of the server: HTTP (the main process), router, model workers, detokenizer."""
     main = psutil.Process(pid)
-    roles = Counter({"main": main.memory_info().rss})
+    roles = Counter({"http": main.memory_info().rss})
     for child in main.children():
         if "resource_tracker" in " ".join(child.cmdline()):
             continue
@@ -256,9 +308,9 @@ async def memory_sampler(pid: int, deadline: float, samples: list[float]) -> Non
 
 
 async def soak(url: str, pid: int, seconds: float, concurrency: int, seed: int, outcomes: Outcomes,
-               health_times: list[float], rss_samples: list[float]) -> None:
+               health_times: list[float], rss_samples: list[float], mix: dict) -> None:
     deadline = time.monotonic() + seconds
-    tasks = [client(url, seed * 1000 + i, deadline, outcomes) for i in range(concurrency)]
+    tasks = [client(url, seed * 1000 + i, deadline, outcomes, mix) for i in range(concurrency)]
     await asyncio.gather(*tasks, health_prober(url, deadline, health_times), progress(deadline, seconds, outcomes),
                          memory_sampler(pid, deadline, rss_samples))
 
@@ -273,35 +325,72 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(args, outcomes: Outcomes, start: dict, end: dict, health_times: list[float], rss_samples: list[float],
-           elapsed: float) -> tuple[str, bool]:
-    lines = [f"Soak: {elapsed / 60:.1f} min, {args.concurrency} clients, seed {args.seed}, server {args.url}", ""]
+ROLES = ("http", "router", "detokenizer", "workers")
+
+
+def memory_table(states: dict[str, dict]) -> list[str]:
+    """RSS per process and KV tokens in use, one column per idle sample (idle, after warm-up, end)."""
+    lines = ["| idle sample | " + " | ".join(states) + " |", "|---" * (len(states) + 1) + "|"]
+    for role in ROLES:
+        cells = " | ".join(str(state["by_role"].get(role, 0)) for state in states.values())
+        lines.append(f"| RSS {role}, MiB | {cells} |")
+    lines.append("| RSS all, MiB | " + " | ".join(f"{state['rss_mib']:.0f}" for state in states.values()) + " |")
+    lines.append("| KV tokens in use | " + " | ".join(f"{state['kv']:.0f}" for state in states.values()) + " |")
+    return lines
+
+
+def status_table(statuses: Counter) -> list[str]:
+    """Every non-2xx answer by route and status, expected ones (4xx the request asked for) first."""
+    if not statuses:
+        return ["Non-2xx answers: none"]
+    lines = ["| non-2xx | route | status | count |", "|---|---|---|---|"]
+    for (route, status, expected), count in sorted(statuses.items(), key=lambda item: (not item[0][2], item[0][:2])):
+        lines.append(f"| {'expected' if expected else 'UNEXPECTED'} | {route} | {status} | {count} |")
+    return lines
+
+
+def gap_check(gaps: list[float], max_ratio: float) -> tuple[str, bool]:
+    """The normal streams' longest gap between tokens against max_ratio x their median gap."""
+    if not gaps:
+        return "Normal streams' gaps between tokens: none measured", True
+    median, longest = statistics.median(gaps), max(gaps)
+    ok = longest <= max_ratio * median
+    return (f"Normal streams' gaps between tokens: median {median * 1000:.1f} ms, longest {longest * 1000:.0f} ms "
+            f"({longest / median:.0f}x the median; bound {max_ratio:g}x: {'ok' if ok else 'EXCEEDED'}), "
+            f"{len(gaps)} gaps"), ok
+
+
+def report(args, mix: dict, outcomes: Outcomes, states: dict[str, dict], health_times: list[float],
+           rss_samples: list[float], elapsed: float) -> tuple[str, bool]:
+    mode = "normal + hostile mix" if args.hostile else "normal mix"
+    lines = [f"Soak: {elapsed / 60:.1f} min, {mode}, {args.concurrency} clients, seed {args.seed}, server {args.url}", ""]
     lines += ["| request | ok | rejected (4xx) | aborted | unexpected | p50 s | p99 s |", "|---|---|---|---|---|---|---|"]
     total = Counter()
-    for kind in MIX:
+    for kind in mix:
         row = {outcome: outcomes.counts[kind, outcome] for outcome in ("ok", "rejected", "aborted", "unexpected")}
         total.update(row)
         done = outcomes.latencies[kind]
         p50, p99 = (f"{percentile(done, 0.5):.3f}", f"{percentile(done, 0.99):.3f}") if done else ("-", "-")
         lines.append(f"| {kind} | {row['ok']} | {row['rejected']} | {row['aborted']} | {row['unexpected']} | {p50} | {p99} |")
-    all_ok = [s for kind in MIX for s in outcomes.latencies[kind]]
+    all_ok = [s for kind in mix for s in outcomes.latencies[kind]]
     lines.append(f"| all | {total['ok']} | {total['rejected']} | {total['aborted']} | {total['unexpected']} "
                  f"| {percentile(all_ok, 0.5):.3f} | {percentile(all_ok, 0.99):.3f} |")
+    start, end = states["after warm-up"], states["end"]
     growth = end["rss_mib"] / start["rss_mib"] - 1.0
-    lines += [
-        "",
-        f"Requests: {sum(total.values())} ({sum(total.values()) / elapsed:.1f}/s); "
-        f"/health: {len(health_times)} probes, p99 {percentile(health_times, 0.99) * 1000:.0f} ms, max {max(health_times, default=0) * 1000:.0f} ms",
-        f"Server RSS (all processes), idle: {start['rss_mib']:.0f} MiB after warm-up, {end['rss_mib']:.0f} MiB at the end ({growth:+.1%})",
-        f"RSS by process, MiB: {start['by_role']} after warm-up, {end['by_role']} at the end",
-        f"RSS while busy, once a minute, MiB: {', '.join(f'{mib:.0f}' for mib in rss_samples)}",
-        f"KV tokens in use, idle: {start['kv']:.0f} after warm-up, {end['kv']:.0f} at the end (of {end['kv_total']:.0f}); "
-        f"requests running/waiting at the end: {end['running']:.0f}/{end['waiting']:.0f}",
-    ]
+    gap_line, gaps_ok = gap_check(outcomes.gaps, args.max_gap_ratio)
+    lines += ["", *memory_table(states), "", *status_table(outcomes.statuses), "", gap_line,
+              f"Requests: {sum(total.values())} ({sum(total.values()) / elapsed:.1f}/s); "
+              f"/health: {len(health_times)} probes, p99 {percentile(health_times, 0.99) * 1000:.0f} ms, "
+              f"max {max(health_times, default=0) * 1000:.0f} ms",
+              f"RSS growth, warm-up to end: {growth:+.1%} (bound {args.max_rss_growth:+.0%}); "
+              f"while busy, once a minute, MiB: {', '.join(f'{mib:.0f}' for mib in rss_samples)}",
+              f"KV tokens in use when idle at the end: {end['kv']:.0f} of {end['kv_total']:.0f}; "
+              f"requests running/waiting: {end['running']:.0f}/{end['waiting']:.0f}"]
     if outcomes.unexpected:
         lines += ["", "Unexpected answers (first 20):", *[f"- {line}" for line in outcomes.unexpected]]
     healthy_probes = all(t < 1.0 for t in health_times)
-    passed = total["unexpected"] == 0 and end["kv"] == 0 and growth <= args.max_rss_growth and healthy_probes
+    passed = (total["unexpected"] == 0 and end["kv"] == 0 and growth <= args.max_rss_growth and healthy_probes
+              and gaps_ok)
     lines += ["", "PASS" if passed else "FAIL"]
     return "\n".join(lines), passed
 
@@ -314,16 +403,18 @@ async def idle_state(url: str, pid: int) -> dict:
 
 def run(args) -> bool:
     pid = args.pid or listening_pid(int(args.url.rsplit(":", 1)[1].split("/")[0]))
-    warmup = Outcomes()
-    asyncio.run(soak(args.url, pid, args.warmup_s, args.concurrency, args.seed + 1, warmup, [], []))
-    start = asyncio.run(idle_state(args.url, pid))
-    logger.info("after warm-up: %s", start)
+    mix = request_mix(args.hostile, args.request_receive_timeout)
+    states = {"idle": asyncio.run(idle_state(args.url, pid))}
+    asyncio.run(soak(args.url, pid, args.warmup_s, args.concurrency, args.seed + 1, Outcomes(), [], [], mix))
+    states["after warm-up"] = asyncio.run(idle_state(args.url, pid))
+    logger.info("after warm-up: %s", states["after warm-up"])
     outcomes, health_times, rss_samples = Outcomes(), [], []
     began = time.monotonic()
-    asyncio.run(soak(args.url, pid, args.minutes * 60, args.concurrency, args.seed, outcomes, health_times, rss_samples))
+    asyncio.run(soak(args.url, pid, args.minutes * 60, args.concurrency, args.seed, outcomes, health_times, rss_samples,
+                     mix))
     elapsed = time.monotonic() - began
-    end = asyncio.run(idle_state(args.url, pid))
-    text, passed = report(args, outcomes, start, end, health_times, rss_samples, elapsed)
+    states["end"] = asyncio.run(idle_state(args.url, pid))
+    text, passed = report(args, mix, outcomes, states, health_times, rss_samples, elapsed)
     print(text)
     if args.report:
         Path(args.report).write_text(text + "\n")
@@ -349,6 +440,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending one request after another")
     parser.add_argument("--warmup_s", type=float, default=30.0, help="seconds of the same mix before the start sample")
     parser.add_argument("--max_rss_growth", type=float, default=0.10, help="largest accepted RSS growth, as a fraction")
+    parser.add_argument("--max_gap_ratio", type=float, default=100.0,
+                        help="fail when a normal stream's longest gap between tokens exceeds this x their median gap")
+    parser.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=True,
+                        help="add the hostile mix (hostile.py) beside the normal one")
+    parser.add_argument("--request_receive_timeout", type=float, default=5.0,
+                        help="seconds: given to a server this script starts; with --url, the server's own value")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report", help="also write the report to this file")
     args = parser.parse_args()
@@ -356,7 +453,10 @@ def main() -> int:
     if args.url:
         return 0 if run(args) else 1
     port = free_port()
-    server = start_server(args.server_args.split(), Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
+    server_args = args.server_args.split()
+    if "--request_receive_timeout" not in server_args:
+        server_args += ["--request_receive_timeout", str(args.request_receive_timeout)]
+    server = start_server(server_args, Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
                           timeout=600, port=port)
     args.url = server.url
     try:
