@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -126,6 +128,37 @@ def sse_events(response: requests.Response):
     for line in response.iter_lines():
         if line.startswith(b"data:"):
             yield json.loads(line[len(b"data:"):])
+
+
+class StreamArrivals:
+    """A /generate_stream read on a thread of its own: `arrivals` holds each event's arrival time."""
+
+    def __init__(self, server: Server, body: dict):
+        self.arrivals: list[float] = []
+        self._stream = server.stream(body)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(Exception):  # close() shuts the stream under it
+            for _ in sse_events(self._stream):
+                self.arrivals.append(time.monotonic())
+
+    def close(self) -> None:
+        self._stream.close()
+        self._reader.join(30)
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(gap, arrival of its later event) between consecutive events."""
+        return [(b - a, b) for a, b in zip(self.arrivals, self.arrivals[1:])]
+
+
+def slow_schema() -> dict:
+    """Forty patterned strings: several seconds to compile against a 49152-token vocabulary (one
+    thread; 20 of them take about 1 s). A random tag keeps it out of any cache."""
+    tag = random.randrange(10**6)
+    properties = {f"p{i}_{tag}": {"type": "string", "pattern": f"[a-z]{{1,{i + 3}}}x[0-9]{{2,7}}"} for i in range(40)}
+    return {"type": "object", "properties": properties, "required": list(properties)}
 
 
 def start_server(args: list[str], log_path: Path, own_process_group: bool = False) -> Server:

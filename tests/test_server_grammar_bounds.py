@@ -4,10 +4,8 @@ killed with its process; what is cached is bounded in bytes; and a big grammar c
 stream nothing, on the default model."""
 
 import asyncio
-import contextlib
 import json
 import re
-import threading
 import time
 
 import psutil
@@ -18,8 +16,7 @@ from lightllm.engine import grammar as engine_grammar
 from lightllm.server.httpserver import grammar_cache
 from lightllm.server.httpserver.openai_params import MAX_TOOLS
 from lightllm.server.httpserver.params import MAX_GRAMMAR_BYTES
-from server_utils import sse_events, start_server
-from test_server_grammar_compile import slow_schema
+from server_utils import StreamArrivals, slow_schema, start_server
 
 BOUND = 2.0  # --grammar_compile_timeout of the test's server
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -118,16 +115,8 @@ def test_a_running_stream_keeps_its_pace_while_a_big_grammar_is_handled(server):
     to read back inside a step: it is refused now (past MAX_COMPILED_BYTES or BOUND), and the stream
     goes on; the compile, in a process of lower priority, takes only what the steps leave."""
     server.generate("warm", max_new_tokens=2, grammar={"type": "regex", "value": "[ab]+"})  # the compiler is up
-    arrivals = []
-    stream = server.stream({"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
-
-    def read() -> None:
-        with contextlib.suppress(Exception):  # the test closes the stream under it
-            for _ in sse_events(stream):
-                arrivals.append(time.monotonic())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
+    arrivals = stream.arrivals
     server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
     sent = time.monotonic()
     reply = server.post("/generate", {"inputs": "x", "parameters": {
@@ -136,10 +125,8 @@ def test_a_running_stream_keeps_its_pace_while_a_big_grammar_is_handled(server):
     answered = time.monotonic()
     server.wait_for(lambda: arrivals[-1] > answered + 1.0, timeout=60, what="tokens 1 s after the answer")
     stream.close()
-    reader.join(30)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    before = sorted(gap for gap, b in zip(gaps, arrivals[1:]) if b <= sent)
-    during = [gap for gap, b in zip(gaps, arrivals[1:]) if b > sent]
+    before = sorted(gap for gap, b in stream.gaps() if b <= sent)
+    during = [gap for gap, b in stream.gaps() if b > sent]
     median = before[len(before) // 2]
     assert max(during) < 3 * median, (max(during), median)
 

@@ -2,29 +2,18 @@
 schema that takes longer gets 400 while a running stream keeps its pace, and structured output
 still follows its schema."""
 
-import contextlib
 import json
-import random
-import threading
 import time
 
 import pytest
 
 from lightllm.tools.bench_model import write_bench_model
-from server_utils import sse_events, start_server
+from server_utils import StreamArrivals, slow_schema, start_server
 
 BOUND = 1.0  # --grammar_compile_timeout of the test's server
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "word"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
                          "word": {"type": "string", "maxLength": 6}}}
-
-
-def slow_schema() -> dict:
-    """Forty patterned strings: several seconds to compile against the 49152-token vocabulary (one
-    thread; 20 of them take about 1 s), far past BOUND. A random tag keeps it out of any cache."""
-    tag = random.randrange(10**6)
-    properties = {f"p{i}_{tag}": {"type": "string", "pattern": f"[a-z]{{1,{i + 3}}}x[0-9]{{2,7}}"} for i in range(40)}
-    return {"type": "object", "properties": properties, "required": list(properties)}
 
 
 def follows_schema(value) -> bool:
@@ -52,16 +41,8 @@ def test_structured_output_follows_its_schema(server):
 
 def test_a_grammar_over_the_bound_gets_400_while_a_stream_keeps_its_pace(server):
     server.generate("warm", max_new_tokens=4, grammar={"type": "json", "value": SCHEMA})
-    arrivals = []
-    stream = server.stream({"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
-
-    def read() -> None:
-        with contextlib.suppress(Exception):  # the test closes the stream under it
-            for _ in sse_events(stream):
-                arrivals.append(time.monotonic())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
+    arrivals = stream.arrivals
     server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
     sent = time.monotonic()
     reply = server.post("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 8,
@@ -77,9 +58,8 @@ def test_a_grammar_over_the_bound_gets_400_while_a_stream_keeps_its_pace(server)
     # the compile is killed at the 400 and its process started again: watch the stream for 2 s more
     server.wait_for(lambda: arrivals[-1] > answered + 2.0, timeout=60, what="tokens 2 s after the 400")
     stream.close()
-    reader.join(30)
-    before = [b - a for a, b in zip(arrivals, arrivals[1:]) if b <= sent]
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > sent and a < answered + 2.0]
+    before = [gap for gap, b in stream.gaps() if b <= sent]
+    during = [gap for gap, b in stream.gaps() if b > sent and b - gap < answered + 2.0]
     # Compiled in the step, as it was, the stream stopped for the whole compile: longer than BOUND,
     # since the request got its 400. Here a gap may grow with the core the compile takes (this
     # 2-core machine is shared) and the compiler's restart.

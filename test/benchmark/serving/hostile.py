@@ -120,18 +120,23 @@ async def ref_chain_request(session, url, rng):
     return await post_expecting(session, url, "/v1/chat/completions", body, (200, 400))
 
 
-async def chat_stream_dropped(session, url, rng):
-    body = chat(rng, "Tell a long story.", stream=True, max_tokens=1000)
-    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+async def leave_mid_stream(session, url: str, path: str, body: dict, rng) -> tuple[str, str]:
+    """Read 1-5 events of a stream, then go away (the soak's aborted streams use it too)."""
+    async with session.post(f"{url}{path}", json=body) as reply:
         if reply.status != 200:
             return "unexpected", f"{reply.status} {await reply.text()}"
         events, wanted = 0, rng.randint(1, 5)
         async for line in reply.content:
             events += line.startswith(b"data:")
             if events >= wanted:
-                reply.close()
+                reply.close()  # the client goes away mid-stream
                 return "aborted", ""
     return "unexpected", "the stream ended before the client left"
+
+
+async def chat_stream_dropped(session, url, rng):
+    body = chat(rng, "Tell a long story.", stream=True, max_tokens=1000)
+    return await leave_mid_stream(session, url, "/v1/chat/completions", body, rng)
 
 
 # ---- raw sockets ----

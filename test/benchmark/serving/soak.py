@@ -161,16 +161,7 @@ async def invalid(session, url, rng) -> tuple[str, str]:
 
 async def aborted_stream(session, url, rng) -> tuple[str, str]:
     body = {"inputs": prompt(rng), "parameters": {"max_new_tokens": ABORTED_TOKENS, "ignore_eos": True}}
-    async with session.post(f"{url}/generate_stream", json=body) as reply:
-        if reply.status != 200:
-            return "unexpected", f"{reply.status} {await reply.text()}"
-        events, wanted = 0, rng.randint(1, 5)
-        async for line in reply.content:
-            events += line.startswith(b"data:")
-            if events >= wanted:
-                reply.close()  # the client goes away mid-stream
-                return "aborted", ""
-    return "unexpected", "the stream ended before the client left"
+    return await hostile.leave_mid_stream(session, url, "/generate_stream", body, rng)
 
 
 async def aborted_whole(session, url, rng) -> tuple[str, str]:
