@@ -98,6 +98,10 @@ class EngineConfig:
     load_format: str = field(default="auto", metadata=flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
     disable_cuda_graph: bool = field(default=False, metadata=flag("run every step eagerly instead of replaying captured CUDA graphs (GPU only)"))
     cuda_graph_max_tokens: int | None = field(default=None, metadata=flag(f"largest step, in tokens (decodes plus prompt chunks), replayed from a CUDA graph; larger steps run eagerly, their device time then covers their launch (see docs/architecture.md). Absent: {GRAPH_TOKENS_A_RANK} x --tp (a step's device time shrinks with the ranks, its launch on the host does not), at most the largest step there can be (--chunked_prefill_size + --running_max_req_size)"))
+    speculative_config: str | None = field(
+        default=None,
+        metadata=flag('speculative decoding, as a JSON object in vLLM\'s shape: {"method": "ngram" (prompt lookup) or "suffix" (frequent continuations of this and earlier requests), "num_speculative_tokens": K (most drafts a request gets a step, 1-16)}; "prompt_lookup_min"/"prompt_lookup_max" tune ngram. Each step a controller gives each request 0..K drafts from its measured acceptance and the measured cost of the step, so speculation runs only where it pays (see docs/architecture.md); greedy output is unchanged, sampling keeps its distribution. Absent: off'),
+    )
     step_trace: str | None = field(default=None, metadata=flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/engine/step_trace.py"))
     log_level: str = field(
         default="info",
@@ -137,6 +141,9 @@ class EngineConfig:
         for name in ("tp", "dp", "running_max_req_size", "chunked_prefill_size", "cuda_graph_max_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
+        from lightllm.engine.spec.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)
         if self.burst_chunked_prefill_size and self.burst_chunked_prefill_size < self.chunked_prefill_size:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
         if self.admission_wait_steps < 0:
