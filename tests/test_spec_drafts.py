@@ -132,12 +132,25 @@ def test_ngram_no_match_and_k_bound():
 
 # ---- suffix ------------------------------------------------------------------------------------
 
-@settings(max_examples=200, deadline=None)
-@given(pool=st.lists(st.lists(st.integers(0, 2), max_size=25), max_size=4),
-       own=st.lists(st.integers(0, 2), max_size=25), cuts=st.lists(st.integers(0, 25), max_size=4),
+@st.composite
+def pool_and_request(draw):
+    """Finished sequences and a request that repeats pieces of them (and random tokens between),
+    so that matches of every length, up to a sequence's very start, are common."""
+    pool = draw(st.lists(st.lists(st.integers(0, 2), max_size=25), max_size=4))
+    request = []
+    for _ in range(draw(st.integers(0, 4))):
+        source = draw(st.sampled_from(pool)) if pool and draw(st.booleans()) else draw(st.lists(st.integers(0, 2), max_size=6))
+        start = draw(st.integers(0, len(source)))
+        request += source[start:draw(st.integers(start, len(source)))]
+    return pool, request
+
+
+@settings(max_examples=300, deadline=None)
+@given(pool_request=pool_and_request(), cuts=st.lists(st.integers(0, 25), max_size=4),
        min_match_len=st.integers(1, 3), max_depth=st.integers(3, 9), k=st.integers(1, 6),
        min_token_prob=st.sampled_from([0.0, 0.1, 0.3, 0.6]))
-def test_suffix_matches_brute_force(pool, own, cuts, min_match_len, max_depth, k, min_token_prob):
+def test_suffix_matches_brute_force(pool_request, cuts, min_match_len, max_depth, k, min_token_prob):
+    pool, own = pool_request
     # bounds large enough that nothing is forgotten: the reference sees everything
     draft = SuffixDraft(max_depth=max_depth, min_match_len=min_match_len, max_occurrences=10_000,
                         min_token_prob=min_token_prob, max_cached_tokens=10_000)
@@ -152,6 +165,15 @@ def test_suffix_matches_brute_force(pool, own, cuts, min_match_len, max_depth, k
         seen += part
     expected = reference_suffix(pool, seen, k, max_depth, min_match_len, min_token_prob)
     assert draft.propose(99, k) == expected
+
+
+def test_suffix_match_reaching_a_sequence_start_counts_whole():
+    draft = SuffixDraft(min_match_len=2)
+    for req_id, tokens in enumerate([[0, 1, 2, 5], [9, 1, 2, 6]]):
+        draft.start(req_id, tokens)
+        draft.finish(req_id)
+    draft.start(2, [7, 0, 1, 2])
+    assert draft.propose(2, 1) == [5]  # "0 1 2" (3 tokens) beats the more recent "1 2"
 
 
 def test_suffix_proposes_what_a_finished_request_said():
@@ -187,6 +209,16 @@ def test_suffix_stops_below_min_token_prob():
     draft.start(51, [7, 8, 100])  # a 12th occurrence makes 100 2/12
     draft.finish(51)
     assert draft.propose(50, 4) == [100]
+
+
+def test_suffix_min_token_prob_is_the_share_of_the_whole_path():
+    draft = SuffixDraft(min_token_prob=0.5)
+    continuations = [[1, 2]] * 3 + [[1, 3]] * 3 + [[4, 5]] * 4  # "1": 6/10, then "1 2" or "1 3": 3/10
+    for req_id, tail in enumerate(continuations):
+        draft.start(req_id, [20 + req_id, 7, 8] + tail)
+        draft.finish(req_id)
+    draft.start(50, [3, 7, 8])
+    assert draft.propose(50, 4) == [1]  # 3/6 of the paths through "1", but only 3/10 of all
 
 
 def test_suffix_sees_its_own_tokens_but_not_other_running_requests():
