@@ -37,6 +37,12 @@ class SpeculativeConfig:
         return config
 
     def check(self) -> None:
+        if not isinstance(self.method, str):
+            raise ValueError(f"speculative method must be a string, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):  # JSON "4" or true would compare wrongly
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.method not in METHODS and ":" not in self.method:
             raise ValueError(f"speculative method {self.method!r}: choose one of {', '.join(METHODS)} "
                              "(or module:Class for a draft source of your own)")

@@ -7,12 +7,37 @@ probabilities): verification then accepts a draft exactly when the target sample
 rejection sampling against a point mass (lightllm/engine/spec/controller.py uses them; the model
 runner verifies). They run in the scheduler's process, on the host, and must be cheap: O(k) a
 proposal and O(1) amortized a token, whatever the request's length.
+
+NgramDraft (prompt lookup)
+    Per request: its tokens and a dict from every n-gram (min_n <= n <= max_n) to the position just
+    after its latest occurrence. The n-grams that end the tokens enter the dict only when the next
+    token arrives, so the dict never holds the current suffix itself and one lookup finds the latest
+    *earlier* occurrence. Appending a token enters max_n - min_n + 1 keys; a proposal looks up at most
+    that many keys and copies k tokens. Memory is that many keys a token, freed on `finish`.
+
+SuffixDraft (suffix decoding: Oliaro et al., 2024)
+    One index shared by all requests maps an n-gram to its most recent occurrences, a bounded deque
+    of (sequence, position after the n-gram). Only n in a doubling ladder (min_match_len, 2x, 4x ..
+    up to max_depth) is indexed, so an appended token costs one deque append per ladder step; the
+    real match length of an occurrence is then found by comparing backwards, at most max_depth
+    tokens. A proposal takes the longest ladder n-gram ending the request that has visible
+    occurrences, keeps those whose match is longest, and walks their continuations greedily: the
+    token most of them continue with, then the most common continuation of that path, while the
+    path's share of the occurrences stays at least min_token_prob. That is a walk down the
+    frequency-weighted suffix tree of the paper, restricted to max_occurrences paths, so a
+    proposal costs O(max_occurrences * (max_depth + k)) whatever the lengths involved.
+    Visible are the request's own tokens and the pool: finished requests' sequences (prompt and
+    output), kept whole in least-recently-finished order up to max_cached_tokens. Evicting a
+    sequence removes its entries from the index, O(ladder steps * max_occurrences) a token, which
+    is amortized over the token's insertion; so the index never outgrows the tokens it describes.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from lightllm.engine.spec.config import SpeculativeConfig
@@ -36,3 +61,198 @@ def make_draft_source(config: SpeculativeConfig, vocab_size: int) -> DraftSource
     module, _, name = config.method.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(vocab_size=vocab_size, **config.options)
+
+
+def copy_forward(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens continuing `tokens` as a copy of tokens[start:]. Where the copy reaches the end it
+    goes on copying its own output, i.e. repeats tokens[start:] with period len(tokens) - start:
+    a match at `start` says the sequence repeats itself with that period, so a loop keeps going."""
+    period = len(tokens) - start
+    return [tokens[start + j % period] for j in range(k)]
+
+
+@dataclass
+class _NgramState:
+    tokens: list[int] = field(default_factory=list)
+    next_position: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index after its latest earlier occurrence
+
+
+class NgramDraft:
+    """Prompt lookup: continue the longest n-gram ending the request from where it last occurred."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 5):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram draft: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._requests: dict[int, _NgramState] = {}
+
+    def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
+        assert req_id not in self._requests, f"request {req_id} started twice"
+        self._requests[req_id] = _NgramState()
+        self.extend(req_id, prompt_ids)
+
+    def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
+        state = self._requests[req_id]
+        for token in token_ids:
+            self._index_suffix(state)  # the suffix's n-grams become earlier occurrences, followed by `token`
+            state.tokens.append(token)
+
+    def _index_suffix(self, state: _NgramState) -> None:
+        tokens, end = state.tokens, len(state.tokens)
+        for n in range(self.min_n, min(self.max_n, end) + 1):
+            state.next_position[tuple(tokens[end - n:])] = end
+
+    def propose(self, req_id: int, k: int) -> list[int]:
+        state = self._requests[req_id]
+        tokens = state.tokens
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            start = state.next_position.get(tuple(tokens[-n:]))
+            if start is not None:
+                return copy_forward(tokens, start, k)
+        return []
+
+    def finish(self, req_id: int) -> None:
+        self._requests.pop(req_id, None)  # a request may be finished twice (abort after its end)
+
+
+@dataclass(eq=False)  # identity: the index tells sequences apart by object
+class _Sequence:
+    tokens: list[int]
+    pooled: bool = False  # finished and in the pool: visible to every request
+
+
+_Occurrence = tuple[_Sequence, int]  # (sequence, index of the token after the n-gram)
+
+
+class SuffixDraft:
+    """Suffix decoding: continue the request the way its longest matching suffix most often went on,
+    in its own tokens and in recently finished requests (see the module docstring)."""
+
+    def __init__(self, *, max_depth: int = 24, min_match_len: int = 2, max_occurrences: int = 64,
+                 min_token_prob: float = 0.1, max_cached_tokens: int = 200_000):
+        if not 1 <= min_match_len <= max_depth:
+            raise ValueError(f"suffix draft: need 1 <= min_match_len <= max_depth, got {min_match_len}, {max_depth}")
+        if max_occurrences < 1 or max_cached_tokens < 0 or not 0 <= min_token_prob <= 1:
+            raise ValueError("suffix draft: max_occurrences >= 1, max_cached_tokens >= 0, min_token_prob in [0, 1]")
+        self.max_depth, self.max_occurrences = max_depth, max_occurrences
+        self.min_token_prob, self.max_cached_tokens = min_token_prob, max_cached_tokens
+        self.key_lengths = _doubling(min_match_len, max_depth)
+        self._index: dict[tuple[int, ...], deque[_Occurrence]] = {}
+        self._live: dict[int, _Sequence] = {}
+        self._pool: deque[_Sequence] = deque()  # oldest finished first
+        self.cached_tokens = 0  # tokens of the pooled sequences
+
+    def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
+        assert req_id not in self._live, f"request {req_id} started twice"
+        self._live[req_id] = _Sequence([])
+        self.extend(req_id, prompt_ids)
+
+    def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
+        sequence = self._live[req_id]
+        for token in token_ids:
+            self._index_suffix(sequence)  # as in NgramDraft: the current suffix is never its own match
+            sequence.tokens.append(token)
+
+    def _index_suffix(self, sequence: _Sequence) -> None:
+        tokens, end = sequence.tokens, len(sequence.tokens)
+        for n in self.key_lengths:
+            if n > end:
+                break
+            key = tuple(tokens[end - n:])
+            entries = self._index.get(key)
+            if entries is None:
+                entries = self._index[key] = deque(maxlen=self.max_occurrences)
+            entries.append((sequence, end))
+
+    def propose(self, req_id: int, k: int) -> list[int]:
+        own = self._live[req_id]
+        matches = self._longest_matches(own)
+        return self._walk(own, matches, k) if matches else []
+
+    def _longest_matches(self, own: _Sequence) -> list[_Occurrence]:
+        """The visible occurrences of the longest suffix that has any, most recent first."""
+        tokens = own.tokens
+        for n in reversed(self.key_lengths):
+            if n > len(tokens):
+                continue
+            scored = [(self._match_length(tokens, seq, end, n), seq, end)
+                      for seq, end in reversed(self._index.get(tuple(tokens[-n:]), ()))
+                      if seq is own or seq.pooled]
+            if scored:
+                longest = max(length for length, _, _ in scored)
+                return [(seq, end) for length, seq, end in scored if length == longest]
+        return []
+
+    def _match_length(self, tokens: list[int], seq: _Sequence, end: int, known: int) -> int:
+        """How many tokens before `end` in seq equal the end of `tokens` (the first `known` do), up to max_depth."""
+        length, limit = known, min(self.max_depth, len(tokens), end)
+        while length < limit and tokens[-1 - length] == seq.tokens[end - 1 - length]:
+            length += 1
+        return length
+
+    def _walk(self, own: _Sequence, matches: list[_Occurrence], k: int) -> list[int]:
+        """Greedy path down the continuations of `matches`; ties go to the most recent occurrence."""
+        drafts: list[int] = []
+        alive = matches
+        while len(drafts) < k:
+            followers = [(occurrence, self._token_after(own, occurrence, drafts)) for occurrence in alive]
+            counts: dict[int, int] = {}  # in order of first sight, i.e. most recent first
+            for _, token in followers:
+                if token is not None:
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            token, count = max(counts.items(), key=lambda item: item[1])
+            if count < self.min_token_prob * len(matches):
+                break
+            drafts.append(token)
+            alive = [occurrence for occurrence, follower in followers if follower == token]
+        return drafts
+
+    @staticmethod
+    def _token_after(own: _Sequence, occurrence: _Occurrence, drafts: list[int]) -> int | None:
+        """The token that occurrence puts after the drafts so far; None past a finished sequence's end.
+        The request's own occurrences read on into the drafts, so its loops repeat (see copy_forward)."""
+        seq, end = occurrence
+        position = end + len(drafts)
+        if position < len(seq.tokens):
+            return seq.tokens[position]
+        if seq is own:
+            return drafts[position - len(seq.tokens)]
+        return None
+
+    def finish(self, req_id: int) -> None:
+        sequence = self._live.pop(req_id, None)
+        if sequence is None:  # finished twice (abort after its end)
+            return
+        sequence.pooled = True  # its index entries were made as it grew: joining the pool is free
+        self._pool.append(sequence)
+        self.cached_tokens += len(sequence.tokens)
+        while self.cached_tokens > self.max_cached_tokens:
+            self._evict(self._pool.popleft())
+
+    def _evict(self, sequence: _Sequence) -> None:
+        sequence.pooled = False
+        self.cached_tokens -= len(sequence.tokens)
+        for key in self._keys_of(sequence):
+            entries = self._index.get(key)
+            if entries is None:
+                continue
+            kept = deque((entry for entry in entries if entry[0] is not sequence), maxlen=self.max_occurrences)
+            if kept:
+                self._index[key] = kept
+            else:
+                del self._index[key]
+
+    def _keys_of(self, sequence: _Sequence) -> set[tuple[int, ...]]:
+        """Every key _index_suffix entered for the sequence: the ladder n-grams followed by a token."""
+        tokens = sequence.tokens
+        return {tuple(tokens[end - n:end]) for end in range(1, len(tokens)) for n in self.key_lengths if n <= end}
+
+
+def _doubling(first: int, last: int) -> tuple[int, ...]:
+    lengths = []
+    while first <= last:
+        lengths.append(first)
+        first *= 2
+    return tuple(lengths)
