@@ -265,6 +265,8 @@ def engine_config(model: str | Path | None, **settings) -> FrontendConfig:
     if unknown:
         raise TypeError(f"LLM() got unknown settings {', '.join(unknown)}: they must be FrontendConfig fields "
                         "(the server's engine and request flags without the dashes)")
+    if isinstance(settings.get("speculative_config"), dict):  # vLLM's LLM takes it as a dict
+        settings["speculative_config"] = json.dumps(settings["speculative_config"])
     for name in ("dp", "nnodes"):  # one engine, on this machine
         if settings.get(name, 1) != 1:
             raise ValueError(f"LLM() runs one engine in this process, so {name} must be 1, not {settings[name]!r}: "

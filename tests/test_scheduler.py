@@ -13,6 +13,8 @@ from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import StepPlan, StepResult
 from lightllm.engine.scheduler import AGING_STEPS, BURST_BACKLOG_STEPS, POLICIES, Scheduler, peak_token_usage
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.spec.config import SpeculativeConfig
+from lightllm.engine.spec.controller import Speculator
 from seeds import fresh_rng  # noqa: E402
 
 
@@ -50,16 +52,30 @@ def shared_prompt(rng: random.Random, length: int) -> list[int]:
     return (stems[rng.randrange(4)][:cut] + [rng.randrange(3, 9) for _ in range(length)])[:length]
 
 
-@settings(max_examples=60, deadline=None)
+class RandomSpeculator(Speculator):
+    """Drafts of random length (EOS among them now and then) wherever the scheduler allows them:
+    the budget must hold whatever the controller asks and the runner accepts."""
+
+    def __init__(self, rng: random.Random, max_rows: int):
+        super().__init__(SpeculativeConfig("ngram", num_speculative_tokens=6), vocab_size=128, max_rows=max_rows)
+        self.rng = rng
+        self.source.propose = lambda req_id, k: [rng.choice([EOS, 7, 100]) for _ in range(k)]
+
+    def allocate(self, alphas, limits, tokens, outputs):
+        return [self.rng.randint(0, min(k, self.k_max)) for k in limits] if self.rng.random() < 0.7 else None
+
+
+@settings(max_examples=80, deadline=None)
 @given(requests, st.integers(1, 70), st.integers(0, 200), st.booleans(), st.sampled_from([0.0, 0.05]),
        st.one_of(st.integers(1, 16), st.just(32)), st.sampled_from(POLICIES), st.booleans(), st.sampled_from([0, 3]),
-       st.sampled_from([1, 2, 8]), st.randoms(use_true_random=False))
+       st.sampled_from([1, 2, 8]), st.booleans(), st.randoms(use_true_random=False))
 def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overlap, eos_rate, max_running, policy,
-                                                prefix_cache, admission_wait_steps, burst, rng):
+                                                prefix_cache, admission_wait_steps, burst, speculate, rng):
     budget = max(p + n for p, n, _ in reqs) + extra_budget
     runner = FakeRunner(budget, eos_rate, rng)
     scheduler = Scheduler(budget, chunk, max_running, policy, prefix_cache=prefix_cache,
-                          admission_wait_steps=admission_wait_steps, burst_chunk_budget=burst * chunk)
+                          admission_wait_steps=admission_wait_steps, burst_chunk_budget=burst * chunk,
+                          speculator=RandomSpeculator(rng, 4 * max_running) if speculate else None)
     core = EngineCore(scheduler, runner, eos_token_ids=[EOS], overlap=overlap)
     arrivals = sorted(((at, i) for i, (_, _, at) in enumerate(reqs)), reverse=True)
     aborted = {i for i in range(len(reqs)) if rng.random() < 0.1}
@@ -92,6 +108,7 @@ def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overl
         assert got and all(o.finish_reason is None for o in got[:-1])
         last = got[-1].finish_reason
         assert (last is FinishReason.LENGTH and len(got) == max_new) or (last is FinishReason.EOS and len(got) <= max_new)
+        assert all(o.token_id != EOS for o in got[:-1])  # nothing after the end of a run is emitted
     assert runner.peak <= budget
 
 

@@ -22,6 +22,35 @@ class RunningReq:
     prompt_logprobs: list | None = None  # (logprob, top) per prompt position from the 2nd, as computed
 
 
+@dataclass
+class DecodeRows:
+    """A step's decode section, one row per token fed: each decoding request's last sampled token
+    (id -1: the runner reads it from `last_token` on the device), then its drafts, if it has any,
+    each one position further. Every row is sampled; a drafting request's rows verify its drafts."""
+
+    reqs: list[RunningReq]
+    req_ids: list[int]
+    offsets: list[int]  # position past the request's seq_len
+    ids: list[int]
+    verifies: list[tuple[RunningReq, int, list[int]]]  # (request, its first row, its drafts)
+
+    @classmethod
+    def build(cls, decodes: list[int], drafts: dict[int, list[int]], reqs: dict[int, RunningReq]) -> DecodeRows:
+        rows = cls([], [], [], [], [])
+        for req_id in decodes:
+            r, fed = reqs[req_id], drafts.get(req_id, ())
+            if fed:
+                rows.verifies.append((r, len(rows.reqs), list(fed)))
+            rows.reqs += [r] * (1 + len(fed))
+            rows.req_ids += [req_id] * (1 + len(fed))
+            rows.offsets += range(1 + len(fed))
+            rows.ids += [-1, *fed]
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+
 class LaunchedStep:
     """A step whose tokens are on their way to the host (pinned buffers + event on CUDA).
 
@@ -30,7 +59,7 @@ class LaunchedStep:
 
     def __init__(self, step_id: int, req_ids: list[int], sampled_reqs: list[RunningReq], host: torch.Tensor,
                  prompt_parts: list, event):
-        self.step_id, self.req_ids, self.sampled_reqs = step_id, req_ids, sampled_reqs
+        self.step_id, self.req_ids, self.sampled_reqs = step_id, req_ids, sampled_reqs  # one per sampled row
         self._host, self._prompt_parts, self._event = host, prompt_parts, event
         self.prompt_done: set[int] = set()  # req ids whose last chunk (with prompt logprobs) is in this step
         self._tokens: list[tuple[int, float]] | None = None
@@ -112,13 +141,13 @@ def _split(flat: torch.Tensor, lists: dict[str, list]) -> dict[str, torch.Tensor
     return out
 
 
-def step_lists(decodes: list[RunningReq], chunks: list, head_dim: int) -> dict[str, list[int]]:
-    """Packed metadata: decodes first (one token each), then chunks; row and position per
+def step_lists(decodes: DecodeRows, chunks: list, head_dim: int) -> dict[str, list[int]]:
+    """Packed metadata: the decode rows first (one token each), then chunks; row and position per
     token, per-chunk extend bounds (absolute: the first chunk starts after the decodes) and
     extend attention's block table, the logits rows to sample and their request rows, then the
     rows (and next tokens) of the chunks that want prompt logprobs."""
-    positions = [r.seq_len for r in decodes]
-    token_rows = [r.row for r in decodes]
+    positions = [r.seq_len + o for r, o in zip(decodes.reqs, decodes.offsets)]
+    token_rows = [r.row for r in decodes.reqs]
     chunk_ids, cu_q, kv_lens, logit_index = [], [len(decodes)], [], list(range(len(decodes)))
     prompt_rows, prompt_targets = [], []
     for r, c in chunks:
@@ -135,9 +164,9 @@ def step_lists(decodes: list[RunningReq], chunks: list, head_dim: int) -> dict[s
             targets = c.token_ids[1:] + ([] if c.last else [c.next_id])
             prompt_rows.extend(range(first, first + len(targets)))
             prompt_targets.extend(targets)
-    sample_rows = [r.row for r in decodes] + [r.row for r, c in chunks if c.last]
-    lists = {"chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
-             "decode_rows": [r.row for r in decodes], "decode_seq_lens": [r.seq_len + 1 for r in decodes],
+    sample_rows = token_rows[: len(decodes)] + [r.row for r, c in chunks if c.last]
+    lists = {"decode_ids": decodes.ids, "chunk_ids": chunk_ids, "positions": positions, "token_rows": token_rows,
+             "decode_rows": token_rows[: len(decodes)], "decode_seq_lens": [p + 1 for p in positions[: len(decodes)]],
              "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
              "ext_q_blocks": extend_q_blocks([len(c.token_ids) for _, c in chunks], head_dim),
              "logit_index": logit_index + prompt_rows, "sample_rows": sample_rows}

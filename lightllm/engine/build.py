@@ -12,6 +12,8 @@ import logging
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.core import EngineCore, WorkerDied, describe_error
 from lightllm.engine.scheduler import Scheduler
+from lightllm.engine.spec.config import SpeculativeConfig
+from lightllm.engine.spec.controller import Speculator
 from lightllm.engine.workers import ModelWorkers
 
 logger = logging.getLogger(__name__)
@@ -61,10 +63,13 @@ def load_model(workers, config: EngineConfig, replica: int = 0) -> tuple[int, di
 
 
 def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    speculator = None if speculative is None else Speculator(speculative, model_info["vocab_size"],
+                                                             config.running_max_req_size)
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
                           admission_wait_steps=config.admission_wait_steps,
-                          burst_chunk_budget=model_info["burst_chunked_prefill_size"])
+                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator)
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

@@ -9,7 +9,9 @@ The router process and the offline API both run this class; it knows no sockets.
 from __future__ import annotations
 
 import logging
+import time
 
+from lightllm.engine.plan import StepPlan
 from lightllm.engine.request import FinishReason, GenerateReq, Req, TokenOut
 from lightllm.engine.scheduler import Scheduler
 
@@ -35,6 +37,10 @@ class EngineCore:
         self._vocab_size = vocab_size
         self._overlap = overlap
         self._in_flight = False
+        # Speculative decoding's step costs: (start of the last step, (tokens, drafted) of the plan
+        # whose result it waited for), and (tokens, drafted) of the plan in flight.
+        self._timing: tuple[float, tuple | None] | None = None
+        self._flight: tuple[int, bool] | None = None
 
     def add(self, msg: GenerateReq) -> list[TokenOut]:
         """Queue a request; a prompt the model cannot take ends at once with an error, here, so
@@ -69,10 +75,17 @@ class EngineCore:
 
     def step(self) -> list[TokenOut]:
         """Plan and launch one step; return the outputs of the steps that completed."""
+        start = time.perf_counter()
+        outs = self._measure_and_collect(start)
         plan = self.scheduler.schedule()
         if plan.empty and not plan.ops and not self._in_flight:
-            return []
-        plan.sync = not self._overlap or plan.empty
+            self._timing = None
+            return outs
+        plan.sync = not self._overlap or plan.empty or bool(plan.drafts)
+        if self.scheduler.speculator is not None:
+            self._time(start, plan, flushed=bool(outs))
+        return outs + self._run(plan)
+    def _run(self, plan: StepPlan) -> list[TokenOut]:
         try:
             results = self._workers.step(plan)
         except WorkerDied:
@@ -83,6 +96,32 @@ class EngineCore:
             return self.scheduler.fail_all(describe_error(exc))
         self._in_flight = not plan.sync
         return [out for result in results for out in self.scheduler.process(result)]
+
+    def _measure_and_collect(self, now: float) -> list[TokenOut]:
+        """With speculative decoding: measure the last step, and before a step that would
+        speculate collect the one in flight (drafts continue the latest tokens)."""
+        spec = self.scheduler.speculator
+        if spec is None:
+            return []
+        if self._timing is not None and self._timing[1] is not None:
+            start, (tokens, drafted) = self._timing
+            spec.measured(drafted, tokens, now - start)
+        self._timing = None
+        if not self._in_flight or not self.scheduler.wants_drafts():
+            return []
+        self._flight = None
+        return self._run(StepPlan(-1, sync=True))  # empty: answers with the step in flight
+
+    def _time(self, start: float, plan: StepPlan, flushed: bool) -> None:
+        """A step's period (its start to the next's) is what the step whose result it waits for
+        cost the batch: this plan's when it is sync, else the one in flight before it. A period
+        that waits for two (or for none) measures nothing."""
+        shape = None if plan.empty else (plan.num_tokens, bool(plan.drafts))
+        collected = shape if plan.sync else self._flight
+        if flushed or (plan.sync and self._flight is not None):
+            collected = None
+        self._flight = None if plan.sync else shape
+        self._timing = (start, collected)
 
     def drain(self) -> list[TokenOut]:
         """Run until nothing waits, runs or is in flight (the offline API's loop)."""

@@ -185,21 +185,23 @@ class StepGraphs:
 
     # ---- mixed steps ----
 
-    def mixed_layout(self, tokens: int, chunks: int) -> MixedLayout | None:
-        """The layout of the bucket that takes a step of `tokens` tokens in `chunks` chunks; None: eager."""
+    def mixed_layout(self, tokens: int, chunks: int, decodes: int, logit_rows: int) -> MixedLayout | None:
+        """The layout of the bucket that takes a step of `tokens` tokens in `chunks` chunks, of
+        which `decodes` decode rows, sampling `logit_rows` rows; None: eager."""
         if tokens > self.max_tokens or chunks > MAX_GRAPH_CHUNKS:
             return None
-        return self.mixed[bisect.bisect_left(self.mixed_tokens, tokens)]
+        layout = self.mixed[bisect.bisect_left(self.mixed_tokens, tokens)]
+        return layout if decodes <= layout.decodes and logit_rows <= layout.logit_rows else None
 
     def pad_mixed(self, lists: dict[str, list[int]], num_decodes: int, layout: MixedLayout) -> list[int]:
         """A mixed step's metadata (the runner's eager lists: decodes first, then the chunks, with
         absolute chunk bounds) padded to `layout` and flattened in its order for the one upload.
-        The decodes' input ids are filled on the device from the last sampled tokens."""
+        Decode rows of id -1 are filled on the device from the last sampled tokens."""
         pad_row, n = self.padding_row, len(lists["positions"])
         pad, undecoded = layout.tokens - n, layout.decodes - num_decodes
         cu_q = lists["ext_cu_q"]
         chunk_pad = MAX_GRAPH_CHUNKS - len(lists["ext_rows"])
-        return ([0] * num_decodes + lists["chunk_ids"] + [0] * pad
+        return (lists["decode_ids"] + lists["chunk_ids"] + [0] * pad
                 + lists["positions"] + [0] * pad
                 + lists["token_rows"] + [pad_row] * pad
                 + lists["decode_rows"] + [pad_row] * undecoded
@@ -213,7 +215,7 @@ class StepGraphs:
     def _pad_only(self, layout: MixedLayout) -> None:
         """The static metadata of `layout` as a step of padding alone (warm-up and capture): each
         layout reads the buffer at its own offsets, so each is filled before it runs."""
-        empty = {name: [] for name in ("chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
+        empty = {name: [] for name in ("decode_ids", "chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
                                        "ext_rows", "ext_kv_lens", "ext_q_blocks", "logit_index")}
         meta = self.pad_mixed({**empty, "ext_cu_q": [0]}, 0, layout)
         self.mixed_meta[: layout.size].copy_(torch.tensor(meta))

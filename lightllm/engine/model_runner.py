@@ -27,7 +27,7 @@ import torch
 
 from lightllm.common.req_table import OutOfRowsError, ReqTable
 from lightllm.common.token_table import OutOfTokensError, TokenTable
-from lightllm.engine.batch import LaunchedStep, RunningReq, download, step_lists, upload
+from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import token_budget
@@ -130,19 +130,52 @@ class ModelRunner:
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Free, launch `plan`, and return the results of the steps now due: the previous one
         (one step stays in flight), or every pending one with `plan.sync` or an empty plan."""
+        if plan.drafts and not plan.sync:
+            raise ValueError(f"step {plan.step_id}: a plan with drafts must be sync (the next needs its tokens)")
         try:
             job = self._submit(plan) if plan.ops or not plan.empty else None
-            done = [] if self._pending is None else [self._pending.result().result()]
+            done = [] if self._pending is None else [self._settle(self._pending.result())]
             self._pending = None
             if job is not None and (plan.sync or plan.empty):
                 launched = job.result()
-                done += [] if launched is None else [launched.result()]
+                done += [] if launched is None else [self._settle(launched)]
             elif job is not None:
                 self._pending = job
             return done
         except BaseException:
             self._pending = None
             raise
+
+    def _settle(self, launched: LaunchedStep) -> StepResult:
+        """The step's result; with drafts, keep each verifying request's accepted run (its drafts
+        up to the first the target did not sample, and the token sampled there), and before any
+        later step: its last token is the run's last, its rejected drafts' slots are free again."""
+        result = launched.result()
+        if not launched.verifies:
+            return result
+        keep = [True] * len(result.tokens)
+        fix_rows, fix_index, free_rows, free_positions, accepted = [], [], [], [], 0
+        for r, first, drafts in launched.verifies:
+            a = _accepted(drafts, result.tokens[first: first + len(drafts)])
+            accepted += a
+            keep[first + a + 1: first + len(drafts) + 1] = [False] * (len(drafts) - a)
+            fix_rows.append(r.row)
+            fix_index.append(first + a)
+            rejected = len(drafts) - a
+            if rejected:
+                free_rows += [r.row] * rejected
+                free_positions += range(r.seq_len - rejected, r.seq_len)
+                r.seq_len -= rejected
+                r.sampling.generated -= rejected
+        n, m = len(fix_rows), len(free_rows)
+        index = torch.tensor(fix_rows + fix_index + free_rows + free_positions).to(self.device, non_blocking=True)
+        self.last_token[index[:n]] = launched.device_tokens[index[n: 2 * n]]
+        if m:
+            self.token_table.free(self.req_table.req_to_token[index[2 * n: 2 * n + m], index[2 * n + m:]])
+        if self._trace is not None:
+            self._trace.accepted(launched.step_id, accepted)
+        result.tokens = [t for t, k in zip(result.tokens, keep) if k]
+        return result
 
     def _submit(self, plan: StepPlan) -> Future:
         """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""
@@ -174,26 +207,27 @@ class ModelRunner:
         traced = self._trace.begin() if self._trace is not None else None
         self._record_previous_tokens()
         self._start_requests(plan)
-        decodes = [self.reqs[i] for i in plan.decodes]
+        decodes = DecodeRows.build(plan.decodes, plan.drafts, self.reqs)
         chunks = [(self.reqs[c.req_id], c) for c in plan.chunks]
-        sampled = decodes + [r for r, c in chunks if c.last]
-        t, layout = self._upload_step(plan, decodes, chunks, sampled)
+        sampled = decodes.reqs + [r for r, c in chunks if c.last]
+        graphed_decode = self.graphs is not None and not chunks and len(decodes) <= self.graphs.buckets[-1]
+        t, layout = self._upload_step(plan, decodes, chunks, sampled, graphed_decode)
         grammar = None if self._grammars is None else grammar_masks([r.sampling for r in sampled],
                                                                    self.config.vocab_size, self.device)
         slots = self.token_table.alloc(plan.num_tokens, contiguous=bool(chunks))  # a decode's slot is its own
-        _advance(decodes, chunks, sampled)
-        max_seqlen = max((r.seq_len for r in decodes), default=1)
-        if self.graphs is not None and not chunks:
+        _advance(decodes.reqs, chunks, sampled)
+        max_seqlen = max((r.seq_len for r in decodes.reqs), default=1)
+        if graphed_decode:
             logits = self._graph_forward(t, len(decodes), slots, max_seqlen)
         elif layout is not None:
             logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
             logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen)
-        launched = self._sample(plan, t, logits, grammar, chunks, sampled)
+        launched = self._sample(plan, t, logits, grammar, chunks, sampled, decodes)
         if traced is not None:
-            self._trace.end(traced, plan.step_id, len(decodes), sum(len(c.token_ids) for _, c in chunks), len(chunks),
-                            (self.graphs is not None and not chunks) or layout is not None,
-                            sum(r.seq_len for r in decodes), sum(r.seq_len for r, _ in chunks))
+            self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
+                            len(chunks), graphed_decode or layout is not None,
+                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts)
         return launched
 
     def _start_requests(self, plan: StepPlan) -> None:
@@ -207,13 +241,14 @@ class ModelRunner:
                 self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
                                                      [] if chunk.sampling.prompt_logprobs is not None else None)
 
-    def _upload_step(self, plan: StepPlan, decodes: list[RunningReq], chunks: list,
-                     sampled: list[RunningReq]) -> tuple[dict[str, torch.Tensor], MixedLayout | None]:
+    def _upload_step(self, plan: StepPlan, decodes: DecodeRows, chunks: list, sampled: list[RunningReq],
+                     graphed_decode: bool) -> tuple[dict[str, torch.Tensor], MixedLayout | None]:
         """The step's metadata and sampling parameters on the device (one copy), and the graph
         bucket of a step with chunks (None: eager, or a decode-only step)."""
-        ints, floats = host_lists([r.sampling for r in sampled], self.config.eos_token_ids)
+        offsets = decodes.offsets + [0] * (len(sampled) - len(decodes))  # a draft's row samples a later token
+        ints, floats = host_lists([r.sampling for r in sampled], self.config.eos_token_ids, offsets)
         layout = None
-        if self.graphs is not None and not chunks:
+        if graphed_decode:
             ints.update(self._graph_meta(decodes))
         else:
             lists = step_lists(decodes, chunks, self.config.head_dim)
@@ -222,7 +257,7 @@ class ModelRunner:
         return upload(ints, floats, self.device), layout
 
     def _sample(self, plan: StepPlan, t: dict, logits: torch.Tensor, grammar, chunks: list,
-                sampled: list[RunningReq]) -> LaunchedStep:
+                sampled: list[RunningReq], decodes: DecodeRows) -> LaunchedStep:
         """Sample the step's tokens, keep them as the next step's input, send them to the host."""
         states = [r.sampling for r in sampled]
         top_k = max((s.params.top_logprobs for s in states), default=0)
@@ -231,7 +266,9 @@ class ModelRunner:
         tokens, logprobs, top = sample(logits[: len(sampled)], sampling)
         self.last_token[t["sample_rows"]] = tokens
         parts = chunk_prompt_logprobs(logits[len(sampled):], t.get("prompt_targets"), chunks)
-        launched = LaunchedStep(plan.step_id, plan.sampled, sampled, *download(tokens, logprobs, top, parts))
+        req_ids = decodes.req_ids + [c.req_id for c in plan.chunks if c.last]
+        launched = LaunchedStep(plan.step_id, req_ids, sampled, *download(tokens, logprobs, top, parts))
+        launched.verifies, launched.device_tokens = decodes.verifies, tokens
         launched.prompt_done = {c.req_id for r, c in chunks if c.last and r.prompt_logprobs is not None}
         self._last_launched = launched
         return launched
@@ -258,15 +295,16 @@ class ModelRunner:
         for r, (token, _) in zip(last.sampled_reqs, last.tokens()):
             r.sampling.record(token)
 
-    def _graph_meta(self, decodes: list[RunningReq]) -> dict[str, list[int]]:
-        columns = ([0] * len(decodes), [r.seq_len for r in decodes], [r.row for r in decodes],
-                   [r.seq_len + 1 for r in decodes])
-        return {"meta": self.graphs.pad_meta(*columns), "sample_rows": [r.row for r in decodes]}
+    def _graph_meta(self, decodes: DecodeRows) -> dict[str, list[int]]:
+        positions = [r.seq_len + o for r, o in zip(decodes.reqs, decodes.offsets)]
+        rows = [r.row for r in decodes.reqs]
+        return {"meta": self.graphs.pad_meta(decodes.ids, positions, rows, [p + 1 for p in positions]),
+                "sample_rows": rows}
 
     def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens
         rows, positions = meta[2, :n], meta[1, :n]
-        meta[0, :n] = self.last_token[rows]
+        self._fill_last_tokens(meta[0, :n], rows)
         self.req_to_token_write(rows, positions, slots)
         return self.graphs.run(meta, n, max_seqlen)
 
@@ -275,7 +313,8 @@ class ModelRunner:
         chunks, prompt logprobs: their rows are not among a bucket's logit rows)."""
         if self.graphs is None or "prompt_targets" in lists:
             return None
-        return self.graphs.mixed_layout(plan.num_tokens, len(chunks))
+        return self.graphs.mixed_layout(plan.num_tokens, len(chunks), len(lists["decode_rows"]),
+                                        len(lists["sample_rows"]))
 
     def _mixed_meta(self, lists: dict, num_decodes: int, layout: MixedLayout) -> dict[str, list[int]]:
         return {"meta": self.graphs.pad_mixed(lists, num_decodes, layout), "sample_rows": lists["sample_rows"]}
@@ -284,15 +323,19 @@ class ModelRunner:
                        slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         tokens = layout.views(t["meta"])["tokens"].view(MIXED_TOKEN_ROWS, -1)  # ids, positions, rows, ...
         input_ids, positions, rows = tokens[0], tokens[1], tokens[2]
-        input_ids[:num_decodes] = self.last_token[rows[:num_decodes]]
+        self._fill_last_tokens(input_ids[:num_decodes], rows[:num_decodes])
         self.req_to_token_write(rows[: len(slots)], positions[: len(slots)], slots)
         return self.graphs.run_mixed(t["meta"], layout, num_sampled, max_seqlen)
 
     def _forward(self, t: dict[str, torch.Tensor], decodes: bool, chunks: bool, slots: torch.Tensor,
                  max_seqlen: int) -> torch.Tensor:
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
-        input_ids = torch.cat([self.last_token[t["decode_rows"]], t["chunk_ids"]])
-        plan_for = self.graphs.decode_plan_for(len(t["decode_rows"])) if decodes and self.graphs is not None else None
+        decode_ids = t["decode_ids"].clone()
+        self._fill_last_tokens(decode_ids, t["decode_rows"])
+        input_ids = torch.cat([decode_ids, t["chunk_ids"]])
+        rows = len(t["decode_rows"])
+        plan_for = (self.graphs.decode_plan_for(rows) if decodes and self.graphs is not None
+                    and rows <= self.graphs.buckets[-1] else None)
         decode = dict(decode_rows=t["decode_rows"].int(), decode_seq_lens=t["decode_seq_lens"].int(),
                       decode_max_seqlen=max_seqlen, decode_plan_for=plan_for) if decodes else {}
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
@@ -300,6 +343,10 @@ class ModelRunner:
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
                              logit_index=t["logit_index"], **decode, **extend)
         return self.model.forward(batch, self.token_table)
+
+    def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of id -1 feed their request's last sampled token (on the device since its step)."""
+        torch.where(ids < 0, self.last_token[rows], ids, out=ids)
 
     def req_to_token_write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.req_table.req_to_token[rows, positions] = slots.int()
@@ -378,14 +425,25 @@ class ModelRunner:
             if c.first and (any(n not in self.nodes for n in c.prefix)
                             or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
                 raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
-        full = [i for i in plan.decodes if self.reqs[i].seq_len >= self.max_req_total_len]
+        full = [i for i in plan.decodes if self.reqs[i].seq_len + len(plan.drafts.get(i, ())) >= self.max_req_total_len]
         if full:
             raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")
+        drafts = [t for d in plan.drafts.values() for t in d]
+        if set(plan.drafts) - set(plan.decodes) or (drafts and not 0 <= min(drafts) <= max(drafts) < vocab):
+            raise ValueError(f"step {plan.step_id}: drafts for requests not decoding, or token ids out of range")
         if plan.num_tokens > self.token_table.free_count:
             raise OutOfTokensError(f"step needs {plan.num_tokens} KV cache tokens, "
                                    f"{self.token_table.free_count} free")
         if len(new) > self.req_table.free_count:
             raise OutOfRowsError(f"step needs {len(new)} request rows, {self.req_table.free_count} free")
+
+
+def _accepted(drafts: list[int], sampled: list) -> int:
+    """How many drafts lead the target's own tokens (sampled at the rows that fed them)."""
+    a = 0
+    while a < len(drafts) and sampled[a].token_id == drafts[a]:
+        a += 1
+    return a
 
 
 def _advance(decodes: list[RunningReq], chunks: list, sampled: list[RunningReq]) -> None:

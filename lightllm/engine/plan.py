@@ -65,6 +65,11 @@ class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)
     ops: list = field(default_factory=list)  # applied in order before the step (OPS)
     sync: bool = False  # answer with this step's result instead of the previous one's
+    # Speculative decoding: req id (among `decodes`) -> draft tokens to follow its last sampled
+    # token. The step feeds 1 + len(drafts) tokens for it and answers with the accepted ones plus
+    # one more (1 to 1 + len(drafts) tokens, in order); its result is needed before the next plan,
+    # so a plan with drafts is always `sync`.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -77,7 +82,11 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(len(c.token_ids) for c in self.chunks)
+        return len(self.decodes) + self.num_drafts + sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(map(len, self.drafts.values()))
 
 
 @dataclass
@@ -92,7 +101,7 @@ class SampledToken:
 @dataclass
 class StepResult:
     step_id: int
-    tokens: list[SampledToken] = field(default_factory=list)  # in `StepPlan.sampled` order
+    tokens: list[SampledToken] = field(default_factory=list)  # in `StepPlan.sampled` order (a run for a drafting request)
     error: str | None = None  # the step failed: none of its requests got a token
 
 
@@ -123,15 +132,16 @@ def plan_to_wire(plan: StepPlan) -> tuple:
     chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id)
                    for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
-    return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync
+    drafts = tuple((r, tuple(d)) for r, d in plan.drafts.items())
+    return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync, drafts
 
 
 def plan_from_wire(wire: tuple) -> StepPlan:
-    step_id, decodes, chunks, ops, sync = wire
+    step_id, decodes, chunks, ops, sync, drafts = wire
     return StepPlan(step_id, list(decodes),
                     [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id)
                      for r, t, s, last, p, prefix, next_id in chunks],
-                    [OPS[op[0]](*op[1:]) for op in ops], sync)
+                    [OPS[op[0]](*op[1:]) for op in ops], sync, {r: list(d) for r, d in drafts})
 
 
 def result_to_wire(result: StepResult | None) -> tuple | None:

@@ -125,6 +125,12 @@ class Req:
         self.node = None
         self.grows_cache = True  # each chunk goes into the cache; off once one duplicated cached tokens
         self.output_ids: list[int] = []  # tokens received back
+        # Speculative decoding: the controller's state of it (spec.controller.RequestSpec), where
+        # its last verified run started in output_ids and how many drafts it accepted, and the
+        # accepted drafts after the token it ended on (their KV is written, never emitted).
+        self.spec = None
+        self.run_start = self.run_accepted = 0
+        self.unemitted: list[int] = []
         self.decode_steps = 0  # decode steps scheduled; each writes one KV token
         self.arrival_step = 0  # the scheduler's step count when it arrived
         self.status = ReqStatus.WAITING

@@ -68,18 +68,18 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
                   repetition=[s.params.repetition_penalty for s in states])
 
 
-def _optional_lists(states: list[SamplingState], eos_token_ids, ints: dict, floats: dict) -> None:
+def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_ids, ints: dict, floats: dict) -> None:
     """Sparse inputs, in one pass (most batches have none): logit biases as (row, token, value),
     min_p per row, and the tokens that would end a request before its min_tokens as (row, token)
     pairs set to -inf."""
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p = [], [], [], [], [], False
-    for b, s in enumerate(states):
+    for b, (s, offset) in enumerate(zip(states, offsets)):
         p = s.params
         if p.logit_bias:
             bias_rows += [b] * len(p.logit_bias)
             bias_ids += p.logit_bias
             bias_values += p.logit_bias.values()
-        if s.generated < p.min_tokens:
+        if s.generated + offset < p.min_tokens:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
             ban_rows += [b] * len(banned)
             ban_ids += banned
@@ -93,19 +93,23 @@ def _optional_lists(states: list[SamplingState], eos_token_ids, ints: dict, floa
         floats["min_ps"] = [s.params.min_p for s in states]
 
 
-def host_lists(states: list[SamplingState], eos_token_ids=()) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
-    """The batch's sampling inputs as named int and float lists (one entry per request; the
-    optional sparse ones only when some request uses them)."""
+def host_lists(states: list[SamplingState], eos_token_ids=(), offsets: list[int] | None = None
+               ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """The batch's sampling inputs as named int and float lists (one entry per sampled row; the
+    optional sparse ones only when some request uses them). A row `offsets[b]` tokens past its
+    request's generated count (a draft's) draws the random numbers of that later token, so a
+    seeded request samples the same tokens with drafts as without."""
+    offsets = offsets or [0] * len(states)
     greedy = [s.params.greedy for s in states]
     ints = {"seeds": [_signed64(s.params.seed) for s in states],
-            "steps": [s.generated for s in states],
+            "steps": [s.generated + o for s, o in zip(states, offsets)],
             "top_ks": [s.params.top_k if s.params.top_k > 0 else -1 for s in states],
             "greedy": [int(g) for g in greedy]}
     floats = {"temperatures": [1.0 if g else s.params.temperature for s, g in zip(states, greedy)],
               "top_ps": [s.params.top_p for s in states]}
     if any(s.uses_penalties for s in states):
         _penalty_lists(states, ints, floats)
-    _optional_lists(states, eos_token_ids, ints, floats)
+    _optional_lists(states, offsets, eos_token_ids, ints, floats)
     return ints, floats
 
 

@@ -127,14 +127,34 @@ def cache_path(node) -> list:
     return out
 
 
+def peak_with_drafts(tokens_held: np.ndarray, tokens_left: np.ndarray, drafts: np.ndarray) -> int:
+    """`peak_token_usage` from the step in which request i verifies drafts[i] drafts on, for any
+    number of them accepted (the step itself holds every draft's slot at once).
+
+    A request that accepts a drafts holds a more tokens from then on and stops a steps sooner:
+    t steps on it holds held + min(left, t + a) <= held + min(left, t + drafts) while it runs.
+    In `peak_token_usage`'s order, at t = left_j the requests i before j add min(left_i - left_j,
+    drafts_i) <= drafts_i each and j adds nothing: each term grows by the drafts of the requests
+    counted before it. Between two ends usage only grows, so these terms bound every t from the
+    step on. With no drafts it is `peak_token_usage`."""
+    if len(tokens_held) == 0:
+        return 0
+    order = np.argsort(-tokens_left, kind="stable")
+    left, k = tokens_left[order], drafts[order]
+    position = np.arange(1, len(left) + 1)
+    return int(np.max(np.cumsum(tokens_held[order]) + left * position + np.cumsum(k) - k))
+
+
 class Scheduler:
     def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
-                 prefix_cache: bool = True, admission_wait_steps: int = 0, burst_chunk_budget: int | None = None):
+                 prefix_cache: bool = True, admission_wait_steps: int = 0, burst_chunk_budget: int | None = None,
+                 speculator=None):
         """admission_wait_steps: while requests decode and fewer slots are free than
         max_running / ADMISSION_ROOM_DIVISOR (and than requests waiting), admit at most once in
         that many steps, so that slots freed one by one are filled by one prefill step, not one each.
         burst_chunk_budget: the prompt tokens a step may prefill while a burst waits (`step_budget`);
-        None or chunk_budget: always chunk_budget."""
+        None or chunk_budget: always chunk_budget. speculator: a spec.controller.Speculator, which
+        gives decoding requests drafts where they pay (None: no speculative decoding)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.max_total_token_num = max_total_token_num
@@ -155,6 +175,8 @@ class Scheduler:
         self._next_step = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the cache (counter)
         self.prefix_hit_tokens = 0  # of which found cached (counter)
+        self.speculator = speculator
+        self._drafts: dict[int, dict[int, list[int]]] = {}  # step id -> its plan's drafts, until its result
 
     # ---- requests in and out ----
 
@@ -181,15 +203,19 @@ class Scheduler:
         self.running.remove(req)
         self._by_id.pop(req.req_id, None)
         req.status = ReqStatus.FINISHED
+        if self.speculator is not None:
+            self.speculator.finish(req.req_id)
         node, req.node = req.node, None
         start = 0 if node is None else node.depth
         if req.started:  # the runner holds it
             end = -1
             if self.cache is not None and req.kv_tokens > start:
-                # Every position's token is known: a decode feeds a token whose result is in.
-                if req.decode_steps > req.output_count:
+                # Every position's token is known: a decode feeds a token whose result is in
+                # (or a draft accepted after the token it ended on).
+                fed = req.output_ids + req.unemitted
+                if req.decode_steps > len(fed):
                     raise RuntimeError(f"{req} ends with a decode in flight: its tokens are not all known")
-                tokens = req.prompt_ids[start: req.prefilled] + req.output_ids[: req.decode_steps]
+                tokens = req.prompt_ids[start: req.prefilled] + fed[: req.decode_steps]
                 duplicated, _ = self.cache.insert(node or self.cache.root, tokens, req.req_id, start)
                 end = start + duplicated
             self._ops.append(Release(req.req_id, start, end))
@@ -256,7 +282,9 @@ class Scheduler:
                 budget -= len(plan.chunks[-1].token_ids)
                 if self.cache is not None and req.grows_cache:
                     self._growing.append(req)
-        self._make_room()
+        if self.speculator is not None:
+            plan.drafts = self._plan_drafts(plan)
+        self._make_room(plan.num_drafts)
         for req, chunk in zip(first_chunks, (c for c in plan.chunks if c.first)):
             chunk.prefix = tuple(node.node_id for node, _ in reversed(cache_path(req.node)))
         plan.ops = list(self._ops)
@@ -264,7 +292,69 @@ class Scheduler:
         if not plan.empty:
             self._in_steps.add(plan.step_id)
             self._next_step += 1
+        if plan.drafts:
+            self._drafts[plan.step_id] = plan.drafts
         return plan
+
+    # ---- speculative decoding ----
+
+    def _draftable(self, req: Req) -> int:
+        """Most drafts the request may verify in the step being planned: its tokens are all back
+        (a decode of it is planned in this step, none in flight), and it uses neither penalties
+        nor a grammar (they depend on each token before); 0 otherwise."""
+        p = req.sampling
+        if (req.output_count != req.decode_steps or p.grammar_kind or p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty != 1.0):
+            return 0
+        return max(0, req.max_new_tokens - req.output_count - 1)  # each step emits up to drafts + 1
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step would speculate if every decoding request's tokens were back:
+        the engine then collects the step in flight first (drafts continue the latest tokens).
+        A request counts if the source had drafts for it after its last token (its shadow)."""
+        reqs = [r for r in self.running if r.status is ReqStatus.DECODING and r.needs_decode]
+        candidates = [r for r in reqs if r.spec.shadow and self._draftable_later(r)]
+        alphas = [r.spec.alpha(self.speculator.global_alpha) for r in candidates]
+        limits = [min(len(r.spec.shadow), self._draftable_later(r)) for r in candidates]
+        return self.speculator.allocate(alphas, limits, len(reqs), len(reqs)) is not None
+
+    def _draftable_later(self, req: Req) -> int:
+        """`_draftable` once its step in flight is back (one token more, maybe)."""
+        p = req.sampling
+        if p.grammar_kind or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            return 0
+        return max(0, req.max_new_tokens - req.decode_steps - 3)
+
+    def _plan_drafts(self, plan: StepPlan) -> dict[int, list[int]]:
+        """Drafts for this step's decodes where the controller expects them to pay, within the KV
+        budget whatever is accepted (`peak_with_drafts`)."""
+        spec = self.speculator
+        decoding = [self._by_id[i] for i in plan.decodes]
+        candidates = [r for r in decoding if self._draftable(r)]
+        alphas = [r.spec.alpha(spec.global_alpha) for r in candidates]
+        limits = [self._draftable(r) for r in candidates]
+        outputs = len(plan.sampled)
+        counts = spec.allocate(alphas, limits, plan.num_tokens, outputs)
+        if counts is None:
+            spec.planned(False)
+            return {}
+        drafts = {}
+        for req, k in zip(candidates, counts):
+            proposal = spec.source.propose(req.req_id, k) if k else []
+            if proposal:
+                drafts[req.req_id] = proposal[:k]
+        while drafts and not self._drafts_fit(drafts):
+            drafts = {i: d[: len(d) // 2] for i, d in drafts.items() if len(d) > 1}
+        spec.planned(bool(drafts))
+        return drafts
+
+    def _drafts_fit(self, drafts: dict[int, list[int]]) -> bool:
+        held, left = self._reservations(self.running, None)
+        charged = Attribution(held, left)
+        for i, req in enumerate(self.running):
+            charged.charge(i, cache_path(req.node))
+        k = np.array([len(drafts.get(r.req_id, ())) for r in self.running], dtype=np.int64)
+        return peak_with_drafts(charged.held, left, k) <= self.max_total_token_num
 
     def step_budget(self, prefilling: int) -> int:
         """Prompt tokens this step may prefill: burst_chunk_budget while the prompts waiting to be
@@ -333,11 +423,12 @@ class Scheduler:
             elif duplicated:  # computed twice at once: its own copy stays its own until it ends
                 req.grows_cache = False
 
-    def _make_room(self) -> None:
-        """Evict unreferenced cached tokens until what the plan allocates fits."""
+    def _make_room(self, drafts: int = 0) -> None:
+        """Evict unreferenced cached tokens until what the plan allocates fits (its drafts too,
+        for the step)."""
         if self.cache is None or self.cache.evictable_tokens == 0:
             return
-        need = self.slots_used - self.max_total_token_num
+        need = self.slots_used + drafts - self.max_total_token_num
         if need > 0:
             freed = self.cache.evict(need)
             if freed < need:  # admission counts evictable tokens as free: this cannot happen
@@ -373,6 +464,8 @@ class Scheduler:
             self._waiting_prompt_tokens -= req.prompt_len
             req.status = ReqStatus.PREFILLING
             self.running.append(req)
+            if self.speculator is not None:
+                req.spec = self.speculator.start(req.req_id, req.prompt_ids)
             if matches is not None and req.uses_cache:  # matched again: an earlier admission may have split a node
                 found = self.cache.match(req.prompt_ids[: req.prompt_len - 1])
                 if found.length:
@@ -448,7 +541,12 @@ class Scheduler:
         if result.error is not None:
             logger.error("model step %d failed: %s", result.step_id, result.error)
             return self.fail_all(result.error)
+        drafts = self._drafts.pop(result.step_id, {})
+        if drafts:
+            self._settle_drafts(result, drafts)
         outs = []
+        spec = self.speculator
+        shadow = spec is not None and 2 * len(self.running) <= spec.max_rows  # bounded host time a step
         for token in result.tokens:
             req = self._by_id.get(token.req_id)
             if req is None:  # ended while this step ran: its extra token is never emitted
@@ -458,9 +556,29 @@ class Scheduler:
             if req.output_count == 1:
                 out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
             outs.append(out)
+            if spec is not None:
+                spec.observe(req.req_id, req.spec, [token.token_id], shadow and reason is None and req.req_id not in drafts)
             if reason is not None:
+                run = drafts.get(req.req_id)
+                if run is not None:  # its KV holds the accepted drafts after the token it ended on
+                    req.unemitted = run[req.output_count - req.run_start: req.run_accepted]
                 self._end(req)
         return outs
+
+    def _settle_drafts(self, result: StepResult, drafts: dict[int, list[int]]) -> None:
+        """A verifying request's run is its accepted drafts and one more token: it holds the KV of
+        those drafts now, and the controller learns how many were accepted."""
+        runs: dict[int, int] = {}
+        for token in result.tokens:
+            runs[token.req_id] = runs.get(token.req_id, 0) + 1
+        for req_id, fed in drafts.items():
+            req = self._by_id.get(req_id)
+            if req is None or req_id not in runs:
+                continue
+            accepted = runs[req_id] - 1
+            req.decode_steps += accepted
+            req.run_start, req.run_accepted = req.output_count, accepted
+            self.speculator.verified(req.spec, len(fed), accepted)
 
     def fail_all(self, error: str) -> list[TokenOut]:
         """The engine failed: every request ends with an error, and the runner starts again
@@ -468,6 +586,10 @@ class Scheduler:
         reqs = self.running + list(self.waiting.values())
         for req in reqs:
             req.status = ReqStatus.FINISHED
+        if self.speculator is not None:
+            for req in self.running:
+                self.speculator.finish(req.req_id)
+        self._drafts.clear()
         self.running, self.waiting, self._by_id, self._growing = [], {}, {}, []
         self._waiting_prompt_tokens = 0
         self._in_steps.clear()

@@ -79,8 +79,10 @@ class StepTrace:
                 "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
-            decode_context: int, chunk_context: int) -> None:
+            decode_context: int, chunk_context: int, drafts: int = 0) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
+        if drafts:
+            record["drafts"] = drafts
         record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
                       decode_context=decode_context, chunk_context=chunk_context,
                       launch_ms=(now - record.pop("host_start")) * 1000,
@@ -98,6 +100,13 @@ class StepTrace:
         self._pending.append(record)
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()
+
+    def accepted(self, step_id: int, tokens: int) -> None:
+        """The drafts of step `step_id` that verification accepted (known once its tokens are back)."""
+        for record in reversed(self._pending):
+            if record.get("step") == step_id:
+                record["accepted"] = tokens
+                return
 
     def flush(self, wait: bool = False) -> None:
         """Write the steps the device has finished (all of them with `wait`)."""

@@ -69,6 +69,12 @@ class RouterStats:
     prefix_queried_tokens: int = 0  # counters since start: prompt tokens looked up in the cache
     prefix_hit_tokens: int = 0  # ... and found there
     replica: int = 0  # which engine (--dp) reports
+    # Speculative decoding, counters since start: verified draft runs, their drafts, the drafts
+    # accepted, and per draft position how often it was accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple = ()
 
 
 @dataclass

@@ -12,7 +12,9 @@ class FakeRunner:
     its KV slots mirrored position by position: each request's own positions and each cache
     node's size. It checks what the real runner relies on: a prefix covers exactly the cached
     positions, an insert or release touches only the request's own positions, a released
-    request leaves none behind, and the slots in use never exceed the budget. EOS drawn at random."""
+    request leaves none behind, and the slots in use never exceed the budget. EOS drawn at random.
+    A request with drafts takes a slot for each, accepts a random number of them (the slots of
+    the rest are free again after the step) and answers with its accepted run."""
 
     def __init__(self, budget: int, eos_rate: float, rng: random.Random):
         self.budget, self.eos_rate, self.rng = budget, eos_rate, rng
@@ -55,8 +57,9 @@ class FakeRunner:
         launched = None
         if not plan.empty:
             for req_id in plan.decodes:
-                self.own[req_id].add(self.seq[req_id])
-                self.seq[req_id] += 1
+                fed = 1 + len(plan.drafts.get(req_id, ()))
+                self.own[req_id] |= set(range(self.seq[req_id], self.seq[req_id] + fed))
+                self.seq[req_id] += fed
             for chunk in plan.chunks:
                 assert chunk.first == (chunk.req_id not in self.seq)
                 if chunk.first:
@@ -68,7 +71,8 @@ class FakeRunner:
                 self.seq[chunk.req_id] = end
             self.peak = max(self.peak, self.used)
             assert self.peak <= self.budget, (self.peak, self.budget)
-            launched = StepResult(plan.step_id, [SampledToken(i, self._token(), -1.0) for i in plan.sampled])
+            tokens = [t for i in plan.sampled for t in self._run(i, plan.drafts.get(i, []))]
+            launched = StepResult(plan.step_id, [SampledToken(i, t, -1.0) for i, t in tokens])
         done = [self._pending] if self._pending is not None else []
         self._pending = None
         if launched is not None and (plan.sync or plan.empty):
@@ -76,6 +80,15 @@ class FakeRunner:
         else:
             self._pending = launched
         return done
+
+    def _run(self, req_id: int, drafts: list[int]) -> list[tuple[int, int]]:
+        """(req id, token) of its accepted drafts and one more; the rejected drafts' slots go back."""
+        accepted = self.rng.randint(0, len(drafts)) if drafts else 0
+        rejected = len(drafts) - accepted
+        if rejected:
+            self.seq[req_id] -= rejected
+            self.own[req_id] -= set(range(self.seq[req_id], self.seq[req_id] + rejected))
+        return [(req_id, t) for t in drafts[:accepted] + [self._token()]]
 
     def _token(self) -> int:
         return EOS if self.rng.random() < self.eos_rate else 100

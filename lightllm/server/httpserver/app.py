@@ -235,6 +235,13 @@ async def one_token_problem(state: ServerState) -> str | None:
     return out.error if out.finish_reason is FinishReason.ERROR else None
 
 
+def speculative_info(text: str | None) -> dict | None:
+    from lightllm.engine.spec.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(text)
+    return None if config is None else config.describe()
+
+
 async def info(request: Request) -> JSONResponse:
     state: ServerState = request.app.state.server
     config, model = state.config, state.model_info
@@ -257,6 +264,7 @@ async def info(request: Request) -> JSONResponse:
             "chunked_prefill_size": config.chunked_prefill_size,
             "burst_chunked_prefill_size": model.get("burst_chunked_prefill_size"),
             "running_max_req_size": config.running_max_req_size,
+            "speculative_config": speculative_info(config.speculative_config),
             "tool_call_parser": state.chat.tool_call_parser,
             "reasoning_parser": config.reasoning_parser,
         }

@@ -105,6 +105,24 @@ class RouterCollector:
                                   value=stats.prefix_queried_tokens)
         yield CounterMetricFamily("lightllm:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed).", value=stats.prefix_hit_tokens)
+        yield from self._speculation(routers)
+
+    @staticmethod
+    def _speculation(routers: list[RouterStats]):
+        """vLLM's spec_decode_* counters, under our prefix (absent without speculative decoding)."""
+        if not any(r.spec_accepted_per_pos for r in routers):
+            return
+        for name, what, field in (("num_drafts", "Draft runs verified.", "spec_drafts"),
+                                  ("num_draft_tokens", "Draft tokens verified.", "spec_draft_tokens"),
+                                  ("num_accepted_tokens", "Draft tokens accepted.", "spec_accepted_tokens")):
+            yield CounterMetricFamily(f"lightllm:spec_decode_{name}", what, value=sum(getattr(r, field) for r in routers))
+        per_pos = CounterMetricFamily("lightllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in their run (0: the first).",
+                                      labels=["position"])
+        for pos in range(max(len(r.spec_accepted_per_pos) for r in routers)):
+            per_pos.add_metric([str(pos)], sum(r.spec_accepted_per_pos[pos] for r in routers
+                                               if pos < len(r.spec_accepted_per_pos)))
+        yield per_pos
 
 
     @staticmethod

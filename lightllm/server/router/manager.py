@@ -157,9 +157,14 @@ class RouterManager:
 
     def _stats(self) -> RouterStats:
         scheduler = self.core.scheduler
-        return RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
-                           self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
-                           scheduler.prefix_hit_tokens, self.replica)
+        stats = RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
+                            self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
+                            scheduler.prefix_hit_tokens, self.replica)
+        spec = scheduler.speculator
+        if spec is not None:
+            stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            stats.spec_accepted_tokens, stats.spec_accepted_per_pos = spec.num_accepted_tokens, tuple(spec.accepted_per_pos)
+        return stats
 
 
 def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat,

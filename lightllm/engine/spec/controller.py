@@ -1,0 +1,224 @@
+"""The speculation controller: per step, how many drafts each decoding request gets (zero allowed).
+
+It speculates only where the expected tokens per second of the step beat plain decoding's:
+
+- Acceptance. Each request keeps a decayed count of drafts accepted and chains rejected; under
+  the usual geometric model (each draft accepted with probability alpha, given the ones before)
+  alpha's estimate is accepted / (accepted + rejections). The counts come from real verification
+  and, while a request does not speculate, from *shadow* drafts: the draft source's proposal
+  after each token is compared with the tokens that then come, which costs no device time. So an
+  alpha is known before a request ever speculates, and a request whose drafts stop matching is
+  seen to stop without paying for it. New requests start from the acceptance over all requests.
+- Cost. `StepCosts` keeps the measured period of steps (one step start to the next, which is
+  what a step costs the batch, host and device both) by their token count, for plain steps and
+  for steps with drafts, which are synchronous (their tokens decide the next plan) and so pay
+  the host's planning time too: `spec(n) = plain(n) + overhead`, the overhead measured.
+- Choice. With alpha_i, drafting k tokens brings sum_{j=1..k} alpha_i^j expected tokens beyond
+  the one a decode gets, and the j-th draft adds alpha_i^j. Those marginal gains fall with j, so
+  the best K drafts over the batch are the K largest gains; for each K the step's rate is
+  (plain tokens + gains) / spec(tokens + K), and the best K is taken only when its rate beats
+  plain(tokens)'s. The comparison is redone every step from current measurements, for the batch
+  as it is: there is no batch-size threshold at which speculation switches off, only a rate that
+  stops paying, and a wrong estimate costs the steps it takes the measurements to correct it.
+  While it speculates, a plain step of the batch's size is measured every PROBE_EVERY steps
+  (PROBE_STEPS of them), so that plain's cost is current too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightllm.engine.spec.config import SpeculativeConfig
+from lightllm.engine.spec.drafts import make_draft_source
+
+DECAY = 0.97  # a request's acceptance counts fade by this per outcome: about the last 30 chains count
+PRIOR_WEIGHT = 2.0  # a new request's acceptance is the global one, worth this many outcomes
+GLOBAL_RATE = 0.02  # the global acceptance moves this far towards each outcome
+GLOBAL_PRIOR = 0.3
+ENTER_MARGIN = 0.05  # from plain steps, speculate only when 5% ahead: entering costs a step's overlap
+COST_RATE = 0.1  # a step period's estimate moves this far towards each measurement
+# While it speculates, plain steps of the batch's size are not measured: after this many steps
+# with drafts, PROBE_STEPS plain ones (two: an overlapped step's period is measured by the next).
+PROBE_EVERY = 64
+PROBE_STEPS = 2
+EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
+
+
+@dataclass
+class RequestSpec:
+    """A request's acceptance counts and its shadow proposal (drafts compared, not run)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    shadow: list[int] = field(default_factory=list)
+
+    def outcome(self, accepted: int, rejected: bool) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.rejected = self.rejected * DECAY + rejected
+
+    def alpha(self, prior: float) -> float:
+        return (self.accepted + PRIOR_WEIGHT * prior) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+
+
+def _bin(tokens: int) -> int:
+    return tokens if tokens <= EXACT_BINS else EXACT_BINS + int(8 * math.log2(tokens / EXACT_BINS))
+
+
+class StepCosts:
+    """Measured step periods (seconds) by token count: plain steps, and the extra a step with
+    drafts takes over a plain step of as many tokens."""
+
+    def __init__(self):
+        self._plain: dict[int, list[float]] = {}  # bin -> [tokens, seconds], moving averages
+        self.overhead = 0.0  # a step with drafts, over plain(its tokens)
+        self._points: tuple[np.ndarray, np.ndarray] | None = None
+
+    def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
+        if drafted:
+            if self._plain:
+                self.overhead += COST_RATE * (seconds - float(self.plain(np.array([tokens]))[0]) - self.overhead)
+            return
+        point = self._plain.get(_bin(tokens))
+        if point is None:
+            self._plain[_bin(tokens)] = [float(tokens), seconds]
+        else:
+            point[0] += COST_RATE * (tokens - point[0])
+            point[1] += COST_RATE * (min(seconds, 5 * point[1]) - point[1])  # one stall is not the cost
+        self._points = None
+
+    @property
+    def known(self) -> bool:
+        return bool(self._plain)
+
+    def plain(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of plain steps of `tokens`: interpolated between measured counts, extended
+        past the largest along the last two's slope (flat with a single one)."""
+        if self._points is None:
+            pts = sorted(self._plain.values())
+            self._points = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        xs, ys = self._points
+        out = np.interp(tokens, xs, ys)
+        if len(xs) > 1:
+            slope = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
+            out = np.where(tokens > xs[-1], ys[-1] + slope * (tokens - xs[-1]), out)
+        return out
+
+    def spec(self, tokens: np.ndarray) -> np.ndarray:
+        return self.plain(tokens) + max(self.overhead, 0.0)
+
+
+class Speculator:
+    """The draft source and the controller, for the scheduler: it sees each request's tokens
+    and says which drafts the next step verifies. Counters in vLLM's names feed /metrics."""
+
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_rows: int):
+        self.config = config
+        self.source = make_draft_source(config, vocab_size)
+        self.k_max = config.num_speculative_tokens
+        self.max_rows = max_rows  # decode rows a step may have (the largest CUDA-graph decode bucket)
+        self.costs = StepCosts()
+        self.global_alpha = GLOBAL_PRIOR
+        self.speculating = False  # the last plan had drafts
+        self._drafted_steps = 0  # steps with drafts since the last probe
+        self._probe_left = 0  # plain steps still to run for the probe
+        self.num_drafts = 0  # verified chains
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k_max
+
+    # ---- requests' tokens ----
+
+    def start(self, req_id: int, prompt_ids: list[int]) -> RequestSpec:
+        self.source.start(req_id, prompt_ids)
+        return RequestSpec()
+
+    def finish(self, req_id: int) -> None:
+        self.source.finish(req_id)
+
+    def observe(self, req_id: int, spec: RequestSpec, token_ids: list[int], shadow: bool) -> None:
+        """Tokens the request generated: score the shadow proposal against them, pass them to
+        the source, and (with `shadow`) propose the next shadow drafts."""
+        for token in token_ids:
+            if not spec.shadow:
+                break
+            if spec.shadow[0] != token:
+                self._outcome(spec, 0, True)
+                spec.shadow = []
+                break
+            spec.shadow.pop(0)
+            self._outcome(spec, 1, False)
+        self.source.extend(req_id, token_ids)
+        if shadow and not spec.shadow:
+            spec.shadow = self.source.propose(req_id, self.k_max)
+
+    def verified(self, spec: RequestSpec, drafts: int, accepted: int) -> None:
+        """A step verified `drafts` drafts of the request and accepted the first `accepted`."""
+        spec.shadow = []
+        spec.outcome(0, False)  # decay once per chain, then count it
+        spec.accepted += accepted
+        spec.rejected += accepted < drafts
+        self._global(accepted, accepted < drafts)
+        self.num_drafts += 1
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def _outcome(self, spec: RequestSpec, accepted: int, rejected: bool) -> None:
+        spec.outcome(accepted, rejected)
+        self._global(accepted, rejected)
+
+    def _global(self, accepted: int, rejected: bool) -> None:
+        for _ in range(accepted):
+            self.global_alpha += GLOBAL_RATE * (1.0 - self.global_alpha)
+        if rejected:
+            self.global_alpha += GLOBAL_RATE * (0.0 - self.global_alpha)
+
+    # ---- the choice ----
+
+    def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
+        self.costs.measured(drafted, tokens, seconds)
+
+    def planned(self, drafted: bool) -> None:
+        """The step just planned had drafts or not: count towards the next probe of plain steps."""
+        self.speculating = drafted
+        if self._probe_left:
+            self._probe_left -= 1
+        elif drafted:
+            self._drafted_steps += 1
+            if self._drafted_steps >= PROBE_EVERY:
+                self._drafted_steps, self._probe_left = 0, PROBE_STEPS
+
+    @property
+    def probing(self) -> bool:
+        return self._probe_left > 0
+
+    def allocate(self, alphas: list[float], limits: list[int], tokens: int, outputs: int) -> list[int] | None:
+        """Drafts per candidate (alphas, most drafts each may take) for a step of `tokens`
+        tokens that emits `outputs` without drafts; None when a plain step is expected to do
+        at least as well (margin ENTER_MARGIN when the last step had no drafts)."""
+        if not self.costs.known or not alphas or self.probing:
+            return None
+        room = self.max_rows - outputs  # at least one row per plain output: keep to the largest graph
+        limits = np.minimum(np.array(limits, dtype=np.int64), self.k_max)
+        if room <= 0 or limits.sum() == 0:
+            return None
+        owner = np.repeat(np.arange(len(alphas)), limits)
+        depth = np.arange(len(owner)) - np.repeat(np.cumsum(limits) - limits, limits) + 1
+        gains = np.array(alphas)[owner] ** depth
+        order = np.argsort(-gains, kind="stable")[:room]
+        extra = np.arange(1, len(order) + 1)
+        rate = (outputs + np.cumsum(gains[order])) / self.costs.spec(tokens + extra)
+        best = int(np.argmax(rate))
+        plain = outputs / float(self.costs.plain(np.array([tokens]))[0])
+        margin = 0.0 if self.speculating else ENTER_MARGIN
+        if rate[best] <= plain * (1 + margin):
+            return None
+        return np.bincount(owner[order[: best + 1]], minlength=len(alphas)).tolist()
+
+    def stats(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos)}
