@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.models import make_model, make_runner
+from helpers.spec import OracleDraft, speculating_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -201,43 +202,6 @@ def test_shadow_drafts_measure_acceptance_without_speculating():
 
 # ---- the engine: against transformers, and against itself without drafts ----
 
-class OracleDraft:
-    """Proposes transformers' greedy continuation (ORACLE, by prompt), each token wrong with
-    probability WRONG: acceptance is partial, so runs of every length are verified."""
-
-    ORACLE: dict[tuple, list[int]] = {}
-    WRONG = 0.3
-
-    def __init__(self, vocab_size: int):
-        self.vocab, self.reqs, self.rng = vocab_size, {}, random.Random(1)
-
-    def start(self, req_id, prompt_ids):
-        self.reqs[req_id] = (tuple(prompt_ids), [])
-
-    def extend(self, req_id, token_ids):
-        self.reqs[req_id][1].extend(token_ids)
-
-    def propose(self, req_id, k):
-        prompt, out = self.reqs[req_id]
-        truth = self.ORACLE.get(prompt, [])[len(out): len(out) + k]
-        return [t if self.rng.random() >= self.WRONG else (t + 1) % self.vocab for t in truth]
-
-    def finish(self, req_id):
-        self.reqs.pop(req_id, None)
-
-
-def speculating_engine(runner, chunk, method, overlap=True, prefix_cache=True, **config):
-    from helpers.models import engine
-
-    core = engine(runner, chunk, overlap=overlap, prefix_cache=prefix_cache)
-    spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=5, **config), runner.config.vocab_size,
-                      runner.req_table.max_reqs * 6)
-    spec.measured(False, 1, 0.01)  # a flat step cost: drafts always pay while they are accepted
-    spec.global_alpha = 0.9
-    core.scheduler.speculator = spec
-    return core
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("chunk", [4, 64])
 def test_greedy_with_drafts_equals_transformers(tmp_path, chunk, overlap):
@@ -248,7 +212,7 @@ def test_greedy_with_drafts_equals_transformers(tmp_path, chunk, overlap):
     prompts = random_prompts(chunk, lengths=(3, 17, 9, 30))
     expected = hf_greedy(hf_model, prompts, 24)
     OracleDraft.ORACLE = {tuple(p): expected[i] for i, p in enumerate(prompts)}
-    core = speculating_engine(runner, chunk, f"{__name__}:OracleDraft", overlap=overlap)
+    core = speculating_engine(runner, chunk, "helpers.spec:OracleDraft", overlap=overlap)
     got = Client(core).run(prompts + prompts[:1], SamplingParams(max_new_tokens=24))  # the last: a cached prompt
     assert got == [expected[i] for i in range(len(prompts))] + [expected[0]]
     spec = core.scheduler.speculator

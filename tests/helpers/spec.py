@@ -1,0 +1,44 @@
+"""Speculative decoding in tests: a draft source that knows the answer, and an engine that drafts."""
+
+import random
+
+from helpers.models import engine
+
+from lightllm.engine.spec.config import SpeculativeConfig
+from lightllm.engine.spec.controller import Speculator
+
+
+class OracleDraft:
+    """Proposes transformers' greedy continuation (ORACLE, by prompt), each token wrong with
+    probability WRONG: acceptance is partial, so runs of every length are verified."""
+
+    ORACLE: dict[tuple, list[int]] = {}
+    WRONG = 0.3
+
+    def __init__(self, vocab_size: int):
+        self.vocab, self.reqs, self.rng = vocab_size, {}, random.Random(1)
+
+    def start(self, req_id, prompt_ids):
+        self.reqs[req_id] = (tuple(prompt_ids), [])
+
+    def extend(self, req_id, token_ids):
+        self.reqs[req_id][1].extend(token_ids)
+
+    def propose(self, req_id, k):
+        prompt, out = self.reqs[req_id]
+        truth = self.ORACLE.get(prompt, [])[len(out): len(out) + k]
+        return [t if self.rng.random() >= self.WRONG else (t + 1) % self.vocab for t in truth]
+
+    def finish(self, req_id):
+        self.reqs.pop(req_id, None)
+
+
+def speculating_engine(runner, chunk, method, overlap=True, prefix_cache=True, **config):
+    """An engine core on `runner` whose controller speculates whenever drafts are accepted."""
+    core = engine(runner, chunk, overlap=overlap, prefix_cache=prefix_cache)
+    spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=5, **config), runner.config.vocab_size,
+                      runner.req_table.max_reqs * 6)
+    spec.measured(False, 1, 0.01)  # a flat step cost: drafts always pay while they are accepted
+    spec.global_alpha = 0.9
+    core.scheduler.speculator = spec
+    return core
