@@ -268,3 +268,33 @@ def test_default_model_output_is_unchanged_by_speculation(default_runs, method):
             for pos, pos0 in zip(logprobs, logprobs0):
                 assert pos.keys() == pos0.keys()
                 assert all(abs(pos[t].logprob - pos0[t].logprob) < 1e-3 for t in pos)
+
+
+def test_server_streams_the_same_tokens_and_reports_drafts(default_server, default_model_dir, tmp_path):
+    """A server with --speculative_config: /info shows it, a copy request streams the tokens the
+    plain server streams (several per event batch at times), and /metrics counts the drafts."""
+    import json
+
+    from server_utils import sse_events, start_server
+
+    config = {"method": "ngram", "num_speculative_tokens": 6}
+    server = start_server(["--model_dir", str(default_model_dir), "--speculative_config", json.dumps(config)],
+                          tmp_path / "server.log")
+    try:
+        assert server.post("/info", b"").status_code == 405
+        import requests
+
+        assert requests.get(f"{server.url}/info", timeout=10).json()["speculative_config"] == config
+        body = {"inputs": f"Repeat exactly, word for word: {PASSAGE}\nRepeated: {PASSAGE[:40]}",
+                "parameters": {"max_new_tokens": 48}}
+        streams = []
+        for target in (default_server, server):
+            response = target.stream(body)
+            streams.append([e["token"]["id"] for e in sse_events(response) if "token" in e])
+        assert streams[0] == streams[1] and len(streams[0]) == 48
+        metrics = server.metrics()
+        assert metrics["lightllm:spec_decode_num_accepted_tokens_total"] > 0
+        assert (metrics["lightllm:spec_decode_num_accepted_tokens_total"]
+                == sum(v for k, v in metrics.items() if k.startswith("lightllm:spec_decode_num_accepted_tokens_per_pos")))
+    finally:
+        assert server.stop() == 0
