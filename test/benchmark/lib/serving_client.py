@@ -86,6 +86,7 @@ async def post_generate_stream(session: aiohttp.ClientSession, url: str, body: d
                     result.itl.append(now - last)
                 last = now
                 result.output_len += 1
+                result.output_ids.append(event["token"]["id"])
             if event.get("finished"):
                 result.output_text = event.get("generated_text") or ""
                 result.success = True
@@ -135,11 +136,15 @@ class Sender:
         self.bar = tqdm(total=total, desc="requests", disable=not progress)
 
     async def send(self, request: SampledRequest) -> RequestResult:
+        return await self.limited(lambda: send(self.session, self.url, request, self.stream))
+
+    async def limited(self, start_one) -> RequestResult:
+        """`start_one()` awaited within the limit on requests in flight."""
         if self.limit is None:
-            result = await send(self.session, self.url, request, self.stream)
+            result = await start_one()
         else:
             async with self.limit:
-                result = await send(self.session, self.url, request, self.stream)
+                result = await start_one()
         self.bar.update(1)
         return result
 
@@ -268,6 +273,64 @@ async def run_conversations(
         sender, len(conversations), request_rate, seed,
         lambda i: converse(sender, conversations[i], output_len, count_tokens))
     return [result for turns in results for result in turns], duration
+
+
+def chat_payload(messages: list[dict], max_tokens: int) -> dict:
+    """A greedy streamed chat request that stops at EOS, its usage (token count) in the last chunk."""
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def post_chat_stream(session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult) -> None:
+    """/v1/chat/completions, streamed: TTFT at the first text, ITL between chunks (a chunk may carry
+    several tokens), the token count from the usage chunk."""
+    start = last = time.perf_counter()
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            result.error = await error_text(response)
+            return
+        pieces, finished = [], False
+        async for event in sse_events(response):
+            if event.get("error"):
+                result.error = f"stream error: {event['error']}"
+                return
+            result.output_len = (event.get("usage") or {}).get("completion_tokens", result.output_len)
+            for choice in event.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    pieces.append(text)
+                finished = finished or choice.get("finish_reason") is not None
+        result.output_text = "".join(pieces)
+        result.success = finished
+        result.error = "" if finished else "stream ended without a finish reason"
+
+
+async def send_chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> RequestResult:
+    result = RequestResult(0, max_tokens)
+    result.sent_at = time.time()
+    start = time.perf_counter()
+    try:
+        await post_chat_stream(session, url, chat_payload(messages, max_tokens), result)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - start
+    return result
+
+
+async def run_chats(url: str, chats: list[tuple[list[dict], int]], max_concurrency: int | None = None,
+                    timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send every (messages, max_tokens) chat at once, at most `max_concurrency` in flight; their
+    results in order and the wall time. Greedy, ending at EOS: a result has the length it has."""
+    raise_open_file_limit()
+    sender = Sender(url, True, max_concurrency, timeout_s, len(chats), progress)
+    return await send_at_arrivals(sender, len(chats), math.inf, 0,
+                                  lambda i: sender.limited(lambda: send_chat(sender.session, url, *chats[i])))
 
 
 async def read_prefix_cache_counters(url: str) -> dict[str, float]:

@@ -52,6 +52,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between consecutive tokens
     error: str = ""
     output_text: str = ""
+    output_ids: list[int] = field(default_factory=list)  # streamed from /generate_stream: each token's id
     sent_at: float = 0.0  # time.time() when sent (the wall clock, comparable between client processes); 0: unknown
 
 
