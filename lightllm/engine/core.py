@@ -78,7 +78,7 @@ class EngineCore:
         start = time.perf_counter()
         outs = self._measure_and_collect(start)
         plan = self.scheduler.schedule()
-        if plan.empty and not plan.ops and not self._in_flight:
+        if plan.empty and not plan.ops and not self._in_flight and not self.scheduler.awaiting_grammars:
             self._timing = None
             return outs
         plan.sync = not self._overlap or plan.empty or bool(plan.drafts)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import torch
@@ -31,7 +31,7 @@ from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import token_budget
-from lightllm.engine.plan import Evict, Insert, Release, Reset, Split, StepPlan, StepResult
+from lightllm.engine.plan import DropGrammar, Evict, Insert, LoadGrammar, Release, Reset, Split, StepPlan, StepResult
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
@@ -97,6 +97,9 @@ class ModelRunner:
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
+        # Grammars load on their own thread, off the step: req id -> (matcher future, reported yet)
+        self._grammar_thread: ThreadPoolExecutor | None = None
+        self._grammar_loads: dict[int, list] = {}
         self._trace = None
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
@@ -141,10 +144,30 @@ class ModelRunner:
                 done += [] if launched is None else [self._settle(launched)]
             elif job is not None:
                 self._pending = job
-            return done
+            return self._report_grammars(done, idle=job is None)
         except BaseException:
             self._pending = None
             raise
+
+    def _report_grammars(self, done: list[StepResult], idle: bool) -> list[StepResult]:
+        """Add the grammars loaded since the last report to the last result (or to a result of
+        their own). A call with nothing launched waits a moment for one while any is loading, so
+        that an engine waiting only for grammars does not spin."""
+        loading = [load[0] for load in self._grammar_loads.values() if not load[1]]
+        if idle and loading and not done:
+            wait(loading, timeout=0.002, return_when=FIRST_COMPLETED)
+        ready = []
+        for req_id, load in self._grammar_loads.items():
+            if not load[1] and load[0].done():
+                load[1] = True
+                error = load[0].exception()
+                ready.append((req_id, None if error is None else str(error)))
+        if not ready:
+            return done
+        if not done:
+            return [StepResult(-1, grammars=ready)]
+        done[-1].grammars = ready
+        return done
 
     def _settle(self, launched: LaunchedStep) -> StepResult:
         """The step's result; with drafts, keep each verifying request's accepted run (its drafts
@@ -237,7 +260,7 @@ class ModelRunner:
                 row = self.req_table.alloc()
                 if chunk.prefix:
                     self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
-                state = SamplingState(chunk.sampling, matcher=self._matcher(chunk.sampling))
+                state = SamplingState(chunk.sampling, matcher=self._loaded_matcher(chunk.req_id, chunk.sampling))
                 self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
                                                      [] if chunk.sampling.prompt_logprobs is not None else None)
 
@@ -273,11 +296,24 @@ class ModelRunner:
         self._last_launched = launched
         return launched
 
-    def _matcher(self, params):
-        """The grammar matcher of a request with structured output: its grammar comes compiled
-        from the HTTP process (read once, cached); only the offline LLM's compile here."""
+    def _loaded_matcher(self, req_id: int, params):
+        """The grammar matcher of a request with structured output, loaded off the step (or, for a
+        request whose grammar no op loaded, such as a test's, loaded now on the same thread)."""
         if not params.grammar_kind:
             return None
+        load = self._grammar_loads.pop(req_id, None)
+        future = load[0] if load is not None else self._load_grammar(
+            LoadGrammar(req_id, params.grammar_kind, params.grammar, params.compiled_grammar))
+        return future.result()
+
+    def _load_grammar(self, op: LoadGrammar) -> Future:
+        """The matcher of op's grammar, on the grammar thread: its compiled form comes from the HTTP
+        process (read, then cached by the grammar); only the offline LLM's compile here."""
+        if self._grammar_thread is None:
+            self._grammar_thread = ThreadPoolExecutor(1, "grammar")
+        return self._grammar_thread.submit(self._grammar_matcher, op.kind, op.grammar, op.compiled)
+
+    def _grammar_matcher(self, kind: str, grammar: str, compiled: str):
         if self._grammars is None:
             from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
 
@@ -285,7 +321,7 @@ class ModelRunner:
             self._grammars = Grammars(config.model_dir, self.config.vocab_size,
                                       stop_token_ids=list(self.config.eos_token_ids),
                                       tokenizer_mode=config.tokenizer_mode, trust_remote_code=config.trust_remote_code)
-        return self._grammars.matcher(params.grammar_kind, params.grammar, params.compiled_grammar)
+        return self._grammars.matcher(kind, grammar, compiled)
 
     def _record_previous_tokens(self) -> None:
         """Penalties and grammars need the previous step's tokens on the host: wait for them only then."""
@@ -381,6 +417,10 @@ class ModelRunner:
             elif isinstance(op, Reset):
                 self.reset()
                 to_free = []
+            elif isinstance(op, LoadGrammar):
+                self._grammar_loads[op.req_id] = [self._load_grammar(op), False]
+            elif isinstance(op, DropGrammar):
+                self._grammar_loads.pop(op.req_id, None)
             else:
                 raise TypeError(f"unknown op {op!r}")
         if to_free:
@@ -391,6 +431,7 @@ class ModelRunner:
             self.req_table.free(r.row)
         self.reqs.clear()
         self.nodes.clear()
+        self._grammar_loads.clear()
         self.token_table.free_all()
         self._last_launched = None
 

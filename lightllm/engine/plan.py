@@ -55,7 +55,26 @@ class Reset:
     """Drop every request and node (after a failed step: start again from an empty cache)."""
 
 
-OPS = (Release, Insert, Split, Evict, Reset)
+@dataclass
+class LoadGrammar:
+    """A request with structured output arrived: read its grammar (xgrammar's serialized form from
+    the HTTP process, else compile it) on the runner's grammar thread, off the step; the request is
+    admitted once a result reports it loaded (StepResult.grammars)."""
+
+    req_id: int
+    kind: str
+    grammar: str
+    compiled: str = ""
+
+
+@dataclass
+class DropGrammar:
+    """A request whose grammar was loading or loaded ended before its first chunk."""
+
+    req_id: int
+
+
+OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar)
 
 
 @dataclass
@@ -103,6 +122,9 @@ class StepResult:
     step_id: int
     tokens: list[SampledToken] = field(default_factory=list)  # in `StepPlan.sampled` order (a run for a drafting request)
     error: str | None = None  # the step failed: none of its requests got a token
+    # Grammars loaded since the last result, (req id, None) or (req id, why it cannot be used);
+    # step_id -1: a result with only these (no step finished).
+    grammars: list[tuple[int, str | None]] = field(default_factory=list)
 
 
 # ---- rpyc passes lists by reference (a round trip per element): plans cross as nested tuples ----
@@ -151,11 +173,11 @@ def result_to_wire(result: StepResult | None) -> tuple | None:
     # items on a fast path (measured on H100: a 512-token result read 2-3.6x slower as 5-tuples).
     return result.step_id, tuple((t.req_id, t.token_id, t.logprob) if t.top is None and t.prompt is None
                                  else (t.req_id, t.token_id, t.logprob, t.top, t.prompt)
-                                 for t in result.tokens), result.error
+                                 for t in result.tokens), result.error, tuple(result.grammars)
 
 
 def result_from_wire(wire: tuple | None) -> StepResult | None:
     if wire is None:
         return None
-    step_id, tokens, error = wire
-    return StepResult(step_id, [SampledToken(*t) for t in tokens], error)
+    step_id, tokens, error, grammars = wire
+    return StepResult(step_id, [SampledToken(*t) for t in tokens], error, list(grammars))

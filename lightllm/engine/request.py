@@ -128,6 +128,7 @@ class Req:
         # Speculative decoding: the controller's state of it (spec.controller.RequestSpec), where
         # its last verified run started in output_ids and how many drafts it accepted, and the
         # accepted drafts after the token it ended on (their KV is written, never emitted).
+        self.grammar_ready = True  # False while its grammar loads (structured output): not admitted yet
         self.spec = None
         self.run_start = self.run_accepted = 0
         self.unemitted: list[int] = []

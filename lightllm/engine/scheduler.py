@@ -17,13 +17,14 @@ a step needs their room.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
-from lightllm.engine.plan import Chunk, Release, Reset, StepPlan, StepResult
+from lightllm.engine.plan import Chunk, DropGrammar, LoadGrammar, Release, Reset, StepPlan, StepResult
 from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,11 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         req.arrival_step = self._next_step
+        if req.sampling.grammar_kind:  # its grammar loads off the step first (LoadGrammar), then it is admitted
+            p = req.sampling
+            self._ops.append(LoadGrammar(req.req_id, p.grammar_kind, p.grammar, p.compiled_grammar))
+            req.sampling = dataclasses.replace(p, compiled_grammar="")  # sent once: megabytes, at times
+            req.grammar_ready = False
         self.waiting[req.req_id] = req
         self._waiting_prompt_tokens += req.prompt_len
         self._by_id[req.req_id] = req
@@ -195,6 +201,8 @@ class Scheduler:
             self._end(req)
         else:
             self._waiting_prompt_tokens -= req.prompt_len
+            if req.sampling.grammar_kind:
+                self._ops.append(DropGrammar(req_id))
         req.status = ReqStatus.FINISHED
         return True
 
@@ -221,6 +229,12 @@ class Scheduler:
             self._ops.append(Release(req.req_id, start, end))
         if node is not None:
             self.cache.unlock(node)
+
+    @property
+    def awaiting_grammars(self) -> bool:
+        """Some waiting request's grammar is still loading: the engine asks the runner (a step
+        with nothing to run) until it reports them."""
+        return any(not r.grammar_ready for r in self.waiting.values())
 
     @property
     def has_work(self) -> bool:
@@ -442,7 +456,9 @@ class Scheduler:
             return
         if self._gathering_room(room):
             return
-        candidates = self._admission_order()[:room]
+        candidates = [r for r in self._admission_order() if r.grammar_ready][:room]
+        if not candidates:
+            return
         matches = None
         if self.cache is not None and self.cache.total_tokens:
             matches = [self.cache.match(req.prompt_ids[: req.prompt_len - 1] if req.uses_cache else [])
@@ -535,8 +551,9 @@ class Scheduler:
 
     def process(self, result: StepResult) -> list[TokenOut]:
         """Turn a step's tokens into outputs; end the requests that finished."""
+        outs = self._grammars_loaded(result.grammars)
         if result.step_id not in self._in_steps:
-            return []  # a step launched before the engine was reset: its requests are gone
+            return outs  # a step launched before the engine was reset, or only grammars
         self._in_steps.remove(result.step_id)
         if result.error is not None:
             logger.error("model step %d failed: %s", result.step_id, result.error)
@@ -544,7 +561,6 @@ class Scheduler:
         drafts = self._drafts.pop(result.step_id, {})
         if drafts:
             self._settle_drafts(result, drafts)
-        outs = []
         spec = self.speculator
         shadow = spec is not None and 2 * len(self.running) <= spec.max_rows  # bounded host time a step
         for token in result.tokens:
@@ -563,6 +579,24 @@ class Scheduler:
                 if run is not None:  # its KV holds the accepted drafts after the token it ended on
                     req.unemitted = run[req.output_count - req.run_start: req.run_accepted]
                 self._end(req)
+        return outs
+
+    def _grammars_loaded(self, loaded: list) -> list[TokenOut]:
+        """Waiting requests whose grammar loaded may be admitted; one that cannot be used ends."""
+        outs = []
+        for req_id, error in loaded:
+            req = self.waiting.get(req_id)
+            if req is None:
+                continue  # aborted meanwhile (its DropGrammar is on its way)
+            if error is None:
+                req.grammar_ready = True
+                continue
+            self.waiting.pop(req_id)
+            self._by_id.pop(req_id, None)
+            self._waiting_prompt_tokens -= req.prompt_len
+            req.status = ReqStatus.FINISHED
+            self._ops.append(DropGrammar(req_id))
+            outs.append(TokenOut(req_id, -1, 0.0, FinishReason.ERROR, error=f"grammar: {error}"))
         return outs
 
     def _settle_drafts(self, result: StepResult, drafts: dict[int, list[int]]) -> None:
