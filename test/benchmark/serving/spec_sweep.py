@@ -111,7 +111,7 @@ def parse_loads(text: str) -> list[Load]:
 
 def parse_alphas(text: str) -> list[float]:
     alphas = [float(part) for part in text.split(",") if part.strip()]
-    if not alphas or not all(0.0 <= a <= 1.0 for a in alphas):
+    if not all(0.0 <= a <= 1.0 for a in alphas):
         raise argparse.ArgumentTypeError(f"alphas are probabilities in [0, 1], comma-separated: {text!r}")
     return alphas
 
@@ -132,9 +132,11 @@ class Setting:
 
 
 def settings_of(args) -> list[Setting]:
-    if args.workload == "copy":
-        return [Setting(OFF), *(Setting(method, method) for method in args.methods)]
-    return [Setting(OFF), *(Setting(f"alpha {a:g}", CONTROLLED, a) for a in args.alphas)]
+    """Off, then the controlled draft at each alpha (controlled workload only), then each method."""
+    methods = args.methods if args.methods is not None else (["ngram", "suffix"] if args.workload == "copy" else [])
+    alphas = args.alphas if args.workload != "copy" else []
+    return [Setting(OFF), *(Setting(f"alpha {a:g}", CONTROLLED, a) for a in alphas),
+            *(Setting(method, method) for method in methods)]
 
 
 @dataclass
@@ -459,13 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--loads", type=parse_loads, default=None,
         help="comma-separated (see above); default batch1@16,conc8,conc32,conc64,conc256 (copy: batch1,conc8)")
     add("--alphas", type=parse_alphas, default=parse_alphas("0,0.3,0.6,0.8,0.9"), help="controlled draft's alphas")
-    add("--methods", type=lambda t: [m for m in t.split(",") if m], default=["ngram", "suffix"],
-        help="copy: speculative methods against off")
+    add("--methods", type=lambda t: [m for m in t.split(",") if m], default=None,
+        help="speculative methods against off (copy: default ngram,suffix; controlled: none, after the alphas; "
+             "--alphas '' for methods alone)")
     add("--kinds", type=lambda t: [k for k in t.split(",") if k], default=["repeat", "edit", "multi-turn"],
         help="copy: the chats (copy_workloads.py)")
     add("--passage-tokens", type=lambda t: tuple(int(n) for n in t.split(",")), default=(64, 384),
         metavar="MIN,MAX", help="copy: the passages' length in tokens")
-    add("--num-speculative-tokens", type=int, default=4, help="most drafts a request gets a step")
+    add("--num-speculative-tokens", type=int, default=8, help="most drafts a request gets a step")
     add("--num-prompts", type=int, default=64, help="requests of a load without @COUNT")
     add("--output-len", type=int, default=128, help="controlled: every request's output tokens")
     add("--requests", type=Path, default=None,
