@@ -41,6 +41,7 @@ class EngineCore:
         # whose result it waited for), and (tokens, drafted) of the plan in flight.
         self._timing: tuple[float, tuple | None] | None = None
         self._flight: tuple[int, bool] | None = None
+        self._flushed = False  # this step collected the one in flight first
 
     def add(self, msg: GenerateReq) -> list[TokenOut]:
         """Queue a request; a prompt the model cannot take ends at once with an error, here, so
@@ -83,7 +84,7 @@ class EngineCore:
             return outs
         plan.sync = not self._overlap or plan.empty or bool(plan.drafts)
         if self.scheduler.speculator is not None:
-            self._time(start, plan, flushed=bool(outs))
+            self._time(time.perf_counter() if self._flushed else start, plan)
         return outs + self._run(plan)
     def _run(self, plan: StepPlan) -> list[TokenOut]:
         try:
@@ -106,19 +107,19 @@ class EngineCore:
         if self._timing is not None and self._timing[1] is not None:
             start, (tokens, drafted) = self._timing
             spec.measured(drafted, tokens, now - start)
-        self._timing = None
+        self._timing, self._flushed = None, False
         if not self._in_flight or not self.scheduler.wants_drafts():
             return []
-        self._flight = None
+        self._flight, self._flushed = None, True
         return self._run(StepPlan(-1, sync=True))  # empty: answers with the step in flight
 
-    def _time(self, start: float, plan: StepPlan, flushed: bool) -> None:
-        """A step's period (its start to the next's) is what the step whose result it waits for
-        cost the batch: this plan's when it is sync, else the one in flight before it. A period
-        that waits for two (or for none) measures nothing."""
+    def _time(self, start: float, plan: StepPlan) -> None:
+        """A step's period (its start, or the end of the collection before it, to the next step's
+        start) is what the step whose result it waits for cost the batch: this plan's when it is
+        sync, else the one in flight before it. A period that waits for two measures nothing."""
         shape = None if plan.empty else (plan.num_tokens, bool(plan.drafts))
         collected = shape if plan.sync else self._flight
-        if flushed or (plan.sync and self._flight is not None):
+        if plan.sync and self._flight is not None:
             collected = None
         self._flight = None if plan.sync else shape
         self._timing = (start, collected)

@@ -12,7 +12,7 @@ It speculates only where the expected tokens per second of the step beat plain d
 - Cost. `StepCosts` keeps the measured period of steps (one step start to the next, which is
   what a step costs the batch, host and device both) by their token count, for plain steps and
   for steps with drafts, which are synchronous (their tokens decide the next plan) and so pay
-  the host's planning time too: `spec(n) = plain(n) + overhead`, the overhead measured.
+  the host's planning time too.
 - Choice. With alpha_i, drafting k tokens brings sum_{j=1..k} alpha_i^j expected tokens beyond
   the one a decode gets, and the j-th draft adds alpha_i^j. Those marginal gains fall with j, so
   the best K drafts over the batch are the K largest gains; for each K the step's rate is
@@ -21,7 +21,8 @@ It speculates only where the expected tokens per second of the step beat plain d
   as it is: there is no batch-size threshold at which speculation switches off, only a rate that
   stops paying, and a wrong estimate costs the steps it takes the measurements to correct it.
   While it speculates, a plain step of the batch's size is measured every PROBE_EVERY steps
-  (PROBE_STEPS of them), so that plain's cost is current too.
+  (PROBE_STEPS of them), so that plain's cost is current too; and while it does not, a step
+  with drafts every SPEC_PROBE_EVERY steps where acceptance is high enough to matter.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ COST_RATE = 0.1  # a step period's estimate moves this far towards each measurem
 # with drafts, PROBE_STEPS plain ones (two: an overlapped step's period is measured by the next).
 PROBE_EVERY = 64
 PROBE_STEPS = 2
+# And while it does not, a step with drafts every SPEC_PROBE_EVERY steps when some request's drafts
+# would be accepted at least SPEC_PROBE_ALPHA: a cost measured long ago, or at another batch, must
+# not keep speculation off for good.
+SPEC_PROBE_EVERY = 64
+SPEC_PROBE_ALPHA = 0.5
 EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
 
 
@@ -67,39 +73,56 @@ def _bin(tokens: int) -> int:
     return tokens if tokens <= EXACT_BINS else EXACT_BINS + int(8 * math.log2(tokens / EXACT_BINS))
 
 
-class StepCosts:
-    """Measured step periods (seconds) by token count: plain steps, and the extra a step with
-    drafts takes over a plain step of as many tokens."""
+class Curve:
+    """Step periods (seconds) by token count: a moving average per bin of counts."""
 
     def __init__(self):
-        self._plain: dict[int, list[float]] = {}  # bin -> [tokens, seconds], moving averages
-        self.overhead = 0.0  # a step with drafts, over plain(its tokens)
+        self._bins: dict[int, list[float]] = {}  # bin -> [tokens, seconds], moving averages
         self._points: tuple[np.ndarray, np.ndarray] | None = None
 
-    def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
-        if drafted:
-            if self._plain:
-                self.overhead += COST_RATE * (seconds - float(self.plain(np.array([tokens]))[0]) - self.overhead)
-            return
-        point = self._plain.get(_bin(tokens))
+    def add(self, tokens: int, seconds: float) -> None:
+        point = self._bins.get(_bin(tokens))
         if point is None:
-            self._plain[_bin(tokens)] = [float(tokens), seconds]
+            self._bins[_bin(tokens)] = [float(tokens), seconds]
         else:
             point[0] += COST_RATE * (tokens - point[0])
             point[1] += COST_RATE * (min(seconds, 5 * point[1]) - point[1])  # one stall is not the cost
         self._points = None
+
+    def __bool__(self) -> bool:
+        return bool(self._bins)
+
+    @property
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._points is None:
+            pts = sorted(self._bins.values())
+            self._points = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        return self._points
+
+
+class StepCosts:
+    """Measured step periods by token count, of plain steps and of steps with drafts.
+
+    plain(n) interpolates between measured counts and goes on past the largest along the last
+    two's slope (flat with one). spec(n) is plain(n) plus the residual (spec less plain) of the
+    steps with drafts measured nearest n, interpolated between them: a step with drafts pays the
+    host's planning time that overlap hides for plain steps, and its rows may cost more or less
+    than plain tokens. Below the fewest tokens measured with drafts the smallest residual counts,
+    and with none measured yet nothing: a smaller step is tried rather than assumed dear, and once
+    tried it is measured."""
+
+    def __init__(self):
+        self._plain, self._spec = Curve(), Curve()
+
+    def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
+        (self._spec if drafted else self._plain).add(tokens, seconds)
 
     @property
     def known(self) -> bool:
         return bool(self._plain)
 
     def plain(self, tokens: np.ndarray) -> np.ndarray:
-        """Seconds of plain steps of `tokens`: interpolated between measured counts, extended
-        past the largest along the last two's slope (flat with a single one)."""
-        if self._points is None:
-            pts = sorted(self._plain.values())
-            self._points = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
-        xs, ys = self._points
+        xs, ys = self._plain.points
         out = np.interp(tokens, xs, ys)
         if len(xs) > 1:
             slope = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
@@ -107,7 +130,12 @@ class StepCosts:
         return out
 
     def spec(self, tokens: np.ndarray) -> np.ndarray:
-        return self.plain(tokens) + max(self.overhead, 0.0)
+        if not self._spec:
+            return self.plain(tokens)
+        xs, ys = self._spec.points
+        residual = ys - self.plain(xs)
+        between = np.interp(tokens, xs, residual)
+        return self.plain(tokens) + np.where(tokens < xs[0], residual.min(), between)
 
 
 class Speculator:
@@ -124,6 +152,7 @@ class Speculator:
         self.speculating = False  # the last plan had drafts
         self._drafted_steps = 0  # steps with drafts since the last probe
         self._probe_left = 0  # plain steps still to run for the probe
+        self._plain_steps = 0  # steps without drafts since the last step with drafts
         self.num_drafts = 0  # verified chains
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -183,8 +212,9 @@ class Speculator:
         self.costs.measured(drafted, tokens, seconds)
 
     def planned(self, drafted: bool) -> None:
-        """The step just planned had drafts or not: count towards the next probe of plain steps."""
+        """The step just planned had drafts or not: count towards the next probes."""
         self.speculating = drafted
+        self._plain_steps = 0 if drafted else self._plain_steps + 1
         if self._probe_left:
             self._probe_left -= 1
         elif drafted:
@@ -215,7 +245,8 @@ class Speculator:
         best = int(np.argmax(rate))
         plain = outputs / float(self.costs.plain(np.array([tokens]))[0])
         margin = 0.0 if self.speculating else ENTER_MARGIN
-        if rate[best] <= plain * (1 + margin):
+        probe = self._plain_steps >= SPEC_PROBE_EVERY and max(alphas) >= SPEC_PROBE_ALPHA
+        if rate[best] <= plain * (1 + margin) and not probe:
             return None
         return np.bincount(owner[order[: best + 1]], minlength=len(alphas)).tolist()
 
