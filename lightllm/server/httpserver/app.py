@@ -91,7 +91,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
         health_probe=OneTokenProbe(metrics),
-        grammars=GrammarCache(config.model_dir, model_info, config.grammar_compile_timeout, config.log_level),
+        grammars=GrammarCache(tokenizer, model_info, config.grammar_compile_timeout, config.log_level),
         started=time.time(),
         chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
                           getattr(tokenizer, "chat_template", None)),
