@@ -161,6 +161,14 @@ def slow_schema() -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
+def ref_chain(refs: int) -> dict:
+    """A JSON schema of `refs` $refs, each to the next, as test/benchmark/serving/hostile_requests.py's:
+    about 35 bytes a $ref; its compiled grammar grows as the square of `refs`."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(refs)}
+    defs[f"d{refs}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
 def start_server(args: list[str], log_path: Path, own_process_group: bool = False) -> Server:
     return server_process.start_server(args, log_path, server_class=Server, own_process_group=own_process_group)
 

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from lightllm.server.httpserver.json_body import MAX_JSON_DEPTH
+from lightllm.server.httpserver.json_text import MAX_JSON_DEPTH
 
 from server_utils import preset_server
 

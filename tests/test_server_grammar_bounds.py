@@ -16,7 +16,7 @@ from lightllm.engine import grammar as engine_grammar
 from lightllm.server.httpserver import grammar_cache
 from lightllm.server.httpserver.openai_params import MAX_TOOLS
 from lightllm.server.httpserver.params import MAX_GRAMMAR_BYTES
-from server_utils import StreamArrivals, slow_schema, start_server
+from server_utils import StreamArrivals, ref_chain, slow_schema, start_server
 
 BOUND = 2.0  # --grammar_compile_timeout of the test's server
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -26,13 +26,6 @@ FAST_S = 1.0  # a refusal that compiles nothing: tokenizing and checking a body,
 def tools(count: int, parameters: dict | None = None) -> list[dict]:
     parameters = parameters or {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": parameters}} for i in range(count)]
-
-
-def ref_chain(refs: int) -> dict:
-    """As test/benchmark/serving/hostile_requests.py's: about 35 bytes a $ref."""
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(refs)}
-    defs[f"d{refs}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +88,18 @@ def test_a_schema_past_the_size_bound_gets_400(server):
     assert seconds < FAST_S
 
 
-def test_a_compile_past_the_bound_is_killed(server):
+def test_a_compile_past_a_bound_is_killed(server):
+    """Past its memory bound, most often (test_grammar_worker.py); past BOUND on a loaded machine
+    (test_server_grammar_compile.py has a compile that runs past its deadline)."""
     server.generate("warm", max_new_tokens=2, grammar={"type": "regex", "value": "[ab]+"})  # the compiler is up
     (compiler,) = compiler_pids(server)[-1:]
     assert psutil.Process(compiler).ppid() == server.proc.pid
-    schema = ref_chain(1700)  # within MAX_GRAMMAR_BYTES; about 5 s to compile, alone on a core
+    schema = ref_chain(1700)  # within MAX_GRAMMAR_BYTES; it needs gigabytes and many seconds to compile
     reply, seconds = timed_post(server, "/generate", {"inputs": "x", "parameters": {
         "max_new_tokens": 4, "grammar": {"type": "json", "value": schema}}})
-    assert reply.status_code == 400 and "did not compile within" in reply.text, reply.text
-    assert BOUND <= seconds < BOUND + 5
+    assert reply.status_code == 400, reply.text
+    assert "needed more than" in reply.text or "did not compile within" in reply.text, reply.text
+    assert seconds < BOUND + 5
     # killed at the deadline and reaped by the thread that drives it before the next compile
     server.wait_for(lambda: not psutil.pid_exists(compiler), timeout=10, what="the killed compiler gone")
     server.wait_for(lambda: compiler_pids(server)[-1] != compiler, timeout=120, what="a new compiler")

@@ -14,7 +14,8 @@ import urllib.parse
 import pytest
 import requests
 
-from lightllm.server.httpserver.json_body import MAX_CLAUSES, describe_errors
+from lightllm.server.httpserver.json_body import describe_errors
+from lightllm.server.httpserver.json_text import MAX_CLAUSES
 
 RECEIVE_TIMEOUT_S = 2.0
 KEEP_ALIVE_S = 1.0
@@ -96,10 +97,10 @@ def test_600k_unknown_keys_get_a_small_400_and_health_goes_on(server):
     response = answer["response"]
     assert response.status_code == 400 and len(response.content) < 2048, response.content[:300]
     assert "and 599995 more unknown fields" in response.json()["error"], response.json()
-    # On the event loop (the old code) a probe waits for the whole request: 6.7 s, against a parse of
-    # the body of 0.3 s. Off the loop, a probe waits at most for json.loads, which holds the GIL
-    # (on the server's thread as in this process), and for its own idle time.
-    assert max(during) < 3 * parse_s + 20 * idle_s, (idle_s, parse_s, during, answer["seconds"])
+    # On the event loop a probe waited for the whole request: 6.7 s, against a parse of the body of
+    # 0.3 s; on a thread, for json.loads, which holds the GIL throughout. Parsed in another process,
+    # the body costs the server's loop only a copy into a pipe and a small error back.
+    assert max(during) < parse_s / 2 + 20 * idle_s, (idle_s, parse_s, during, answer["seconds"])
 
 
 def test_a_huge_logit_bias_gets_a_small_400(server):

@@ -31,7 +31,7 @@ from lightllm.server.httpserver.grammar_cache import GrammarCache
 from lightllm.server.httpserver.manager import HttpServerManager, QueueFull, ServerUnavailable
 from lightllm.server.httpserver.metrics import CONTENT_TYPE, Metrics
 from lightllm.frontend.errors import RequestError
-from lightllm.server.httpserver.json_body import describe_errors
+from lightllm.server.httpserver.json_body import PARSERS, describe_errors
 from lightllm.server.httpserver.messages_api import add_messages_routes
 from lightllm.server.httpserver.openai_api import add_openai_routes
 from lightllm.frontend.sampling_ranges import model_sampling_defaults
@@ -91,7 +91,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         # Any model can read its own EOS token; a word might tokenize past a small model's vocabulary.
         health_prompt_ids=model_info["eos_token_ids"][:1] or [0],
         health_probe=OneTokenProbe(metrics),
-        grammars=GrammarCache(config.model_dir, model_info, config.grammar_compile_timeout, config.log_level),
+        grammars=GrammarCache(tokenizer, model_info, config.grammar_compile_timeout, config.log_level),
         started=time.time(),
         chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
                           getattr(tokenizer, "chat_template", None)),
@@ -104,6 +104,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         yield
         await state.manager.stop()
         state.grammars.close()
+        PARSERS.close()
 
     app = FastAPI(title="lightllm", version=lightllm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)

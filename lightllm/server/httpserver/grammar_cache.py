@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 
 from lightllm.engine.request import SamplingParams
 from lightllm.frontend.errors import RequestError
-from lightllm.server.httpserver.grammar_worker import COMPILE_MEMORY_BYTES, CompilerSpec, CompileStopped, CompileWorker
+from lightllm.server.httpserver.grammar_worker import COMPILE_MEMORY_BYTES, CompileStopped, CompileWorker
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +43,9 @@ class Job:
 
 
 class GrammarCache:
-    def __init__(self, model_dir: str, model_info: dict, timeout: float, log_level: str = "info"):
+    def __init__(self, tokenizer, model_info: dict, timeout: float, log_level: str = "info"):
         self.timeout = timeout
-        self._worker = CompileWorker(CompilerSpec(model_dir, model_info["vocab_size"],
-                                                  list(model_info["eos_token_ids"]), os.getpid(), log_level))
+        self._worker = CompileWorker(tokenizer, model_info["vocab_size"], list(model_info["eos_token_ids"]), log_level)
         self._work: queue.SimpleQueue | None = None  # Jobs for the driving thread; None stops it
         self._ready: Future | None = None  # the child's first start
         self._closing = False
@@ -114,7 +112,7 @@ class GrammarCache:
             if not stopped.memory:
                 raise self._late(job.kind) from None
             raise RequestError(f"the {job.kind.replace('_', ' ')} needed more than "
-                               f"{COMPILE_MEMORY_BYTES / 2**30:g} GiB to compile; a simpler one may") from None
+                               f"{COMPILE_MEMORY_BYTES / 2**20:g} MiB to compile; a simpler one may") from None
 
     def _start_worker(self) -> None:
         try:

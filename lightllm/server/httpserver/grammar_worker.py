@@ -1,20 +1,27 @@
 """The process that compiles grammars for the HTTP process, so that a compile can be stopped.
 
 xgrammar's compile cannot be interrupted from Python, and a costly one holds gigabytes while it
-runs (1000 forced tools: 11 GB). Here it runs in a child process (spawned, one compile at a time,
-one xgrammar thread) that is killed when the compile runs past its deadline or its RSS grows past
-COMPILE_MEMORY_BYTES, and then started again: the core and the memory come back at once. The child
-sends back xgrammar's serialized form (a string), refused when longer than MAX_COMPILED_BYTES, the
-bound that keeps reading it back in the model runner cheap (engine/grammar.py).
+runs (1000 forced tools: 11 GB). Here it runs in a child process (spawned at the first grammar,
+one compile at a time, one xgrammar thread) that is killed when the compile runs past its deadline
+or its RSS grows past COMPILE_MEMORY_BYTES, and then started again: the core and the memory come
+back at once. The child sends back xgrammar's serialized form (a string), refused when longer than
+MAX_COMPILED_BYTES, the bound that keeps reading it back in the model runner cheap (engine/grammar.py).
+
+The child is kept small (about 100 MB, against 465 MB when it loaded the tokenizer and all of
+xgrammar): this process turns the tokenizer into xgrammar's view of it once (TokenizerInfo, as
+JSON) and each grammar into EBNF (the parse check_grammar runs already), and the child imports
+only xgrammar's compiler, without the torch that xgrammar's package imports.
 
 `CompileWorker` is driven from one thread of the HTTP process (grammar_cache.py); its calls block.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,14 +36,20 @@ logger = logging.getLogger(__name__)
 
 # Above its RSS when ready: a compile that needs more is killed (and its request gets 400); one that
 # left more behind (the allocator keeps freed pages) restarts the child after it, to give them back.
-COMPILE_MEMORY_BYTES = 1 << 30
+# A compile takes about 15 MB a MiB of its serialized form (2026-12-02: a chain of 600 $refs, 7.6 MiB,
+# +109 MB; of 800, 13.5 MiB, +213 MB), and a server process may grow by 200 MB at most: grammars
+# near MAX_COMPILED_BYTES are refused for their memory first. Schemas a client means compile to
+# well under 1 MiB (128 forced tools: 0.2 MiB, +1 MB).
+COMPILE_MEMORY_BYTES = 180 << 20
 KEPT_MEMORY_BYTES = 128 << 20
 # The longest serialized grammar accepted: the model runner reads it back inside a step (engine/grammar.py)
 MAX_COMPILED_BYTES = 16 << 20
 # Below the engine's processes: on a machine of few cores a compile takes what the steps leave.
 COMPILER_NICENESS = 10
-POLL_S = 0.05  # how often a compile's deadline and memory are checked
-START_TIMEOUT_S = 300.0  # loading the tokenizer and xgrammar's view of it
+# How often a compile's deadline and memory are checked: a compile's RSS may grow by 1.6 GB/s (a
+# $ref chain on a 2-core CPU), so a check every 10 ms lets it pass COMPILE_MEMORY_BYTES by 16 MB or so.
+POLL_S = 0.01
+START_TIMEOUT_S = 300.0  # importing xgrammar and reading the tokenizer's view
 
 
 class CompileStopped(Exception):
@@ -49,50 +62,83 @@ class CompileStopped(Exception):
 
 @dataclass(frozen=True)
 class CompilerSpec:
-    """What the child needs to build the compiler: the model's tokenizer and vocabulary."""
+    """What the child needs to build the compiler."""
 
-    model_dir: str
-    vocab_size: int
-    stop_token_ids: list[int]
+    tokenizer_info: str  # xgrammar.TokenizerInfo.serialize_json() of the model's tokenizer (1.6 MB for SmolLM2)
     parent_pid: int
     log_level: str
 
 
+def tokenizer_info_json(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> str:
+    """xgrammar's view of `tokenizer` (the HTTP process's, loaded as the model runner loads its own),
+    as JSON: `vocab_size` is the model's (the logits' width)."""
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return info.serialize_json()
+
+
+def grammar_ebnf(kind: str, grammar: str) -> str:
+    """The EBNF of a structured-output grammar, which the child compiles to what (kind, grammar)
+    compiles to; RequestError (400) when the grammar cannot be used."""
+    # The parse that engine.grammar.check_grammar runs (it has no public form that returns it).
+    from lightllm.engine.grammar import GrammarError, _build
+
+    try:
+        return str(_build(kind, grammar))
+    except GrammarError as exc:
+        raise RequestError(f"the {kind.replace('_', ' ')} cannot be used for structured output: {exc}") from None
+
+
+def import_compiler():
+    """xgrammar's Grammar, GrammarCompiler and TokenizerInfo, without running its package's
+    __init__: that imports torch (for its token-mask kernels and its tests), about 230 MB of this
+    process's RSS, and the compiler needs none of it."""
+    sys.modules["torch"] = None  # `import torch` raises ImportError: tvm_ffi and transformers go on without it
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # transformers would say so in the log
+    sys.modules["xgrammar"] = importlib.util.module_from_spec(importlib.util.find_spec("xgrammar"))
+    from xgrammar import exception, load_binding  # noqa: F401  (its error types, then its C++ library's)
+    from xgrammar.compiler import GrammarCompiler
+    from xgrammar.grammar import Grammar
+    from xgrammar.tokenizer_info import TokenizerInfo
+
+    return Grammar, GrammarCompiler, TokenizerInfo
+
+
 def serve(spec: CompilerSpec, conn) -> None:
-    """The child's entry: build the compiler, say ready, then answer (kind, grammar) with
+    """The child's entry: build the compiler, say ready, then answer each grammar's EBNF with
     ("ok", serialized) or ("error", message) until the pipe closes."""
     init_child_process(spec.parent_pid, spec.log_level)
     os.setpriority(os.PRIO_PROCESS, 0, COMPILER_NICENESS)
-    from lightllm.engine.grammar import Grammars
-
-    grammars = Grammars(spec.model_dir, spec.vocab_size, stop_token_ids=spec.stop_token_ids, max_threads=1)
-    grammars.compiler
+    grammar_class, compiler_class, info_class = import_compiler()
+    # our LRU is the cache (grammar_cache.py): xgrammar's own would keep a second copy of each grammar
+    compiler = compiler_class(info_class.deserialize_json(spec.tokenizer_info), max_threads=1, cache_enabled=False)
     conn.send(("ready", ""))
     while True:
         try:
-            kind, grammar = conn.recv()
+            ebnf = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", checked_size(grammars.serialize(kind, grammar))))
-        except Exception as exc:  # GrammarError, or xgrammar's compile refusing the grammar (RuntimeError)
+            conn.send(("ok", checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())))
+        except Exception as exc:  # xgrammar refusing the grammar (RuntimeError), or its size
             conn.send(("error", str(exc)))
 
 
 def checked_size(serialized: str) -> str:
-    from lightllm.engine.grammar import GrammarError
-
     if len(serialized) > MAX_COMPILED_BYTES:
-        raise GrammarError(f"compiled, it takes {len(serialized) / 2**20:.1f} MiB, more than the "
-                           f"{MAX_COMPILED_BYTES / 2**20:g} MiB a grammar may (a smaller schema or fewer tools may fit)")
+        raise ValueError(f"compiled, it takes {len(serialized) / 2**20:.1f} MiB, more than the "
+                         f"{MAX_COMPILED_BYTES / 2**20:g} MiB a grammar may (a smaller schema or fewer tools may fit)")
     return serialized
 
 
 class CompileWorker:
     """The child process, started on first use and again after each kill."""
 
-    def __init__(self, spec: CompilerSpec):
-        self.spec = spec
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], log_level: str):
+        self._tokenizer = (tokenizer, vocab_size, stop_token_ids)
+        self._log_level = log_level
+        self.spec: CompilerSpec | None = None  # made at the first start, kept for the restarts
         self._process = None
         self._conn = None
         self._ps: psutil.Process | None = None
@@ -102,6 +148,8 @@ class CompileWorker:
         if self._process is not None:
             return
         started = time.monotonic()
+        if self.spec is None:
+            self.spec = CompilerSpec(tokenizer_info_json(*self._tokenizer), os.getpid(), self._log_level)
         # Linux keeps a priority per thread, and a child inherits its starter's: so lowered, the
         # child's imports at start take what the engine leaves, as its compiles do.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILER_NICENESS)
@@ -127,8 +175,9 @@ class CompileWorker:
         """The serialized compiled grammar; CompileStopped when the compile was killed, past
         `deadline()` (a time.monotonic value, read as the compile goes) or its memory bound;
         RequestError when xgrammar refuses the grammar."""
+        ebnf = grammar_ebnf(kind, grammar)
         self.start()
-        self._conn.send((kind, grammar))
+        self._conn.send(ebnf)
         while not self._conn.poll(POLL_S):
             over_memory = self._rss() > self._ready_rss + COMPILE_MEMORY_BYTES
             if over_memory or time.monotonic() > deadline():

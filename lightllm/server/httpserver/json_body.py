@@ -1,14 +1,17 @@
 """How a POST body becomes the route's pydantic model, and how its mistakes become 4xx messages.
 
 `JSONBodyRoute` reads the body before FastAPI does: the content type is checked (415), the JSON
-is read strictly (no NaN or Infinity, no lone UTF-16 surrogates, an object at the top) and only
-then does FastAPI validate it against the model the route function declares, so /openapi.json
-describes every body while the errors keep this server's wording.
+is read strictly and within its bounds (json_text.py) and only then does FastAPI validate it
+against the model the route function declares, so /openapi.json describes every body while the
+errors keep this server's wording.
 
-A body above OFF_LOOP_BYTES is parsed and validated on a thread, so that the event loop goes on
-answering other requests (and /health) meanwhile; what holds the GIL for long is bounded instead:
-a body holds at most MAX_JSON_KEYS object keys in all, unknown top-level fields are named before
-pydantic makes an error of each, and an error names at most MAX_CLAUSES fields.
+A body above OFF_LOOP_BYTES is parsed in another process (`ParseProcesses`) and validated on a
+thread, so that the event loop goes on answering other requests (and /health) meanwhile. Not on a
+thread alone: json.loads holds the GIL throughout, about 0.3 s for a body near the 8 MiB bound,
+and the loop with it. What comes back is either a small RequestError or a dict within the bounds
+(at most MAX_JSON_KEYS keys), so that unpickling it costs this process little; what holds the GIL
+for long in validation is bounded too: unknown top-level fields are named before pydantic makes
+an error of each, and an error names at most MAX_CLAUSES fields.
 
 Content types: JSON (`application/json`, `*+json`), none at all, and
 `application/x-www-form-urlencoded` when the body is JSON: that is what `curl -d '{...}'` sends
@@ -19,16 +22,21 @@ else (text/plain, multipart, xml, a form that is not JSON) gets 415.
 from __future__ import annotations
 
 import asyncio
-import json
-import reprlib
-from itertools import islice
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from fastapi import FastAPI, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from lightllm.frontend.errors import RequestError
+from lightllm.server.httpserver.json_text import MAX_CLAUSES, NotJSON, parse_json, shown, start_parse_process
+from lightllm.utils.process import start_signals_blocked
 
+logger = logging.getLogger(__name__)
 
 CURL_FORM_TYPE = "application/x-www-form-urlencoded"
 
@@ -43,96 +51,63 @@ def check_content_type(media: str) -> None:
     raise RequestError(f"Content-Type {media!r} is not supported: send a JSON body (application/json)", 415)
 
 
-class NotJSON(RequestError):
-    """The text does not parse as JSON at all (a real form body, for one)."""
-
-
-# Arrays and objects inside one another. Deeper JSON overflows Python's recursion limit in json.loads
-# (a RecursionError) or later in json.dumps and xgrammar; no body or schema a client means nests this deep.
-MAX_JSON_DEPTH = 128
-
-
-# Object keys in a whole body, at all depths. pydantic makes an error, and FastAPI a dict, for each
-# unknown key, and a 400 that named 600k keys took 6.9 s on the event loop (2-core CPU, 2026-12-02);
-# a request with 128 tools, each with a schema of a hundred keys, holds about 13k.
-MAX_JSON_KEYS = 1 << 16
-# Bodies larger than this are parsed and validated on a thread. 64 KiB of JSON parse in 0.3 ms (a
-# 2-core CPU, 2026-12-02); a thread hop costs 0.1 ms idle, but up to a switch interval of waiting
-# for the GIL (5 ms) when the loop is busy, so smaller bodies stay on the loop. json.loads itself
-# holds the GIL, on a thread too: --max_request_body_bytes bounds that (8 MiB: about 0.3 s).
+# Bodies larger than this are parsed in a parse process. 64 KiB of JSON parse in 0.3 ms on the loop
+# (a 2-core CPU, 2026-12-02), about what a trip to a process and back costs; a body near the 8 MiB
+# bound takes 0.3-0.4 s, which on a thread held the GIL, and so the loop: a 2-token /generate beside
+# three such bodies took 0.71-1.10 s against 0.18 s idle, and 0.22-0.23 s parsed in processes.
 OFF_LOOP_BYTES = 64 << 10
-MAX_CLAUSES = 5  # fields an error names; the rest are counted
+# Big bodies parsed at once; more wait their turn. A process holds a body's objects while it parses
+# it (70 MB RSS after a 600k-key body).
+PARSE_PROCESSES = 2
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+class ParseProcesses:
+    """The processes that run json_text.parse_json on big bodies, started at the first one (a server
+    that never sees one never pays for them) and again after one is killed."""
+
+    def __init__(self):
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def parse(self, body: bytes, known: frozenset[str] | None) -> dict:
+        pool = self._running_pool()
+        try:
+            with start_signals_blocked():  # submit may start a process (start_parse_process unblocks them)
+                future = pool.submit(parse_json, body, known)
+            return await asyncio.wrap_future(future)
+        except BrokenProcessPool:  # a parse process died (the kernel's OOM killer, for one)
+            if self._pool is pool:  # not a newer pool, started after this one broke
+                logger.warning("a JSON parse process died; the next big body starts new ones")
+                self.close()
+            raise RequestError("the server's JSON parser stopped while it read this body; send it again", 503) from None
+
+    def _running_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+            self._pool = ProcessPoolExecutor(PARSE_PROCESSES, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=start_parse_process, initargs=(os.getpid(), level))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
-def json_depth(value) -> int:
-    """How many arrays and objects `value` holds inside one another; level by level, since a
-    recursive walk would hit the recursion limit itself."""
-    depth, level = 0, [value]
-    while level := [v for v in level if isinstance(v, (dict, list))]:
-        depth += 1
-        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
-    return depth
+# one set a process: the routes of every app share it
+PARSERS = ParseProcesses()
 
 
-def load_json(text: str | bytes, what: str):
-    """`text` read strictly as JSON; a RequestError (400) that names `what` and the problem otherwise."""
-    too_deep = f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} deep"
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise RequestError(too_deep) from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
-        # The last one ends "; use sys.set_int_max_str_digits() ...": advice for us, not the client.
-        raise NotJSON(f"{what} is not valid JSON: {str(exc).split('; use sys.')[0]}") from None
-    if json_depth(data) > MAX_JSON_DEPTH:
-        raise RequestError(too_deep)
-    return data
-
-
-def json_key_count(value) -> int:
-    """Keys of every object in `value`, level by level as json_depth walks."""
-    count, level = 0, [value]
-    while level := [v for v in level if isinstance(v, (dict, list))]:
-        count += sum(len(v) for v in level if isinstance(v, dict))
-        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
-    return count
-
-
-def check_fields(data: dict, known: frozenset[str] | None) -> None:
-    """Many unknown top-level fields, a few named, before pydantic makes an error of each (a few
-    are left to pydantic, which names them beside the body's other mistakes)."""
-    if known is None or len(data) <= MAX_CLAUSES:
-        return
-    unknown = [name for name in data if name not in known]
-    if len(unknown) > MAX_CLAUSES:
-        named = "; ".join(f"{shown(name)}: unknown field" for name in unknown[:MAX_CLAUSES])
-        raise RequestError(f"{named}; and {len(unknown) - MAX_CLAUSES} more unknown fields")
-
-
-def parse_json(body: bytes, known: frozenset[str] | None = None) -> dict:
-    """`known`: the top-level fields a body may hold (None: any)."""
-    data = load_json(body, "request body")
-    if not isinstance(data, dict):
-        raise RequestError("request body must be a JSON object")
-    check_fields(data, known)
-    if (keys := json_key_count(data)) > MAX_JSON_KEYS:
-        raise RequestError(f"request body holds {keys} object keys, more than {MAX_JSON_KEYS}")
-    try:  # JSON may escape lone UTF-16 surrogates ("\ud800"), which no tokenizer can take
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError("request body holds text that is not valid Unicode (a lone surrogate such as "
-                           "\\ud800)") from None
-    return data
-
-
-def read_json(content_type: str | None, body: bytes, known: frozenset[str] | None = None) -> dict:
+def checked_media(content_type: str | None) -> str:
     media = media_type(content_type)
     check_content_type(media)
+    return media
+
+
+async def read_json(media: str, body: bytes, known: frozenset[str] | None = None) -> dict:
+    """The body as a dict, from a parse process when it is big; a form that is not JSON is a 415."""
     try:
+        if len(body) > OFF_LOOP_BYTES:
+            return await PARSERS.parse(body, known)
         return parse_json(body, known)
     except NotJSON:
         if media == CURL_FORM_TYPE:  # a real form, not curl -d '{...}'
@@ -145,7 +120,7 @@ class ReadRequest(Request):
     """A request whose body was read and parsed already; FastAPI takes `json()` as the body."""
 
     def __init__(self, request: Request, body: bytes, data: dict):
-        # FastAPI parses only a body labelled JSON; the client's own label was checked by read_json.
+        # FastAPI parses only a body labelled JSON; the client's own label was checked (checked_media).
         headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
         super().__init__({**request.scope, "headers": [*headers, (b"content-type", b"application/json")]},
                          request.receive)
@@ -170,21 +145,17 @@ class JSONBodyRoute(APIRoute):
         handler = super().get_route_handler()
         known = known_fields(self.body_field.field_info.annotation) if self.body_field else None
 
-        def read_and_validate(content_type: str | None, body: bytes) -> dict:
-            data = read_json(content_type, body, known)
+        def validate(data: dict) -> None:
             if self.body_field is not None:  # FastAPI validates it again, on the loop: quick once valid
                 _, errors = self.body_field.validate(data, {}, loc=("body",))
                 if errors:
                     raise RequestError(describe_errors(errors))
-            return data
 
         async def read_then_handle(request: Request) -> Response:
             body = await request.body()
-            content_type = request.headers.get("content-type")
+            data = await read_json(checked_media(request.headers.get("content-type")), body, known)
             if len(body) > OFF_LOOP_BYTES:
-                data = await asyncio.to_thread(read_and_validate, content_type, body)
-            else:
-                data = read_json(content_type, body, known)
+                await asyncio.to_thread(validate, data)
             return await handler(ReadRequest(request, body, data))
 
         return read_then_handle
@@ -205,32 +176,7 @@ def add_json_route(app: FastAPI, path: str, endpoint) -> None:
 
 # ---- pydantic's errors as one message ----
 
-MAX_SHOWN_CHARS = 60
 UNION_MEMBER_NAMES = {"str", "int", "float", "bool", "none", "list", "dict"}
-
-
-class BriefRepr(reprlib.Repr):
-    """repr() that stops after a few items of each container: the input of an error may be an
-    object of 600k keys, whose whole repr takes seconds. Dicts keep their order (reprlib sorts them)."""
-
-    def __init__(self):
-        super().__init__()
-        self.maxdict = self.maxlist = self.maxtuple = 8
-        self.maxstring = self.maxother = self.maxlong = MAX_SHOWN_CHARS
-
-    def repr_dict(self, x, level):
-        if not x or level <= 0:
-            return "{}" if not x else "{...}"
-        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in islice(x.items(), self.maxdict)]
-        return "{" + ", ".join(items + ["..."] * (len(x) > self.maxdict)) + "}"
-
-
-_BRIEF = BriefRepr()
-
-
-def shown(value) -> str:
-    text = _BRIEF.repr(value) if isinstance(value, (dict, list, tuple)) else repr(value)
-    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "..."
 
 
 def _field_path(loc) -> str:

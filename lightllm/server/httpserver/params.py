@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from lightllm.engine.request import SamplingParams
 from lightllm.frontend.sampling_ranges import INT32_MAX, STRICT, SamplingRanges, to_sampling
 from lightllm.frontend.errors import RequestError
-from lightllm.server.httpserver.json_body import load_json, shown
+from lightllm.server.httpserver.json_text import load_json, shown
 
 MAX_STOP_SEQUENCES = 16
 # A token id as a logit_bias key: ASCII digits (str.isdigit() also takes "²", which int() refuses, and
