@@ -298,3 +298,12 @@ def test_server_streams_the_same_tokens_and_reports_drafts(default_server, defau
                 == sum(v for k, v in metrics.items() if k.startswith("lightllm:spec_decode_num_accepted_tokens_per_pos")))
     finally:
         assert server.stop() == 0
+
+
+def test_dummy_echo_weights_answer_each_token_with_itself(tmp_path):
+    """load_format dummy_echo: the benchmarks' controlled draft replays an earlier run's greedy
+    output, which must not depend on the kernels' rounding; the echo model repeats its last token."""
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    runner = make_runner(tmp_path, tokens=256, load_format="dummy_echo", max_req_total_len=64)
+    out = plain_run(runner, [5, 17, 33], 6, SamplingParams())
+    assert out == [33] * 6

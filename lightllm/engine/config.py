@@ -95,7 +95,7 @@ class EngineConfig:
         default="auto",
         metadata=flag("auto: the KV cache in --data_type; fp8_e4m3: one byte a value (K and V rounded to e4m3, no scale: values past +-448 saturate), so twice the tokens in the same memory and half the bytes decode attention reads (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference)", choices=("auto", "fp8_e4m3")),
     )
-    load_format: str = field(default="auto", metadata=flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone"))
+    load_format: str = field(default="auto", metadata=flag("auto: the checkpoint's weight files (safetensors or pytorch_model*.bin); dummy: random weights from config.json alone; dummy_echo: the same, made to answer each token with itself whatever the kernels' rounding (for benchmarks that replay an earlier run's output as drafts)", choices=("auto", "dummy", "dummy_echo")))
     disable_cuda_graph: bool = field(default=False, metadata=flag("run every step eagerly instead of replaying captured CUDA graphs (GPU only)"))
     cuda_graph_max_tokens: int | None = field(default=None, metadata=flag(f"largest step, in tokens (decodes plus prompt chunks), replayed from a CUDA graph; larger steps run eagerly, their device time then covers their launch (see docs/architecture.md). Absent: {GRAPH_TOKENS_A_RANK} x --tp (a step's device time shrinks with the ranks, its launch on the host does not), at most the largest step there can be (--chunked_prefill_size + --running_max_req_size)"))
     speculative_config: str | None = field(

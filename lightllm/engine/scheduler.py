@@ -327,7 +327,7 @@ class Scheduler:
         the engine then collects the step in flight first (drafts continue the latest tokens).
         A request counts if the source had drafts for it after its last token (its shadow)."""
         reqs = [r for r in self.running if r.status is ReqStatus.DECODING and r.needs_decode]
-        candidates = [r for r in reqs if r.spec.shadow and self._draftable_later(r)]
+        candidates = [r for r in reqs if r.spec.shadow and r.spec.measured and self._draftable_later(r)]
         alphas = [r.spec.alpha(self.speculator.global_alpha) for r in candidates]
         limits = [min(len(r.spec.shadow), self._draftable_later(r)) for r in candidates]
         return self.speculator.allocate(alphas, limits, len(reqs), len(reqs)) is not None
@@ -344,7 +344,7 @@ class Scheduler:
         budget whatever is accepted (`peak_with_drafts`)."""
         spec = self.speculator
         decoding = [self._by_id[i] for i in plan.decodes]
-        candidates = [r for r in decoding if self._draftable(r)]
+        candidates = [r for r in decoding if r.spec.measured and self._draftable(r)]
         alphas = [r.spec.alpha(spec.global_alpha) for r in candidates]
         limits = [self._draftable(r) for r in candidates]
         outputs = len(plan.sampled)

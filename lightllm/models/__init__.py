@@ -18,7 +18,7 @@ from .weights import CheckpointWeights, DummyWeights, WeightLoadError
 logger = logging.getLogger(__name__)
 
 MODEL_CLASSES = {arch: LlamaModel for arch in SUPPORTED_ARCHITECTURES}
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "dummy", "dummy_echo")
 
 
 def load_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tp: TPGroup,
@@ -27,8 +27,8 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tp
     if load_format not in LOAD_FORMATS:
         raise ModelConfigError(f"unsupported load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
     start = time.perf_counter()
-    weights = (DummyWeights(dtype, device, seed=tp.rank) if load_format == "dummy"
-               else CheckpointWeights(cfg.model_dir, dtype, device))
+    weights = (DummyWeights(dtype, device, seed=tp.rank, echo=load_format == "dummy_echo")
+               if load_format.startswith("dummy") else CheckpointWeights(cfg.model_dir, dtype, device))
     with torch.inference_mode():
         model = MODEL_CLASSES[cfg.architecture](cfg, weights, tp, max_positions, device)
     logger.info("loaded %s (%s weights, %s, tp %d/%d) in %.1f s", cfg.architecture, load_format, dtype,

@@ -51,6 +51,9 @@ PROBE_STEPS = 2
 SPEC_PROBE_EVERY = 64
 SPEC_PROBE_ALPHA = 0.5
 EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
+# Before any step with drafts is measured, one is assumed to cost this much more than a plain step
+# of as many tokens (its host time is not hidden): drafts must promise that much to be tried.
+UNMEASURED_SPEC_EXTRA = 0.25
 
 
 @dataclass
@@ -64,6 +67,11 @@ class RequestSpec:
     def outcome(self, accepted: int, rejected: bool) -> None:
         self.accepted = self.accepted * DECAY + accepted
         self.rejected = self.rejected * DECAY + rejected
+
+    @property
+    def measured(self) -> bool:
+        """Some draft of its own was scored (shadow or verified): it may speculate."""
+        return self.accepted + self.rejected > 0
 
     def alpha(self, prior: float) -> float:
         return (self.accepted + PRIOR_WEIGHT * prior) / (self.accepted + self.rejected + PRIOR_WEIGHT)
@@ -108,8 +116,8 @@ class StepCosts:
     steps with drafts measured nearest n, interpolated between them: a step with drafts pays the
     host's planning time that overlap hides for plain steps, and its rows may cost more or less
     than plain tokens. Below the fewest tokens measured with drafts the smallest residual counts,
-    and with none measured yet nothing: a smaller step is tried rather than assumed dear, and once
-    tried it is measured."""
+    and with none measured yet UNMEASURED_SPEC_EXTRA of plain's: a step is tried rather than
+    assumed dear, and once tried it is measured."""
 
     def __init__(self):
         self._plain, self._spec = Curve(), Curve()
@@ -131,7 +139,7 @@ class StepCosts:
 
     def spec(self, tokens: np.ndarray) -> np.ndarray:
         if not self._spec:
-            return self.plain(tokens)
+            return self.plain(tokens) * (1 + UNMEASURED_SPEC_EXTRA)
         xs, ys = self._spec.points
         residual = ys - self.plain(xs)
         between = np.interp(tokens, xs, residual)
