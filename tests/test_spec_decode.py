@@ -188,16 +188,35 @@ def test_shadow_drafts_measure_acceptance_without_speculating():
     spec = make_speculator()
     req = spec.start(1, [1, 2, 3, 4, 1, 2, 3])
     prior = req.alpha(spec.global_alpha)
+    def see(token):
+        spec.observe(1, req, [token])
+        spec.shadow_drafts([(1, req)])
+
     for token in [4, 1, 2, 3] * 5:  # the prompt's loop goes on: the proposals keep matching
-        spec.observe(1, req, [token], shadow=True)
+        see(token)
     assert req.alpha(spec.global_alpha) > max(prior, 0.8)
     rng = random.Random(0)
     for _ in range(100):  # random tokens of a small alphabet: the n-grams recur, their continuations not
-        spec.observe(1, req, [rng.choice([1, 2, 3])], shadow=True)
+        see(rng.choice([1, 2, 3]))
     assert req.alpha(spec.global_alpha) < 0.6
     for token in range(50, 60):  # tokens never seen: nothing to propose, so nothing to verify
-        spec.observe(1, req, [token], shadow=True)
+        see(token)
     assert req.shadow == []
+
+
+def test_shadow_drafts_a_step_are_bounded_and_taken_in_turns():
+    from lightllm.engine.spec.controller import SHADOW_PROPOSALS_A_STEP
+
+    spec = make_speculator()
+    reqs = [(i, spec.start(i, [1, 2, 1, 2, 1])) for i in range(3 * SHADOW_PROPOSALS_A_STEP)]
+    calls = []
+    propose = spec.source.propose
+    spec.source.propose = lambda req_id, k: calls.append(req_id) or propose(req_id, k)
+    spec.shadow_drafts(reqs)
+    assert len(calls) == SHADOW_PROPOSALS_A_STEP
+    spec.shadow_drafts(reqs)  # the first ones have drafts now: the others' turn
+    spec.shadow_drafts(reqs)
+    assert sorted(calls) == list(range(len(reqs)))
 
 
 # ---- the engine: against transformers, and against itself without drafts ----

@@ -562,7 +562,7 @@ class Scheduler:
         if drafts:
             self._settle_drafts(result, drafts)
         spec = self.speculator
-        shadow = spec is not None and 2 * len(self.running) <= spec.max_rows  # bounded host time a step
+        observed = []  # requests whose tokens came, for their next shadow drafts
         for token in result.tokens:
             req = self._by_id.get(token.req_id)
             if req is None:  # ended while this step ran: its extra token is never emitted
@@ -573,12 +573,16 @@ class Scheduler:
                 out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
             outs.append(out)
             if spec is not None:
-                spec.observe(req.req_id, req.spec, [token.token_id], shadow and reason is None and req.req_id not in drafts)
+                spec.observe(req.req_id, req.spec, [token.token_id])
+                if reason is None and req.req_id not in drafts and (not observed or observed[-1] is not req):
+                    observed.append(req)
             if reason is not None:
                 run = drafts.get(req.req_id)
                 if run is not None:  # its KV holds the accepted drafts after the token it ended on
                     req.unemitted = run[req.output_count - req.run_start: req.run_accepted]
                 self._end(req)
+        if spec is not None:
+            spec.shadow_drafts([(r.req_id, r.spec) for r in observed if r.status is ReqStatus.DECODING])
         return outs
 
     def _grammars_loaded(self, loaded: list) -> list[TokenOut]:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Speculative decoding on a lent GPU, in one call: spec_sweep.py's parts, each a word.
+#   controlled:LOADS:ALPHAS  the controlled draft (bench-8b, dummy_echo weights) against off; off's
+#                            outputs are taken from .gpu/spec when it holds them (--off-from), else run
+#   methods:LOADS:METHODS    ngram/suffix against off on ShareGPT (bench-8b, dummy weights)
+#   trace:LOAD:ALPHA         one controlled setting with --step_trace, the trace summarised
+# Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b, .gpu/requests-1000.json.
+# Results: $OUT/<part>.md and .json; a part's failure does not stop the others.
+#   bash test/benchmark/serving/spec_device.sh controlled:batch1@12,conc64@128:0,0.8 methods:conc64@128:ngram,suffix
+set -u
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/spec_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1
+SWEEP=(python3 test/benchmark/serving/spec_sweep.py --model .gpu/bench-8b --output-len 256 --num-prompts 128)
+n=0
+for part in "$@"; do
+  IFS=: read -r kind loads what <<<"$part"
+  n=$((n + 1))
+  case $kind in
+    controlled)
+      off=(--requests .gpu/requests-1000.json --out-dir .gpu/spec)
+      [[ -f .gpu/spec/oracle.jsonl ]] && off=(--off-from .gpu/spec --out-dir ".gpu/spec-$n")
+      "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16" "${off[@]}" --loads "$loads" \
+        --alphas "$what" --out-md "$OUT/controlled-$n.md" --out-json "$OUT/controlled-$n.json" --total-timeout 520 ;;
+    methods)
+      "${SWEEP[@]}" --server-args "--load_format dummy --data_type bfloat16" --requests .gpu/requests-1000.json \
+        --out-dir ".gpu/methods-$n" --loads "$loads" --alphas "" --methods "$what" \
+        --out-md "$OUT/methods-$n.md" --out-json "$OUT/methods-$n.json" --total-timeout 520 ;;
+    trace)
+      "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16 --step_trace /tmp/steps-$n.jsonl" \
+        --off-from .gpu/spec --out-dir ".gpu/trace-$n" --loads "$loads" --alphas "$what" \
+        --out-md "$OUT/trace-$n.md" --total-timeout 300
+      python3 test/benchmark/engine/step_trace.py "/tmp/steps-$n.jsonl" > "$OUT/trace-$n.txt" 2>&1
+      python3 - "/tmp/steps-$n.jsonl" >> "$OUT/trace-$n.txt" <<'PY'
+import json, sys, statistics
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+for row, after in zip(rows, rows[1:]):
+    row["device"], row["period"] = row["end_ms"] - row["start_ms"], after["start_ms"] - row["start_ms"]
+for drafted in (False, True):
+    steps = [r for r in rows[:-1] if bool(r.get("drafts")) == drafted and r.get("decodes", 0) >= 32]
+    if steps:
+        mean = lambda key: statistics.mean(r.get(key, 0) for r in steps)
+        print(f"drafts={drafted}: {len(steps)} steps of 32+ decodes: decodes {mean('decodes'):.0f}, drafts "
+              f"{mean('drafts'):.0f}, accepted {mean('accepted'):.0f}, device {mean('device'):.2f} ms, "
+              f"start to start {mean('period'):.2f} ms, launch {mean('launch_ms'):.2f} ms")
+PY
+      ;;
+    *) echo "unknown part $part" ;;
+  esac
+  echo "== $part done at $SECONDS s"
+done
+cat "$OUT"/*.md 2>/dev/null
