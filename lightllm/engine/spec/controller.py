@@ -12,7 +12,8 @@ It speculates only where the expected tokens per second of the step beat plain d
 - Cost. `StepCosts` keeps the measured period of steps (one step start to the next, which is
   what a step costs the batch, host and device both) by their token count, for plain steps and
   for steps with drafts, which are synchronous (their tokens decide the next plan) and so pay
-  the host's planning time too.
+  the host's planning time too. No step has drafts before a plain step of about its size is
+  measured: plain's cost must be known where it is compared, not drawn from other steps.
 - Choice. With alpha_i, drafting k tokens brings sum_{j=1..k} alpha_i^j expected tokens beyond
   the one a decode gets, and the j-th draft adds alpha_i^j. Those marginal gains fall with j, so
   the best K drafts over the batch are the K largest gains; for each K the step's rate is
@@ -128,9 +129,13 @@ class StepCosts:
     def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
         (self._spec if drafted else self._plain).add(tokens, seconds)
 
-    @property
-    def known(self) -> bool:
-        return bool(self._plain)
+    def known_near(self, tokens: int) -> bool:
+        """A plain step of between half and twice `tokens` tokens was measured: plain's cost at
+        this size is not a guess drawn from steps of another kind (a prefill of thousands)."""
+        if not self._plain:
+            return False
+        xs, _ = self._plain.points
+        return bool(np.any((xs >= tokens / 2) & (xs <= tokens * 2)))
 
     def plain(self, tokens: np.ndarray) -> np.ndarray:
         xs, ys = self._plain.points
@@ -251,7 +256,7 @@ class Speculator:
         """Drafts per candidate (alphas, most drafts each may take) for a step of `tokens`
         tokens that emits `outputs` without drafts; None when a plain step is expected to do
         at least as well (margin ENTER_MARGIN when the last step had no drafts)."""
-        if not self.costs.known or not alphas or self.probing:
+        if not alphas or self.probing or not self.costs.known_near(tokens):
             return None
         room = self.max_rows - outputs  # at least one row per plain output: keep to the largest graph
         limits = np.minimum(np.array(limits, dtype=np.int64), self.k_max)
