@@ -14,6 +14,8 @@ OUT=${OUT:-/tmp/spec_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1
+# the commit measured, written here before the call (`git rev-parse --short HEAD > .gpu/COMMIT`)
+[[ -f .gpu/COMMIT ]] && export LIGHTLLM_COMMIT=$(cat .gpu/COMMIT)
 SWEEP=(python3 test/benchmark/serving/spec_sweep.py --model .gpu/bench-8b --output-len 256 --num-prompts 128)
 n=0
 for part in "$@"; do

@@ -438,7 +438,8 @@ def provenance() -> dict[str, str]:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    commit = output("git", "describe", "--always", "--dirty", "--abbrev=10") or "?"
+    # A copy of the tree on a lent GPU may carry a stale .git: the caller names the commit there.
+    commit = os.environ.get("LIGHTLLM_COMMIT") or output("git", "describe", "--always", "--dirty", "--abbrev=10") or "?"
     gpu = output("nvidia-smi", "--query-gpu=name", "--format=csv,noheader").splitlines()
     return {"commit": commit, "gpu": gpu[0] if gpu else "none (CPU)"}
 
