@@ -72,7 +72,8 @@ def cases(args) -> list[tuple[str, str, dict]]:
 
 class Roles:
     """The server's processes by role: main (HTTP), router, workers, detokenizer (the first other
-    child), compiler (a later one: the grammar compiler); multiprocessing's resource tracker aside."""
+    child), helpers (later ones: the grammar compiler, the big bodies' JSON parsers);
+    multiprocessing's resource tracker aside."""
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -92,7 +93,7 @@ class Roles:
             except psutil.Error:  # a child that came and went
                 continue
         for i, (_, _, child_rss) in enumerate(sorted(others)):
-            role = "detokenizer" if i == 0 else "compiler"
+            role = "detokenizer" if i == 0 else "helpers"
             rss[role] = rss.get(role, 0) + child_rss
         return {role: value / 1e6 for role, value in rss.items()}
 

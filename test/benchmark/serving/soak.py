@@ -234,15 +234,23 @@ def rss_mib(pid: int) -> float:
 
 
 def rss_by_role(pid: int) -> dict[str, float]:
-    """MiB per process of the server: HTTP (the main process), router, model workers, detokenizer."""
+    """MiB per process of the server: HTTP (the main process), router, model workers, detokenizer
+    (the first child without children of its own), helpers (the later ones, started when first
+    needed: the grammar compiler, the big bodies' JSON parsers)."""
     main = psutil.Process(pid)
     roles = Counter({"http": main.memory_info().rss})
+    others = []
     for child in main.children():
         if "resource_tracker" in " ".join(child.cmdline()):
             continue
         workers = child.children()
-        roles["router" if workers else "detokenizer"] += child.memory_info().rss
-        roles["workers"] += sum(worker.memory_info().rss for worker in workers)
+        if workers:
+            roles["router"] += child.memory_info().rss
+            roles["workers"] += sum(worker.memory_info().rss for worker in workers)
+        else:
+            others.append((child.create_time(), child.memory_info().rss))
+    for i, (_, rss) in enumerate(sorted(others)):
+        roles["detokenizer" if i == 0 else "helpers"] += rss
     return {role: round(rss / 2**20) for role, rss in roles.items()}
 
 
@@ -316,7 +324,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-ROLES = ("http", "router", "detokenizer", "workers")
+ROLES = ("http", "router", "detokenizer", "helpers", "workers")
 
 
 def memory_table(states: dict[str, dict]) -> list[str]:
