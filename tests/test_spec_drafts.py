@@ -68,6 +68,17 @@ def reference_suffix(pool, own, k, max_depth, min_match_len, min_token_prob):
     return drafts
 
 
+def feed(draft, req_id: int, parts: list[list[int]]):
+    """Start the request with parts[0] and extend it by each next part; yield its tokens so far after each."""
+    draft.start(req_id, parts[0])
+    seen = list(parts[0])
+    yield list(seen)
+    for part in parts[1:]:
+        draft.extend(req_id, part)
+        seen += part
+        yield list(seen)
+
+
 def chunks(tokens, cuts):
     """tokens split at the given (sorted, deduplicated) cut points."""
     bounds = [0] + sorted({c % (len(tokens) + 1) for c in cuts}) + [len(tokens)]
@@ -88,12 +99,7 @@ def test_ngram_matches_brute_force(tokens, min_n, extra, k):
 @given(tokens=tokens_strategy, cuts=st.lists(st.integers(0, 60), max_size=8), k=st.integers(1, 8))
 def test_ngram_incremental_extend_equals_start(tokens, cuts, k):
     incremental, whole = NgramDraft(1, 4), NgramDraft(1, 4)
-    parts = chunks(tokens, cuts)
-    incremental.start(0, parts[0])
-    seen = list(parts[0])
-    for part in parts[1:]:
-        incremental.extend(0, part)
-        seen += part
+    for seen in feed(incremental, 0, chunks(tokens, cuts)):
         whole.start(1, seen)
         assert incremental.propose(0, k) == whole.propose(1, k) == reference_ngram(seen, 1, 4, k)
         whole.finish(1)
@@ -157,12 +163,7 @@ def test_suffix_matches_brute_force(pool_request, cuts, min_match_len, max_depth
     for req_id, tokens in enumerate(pool):
         draft.start(req_id, tokens)
         draft.finish(req_id)
-    parts = chunks(own, cuts)
-    draft.start(99, parts[0])
-    seen = list(parts[0])
-    for part in parts[1:]:
-        draft.extend(99, part)
-        seen += part
+    *_, seen = feed(draft, 99, chunks(own, cuts))
     expected = reference_suffix(pool, seen, k, max_depth, min_match_len, min_token_prob)
     assert draft.propose(99, k) == expected
 

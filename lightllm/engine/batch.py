@@ -36,6 +36,9 @@ class DecodeRows:
 
     @classmethod
     def build(cls, decodes: list[int], drafts: dict[int, list[int]], reqs: dict[int, RunningReq]) -> DecodeRows:
+        if not drafts:  # the common step: one row per request, no per-row Python
+            n = len(decodes)
+            return cls([reqs[i] for i in decodes], list(decodes), [0] * n, [-1] * n, [])
         rows = cls([], [], [], [], [])
         for req_id in decodes:
             r, fed = reqs[req_id], drafts.get(req_id, ())

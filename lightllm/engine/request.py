@@ -66,6 +66,15 @@ class SamplingParams:
     compiled_grammar: str = ""  # xgrammar's serialized compiled grammar, from the HTTP process (engine/grammar.py)
 
     @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def depends_on_tokens(self) -> bool:
+        """Each token's choice depends on the ones before it on the host (penalty counts, a grammar)."""
+        return bool(self.grammar_kind) or self.uses_penalties
+
+    @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 

@@ -34,8 +34,7 @@ class SamplingState:
 
     @property
     def uses_penalties(self) -> bool:
-        p = self.params
-        return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        return self.params.uses_penalties
 
     @property
     def needs_tokens(self) -> bool:

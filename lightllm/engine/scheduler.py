@@ -316,9 +316,7 @@ class Scheduler:
         """Most drafts the request may verify in the step being planned: its tokens are all back
         (a decode of it is planned in this step, none in flight), and it uses neither penalties
         nor a grammar (they depend on each token before); 0 otherwise."""
-        p = req.sampling
-        if (req.output_count != req.decode_steps or p.grammar_kind or p.presence_penalty or p.frequency_penalty
-                or p.repetition_penalty != 1.0):
+        if req.output_count != req.decode_steps or req.sampling.depends_on_tokens:
             return 0
         return max(0, req.max_new_tokens - req.output_count - 1)  # each step emits up to drafts + 1
 
@@ -334,10 +332,7 @@ class Scheduler:
 
     def _draftable_later(self, req: Req) -> int:
         """`_draftable` once its step in flight is back (one token more, maybe)."""
-        p = req.sampling
-        if p.grammar_kind or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            return 0
-        return max(0, req.max_new_tokens - req.decode_steps - 3)
+        return 0 if req.sampling.depends_on_tokens else max(0, req.max_new_tokens - req.decode_steps - 3)
 
     def _plan_drafts(self, plan: StepPlan) -> dict[int, list[int]]:
         """Drafts for this step's decodes where the controller expects them to pay, within the KV
@@ -363,12 +358,9 @@ class Scheduler:
         return drafts
 
     def _drafts_fit(self, drafts: dict[int, list[int]]) -> bool:
-        held, left = self._reservations(self.running, None)
-        charged = Attribution(held, left)
-        for i, req in enumerate(self.running):
-            charged.charge(i, cache_path(req.node))
+        charged = self._charged(self.running, None)
         k = np.array([len(drafts.get(r.req_id, ())) for r in self.running], dtype=np.int64)
-        return peak_with_drafts(charged.held, left, k) <= self.max_total_token_num
+        return peak_with_drafts(charged.held, charged.left, k) <= self.max_total_token_num
 
     def step_budget(self, prefilling: int) -> int:
         """Prompt tokens this step may prefill: burst_chunk_budget while the prompts waiting to be
@@ -501,10 +493,8 @@ class Scheduler:
     def _fits(self, candidates: list[Req], matches: list[Match] | None):
         """fits(k): whether the running batch plus the first k candidates stays in budget."""
         base = len(self.running)
-        held, left = self._reservations(self.running + candidates, matches)
-        running = Attribution(held, left)
-        for i, req in enumerate(self.running):
-            running.charge(i, cache_path(req.node))
+        running = self._charged(self.running + candidates, matches)
+        left = running.left
 
         def fits(k: int) -> bool:
             charged = running.copy() if matches is not None else running
@@ -513,6 +503,14 @@ class Scheduler:
             return peak_token_usage(charged.held[: base + k], left[: base + k]) <= self.max_total_token_num
 
         return fits
+
+    def _charged(self, reqs: list[Req], matches: list[Match] | None) -> Attribution:
+        """`_reservations` of `reqs` (the running batch first), with the cached tokens the running
+        requests reference charged to them."""
+        charged = Attribution(*self._reservations(reqs, matches))
+        for i, req in enumerate(self.running):
+            charged.charge(i, cache_path(req.node))
+        return charged
 
     def _admission_order(self) -> list[Req]:
         """fcfs: arrival order. lpt: longest output budget first, so that long generations start

@@ -212,10 +212,7 @@ class Speculator:
     def verified(self, spec: RequestSpec, drafts: int, accepted: int) -> None:
         """A step verified `drafts` drafts of the request and accepted the first `accepted`."""
         spec.shadow = []
-        spec.outcome(0, False)  # decay once per chain, then count it
-        spec.accepted += accepted
-        spec.rejected += accepted < drafts
-        self._global(accepted, accepted < drafts)
+        self._outcome(spec, accepted, accepted < drafts)
         self.num_drafts += 1
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted
