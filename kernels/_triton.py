@@ -293,6 +293,15 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
+@triton.jit
+def sink_weight(sinks_ptr, heads, head_mask, m_i, SINKS: tl.constexpr):
+    """exp2(sink * LOG2E - m_i) per head: an attention sink's share of a softmax whose running max
+    (log2 units, attend_kv_block's) is m_i, added once to its sum; 0 without sinks."""
+    if SINKS:
+        return tl.exp2(tl.load(sinks_ptr + heads, mask=head_mask, other=float("-inf")) * 1.4426950408889634 - m_i)
+    return 0.0
+
+
 def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     """The dtype an attention kernel's dots run in: q's, except over an fp8 (e4m3) cache with bf16
     queries, where K/V widen to fp16 and q is rounded to it. Widened to bf16 in registers, the fp8
@@ -307,5 +316,6 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 __all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype",
-           "grid_dependency_wait", "launch_dependents", "next_power_of_2", "num_sms", "pdl", "score_scale", "triton",
+           "grid_dependency_wait", "launch_dependents", "next_power_of_2", "num_sms", "pdl", "score_scale", "sink_weight",
+           "triton",
            "tl", "zeroed_counters"]

@@ -13,12 +13,15 @@ A sliding-window layer (`window` > 0) attends to the last `window` keys only, th
 included (as transformers' sliding mask: key position > query position - window); its chunks
 split those keys alone. `softcap` > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2).
 Both are compile-time constants of the Triton kernel: an unwindowed, uncapped layer pays nothing.
+`sinks` [Hq] fp32 (gpt-oss): one learned logit per query head that joins every softmax's
+denominator and nothing else (a key whose value is zero); its weight is added where the softmax
+is normalised, once per query, after the chunks' merge.
 """
 import torch
 import torch.nn.functional as F
 
 from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, grid_dependency_wait, next_power_of_2,
-                      num_sms, pdl, score_scale, tl, triton, zeroed_counters)
+                      num_sms, pdl, score_scale, sink_weight, tl, triton, zeroed_counters)
 
 MAX_SPLITS = 32
 WAVES = 4  # programs to aim for, per SM
@@ -45,7 +48,8 @@ FEW_LAUNCH, FEW_MIN_CHUNK = (64, 8, 2), 64
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                          max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
-                         softcap: float = 0.0, plan_for: tuple[int, int] | None = None) -> torch.Tensor:
+                         softcap: float = 0.0, plan_for: tuple[int, int] | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; request b attends to slots req_to_token[req_rows[b], :seq_lens[b]] (the last
     `window` of them where window > 0). The result
     [B, Hq, D] goes to `out` where given (a slice of the step's attention output), else a new tensor.
@@ -58,16 +62,33 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = q.shape[1] // k_cache.shape[1]
     single = seq_lens == 1
     first = req_to_token[req_rows.long(), 0].long()
-    out[single] = v_cache[first[single]].float().repeat_interleave(group, 1).to(q.dtype)
+    alone = v_cache[first[single]].float().repeat_interleave(group, 1)
+    if sinks is not None:  # the one key's weight against the sink's: sigmoid(s - sink)
+        scores = (q[single].float() * k_cache[first[single]].float().repeat_interleave(group, 1)).sum(-1) * sm_scale
+        alone = alone * torch.sigmoid(_capped(scores, softcap) - sinks.float())[..., None]
+    out[single] = alone.to(q.dtype)
     longer = (~single).nonzero().flatten()  # the CPU path: a host sync here is fine
     if len(longer):
         out[longer] = _attend_rows(q[longer], k_cache, v_cache, req_to_token, req_rows[longer], seq_lens[longer],
-                                   max_seqlen, sm_scale, window, softcap)
+                                   max_seqlen, sm_scale, window, softcap, sinks)
     return out
 
 
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores [..., Hq, rows, keys] (-inf where hidden); with sinks
+    [Hq] one more logit per head joins each denominator, its own weight dropped."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+
+
 def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seqlen: int, sm_scale: float,
-                 window: int, softcap: float):
+                 window: int, softcap: float, sinks: torch.Tensor | None = None):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     seq_lens = seq_lens.long()
@@ -79,14 +100,14 @@ def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seql
     slots = torch.where(valid, slots, 0)  # entries past seq_len may hold stale or unset slots
     k = k_cache[slots].float()  # [B, L, Hk, D]
     v = v_cache[slots].float()
-    if not softcap:  # torch's SDPA: 2-2.5x the written-out scores below on a CPU
+    if not softcap and sinks is None:  # torch's SDPA: 2-2.5x the written-out scores below on a CPU
         out = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)
         return out[:, :, 0].to(q.dtype)
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+    scores = _capped(torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale, softcap)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))  # [B, Hk, G, L]
+    probs = softmax_with_sinks(scores.flatten(1, 2)[:, :, None], sinks).view(scores.shape)
     return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
@@ -101,13 +122,14 @@ def _chunk(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, counters_ptr, o_ptr, qk_scale, q_batch_stride, q_head_stride, k_slot_stride,
+                         part_lse_ptr, counters_ptr, o_ptr, sinks_ptr, qk_scale, q_batch_stride, q_head_stride,
+                         k_slot_stride,
                          k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr,
                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
-                         DIRECT: tl.constexpr, PDL: tl.constexpr):
+                         DIRECT: tl.constexpr, PDL: tl.constexpr, SINKS: tl.constexpr):
     """Attention of one request's chunk for the GROUP query heads sharing one kv head.
 
     With one chunk per request (NUM_SPLITS == 1, large batches), or (DIRECT, one or two requests)
@@ -158,11 +180,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     else:
         final = False
     if final:
+        l_i += sink_weight(sinks_ptr, heads, head_mask, m_i, SINKS)
         _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
     else:
         _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len,
-                       heads, head_mask, dims, dim_mask, o_head_stride, GROUP, BLOCK_G, BLOCK_D, BLOCK_N, NUM_SPLITS,
-                       BLOCK_S, MIN_KEYS, WINDOW)
+                       heads, head_mask, dims, dim_mask, o_head_stride, sinks_ptr, GROUP, BLOCK_G, BLOCK_D, BLOCK_N,
+                       NUM_SPLITS, BLOCK_S, MIN_KEYS, WINDOW, SINKS)
 
 
 @triton.jit
@@ -181,9 +204,9 @@ def _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_strid
 
 @triton.jit
 def _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len, heads,
-                   head_mask, dims, dim_mask, o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   head_mask, dims, dim_mask, o_head_stride, sinks_ptr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   MIN_KEYS: tl.constexpr, WINDOW: tl.constexpr):
+                   MIN_KEYS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
     """A chunk's normalised output and log2-sum-exp2 per query head, counted on the (request, kv
     head)'s counter; the last of the request's used chunks merges them into o."""
     # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
@@ -198,12 +221,13 @@ def _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row,
         tl.store(counter, 0)  # every used chunk has counted: ready for the next launch
         tl.debug_barrier()  # the other programs' partials, acquired, before any thread reads them
         _merge_chunks(part_o_ptr, part_lse_ptr, o_row, parts, num_used, heads, head_mask, dims, dim_mask,
-                      o_head_stride, BLOCK_G, BLOCK_D, BLOCK_S)
+                      o_head_stride, sinks_ptr, BLOCK_G, BLOCK_D, BLOCK_S, SINKS)
 
 
 @triton.jit
 def _merge_chunks(part_o_ptr, part_lse_ptr, o_row_ptr, parts, num_used, heads, head_mask, dims, dim_mask,
-                  o_head_stride, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                  o_head_stride, sinks_ptr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  SINKS: tl.constexpr):
     """o[head] = the chunks' outputs weighted by exp2 of their log2-sum-exp2, for each head of
     the group (parts: each head's first chunk); loads bypass L1, which may hold none of them."""
     chunks = tl.arange(0, BLOCK_S)
@@ -219,6 +243,7 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, o_row_ptr, parts, num_used, heads, h
                        other=0.0, cache_modifier=".cg")
         acc += weight[:, None] * part
         total += weight
+    total += sink_weight(sinks_ptr, heads, head_mask, top, SINKS)
     tl.store(o_row_ptr + heads[:, None] * o_head_stride + dims[None, :],
              (acc / total[:, None]).to(o_row_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
 
@@ -265,7 +290,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
                             softcap: float = 0.0, plan_for: tuple[int, int] | None = None,
                             launch: tuple[int, int, int] | None = None, fp8_as_f16: bool = True,
-                            min_chunk: int | None = None) -> torch.Tensor:
+                            min_chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As decode_attention_ref. The launch plan (splits, block, the fewest keys a split takes) is
     chosen for `plan_for` = (batch, max_seqlen) where given, at least this call's: each plan is a
     kernel Triton compiles, so an eager step takes the plan of the CUDA graph its decodes would
@@ -295,11 +320,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_lse = counters = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, counters, out,
-        score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        out if sinks is None else sinks, score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=min_chunk, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
-        DIRECT=plan_batch <= FEW_REQUESTS,
+        DIRECT=plan_batch <= FEW_REQUESTS, SINKS=sinks is not None,
         num_warps=warps, num_stages=stages, **pdl(q))
     return out

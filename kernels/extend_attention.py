@@ -8,7 +8,8 @@ tokens ends the request's kv_len cached tokens: its query j sits at position
 kv_len - q_len + j and sees positions 0..itself. A fresh prompt is the case kv_len == q_len,
 a decode the case q_len == 1. Requires kv_len <= req_to_token.shape[1]. A sliding-window layer
 (`window` > 0) lets each query see its last `window` positions only, itself included; `softcap`
-> 0 caps the scores (decode_attention.py says how); an unwindowed, uncapped layer pays nothing.
+> 0 caps the scores and `sinks` add a logit per head to each denominator (decode_attention.py
+says how); an unwindowed, uncapped, sinkless layer pays nothing.
 
 The Triton grid is one program per (query block, head), read from `q_blocks` [2, NB] int32 on the
 device: row 0 the chunk of each block, row 1 its block index within the chunk (`extend_q_blocks`
@@ -19,7 +20,9 @@ before it belong to the step's decodes): the grid never depends on the step's le
 import torch
 import torch.nn.functional as F
 
-from ._triton import attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, tl, triton
+from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, sink_weight, tl,
+                      triton)
+from .decode_attention import softmax_with_sinks
 
 
 def extend_block_m(head_dim: int) -> int:
@@ -57,7 +60,8 @@ def max_q_blocks(tokens: int, chunks: int, head_dim: int) -> int:
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
                          kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
-                         out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                         out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D], k_cache/v_cache [S, Hk, D]; q_blocks is unused (only the kernel's grid needs it).
     Writes the rows cu_q[0]:cu_q[-1] of `out` (a new tensor like q when None) and returns it."""
     out = torch.empty_like(q) if out is None else out
@@ -69,18 +73,18 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         first = max(kv_len - (end - start) - window + 1, 0) if window else 0  # the chunk's first query's window
         slots = req_to_token[row, first:kv_len].long()
         out[start:end] = _attend_chunk(q[start:end], k_cache[slots], v_cache[slots], sm_scale, window,
-                                       softcap).to(q.dtype)
+                                       softcap, sinks).to(q.dtype)
     return out
 
 
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, window: int,
-                  softcap: float) -> torch.Tensor:
+                  softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [q_len, Hq, D] are the last q_len of the n positions of k/v [n, Hk, D]; fp32 out.
     Through torch's SDPA (its CPU kernel works in blocks and never holds the [Hq, q_len, n] scores:
     a 2048-token prompt of the default model's heads in 72 ms against 538 ms written out, on 2
-    cores); a soft cap, which SDPA has no place for, through `_attend_chunk_math`."""
-    if softcap:
-        return _attend_chunk_math(q, k, v, sm_scale, window, softcap)
+    cores); a soft cap or sinks, which SDPA has no place for, through `_attend_chunk_math`."""
+    if softcap or sinks is not None:
+        return _attend_chunk_math(q, k, v, sm_scale, window, softcap, sinks)
     q_len, n = q.shape[0], k.shape[0]
     qs, ks, vs = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, H, len, D]
     causal = q_len == n and not window  # aligned at the top as at the bottom: SDPA's own mask
@@ -99,7 +103,7 @@ def _hidden(q_len: int, n: int, window: int, device: torch.device) -> torch.Tens
 
 
 def _attend_chunk_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, window: int,
-                       softcap: float) -> torch.Tensor:
+                       softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As _attend_chunk, every score written out."""
     group = q.shape[1] // k.shape[1]
     qs = q.float().transpose(0, 1)  # [Hq, q_len, D]
@@ -108,17 +112,20 @@ def _attend_chunk_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_sca
     scores = (qs @ ks.transpose(1, 2)) * sm_scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    probs = scores.masked_fill(_hidden(q.shape[0], k.shape[0], window, q.device), float("-inf")).softmax(-1)
+    probs = softmax_with_sinks(scores.masked_fill(_hidden(q.shape[0], k.shape[0], window, q.device), float("-inf")),
+                               sinks)
     return (probs @ vs).transpose(0, 1)
 
 
 @fast_launch
 @triton.jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr, q_blocks_ptr,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_rows_ptr, cu_q_ptr, kv_lens_ptr,
+                   q_blocks_ptr,
                    num_blocks, qk_scale, q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                    o_token_stride, o_head_stride, req_to_token_stride, GROUP: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
+                   SINKS: tl.constexpr):
     """One program: BLOCK_M queries of one request's chunk (as the block table says) and one query head."""
     block, head = tl.program_id(0), tl.program_id(1)
     req = tl.load(q_blocks_ptr + block)
@@ -160,6 +167,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
         m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head,
                                         dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                                         qk_scale, DOT_UPCAST, SOFTCAP)
+    l_i += sink_weight(sinks_ptr, head, True, tl.where(row_mask, m_i, 0.0), SINKS)  # padding rows: never stored
     if WINDOW > 0:  # padding rows past the chunk may see no key at all; they are not stored
         l_i = tl.where(row_mask, l_i, 1.0)
     out = acc / l_i[:, None]
@@ -170,7 +178,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, req_to_token_ptr, req_rows_ptr, c
 def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
                             kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
-                            out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     _, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == out.stride(-1) == 1
@@ -180,10 +189,12 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n, warps = (64, 8) if block_m == 128 else (64, 4)
     num_blocks = q_blocks.shape[1]
     _extend_kernel[(num_blocks, num_q_heads)](
-        q, k_cache, v_cache, out, req_to_token, req_rows, cu_q, kv_lens, q_blocks, num_blocks,
+        q, k_cache, v_cache, out, out if sinks is None else sinks, req_to_token, req_rows, cu_q, kv_lens, q_blocks,
+        num_blocks,
         score_scale(sm_scale, softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
-        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, num_warps=warps, num_stages=2)
+        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, num_warps=warps,
+        num_stages=2)
     return out
