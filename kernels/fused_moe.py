@@ -23,6 +23,13 @@ expert, `quantize_experts_fp8`) both GEMMs take fp8 inputs as fp8_linear does: x
 token, the SiLU-and-mul output per pair (quantize_fp8_rows, one launch each), and the products
 are scaled back in fp32 (fp8 tensor cores; half the weight bytes of bf16 for the decode steps).
 
+MXFP4 experts (gpt-oss's checkpoints: weights of dtype uint8, two e2m1 values a byte, the low
+nibble first, with a uint8 e8m0 scale, 2^(s - 127), for each 32 values along K) stay packed in
+memory, a quarter of bf16's bytes, and both kernels widen each weight tile to the activations'
+dtype as they load it (weight-only: Hopper has no FP4 tensor cores). gpt-oss also adds a bias to
+each expert's gate/up and down outputs and replaces silu(gate) * up by its clamped SwiGLU
+(`swiglu` = (alpha, limit): (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)).
+
 The reference (fused_moe_ref) loops over the experts that have tokens, as transformers does: the
 CPU path and the test oracle.
 """
@@ -61,17 +68,48 @@ def quantize_experts_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.view(experts, rows, cols), scale.view(experts, rows)
 
 
-def _expert_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int) -> torch.Tensor:
-    if scale is None:
-        return F.linear(a, weight[expert])
-    return fp8_linear_ref(a, weight[expert], scale[expert][None, :])
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_GROUP = 32  # values along K that share one scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks uint8 [..., N, K / 2] (value 2i in byte i's low nibble, 2i + 1 in its high one) and
+    scales uint8 [..., N, K / 32] -> [..., N, K] in dtype."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    scale = torch.exp2(scales.float() - 127).repeat_interleave(MXFP4_GROUP, dim=-1)
+    return (values * scale).to(dtype)
+
+
+def _expert_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.dtype == torch.uint8:
+        y = F.linear(a, dequantize_mxfp4(weight[expert], scale[expert], a.dtype))
+    elif scale is None:
+        y = F.linear(a, weight[expert])
+    else:
+        y = fp8_linear_ref(a, weight[expert], scale[expert][None, :])
+    return y if bias is None else y + bias[expert]
+
+
+def moe_activation(gate_up: torch.Tensor, swiglu: tuple[float, float] | None) -> torch.Tensor:
+    """[P, 2I] interleaved gate/up -> [P, I] fp32: silu(gate) * up, or gpt-oss's clamped SwiGLU."""
+    gate, up = gate_up[:, 0::2].float(), gate_up[:, 1::2].float()
+    if swiglu is None:
+        return F.silu(gate) * up
+    alpha, limit = swiglu
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
-                  w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w_down_scale: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """[T, H] in x's dtype; each expert's projections in x's dtype, as transformers computes them.
-    With the scales (fp8 weights, quantize_experts_fp8's) each projection is fp8_linear's."""
+    With the scales (fp8 weights, quantize_experts_fp8's) each projection is fp8_linear's; uint8
+    weights are MXFP4, dequantised to x's dtype. Biases [E, 2I] (interleaved as w_gate_up's rows)
+    and [E, H]."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten().long()
     order = torch.argsort(flat_ids, stable=True)
@@ -81,9 +119,10 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         if not len(pairs):
             continue
         tokens = pairs // top_k
-        gate_up = _expert_linear(x[tokens], w_gate_up, w_gate_up_scale, expert)
-        hidden = (F.silu(gate_up[:, 0::2].float()) * gate_up[:, 1::2].float()).to(x.dtype)
-        y = _expert_linear(hidden, w_down, w_down_scale, expert).float() * topk_weights.flatten()[pairs, None]
+        gate_up = _expert_linear(x[tokens], w_gate_up, w_gate_up_scale, expert, gate_up_bias)
+        hidden = moe_activation(gate_up, swiglu).to(x.dtype)
+        y = _expert_linear(hidden, w_down, w_down_scale, expert, down_bias).float()
+        y = y * topk_weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
 
@@ -342,21 +381,39 @@ def moe_tile(num_blocks, num_cols, GROUP_M: tl.constexpr):
     return block, col_tile
 
 
+@triton.jit
+def load_mxfp4_tile(w_rows, scale_rows, kk, mask, K: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_K, cols] weights of MXFP4 rows (w_rows: each column's packed row, K / 2 bytes; scale_rows
+    its K / 32 scales), widened to dtype: e2m1 is sign, 2 exponent bits (bias 1), 1 mantissa bit."""
+    packed = tl.load(w_rows + (kk // 2)[:, None], mask=mask, other=0)
+    nibble = (packed >> ((kk % 2) * 4)[:, None].to(tl.uint8)) & 15
+    exponent = ((nibble >> 1) & 3).to(tl.float32)
+    mantissa = (nibble & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2(exponent - 1.0))
+    value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
+    scale = tl.load(scale_rows + (kk // 32)[:, None] + 0 * (K // 32), mask=mask, other=127).to(tl.float32)
+    return (value * tl.exp2(scale - 127.0)).to(dtype)
+
+
 @fast_launch
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
+def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
                         num_pairs, top_k, num_experts, x_stride, w_expert_stride, w_row_stride,
-                        w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr,
+                        w_scale_stride, out_stride, num_blocks, num_cols, swiglu_alpha, swiglu_limit,
+                        BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
                         EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-                        EVEN_N: tl.constexpr, TMA: tl.constexpr):
+                        EVEN_N: tl.constexpr, TMA: tl.constexpr, MXFP4: tl.constexpr, BIAS: tl.constexpr,
+                        SWIGLU: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I outputs, from the
     2 * BLOCK_N interleaved gate/up weight rows that make them, multiplied in one dot.
     out[pair, c] = silu(x[token] . gate_c) * (x[token] . up_c). FP8: x and the weights are fp8, the
     sums scaled by x's row scale and the weights' row scales. EVEN_K: BLOCK_K divides H, so the K
     loop's loads need no K mask. TMA: the weight tiles through a descriptor over every expert's rows
     (experts back to back): rows past the expert's 2I belong to the next one (or lie past the end,
-    read as zeros) and give only masked columns; a K tail past H reads as zeros."""
+    read as zeros) and give only masked columns; a K tail past H reads as zeros. MXFP4: the weights
+    are packed (w_row_stride bytes a row, scales HIDDEN / 32 a row), widened as loaded; BIAS: the
+    expert's gate/up bias added before the activation; SWIGLU: gpt-oss's clamped SwiGLU."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -380,6 +437,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
                         other=0.0)
             if TMA:
                 w = w_desc.load([first_row, k0]).T
+            elif MXFP4:
+                scale_rows = (w_scale_ptr + expert.to(tl.int64) * w_scale_stride
+                              + w_rows[None, :].to(tl.int64) * (HIDDEN // 32))
+                w = load_mxfp4_tile(w_tile, scale_rows, kk, w_row_mask[None, :] & k_mask[:, None], HIDDEN, a.dtype)
             else:
                 w = tl.load(w_tile + kk[:, None], mask=w_row_mask[None, :] & k_mask[:, None], other=0.0)
             acc += dot(a, w, DOT_UPCAST)
@@ -387,11 +448,18 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
             w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + w_rows
             acc *= x_scale * tl.load(w_scales, mask=w_row_mask, other=0.0)[None, :]
+        if BIAS:
+            acc += tl.load(bias_ptr + expert.to(tl.int64) * 2 * INTER + w_rows, mask=w_row_mask, other=0.0)[None, :]
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))  # the even columns, the odd ones
         # gate and up rounded to the output's dtype first, as the reference (and transformers) compute them
         gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        if SWIGLU:
+            gate = tl.minimum(gate, swiglu_limit)
+            up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+            y = (up + 1.0) * gate * tl.sigmoid(swiglu_alpha * gate)
+        else:
+            y = gate / (1.0 + tl.exp(-gate)) * up
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & ((cols < INTER) | EVEN_N)[None, :])
@@ -399,13 +467,14 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, sorted_pairs_ptr
 
 @fast_launch
 @triton.jit
-def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
-                     out_ptr, num_pairs, num_experts, a_stride, w_expert_stride, w_row_stride,
+def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, sorted_pairs_ptr, block_experts_ptr,
+                     pair_weights_ptr, out_ptr, num_pairs, num_experts, a_stride, w_expert_stride, w_row_stride,
                      w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, EVEN_N: tl.constexpr):
-    """out[pair, cols] = weight[pair] * (a[pair] . down rows cols), for one block of sorted pairs
-    (FP8: scaled as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
+                     GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, EVEN_N: tl.constexpr,
+                     MXFP4: tl.constexpr, BIAS: tl.constexpr):
+    """out[pair, cols] = weight[pair] * (a[pair] . down rows cols + bias), for one block of sorted
+    pairs (FP8 and MXFP4 as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:
@@ -422,11 +491,18 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
             k_mask = (kk < INTER) | EVEN_K
             a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            acc += dot(a, tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0),
-                       DOT_UPCAST)
+            if MXFP4:
+                scale_rows = (w_scale_ptr + expert.to(tl.int64) * w_scale_stride
+                              + cols[None, :].to(tl.int64) * (INTER // 32))
+                w = load_mxfp4_tile(w_rows, scale_rows, kk, col_mask[None, :] & k_mask[:, None], INTER, a.dtype)
+            else:
+                w = tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+            acc += dot(a, w, DOT_UPCAST)
         if FP8:
             acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
             acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
+        if BIAS:
+            acc += tl.load(bias_ptr + expert.to(tl.int64) * HIDDEN + cols, mask=col_mask, other=0.0)[None, :]
         # the expert's output rounded to x's dtype before it is weighted, as the reference
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.load(pair_weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
@@ -436,22 +512,26 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, b
 
 def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up: torch.Tensor,
                        w_scale: torch.Tensor | None, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
-                       top_k: int, out_dtype: torch.dtype, plan: MoEPlan) -> torch.Tensor:
-    """The gate/up kernel alone: [T * K, I], silu(gate) * up by pair (a: x, or its fp8 rows with
-    a_scale and the weights' w_scale)."""
-    num_experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
+                       top_k: int, out_dtype: torch.dtype, plan: MoEPlan, bias: torch.Tensor | None = None,
+                       swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """The gate/up kernel alone: [T * K, I], silu(gate) * up (or the clamped SwiGLU) by pair (a: x,
+    or its fp8 rows with a_scale and the weights' w_scale; uint8 weights: MXFP4 with w_scale theirs)."""
+    mxfp4 = w_gate_up.dtype == torch.uint8
+    num_experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2] * (2 if mxfp4 else 1)
     num_pairs = a.shape[0] * top_k
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
-    fp8 = w_scale is not None
-    tma = bool(plan.tma) and 2 * plan.block_n <= TMA_MAX_BOX and descriptor_fits(w_gate_up)
+    fp8 = w_scale is not None and not mxfp4
+    tma = bool(plan.tma) and not mxfp4 and 2 * plan.block_n <= TMA_MAX_BOX and descriptor_fits(w_gate_up)
     if tma:
         use_descriptor_allocator(w_gate_up.device)
     num_blocks, num_cols = block_experts.shape[0], cdiv(inter, plan.block_n)
+    alpha, limit = swiglu or (1.0, 0.0)
     _moe_gate_up_kernel[(num_blocks * num_cols,)](
-        a, w_gate_up, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, out, num_pairs,
-        top_k, num_experts, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, hidden),
-        HIDDEN=hidden, INTER=inter, EVEN_N=inter % plan.block_n == 0, TMA=tma)
+        a, w_gate_up, a_scale if fp8 else a, a if w_scale is None else w_scale, a if bias is None else bias,
+        sorted_pairs, block_experts, out, num_pairs, top_k, num_experts, a.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), 0 if w_scale is None else w_scale.stride(0), out.stride(0), num_blocks, num_cols,
+        float(alpha), float(limit), **_options(plan, fp8, a, hidden), HIDDEN=hidden, INTER=inter,
+        EVEN_N=inter % plan.block_n == 0, TMA=tma, MXFP4=mxfp4, BIAS=bias is not None, SWIGLU=swiglu is not None)
     return out
 
 
@@ -466,19 +546,21 @@ def descriptor_fits(w: torch.Tensor) -> bool:
 
 def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch.Tensor, w_scale: torch.Tensor | None,
                     sorted_pairs: torch.Tensor, block_experts: torch.Tensor, pair_weights: torch.Tensor,
-                    out_dtype: torch.dtype, plan: MoEPlan) -> torch.Tensor:
-    """The down kernel alone: [T * K, H], each pair's expert output times its routing weight
-    (pair_weights fp32 [T * K]; a: the gate/up output, or its fp8 rows with a_scale)."""
-    num_experts, hidden, inter = w_down.shape
+                    out_dtype: torch.dtype, plan: MoEPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The down kernel alone: [T * K, H], each pair's expert output (plus its bias) times its routing
+    weight (pair_weights fp32 [T * K]; a: the gate/up output, or its fp8 rows with a_scale)."""
+    mxfp4 = w_down.dtype == torch.uint8
+    num_experts, hidden, inter = w_down.shape[0], w_down.shape[1], w_down.shape[2] * (2 if mxfp4 else 1)
     num_pairs = a.shape[0]
     out = torch.empty(num_pairs, hidden, dtype=out_dtype, device=a.device)
-    fp8 = w_scale is not None
+    fp8 = w_scale is not None and not mxfp4
     num_blocks, num_cols = block_experts.shape[0], cdiv(hidden, plan.block_n)
     _moe_down_kernel[(num_blocks * num_cols,)](
-        a, w_down, a_scale if fp8 else a, w_scale if fp8 else a, sorted_pairs, block_experts, pair_weights, out,
-        num_pairs, num_experts, a.stride(0), w_down.stride(0), w_down.stride(1),
-        w_scale.stride(0) if fp8 else 0, out.stride(0), num_blocks, num_cols, **_options(plan, fp8, a, inter),
-        HIDDEN=hidden, INTER=inter, EVEN_N=hidden % plan.block_n == 0)
+        a, w_down, a_scale if fp8 else a, a if w_scale is None else w_scale, a if bias is None else bias,
+        sorted_pairs, block_experts, pair_weights, out, num_pairs, num_experts, a.stride(0), w_down.stride(0),
+        w_down.stride(1), 0 if w_scale is None else w_scale.stride(0), out.stride(0), num_blocks, num_cols,
+        **_options(plan, fp8, a, inter), HIDDEN=hidden, INTER=inter, EVEN_N=hidden % plan.block_n == 0,
+        MXFP4=mxfp4, BIAS=bias is not None)
     return out
 
 
@@ -500,8 +582,9 @@ def fit_plan(plan: MoEPlan, dtype: torch.dtype, fp8: bool) -> MoEPlan:
 
 def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
-                     w_down_scale: torch.Tensor | None = None, plan: MoEPlan | None = None,
-                     down_plan: MoEPlan | None = None) -> torch.Tensor:
+                     w_down_scale: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
+                     down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None,
+                     plan: MoEPlan | None = None, down_plan: MoEPlan | None = None) -> torch.Tensor:
     """fused_moe_ref's result through the two grouped-GEMM kernels. `plan` overrides moe_plan's
     choice for the gate/up kernel and, unless `down_plan` is given, for the down kernel too (the
     two share the alignment, so their row blocks must be equal)."""
@@ -511,17 +594,17 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.empty_like(x)
+    fp8 = w_gate_up_scale is not None and w_gate_up.dtype != torch.uint8  # MXFP4 is weight-only
     if plan is None:
-        plan, down_plan = moe_plans(num_pairs, num_experts, fp8=w_gate_up_scale is not None)
+        plan, down_plan = moe_plans(num_pairs, num_experts, fp8=fp8)
     down_plan = down_plan or plan
-    plan, down_plan = (fit_plan(p, x.dtype, w_gate_up_scale is not None) for p in (plan, down_plan))
+    plan, down_plan = (fit_plan(p, x.dtype, fp8) for p in (plan, down_plan))
     assert down_plan.block_m == plan.block_m, "the gate/up and down kernels share the alignment's row blocks"
     sorted_pairs, block_experts = align_by_expert_triton(topk_ids, num_experts, plan.block_m)
-    fp8 = w_gate_up_scale is not None
     a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)
     hidden_by_pair = moe_gate_up_triton(a, a_scale, w_gate_up, w_gate_up_scale, sorted_pairs, block_experts, top_k,
-                                        x.dtype, plan)
+                                        x.dtype, plan, gate_up_bias, swiglu)
     a, a_scale = quantize_fp8_rows_triton(hidden_by_pair) if fp8 else (hidden_by_pair, None)
     out_by_pair = moe_down_triton(a, a_scale, w_down, w_down_scale, sorted_pairs, block_experts,
-                                  topk_weights.float().contiguous().view(-1), x.dtype, down_plan)
+                                  topk_weights.float().contiguous().view(-1), x.dtype, down_plan, down_bias)
     return out_by_pair.view(tokens, top_k, hidden).sum(dim=1)
