@@ -30,18 +30,19 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": dict(norm_offset=1.0, sandwich_norms=True, qk_norm=True),
     "MixtralForCausalLM": {},
     "Qwen3MoeForCausalLM": dict(qk_norm=True),
+    "GptOssForCausalLM": dict(attn_sinks=True),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # tied embeddings unless config.json says otherwise
 # Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
 # (transformers' defaults); Qwen2/3's slide from max_window_layers on, the others' (Mistral,
 # Mixtral, Qwen3-MoE: transformers ignores its max_window_layers) all slide.
-_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 _MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0, "GptOssForCausalLM": 150_000.0}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's name -> the MLP's
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -67,6 +68,11 @@ class MoEConfig:
     intermediate_size: int
     renormalize: bool  # the top-k weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     layers: tuple[int, ...]
+    # gpt-oss: biases on the router and on each expert's projections, and its clamped SwiGLU
+    # (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at limit, up to +-limit
+    biases: bool = False
+    swiglu: tuple[float, float] | None = None  # (alpha, limit)
+    mxfp4: bool = False  # the checkpoint's experts are MXFP4 (*_blocks, *_scales), kept so in memory
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's
     attn_softcap: float = 0.0  # attention scores capped at +-attn_softcap by tanh (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same for the final logits
+    attn_sinks: bool = False  # a learned logit per head in each attention softmax's denominator (gpt-oss)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -217,6 +224,8 @@ def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
     if arch == "MixtralForCausalLM":
         return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
                          int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss_moe(cfg, num_layers)
     if arch != "Qwen3MoeForCausalLM":
         return None
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 saves the latter
@@ -226,6 +235,18 @@ def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
         return None
     return MoEConfig(num_experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
                      bool(cfg.get("norm_topk_prob", False)), layers)
+
+
+def _gpt_oss_moe(cfg: dict, num_layers: int) -> MoEConfig:
+    """gpt-oss: experts in every layer, softmax over the top-k logits (renormalised), biases, the
+    clamped SwiGLU; MXFP4 experts where the checkpoint says so (its quantization_config)."""
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise ModelConfigError(f"unsupported quantization {quant!r} of gpt-oss experts; supported: mxfp4")
+    return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
+                     True, tuple(range(num_layers)), biases=True,
+                     swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
+                     mxfp4=quant == "mxfp4")
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:

@@ -269,7 +269,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     return llama3_inv_freq(inv_freq, scaling)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than beta_slow times over the original context are
+    slowed by `factor`, those that turn more than beta_fast times kept, a linear ramp between."""
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times over old_context
+        return head_dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (so q.k by its square): its attention_factor, else
+    0.1 ln(factor) + 1 (with mscale and mscale_all_dim, the ratio of two such); 1 otherwise."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -291,8 +324,9 @@ class RotaryEmbedding:
                  device: torch.device):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        factor = rope_attention_factor(scaling)
+        self.cos = (freqs.cos() * factor).to(device)
+        self.sin = (freqs.sin() * factor).to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, head_dim / 2] for the step's tokens, looked up once for all layers."""
@@ -316,6 +350,9 @@ class Attention:
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or d)
         self.window, self.softcap = window, cfg.attn_softcap  # host numbers: Triton constexprs, fixed in a graph
+        # fp32 [q heads of this rank]: each head's sink logit (gpt-oss)
+        self.sinks = (weights.get(f"{prefix}.sinks", (cfg.num_heads,), 0, q_start, self.q_heads).float()
+                      if cfg.attn_sinks else None)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm, self.k_norm = (RMSNorm(weights, f"{prefix}.{n}_norm.weight", d, cfg.rms_norm_eps,
@@ -342,11 +379,11 @@ class Attention:
         if n:
             decode_attention(q[:n], k_cache, v_cache, batch.req_to_token, batch.decode_rows, batch.decode_seq_lens,
                              batch.decode_max_seqlen, self.scale, out=out[:n], window=self.window,
-                             softcap=self.softcap, plan_for=batch.decode_plan_for)
+                             softcap=self.softcap, plan_for=batch.decode_plan_for, sinks=self.sinks)
         if batch.has_chunks:  # after the decodes: a padded step's decode rows overlap the chunks' rows
             extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.ext_rows, batch.ext_cu_q,
                              batch.ext_kv_lens, batch.ext_q_blocks, self.scale, out=out, window=self.window,
-                             softcap=self.softcap)
+                             softcap=self.softcap, sinks=self.sinks)
         return out
 
 

@@ -1,7 +1,8 @@
-"""The decoder family (Llama 2/3/3.1, Mistral, Qwen2/3, Gemma 2/3, and with experts Mixtral and
-Qwen3-MoE): one model, the differences come from the config (config.py): q/k norms, sliding-window
+"""The decoder family (Llama 2/3/3.1, Mistral, Qwen2/3, Gemma 2/3, and with experts Mixtral,
+Qwen3-MoE and gpt-oss): one model, the differences come from the config (config.py): q/k norms, sliding-window
 layers, Gemma's extra norms, scaled embeddings, soft caps and a second rotary base for its sliding
-layers, and which layers' MLP is a mixture of experts (moe.py)."""
+layers, attention sinks, and which layers' MLP is a mixture of experts (moe.py; gpt-oss's own in
+gpt_oss.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from lightllm.utils.dist import TPGroup
 from .config import ModelConfig
 from .layers import (Attention, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      VocabParallelEmbedding, vocab_shard)
+from .gpt_oss import GptOssMoE
 from .moe import SparseMoE
+
+MOE_LAYERS = {"GptOssForCausalLM": GptOssMoE}  # architecture -> its experts' layer, where not SparseMoE
 
 
 class DecoderLayer:
@@ -32,7 +36,8 @@ class DecoderLayer:
         self.input_norm = norm("input_layernorm", fp8)
         self.attn = Attention(weights, tp, cfg, f"{prefix}.self_attn", cfg.window(index))
         self.local_rope = bool(cfg.local_rope_theta and cfg.window(index))
-        self.mlp = SparseMoE(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
+        moe_layer = MOE_LAYERS.get(cfg.architecture, SparseMoE)
+        self.mlp = moe_layer(weights, tp, cfg, prefix) if sparse else GatedMLP(weights, tp, cfg, f"{prefix}.mlp")
         mlp_fp8 = fp8 and not sparse  # a router reads the experts' input unquantised (fused_moe quantises it)
         self.attn_out_norm = self.mlp_out_norm = None
         if cfg.sandwich_norms:  # Gemma's post_attention_layernorm is on the attention's output

@@ -49,6 +49,7 @@ class SparseMoE:
                               for name in experts])  # [E, H, count]
         self.experts = _fp8_experts(w_gate_up, w_down) if cfg.quantization == "fp8" else (w_gate_up, w_down)
         self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
+        self.router_bias, self.expert_options = None, {}  # fused_moe's biases and activation (gpt_oss.py)
         self.reduce_output = True  # off (defer_reduce): the norm that takes the output all-reduces it
 
     def defer_reduce(self, norm) -> bool:
@@ -61,9 +62,9 @@ class SparseMoE:
         return True
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route_topk(F.linear(h, self.router), self.top_k, self.renormalize)
+        topk_weights, topk_ids = route_topk(F.linear(h, self.router, self.router_bias), self.top_k, self.renormalize)
         w_gate_up, w_down, *scales = self.experts
-        out = fused_moe(h, w_gate_up, w_down, topk_weights, topk_ids, *scales)
+        out = fused_moe(h, w_gate_up, w_down, topk_weights, topk_ids, *scales, **self.expert_options)
         return self.tp.all_reduce(out) if self.reduce_output else out
 
 

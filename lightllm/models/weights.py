@@ -1,7 +1,8 @@
 """Weight sources for the layers: a checkpoint directory, or random weights from the config.
 
 Layers ask for a tensor by its checkpoint name, its full shape, and the slice this rank keeps
-(`dim`, `start`, `length`); they get it on the device in the model dtype. Safetensors slices
+(`dim`, `start`, `length`); they get it on the device in the model dtype, or in the dtype they
+name (packed MXFP4 experts: uint8). Safetensors slices
 are read straight from the file, so a rank never materialises the other ranks' shards.
 """
 
@@ -85,7 +86,7 @@ class CheckpointWeights:
         return list(ref.shape) if handle is None else handle.get_slice(ref).get_shape()
 
     def get(self, name: str, shape: tuple[int, ...], dim: int = 0, start: int = 0,
-            length: int | None = None) -> torch.Tensor:
+            length: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         if name not in self.entries:
             raise WeightLoadError(f"tensor {name!r} not found in the checkpoint in {self.model_dir}")
         entry = self.entries[name]
@@ -94,7 +95,7 @@ class CheckpointWeights:
             raise WeightLoadError(f"tensor {name!r} has shape {found}, config.json implies {list(shape)}")
         length = shape[dim] - start if length is None else length
         part = _read_part(entry, dim, start, length)
-        return part.to(device=self.device, dtype=self.dtype).contiguous()
+        return part.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
 
 class DummyWeights:
@@ -107,13 +108,18 @@ class DummyWeights:
     drafts needs. Every shape, kernel and byte moved is as with "dummy"."""
 
     ZERO_IN_ECHO = ("o_proj.weight", "down_proj.weight")
+    # uint8 tensors (MXFP4 experts): any packed pair of values; scales of 2^-6..2^-3, weights of
+    # about dense's size
+    MXFP4_SCALES = (121, 125)
 
     def __init__(self, dtype: torch.dtype, device: torch.device, seed: int = 0, echo: bool = False):
         self.dtype, self.device, self.echo, self.seed = dtype, device, echo, seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def get(self, name: str, shape: tuple[int, ...], dim: int = 0, start: int = 0,
-            length: int | None = None) -> torch.Tensor:
+            length: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype == torch.uint8:
+            return self._packed(name, shape, dim, start, length)
         if self.echo:
             return self._echo(name, shape, dim, start, length)
         shape = list(shape)
@@ -122,6 +128,12 @@ class DummyWeights:
             return torch.ones(shape, dtype=self.dtype, device=self.device)
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         return out.normal_(0.0, 0.02, generator=self.generator)
+
+    def _packed(self, name: str, shape: tuple[int, ...], dim: int, start: int, length: int | None) -> torch.Tensor:
+        shape = list(shape)
+        shape[dim] = shape[dim] - start if length is None else length
+        low, high = self.MXFP4_SCALES if name.endswith("_scales") else (0, 256)
+        return torch.randint(low, high, shape, dtype=torch.uint8, device=self.device, generator=self.generator)
 
     def _echo(self, name: str, shape: tuple[int, ...], dim: int, start: int, length: int | None) -> torch.Tensor:
         """The whole tensor from a generator seeded by its name (the LM head by the embedding's),

@@ -4,7 +4,8 @@ the comparisons with transformers on the same weights (fp32 on the CPU: atol = r
 observed differences ~1e-6)."""
 
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          GptOssForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
@@ -22,6 +23,9 @@ ATOL = RTOL = 1e-4
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=101)
 
 
+# YaRN as gpt-oss's (factor 32 over 4096 there), over a context the schedules' sequences pass
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+             "original_max_position_embeddings": 16, "rope_theta": 150000.0}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16, "rope_theta": 500000.0}
 
@@ -66,6 +70,11 @@ CASES = {
     "qwen3_moe_window_8": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    # attention sinks, sliding (8) and full layers alternating, YaRN, q/k/v/o biases; experts with
+    # biases and the clamped SwiGLU in every layer, the top 2 of 4 (intermediate 32: one MXFP4 group)
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                                      rope_parameters=YARN_ROPE)),
     # top-k weights as their share of all experts (norm_topk_prob false); experts in every second layer
     "qwen3_moe_sparse_step": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                               dict(num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
