@@ -1,12 +1,13 @@
 """gpt-oss (tiny, random, fp32) against transformers: a checkpoint with MXFP4 experts (packed blocks
 and scales, kept packed in memory) gives the logits of transformers' model holding those experts
-dequantised; and the engine
-core with chunked prefill and the prefix cache gives transformers' greedy tokens past the window.
-The dense checkpoint's logits, its Triton path and tp 2 are tests/test_model_vs_hf.py's and
-tests/test_tp.py's cases."""
+dequantised; the engine core with chunked prefill and the prefix cache gives transformers' greedy
+tokens past the window; bench_model's presets ask for a published checkpoint's tensors. The dense
+checkpoint's logits, its Triton path and tp 2 are tests/test_model_vs_hf.py's and tests/test_tp.py's
+cases."""
 
 import json
 
+import pytest
 import torch
 from helpers.models import (Client, assert_idle, assert_logits_match_hf, engine, hf_greedy, make_model, make_runner,
                             random_prompts, run_schedule)
@@ -68,3 +69,58 @@ def test_chunked_prefill_and_prefix_cache_equal_transformers(tmp_path):
         assert (core.scheduler.prefix_hit_tokens > 0) == prefix_cache
         assert got == expected + expected, (chunk, prefix_cache)
         assert_idle(core)
+
+
+class MetaWeights:
+    """A weight source that makes no data: records (full shape, dtype) of what the layers ask for."""
+
+    def __init__(self):
+        self.asked: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def get(self, name, shape, dim=0, start=0, length=None, dtype=None):
+        self.asked[name] = (tuple(shape), dtype or torch.bfloat16)
+        part = list(shape)
+        part[dim] = shape[dim] - start if length is None else length
+        return torch.empty(part, dtype=dtype or torch.bfloat16, device="meta")
+
+
+def mxfp4_names(dense: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """transformers' dense expert tensors [E, in, out] replaced by the published checkpoints' MXFP4
+    blocks [E, out, in / 32, 16] and scales [E, out, in / 32]."""
+    out = {}
+    for name, shape in dense.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, k, n = shape
+            out[f"{name}_blocks"], out[f"{name}_scales"] = (experts, n, k // 32, 16), (experts, n, k // 32)
+        else:
+            out[name] = shape
+    return out
+
+
+@pytest.mark.parametrize("preset,layers,experts,gigabytes", [("gpt-oss-20b", 24, 32, 12.0),
+                                                             ("gpt-oss-120b", 36, 128, 63.5)])
+def test_bench_presets_ask_for_the_published_mxfp4_checkpoint(preset, layers, experts, gigabytes, default_model_dir,
+                                                                tmp_path):
+    """The preset's config reads as gpt-oss's (alternating windows of 128, YaRN, MXFP4 experts), and
+    the model built from it (on the meta device) asks, at tp 1 and 2, for exactly the tensors of a
+    published gpt-oss checkpoint of that shape, the experts packed: 20b 12.0 GB, 120b 63.5 GB."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightllm.models import LlamaModel
+    from lightllm.tools.bench_model import write_bench_model
+    from lightllm.utils.dist import TPGroup
+
+    model_dir = write_bench_model(tmp_path / preset, preset, tokenizer_dir=default_model_dir)
+    cfg = read_config(model_dir)
+    assert (cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.mxfp4, cfg.attn_sinks) == (layers, experts, 4,
+                                                                                                  True, True)
+    assert cfg.layer_windows == (128, 0) * (layers // 2) and cfg.rope_scaling["rope_type"] == "yarn"
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    expected = mxfp4_names({name: tuple(t.shape) for name, t in hf_model.state_dict().items()})
+    for rank in (0, 1):
+        weights = MetaWeights()
+        LlamaModel(cfg, weights, TPGroup(rank, 2), 256, torch.device("meta"))
+        assert {name: shape for name, (shape, _) in weights.asked.items()} == expected
+    total = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in weights.asked.values())
+    assert round(total / 1e9, 1) == gigabytes

@@ -2,7 +2,7 @@
 (attention sinks, YaRN rotary, alternating sliding-window and full layers, q/k/v and o biases) and
 here its mixture of experts: a router with a bias, experts stored as fused tensors with biases, the
 clamped SwiGLU, and the checkpoint's MXFP4 experts kept packed (fused_moe widens them as it loads
-them: 120b's experts take 61 GB where bf16 would take 230).
+them: 120b's experts take 60.9 GB where bf16 would take 229).
 
 Checkpoint layout: `mlp.router.{weight,bias}`; `mlp.experts.gate_up_proj` [E, H, 2I] (gate and up
 interleaved along 2I, as fused_moe's rows) and `down_proj` [E, I, H], or in MXFP4

@@ -18,6 +18,12 @@ tiny: a 2-layer model of the same family with seeded random float32 weights, sma
 qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV heads of 128,
     experts in every layer: 128 of intermediate 768, 8 active, renormalised), dummy weights:
     61 GB in bf16, served on one H200, or on an H100 with --quantization fp8 (31 GB).
+gpt-oss-20b, gpt-oss-120b: gpt-oss's shapes (24 / 36 layers, hidden 2880, 64 heads and 8 KV heads
+    of 64, sliding window 128 on every other layer, YaRN over 4096 positions by 32, 32 / 128
+    experts of intermediate 2880, 4 active) with MXFP4 experts as published, dummy weights and the
+    default tokenizer's vocabulary (their own 201088 tokens would add 1.7 GB): 20b 12.0 GB of
+    weights (experts 10.2 GB; 38.2 in bf16), 120b 63.5 GB (experts 60.9 GB; 229 in bf16), on one
+    H200. tiny-gpt-oss: 3 layers of 4 experts, dense fp32 experts, window 16.
 
 The tokenizer comes from the default model, or from `--tokenizer DIR` (any directory with
 its files, such as a bench-8b directory): where there is no network, as on the GPU machines.
@@ -103,8 +109,19 @@ SHAPES.update({
     ),
     "tiny-mixtral": dict(TINY_EXPERTS, num_local_experts=8),
     "tiny-qwen3-moe": dict(TINY_EXPERTS, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+    "tiny-gpt-oss": dict(TINY_EXPERTS, num_hidden_layers=3, intermediate_size=32, num_local_experts=4),
 })
-MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral"}
+GPT_OSS = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+               num_experts_per_tok=4)
+SHAPES.update({"gpt-oss-20b": dict(GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+               "gpt-oss-120b": dict(GPT_OSS, num_hidden_layers=36, num_local_experts=128)})
+MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral",
+               "gpt-oss-20b": "gpt_oss", "gpt-oss-120b": "gpt_oss", "tiny-gpt-oss": "gpt_oss"}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+MXFP4_CONFIG = {"quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                           "lm_head"]}
 # tiny presets: float32, for exact comparisons with transformers
 DTYPES = {name: "float32" if name.startswith("tiny") else "bfloat16" for name in SHAPES}
 TINY_WINDOW = 16
@@ -117,6 +134,10 @@ def family_config(preset: str) -> tuple[str, dict]:
     if family == "qwen3_moe":
         return "Qwen3MoeConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
                                       tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    if family == "gpt_oss":
+        return "GptOssConfig", dict(rope_parameters=dict(GPT_OSS_ROPE), max_position_embeddings=131072,
+                                    rms_norm_eps=1e-5, sliding_window=TINY_WINDOW if tiny else 128,
+                                    tie_word_embeddings=False, architectures=["GptOssForCausalLM"])
     if family == "mixtral":
         return "MixtralConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
                                      tie_word_embeddings=False, architectures=["MixtralForCausalLM"])
@@ -194,6 +215,8 @@ def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_di
                     torch_dtype=DTYPES[preset])
     if config.model_type == "qwen3_moe":  # as Qwen3-MoE's own config.json counts its experts
         update_json(out / "config.json", num_experts=config.num_experts)
+    if config.model_type == "gpt_oss" and not preset.startswith("tiny"):  # MXFP4 experts, as published
+        update_json(out / "config.json", quantization_config=MXFP4_CONFIG)
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, out / name)
     logger.info("wrote the %s model directory %s", preset, out)
