@@ -29,7 +29,7 @@ class FrontendConfig(EngineConfig):
     )
     reasoning_parser: str | None = field(
         default=None,
-        metadata=flag("qwen3: the model's <think>...</think> is returned apart from the answer ('reasoning_content'; a reasoning item in /v1/responses, a thinking block in /v1/messages); absent: it stays in the text", choices=("qwen3",)),
+        metadata=flag("qwen3: the model's <think>...</think> is returned apart from the answer ('reasoning_content'; a reasoning item in /v1/responses, a thinking block in /v1/messages); harmony: gpt-oss's channels, analysis as reasoning and messages to functions.NAME as tool calls (the default for gpt-oss); absent: it stays in the text", choices=("qwen3", "harmony")),
     )
 
     def check(self) -> None:

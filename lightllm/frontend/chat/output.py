@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightllm.frontend.chat.harmony import HarmonyParser
 from lightllm.frontend.chat.reasoning import REASONING_PARSERS
 from lightllm.frontend.chat.tool_calls import FORMATS, CallArgs, CallFormat, CallStart, Text
 
@@ -53,8 +54,8 @@ class AnswerParser:
         if self.tools is None:
             return texts
         out = []
-        for text in texts:
-            out += [text] if text.reasoning else self.tools.feed(text.text)
+        for text in texts:  # a reasoning parser's calls (harmony's) pass as they are
+            out += [text] if not isinstance(text, Text) or text.reasoning else self.tools.feed(text.text)
         return out
 
     def parse(self, text: str) -> Answer:
@@ -85,6 +86,11 @@ class ChatParsers:
     reasoning: type | None = None
     tool_call_parser: str = ""  # the call format's name, for /info
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The answer's text must keep its special tokens: the reasoning parser reads them (harmony)."""
+        return self.reasoning is HarmonyParser
+
     def answer_parser(self, prompt_text: str, calls: bool) -> AnswerParser:
         """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it."""
         reasoning = self.reasoning.for_prompt(prompt_text) if self.reasoning else None
@@ -103,6 +109,8 @@ def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, arc
             tool_call_parser = "llama3_json"
         else:
             tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else "hermes"
+    if reasoning_parser is None and architecture == "GptOssForCausalLM":
+        reasoning_parser = "harmony"  # gpt-oss always answers in harmony's channels
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     return ChatParsers(FORMATS[tool_call_parser], reasoning, tool_call_parser)
 

@@ -9,6 +9,7 @@ always think end the prompt with `<think>` themselves: then the answer starts in
 
 from __future__ import annotations
 
+from lightllm.frontend.chat.harmony import HarmonyParser
 from lightllm.frontend.chat.tool_calls import Text, _held_back
 
 
@@ -68,4 +69,4 @@ class Qwen3Reasoning:
         return True
 
 
-REASONING_PARSERS = {"qwen3": Qwen3Reasoning}
+REASONING_PARSERS = {"qwen3": Qwen3Reasoning, "harmony": HarmonyParser}

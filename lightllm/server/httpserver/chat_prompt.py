@@ -54,6 +54,8 @@ async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef],
     (an error names max_new_tokens as the route does: `max_tokens_field`). The prompt ends as
     render_chat's add_generation_prompt and continue_final_message say."""
     tools = [template_tool(f) for f in functions]
+    if state.chat.keeps_special_tokens:  # the reasoning parser reads them (harmony) and takes them out
+        sampling.skip_special_tokens = False
     text, prompt_ids = await chat_prompt(state, messages, tools, options, add_generation_prompt,
                                          continue_final_message)
     if not max_tokens_given:

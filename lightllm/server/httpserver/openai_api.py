@@ -91,7 +91,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     body.check_tools()
     sampling = await sampling_of(body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
-                                         body.parallel_tool_calls is not False, body.chat_template_kwargs, sampling,
+                                         body.parallel_tool_calls is not False, body.template_kwargs, sampling,
                                          body.max_tokens_given, body.max_tokens_field, **body.prompt_ending)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
                                              for _ in range(body.choices)], prompt_ids)

@@ -457,6 +457,8 @@ class ChatRequest(OpenAIBody):
     function_call: str | dict | None = Field(None, description="not supported")
     chat_template_kwargs: dict | None = Field(None, description="variables for the chat template, such as "
                                                                  "{'enable_thinking': false}")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="passed to the chat template as reasoning_effort (gpt-oss's)")
     add_generation_prompt: bool | None = Field(
         None, description="vLLM's extension: end the prompt with the template's assistant header (default true, "
                           "false with continue_final_message)")
@@ -467,6 +469,13 @@ class ChatRequest(OpenAIBody):
     @property
     def prompt_ending(self) -> dict:
         return prompt_ending(self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def template_kwargs(self) -> dict | None:
+        """chat_template_kwargs, with reasoning_effort where given (the kwargs' own wins)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def logprob_fields(self) -> dict:
         if self.top_logprobs and not self.logprobs:

@@ -1,0 +1,137 @@
+"""gpt-oss's harmony format parsed out of a chat answer (frontend/chat/harmony.py): the analysis
+channel as reasoning, the final channel (and a commentary preamble) as content, a message to
+functions.NAME as a tool call, whole or fed a character at a time; chosen for gpt-oss by default,
+its special tokens kept in the text it reads; reasoning_effort reaches the chat template."""
+
+import json
+
+import pytest
+
+from lightllm.frontend.chat.harmony import HarmonyParser
+from lightllm.frontend.chat.output import AnswerParser, chat_parsers, merge_events
+from lightllm.frontend.chat.tool_calls import CallArgs, CallStart, Text
+
+REASONING = "<|channel|>analysis<|message|>The user asks for the weather; call the tool.<|end|>"
+CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        '{"location": "Tokyo", "unit": "c"}<|call|>')
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is 21 degrees in Tokyo.<|return|>"
+
+
+def parse(text: str, step: int | None = None):
+    """The answer of `text` fed whole, or `step` characters at a time."""
+    parser = AnswerParser(HarmonyParser(), None)
+    pieces = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)]
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    return merge_events(events)
+
+
+def plain(events) -> list:
+    """Events without the calls' random ids."""
+    return [(type(e).__name__, e.index, e.name) if isinstance(e, CallStart) else e for e in events]
+
+
+@pytest.mark.parametrize("step", [None, 1, 3, 7])
+def test_reasoning_then_a_call(step):
+    got = parse(REASONING + CALL, step)
+    assert plain(got) == [Text("The user asks for the weather; call the tool.", reasoning=True),
+                          ("CallStart", 0, "get_weather"), CallArgs(0, '{"location": "Tokyo", "unit": "c"}')]
+    assert json.loads(got[-1].text) == {"location": "Tokyo", "unit": "c"}
+
+
+@pytest.mark.parametrize("step", [None, 1, 5])
+def test_reasoning_then_the_final_answer(step):
+    assert parse(REASONING + FINAL, step) == [Text("The user asks for the weather; call the tool.", reasoning=True),
+                                              Text("It is 21 degrees in Tokyo.")]
+
+
+def test_recipient_before_the_channel_a_preamble_and_two_calls():
+    text = ("<|channel|>commentary<|message|>Checking both.<|end|>"
+            '<|start|>assistant to=functions.a<|channel|>commentary json<|message|>{"x": 1}<|call|>'
+            '<|start|>assistant to=functions.b<|channel|>commentary json<|message|>{}<|call|>')
+    assert plain(parse(text, 2)) == [Text("Checking both."), ("CallStart", 0, "a"), CallArgs(0, '{"x": 1}'),
+                                     ("CallStart", 1, "b"), CallArgs(1, "{}")]
+
+
+def test_text_without_harmony_is_content_and_an_unfinished_message_is_kept():
+    assert parse("just words", 1) == [Text("just words")]
+    assert parse("<|channel|>analysis<|message|>thinking but cut", 4) == [Text("thinking but cut", reasoning=True)]
+
+
+def test_gpt_oss_reads_harmony_by_default_and_keeps_special_tokens():
+    parsers = chat_parsers(None, None, "GptOssForCausalLM", None)
+    assert parsers.reasoning is HarmonyParser and parsers.keeps_special_tokens
+    others = chat_parsers(None, "qwen3", "Qwen3ForCausalLM", None)
+    assert not others.keeps_special_tokens
+    assert not chat_parsers(None, None, "LlamaForCausalLM", None).keeps_special_tokens
+    answer = parsers.answer_parser("<|start|>assistant", True).parse(REASONING + CALL)
+    assert answer.content == "" and answer.reasoning.startswith("The user asks")
+    assert [(c.name, json.loads(c.arguments)) for c in answer.calls] == [("get_weather", {"location": "Tokyo",
+                                                                                          "unit": "c"})]
+
+
+def test_reasoning_effort_joins_the_template_kwargs():
+    from lightllm.server.httpserver.openai_params import ChatRequest
+
+    body = ChatRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="high")
+    assert body.template_kwargs == {"reasoning_effort": "high"}
+    body = ChatRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="low",
+                       chat_template_kwargs={"reasoning_effort": "medium", "x": 1})
+    assert body.template_kwargs == {"reasoning_effort": "medium", "x": 1}
+    assert ChatRequest(messages=[{"role": "user", "content": "hi"}]).template_kwargs is None
+
+
+HARMONY_TEMPLATE = ("effort={{ reasoning_effort | default('none') }}{% for m in messages %}<|start|>{{ m['role'] }}"
+                    "<|message|>{{ m['content'] }}<|end|>{% endfor %}<|start|>assistant")
+LOCATION = {"type": "object", "properties": {"location": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": LOCATION}}]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_served(default_model_dir):
+    """The chat routes of a gpt-oss server (no --reasoning_parser: harmony by default) over a scripted engine
+    that keeps the sampling parameters it is given."""
+    import multiprocessing
+
+    from test_chat_routes_scripted import ScriptedEngine
+    from transformers import AutoTokenizer
+
+    from lightllm.server.config import ServerConfig
+    from lightllm.server.httpserver.app import create_app
+    from lightllm.server.io_struct import RouterHeartbeat, RouterReady
+
+    class Recording(ScriptedEngine):
+        def generate(self, prompt_ids, sampling, **kw):
+            self.sampling = sampling
+            return super().generate(prompt_ids, sampling, **kw)
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    config = ServerConfig(model_dir=str(default_model_dir), served_model_name="scripted")
+    info = {"architecture": "GptOssForCausalLM", "vocab_size": len(tokenizer),
+            "eos_token_ids": [tokenizer.eos_token_id], "sampling_defaults": []}
+    app = create_app(config, tokenizer, [RouterReady(100_000, info)], [RouterHeartbeat(multiprocessing)])
+    app.state.server.manager = engine = Recording()
+    return app, engine, tokenizer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_route_returns_harmony_reasoning_and_call_apart(gpt_oss_served, stream):
+    from test_chat_routes_scripted import chat, joined
+
+    app, engine, tokenizer = gpt_oss_served
+    reply = chat(gpt_oss_served, REASONING + CALL, stream=stream, tools=TOOLS, reasoning_effort="high")
+    assert engine.sampling.skip_special_tokens is False  # the parser reads the tags
+    assert tokenizer.decode(engine.prompts[-1]).startswith("effort=high")
+    if stream:
+        got = joined(reply)
+        content, reasoning, finish = got["content"], got["reasoning"], got["finish"]
+        calls = [(c["name"], c["arguments"]) for c in got["calls"]]
+    else:
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        content, reasoning = message.content, message.reasoning_content
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert not content and reasoning == "The user asks for the weather; call the tool." and finish == "tool_calls"
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"location": "Tokyo", "unit": "c"})]
+    final = chat(gpt_oss_served, REASONING + FINAL, stream=False)
+    assert final.choices[0].message.content == "It is 21 degrees in Tokyo."
