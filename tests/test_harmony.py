@@ -135,3 +135,32 @@ def test_chat_route_returns_harmony_reasoning_and_call_apart(gpt_oss_served, str
     assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"location": "Tokyo", "unit": "c"})]
     final = chat(gpt_oss_served, REASONING + FINAL, stream=False)
     assert final.choices[0].message.content == "It is 21 degrees in Tokyo."
+
+
+def test_responses_round_trip_of_a_call_and_its_result(gpt_oss_served):
+    """/v1/responses through OpenAI's client: the harmony answer's reasoning and call come back as
+    items (no reasoning in the output text); the call's result, sent back, reaches the prompt, and
+    the final channel is the output text."""
+    import openai
+    from test_chat_routes_scripted import http, run
+
+    app, engine, tokenizer = gpt_oss_served
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+
+    async def ask(text, input, **request):
+        engine.text = text
+        async with http(app) as client:
+            api = openai.AsyncOpenAI(base_url="http://scripted/v1", api_key="unused", http_client=client)
+            return await api.responses.create(model="scripted", input=input, tools=tools, **request)
+
+    first = run(ask(REASONING + CALL, "Weather in Tokyo?", reasoning={"effort": "low"}))
+    reasoning, call = first.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text.startswith("The user asks")
+    assert call.type == "function_call" and call.name == "get_weather" and first.output_text == ""
+    assert tokenizer.decode(engine.prompts[-1]).startswith("effort=low")
+    history = [{"role": "user", "content": "Weather in Tokyo?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}]
+    second = run(ask(REASONING + FINAL, history))
+    assert "21 C, sunny" in tokenizer.decode(engine.prompts[-1])
+    assert second.output_text == "It is 21 degrees in Tokyo." and second.output[-1].type == "message"
