@@ -124,3 +124,20 @@ def test_bench_presets_ask_for_the_published_mxfp4_checkpoint(preset, layers, ex
         assert {name: shape for name, (shape, _) in weights.asked.items()} == expected
     total = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in weights.asked.values())
     assert round(total / 1e9, 1) == gigabytes
+
+
+@pytest.mark.parametrize("extra", [dict(truncate=False), dict(truncate=True), dict(attention_factor=1.3),
+                                   dict(mscale=0.9, mscale_all_dim=0.7)])
+def test_yarn_frequencies_and_attention_factor_are_transformers(extra):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lightllm.models.layers import rope_attention_factor, rope_inv_freq
+
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096, "rope_theta": 150000.0, **extra}
+    config = GptOssConfig(head_dim=64, rope_parameters=dict(rope))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    torch.testing.assert_close(rope_inv_freq(64, 150000.0, scaling), inv_freq, atol=0, rtol=1e-6)
+    assert rope_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
