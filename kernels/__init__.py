@@ -17,6 +17,10 @@ from .greedy_sample import greedy_sample_ref, greedy_sample_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_kv import rotary_kv_ref, rotary_kv_triton
+# Gated DeltaNet (the hybrid models): the torch references serve every device until their Triton kernels come
+from .causal_conv1d import causal_conv1d_ref as causal_conv1d, causal_conv1d_step_ref as causal_conv1d_step
+from .gated_delta_rule import gated_delta_rule_chunk_ref as gated_delta_rule_chunk
+from .gated_delta_rule import gated_delta_rule_step_ref as gated_delta_rule_step
 from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -49,5 +53,6 @@ fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
-    "fp8_gemm", "fused_moe", "route_topk",
+    "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d", "causal_conv1d_step", "gated_delta_rule_chunk",
+    "gated_delta_rule_step",
 ]
