@@ -91,6 +91,12 @@ class ModelRunner:
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
+        # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
+        # before the KV budget is measured so that it counts them as in use
+        self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
+        if cfg.linear_attn and cuda_graph:
+            logger.info("CUDA graphs off: the linear-attention layers' step is not yet written for a padded batch")
+            cuda_graph = capture = False
         self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
@@ -108,7 +114,7 @@ class ModelRunner:
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
-                     "burst_chunked_prefill_size": burst}
+                     "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None}
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = config.max_total_token_num
@@ -126,7 +132,7 @@ class ModelRunner:
 
     def new_token_table(self, size: int) -> TokenTable:
         cfg = self.config
-        return TokenTable(size, cfg.num_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        return TokenTable(size, cfg.num_kv_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
 
     # ---- the step ----
 
@@ -466,6 +472,9 @@ class ModelRunner:
             if c.first and (any(n not in self.nodes for n in c.prefix)
                             or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
                 raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
+        if self.state_pool is not None and (plan.drafts or any(c.first and c.prefix for c in plan.chunks)):
+            raise ValueError(f"step {plan.step_id}: drafts and cached prefixes are not served for a model with "
+                             "recurrent state")
         full = [i for i in plan.decodes if self.reqs[i].seq_len + len(plan.drafts.get(i, ())) >= self.max_req_total_len]
         if full:
             raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")

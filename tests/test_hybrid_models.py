@@ -1,0 +1,65 @@
+"""The hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, and a multimodal Qwen3.5 checkpoint's text
+model; tiny, random, fp32) through the engine core and a real model runner give transformers'
+greedy tokens: prompts of 5 to 70 tokens (past the delta rule's 64-token blocks), chunked prefill
+cutting the prompts anywhere (7 tokens a chunk: each request's recurrent and conv states must be
+carried from chunk to chunk), the same prompt twice at once (n > 1), and more requests than
+request rows (2), so that requests wait for a row and its state slot, which later requests reuse.
+Relies on transformers' Qwen3-Next / Qwen3.5 modeling code (its torch paths) and greedy `generate`."""
+
+import pytest
+import torch
+from helpers.models import Client, assert_idle, engine, hf_greedy, make_runner, randomize_
+from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
+
+from lightllm.engine.request import SamplingParams
+
+# 3 linear-attention layers and 1 full one (layer_types' default); 4 value heads share 2 key heads
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=101, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VISION = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, intermediate_size=32)
+NEW = 12
+
+
+def make_hybrid(name: str, out_dir):
+    if name == "qwen3_5_vl":
+        config = Qwen3_5Config(text_config=TEXT, vision_config=VISION, attn_implementation="eager")
+        model_cls = Qwen3_5ForConditionalGeneration
+    else:
+        config_cls, model_cls, extra = {
+            # experts in layers 0 and 2 (decoder_sparse_step 1, mlp_only_layers), top 2 not renormalised
+            "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, dict(EXPERTS, mlp_only_layers=[1, 3],
+                                                                       norm_topk_prob=False, tie_word_embeddings=True)),
+            "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, {}),
+            "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, EXPERTS),
+        }[name]
+        config = config_cls(**TEXT, **extra, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    randomize_(model, 0)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = (70, 5, 33)
+    out = [torch.randint(0, TEXT["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    return out + [out[2]]  # the same prompt twice at once, as n = 2 runs it
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl"])
+def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_path):
+    hf_model = make_hybrid(name, tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=2)
+    pool, cfg = runner.state_pool, runner.config
+    assert len(runner.token_table.k) == cfg.num_kv_layers == 1 and len(pool.recurrent) == 3
+    assert pool.slots == runner.req_table.max_reqs + 1 and pool.recurrent[0].shape[1:] == (4, 16, 8)
+    workload = prompts()
+    expected = list(hf_greedy(hf_model, workload[:3], NEW).values())
+    expected.append(expected[2])
+    core = engine(runner, chunk=7, prefix_cache=False)
+    assert Client(core).run(workload, SamplingParams(max_new_tokens=NEW)) == expected
+    assert_idle(core)
