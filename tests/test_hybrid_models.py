@@ -63,3 +63,29 @@ def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_pat
     core = engine(runner, chunk=7, prefix_cache=False)
     assert Client(core).run(workload, SamplingParams(max_new_tokens=NEW)) == expected
     assert_idle(core)
+
+
+def test_tp2_matches_tp1(tmp_path):
+    """Two gloo ranks (each half of the key/value heads of the linear layers, of the attention heads,
+    of every expert and of the shared expert) give one rank's logits over run_schedule's steps:
+    Qwen3-Next's grouped projections with tied embeddings, Qwen3.5-MoE's separate ones."""
+    import torch.multiprocessing as mp
+    from test_tp import ATOL, RTOL, capture_logits, free_port, schedule_logits, tp_worker
+
+    from lightllm.engine import model_runner
+
+    dirs = [tmp_path / name for name in ("qwen3_next", "qwen3_5_moe")]
+    for d in dirs:
+        make_hybrid(d.name, d)
+    mp.spawn(tp_worker, args=(2, free_port(), dirs, tmp_path / "tp2.pt"), nprocs=2, join=True)
+    tp2 = torch.load(tmp_path / "tp2.pt")
+    original_sample = model_runner.sample
+    try:
+        seen = capture_logits()
+        tp1 = [schedule_logits(d, seen) for d in dirs]
+    finally:
+        model_runner.sample = original_sample
+    for d, ours, reference in zip(dirs, tp2, tp1):
+        assert len(ours) == len(reference) == 9, d.name
+        for a, b in zip(ours, reference):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=d.name)
