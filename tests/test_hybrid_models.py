@@ -3,7 +3,8 @@ model; tiny, random, fp32) through the engine core and a real model runner give 
 greedy tokens: prompts of 5 to 70 tokens (past the delta rule's 64-token blocks), chunked prefill
 cutting the prompts anywhere (7 tokens a chunk: each request's recurrent and conv states must be
 carried from chunk to chunk), the same prompt twice at once (n > 1), and more requests than
-request rows (2), so that requests wait for a row and its state slot, which later requests reuse.
+request rows: the memory (patched) holds the recurrent states of 2 requests only, so the runner
+takes 2 rows of the 8 asked for, and requests wait for a row and its state, which later ones reuse.
 Relies on transformers' Qwen3-Next / Qwen3.5 modeling code (its torch paths) and greedy `generate`."""
 
 import pytest
@@ -12,8 +13,11 @@ from helpers.models import Client, assert_idle, engine, hf_greedy, make_runner, 
 from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
+from lightllm.engine import memory
 from lightllm.engine.request import SamplingParams
 
+# one request's state: 3 linear layers x (conv 96 channels x 3 inputs + recurrent 4 heads x 16 x 8) x 4 bytes
+SLOT_BYTES = 3 * (96 * 3 + 4 * 16 * 8) * 4
 # 3 linear-attention layers and 1 full one (layer_types' default); 4 value heads share 2 key heads
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=101, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -51,12 +55,15 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl"])
-def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_path):
+def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_path, monkeypatch):
     hf_model = make_hybrid(name, tmp_path)
-    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=2)
+    room = 3.5 * SLOT_BYTES / memory.STATE_MEMORY_SHARE  # 3 slots: 2 rows and the padding row
+    monkeypatch.setattr(memory, "memory_info", lambda device: (int(room), int(room)))
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=8, mem_fraction=1.0)
     pool, cfg = runner.state_pool, runner.config
+    assert runner.req_table.max_reqs == runner.info["running_max_req_size"] == 2
+    assert pool.slots == 3 and pool.slot_bytes() == runner.model.state_slot_bytes() == SLOT_BYTES
     assert len(runner.token_table.k) == cfg.num_kv_layers == 1 and len(pool.recurrent) == 3
-    assert pool.slots == runner.req_table.max_reqs + 1 and pool.recurrent[0].shape[1:] == (4, 16, 8)
     workload = prompts()
     expected = list(hf_greedy(hf_model, workload[:3], NEW).values())
     expected.append(expected[2])

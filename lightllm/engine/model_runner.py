@@ -30,7 +30,7 @@ from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
-from lightllm.engine.memory import token_budget
+from lightllm.engine.memory import state_slots, token_budget
 from lightllm.engine.plan import DropGrammar, Evict, Insert, LoadGrammar, Release, Reset, Split, StepPlan, StepResult
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
@@ -88,6 +88,9 @@ class ModelRunner:
                                 max_positions=self.max_req_total_len, load_format=config.load_format)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, self.device)
         running = config.running_max_req_size
+        if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
+            slot_bytes = self.model.state_slot_bytes()
+            running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
@@ -114,7 +117,8 @@ class ModelRunner:
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
-                     "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None}
+                     "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None,
+                     "running_max_req_size": running}
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = config.max_total_token_num

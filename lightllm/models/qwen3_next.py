@@ -284,6 +284,13 @@ class HybridModel:
         self.dtype = self.embed.weight.dtype
         self.state_pool: StatePool | None = None
 
+    def state_slot_bytes(self) -> int:
+        """One request's state over every linear layer: conv (the model's dtype) and recurrent (fp32)."""
+        deltas = [layer.mixer for layer in self.layers if layer.linear]
+        first, kernel = deltas[0], self.config.linear_attn.conv_kernel
+        per_layer = first.conv_channels * (kernel - 1) * self.dtype.itemsize + first.v_heads * first.dk * first.dv * 4
+        return len(deltas) * per_layer
+
     def new_state_pool(self, slots: int) -> StatePool:
         """The linear layers' states for `slots` request rows, kept by the model for its forwards."""
         deltas = [layer.mixer for layer in self.layers if layer.linear]
