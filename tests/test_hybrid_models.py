@@ -96,3 +96,36 @@ def test_tp2_matches_tp1(tmp_path):
         assert len(ours) == len(reference) == 9, d.name
         for a, b in zip(ours, reference):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=d.name)
+
+
+@pytest.mark.parametrize("preset,state_mib,kv_kib", [("qwen3.5-27b", 146.8, 64), ("qwen3.5-35b-a3b", 61.4, 20)])
+def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default_model_dir, tmp_path):
+    """Each preset reads as its family, the 27B's model (on the meta device) asks for exactly the
+    tensors, of exactly the shapes, that transformers' model of that config holds, at tp 1 and 2,
+    and a request's state is the size docs/architecture.md states (bf16 conv, fp32 recurrent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightllm.models import read_config
+    from lightllm.models.qwen3_next import HybridModel
+    from lightllm.tools.bench_model import write_bench_model
+    from lightllm.utils.dist import TPGroup
+    from test_model_families import MetaWeights
+
+    model_dir = write_bench_model(tmp_path / preset, preset, tokenizer_dir=default_model_dir)
+    cfg = read_config(model_dir)
+    assert len(cfg.linear_attn.layers) == cfg.num_layers * 3 // 4 and cfg.linear_attn.rotary_dim == 64
+    assert cfg.rope_theta == 1e7 and (cfg.moe is not None) == preset.endswith("a3b")
+    kv_bytes = 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    assert kv_bytes == kv_kib * 1024
+    if preset.endswith("a3b"):
+        assert cfg.moe.shared_intermediate_size == 512 and len(cfg.moe.layers) == 40 and cfg.moe.renormalize
+    else:  # (transformers keeps the experts fused, under other names than the checkpoint's)
+        with torch.device("meta"):
+            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+        weights = MetaWeights()
+        HybridModel(cfg, weights, TPGroup(0, 1), 256, torch.device("meta"))
+        assert weights.asked == expected
+    model = HybridModel(cfg, MetaWeights(), TPGroup(1, 2), 256, torch.device("meta"))
+    model.dtype = torch.bfloat16
+    assert round(model.state_slot_bytes() * 2 / 2**20, 1) == state_mib  # tp 2: half of the heads a rank
