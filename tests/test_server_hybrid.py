@@ -1,7 +1,8 @@
 """A server on bench_model's tiny-qwen3.5 (a hybrid model: 3 Gated DeltaNet layers and 1 gated
 full-attention layer, random fp32 weights, the default model's tokenizer): greedy text equals
 transformers' `generate`, also the second time and for each of n = 2 choices, with the prefix
-cache turned off for it (no token reported cached).
+cache turned off for it (no token reported cached); an image part in a chat message is a 400
+(only the text model is served).
 Relies on transformers' Qwen3.5 modeling code and its greedy `generate` as the oracle."""
 
 import torch
@@ -31,3 +32,7 @@ def test_greedy_text_equals_transformers_without_the_prefix_cache(tmp_path_facto
         assert response.status_code == 200, response.text
         choices = response.json()["choices"]
         assert [c["text"] for c in choices] == [expected, expected]
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        body = {"model": model_dir.name, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+        response = server.post("/v1/chat/completions", body)
+        assert response.status_code == 400 and "content" in response.json()["error"]["message"]
