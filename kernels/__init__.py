@@ -17,10 +17,11 @@ from .greedy_sample import greedy_sample_ref, greedy_sample_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_kv import rotary_kv_ref, rotary_kv_triton
-# Gated DeltaNet (the hybrid models): the torch references serve every device until their Triton kernels come
-from .causal_conv1d import causal_conv1d_ref as causal_conv1d, causal_conv1d_step_ref as causal_conv1d_step
+# Gated DeltaNet (the hybrid models): the chunked forms' torch references serve every device until their
+# Triton kernels come
+from .causal_conv1d import causal_conv1d_ref as causal_conv1d, causal_conv1d_step_ref, causal_conv1d_step_triton
 from .gated_delta_rule import gated_delta_rule_chunk_ref as gated_delta_rule_chunk
-from .gated_delta_rule import gated_delta_rule_step_ref as gated_delta_rule_step
+from .gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
 from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -49,6 +50,8 @@ greedy_sample = _by_device(greedy_sample_ref, greedy_sample_triton)
 fp8_linear = _by_device(fp8_linear_ref, fp8_linear_triton)
 fp8_gemm = _by_device(fp8_gemm_ref, fp8_gemm_triton)
 fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
+causal_conv1d_step = _by_device(causal_conv1d_step_ref, causal_conv1d_step_triton)
+gated_delta_rule_step = _by_device(gated_delta_rule_step_ref, gated_delta_rule_step_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",

@@ -10,10 +10,14 @@ output reads it with the scaled, L2-normalised query: o = S^T q. Two forms with 
 - `gated_delta_rule_step_ref`: one token for each of B requests, their states updated in place
   in a pool by row; the decode path.
 
-Key heads fewer than value heads are shared by consecutive value heads (GQA-style). These are
-the CPU path and the oracle; a Triton kernel (or flash-linear-attention's) is what a GPU wants.
+Key heads fewer than value heads are shared by consecutive value heads (GQA-style). The `_ref`
+functions are the CPU path and the oracle; the decode step has a Triton kernel
+(`gated_delta_rule_step_triton`); the chunked form's is still to come (on a GPU its reference
+runs, chunk by chunk).
 """
 import torch
+
+from ._triton import cdiv, next_power_of_2, tl, triton
 
 CHUNK = 64
 
@@ -74,3 +78,52 @@ def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     s = s + k[..., None] * delta[..., None, :]
     states[rows] = s
     return (s * q[..., None]).sum(-2).to(v.dtype)
+
+
+@triton.jit
+def _gated_delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, rows_ptr, o_ptr,
+                                  q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride,
+                                  g_stride, beta_stride, o_stride, o_head_stride, num_heads, group, scale,
+                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One (request, value head, block of value dims): its state's columns [DK, BLOCK_V] decay,
+    take the delta rule's correction and give the output's columns. States [S, H, DK, DV] contiguous."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = dk < DK, dv < DV
+    key_head = head // group
+    q = tl.load(q_ptr + b * q_stride + key_head * q_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * k_stride + key_head * k_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + b * v_stride + head * v_head_stride + dv, mask=v_mask, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + b * g_stride + head).to(tl.float32))
+    beta = tl.load(beta_ptr + b * beta_stride + head).to(tl.float32)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
+    mask = k_mask[:, None] & v_mask[None, :]
+    s = tl.load(s_ptrs, mask=mask, other=0.0) * decay
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(s_ptrs, s, mask=mask)
+    out = tl.sum(s * q[:, None], axis=0)
+    tl.store(o_ptr + b * o_stride + head * o_head_stride + dv, out.to(o_ptr.dtype.element_ty), mask=v_mask)
+
+
+def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    assert states.is_contiguous() and states.dtype == torch.float32
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
+    batch, num_heads, dv = v.shape
+    dk = q.shape[-1]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch == 0:
+        return out
+    block_v = min(next_power_of_2(dv), 32)  # a program's state tile [dk, 32] stays in registers
+    grid = (batch, num_heads, cdiv(dv, block_v))
+    _gated_delta_rule_step_kernel[grid](q, k, v, g, beta, states, rows, out, q.stride(0), q.stride(1), k.stride(0),
+                                        k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+                                        out.stride(0), out.stride(1), num_heads, num_heads // q.shape[1],
+                                        dk ** -0.5, DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v)
+    return out

@@ -77,3 +77,43 @@ def test_causal_conv1d_chunked_and_stepped_equal_transformers():
     torch.testing.assert_close(torch.cat(steps), expected, **TOL)
     torch.testing.assert_close(pool[1], final)
     assert torch.equal(pool[0], other)
+
+
+# ---- the decode steps' Triton kernels against their references (the interpreter without a GPU) ----
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STEP_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_heads,v_heads,dk,dv", [(2, 4, 16, 8), (1, 1, 32, 48)])  # dv 48: two value blocks
+def test_gated_delta_rule_step_triton_equals_reference(dtype, k_heads, v_heads, dk, dv):
+    from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
+
+    gen = torch.Generator().manual_seed(dk + dv)
+    q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, 3, k_heads, v_heads, dk, dv))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    states = torch.randn(5, v_heads, dk, dv, generator=gen).to(DEVICE) * 0.3
+    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    expected_states = states.clone()
+    expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
+    got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows)
+    torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
+    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])  # rows 1 and 3 untouched too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels", [12, 300])  # 300: two channel blocks
+def test_causal_conv1d_step_triton_equals_reference(dtype, channels):
+    from lightllm.kernels.causal_conv1d import causal_conv1d_step_ref, causal_conv1d_step_triton
+
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(3, channels, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(channels, 4, generator=gen).to(DEVICE, dtype)
+    states = torch.randn(5, channels, 3, generator=gen).to(DEVICE, dtype)
+    rows = torch.tensor([1, 4, 0], device=DEVICE)
+    expected_states = states.clone()
+    expected = causal_conv1d_step_ref(x, weight, expected_states, rows)
+    got = causal_conv1d_step_triton(x, weight, states, rows)
+    torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
+    assert torch.equal(states, expected_states)  # a shift: the same values moved
