@@ -1,5 +1,5 @@
-"""The hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, and a multimodal Qwen3.5 checkpoint's text
-model; tiny, random, fp32) through the engine core and a real model runner give transformers'
+"""The hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE with its experts per expert or fused as
+published, and a multimodal Qwen3.5 checkpoint's text model; tiny, random, fp32) through the engine core and a real model runner give transformers'
 greedy tokens: prompts of 5 to 70 tokens (past the delta rule's 64-token blocks), chunked prefill
 cutting the prompts anywhere (7 tokens a chunk: each request's recurrent and conv states must be
 carried from chunk to chunk), the same prompt twice at once (n > 1), and more requests than
@@ -27,7 +27,29 @@ VISION = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, intermed
 NEW = 12
 
 
+def fuse_experts(model_dir) -> None:
+    """Rewrite the checkpoint's experts as the published Qwen3.5-MoE checkpoints store them:
+    mlp.experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) and mlp.experts.down_proj [E, H, I]."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors, experts = load_file(path), {}
+    for name in [n for n in tensors if ".mlp.experts." in n]:
+        layer, rest = name.split(".mlp.experts.")
+        expert, proj, _ = rest.split(".")
+        experts.setdefault(layer, {}).setdefault(proj, {})[int(expert)] = tensors.pop(name)
+    for layer, projs in experts.items():
+        stack = {proj: torch.stack([by_expert[e] for e in sorted(by_expert)]) for proj, by_expert in projs.items()}
+        tensors[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        tensors[f"{layer}.mlp.experts.down_proj"] = stack["down_proj"]
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def make_hybrid(name: str, out_dir):
+    if name == "qwen3_5_moe_fused":
+        model = make_hybrid("qwen3_5_moe", out_dir)
+        fuse_experts(out_dir)
+        return model
     if name == "qwen3_5_vl":
         config = Qwen3_5Config(text_config=TEXT, vision_config=VISION, attn_implementation="eager")
         model_cls = Qwen3_5ForConditionalGeneration
@@ -54,7 +76,7 @@ def prompts() -> list[list[int]]:
     return out + [out[2]]  # the same prompt twice at once, as n = 2 runs it
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_fused", "qwen3_5_vl"])
 def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_path, monkeypatch):
     hf_model = make_hybrid(name, tmp_path)
     room = 3.5 * SLOT_BYTES / memory.STATE_MEMORY_SHARE  # 3 slots: 2 rows and the padding row

@@ -219,10 +219,34 @@ def _separate_projection(weights, lin, prefix: str, hidden: int, k_start: int, k
     return torch.cat([weights.get(name, (out, hidden), 0, start, n) for name, out, start, n in rows])
 
 
+class _FusedExperts:
+    """The experts of a checkpoint that stores them fused, as the published Qwen3.5-MoE ones do
+    (`mlp.experts.gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up rows;
+    `mlp.experts.down_proj` [E, H, I]), served under the per-expert names SparseMoE asks for."""
+
+    def __init__(self, weights, experts_prefix: str, num_experts: int, hidden: int, inter: int):
+        self.weights, self.prefix = weights, experts_prefix
+        self.gate_up_shape, self.down_shape = (num_experts, 2 * inter, hidden), (num_experts, hidden, inter)
+
+    def get(self, name: str, shape, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        if not name.startswith(self.prefix + "."):
+            return self.weights.get(name, shape, dim, start, length)
+        expert, proj, _ = name[len(self.prefix) + 1:].split(".")
+        length = shape[dim] - start if length is None else length
+        if proj == "down_proj":
+            whole = self.weights.get(f"{self.prefix}.down_proj", self.down_shape, 0, int(expert), 1)[0]
+            return whole.narrow(dim, start, length)
+        rows = self.weights.get(f"{self.prefix}.gate_up_proj", self.gate_up_shape, 0, int(expert), 1)[0]
+        return rows.narrow(0, (proj == "up_proj") * shape[0] + start, length)
+
+
 class SharedExpertMoE:
     """The routed experts plus a shared expert whose output is scaled by sigmoid(x . shared_gate)."""
 
     def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, layer_prefix: str):
+        fused = f"{layer_prefix}.mlp.experts"
+        if f"{fused}.gate_up_proj" in getattr(weights, "entries", ()):
+            weights = _FusedExperts(weights, fused, cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size)
         self.routed = SparseMoE(weights, tp, cfg, layer_prefix)
         shared = cfg.moe.shared_intermediate_size
         self.shared = GatedMLP(weights, tp, replace(cfg, intermediate_size=shared),
