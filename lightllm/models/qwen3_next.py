@@ -287,6 +287,15 @@ class HybridLayer:
         return self.mlp(h), residual
 
 
+def _cache_indices(cfg: ModelConfig) -> list[int]:
+    """Each layer's index among its kind: a linear layer's in the state pool, a full one's in the token table."""
+    linear, counts, out = set(cfg.linear_attn.layers), [0, 0], []
+    for i in range(cfg.num_layers):
+        out.append(counts[i in linear])
+        counts[i in linear] += 1
+    return out
+
+
 class HybridModel:
     def __init__(self, cfg: ModelConfig, weights, tp: TPGroup, max_positions: int, device: torch.device):
         self.config = cfg
@@ -294,9 +303,7 @@ class HybridModel:
         self.embed = VocabParallelEmbedding(weights, tp, f"{prefix}.embed_tokens.weight", cfg.vocab_size,
                                             cfg.hidden_size)
         self.rotary = partial_rotary(cfg, max_positions, device)
-        linear = cfg.linear_attn.layers
-        self.layers = [HybridLayer(weights, tp, cfg, i, sum(j in linear for j in range(i)) if i in linear
-                                   else sum(j not in linear for j in range(i))) for i in range(cfg.num_layers)]
+        self.layers = [HybridLayer(weights, tp, cfg, i, index) for i, index in enumerate(_cache_indices(cfg))]
         self.norm = RMSNorm(weights, f"{prefix}.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset)
         head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
             weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
