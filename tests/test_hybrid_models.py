@@ -152,3 +152,18 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
     model = HybridModel(cfg, MetaWeights(), TPGroup(1, 2), 256, torch.device("meta"))
     model.dtype = torch.bfloat16
     assert round(model.state_slot_bytes() * 2 / 2**20, 1) == state_mib  # tp 2: half of the heads a rank
+
+
+def test_the_engine_serves_a_recurrent_state_without_cache_or_drafts_on_the_runners_rows():
+    """A model with recurrent state (the runner's info says so) gets no prefix cache and no drafts,
+    even when asked for, and the scheduler runs as many requests as the runner has rows for."""
+    from lightllm.engine import build
+    from lightllm.engine.config import EngineConfig
+
+    config = EngineConfig(model_dir="m", running_max_req_size=64,
+                          speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    info = {"eos_token_ids": [2], "vocab_size": 10, "burst_chunked_prefill_size": None, "running_max_req_size": 5}
+    plain = build.build_engine(config, None, 1000, info).scheduler
+    assert plain.cache is not None and plain.speculator is not None and plain.max_running == 5
+    hybrid = build.build_engine(config, None, 1000, {**info, "recurrent_state": True}).scheduler
+    assert hybrid.cache is None and hybrid.speculator is None and hybrid.max_running == 5
