@@ -19,8 +19,9 @@ from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_n
 from .rotary_kv import rotary_kv_ref, rotary_kv_triton
 # Gated DeltaNet (the hybrid models): the chunked forms' torch references serve every device until their
 # Triton kernels come
-from .causal_conv1d import causal_conv1d_ref as causal_conv1d, causal_conv1d_step_ref, causal_conv1d_step_triton
-from .gated_delta_rule import gated_delta_rule_chunk_ref as gated_delta_rule_chunk
+from .causal_conv1d import causal_conv1d_step_ref, causal_conv1d_step_triton
+from .causal_conv1d import causal_conv1d_varlen_ref as causal_conv1d_varlen
+from .gated_delta_rule import gated_delta_rule_varlen_ref as gated_delta_rule_varlen
 from .gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
 from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
@@ -56,6 +57,6 @@ gated_delta_rule_step = _by_device(gated_delta_rule_step_ref, gated_delta_rule_s
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
-    "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d", "causal_conv1d_step", "gated_delta_rule_chunk",
+    "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_step", "gated_delta_rule_varlen",
     "gated_delta_rule_step",
 ]

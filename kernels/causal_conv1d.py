@@ -2,8 +2,9 @@
 with the last K - 1 inputs of a sequence kept as its state, so that a later chunk or decode step
 continues where the last one stopped.
 
-- `causal_conv1d_ref`: one sequence's chunk [T, C] after its state [C, K-1] (zeros at its start);
-  returns the outputs and the new state.
+- `causal_conv1d_varlen_ref`: a step's prompt chunks, packed, each after its state [C, K-1]
+  (zeros at a request's start), all at once; returns the outputs and the new states.
+  `causal_conv1d_ref` is the same for one sequence.
 - `causal_conv1d_step_ref`: one token for each of B requests, their states in a pool by row,
   updated in place.
 
@@ -14,17 +15,35 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_power_of_2, tl, triton
+from .gated_delta_rule import varlen_index
+
+
+def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """N packed sequences (a step's prompt chunks) at once: x [T, C], sequence i is tokens
+    [cu_seqlens[i], cu_seqlens[i+1]) after its state states[i] ([N, C, K-1]). Returns
+    (silu(conv) [T, C], the new states [N, C, K-1]: each sequence's last K - 1 inputs)."""
+    channels, width = weight.shape
+    seq, pos, longest = varlen_index(cu_seqlens, x.device)
+    n = len(cu_seqlens) - 1
+    padded = x.new_zeros(n, width - 1 + longest, channels)  # [state | the sequence | zeros]
+    padded[:, : width - 1] = states.transpose(1, 2).to(x.dtype)
+    padded[seq, pos + width - 1] = x
+    conv = F.conv1d(padded.transpose(1, 2).to(weight.dtype), weight[:, None, :], groups=channels)  # [N, C, longest]
+    out = F.silu(conv).transpose(1, 2)[seq, pos].to(x.dtype)
+    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], device=x.device)
+    last = (lengths[:, None] + torch.arange(width - 1, device=x.device))[..., None].expand(-1, -1, channels)
+    return out, padded.gather(1, last).transpose(1, 2).contiguous()
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, C], weight [C, K], state [C, K-1] or None (zeros). Returns (silu(conv) [T, C], state [C, K-1])."""
-    channels, width = weight.shape
+    """One sequence: x [T, C], weight [C, K], state [C, K-1] or None (zeros). Returns (silu(conv)
+    [T, C], state [C, K-1])."""
     if state is None:
-        state = x.new_zeros(channels, width - 1)
-    seq = torch.cat([state.to(x.dtype), x.T], dim=-1)  # [C, K-1+T]
-    out = F.conv1d(seq[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]  # [C, T]
-    return F.silu(out).T.to(x.dtype), seq[:, -(width - 1):].clone()
+        state = x.new_zeros(weight.shape[0], weight.shape[1] - 1)
+    out, states = causal_conv1d_varlen_ref(x, weight, [0, x.shape[0]], state[None])
+    return out, states[0]
 
 
 def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,

@@ -4,16 +4,17 @@ Per value head a state S [dk, dv] decays by exp(g_t) each token, then takes the 
 correction toward v_t along the (L2-normalised) key: S = a S + k (beta (v - k^T a S))^T, and the
 output reads it with the scaled, L2-normalised query: o = S^T q. Two forms with one meaning:
 
-- `gated_delta_rule_chunk_ref`: one sequence's tokens (a prompt chunk) from an initial state,
-  in blocks of CHUNK tokens (the WY form: each block is a triangular solve and a few matmuls,
-  and the state is carried block to block); the prefill and extend path.
+- `gated_delta_rule_varlen_ref`: a step's prompt chunks, packed, each from its initial state, all
+  at once, in blocks of CHUNK tokens (the WY form: each block is a triangular solve and a few
+  matmuls, and the state is carried block to block); the prefill and extend path.
+  `gated_delta_rule_chunk_ref` is the same for one sequence.
 - `gated_delta_rule_step_ref`: one token for each of B requests, their states updated in place
   in a pool by row; the decode path.
 
 Key heads fewer than value heads are shared by consecutive value heads (GQA-style). The `_ref`
 functions are the CPU path and the oracle; the decode step has a Triton kernel
 (`gated_delta_rule_step_triton`); the chunked form's is still to come (on a GPU its reference
-runs, chunk by chunk).
+runs, over all of a step's chunks at once).
 """
 import torch
 
@@ -33,39 +34,74 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.
     return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
 
 
-def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: q, k [T, Hk, dk], v [T, Hv, dv], g (log decay, <= 0) and beta [T, Hv], state
-    [Hv, dk, dv] fp32 or None (zeros). Returns (o [T, Hv, dv] in v's dtype, final state fp32)."""
-    tokens, num_heads, dv = v.shape
-    dtype = v.dtype
+def varlen_index(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sequence, position in it) of each of the T packed tokens, and the longest sequence."""
+    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])])
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    pos = torch.arange(cu_seqlens[-1] - cu_seqlens[0]) - torch.repeat_interleave(torch.tensor(cu_seqlens[:-1]),
+                                                                                lengths) + cu_seqlens[0]
+    return seq.to(device), pos.to(device), int(lengths.max())
+
+
+def _padded(x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """Packed [T, ...] -> zero-padded [n, length, ...]."""
+    out = x.new_zeros((n, length, *x.shape[1:]))
+    out[seq, pos] = x
+    return out
+
+
+def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """N packed sequences (a step's prompt chunks), all at once: q, k [T, Hk, dk], v [T, Hv, dv],
+    g (log decay, <= 0) and beta [T, Hv]; sequence i is tokens [cu_seqlens[i], cu_seqlens[i+1])
+    and starts from states[i] ([N, Hv, dk, dv] fp32). Returns (o [T, Hv, dv] in v's dtype, the final
+    states [N, Hv, dk, dv] fp32). The sequences are zero-padded to one length (a padding token has
+    k = 0 and g = 0: it leaves the state as it is)."""
+    n, num_heads, dtype = len(cu_seqlens) - 1, v.shape[1], v.dtype
+    seq, pos, longest = varlen_index(cu_seqlens, v.device)
+    length = longest + (-longest % CHUNK)
     q, k = _prepare(q, k, num_heads)
-    q, k, v = (x.transpose(0, 1) for x in (q, k, v.float()))  # [H, T, d]
-    g, beta = g.float().T, beta.float().T  # [H, T]
-    pad = -tokens % CHUNK
-    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    blocks = (tokens + pad) // CHUNK
-    q, k, v = (x.reshape(num_heads, blocks, CHUNK, -1) for x in (q, k, v))
-    g, beta = g.reshape(num_heads, blocks, CHUNK).cumsum(-1), beta.reshape(num_heads, blocks, CHUNK, 1)
+    q, k, v = (_padded(x, seq, pos, n, length).transpose(1, 2) for x in (q, k, v.float()))  # [N, H, L, d]
+    g, beta = (_padded(x.float(), seq, pos, n, length).transpose(1, 2) for x in (g, beta))  # [N, H, L]
+    out, final = _blocks(q, k, v, g, beta, states.float())
+    return out.transpose(1, 2)[seq, pos].to(dtype), final
+
+
+def _blocks(q, k, v, g, beta, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [N, H, L, dk], v [N, H, L, dv], g, beta [N, H, L] (L a multiple of CHUNK), s [N, H, dk, dv]:
+    block by block, each block in the WY form (a triangular solve and a few matmuls)."""
+    n, num_heads, length, dv = v.shape
+    blocks = length // CHUNK
+    q, k, v = (x.reshape(n, num_heads, blocks, CHUNK, -1) for x in (q, k, v))
+    g = g.reshape(n, num_heads, blocks, CHUNK).cumsum(-1)
+    beta = beta.reshape(n, num_heads, blocks, CHUNK, 1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, B, C, C]
     k_beta = k * beta
-    # (I + strictly-lower(beta K K^T decay)) U = beta V: the block's corrected values (WY form)
+    # (I + strictly-lower(beta K K^T decay)) U = beta V: the block's corrected values
     system = (k_beta @ k.transpose(-1, -2)) * decay
     values = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
     k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * g.exp()[..., None]
     k_to_end = k * (g[..., -1:] - g).exp()[..., None]
-    s = q.new_zeros(num_heads, k.shape[-1], dv) if state is None else state.float()
     out = torch.empty_like(v)
     for i in range(blocks):
-        new = values[:, i] - k_decayed[:, i] @ s
-        out[:, i] = q_decayed[:, i] @ s + scores[:, i] @ new
-        s = s * g[:, i, -1, None, None].exp() + k_to_end[:, i].transpose(-1, -2) @ new
-    out = out.reshape(num_heads, -1, dv)[:, :tokens].transpose(0, 1)
-    return out.to(dtype).contiguous(), s
+        new = values[:, :, i] - k_decayed[:, :, i] @ s
+        out[:, :, i] = q_decayed[:, :, i] @ s + scores[:, :, i] @ new
+        s = s * g[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ new
+    return out.reshape(n, num_heads, length, dv), s
+
+
+def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q, k [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv], state [Hv, dk, dv] fp32 or
+    None (zeros). Returns (o [T, Hv, dv] in v's dtype, final state fp32)."""
+    if state is None:
+        state = v.new_zeros((v.shape[1], k.shape[-1], v.shape[-1]), dtype=torch.float32)
+    out, final = gated_delta_rule_varlen_ref(q, k, v, g, beta, [0, v.shape[0]], state[None])
+    return out, final[0]
 
 
 def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -8,7 +8,9 @@ import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import (causal_conv1d_fn, torch_chunk_gated_delta_rule,
                                                                 torch_recurrent_gated_delta_rule)
 
-from lightllm.kernels import causal_conv1d, causal_conv1d_step, gated_delta_rule_chunk, gated_delta_rule_step
+from lightllm.kernels import causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_step, gated_delta_rule_varlen
+from lightllm.kernels.causal_conv1d import causal_conv1d_ref as causal_conv1d
+from lightllm.kernels.gated_delta_rule import gated_delta_rule_chunk_ref as gated_delta_rule_chunk
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -77,6 +79,28 @@ def test_causal_conv1d_chunked_and_stepped_equal_transformers():
     torch.testing.assert_close(torch.cat(steps), expected, **TOL)
     torch.testing.assert_close(pool[1], final)
     assert torch.equal(pool[0], other)
+
+
+def test_packed_sequences_equal_each_alone():
+    """A step's chunks packed (lengths 1 to 70, each from its own state) give what each gives alone."""
+    gen = torch.Generator().manual_seed(5)
+    lengths, k_heads, v_heads, dk, dv, channels = (70, 1, 5, 2, 64), 2, 4, 16, 8, 12
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta = delta_inputs(gen, cu[-1], k_heads, v_heads, dk, dv)
+    states = torch.randn(len(lengths), v_heads, dk, dv, generator=gen) * 0.3
+    out, final = gated_delta_rule_varlen(q, k, v, g, beta, cu, states)
+    x, weight = torch.randn(cu[-1], channels, generator=gen), torch.randn(channels, 4, generator=gen)
+    conv_states = torch.randn(len(lengths), channels, 3, generator=gen)
+    conv_out, conv_final = causal_conv1d_varlen(x, weight, cu, conv_states)
+    for i, (lo, hi) in enumerate(zip(cu, cu[1:])):
+        alone, state = gated_delta_rule_chunk(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[i])
+        torch.testing.assert_close(out[lo:hi], alone, **TOL)
+        torch.testing.assert_close(final[i], state, **TOL)
+        alone, state = causal_conv1d(x[lo:hi], weight, conv_states[i])
+        torch.testing.assert_close(conv_out[lo:hi], alone, **TOL)
+        torch.testing.assert_close(conv_final[i], state, **TOL)
 
 
 # ---- the decode steps' Triton kernels against their references (the interpreter without a GPU) ----

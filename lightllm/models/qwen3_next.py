@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lightllm.common.state_pool import StatePool
 from lightllm.common.token_table import TokenTable
-from lightllm.kernels import (causal_conv1d, causal_conv1d_step, gated_delta_rule_chunk, gated_delta_rule_step,
+from lightllm.kernels import (causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_step, gated_delta_rule_varlen,
                               rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
@@ -105,23 +105,31 @@ class GatedAttention(Attention):
 
 @dataclass
 class Sequences:
-    """The step's requests as the linear layers walk them: the decode rows (one token each, first),
-    then each chunk's (request row, first token, end token, whether it starts its request)."""
+    """The step's requests as the linear layers take them: the decode rows (one token each, first),
+    then the prompt chunks, packed: their request rows, which of them start their request (and so
+    start from zero states), and their bounds among the chunk tokens (on the host)."""
 
     num_decodes: int
     decode_rows: torch.Tensor | None
-    chunks: list[tuple[int, int, int, bool]]
+    chunk_rows: torch.Tensor | None = None
+    chunk_starts: torch.Tensor | None = None  # [C] bool: the chunk starts its request
+    chunk_bounds: list[int] | None = None
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> Sequences:
         n = batch.num_decodes
         rows = None if not n else batch.decode_rows.long()
         if not batch.has_chunks:
-            return cls(n, rows, [])
-        cu, kv_lens = batch.ext_cu_q.tolist(), batch.ext_kv_lens.tolist()
-        chunks = [(row, lo, hi, kv_len == hi - lo)
-                  for row, lo, hi, kv_len in zip(batch.ext_rows.tolist(), cu, cu[1:], kv_lens)]
-        return cls(n, rows, chunks)
+            return cls(n, rows)
+        cu = batch.ext_cu_q
+        starts = batch.ext_kv_lens == cu[1:] - cu[:-1]
+        bounds = (cu - cu[0]).tolist()  # the one host read of a step with chunks: the padding's length
+        return cls(n, rows, batch.ext_rows.long(), starts, bounds)
+
+    def initial(self, pool: torch.Tensor) -> torch.Tensor:
+        """The chunks' states to start from: their slots', or zeros for a request's first chunk."""
+        states = pool[self.chunk_rows]
+        return torch.where(self.chunk_starts.view(-1, *[1] * (states.dim() - 1)), 0, states)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,9 +185,9 @@ class GatedDeltaNet:
         n = seqs.num_decodes
         if n:
             out[:n] = causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows)
-        for row, lo, hi, first in seqs.chunks:  # a Python loop over chunks: the torch reference's way
-            out[lo:hi], conv_states[row] = causal_conv1d(mixed[lo:hi], self.conv_weight,
-                                                         None if first else conv_states[row])
+        if seqs.chunk_bounds:
+            out[n:], conv_states[seqs.chunk_rows] = causal_conv1d_varlen(
+                mixed[n:], self.conv_weight, seqs.chunk_bounds, seqs.initial(conv_states))
         return out
 
     def _delta_rule(self, q, k, v, g, beta, seqs: Sequences, states: torch.Tensor) -> torch.Tensor:
@@ -187,9 +195,9 @@ class GatedDeltaNet:
         n = seqs.num_decodes
         if n:
             out[:n] = gated_delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.decode_rows)
-        for row, lo, hi, first in seqs.chunks:
-            out[lo:hi], states[row] = gated_delta_rule_chunk(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
-                                                             None if first else states[row])
+        if seqs.chunk_bounds:
+            out[n:], states[seqs.chunk_rows] = gated_delta_rule_varlen(
+                q[n:], k[n:], v[n:], g[n:], beta[n:], seqs.chunk_bounds, seqs.initial(states))
         return out
 
 
