@@ -15,25 +15,28 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_power_of_2, tl, triton
-from .gated_delta_rule import varlen_index
 
 
 def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """N packed sequences (a step's prompt chunks) at once: x [T, C], sequence i is tokens
     [cu_seqlens[i], cu_seqlens[i+1]) after its state states[i] ([N, C, K-1]). Returns
-    (silu(conv) [T, C], the new states [N, C, K-1]: each sequence's last K - 1 inputs)."""
+    (silu(conv) [T, C], the new states [N, C, K-1]: each sequence's last K - 1 inputs).
+    Each sequence is laid out after its own state, [state 0 | x 0 | state 1 | x 1 | ...]: one
+    convolution over that line gives every token its own window, and nothing is padded."""
     channels, width = weight.shape
-    seq, pos, longest = varlen_index(cu_seqlens, x.device)
-    n = len(cu_seqlens) - 1
-    padded = x.new_zeros(n, width - 1 + longest, channels)  # [state | the sequence | zeros]
-    padded[:, : width - 1] = states.transpose(1, 2).to(x.dtype)
-    padded[seq, pos + width - 1] = x
-    conv = F.conv1d(padded.transpose(1, 2).to(weight.dtype), weight[:, None, :], groups=channels)  # [N, C, longest]
-    out = F.silu(conv).transpose(1, 2)[seq, pos].to(x.dtype)
-    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], device=x.device)
-    last = (lengths[:, None] + torch.arange(width - 1, device=x.device))[..., None].expand(-1, -1, channels)
-    return out, padded.gather(1, last).transpose(1, 2).contiguous()
+    n, tail = len(cu_seqlens) - 1, width - 1
+    token_rows = torch.tensor([t + tail * (i + 1) for i, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:]))
+                               for t in range(a - cu_seqlens[0], b - cu_seqlens[0])], device=x.device)
+    ends = torch.tensor([b - cu_seqlens[0] + tail * (i + 1) for i, b in enumerate(cu_seqlens[1:])], device=x.device)
+    state_rows = ends[:, None] - torch.arange(tail, 0, -1, device=x.device)  # [N, K-1]: each one's last inputs
+    line = x.new_empty(x.shape[0] + n * tail, channels)
+    starts = (ends - torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], device=x.device))[:, None]
+    line[starts - torch.arange(tail, 0, -1, device=x.device)] = states.transpose(1, 2).to(x.dtype)
+    line[token_rows] = x
+    conv = F.conv1d(line.T[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]  # [C, rows - K + 1]
+    out = F.silu(conv.T[token_rows - tail]).to(x.dtype)
+    return out, line[state_rows].transpose(1, 2).contiguous()
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None

@@ -34,64 +34,75 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.
     return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
 
 
-def varlen_index(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sequence, position in it) of each of the T packed tokens, and the longest sequence."""
-    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])])
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    pos = torch.arange(cu_seqlens[-1] - cu_seqlens[0]) - torch.repeat_interleave(torch.tensor(cu_seqlens[:-1]),
-                                                                                lengths) + cu_seqlens[0]
-    return seq.to(device), pos.to(device), int(lengths.max())
-
-
-def _padded(x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, n: int, length: int) -> torch.Tensor:
-    """Packed [T, ...] -> zero-padded [n, length, ...]."""
-    out = x.new_zeros((n, length, *x.shape[1:]))
-    out[seq, pos] = x
-    return out
-
-
 def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """N packed sequences (a step's prompt chunks), all at once: q, k [T, Hk, dk], v [T, Hv, dv],
     g (log decay, <= 0) and beta [T, Hv]; sequence i is tokens [cu_seqlens[i], cu_seqlens[i+1])
     and starts from states[i] ([N, Hv, dk, dv] fp32). Returns (o [T, Hv, dv] in v's dtype, the final
-    states [N, Hv, dk, dv] fp32). The sequences are zero-padded to one length (a padding token has
-    k = 0 and g = 0: it leaves the state as it is)."""
-    n, num_heads, dtype = len(cu_seqlens) - 1, v.shape[1], v.dtype
-    seq, pos, longest = varlen_index(cu_seqlens, v.device)
-    length = longest + (-longest % CHUNK)
+    states [N, Hv, dk, dv] fp32).
+
+    Each sequence is cut into blocks of CHUNK tokens, its last one padded with tokens that leave
+    the state as it is (k = 0, g = 0), so that memory follows the tokens, not N x the longest. The
+    blocks' own work is batched over all of them; the state then goes block by block, each round
+    taking the i-th block of every sequence that has one."""
+    num_heads, dtype = v.shape[1], v.dtype
+    layout = BlockLayout(cu_seqlens, v.device)
     q, k = _prepare(q, k, num_heads)
-    q, k, v = (_padded(x, seq, pos, n, length).transpose(1, 2) for x in (q, k, v.float()))  # [N, H, L, d]
-    g, beta = (_padded(x.float(), seq, pos, n, length).transpose(1, 2) for x in (g, beta))  # [N, H, L]
-    out, final = _blocks(q, k, v, g, beta, states.float())
-    return out.transpose(1, 2)[seq, pos].to(dtype), final
-
-
-def _blocks(q, k, v, g, beta, s) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k [N, H, L, dk], v [N, H, L, dv], g, beta [N, H, L] (L a multiple of CHUNK), s [N, H, dk, dv]:
-    block by block, each block in the WY form (a triangular solve and a few matmuls)."""
-    n, num_heads, length, dv = v.shape
-    blocks = length // CHUNK
-    q, k, v = (x.reshape(n, num_heads, blocks, CHUNK, -1) for x in (q, k, v))
-    g = g.reshape(n, num_heads, blocks, CHUNK).cumsum(-1)
-    beta = beta.reshape(n, num_heads, blocks, CHUNK, 1)
+    q, k, v = (layout.blocks(x).transpose(1, 2) for x in (q, k, v.float()))  # [NB, H, C, d]
+    g, beta = (layout.blocks(x.float()).transpose(1, 2) for x in (g, beta))  # [NB, H, C]
+    g = g.cumsum(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, B, C, C]
-    k_beta = k * beta
-    # (I + strictly-lower(beta K K^T decay)) U = beta V: the block's corrected values
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [NB, H, C, C]
+    k_beta = k * beta[..., None]
+    # (I + strictly-lower(beta K K^T decay)) U = beta V: each block's corrected values (the WY form)
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    values = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * g.exp()[..., None]
-    k_to_end = k * (g[..., -1:] - g).exp()[..., None]
-    out = torch.empty_like(v)
-    for i in range(blocks):
-        new = values[:, :, i] - k_decayed[:, :, i] @ s
-        out[:, :, i] = q_decayed[:, :, i] @ s + scores[:, :, i] @ new
-        s = s * g[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ new
-    return out.reshape(n, num_heads, length, dv), s
+    q_decayed, k_to_end = q * g.exp()[..., None], k * (g[..., -1:] - g).exp()[..., None]
+    block_decay = g[..., -1].exp()[..., None, None]
+    s, out = states.float().clone(), torch.empty_like(v)
+    for seqs, blocks in layout.rounds():
+        state = s[seqs]
+        new = values[blocks] - k_decayed[blocks] @ state
+        out[blocks] = q_decayed[blocks] @ state + scores[blocks] @ new
+        s[seqs] = state * block_decay[blocks] + k_to_end[blocks].transpose(-1, -2) @ new
+    return layout.tokens(out.transpose(1, 2)).to(dtype), s
+
+
+class BlockLayout:
+    """Packed sequences in blocks of CHUNK tokens: where each token sits ([block, offset]) and, for
+    round i, the sequences with an i-th block and that block's index (one upload)."""
+
+    def __init__(self, cu_seqlens: list[int], device: torch.device):
+        lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        counts = [-(-n // CHUNK) for n in lengths]
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        self.num_blocks = sum(counts)
+        index = [(firsts[i] + p // CHUNK) * CHUNK + p % CHUNK for i, n in enumerate(lengths) for p in range(n)]
+        rounds = [[(i, firsts[i] + r) for i in range(len(counts)) if counts[i] > r] for r in range(max(counts))]
+        self.sizes = [len(r) for r in rounds]
+        pairs = [pair for r in rounds for pair in r]
+        host = torch.tensor(index + [i for i, _ in pairs] + [b for _, b in pairs], dtype=torch.int64)
+        flat = host.to(device, non_blocking=True)
+        self.index, self._seqs, self._blocks = flat.split([len(index), len(pairs), len(pairs)])
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed [T, ...] -> [blocks, CHUNK, ...], zeros past each sequence's end."""
+        out = x.new_zeros((self.num_blocks * CHUNK, *x.shape[1:]))
+        out[self.index] = x
+        return out.view(self.num_blocks, CHUNK, *x.shape[1:])
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[blocks, CHUNK, ...] -> packed [T, ...]."""
+        return x.reshape(self.num_blocks * CHUNK, *x.shape[2:])[self.index]
+
+    def rounds(self):
+        start = 0
+        for size in self.sizes:
+            yield self._seqs[start: start + size], self._blocks[start: start + size]
+            start += size
 
 
 def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -98,7 +98,8 @@ class ModelRunner:
         # before the KV budget is measured so that it counts them as in use
         self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
         if cfg.linear_attn and cuda_graph:
-            logger.info("CUDA graphs off: the linear-attention layers' step is not yet written for a padded batch")
+            logger.info("CUDA graphs off for this model: its steps with prompt chunks read their bounds to the host, "
+                        "and a padded mixed step's decode rows would run over chunk tokens")
             cuda_graph = capture = False
         self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
