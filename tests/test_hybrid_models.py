@@ -167,3 +167,22 @@ def test_the_engine_serves_a_recurrent_state_without_cache_or_drafts_on_the_runn
     assert plain.cache is not None and plain.speculator is not None and plain.max_running == 5
     hybrid = build.build_engine(config, None, 1000, {**info, "recurrent_state": True}).scheduler
     assert hybrid.cache is None and hybrid.speculator is None and hybrid.max_running == 5
+
+
+def test_the_runner_refuses_drafts_and_cached_prefixes_for_a_recurrent_state(tmp_path):
+    """Drafts would move a recurrent state past tokens that may be rejected, and a cached prefix has
+    no state to start from: a hybrid model's runner refuses both before anything changes."""
+    from benchmark.lib.direct_step import run_step
+
+    from lightllm.engine.plan import Chunk, Insert, StepPlan
+
+    make_hybrid("qwen3_next", tmp_path)
+    runner = make_runner(tmp_path, tokens=128)
+    run_step(runner, prompts=[(0, [1, 2, 3, 4], SamplingParams())])
+    with pytest.raises(ValueError, match="recurrent state"):
+        runner.step(StepPlan(10, [0], drafts={0: [5, 6]}, sync=True))
+    runner.apply([Insert(0, 0, 4, 0)])  # a prefix-cache node over request 0's four tokens
+    cached = Chunk(1, [7, 8], 4, True, SamplingParams(), prefix=(0,))
+    with pytest.raises(ValueError, match="recurrent state"):
+        runner.step(StepPlan(11, [], [cached], sync=True))
+    assert run_step(runner, [0]) and runner.reqs[0].seq_len == 5  # request 0 decodes on as before
