@@ -30,7 +30,7 @@ from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
-from lightllm.engine.memory import token_budget
+from lightllm.engine.memory import state_slots, token_budget
 from lightllm.engine.plan import DropGrammar, Evict, Insert, LoadGrammar, Release, Reset, Split, StepPlan, StepResult
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
@@ -88,9 +88,19 @@ class ModelRunner:
                                 max_positions=self.max_req_total_len, load_format=config.load_format)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, self.device)
         running = config.running_max_req_size
+        if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
+            slot_bytes = self.model.state_slot_bytes()
+            running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
+        # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
+        # before the KV budget is measured so that it counts them as in use
+        self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
+        if cfg.linear_attn and cuda_graph:
+            logger.info("CUDA graphs off for this model: its steps with prompt chunks read their bounds to the host, "
+                        "and a padded mixed step's decode rows would run over chunk tokens")
+            cuda_graph = capture = False
         self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
@@ -108,7 +118,8 @@ class ModelRunner:
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
-                     "burst_chunked_prefill_size": burst}
+                     "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None,
+                     "running_max_req_size": running}
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = config.max_total_token_num
@@ -126,7 +137,7 @@ class ModelRunner:
 
     def new_token_table(self, size: int) -> TokenTable:
         cfg = self.config
-        return TokenTable(size, cfg.num_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        return TokenTable(size, cfg.num_kv_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
 
     # ---- the step ----
 
@@ -466,6 +477,9 @@ class ModelRunner:
             if c.first and (any(n not in self.nodes for n in c.prefix)
                             or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
                 raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
+        if self.state_pool is not None and (plan.drafts or any(c.first and c.prefix for c in plan.chunks)):
+            raise ValueError(f"step {plan.step_id}: drafts and cached prefixes are not served for a model with "
+                             "recurrent state")
         full = [i for i in plan.decodes if self.reqs[i].seq_len + len(plan.drafts.get(i, ())) >= self.max_req_total_len]
         if full:
             raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")

@@ -264,7 +264,7 @@ async def info(request: Request) -> JSONResponse:
             "max_req_total_len": config.max_req_total_len,
             "chunked_prefill_size": config.chunked_prefill_size,
             "burst_chunked_prefill_size": model.get("burst_chunked_prefill_size"),
-            "running_max_req_size": config.running_max_req_size,
+            "running_max_req_size": model.get("running_max_req_size", config.running_max_req_size),  # fewer: states
             "speculative_config": speculative_info(config.speculative_config),
             "tool_call_parser": state.chat.tool_call_parser,
             "reasoning_parser": config.reasoning_parser,
