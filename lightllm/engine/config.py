@@ -66,6 +66,10 @@ class EngineConfig:
         default=False,
         metadata=flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
     )
+    host_kv_cache_gb: float = field(
+        default=0.0,
+        metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
+    )
     admission_wait_steps: int = field(
         default=8,
         metadata=flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
@@ -146,6 +150,8 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)
         if self.burst_chunked_prefill_size and self.burst_chunked_prefill_size < self.chunked_prefill_size:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError("--host_kv_cache_gb must be 0 (off) or more")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
         self._check_nodes()

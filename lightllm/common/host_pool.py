@@ -1,0 +1,141 @@
+"""The prefix cache's host tier: evicted nodes' KV in host memory, one runner's (one rank's shard).
+
+The pool is allocated once, at start: `[capacity, 2 * layers, kv_heads, head_dim]`, token-major so
+that a run of tokens is one contiguous block of every layer's K and V (pinned on CUDA, so copies
+are DMA and leave the host thread). Its room is handed out in runs of tokens (first fit, merged
+on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
+
+Offload gathers a node's token-granular slots of every layer into one contiguous staging tensor
+on the device, then copies it to the node's runs: one large copy a run. Load copies the runs to
+a staging tensor and scatters it into fresh slots. On CUDA both copies run on a copy stream: an
+offload's copy waits for the gather (on the step's stream) and overlaps what follows; a load's
+scatter, and so the next forward, waits for its copy. The host side never touches the data, and
+both directions use the one copy stream, so a run freed by a load and reused by an offload is
+read before it is overwritten.
+
+CPU bookkeeping of the room lives in the radix tree (lightllm/common/radix_cache.py): every rank
+applies the same ops in the same order, so every rank's runs are the same.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Runs = list[tuple[int, int]]  # (first token, tokens)
+
+
+class HostPoolFullError(RuntimeError):
+    """More host tokens were asked for than are free (the tree's bookkeeping is off)."""
+
+
+class HostKVPool:
+    def __init__(self, capacity: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.capacity = capacity
+        self.device = device
+        cuda = device.type == "cuda"
+        self.data = torch.empty((capacity, 2 * num_layers, kv_heads, head_dim), dtype=dtype, pin_memory=cuda)
+        self.free_runs: Runs = [(0, capacity)] if capacity else []  # sorted by start, never adjacent
+        self.free_count = capacity
+        self.nodes: dict[int, Runs] = {}  # prefix-cache node id -> its runs, in token order
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        logger.info("host KV pool: %d tokens, %.2f GiB%s", capacity,
+                    self.data.numel() * self.data.element_size() / 2**30, " (pinned)" if cuda else "")
+
+    # ---- room ----
+
+    def alloc(self, n: int) -> Runs:
+        """n tokens of room: one run when one is long enough (first fit), else the first runs."""
+        if n > self.free_count:
+            raise HostPoolFullError(f"host KV pool: {n} tokens asked, {self.free_count} free")
+        for i, (start, length) in enumerate(self.free_runs):
+            if length >= n:
+                self.free_runs[i: i + 1] = [(start + n, length - n)] if length > n else []
+                self.free_count -= n
+                return [(start, n)]
+        out, left = [], n
+        while left:
+            start, length = self.free_runs[0]
+            take = min(length, left)
+            out.append((start, take))
+            self.free_runs[0:1] = [(start + take, length - take)] if length > take else []
+            left -= take
+        self.free_count -= n
+        return out
+
+    def free(self, runs: Runs) -> None:
+        merged: Runs = []
+        for start, length in sorted(self.free_runs + runs):
+            if merged and merged[-1][0] + merged[-1][1] > start:
+                raise HostPoolFullError(f"host KV pool: run ({start}, {length}) freed twice")
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self.free_runs = merged
+        self.free_count += sum(length for _, length in runs)
+
+    # ---- nodes (the tree's ops) ----
+
+    def offload(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
+        """Copy the KV at `slots` of every layer (`layers_kv`: every layer's K, then every V) into
+        fresh room for `node_id`; the slots may be reused by anything launched after this call."""
+        runs = self.alloc(len(slots))
+        index = slots.to(torch.int64)
+        staging = torch.stack([t.index_select(0, index) for t in layers_kv], dim=1)  # [n, 2L, heads, dim]
+        self._copy(runs, staging, to_host=True)
+        self.nodes[node_id] = runs
+
+    def load(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
+        """Copy node `node_id`'s KV into `slots` of every layer and free its room; whatever is
+        launched after this call on the current stream sees it."""
+        runs = self.nodes.pop(node_id)
+        index = slots.to(torch.int64)
+        staging = torch.empty((len(index), *self.data.shape[1:]), dtype=self.data.dtype, device=self.device)
+        self._copy(runs, staging, to_host=False)
+        for i, t in enumerate(layers_kv):
+            t.index_copy_(0, index, staging[:, i])
+        self.free(runs)
+
+    def split(self, node_id: int, at: int, upper_id: int) -> None:
+        runs, upper, done = self.nodes.pop(node_id), [], 0
+        while done < at:
+            start, length = runs.pop(0)
+            take = min(length, at - done)
+            upper.append((start, take))
+            if take < length:
+                runs.insert(0, (start + take, length - take))
+            done += take
+        self.nodes[upper_id], self.nodes[node_id] = upper, runs
+
+    def drop(self, node_id: int) -> None:
+        self.free(self.nodes.pop(node_id))
+
+    def reset(self) -> None:
+        self.nodes.clear()
+        self.free_runs = [(0, self.capacity)] if self.capacity else []
+        self.free_count = self.capacity
+
+    def _copy(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
+        """staging (device, contiguous) <-> the runs of the pool, one copy a run."""
+        if self.stream is None:
+            self._copy_runs(runs, staging, to_host)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # to host: the gather is done; to device: staging is allocated
+        with torch.cuda.stream(self.stream):
+            self._copy_runs(runs, staging, to_host)
+        staging.record_stream(self.stream)
+        if not to_host:
+            compute.wait_stream(self.stream)
+
+    def _copy_runs(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
+        offset = 0
+        for start, length in runs:
+            host, dev = self.data[start: start + length], staging[offset: offset + length]
+            (host if to_host else dev).copy_(dev if to_host else host, non_blocking=self.stream is not None)
+            offset += length
