@@ -77,7 +77,7 @@ class EngineConfig:
     running_max_req_size: int = field(default=1024, metadata=flag("most requests in the running batch (and the largest CUDA-graph decode bucket); 1024 starts a burst's requests sooner (lower time to first token) at a few percent of throughput against 512 (docs/benchmarks.md)"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=flag("longest prompt + max_new_tokens accepted"))
     tp: int = field(default=1, metadata=flag("tensor-parallel degree: one model worker process per rank"))
-    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1) and each request goes to the least loaded one"))
+    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1); --dp_routing picks the replica of each request"))
     nccl_port: int = field(default=28765, metadata=flag("port of the torch.distributed rendezvous between model workers on one machine (over several: --dist_init_addr)"))
     nnodes: int = field(default=1, metadata=flag("machines the --tp ranks span, tp / nnodes on each (see docs/architecture.md, 'Scaling past one machine')"))
     node_rank: int = field(default=0, metadata=flag("this machine's index: 0 serves HTTP and drives every rank; the others run only their ranks' model workers"))
