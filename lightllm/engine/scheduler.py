@@ -471,7 +471,7 @@ class Scheduler:
         if not candidates:
             return
         matches = None
-        if self.cache is not None and self.cache.total_tokens:
+        if self.cache is not None and (self.cache.total_tokens or self.cache.host_tokens):
             matches = [self.cache.match(req.prompt_ids[: req.prompt_len - 1] if req.uses_cache else [])
                        for req in candidates]
         fits = self._fits(candidates, matches)
