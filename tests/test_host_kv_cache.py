@@ -15,6 +15,7 @@ from helpers.models import Client, hf_greedy, make_model, make_runner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightllm.common import host_pool
 from lightllm.common.host_pool import HostKVPool
 from lightllm.common.radix_cache import Evict, Insert, Load, Offload, RadixCache, Split
 from lightllm.common.token_table import TokenTable
@@ -141,7 +142,9 @@ def test_a_host_node_is_dropped_least_recently_used_first():
 
 # ---- the pool ----
 
-def test_offload_then_load_puts_each_token_at_its_new_slot():
+@pytest.mark.parametrize("staging", [512, 2])
+def test_offload_then_load_puts_each_token_at_its_new_slot(staging, monkeypatch):
+    monkeypatch.setattr(host_pool, "STAGING_TOKENS", staging)
     layers, heads, dim = 3, 2, 4
     table = TokenTable(32, layers, heads, dim, torch.float32, "cpu")
     for t in table.k + table.v:

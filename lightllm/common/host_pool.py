@@ -5,8 +5,8 @@ that a run of tokens is one contiguous block of every layer's K and V (pinned on
 are DMA and leave the host thread). Its room is handed out in runs of tokens (first fit, merged
 on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
 
-Offload gathers a node's token-granular slots of every layer into one contiguous staging tensor
-on the device, then copies it to the node's runs: one large copy a run. Load copies the runs to
+Offload gathers a node's token-granular slots of every layer into a contiguous staging tensor on
+the device (STAGING_TOKENS at a time), then copies it to the node's runs: one large copy a run. Load copies the runs to
 a staging tensor and scatters it into fresh slots. On CUDA both copies run on a copy stream: an
 offload's copy waits for the gather (on the step's stream) and overlaps what follows; a load's
 scatter, and so the next forward, waits for its copy. The host side never touches the data, and
@@ -26,6 +26,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 Runs = list[tuple[int, int]]  # (first token, tokens)
+
+# Most tokens one staging tensor holds: 64 MiB for an 8B model in bf16 (128 KiB a token), so the
+# transient device memory of a copy stays small beside the step's while each copy stays large.
+STAGING_TOKENS = 512
+
+
+def cut(runs: Runs, n: int) -> tuple[Runs, Runs]:
+    """(the runs of the first n tokens, the runs of the rest)."""
+    head, rest, done = [], list(runs), 0
+    while done < n:
+        start, length = rest.pop(0)
+        take = min(length, n - done)
+        head.append((start, take))
+        if take < length:
+            rest.insert(0, (start + take, length - take))
+        done += take
+    return head, rest
 
 
 class HostPoolFullError(RuntimeError):
@@ -85,32 +102,30 @@ class HostKVPool:
         """Copy the KV at `slots` of every layer (`layers_kv`: every layer's K, then every V) into
         fresh room for `node_id`; the slots may be reused by anything launched after this call."""
         runs = self.alloc(len(slots))
-        index = slots.to(torch.int64)
-        staging = torch.stack([t.index_select(0, index) for t in layers_kv], dim=1)  # [n, 2L, heads, dim]
-        self._copy(runs, staging, to_host=True)
+        index, rest = slots.to(torch.int64), runs
+        for first in range(0, len(index), STAGING_TOKENS):
+            part = index[first: first + STAGING_TOKENS]
+            piece, rest = cut(rest, len(part))
+            staging = torch.stack([t.index_select(0, part) for t in layers_kv], dim=1)  # [n, 2L, heads, dim]
+            self._copy(piece, staging, to_host=True)
         self.nodes[node_id] = runs
 
     def load(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
         """Copy node `node_id`'s KV into `slots` of every layer and free its room; whatever is
         launched after this call on the current stream sees it."""
         runs = self.nodes.pop(node_id)
-        index = slots.to(torch.int64)
-        staging = torch.empty((len(index), *self.data.shape[1:]), dtype=self.data.dtype, device=self.device)
-        self._copy(runs, staging, to_host=False)
-        for i, t in enumerate(layers_kv):
-            t.index_copy_(0, index, staging[:, i])
+        index, rest = slots.to(torch.int64), runs
+        for first in range(0, len(index), STAGING_TOKENS):
+            part = index[first: first + STAGING_TOKENS]
+            piece, rest = cut(rest, len(part))
+            staging = torch.empty((len(part), *self.data.shape[1:]), dtype=self.data.dtype, device=self.device)
+            self._copy(piece, staging, to_host=False)
+            for i, t in enumerate(layers_kv):
+                t.index_copy_(0, part, staging[:, i])
         self.free(runs)
 
     def split(self, node_id: int, at: int, upper_id: int) -> None:
-        runs, upper, done = self.nodes.pop(node_id), [], 0
-        while done < at:
-            start, length = runs.pop(0)
-            take = min(length, at - done)
-            upper.append((start, take))
-            if take < length:
-                runs.insert(0, (start + take, length - take))
-            done += take
-        self.nodes[upper_id], self.nodes[node_id] = upper, runs
+        self.nodes[upper_id], self.nodes[node_id] = cut(self.nodes.pop(node_id), at)
 
     def drop(self, node_id: int) -> None:
         self.free(self.nodes.pop(node_id))
