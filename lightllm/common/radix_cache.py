@@ -293,16 +293,20 @@ class RadixCache:
             self._maybe_evictable(node.parent)
 
     def _remove(self, node: Node) -> None:
-        """Take `node` and its subtree out of the tree (below an evictable node: host-resident only)."""
-        for child in list(node.children.values()):
-            self._remove(child)
+        """Take `node` and its subtree out of the tree (below an evictable node: host-resident
+        only), deepest first (a long chat's history is a deep chain: no recursion)."""
         del node.parent.children[node.key[0]]
-        del self._nodes[node.node_id]
-        if node.host:
-            self.host_tokens -= len(node.key)
-        else:
-            self.total_tokens -= len(node.key)
-        self.ops.append(Evict(node.node_id))
+        order, stack = [], [node]
+        while stack:
+            order.append(stack.pop())
+            stack.extend(order[-1].children.values())
+        for gone in reversed(order):
+            del self._nodes[gone.node_id]
+            if gone.host:
+                self.host_tokens -= len(gone.key)
+            else:
+                self.total_tokens -= len(gone.key)
+            self.ops.append(Evict(gone.node_id))
 
     def _top_host(self, found: Match, start: Node) -> Node | None:
         """The host-resident node nearest `start` on the path a match reached, if any."""
