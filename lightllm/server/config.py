@@ -31,7 +31,7 @@ class ServerConfig(FrontendConfig):
     )
     dp_routing: str = field(
         default="prefix",
-        metadata=flag("how a request picks its --dp replica: prefix = the one whose cache most likely holds the longest prefix of its prompt (an index of the prompts sent to each), unless that one's open requests take more than 1.25x the least loaded one's share of its KV budget plus 5% of it; least_loaded = the smallest such share; round_robin = in turn (docs/architecture.md)", choices=("prefix", "least_loaded", "round_robin")),
+        metadata=flag("how a request picks its --dp replica: prefix = the one whose cache most likely holds the longest prefix of its prompt (an index of the prompts sent to each), unless that one's open requests take more than 1.25x the least loaded one's share of its KV budget plus 5 percent of it; least_loaded = the smallest such share; round_robin = in turn (docs/architecture.md)", choices=("prefix", "least_loaded", "round_robin")),
     )
     max_queued_requests: int = field(
         default=4096,
