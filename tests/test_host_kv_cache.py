@@ -235,7 +235,7 @@ def test_multi_turn_reloads_from_host_and_equals_transformers(tiny):
     assert [c[-NEW:] for c in conversations] == list(hf_greedy(hf_model, last, NEW).values())
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True), min_size=2, max_size=5),
        st.sampled_from([24, 160]), st.integers(0, 2**16))
 def test_random_multi_turn_traffic_equals_the_device_only_cache(tiny, turns, host, seed):
