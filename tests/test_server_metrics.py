@@ -140,10 +140,12 @@ def test_each_app_has_its_own_registry():
 
 def test_prefix_cache_hits_are_counted_by_tier_over_replicas():
     metrics = Metrics([1000, 1000])
-    for replica, (hits, host, held) in enumerate([(400, 150, 70), (90, 0, 5)]):
+    for replica, (hits, host, disk, held) in enumerate([(400, 150, 40, 70), (90, 0, 0, 5)]):
         metrics.routers[replica] = RouterStats(0, 0, 0, 4000, prefix_hit_tokens=hits, replica=replica,
-                                               prefix_host_hit_tokens=host, prefix_host_tokens=held)
+                                               prefix_host_hit_tokens=host, prefix_disk_hit_tokens=disk,
+                                               prefix_host_tokens=held)
     got = samples(metrics)
-    assert got['lightllm:prefix_cache_hits_by_tier_total{tier="host"}'] == 150
+    assert got['lightllm:prefix_cache_hits_by_tier_total{tier="host"}'] == 150 - 40
+    assert got['lightllm:prefix_cache_hits_by_tier_total{tier="disk"}'] == 40
     assert got['lightllm:prefix_cache_hits_by_tier_total{tier="device"}'] == 400 + 90 - 150
     assert got["lightllm:prefix_cache_host_tokens"] == 75

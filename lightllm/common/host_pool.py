@@ -20,6 +20,7 @@ applies the same ops in the same order, so every rank's runs are the same.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -51,16 +52,24 @@ class HostPoolFullError(RuntimeError):
 
 class HostKVPool:
     def __init__(self, capacity: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, path: str | None = None):
+        """`path`: the disk tier's pool, a file mapped there (removed at once: it lives as long as
+        the process), whose copies run on the current stream."""
         self.capacity = capacity
         self.device = device
-        cuda = device.type == "cuda"
-        self.data = torch.empty((capacity, 2 * num_layers, kv_heads, head_dim), dtype=dtype, pin_memory=cuda)
+        shape = (capacity, 2 * num_layers, kv_heads, head_dim)
+        cuda = device.type == "cuda" and path is None
+        if path is None:
+            self.data = torch.empty(shape, dtype=dtype, pin_memory=cuda)
+        else:
+            self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1] * kv_heads * head_dim,
+                                        dtype=dtype).view(shape)
+            os.unlink(path)
         self.free_runs: Runs = [(0, capacity)] if capacity else []  # sorted by start, never adjacent
         self.free_count = capacity
         self.nodes: dict[int, Runs] = {}  # prefix-cache node id -> its runs, in token order
         self.stream = torch.cuda.Stream(device) if cuda else None
-        logger.info("host KV pool: %d tokens, %.2f GiB%s", capacity,
+        logger.info("%s KV pool: %d tokens, %.2f GiB%s", "host" if path is None else f"disk ({path})", capacity,
                     self.data.numel() * self.data.element_size() / 2**30, " (pinned)" if cuda else "")
 
     # ---- room ----
@@ -123,6 +132,20 @@ class HostKVPool:
             for i, t in enumerate(layers_kv):
                 t.index_copy_(0, part, staging[:, i])
         self.free(runs)
+
+    def take_from(self, node_id: int, other: HostKVPool) -> None:
+        """Node `node_id` moves from `other`'s room to fresh room here (host pool to disk pool)."""
+        if other.stream is not None:
+            other.stream.synchronize()  # read on the host: its offloads in flight must have landed
+        runs = other.nodes.pop(node_id)
+        mine, rest = self.alloc(sum(n for _, n in runs)), runs
+        for start, length in mine:
+            piece, rest = cut(rest, length)
+            for s, n in piece:  # run to run, no staging: both are host memory
+                self.data[start: start + n] = other.data[s: s + n]
+                start += n
+        other.free(runs)
+        self.nodes[node_id] = mine
 
     def split(self, node_id: int, at: int, upper_id: int) -> None:
         self.nodes[upper_id], self.nodes[node_id] = cut(self.nodes.pop(node_id), at)

@@ -20,6 +20,11 @@ once none of its children is on the device, so the host-resident nodes of any pa
 tail. Host-resident leaves are dropped (Evict) least recently used first when the pool needs
 room. A match runs through both tiers; the scheduler locks the matched path and loads its
 host-resident nodes back (Load) before the request's first chunk.
+
+A disk tier (`disk_capacity` > 0) lies below: a node leaving the host pool once none of its
+children is in it is copied to disk (Spill) instead of dropped; disk-resident leaves are
+dropped least recently used first. `host` means "not on the device" for both lower tiers, and
+`disk` which of them, so the disk-resident nodes of a path are the tail of its host ones.
 """
 
 from __future__ import annotations
@@ -63,15 +68,22 @@ class Offload:
 
 
 @dataclass
+class Spill:
+    """Host-resident node `node_id`'s KV moves from the host pool to the disk pool."""
+
+    node_id: int
+
+
+@dataclass
 class Load:
     """Host-resident node `node_id` takes slots of the token table, its KV copied back from the
-    host pool, whose room is freed."""
+    host (or disk) pool, whose room is freed."""
 
     node_id: int
 
 
 class Node:
-    __slots__ = ("node_id", "key", "parent", "children", "ref", "last_use", "depth", "host")
+    __slots__ = ("node_id", "key", "parent", "children", "ref", "last_use", "depth", "host", "disk")
 
     def __init__(self, node_id: int, key: list[int], parent: Node | None, last_use: int = 0):
         self.node_id = node_id
@@ -81,7 +93,11 @@ class Node:
         self.ref = 0  # running requests whose path goes through this node
         self.last_use = last_use
         self.depth = (parent.depth if parent is not None else 0) + len(key)  # tokens root..here
-        self.host = False  # its KV is in the host pool, not in the token table
+        self.host = False  # its KV is in the host (or disk) pool, not in the token table
+        self.disk = False  # ... in the disk pool
+
+    def in_host_pool(self) -> bool:
+        return self.host and not self.disk
 
     def on_device_children(self) -> bool:
         return any(not child.host for child in self.children.values())
@@ -122,7 +138,7 @@ def common_prefix_len(key: list[int], tokens: list[int], start: int) -> int:
 
 
 class RadixCache:
-    def __init__(self, ops: list, host_capacity: int = 0):
+    def __init__(self, ops: list, host_capacity: int = 0, disk_capacity: int = 0):
         self.ops = ops  # plan ops for the runner, shared with the scheduler, in order
         self.root = Node(0, [], None)
         self._ids = itertools.count(1)
@@ -136,6 +152,10 @@ class RadixCache:
         self.host_tokens = 0  # tokens of host-resident nodes
         self._host_evictable: list[tuple[int, int, Node]] = []  # host-resident leaves, lazily pruned
         self.loaded_tokens = 0  # counter: tokens loaded back from the host pool
+        self.disk_capacity = disk_capacity  # tokens the disk pool holds
+        self.disk_tokens = 0  # tokens of disk-resident nodes (not in host_tokens)
+        self._disk_evictable: list[tuple[int, int, Node]] = []  # disk-resident leaves, lazily pruned
+        self.loaded_disk_tokens = 0  # counter: of loaded_tokens, those read from the disk pool
 
     @property
     def evictable_tokens(self) -> int:
@@ -219,7 +239,7 @@ class RadixCache:
         assert 0 < at < len(node.key), (node, at)
         parent = node.parent
         upper = Node(next(self._ids), node.key[:at], parent, node.last_use)
-        upper.host = node.host
+        upper.host, upper.disk = node.host, node.disk
         upper.ref = node.ref  # both parts keep the references (and locked_tokens is unchanged)
         parent.children[upper.key[0]] = upper
         node.key = node.key[at:]
@@ -254,7 +274,8 @@ class RadixCache:
     def flush(self) -> int:
         """Drop every node no running request references, from both tiers; device tokens freed."""
         freed = self.evict(self.total_tokens, offload=False)
-        self._drop_host(0)
+        for node in [n for n in self._nodes.values() if n.host and not n.parent.host and not n.ref]:
+            self._remove(node)
         return freed
 
     def host_path(self, node: Node) -> list[Node]:
@@ -268,9 +289,13 @@ class RadixCache:
     def load(self, node: Node) -> None:
         """A locked host-resident node moves back to the device (its parent is there already)."""
         assert node.host and node.ref and not node.parent.host, node
-        node.host = False
         n = len(node.key)
-        self.host_tokens -= n
+        if node.disk:
+            self.disk_tokens -= n
+            self.loaded_disk_tokens += n
+        else:
+            self.host_tokens -= n
+        node.host = node.disk = False
         self.total_tokens += n
         self.locked_tokens += n
         self.loaded_tokens += n
@@ -284,13 +309,33 @@ class RadixCache:
         return self.host_tokens + tokens <= self.host_capacity
 
     def _drop_host(self, keep: int) -> None:
-        """Drop host-resident leaves, least recently used first, until at most `keep` tokens stay."""
+        """Move nodes out of the host pool, least recently used first, until at most `keep` tokens
+        stay: to the disk pool where they fit (after dropping its least recently used leaves),
+        else dropped."""
         while self.host_tokens > keep and self._host_evictable:
             last_use, node_id, node = heapq.heappop(self._host_evictable)
             if self._nodes.get(node_id) is not node or not self._host_evictable_now(node) or last_use != node.last_use:
                 continue
+            if self._disk_room(len(node.key)):
+                node.disk = True
+                self.host_tokens -= len(node.key)
+                self.disk_tokens += len(node.key)
+                self.ops.append(Spill(node_id))
+                self._maybe_evictable(node)
+            else:
+                self._remove(node)
+            self._maybe_evictable(node.parent)
+
+    def _disk_room(self, tokens: int) -> bool:
+        if tokens > self.disk_capacity:
+            return False
+        while self.disk_tokens + tokens > self.disk_capacity and self._disk_evictable:
+            last_use, node_id, node = heapq.heappop(self._disk_evictable)
+            if self._nodes.get(node_id) is not node or not self._disk_evictable_now(node) or last_use != node.last_use:
+                continue
             self._remove(node)
             self._maybe_evictable(node.parent)
+        return self.disk_tokens + tokens <= self.disk_capacity
 
     def _remove(self, node: Node) -> None:
         """Take `node` and its subtree out of the tree (below an evictable node: host-resident
@@ -302,7 +347,9 @@ class RadixCache:
             stack.extend(order[-1].children.values())
         for gone in reversed(order):
             del self._nodes[gone.node_id]
-            if gone.host:
+            if gone.disk:
+                self.disk_tokens -= len(gone.key)
+            elif gone.host:
                 self.host_tokens -= len(gone.key)
             else:
                 self.total_tokens -= len(gone.key)
@@ -320,10 +367,16 @@ class RadixCache:
         return node is not self.root and not node.host and not node.ref and not node.on_device_children()
 
     def _host_evictable_now(self, node: Node) -> bool:
-        return node.host and not node.ref and not node.children
+        """In the host pool, unreferenced, none of its children in it (on disk, or none)."""
+        return node.in_host_pool() and not node.ref and not any(c.in_host_pool() for c in node.children.values())
+
+    def _disk_evictable_now(self, node: Node) -> bool:
+        return node.disk and not node.ref and not node.children
 
     def _maybe_evictable(self, node: Node) -> None:
-        if node.host:
+        if node.disk:
+            heap, ok = self._disk_evictable, self._disk_evictable_now
+        elif node.host:
             heap, ok = self._host_evictable, self._host_evictable_now
         else:
             heap, ok = self._evictable, self._device_evictable
@@ -338,7 +391,7 @@ class RadixCache:
 
     def check(self) -> None:
         """Assert the tree's invariants: counts, depths, child keys, references."""
-        total = locked = host = 0
+        total = locked = host = disk = 0
         for node in self._nodes.values():
             if node is self.root:
                 continue
@@ -346,11 +399,14 @@ class RadixCache:
             assert node.depth == node.parent.depth + len(node.key), node
             assert all(child.ref <= node.ref for child in node.children.values()), node
             assert not node.host or (not node.ref and not node.on_device_children()), node  # host: a path's tail
-            host += len(node.key) if node.host else 0
+            assert not node.disk or all(c.disk for c in node.children.values()), node  # disk: a path's tail
+            host += len(node.key) if node.in_host_pool() else 0
+            disk += len(node.key) if node.disk else 0
             total += 0 if node.host else len(node.key)
             locked += len(node.key) if node.ref else 0
         assert (total, locked, host) == (self.total_tokens, self.locked_tokens, self.host_tokens), (total, locked, host)
-        assert host <= self.host_capacity, host
+        assert host <= self.host_capacity and disk <= self.disk_capacity, (host, disk)
+        assert disk == self.disk_tokens, disk
 
     def cached_prefixes(self) -> dict[tuple[int, ...], int]:
         """Every cached token sequence (each node's path from the root) -> its node id."""

@@ -70,6 +70,11 @@ class EngineConfig:
         default=0.0,
         metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
     )
+    disk_kv_cache_dir: str | None = field(
+        default=None,
+        metadata=flag("directory for a third tier of the prefix cache, below --host_kv_cache_gb (required): KV leaving the host tier is written to a file there (one a rank, removed at start so that it goes with the process) instead of dropped, and loaded back from it; --disk_kv_cache_gb bounds it"),
+    )
+    disk_kv_cache_gb: float = field(default=16.0, metadata=flag("GiB of --disk_kv_cache_dir each rank takes"))
     admission_wait_steps: int = field(
         default=8,
         metadata=flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
@@ -152,6 +157,9 @@ class EngineConfig:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
         if self.host_kv_cache_gb < 0:
             raise ValueError("--host_kv_cache_gb must be 0 (off) or more")
+        if self.disk_kv_cache_dir and (self.host_kv_cache_gb <= 0 or self.disk_kv_cache_gb <= 0):
+            raise ValueError("--disk_kv_cache_dir needs --host_kv_cache_gb above 0 (the disk tier lies below "
+                             "the host tier) and --disk_kv_cache_gb above 0")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
         self._check_nodes()

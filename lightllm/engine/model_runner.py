@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
@@ -32,8 +33,8 @@ from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import token_budget
-from lightllm.engine.plan import (DropGrammar, Evict, Insert, Load, LoadGrammar, Offload, Release, Reset, Split, StepPlan,
-                                  StepResult)
+from lightllm.engine.plan import (DropGrammar, Evict, Insert, Load, LoadGrammar, Offload, Release, Reset, Spill, Split,
+                                  StepPlan, StepResult)
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
@@ -97,6 +98,7 @@ class ModelRunner:
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
         self.host_pool: HostKVPool | None = None  # the prefix cache's host tier (host-resident nodes)
+        self.disk_pool: HostKVPool | None = None  # ... and its disk tier
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
@@ -121,6 +123,10 @@ class ModelRunner:
         self.token_table = self.new_token_table(self.max_total_token_num)
         self.host_pool = self._new_host_pool(config.host_kv_cache_gb)
         self.info["host_kv_cache_tokens"] = 0 if self.host_pool is None else self.host_pool.capacity
+        if config.disk_kv_cache_dir and self.host_pool is not None:
+            path = os.path.join(config.disk_kv_cache_dir, f"lightllm-kv-{os.getpid()}.bin")
+            self.disk_pool = self._new_host_pool(config.disk_kv_cache_gb, path)
+        self.info["disk_kv_cache_tokens"] = 0 if self.disk_pool is None else self.disk_pool.capacity
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
                                      config.graph_max_tokens, capture)
@@ -133,14 +139,16 @@ class ModelRunner:
         cfg = self.config
         return TokenTable(size, cfg.num_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
 
-    def _new_host_pool(self, gib: float) -> HostKVPool | None:
-        """--host_kv_cache_gb of this rank's shard of K and V, the same tokens on every rank."""
+    def _new_host_pool(self, gib: float, path: str | None = None) -> HostKVPool | None:
+        """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,
+        the same tokens on every rank."""
         table = self.token_table
         per_token = 2 * len(table.k) * table.k[0][0].numel() * table.k[0].element_size()
         tokens = self.tp.min_int(int(gib * 2**30) // per_token, self.device)
         if tokens <= 0:
             return None
-        return HostKVPool(tokens, len(table.k), table.k[0].shape[1], table.k[0].shape[2], table.k[0].dtype, self.device)
+        return HostKVPool(tokens, len(table.k), table.k[0].shape[1], table.k[0].shape[2], table.k[0].dtype, self.device,
+                          path)
 
     # ---- the step ----
 
@@ -424,22 +432,24 @@ class ModelRunner:
                     raise ValueError(f"cache insert {op} of a request with {r.seq_len} tokens")
                 self.nodes[op.node_id] = table[r.row, op.start: op.end].clone()
             elif isinstance(op, Split) and op.node_id not in self.nodes:
-                self.host_pool.split(op.node_id, op.at, op.upper_id)
+                self._pool_of(op.node_id).split(op.node_id, op.at, op.upper_id)
             elif isinstance(op, Split):
                 slots = self.nodes[op.node_id]
                 self.nodes[op.upper_id], self.nodes[op.node_id] = slots[: op.at], slots[op.at:]
             elif isinstance(op, Evict) and op.node_id not in self.nodes:
-                self.host_pool.drop(op.node_id)
+                self._pool_of(op.node_id).drop(op.node_id)
             elif isinstance(op, Evict):
                 to_free.append(self.nodes.pop(op.node_id))
             elif isinstance(op, Offload):
                 to_free.append(self.nodes.pop(op.node_id))
                 self.host_pool.offload(op.node_id, to_free[-1], self.token_table.k + self.token_table.v)
+            elif isinstance(op, Spill):
+                self.disk_pool.take_from(op.node_id, self.host_pool)
             elif isinstance(op, Load):
                 to_free = self._free_slots(to_free)  # the room evicted for it
-                n = sum(length for _, length in self.host_pool.nodes[op.node_id])
-                slots = self.token_table.alloc(n)
-                self.host_pool.load(op.node_id, slots, self.token_table.k + self.token_table.v)
+                pool = self._pool_of(op.node_id)
+                slots = self.token_table.alloc(sum(length for _, length in pool.nodes[op.node_id]))
+                pool.load(op.node_id, slots, self.token_table.k + self.token_table.v)
                 self.nodes[op.node_id] = slots.int()
             elif isinstance(op, Reset):
                 self.reset()
@@ -452,6 +462,9 @@ class ModelRunner:
                 raise TypeError(f"unknown op {op!r}")
         self._free_slots(to_free)
 
+    def _pool_of(self, node_id: int) -> HostKVPool:
+        return self.host_pool if node_id in self.host_pool.nodes else self.disk_pool
+
     def _free_slots(self, to_free: list[torch.Tensor]) -> list[torch.Tensor]:
         if to_free:
             self.token_table.free(torch.cat(to_free))
@@ -462,8 +475,9 @@ class ModelRunner:
             self.req_table.free(r.row)
         self.reqs.clear()
         self.nodes.clear()
-        if self.host_pool is not None:
-            self.host_pool.reset()
+        for pool in (self.host_pool, self.disk_pool):
+            if pool is not None:
+                pool.reset()
         self._grammar_loads.clear()
         self.token_table.free_all()
         self._last_launched = None

@@ -79,7 +79,7 @@ class HttpServerManager:
         # known here at once, unlike the routers' reports, which lag.
         self._load = [0] * config.dp
         self._replicas = ReplicaRouter(config.dp, config.dp_routing)
-        self._host_cache_tokens = host_cache_tokens or [0] * config.dp  # each replica's host tier
+        self._host_cache_tokens = host_cache_tokens or [0] * config.dp  # each replica's host and disk tiers
         self._req_ids = itertools.count()
         self._outputs: dict[int, asyncio.Queue[TextOut]] = {}
         self._queued: set[int] = set()  # open requests without their first output yet

@@ -105,6 +105,7 @@ def summarize(pairs: list, duration: float, before: dict, after: dict) -> dict:
 
     queried = delta("lightllm:prefix_cache_queries_total") or 1.0
     host = delta('lightllm:prefix_cache_hits_by_tier_total{tier="host"}')
+    disk = delta('lightllm:prefix_cache_hits_by_tier_total{tier="disk"}')
     return {
         "requests": len(pairs), "failed": len(pairs) - len(ok), "duration_s": duration,
         "returning_ttft_median_ms": 1000 * statistics.median(returning) if returning else None,
@@ -114,13 +115,16 @@ def summarize(pairs: list, duration: float, before: dict, after: dict) -> dict:
         "req_s": len(ok) / duration,
         "hit_rate": delta("lightllm:prefix_cache_hits_total") / queried,
         "host_hit_rate": host / queried,
+        "disk_hit_rate": disk / queried,
     }
 
 
 def run_variant(args, variant: str, working_set: float, conversations, tokenizer, log_dir: Path) -> dict:
     flags = ["--model_dir", args.model, "--max_total_token_num", str(args.budget), *args.server_args.split()]
-    if variant == "host":
+    if variant in ("host", "disk"):
         flags += ["--host_kv_cache_gb", str(args.host_kv_gb)]
+    if variant == "disk":
+        flags += ["--disk_kv_cache_dir", str(log_dir), "--disk_kv_cache_gb", str(args.disk_kv_gb)]
     server = start_server(flags, log_dir / f"{variant}-{working_set:g}.log")
     try:
         before = server.metrics()
@@ -138,12 +142,12 @@ def markdown(rows: list[dict]) -> str:
         return "-" if v is None else f"{v:.0f}"
 
     lines = ["| working set (x budget) | variant | conversations | returning TTFT median / P90 ms | first TTFT "
-             "median ms | output tok/s | req/s | hit rate (host) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "median ms | output tok/s | req/s | hit rate (host, disk) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['working_set']:g} | {r['variant']} | {r['conversations']} | "
                      f"{ms(r['returning_ttft_median_ms'])} / {ms(r['returning_ttft_p90_ms'])} | "
                      f"{ms(r['first_ttft_median_ms'])} | {r['output_tok_s']:.1f} | {r['req_s']:.2f} | "
-                     f"{100 * r['hit_rate']:.0f}% ({100 * r['host_hit_rate']:.0f}%) |")
+                     f"{100 * r['hit_rate']:.0f}% ({100 * r['host_hit_rate']:.0f}%, {100 * r['disk_hit_rate']:.0f}%) |")
     return "\n".join(lines)
 
 
@@ -157,7 +161,8 @@ def plot(rows: list[dict], path: str) -> None:
     for variant in sorted({r["variant"] for r in rows}):
         mine = [r for r in rows if r["variant"] == variant and r["returning_ttft_median_ms"] is not None]
         ax.plot([r["working_set"] for r in mine], [r["returning_ttft_median_ms"] for r in mine], marker="o",
-                label={"gpu": "device cache only", "host": "with the host tier"}.get(variant, variant))
+                label={"gpu": "device cache only", "host": "with the host tier",
+                       "disk": "with the host and disk tiers"}.get(variant, variant))
     ax.set_xlabel("working set (x the KV budget)")
     ax.set_ylabel("returning turns' median TTFT (ms)")
     ax.legend()
@@ -171,8 +176,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--budget", type=int, default=4096, help="--max_total_token_num of every server")
     p.add_argument("--working-sets", default="0.5,2,4", help="multiples of the budget, comma-separated")
-    p.add_argument("--variants", default="gpu,host", help="gpu: the device cache only; host: with the host tier")
-    p.add_argument("--host-kv-gb", type=float, default=8.0, help="--host_kv_cache_gb of the host variant")
+    p.add_argument("--variants", default="gpu,host",
+                   help="gpu: the device cache only; host: with the host tier; disk: with the host and disk tiers")
+    p.add_argument("--host-kv-gb", type=float, default=8.0, help="--host_kv_cache_gb of the host and disk variants")
+    p.add_argument("--disk-kv-gb", type=float, default=32.0, help="--disk_kv_cache_gb of the disk variant")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-len", type=int, default=128, help="tokens of a user message (at most)")
     p.add_argument("--output-len", type=int, default=64, help="max_new_tokens of every turn")
