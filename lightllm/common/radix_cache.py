@@ -272,7 +272,7 @@ class RadixCache:
         return freed
 
     def flush(self) -> int:
-        """Drop every node no running request references, from both tiers; device tokens freed."""
+        """Drop every node no running request references, from every tier; device tokens freed."""
         freed = self.evict(self.total_tokens, offload=False)
         for node in [n for n in self._nodes.values() if n.host and not n.parent.host and not n.ref]:
             self._remove(node)
