@@ -75,7 +75,9 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, running,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
                           admission_wait_steps=config.admission_wait_steps,
-                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator)
+                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator,
+                          host_cache_tokens=model_info.get("host_kv_cache_tokens", 0),
+                          disk_cache_tokens=model_info.get("disk_kv_cache_tokens", 0))
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

@@ -66,6 +66,15 @@ class EngineConfig:
         default=False,
         metadata=flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
     )
+    host_kv_cache_gb: float = field(
+        default=0.0,
+        metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
+    )
+    disk_kv_cache_dir: str | None = field(
+        default=None,
+        metadata=flag("directory for a third tier of the prefix cache, below --host_kv_cache_gb (required): KV leaving the host tier is written to a file there (one a rank, removed at start so that it goes with the process) instead of dropped, and loaded back from it; --disk_kv_cache_gb bounds it"),
+    )
+    disk_kv_cache_gb: float = field(default=16.0, metadata=flag("GiB of --disk_kv_cache_dir each rank takes"))
     admission_wait_steps: int = field(
         default=8,
         metadata=flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
@@ -73,7 +82,7 @@ class EngineConfig:
     running_max_req_size: int = field(default=1024, metadata=flag("most requests in the running batch (and the largest CUDA-graph decode bucket); 1024 starts a burst's requests sooner (lower time to first token) at a few percent of throughput against 512 (docs/benchmarks.md)"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=flag("longest prompt + max_new_tokens accepted"))
     tp: int = field(default=1, metadata=flag("tensor-parallel degree: one model worker process per rank"))
-    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1) and each request goes to the least loaded one"))
+    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1); --dp_routing picks the replica of each request"))
     nccl_port: int = field(default=28765, metadata=flag("port of the torch.distributed rendezvous between model workers on one machine (over several: --dist_init_addr)"))
     nnodes: int = field(default=1, metadata=flag("machines the --tp ranks span, tp / nnodes on each (see docs/architecture.md, 'Scaling past one machine')"))
     node_rank: int = field(default=0, metadata=flag("this machine's index: 0 serves HTTP and drives every rank; the others run only their ranks' model workers"))
@@ -146,6 +155,11 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)
         if self.burst_chunked_prefill_size and self.burst_chunked_prefill_size < self.chunked_prefill_size:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError("--host_kv_cache_gb must be 0 (off) or more")
+        if self.disk_kv_cache_dir and (self.host_kv_cache_gb <= 0 or self.disk_kv_cache_gb <= 0):
+            raise ValueError("--disk_kv_cache_dir needs --host_kv_cache_gb above 0 (the disk tier lies below "
+                             "the host tier) and --disk_kv_cache_gb above 0")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
         self._check_nodes()

@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import torch
 
+from lightllm.common.host_pool import HostKVPool
 from lightllm.common.req_table import OutOfRowsError, ReqTable
 from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import state_slots, token_budget
-from lightllm.engine.plan import DropGrammar, Evict, Insert, LoadGrammar, Release, Reset, Split, StepPlan, StepResult
+from lightllm.engine.plan import (DropGrammar, Evict, Insert, Load, LoadGrammar, Offload, Release, Reset, Spill, Split,
+                                  StepPlan, StepResult)
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
@@ -104,6 +107,8 @@ class ModelRunner:
         self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
+        self.host_pool: HostKVPool | None = None  # the prefix cache's host tier (host-resident nodes)
+        self.disk_pool: HostKVPool | None = None  # ... and its disk tier
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
@@ -127,6 +132,12 @@ class ModelRunner:
             self.max_total_token_num = token_budget(self, config.max_total_token_num, burst or self.max_req_total_len,
                                                     config.mem_fraction, graph_bytes)
         self.token_table = self.new_token_table(self.max_total_token_num)
+        self.host_pool = self._new_host_pool(config.host_kv_cache_gb)
+        self.info["host_kv_cache_tokens"] = 0 if self.host_pool is None else self.host_pool.capacity
+        if config.disk_kv_cache_dir and self.host_pool is not None:
+            path = os.path.join(config.disk_kv_cache_dir, f"lightllm-kv-{os.getpid()}.bin")
+            self.disk_pool = self._new_host_pool(config.disk_kv_cache_gb, path)
+        self.info["disk_kv_cache_tokens"] = 0 if self.disk_pool is None else self.disk_pool.capacity
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
                                      config.graph_max_tokens, capture)
@@ -138,6 +149,17 @@ class ModelRunner:
     def new_token_table(self, size: int) -> TokenTable:
         cfg = self.config
         return TokenTable(size, cfg.num_kv_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+
+    def _new_host_pool(self, gib: float, path: str | None = None) -> HostKVPool | None:
+        """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,
+        the same tokens on every rank."""
+        table = self.token_table
+        per_token = 2 * len(table.k) * table.k[0][0].numel() * table.k[0].element_size()
+        tokens = self.tp.min_int(int(gib * 2**30) // per_token, self.device)
+        if tokens <= 0:
+            return None
+        return HostKVPool(tokens, len(table.k), table.k[0].shape[1], table.k[0].shape[2], table.k[0].dtype, self.device,
+                          path)
 
     # ---- the step ----
 
@@ -420,11 +442,26 @@ class ModelRunner:
                 if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:
                     raise ValueError(f"cache insert {op} of a request with {r.seq_len} tokens")
                 self.nodes[op.node_id] = table[r.row, op.start: op.end].clone()
+            elif isinstance(op, Split) and op.node_id not in self.nodes:
+                self._pool_of(op.node_id).split(op.node_id, op.at, op.upper_id)
             elif isinstance(op, Split):
                 slots = self.nodes[op.node_id]
                 self.nodes[op.upper_id], self.nodes[op.node_id] = slots[: op.at], slots[op.at:]
+            elif isinstance(op, Evict) and op.node_id not in self.nodes:
+                self._pool_of(op.node_id).drop(op.node_id)
             elif isinstance(op, Evict):
                 to_free.append(self.nodes.pop(op.node_id))
+            elif isinstance(op, Offload):
+                to_free.append(self.nodes.pop(op.node_id))
+                self.host_pool.offload(op.node_id, to_free[-1], self.token_table.k + self.token_table.v)
+            elif isinstance(op, Spill):
+                self.disk_pool.take_from(op.node_id, self.host_pool)
+            elif isinstance(op, Load):
+                to_free = self._free_slots(to_free)  # the room evicted for it
+                pool = self._pool_of(op.node_id)
+                slots = self.token_table.alloc(sum(length for _, length in pool.nodes[op.node_id]))
+                pool.load(op.node_id, slots, self.token_table.k + self.token_table.v)
+                self.nodes[op.node_id] = slots.int()
             elif isinstance(op, Reset):
                 self.reset()
                 to_free = []
@@ -434,14 +471,24 @@ class ModelRunner:
                 self._grammar_loads.pop(op.req_id, None)
             else:
                 raise TypeError(f"unknown op {op!r}")
+        self._free_slots(to_free)
+
+    def _pool_of(self, node_id: int) -> HostKVPool:
+        return self.host_pool if node_id in self.host_pool.nodes else self.disk_pool
+
+    def _free_slots(self, to_free: list[torch.Tensor]) -> list[torch.Tensor]:
         if to_free:
             self.token_table.free(torch.cat(to_free))
+        return []
 
     def reset(self) -> None:
         for r in self.reqs.values():
             self.req_table.free(r.row)
         self.reqs.clear()
         self.nodes.clear()
+        for pool in (self.host_pool, self.disk_pool):
+            if pool is not None:
+                pool.reset()
         self._grammar_loads.clear()
         self.token_table.free_all()
         self._last_launched = None
@@ -455,7 +502,8 @@ class ModelRunner:
 
     def stats(self) -> dict:
         return {"tokens_used": self.token_table.used_count, "max_total_token_num": self.max_total_token_num,
-                "running_requests": len(self.reqs), "cache_nodes": len(self.nodes)}
+                "running_requests": len(self.reqs), "cache_nodes": len(self.nodes),
+                "host_tokens_used": 0 if self.host_pool is None else self.host_pool.capacity - self.host_pool.free_count}
 
     # ---- checks before any state changes, so a refused step leaves the runner as it was ----
 

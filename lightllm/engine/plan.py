@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightllm.common.radix_cache import Evict, Insert, Split  # the prefix cache's ops, carried in a plan
+from lightllm.common.radix_cache import Evict, Insert, Load, Offload, Spill, Split  # the prefix cache's ops, carried in a plan
 from lightllm.engine.request import SamplingParams
 
 
@@ -35,7 +35,7 @@ class Chunk:
 
 
 # ---- ops: what the runner does before the step, in order (slots move between requests and
-# the prefix cache's nodes; Insert, Split and Evict are the radix tree's, in
+# the prefix cache's nodes; Insert, Split, Evict, Offload, Spill and Load are the radix tree's, in
 # lightllm/common/radix_cache.py) ----
 
 
@@ -74,7 +74,7 @@ class DropGrammar:
     req_id: int
 
 
-OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar)
+OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill)
 
 
 @dataclass

@@ -128,6 +128,8 @@ class Req:
         self.max_new_tokens = msg.sampling.max_new_tokens
         self.prefilled = 0  # prompt tokens scheduled (or taken from the prefix cache)
         self.cached = 0  # prompt tokens taken from the prefix cache (final at its first chunk)
+        self.host_hits = 0  # of those, loaded back from its host (or disk) tier
+        self.disk_hits = 0  # ... from its disk tier
         self.started = False  # its first chunk is scheduled: the runner holds a row for it
         # The deepest prefix-cache node it holds a reference on: positions [0, node.depth) of its
         # KV are the cache's slots, the rest its own. None without the cache (or nothing cached).

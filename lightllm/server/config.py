@@ -29,6 +29,10 @@ class ServerConfig(FrontendConfig):
         default=None,
         metadata=flag("the model's name in the OpenAI-style API (/v1/models and requests' 'model' field); absent: the model directory's name"),
     )
+    dp_routing: str = field(
+        default="prefix",
+        metadata=flag("how a request picks its --dp replica: prefix = the one whose cache most likely holds the longest prefix of its prompt (an index of the prompts sent to each), unless that one's open requests take more than 1.25x the least loaded one's share of its KV budget plus 5 percent of it; least_loaded = the smallest such share; round_robin = in turn (docs/architecture.md)", choices=("prefix", "least_loaded", "round_robin")),
+    )
     max_queued_requests: int = field(
         default=4096,
         metadata=flag("most open requests that have not yet had their first token (waiting for admission or in prefill); one more gets 429 with Retry-After at once, before it reaches the router. Twice the largest burst of the repo's benchmarks (2,000 requests at once): a bound on memory and on waiting, not on throughput"),

@@ -83,7 +83,9 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         config=config,
         tokenizer=tokenizer,
         encoder=PromptEncoder(tokenizer),
-        manager=HttpServerManager(config, metrics, heartbeats),
+        manager=HttpServerManager(config, metrics, heartbeats,
+                                  host_cache_tokens=[r.model_info.get("host_kv_cache_tokens", 0)
+                                                     + r.model_info.get("disk_kv_cache_tokens", 0) for r in ready]),
         metrics=metrics,
         limits=Limits(config.max_req_input_len, config.max_req_total_len, min(capacities),
                       prompt_char_bound(tokenizer, config.max_req_input_len)),

@@ -160,6 +160,10 @@ class RouterManager:
         stats = RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
                             self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
                             scheduler.prefix_hit_tokens, self.replica)
+        if scheduler.cache is not None:
+            stats.prefix_host_tokens = scheduler.cache.host_tokens
+            stats.prefix_host_hit_tokens = scheduler.prefix_host_hit_tokens
+            stats.prefix_disk_hit_tokens = scheduler.prefix_disk_hit_tokens
         spec = scheduler.speculator
         if spec is not None:
             stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
