@@ -69,7 +69,8 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
                           admission_wait_steps=config.admission_wait_steps,
-                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator)
+                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator,
+                          max_loras=config.lora_slots, lora_ids=tuple(range(1, len(config.lora_modules) + 1)))
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

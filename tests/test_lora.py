@@ -1,0 +1,167 @@
+"""LoRA adapters (lightllm/models/lora.py) through the engine: greedy output under each adapter
+equal to PEFT's on transformers on the same weights, a batch mixing adapters (and the base model)
+equal to each request alone, and a prefix cache that never gives one adapter's KV to another.
+Tiny random fp32 Llama, tiny random adapters (B random and non-zero: PEFT starts B at zero)."""
+
+import json
+
+import pytest
+import torch
+from helpers.models import assert_idle, make_model, make_runner, random_prompts
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import LlamaForCausalLM
+
+from lightllm.engine.core import EngineCore
+from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.scheduler import Scheduler
+from lightllm.models.lora import LoraAdapterError, read_adapter
+from lightllm.models import read_config
+
+NEW_TOKENS = 8
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, rslora)
+ADAPTERS = {"all_r8": (8, 16, ALL, False), "attn_r4_rslora": (4, 8, ["q_proj", "v_proj", "o_proj"], True),
+            "mlp_r2": (2, 5, ["gate_proj", "up_proj", "down_proj"], False)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_base")
+    make_model("llama_gqa_llama3_rope", out, seed=3)
+    return out
+
+
+def make_adapter(model_dir, out_dir, rank, alpha, targets, rslora, seed):
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    out = {}
+    for seed, (name, spec) in enumerate(ADAPTERS.items()):
+        out[name] = tmp_path_factory.mktemp(name)
+        make_adapter(model_dir, out[name], *spec, seed=seed)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(11, lengths=(5, 14, 9))
+
+
+def peft_greedy(model_dir, adapter_dir, prompts) -> list[list[int]]:
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                  do_sample=False)
+            out.append(full[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, adapters, prompts):
+    """PEFT's greedy tokens per adapter name (None: the base model), per prompt."""
+    out = {None: peft_greedy(model_dir, None, prompts)}
+    for name, path in adapters.items():
+        out[name] = peft_greedy(model_dir, path, prompts)
+        assert out[name] != out[None], f"adapter {name} changes nothing: the test would not see it"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir, adapters):
+    modules = tuple(f"{name}={path}" for name, path in adapters.items())  # ids 1, 2, 3
+    return make_runner(model_dir, tokens=512, max_req_total_len=64, lora_modules=modules, max_loras=2,
+                       max_lora_rank=8)
+
+
+IDS = {name: i for i, name in enumerate([None, *ADAPTERS])}  # adapter name -> its engine id
+
+
+def engine(runner, chunk: int, prefix_cache: bool = True) -> EngineCore:
+    scheduler = Scheduler(runner.max_total_token_num, chunk, runner.req_table.max_reqs, prefix_cache=prefix_cache,
+                          max_loras=2, lora_ids=(1, 2, 3))
+    return EngineCore(scheduler, runner, eos_token_ids=[])
+
+
+def run(core, requests, first_id):
+    """requests: (prompt, adapter name); all at once; the greedy tokens of each."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    got = {}
+    for i, (prompt, name) in enumerate(requests):
+        for out in core.add(GenerateReq(first_id + i, prompt, params, lora_id=IDS[name])):
+            got.setdefault(out.req_id, []).append(out)
+    for out in core.drain():
+        got.setdefault(out.req_id, []).append(out)
+    assert all(got[first_id + i][-1].finish_reason is FinishReason.LENGTH for i in range(len(requests)))
+    return [[o.token_id for o in got[first_id + i]] for i in range(len(requests))]
+
+
+def test_each_adapter_alone_matches_peft(runner, prompts, expected):
+    core = engine(runner, chunk=64, prefix_cache=False)
+    for k, name in enumerate([None, *ADAPTERS]):
+        for j, prompt in enumerate(prompts):
+            assert run(core, [(prompt, name)], first_id=100 * k + 10 * j) == [expected[name][j]], name
+    assert_idle(core)
+
+
+def test_mixed_batch_matches_each_alone(runner, prompts, expected):
+    """Every prompt under every adapter and the base, at once: more adapters than the runner's 2 slots,
+    so they take turns (LRU over the slots), chunks of a few prompt tokens beside decodes."""
+    requests = [(p, name) for name in [None, *ADAPTERS] for p in prompts]
+    core = engine(runner, chunk=7)
+    got = run(core, requests, first_id=1000)
+    assert got == [expected[name][j] for name in [None, *ADAPTERS] for j in range(len(prompts))]
+    assert_idle(core)
+
+
+def test_prefix_cache_keeps_adapters_apart(runner, prompts, expected):
+    """The same prompt under the base, then adapter A, then B: none may reuse another's KV (each
+    equals PEFT's); the same adapter again reuses its own."""
+    core = engine(runner, chunk=64)
+    prompt = prompts[1]
+    order = [None, "all_r8", "attn_r4_rslora", "all_r8"]
+    outs = []
+    for i, name in enumerate(order):
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        got = core.add(GenerateReq(2000 + i, prompt, params, lora_id=IDS[name])) + core.drain()
+        outs.append(got)
+        assert [o.token_id for o in got] == expected[name][1], name
+    cached = [got[0].cached_tokens for got in outs]
+    assert cached[:3] == [0, 0, 0] and cached[3] == len(prompt) - 1
+    assert_idle(core)
+
+
+def test_unknown_adapter_is_refused(runner, prompts):
+    core = engine(runner, chunk=64)
+    (out,) = core.add(GenerateReq(3000, prompts[0], SamplingParams(), lora_id=9))
+    assert out.finish_reason is FinishReason.ERROR and "unknown LoRA adapter" in out.error
+
+
+def test_adapter_checks(model_dir, adapters, tmp_path):
+    cfg = read_config(str(model_dir))
+    spec = read_adapter(adapters["attn_r4_rslora"], cfg, max_rank=8)
+    assert spec.rank == 4 and spec.scaling == pytest.approx(8 / 2) and len(spec.modules) == 2 * 3
+    with pytest.raises(LoraAdapterError, match="max_lora_rank"):
+        read_adapter(adapters["all_r8"], cfg, max_rank=4)
+    with pytest.raises(LoraAdapterError, match="no adapter_config.json"):
+        read_adapter(tmp_path, cfg, max_rank=8)
+    config = json.loads((adapters["mlp_r2"] / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(LoraAdapterError, match="use_dora"):
+        read_adapter(tmp_path, cfg, max_rank=8)
