@@ -6,21 +6,19 @@ Tiny random fp32 Llama, tiny random adapters (B random and non-zero: PEFT starts
 import json
 
 import pytest
-import torch
 from helpers.models import assert_idle, make_model, make_runner, random_prompts
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import LlamaForCausalLM
+from helpers.lora import ALL_TARGETS, make_adapter, peft_greedy
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from lightllm.engine.scheduler import Scheduler
-from lightllm.models.lora import LoraAdapterError, read_adapter
+from lightllm.common.lora_files import LoraAdapterError, read_adapter
 from lightllm.models import read_config
+from lightllm.models.lora import module_shapes
 
 NEW_TOKENS = 8
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, target modules, rslora)
-ADAPTERS = {"all_r8": (8, 16, ALL, False), "attn_r4_rslora": (4, 8, ["q_proj", "v_proj", "o_proj"], True),
+ADAPTERS = {"all_r8": (8, 16, ALL_TARGETS, False), "attn_r4_rslora": (4, 8, ["q_proj", "v_proj", "o_proj"], True),
             "mlp_r2": (2, 5, ["gate_proj", "up_proj", "down_proj"], False)}
 
 
@@ -29,18 +27,6 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_base")
     make_model("llama_gqa_llama3_rope", out, seed=3)
     return out
-
-
-def make_adapter(model_dir, out_dir, rank, alpha, targets, rslora, seed):
-    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
-    model = get_peft_model(base, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -57,28 +43,12 @@ def prompts():
     return random_prompts(11, lengths=(5, 14, 9))
 
 
-def peft_greedy(model_dir, adapter_dir, prompts) -> list[list[int]]:
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False)
-            out.append(full[0, len(p):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def expected(model_dir, adapters, prompts):
     """PEFT's greedy tokens per adapter name (None: the base model), per prompt."""
-    out = {None: peft_greedy(model_dir, None, prompts)}
+    out = {None: peft_greedy(model_dir, None, prompts, NEW_TOKENS)}
     for name, path in adapters.items():
-        out[name] = peft_greedy(model_dir, path, prompts)
+        out[name] = peft_greedy(model_dir, path, prompts, NEW_TOKENS)
         assert out[name] != out[None], f"adapter {name} changes nothing: the test would not see it"
     return out
 
@@ -154,7 +124,7 @@ def test_unknown_adapter_is_refused(runner, prompts):
 
 
 def test_adapter_checks(model_dir, adapters, tmp_path):
-    cfg = read_config(str(model_dir))
+    cfg = module_shapes(read_config(str(model_dir)))
     spec = read_adapter(adapters["attn_r4_rslora"], cfg, max_rank=8)
     assert spec.rank == 4 and spec.scaling == pytest.approx(8 / 2) and len(spec.modules) == 2 * 3
     with pytest.raises(LoraAdapterError, match="max_lora_rank"):

@@ -37,7 +37,7 @@ from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
-from lightllm.models.lora import LoraAdapters
+from lightllm.models.lora import LoraAdapters, module_shapes
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
 
@@ -112,6 +112,8 @@ class ModelRunner:
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
                      "burst_chunked_prefill_size": burst}
+        if self.loras is not None:  # what the HTTP process checks an adapter against before the engine loads it
+            self.info["lora_modules"] = [(name, *shape) for name, shape in module_shapes(cfg).items()]
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = config.max_total_token_num

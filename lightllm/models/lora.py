@@ -17,45 +17,20 @@ added before the layer's all-reduce).
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
 from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
 
 from .config import ModelConfig
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# PEFT's LoRA settings that change what the adapter computes beyond W x + scaling B A x (set: refused)
-UNSUPPORTED_SETTINGS = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias", "target_parameters",
-                        "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "use_qalora",
-                        "use_bdlora", "fan_in_fan_out")
-_KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.\w+)?\.weight$")
+__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes"]
 
 
-class LoraAdapterError(ValueError):
-    """The adapter cannot be served: names the problem."""
-
-
-@dataclass
-class AdapterSpec:
-    """What an adapter directory holds, read and checked without loading its weights."""
-
-    path: str
-    rank: int
-    scaling: float
-    modules: dict[str, dict[str, str]]  # module name ("model.layers.0.self_attn.q_proj") -> {"A": key, "B": key}
-
-
-def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of every projection an adapter may adapt."""
     d, h, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     shapes = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
@@ -63,63 +38,6 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     sparse = set(cfg.moe.layers) if cfg.moe is not None else set()
     return {f"model.layers.{i}.{TARGETS[name]}.{name}": shape for i in range(cfg.num_layers)
             for name, shape in shapes.items() if not (TARGETS[name] == "mlp" and i in sparse)}
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise LoraAdapterError(f"{path} has no {CONFIG_FILE}") from None
-    except (OSError, ValueError) as exc:
-        raise LoraAdapterError(f"cannot read {path / CONFIG_FILE}: {exc}") from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise LoraAdapterError(f"{path / CONFIG_FILE} is not a LoRA adapter's config")
-    unsupported = [name for name in UNSUPPORTED_SETTINGS if config.get(name)]
-    if config.get("bias", "none") != "none":
-        unsupported.append("bias")
-    if unsupported:
-        raise LoraAdapterError(f"adapter settings not supported: {', '.join(unsupported)}")
-    return config
-
-
-def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, from the file's header alone."""
-    try:
-        with open(file, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(size))
-    except FileNotFoundError:
-        raise LoraAdapterError(f"{file.parent} has no {WEIGHTS_FILE}") from None
-    except (OSError, ValueError, struct.error) as exc:
-        raise LoraAdapterError(f"cannot read {file}: {exc}") from None
-    return {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
-
-
-def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterSpec:
-    """The adapter at `path`, checked against the model and `max_rank` (LoraAdapterError says why not)."""
-    path = Path(path)
-    config = _read_config(path)
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or not 0 < rank <= max_rank or not isinstance(alpha, (int, float)):
-        raise LoraAdapterError(f"adapter rank {rank!r} (lora_alpha {alpha!r}): must be 1..{max_rank} (--max_lora_rank)")
-    shapes, expected = _safetensors_shapes(path / WEIGHTS_FILE), _module_shapes(cfg)
-    modules: dict[str, dict[str, str]] = {}
-    for key, shape in shapes.items():
-        found = _KEY.match(key)
-        if found is None or found.group(1) not in expected:
-            raise LoraAdapterError(f"adapter tensor {key} is not on a projection served with LoRA (the q, k, v, o, "
-                                   "gate, up and down projections of dense layers)")
-        name, part = found.group(1), found.group(5)
-        out, inp = expected[name]
-        if shape != ([rank, inp] if part == "A" else [out, rank]):
-            raise LoraAdapterError(f"adapter tensor {key} has shape {shape}, the model needs "
-                                   f"{[rank, inp] if part == 'A' else [out, rank]}")
-        modules.setdefault(name, {})[part] = key
-    incomplete = [name for name, parts in modules.items() if len(parts) != 2]
-    if incomplete or not modules:
-        raise LoraAdapterError(f"adapter without both lora_A and lora_B for {incomplete or 'any module'}")
-    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    return AdapterSpec(str(path), rank, scaling, modules)
 
 
 @dataclass
@@ -133,7 +51,7 @@ class LoraAdapter:
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     from safetensors.torch import load_file
 
-    spec = read_adapter(path, cfg, max_rank)
+    spec = read_adapter(path, module_shapes(cfg), max_rank)
     tensors = load_file(str(Path(path) / WEIGHTS_FILE))
     weights = {name: (tensors[keys["A"]].float(), tensors[keys["B"]].float() * spec.scaling)
                for name, keys in spec.modules.items()}
