@@ -36,7 +36,7 @@ def test_offline_lora_request_matches_peft(tiny):
     """One adapter from lora_modules, one loaded by the first request that names it, beside the base."""
     model_dir, adapters, ids, expected = tiny
     with LLM(model_dir, max_total_token_num=512, max_req_input_len=64, max_req_total_len=128, max_lora_rank=8,
-             lora_modules=(f"a={adapters['a']}",)) as llm:
+             running_max_req_size=8, chunked_prefill_size=64, lora_modules=(f"a={adapters['a']}",)) as llm:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         loras = [None, LoRARequest("a", 1, str(adapters["a"])), LoRARequest("b", 2, str(adapters["b"]))]
         outs = llm.generate([{"prompt_token_ids": ids}] * 3, params, use_tqdm=False, lora_request=loras)
@@ -66,7 +66,8 @@ def model_ids(server) -> list[str]:
 def test_http_adapters_load_and_unload(tiny, tmp_path_factory):
     model_dir, adapters, ids, expected = tiny
     args = ["--model_dir", str(model_dir), "--lora_modules", f"a={adapters['a']}", "--max_lora_rank", "8",
-            "--api_key", KEY, "--max_total_token_num", "1024", "--served_model_name", "base"]
+            "--api_key", KEY, "--max_total_token_num", "1024", "--served_model_name", "base",
+            "--running_max_req_size", "8", "--chunked_prefill_size", "64"]  # a small start-up profile step
     server = start_server(args, tmp_path_factory.mktemp("lora_server") / "server.log")
     try:
         assert model_ids(server) == ["base", "a"]
