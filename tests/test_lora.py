@@ -10,7 +10,7 @@ from helpers.models import assert_idle, make_model, make_runner, random_prompts
 from helpers.lora import ALL_TARGETS, make_adapter, peft_greedy
 
 from lightllm.engine.core import EngineCore
-from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
+from lightllm.engine.request import FinishReason, GenerateReq, Req, SamplingParams
 from lightllm.engine.scheduler import Scheduler
 from lightllm.common.lora_files import LoraAdapterError, read_adapter
 from lightllm.models import read_config
@@ -135,3 +135,29 @@ def test_adapter_checks(model_dir, adapters, tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(LoraAdapterError, match="use_dora"):
         read_adapter(tmp_path, cfg, max_rank=8)
+
+
+def test_admission_holds_no_more_adapters_than_slots():
+    """Slots 2: requests of adapters 1, 2, 3 and the base arrive; the admission order is cut before
+    the third adapter (the base request behind it waits too: no overtaking), and admits it once
+    the running requests of one adapter end."""
+    scheduler = Scheduler(10_000, 64, 16, policy="fcfs", max_loras=2, lora_ids=(1, 2, 3))
+    for req_id, lora in enumerate([1, 2, 1, 3, 0]):
+        scheduler.add(Req(GenerateReq(req_id, [5, 6, 7], SamplingParams(max_new_tokens=2), lora_id=lora),
+                          frozenset()))
+    plan = scheduler.schedule()
+    assert [(c.req_id, c.lora) for c in plan.chunks] == [(0, 1), (1, 2), (2, 1)]
+    for req in [r for r in scheduler.running if r.lora_id == 1]:
+        scheduler.abort(req.req_id)
+    assert [(c.req_id, c.lora) for c in scheduler.schedule().chunks] == [(3, 3), (4, 0)]
+
+
+def test_unloading_ends_the_adapters_waiting_requests():
+    scheduler = Scheduler(10_000, 64, 16, max_loras=1, lora_ids=(1,))
+    scheduler.add(Req(GenerateReq(0, [5, 6], SamplingParams(), lora_id=1), frozenset()))
+    scheduler.add(Req(GenerateReq(1, [5, 6], SamplingParams()), frozenset()))
+    (out,) = scheduler.drop_lora(1)
+    assert (out.req_id, out.finish_reason) == (0, FinishReason.ERROR) and "unloaded" in out.error
+    plan = scheduler.schedule()
+    assert [c.req_id for c in plan.chunks] == [1] and [type(op).__name__ for op in plan.ops] == ["DropLora"]
+    assert 1 not in scheduler.lora_ids
