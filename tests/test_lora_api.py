@@ -72,9 +72,12 @@ def test_http_adapters_load_and_unload(tiny, tmp_path_factory):
     try:
         assert model_ids(server) == ["base", "a"]
         assert tokens(server, None) == expected[None] and tokens(server, "a") == expected["a"]
-        chat = post(server, "/v1/chat/completions", {"model": "a", "max_tokens": 2,
-                                                     "messages": [{"role": "user", "content": "hi"}]})
-        assert chat.status_code == 200 and chat.json()["model"] == "a"
+        hi = [{"role": "user", "content": "hi"}]
+        for path, body in [("/v1/chat/completions", {"model": "a", "max_tokens": 2, "messages": hi}),
+                           ("/v1/messages", {"model": "a", "max_tokens": 2, "messages": hi}),
+                           ("/v1/responses", {"model": "a", "max_output_tokens": 2, "input": "hi"})]:
+            answer = post(server, path, body)
+            assert answer.status_code == 200 and answer.json()["model"] == "a", (path, answer.text)
         for path, body in [("/v1/completions", {"model": "b", "prompt": "x"}),
                            ("/v1/messages", {"model": "b", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
                            ("/generate", {"inputs": "x", "parameters": {"adapter_id": "b"}})]:
