@@ -161,3 +161,27 @@ def test_unloading_ends_the_adapters_waiting_requests():
     plan = scheduler.schedule()
     assert [c.req_id for c in plan.chunks] == [1] and [type(op).__name__ for op in plan.ops] == ["DropLora"]
     assert 1 not in scheduler.lora_ids
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("qwen2_bias_tied", ALL_TARGETS),  # q/k/v biases, tied head
+    ("gemma2_window_16", ALL_TARGETS),  # sandwich norms, sliding window, soft caps, GELU
+    ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # attention only: experts are not served yet
+])
+def test_other_families_match_peft(family, targets, tmp_path):
+    model_dir, adapter = tmp_path / "model", tmp_path / "adapter"
+    make_model(family, model_dir, seed=7)
+    make_adapter(model_dir, adapter, 4, 8, targets, seed=8)
+    if family == "qwen3_moe":  # experts in layer 0, a dense MLP in layer 1: only the dense one is adaptable
+        shapes = module_shapes(read_config(str(model_dir)))
+        assert "model.layers.1.mlp.down_proj" in shapes and "model.layers.0.mlp.down_proj" not in shapes
+    prompts = random_prompts(9, lengths=(7, 12))
+    expected = peft_greedy(model_dir, adapter, prompts, NEW_TOKENS)
+    assert expected != peft_greedy(model_dir, None, prompts, NEW_TOKENS)
+    runner = make_runner(model_dir, tokens=256, max_req_total_len=64, lora_modules=(f"x={adapter}",), max_loras=1,
+                         max_lora_rank=4)
+    core = EngineCore(Scheduler(256, 64, runner.req_table.max_reqs, max_loras=1, lora_ids=(1,)), runner,
+                      eos_token_ids=[])
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = [o for i, p in enumerate(prompts) for o in core.add(GenerateReq(i, p, params, lora_id=1))] + core.drain()
+    assert [[o.token_id for o in outs if o.req_id == i] for i in range(len(prompts))] == expected

@@ -511,8 +511,8 @@ class ModelRunner:
         if len(new) > self.req_table.free_count:
             raise OutOfRowsError(f"step needs {len(new)} request rows, {self.req_table.free_count} free")
 
-
     def _loras_fit(self, lora_ids: set[int]) -> bool:
+        """Whether requests of these adapters can start now: loaded, and a slot for each."""
         if not lora_ids:
             return True
         if self.loras is None or not lora_ids <= set(self.loras.host):
