@@ -163,6 +163,26 @@ def test_unloading_ends_the_adapters_waiting_requests():
     assert 1 not in scheduler.lora_ids
 
 
+def test_bench_adapters_are_servable_and_spread_over_requests(model_dir, tmp_path, capsys):
+    """lightllm.tools.bench_lora's random adapters pass the server's checks; the benchmark client
+    names adapter i mod (N + 1) in request i, the base model last."""
+    from benchmark.lib.serving_client import payload
+    from benchmark.lib.sharegpt import SampledRequest
+    from benchmark.serving.benchmark_serving import spread_over_adapters
+    from lightllm.tools.bench_lora import main
+
+    main(["--model", str(model_dir), "--out", str(tmp_path), "--count", "2", "--rank", "4"])
+    modules, names = capsys.readouterr().out.splitlines()
+    assert modules == f"--lora_modules lora-0={tmp_path / 'lora-0'} lora-1={tmp_path / 'lora-1'}"
+    shapes = module_shapes(read_config(str(model_dir)))
+    for name in ("lora-0", "lora-1"):
+        spec = read_adapter(tmp_path / name, shapes, max_rank=4)
+        assert spec.rank == 4 and set(spec.modules) == set(shapes)
+    requests = [SampledRequest("x", [1], 3) for _ in range(4)]
+    spread_over_adapters(requests, names.removeprefix("--lora-adapters ").split(","))
+    assert [payload(r)["parameters"].get("adapter_id") for r in requests] == ["lora-0", "lora-1", None, "lora-0"]
+
+
 @pytest.mark.parametrize("family,targets", [
     ("qwen2_bias_tied", ALL_TARGETS),  # q/k/v biases, tied head
     ("gemma2_window_16", ALL_TARGETS),  # sandwich norms, sliding window, soft caps, GELU
