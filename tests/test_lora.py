@@ -90,9 +90,15 @@ def test_each_adapter_alone_matches_peft(runner, prompts, expected):
     assert_idle(core)
 
 
-def test_mixed_batch_matches_each_alone(runner, prompts, expected):
+@pytest.mark.parametrize("padded", [True, False], ids=["graph_buckets", "eager"])
+def test_mixed_batch_matches_each_alone(runner, model_dir, adapters, prompts, expected, padded):
     """Every prompt under every adapter and the base, at once: more adapters than the runner's 2 slots,
-    so they take turns (LRU over the slots), chunks of a few prompt tokens beside decodes."""
+    so they take turns (LRU over the slots), chunks of a few prompt tokens beside decodes; through the
+    graphs' padded metadata (run eagerly on the CPU) and through the eager step's own."""
+    if not padded:
+        modules = tuple(f"{name}={path}" for name, path in adapters.items())
+        runner = make_runner(model_dir, tokens=512, max_req_total_len=64, lora_modules=modules, max_loras=2,
+                             max_lora_rank=8, cuda_graph=False)
     requests = [(p, name) for name in [None, *ADAPTERS] for p in prompts]
     core = engine(runner, chunk=7)
     got = run(core, requests, first_id=1000)
