@@ -211,3 +211,17 @@ def test_other_families_match_peft(family, targets, tmp_path):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outs = [o for i, p in enumerate(prompts) for o in core.add(GenerateReq(i, p, params, lora_id=1))] + core.drain()
     assert [[o.token_id for o in outs if o.req_id == i] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize("settings,error", [
+    (dict(lora_modules=("a",)), "NAME=DIR"),
+    (dict(lora_modules=("a=/x", "a=/y")), "twice"),
+    (dict(lora_modules=("a=/x",), max_loras=0), "--max_loras of at least 1"),
+    (dict(max_loras=2, quantization="fp8"), "fp8"),
+])
+def test_lora_settings_are_checked(settings, error):
+    from lightllm.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(**settings).check()
+    assert EngineConfig(lora_modules=("a=/x",)).lora_slots == 4 and EngineConfig().lora_slots == 0
