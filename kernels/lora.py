@@ -15,7 +15,7 @@ lies past its slot's rows leaves at once.
 """
 import torch
 
-from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
 
 BLOCK_ROWS = 16
 BLOCK_K = 64
@@ -59,7 +59,8 @@ def lora_expand_ref(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, rows: tor
 @fast_launch
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, K, R, x_stride, a_slot_stride, a_stride,
-                   out_stride, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   out_stride, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
     slot = tl.program_id(0)
     begin = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_ROWS
     end = tl.load(starts_ptr + slot + 1)
@@ -76,7 +77,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, K, R, x_stride, 
                          other=0.0)
             at = tl.load(a_base + r[None, :] * a_stride + k[:, None], mask=(k[:, None] < K) & (r[None, :] < R),
                          other=0.0)
-            acc += tl.dot(xt, at)
+            acc += dot(xt, at, DOT_UPCAST)
         tl.store(out_ptr + rows[:, None] * out_stride + r[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=in_seg[:, None] & (r[None, :] < R))
 
@@ -84,7 +85,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, K, R, x_stride, 
 @fast_launch
 @triton.jit
 def _expand_kernel(y_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, N, R, y_stride, s_stride, b_slot_stride, b_stride,
-                   BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr):
     slot = tl.program_id(0)
     begin = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_ROWS
     end = tl.load(starts_ptr + slot + 1)
@@ -98,7 +99,7 @@ def _expand_kernel(y_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, N, R, y_stride, s_
                      other=0.0)
         bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + n[None, :] * b_stride + r[:, None],
                      mask=(r[:, None] < R) & (n[None, :] < N), other=0.0)
-        delta = tl.dot(st, bt)
+        delta = dot(st, bt, DOT_UPCAST)
         out = y_ptr + rows[:, None] * y_stride + n[None, :]
         keep = in_seg[:, None] & (n[None, :] < N)
         y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -116,7 +117,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, sta
     out = torch.empty(tokens, rank, dtype=x.dtype, device=x.device)
     _shrink_kernel[(slots, cdiv(tokens, BLOCK_ROWS), 1)](
         x, a, out, rows, starts, k, rank, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-        BLOCK_ROWS=BLOCK_ROWS, BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K)
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K, DOT_UPCAST=not x.is_cuda)
     return out
 
 
@@ -127,5 +128,5 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, rows: 
     slots, _, rank = b.shape
     _expand_kernel[(slots, cdiv(tokens, BLOCK_ROWS), cdiv(n, BLOCK_N))](
         y, s, b, rows, starts, n, rank, y.stride(0), s.stride(0), b.stride(0), b.stride(1),
-        BLOCK_ROWS=BLOCK_ROWS, BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N)
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda)
     return y

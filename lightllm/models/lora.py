@@ -111,7 +111,8 @@ class LoraSlots:
         self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
         model.lora = self
 
-    def prepare(self, slots: torch.Tensor) -> None:
+    def prepare(self, slots: torch.Tensor | None) -> None:
+        assert slots is not None, "a model serving LoRA adapters needs every step's ForwardBatch.lora_slots"
         self.segments = lora_segments(slots, self.num_slots)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
