@@ -23,17 +23,17 @@ def make_adapter(model_dir, out_dir, rank, alpha, targets, rslora=False, seed=0)
     return out_dir
 
 
-def peft_greedy(model_dir, adapter_dir, prompts, new_tokens) -> list[list[int]]:
+def peft_greedy(model_dir, adapter_dir, prompts, new_tokens, device: str = "cpu") -> list[list[int]]:
     """Greedy tokens of each prompt on the base model (adapter_dir None) or under the adapter, EOS ignored."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
+    model.to(device).eval()
     model.generation_config.eos_token_id = None
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                   do_sample=False)
             out.append(full[0, len(p):].tolist())
