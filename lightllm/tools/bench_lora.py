@@ -33,7 +33,8 @@ def write_adapter(out: Path, shapes: dict[str, tuple[int, int]], rank: int, dtyp
     tensors = {}
     for name, (out_features, in_features) in shapes.items():
         for part, shape in (("A", (rank, in_features)), ("B", (out_features, rank))):
-            tensors[f"base_model.model.{name}.lora_{part}.weight"] = (torch.randn(shape, generator=gen) * WEIGHT_STD).to(dtype)
+            weight = torch.randn(shape, generator=gen) * WEIGHT_STD
+            tensors[f"base_model.model.{name}.lora_{part}.weight"] = weight.to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(TARGETS),

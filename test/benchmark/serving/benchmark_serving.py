@@ -177,7 +177,9 @@ def sharegpt_workload(args, tokenizer) -> Workload:
     requests = sharegpt_requests(args, tokenizer)
     adapters = [name for name in args.lora_adapters.split(",") if name]
     spread_over_adapters(requests, adapters)
-    params = {"workload": "sharegpt", "num_prompts": len(requests), **({"lora_adapters": len(adapters)} if adapters else {})}
+    params = {"workload": "sharegpt", "num_prompts": len(requests)}
+    if adapters:
+        params["lora_adapters"] = len(adapters)
     return Workload(params, requests, lambda: send_requests(args, requests))
 
 
