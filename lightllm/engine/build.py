@@ -77,7 +77,8 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
                           admission_wait_steps=config.admission_wait_steps,
                           burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator,
                           host_cache_tokens=model_info.get("host_kv_cache_tokens", 0),
-                          disk_cache_tokens=model_info.get("disk_kv_cache_tokens", 0))
+                          disk_cache_tokens=model_info.get("disk_kv_cache_tokens", 0),
+                          max_loras=config.lora_slots, lora_ids=tuple(range(1, len(config.lora_modules) + 1)))
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

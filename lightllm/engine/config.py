@@ -20,6 +20,7 @@ MIN_NODE_TOKEN_CHARS = 16
 # stays: at tp 2, a burst's 3072-token steps (1024 decodes and a 2048-token chunk) left the GPUs
 # 65-80% busy when eager, 92-100% from graphs (two H100s, 2026-11-27, 69e7f75; docs/multi_gpu.md).
 GRAPH_TOKENS_A_RANK = 2048
+DEFAULT_MAX_LORAS = 4
 
 
 def flag(help_text: str, **extra) -> dict:
@@ -111,6 +112,12 @@ class EngineConfig:
         default=None,
         metadata=flag('speculative decoding, as a JSON object in vLLM\'s shape: {"method": "ngram" (prompt lookup) or "suffix" (frequent continuations of this and earlier requests), "num_speculative_tokens": K (most drafts a request gets a step, 1-16)}; "prompt_lookup_min"/"prompt_lookup_max" tune ngram. Each step a controller gives each request 0..K drafts from its measured acceptance and the measured cost of the step, so speculation runs only where it pays (see docs/architecture.md); greedy output is unchanged, sampling keeps its distribution. Absent: off'),
     )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=flag("LoRA adapters served from the start, as NAME=DIR ... (PEFT's adapter_config.json and adapter_model.safetensors, on the q, k, v, o, gate, up and down projections; not yet on experts): a request picks one by NAME in the OpenAI and Anthropic routes' `model`, /generate's `adapter_id` or LLM.generate's lora_request; more are loaded at run time through /v1/load_lora_adapter", nargs="+"),
+    )
+    max_loras: int | None = field(default=None, metadata=flag(f"LoRA adapters resident on the device at once: a slot pool allocated at start, the adapters beyond it wait in host memory and replace the least recently used slot that no running request uses. Absent: {DEFAULT_MAX_LORAS} with --lora_modules, else 0 (no adapters, none loadable at run time)"))
+    max_lora_rank: int = field(default=16, metadata=flag("largest LoRA rank served (each slot's size); an adapter of a larger rank is refused"))
     step_trace: str | None = field(default=None, metadata=flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/engine/step_trace.py"))
     log_level: str = field(
         default="info",
@@ -124,6 +131,18 @@ class EngineConfig:
         if self.cuda_graph_max_tokens is not None:
             return self.cuda_graph_max_tokens
         return min(GRAPH_TOKENS_A_RANK * self.tp, self.chunked_prefill_size + self.running_max_req_size)
+
+    @property
+    def lora_slots(self) -> int:
+        """--max_loras, or by default DEFAULT_MAX_LORAS where adapters are served from the start."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_MAX_LORAS if self.lora_modules else 0
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora_modules as (name, directory); adapter i of them has id i + 1."""
+        return [tuple(item.split("=", 1)) for item in self.lora_modules]
 
     def for_replica(self, replica: int) -> EngineConfig:
         """The settings one --dp replica's ranks run with: a rendezvous port and a trace of its own."""
@@ -162,7 +181,21 @@ class EngineConfig:
                              "the host tier) and --disk_kv_cache_gb above 0")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
+        self._check_loras()
         self._check_nodes()
+
+    def _check_loras(self) -> None:
+        names = [item.partition("=")[0] for item in self.lora_modules]
+        if any(not name or not path for name, _, path in (item.partition("=") for item in self.lora_modules)):
+            raise ValueError("--lora_modules takes NAME=DIR items")
+        if len(set(names)) != len(names):
+            raise ValueError("--lora_modules names an adapter twice")
+        if self.lora_slots < 0 or self.max_lora_rank < 1:
+            raise ValueError("--max_loras must be 0 or more, --max_lora_rank at least 1")
+        if self.lora_modules and not self.lora_slots:
+            raise ValueError("--lora_modules needs --max_loras of at least 1")
+        if self.lora_slots and self.quantization == "fp8":
+            raise ValueError("LoRA adapters are not served with --quantization fp8 yet")
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

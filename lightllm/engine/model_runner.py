@@ -33,12 +33,13 @@ from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import state_slots, token_budget
-from lightllm.engine.plan import (DropGrammar, Evict, Insert, Load, LoadGrammar, Offload, Release, Reset, Spill, Split,
-                                  StepPlan, StepResult)
+from lightllm.engine.plan import (DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
+                                  Reset, Spill, Split, StepPlan, StepResult)
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
+from lightllm.models.lora import LoraAdapters, module_shapes
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
 
@@ -89,6 +90,7 @@ class ModelRunner:
         dtype = resolve_dtype(config.data_type, cfg, self.device)
         self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,
                                 max_positions=self.max_req_total_len, load_format=config.load_format)
+        self.loras = self._load_loras(config, dtype)  # before the KV budget is sized: its slots take memory
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, self.device)
         running = config.running_max_req_size
         if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
@@ -125,6 +127,8 @@ class ModelRunner:
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
                      "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None,
                      "running_max_req_size": running}
+        if self.loras is not None:  # what the HTTP process checks an adapter against before the engine loads it
+            self.info["lora_modules"] = [(name, *shape) for name, shape in module_shapes(cfg).items()]
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = config.max_total_token_num
@@ -145,6 +149,15 @@ class ModelRunner:
             path = config.step_trace if config.tp == 1 else f"{config.step_trace}.rank{tp_rank}"
             self._trace = StepTrace(path, self.device)
             atexit.register(self._trace.close)
+
+    def _load_loras(self, config: EngineConfig, dtype: torch.dtype) -> LoraAdapters | None:
+        """The LoRA slot pool and the adapters of --lora_modules (ids 1, 2, ...), or None without slots."""
+        if not config.lora_slots:
+            return None
+        loras = LoraAdapters(self.model, self.config, config.lora_slots, config.max_lora_rank, self.device, dtype)
+        for lora_id, (_, path) in enumerate(config.lora_adapters, 1):
+            loras.add(lora_id, path)
+        return loras
 
     def new_token_table(self, size: int) -> TokenTable:
         cfg = self.config
@@ -295,7 +308,8 @@ class ModelRunner:
                     self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
                 state = SamplingState(chunk.sampling, matcher=self._loaded_matcher(chunk.req_id, chunk.sampling))
                 self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
-                                                     [] if chunk.sampling.prompt_logprobs is not None else None)
+                                                     [] if chunk.sampling.prompt_logprobs is not None else None,
+                                                     self.loras.acquire(chunk.lora) if chunk.lora else -1)
 
     def _upload_step(self, plan: StepPlan, decodes: DecodeRows, chunks: list, sampled: list[RunningReq],
                      graphed_decode: bool) -> tuple[dict[str, torch.Tensor], MixedLayout | None]:
@@ -367,11 +381,12 @@ class ModelRunner:
     def _graph_meta(self, decodes: DecodeRows) -> dict[str, list[int]]:
         positions = [r.seq_len + o for r, o in zip(decodes.reqs, decodes.offsets)]
         rows = [r.row for r in decodes.reqs]
-        return {"meta": self.graphs.pad_meta(decodes.ids, positions, rows, [p + 1 for p in positions]),
+        lora_slots = [r.lora_slot for r in decodes.reqs]
+        return {"meta": self.graphs.pad_meta(decodes.ids, positions, rows, [p + 1 for p in positions], lora_slots),
                 "sample_rows": rows}
 
     def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens
+        meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens, LoRA slots
         rows, positions = meta[2, :n], meta[1, :n]
         self._fill_last_tokens(meta[0, :n], rows)
         self.req_to_token_write(rows, positions, slots)
@@ -410,7 +425,7 @@ class ModelRunner:
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
-                             logit_index=t["logit_index"], **decode, **extend)
+                             logit_index=t["logit_index"], lora_slots=t["lora_slots"], **decode, **extend)
         return self.model.forward(batch, self.token_table)
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -436,7 +451,7 @@ class ModelRunner:
                     raise ValueError(f"release of request {op.req_id}: positions [{op.start}, {end}) of "
                                      f"{r.seq_len} ({r.prefix_len} from the cache)")
                 to_free.append(table[r.row, op.start: end])
-                self.req_table.free(r.row)
+                self._free_row(r)
             elif isinstance(op, Insert):
                 r = self.reqs[op.req_id]
                 if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:
@@ -469,6 +484,8 @@ class ModelRunner:
                 self._grammar_loads[op.req_id] = [self._load_grammar(op), False]
             elif isinstance(op, DropGrammar):
                 self._grammar_loads.pop(op.req_id, None)
+            elif isinstance(op, (LoadLora, DropLora)):
+                self._lora_op(op)
             else:
                 raise TypeError(f"unknown op {op!r}")
         self._free_slots(to_free)
@@ -481,9 +498,22 @@ class ModelRunner:
             self.token_table.free(torch.cat(to_free))
         return []
 
+    def _free_row(self, r: RunningReq) -> None:
+        self.req_table.free(r.row)
+        if r.lora_slot >= 0:
+            self.loras.release(r.lora_slot)
+
+    def _lora_op(self, op) -> None:
+        if self.loras is None:
+            raise ValueError("no LoRA adapters are served (--max_loras 0)")
+        if isinstance(op, LoadLora):
+            self.loras.add(op.lora_id, op.path)
+        else:
+            self.loras.drop(op.lora_id)
+
     def reset(self) -> None:
         for r in self.reqs.values():
-            self.req_table.free(r.row)
+            self._free_row(r)
         self.reqs.clear()
         self.nodes.clear()
         for pool in (self.host_pool, self.disk_pool):
@@ -528,6 +558,8 @@ class ModelRunner:
         if self.state_pool is not None and (plan.drafts or any(c.first and c.prefix for c in plan.chunks)):
             raise ValueError(f"step {plan.step_id}: drafts and cached prefixes are not served for a model with "
                              "recurrent state")
+        if not self._loras_fit({c.lora for c in new if c.lora}):
+            raise ValueError(f"step {plan.step_id}: more LoRA adapters starting than free slots")
         full = [i for i in plan.decodes if self.reqs[i].seq_len + len(plan.drafts.get(i, ())) >= self.max_req_total_len]
         if full:
             raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")
@@ -539,6 +571,14 @@ class ModelRunner:
                                    f"{self.token_table.free_count} free")
         if len(new) > self.req_table.free_count:
             raise OutOfRowsError(f"step needs {len(new)} request rows, {self.req_table.free_count} free")
+
+    def _loras_fit(self, lora_ids: set[int]) -> bool:
+        """Whether requests of these adapters can start now: loaded, and a slot for each."""
+        if not lora_ids:
+            return True
+        if self.loras is None or not lora_ids <= set(self.loras.host):
+            return False
+        return self.loras.table.fits(lora_ids)
 
 
 def _accepted(drafts: list[int], sampled: list) -> int:

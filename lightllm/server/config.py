@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.metadata.get("internal"):
             continue
         kind = _cli_type(hints[f.name])
-        if kind is bool:
+        if f.metadata.get("nargs"):  # a tuple of strings
+            parser.add_argument(f"--{f.name}", nargs=f.metadata["nargs"], default=f.default, help=f.metadata["help"])
+        elif kind is bool:
             parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
         else:
             parser.add_argument(
@@ -157,6 +159,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     given["api_key"] = given["api_key"] if given["api_key"] is not None else os.environ.get(API_KEY_ENV) or None
     given["node_token"] = given["node_token"] if given["node_token"] is not None else (
         os.environ.get(NODE_TOKEN_ENV) or None)
+    given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
     config = ServerConfig(**given)
     try:
         config.check()

@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary.
 
-HTTP process -> router:        GenerateReq, AbortReq
+HTTP process -> router:        GenerateReq, AbortReq, LoraLoad, LoraUnload (to every --dp replica)
 router -> detokenizer:         GenerateReq (forwarded once, before its first token, without its prompt or
                                compiled grammar), BatchTokenOut,
                                AbortReq (forwarded, so that the detokenizer drops the request)
@@ -26,6 +26,19 @@ from lightllm.engine.request import FinishReason, TokenOut, pickled_by_fields
 @dataclass
 class AbortReq:
     req_id: int
+
+
+@dataclass
+class LoraLoad:
+    """Serve the LoRA adapter at `path` (checked by the HTTP process) under the new id `lora_id`."""
+
+    lora_id: int
+    path: str
+
+
+@dataclass
+class LoraUnload:
+    lora_id: int
 
 
 @dataclass

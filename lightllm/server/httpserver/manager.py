@@ -29,6 +29,8 @@ from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTextOut,
+    LoraLoad,
+    LoraUnload,
     RouterFailed,
     RouterHeartbeat,
     RouterStats,
@@ -221,8 +223,13 @@ class HttpServerManager:
         queue = self._outputs.get(req_id)
         return 0 if queue is None else queue.qsize()
 
+    def send_lora(self, msg: LoraLoad | LoraUnload) -> None:
+        """A LoRA adapter loaded or unloaded, on every replica (before any request that names it)."""
+        for to_router in self._to_routers:
+            to_router.send_pyobj(msg)
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *,
-                       bounded: bool = True) -> AsyncIterator[TextOut]:
+                       bounded: bool = True, lora_id: int = 0) -> AsyncIterator[TextOut]:
         """Yield the request's outputs until its last one. Leaving early (the client went away,
         a timeout) aborts it in the router, which frees its KV tokens. `bounded`: refused with
         QueueFull when the queue is full (the /health probe is not)."""
@@ -239,7 +246,7 @@ class HttpServerManager:
         self._load[replica] += cost
         self.metrics.routed.labels(str(replica)).inc()
         to_router = self._to_routers[replica]
-        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time()))
+        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time(), lora_id))
         finish_reason = None
         try:
             while finish_reason is None:

@@ -24,6 +24,8 @@ from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTokenOut,
+    LoraLoad,
+    LoraUnload,
     RouterFailed,
     RouterHeartbeat,
     RouterReady,
@@ -138,6 +140,12 @@ class RouterManager:
             elif isinstance(msg, AbortReq):
                 if self.core.abort(msg.req_id):
                     self._to_detokenizer.send_pyobj(msg)
+            elif isinstance(msg, LoraLoad):
+                self.core.load_lora(msg.lora_id, msg.path)
+            elif isinstance(msg, LoraUnload):
+                ended = self.core.drop_lora(msg.lora_id)
+                if ended:
+                    self._to_detokenizer.send_pyobj(BatchTokenOut(ended))
             else:
                 logger.error("unexpected message %r", type(msg).__name__)
             self._stats_dirty = True
