@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightllm.common.radix_cache import Evict, Insert, Load, Offload, Spill, Split  # the prefix cache's ops, carried in a plan
+from lightllm.common.radix_cache import (Evict, Insert, Load, Offload, Snapshot, Spill,  # the prefix cache's ops,
+                                         Split)  # carried in a plan
 from lightllm.engine.request import SamplingParams
 
 
@@ -28,6 +29,9 @@ class Chunk:
     # First chunk: the prefix-cache nodes, root first, whose slots hold positions [0, start).
     prefix: tuple[int, ...] = ()
     next_id: int = -1  # the prompt token after this chunk (not the last), for prompt logprobs
+    # First chunk with a prefix, for a model with recurrent state: the snapshot slot holding the
+    # state after positions [0, start), copied into the request's state slot before the chunk.
+    snapshot: int = -1
 
     @property
     def first(self) -> bool:
@@ -74,7 +78,7 @@ class DropGrammar:
     req_id: int
 
 
-OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill)
+OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill, Snapshot)
 
 
 @dataclass
@@ -151,8 +155,8 @@ def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
 
 
 def plan_to_wire(plan: StepPlan) -> tuple:
-    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id)
-                   for c in plan.chunks)
+    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id,
+                    c.snapshot) for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
     drafts = tuple((r, tuple(d)) for r, d in plan.drafts.items())
     return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync, drafts
@@ -161,8 +165,8 @@ def plan_to_wire(plan: StepPlan) -> tuple:
 def plan_from_wire(wire: tuple) -> StepPlan:
     step_id, decodes, chunks, ops, sync, drafts = wire
     return StepPlan(step_id, list(decodes),
-                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id)
-                     for r, t, s, last, p, prefix, next_id in chunks],
+                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, snapshot)
+                     for r, t, s, last, p, prefix, next_id, snapshot in chunks],
                     [OPS[op[0]](*op[1:]) for op in ops], sync, {r: list(d) for r, d in drafts})
 
 
