@@ -39,8 +39,8 @@ class Chunk:
 
 
 # ---- ops: what the runner does before the step, in order (slots move between requests and
-# the prefix cache's nodes; Insert, Split, Evict, Offload, Spill and Load are the radix tree's, in
-# lightllm/common/radix_cache.py) ----
+# the prefix cache's nodes; Insert, Split, Evict, Offload, Spill, Load and Snapshot are the radix
+# tree's, in lightllm/common/radix_cache.py) ----
 
 
 @dataclass
