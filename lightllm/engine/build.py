@@ -72,7 +72,8 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
         config = dataclasses.replace(config, speculative_config=None)
     snapshots = model_info.get("state_snapshot_slots", 0)
     if hybrid and not config.disable_prefix_cache and not snapshots:
-        logger.warning("prefix cache off: no slot for a snapshot of the model's recurrent state (--state_snapshot_slots)")
+        logger.warning("prefix cache off: no slot for a snapshot of the model's recurrent state "
+                       "(--state_snapshot_slots)")
         config = dataclasses.replace(config, disable_prefix_cache=True)
     speculative = SpeculativeConfig.parse(config.speculative_config)
     running = model_info.get("running_max_req_size", config.running_max_req_size)  # fewer: the states that fit
