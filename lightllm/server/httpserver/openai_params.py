@@ -418,9 +418,18 @@ def arguments_grammar(function: FunctionDef) -> str:
         raise RequestError(message) from None
 
 
+def arguments_format(call_format, function: FunctionDef) -> dict:
+    """A function's arguments as a structural tag's content: our JSON grammar of its schema, or the
+    schema in xgrammar's style of the format (its XML forms)."""
+    if call_format.arguments_style == "json":
+        return {"type": "grammar", "grammar": arguments_grammar(function)}
+    return {"type": "json_schema", "json_schema": function.parameters or EMPTY_PARAMETERS,
+            "style": call_format.arguments_style}
+
+
 def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool) -> tuple[str, str]:
     """(grammar_kind, grammar) that makes the model call `choice` ('required': any of `tools`)."""
-    functions = [(f.name, arguments_grammar(f)) for f in tools if choice == "required" or f.name == choice]
+    functions = [(f.name, arguments_format(call_format, f)) for f in tools if choice == "required" or f.name == choice]
     spec = call_format.forced_grammar(functions, parallel and choice == "required")
     return "structural_tag", checked_grammar("structural_tag", spec)
 
