@@ -295,3 +295,32 @@ def test_openai_chat_round_trip(served):
     assert (final.finish_reason, final.message.content, final.message.reasoning_content) == ("stop", "Sunny, 21 degrees.",
                                                                                           THINK)
     assert final.message.tool_calls is None
+
+
+def test_anthropic_messages_thinking_and_typed_tool_use(served):
+    """/v1/messages: the thinking block, the text, and the call's input typed by its input_schema,
+    whole and streamed."""
+    import anthropic
+    import httpx2
+
+    app, engine, _ = served
+    engine.text = CALL_TEXT
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+
+    async def ask(stream: bool):
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://scripted") as client:
+            api = anthropic.AsyncAnthropic(base_url="http://scripted", api_key="unused", http_client=client)
+            body = dict(model="scripted", max_tokens=64, tools=tools,
+                        messages=[{"role": "user", "content": "Weather in Paris?"}])
+            if not stream:
+                return await api.messages.create(**body)
+            async with api.messages.stream(**body) as events:
+                return await events.get_final_message()
+
+    for message in (asyncio.run(ask(False)), asyncio.run(ask(True))):
+        thinking, text, tool_use = message.content
+        assert (thinking.type, thinking.thinking) == ("thinking", THINK)
+        assert (text.type, text.text) == ("text", "Checking.")
+        assert (tool_use.type, tool_use.name, tool_use.input) == ("tool_use", "get_weather", CALL_ARGS)
+        assert message.stop_reason == "tool_use"
