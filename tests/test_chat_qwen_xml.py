@@ -46,16 +46,15 @@ CASES = [
     # a value that does not read as its type stays the model's text; an unknown parameter is text
     (block("get_weather", ("days", "three"), ("hours", "[9,"), ("extra", "42")), "", "",
      [("get_weather", {"days": "three", "hours": "[9,", "extra": "42"})]),
-    (block("no_schema", ("n", "1"), ("quote", 'say "hi"\\')), "", "", [("no_schema", {"n": "1", "quote": 'say "hi"\\'})]),
+    (block("no_schema", ("n", "1"), ("quote", 'say "hi"\\')), "", "",
+     [("no_schema", {"n": "1", "quote": 'say "hi"\\'})]),
     # a missing </parameter> ends at the next tag; a call cut off keeps what it has
     ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n2\n</function>\n</tool_call>",
      "", "", [("get_weather", {"city": "Rome", "days": 2})]),
     ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLim", "", "", [("get_weather", {"city": "Lim"})]),
     # malformed blocks are content, as the model wrote them
-    ("Broken: <tool_call>\n{\"name\": \"f\"}\n</tool_call> end", "Broken: <tool_call>\n{\"name\": \"f\"}\n</tool_call> end",
-     "", []),
-    ("<tool_call><function=has space>\n</function></tool_call>", "<tool_call><function=has space>\n</function></tool_call>",
-     "", []),
+    *[(text, text, "", []) for text in ('Broken: <tool_call>\n{"name": "f"}\n</tool_call> end',
+                                        "<tool_call><function=has space>\n</function></tool_call>")],
     ("<tool_call>\n<function=", "<tool_call>\n<function=", "", []),
     ("No call: <function=f> and <tool and < alone.", "No call: <function=f> and <tool and < alone.", "", []),
 ]
@@ -104,11 +103,13 @@ def test_whole_and_streamed_at_every_split(text, content, reasoning, calls, prom
 def test_a_call_streams_its_name_first_and_a_string_as_it_is_written():
     text = block("get_weather", ("city", "Buenos Aires"), ("days", "12"))
     parser = XML.new_parser(SCHEMAS)
-    events = [(i, e) for i in range(len(text)) for e in parser.feed(text[i])] + [(len(text), e) for e in parser.finish()]
+    events = [(i, e) for i in range(len(text)) for e in parser.feed(text[i])]
+    events += [(len(text), e) for e in parser.finish()]
     (start_at, start), *args = events
     assert isinstance(start, CallStart) and start.name == "get_weather" and start_at < text.index("Buenos")
     assert all(isinstance(e, CallArgs) for _, e in args)
-    assert sum(1 for at, _ in args if text.index("Buenos") < at < text.index("Aires") + 5) >= 5  # character by character
+    inside = [at for at, _ in args if text.index("Buenos") < at < text.index("Aires") + 5]
+    assert len(inside) >= 5  # the string streams character by character
     assert "".join(e.text for _, e in args) == '{"city": "Buenos Aires", "days": 12}'
 
 
@@ -264,11 +265,13 @@ def gathered(chunks) -> tuple:
     content, reasoning, calls = "", "", {}
     for chunk in chunks:
         delta = chunk.choices[0].delta
-        content, reasoning = content + (delta.content or ""), reasoning + (getattr(delta, "reasoning_content", None) or "")
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
         for call in delta.tool_calls or ():
             entry = calls.setdefault(call.index, [call.function.name, ""])
             entry[1] += call.function.arguments or ""
-    return content, reasoning, [(name, json.loads(args)) for name, args in calls.values()], chunks[-1].choices[0].finish_reason
+    calls = [(name, json.loads(args)) for name, args in calls.values()]
+    return content, reasoning, calls, chunks[-1].choices[0].finish_reason
 
 
 def test_openai_chat_round_trip(served):
@@ -292,8 +295,8 @@ def test_openai_chat_round_trip(served):
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n" \
            "<parameter=metric>\ntrue\n</parameter>\n</function>" in prompt
     assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in prompt
-    assert (final.finish_reason, final.message.content, final.message.reasoning_content) == ("stop", "Sunny, 21 degrees.",
-                                                                                          THINK)
+    answer = (final.finish_reason, final.message.content, final.message.reasoning_content)
+    assert answer == ("stop", "Sunny, 21 degrees.", THINK)
     assert final.message.tool_calls is None
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import re
 
-from lightllm.frontend.chat.tool_calls import (CallArgs, CallFormat, CallStart, Text, _content, _held_back, forced_calls,
-                                             new_call_id)
+from lightllm.frontend.chat.tool_calls import (CallArgs, CallFormat, CallStart, Text, _content, _held_back,
+                                             forced_calls, new_call_id)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -71,6 +71,13 @@ def _loads(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _tag_may_follow(rest: str) -> bool:
+    """`rest` may yet grow into a tag of a call's body (a parameter's with its name, or an end)."""
+    if any(tag.startswith(rest) for tag in (PARAMETER, CLOSE, FUNCTION_END)):
+        return True
+    return rest.startswith(PARAMETER) and NAME.fullmatch(rest, len(PARAMETER)) is not None
 
 
 class XmlCall:
@@ -214,11 +221,9 @@ class XmlCallParser:
         if rest.startswith(FUNCTION_END):
             self.buffer = rest[len(FUNCTION_END):]
             return True
-        if not rest or any(tag.startswith(rest) for tag in (CLOSE, FUNCTION_END)) or \
-                (rest.startswith(PARAMETER) and NAME.fullmatch(rest, len(PARAMETER)) is not None) or \
-                PARAMETER.startswith(rest):
+        if _tag_may_follow(rest):
             self.buffer = rest
-            return False  # a tag may be coming
+            return False
         self.buffer = rest[1:]  # stray text inside a call is skipped
         return True
 
