@@ -130,6 +130,7 @@ def test_the_template_chooses_the_format():
 
 def test_forced_grammar_takes_exactly_the_calls_it_should(default_model_dir):
     from lightllm.engine.grammar import Grammars
+    from lightllm.frontend.errors import RequestError
     from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
@@ -156,6 +157,9 @@ def test_forced_grammar_takes_exactly_the_calls_it_should(default_model_dir):
     _, parallel = forced_call_grammar(XML, tools, "required", parallel=True)
     no_arguments = "<tool_call>\n<function=other>\n\n</function>\n</tool_call>"  # xgrammar's layout of none
     assert accepts(two, parallel) and accepts(no_arguments, parallel)
+    unusable = FunctionDef(name="unusable", parameters={"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}})
+    with pytest.raises(RequestError, match="function 'unusable'"):  # a 400 that names it
+        forced_call_grammar(XML, [unusable], "unusable", parallel=False)
     assert AnswerParser(None, XML.new_parser()).parse(no_arguments).calls[0].arguments == "{}"
 
 

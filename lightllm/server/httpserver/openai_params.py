@@ -423,8 +423,16 @@ def arguments_format(call_format, function: FunctionDef) -> dict:
     schema in xgrammar's style of the format (its XML forms)."""
     if call_format.arguments_style == "json":
         return {"type": "grammar", "grammar": arguments_grammar(function)}
-    return {"type": "json_schema", "json_schema": function.parameters or EMPTY_PARAMETERS,
-            "style": call_format.arguments_style}
+    from lightllm.engine.grammar import GrammarError, check_grammar
+
+    content = {"type": "json_schema", "json_schema": function.parameters or EMPTY_PARAMETERS,
+               "style": call_format.arguments_style}
+    try:  # here, so that the error names the function
+        check_grammar("structural_tag", json.dumps({"type": "structural_tag", "format": content}))
+    except GrammarError as exc:
+        raise RequestError(f"function {function.name!r}: its parameters cannot be used for a forced call: {exc}") \
+            from None
+    return content
 
 
 def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool) -> tuple[str, str]:
