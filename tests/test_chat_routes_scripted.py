@@ -12,13 +12,13 @@ import anthropic
 import httpx2
 import openai
 import pytest
+from helpers.scripted import ScriptedEngine
+from tool_model import TOOL_TEMPLATE
 from transformers import AutoTokenizer
 
 from lightllm.server.config import ServerConfig
 from lightllm.server.httpserver.app import create_app
-from lightllm.engine.request import FinishReason
-from lightllm.server.io_struct import RouterHeartbeat, RouterReady, TextOut
-from tool_model import TOOL_TEMPLATE
+from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 
 CALL_ARGS = {"city": "Paris", "days": 3, "note": "a \"quoted\" </tool_call> inside"}
 THINK = "The user asks for the weather; I should call the tool."
@@ -33,26 +33,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class ScriptedEngine:
-    """HttpServerManager's part that the routes use: each request's answer is `self.text`, a few
-    characters per output; the prompts it was given are kept."""
-
-    def __init__(self):
-        self.text = ""
-        self.prompts: list[list[int]] = []
-
-    def check_queue(self, count: int = 1) -> None:
-        pass
-
-    def backlog(self, req_id: int) -> int:
-        return 0  # each output is made when the stream asks for it: none ever waits
-
-    async def generate(self, prompt_ids, sampling, *, bounded=True, lora_id=0):
-        self.prompts.append(prompt_ids)
-        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)] or [""]
-        for n, piece in enumerate(pieces, 1):
-            await asyncio.sleep(0)
-            yield TextOut(0, n, piece, 0.0, False, n, FinishReason.EOS if n == len(pieces) else None)
 
 
 @pytest.fixture(scope="module")

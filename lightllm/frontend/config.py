@@ -25,11 +25,11 @@ class FrontendConfig(EngineConfig):
     )
     tool_call_parser: str | None = field(
         default=None,
-        metadata=flag("how the model writes tool calls, parsed into 'tool_calls' by the chat APIs: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Qwen3), llama3_json = {\"name\": ..., \"parameters\": ...} (Llama 3.1); absent: the one the chat template writes, else llama3_json for Llama models and hermes for the others", choices=("hermes", "llama3_json")),
+        metadata=flag("how the model writes tool calls, parsed into 'tool_calls' by the chat APIs: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Qwen3), llama3_json = {\"name\": ..., \"parameters\": ...} (Llama 3.1), qwen3_xml = <tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call>, values typed by the tool's schema (Qwen3.5, Qwen3-Coder); absent: the one the chat template writes, else llama3_json for Llama models, qwen3_xml for Qwen3.5 and hermes for the others", choices=("hermes", "llama3_json", "qwen3_xml")),
     )
     reasoning_parser: str | None = field(
         default=None,
-        metadata=flag("qwen3: the model's <think>...</think> is returned apart from the answer ('reasoning_content'; a reasoning item in /v1/responses, a thinking block in /v1/messages); harmony: gpt-oss's channels, analysis as reasoning and messages to functions.NAME as tool calls (the default for gpt-oss); absent: it stays in the text", choices=("qwen3", "harmony")),
+        metadata=flag("qwen3: the model's <think>...</think> is returned apart from the answer ('reasoning_content'; a reasoning item in /v1/responses, a thinking block in /v1/messages); harmony: gpt-oss's channels, analysis as reasoning and messages to functions.NAME as tool calls (the default for gpt-oss; qwen3 is Qwen3.5's, whose template opens <think> in the prompt); absent: it stays in the text", choices=("qwen3", "harmony")),
     )
 
     def check(self) -> None:

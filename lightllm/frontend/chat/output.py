@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 
 from lightllm.frontend.chat.harmony import HarmonyParser
 from lightllm.frontend.chat.reasoning import REASONING_PARSERS
-from lightllm.frontend.chat.tool_calls import FORMATS, CallArgs, CallFormat, CallStart, Text
+from lightllm.frontend.chat.tool_calls import CallArgs, CallFormat, CallStart, HermesParser, Llama3JsonParser, Text
+from lightllm.frontend.chat.xml_calls import XML_FORMAT
+
+FORMATS = {
+    "hermes": CallFormat(HermesParser, "<tool_call>\n", "arguments", "\n</tool_call>", "\n"),
+    "llama3_json": CallFormat(Llama3JsonParser, "", "parameters", "", "; "),
+    "qwen3_xml": XML_FORMAT,
+}
 
 
 @dataclass
@@ -91,10 +98,12 @@ class ChatParsers:
         """The answer's text must keep its special tokens: the reasoning parser reads them (harmony)."""
         return self.reasoning is HarmonyParser
 
-    def answer_parser(self, prompt_text: str, calls: bool) -> AnswerParser:
-        """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it."""
+    def answer_parser(self, prompt_text: str, calls: bool, functions: list | None = None) -> AnswerParser:
+        """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it;
+        `functions`: the request's (name, parameters) definitions, which type a call's values."""
         reasoning = self.reasoning.for_prompt(prompt_text) if self.reasoning else None
-        return AnswerParser(reasoning, self.call_format.parser() if calls else None)
+        schemas = {f.name: f.parameters for f in functions or ()}
+        return AnswerParser(reasoning, self.call_format.new_parser(schemas) if calls else None)
 
 
 def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, architecture: str | None,
@@ -103,14 +112,19 @@ def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, arc
     else the model family's."""
     if tool_call_parser is None:
         template = template if isinstance(template, str) else ""
-        if "<tool_call>" in template:
+        if "<function=" in template:
+            tool_call_parser = "qwen3_xml"
+        elif "<tool_call>" in template:
             tool_call_parser = "hermes"
         elif "<|python_tag|>" in template or '"parameters"' in template:
             tool_call_parser = "llama3_json"
         else:
-            tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else "hermes"
+            tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else \
+                "qwen3_xml" if (architecture or "").startswith("Qwen3_5") else "hermes"
     if reasoning_parser is None and architecture == "GptOssForCausalLM":
         reasoning_parser = "harmony"  # gpt-oss always answers in harmony's channels
+    if reasoning_parser is None and (architecture or "").startswith("Qwen3_5"):
+        reasoning_parser = "qwen3"  # its template opens <think> in the prompt: no text of it is an answer
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     return ChatParsers(FORMATS[tool_call_parser], reasoning, tool_call_parser)
 

@@ -312,6 +312,7 @@ class CallFormat:
     args_key: str
     end: str
     separator: str
+    arguments_style = "json"  # how a forced call's arguments are written (xgrammar's JSONSchemaFormat style)
 
     def write(self, name: str, arguments: dict | str) -> str:
         """A call as the model writes it (for a history its chat template cannot render)."""
@@ -322,19 +323,22 @@ class CallFormat:
     def example(self) -> str:
         return self.write("NAME", {"ARGUMENT": "VALUE"})
 
-    def forced_grammar(self, functions: list[tuple[str, str]], parallel: bool) -> str:
+    def new_parser(self, schemas: dict | None = None):
+        """A parser of one answer; `schemas` (each function's parameters) go to formats that type by them."""
+        return self.parser()
+
+    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool) -> str:
         """An xgrammar structural tag (JSON text) that admits only calls of `functions` ((name, the
-        arguments' grammar in EBNF: grammar.json_schema_ebnf)), at least one, at most one unless
+        arguments' structural-tag format: forced_call_grammar)), at least one, at most one unless
         `parallel`."""
         tags = [{"type": "tag", "begin": f'{self.begin}{{"name": {json.dumps(name)}, "{self.args_key}": ',
-                 "content": {"type": "grammar", "grammar": arguments}, "end": "}" + self.end}
-                for name, arguments in functions]
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
-                 "stop_after_first": not parallel}
-        return json.dumps({"type": "structural_tag", "format": calls})
+                 "content": arguments, "end": "}" + self.end} for name, arguments in functions]
+        return forced_calls(tags, self.separator, parallel)
 
 
-FORMATS = {
-    "hermes": CallFormat(HermesParser, "<tool_call>\n", "arguments", "\n</tool_call>", "\n"),
-    "llama3_json": CallFormat(Llama3JsonParser, "", "parameters", "", "; "),
-}
+def forced_calls(tags: list[dict], separator: str, parallel: bool) -> str:
+    """The structural tag of one call's `tags`, at least one, at most one unless `parallel`."""
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+             "stop_after_first": not parallel}
+    return json.dumps({"type": "structural_tag", "format": calls})
+

@@ -236,7 +236,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
                                          body.template_options(), sampling, max_tokens_given=True,
                                          max_tokens_field="max_tokens", **body.prompt_ending)
-    parser = state.chat.answer_parser(text, body.choice != "none")
+    parser = state.chat.answer_parser(text, body.choice != "none", body.functions)
     generation = Generation(request, [prompt_ids], sampling, start, "max_tokens", lora_id=lora_id)
     fmt = MessageFormatter(body, body.model if lora_id else state.config.served_model_name, generation)
     if not body.stream:

@@ -418,9 +418,26 @@ def arguments_grammar(function: FunctionDef) -> str:
         raise RequestError(message) from None
 
 
+def arguments_format(call_format, function: FunctionDef) -> dict:
+    """A function's arguments as a structural tag's content: our JSON grammar of its schema, or the
+    schema in xgrammar's style of the format (its XML forms)."""
+    if call_format.arguments_style == "json":
+        return {"type": "grammar", "grammar": arguments_grammar(function)}
+    from lightllm.engine.grammar import GrammarError, check_grammar
+
+    content = {"type": "json_schema", "json_schema": function.parameters or EMPTY_PARAMETERS,
+               "style": call_format.arguments_style}
+    try:  # here, so that the error names the function
+        check_grammar("structural_tag", json.dumps({"type": "structural_tag", "format": content}))
+    except GrammarError as exc:
+        raise RequestError(f"function {function.name!r}: its parameters cannot be used for a forced call: {exc}") \
+            from None
+    return content
+
+
 def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool) -> tuple[str, str]:
     """(grammar_kind, grammar) that makes the model call `choice` ('required': any of `tools`)."""
-    functions = [(f.name, arguments_grammar(f)) for f in tools if choice == "required" or f.name == choice]
+    functions = [(f.name, arguments_format(call_format, f)) for f in tools if choice == "required" or f.name == choice]
     spec = call_format.forced_grammar(functions, parallel and choice == "required")
     return "structural_tag", checked_grammar("structural_tag", spec)
 

@@ -227,7 +227,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.tools or [], body.choice,
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
                                          body.max_output_tokens is not None, "max_output_tokens")
-    parser = state.chat.answer_parser(text, body.choice != "none")
+    parser = state.chat.answer_parser(text, body.choice != "none", body.tools)
     generation = Generation(request, [prompt_ids], sampling, start, "max_output_tokens", lora_id=lora_id)
     fmt = ResponseFormatter(body, body.model if lora_id else state.config.served_model_name)
     if not body.stream:
