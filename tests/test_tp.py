@@ -24,7 +24,7 @@ from lightllm.utils.dist import TPGroup
 
 ATOL = RTOL = 1e-4
 TP_CASES = ["llama_gqa_llama3_rope", "llama_mqa_tied_theta", "qwen2_bias_tied", "qwen3_head_dim_24",
-            "gemma2_window_16", "gemma3_window_16", "qwen3_moe", "gpt_oss"]
+            "gemma2_window_16", "gemma3_window_16", "qwen3_moe", "gpt_oss", "gemma4"]
 
 
 def free_port():

@@ -125,8 +125,8 @@ class ModelRunner:
             atexit.register(self._trace.close)
 
     def new_token_table(self, size: int) -> TokenTable:
-        cfg = self.config
-        return TokenTable(size, cfg.num_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        shapes = self.model.kv_shapes
+        return TokenTable(size, len(shapes), *shapes[0], self.kv_dtype, self.device, shapes=shapes)
 
     # ---- the step ----
 

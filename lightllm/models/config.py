@@ -31,18 +31,25 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": {},
     "Qwen3MoeForCausalLM": dict(qk_norm=True),
     "GptOssForCausalLM": dict(attn_sinks=True),
+    # Gemma 4's norms scale by their weight alone, and its attention does not scale q.k (q and k are normed)
+    "Gemma4ForCausalLM": dict(sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=1.0),
+    # its text model; the vision and audio towers' weights are left unread
+    "Gemma4ForConditionalGeneration": dict(sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=1.0),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # tied embeddings unless config.json says otherwise
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+_GEMMA4 = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *_GEMMA4)  # tied embeddings unless config.json says otherwise
 # Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
 # (transformers' defaults); Qwen2/3's slide from max_window_layers on, the others' (Mistral,
 # Mixtral, Qwen3-MoE: transformers ignores its max_window_layers) all slide.
-_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
+_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2,
+                     **{arch: 6 for arch in _GEMMA4}}
 _MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0, "GptOssForCausalLM": 150_000.0}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's name -> the MLP's
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -73,6 +80,26 @@ class MoEConfig:
     biases: bool = False
     swiglu: tuple[float, float] | None = None  # (alpha, limit)
     mxfp4: bool = False  # the checkpoint's experts are MXFP4 (*_blocks, *_scales), kept so in memory
+
+
+@dataclass(frozen=True)
+class Gemma4Layers:
+    """What Gemma 4's text model adds to Gemma 3's fields. Its global layers have heads of their own
+    size and count, and where `k_eq_v` their v is k's projection (taken before k's norm). Each layer
+    attends over the K/V of layer kv_source[i]: itself, or for the last num_kv_shared_layers the last
+    earlier layer of its type, whose K/V it reads and never writes (the token table holds one copy);
+    those layers' MLP is twice as wide where `double_wide_mlp`. Each layer adds a per-layer input
+    (of per_layer_input_size per token; 0: none) after its MLP, and scales its output by its
+    `layer_scalar`."""
+
+    global_head_dim: int
+    global_kv_heads: int
+    k_eq_v: bool
+    kv_source: tuple[int, ...]
+    per_layer_input_size: int
+    per_layer_vocab_size: int
+    double_wide_mlp: bool
+    prefix: str  # the text model's checkpoint names: "model." or, multimodal, "model.language_model."
 
 
 @dataclass(frozen=True)
@@ -112,6 +139,7 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores capped at +-attn_softcap by tanh (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same for the final logits
     attn_sinks: bool = False  # a learned logit per head in each attention softmax's denominator (gpt-oss)
+    gemma4: Gemma4Layers | None = None
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -191,7 +219,7 @@ def _activation(cfg: dict, path: Path) -> str:
 def _check_supported(cfg: dict, path: Path) -> None:
     if cfg.get("mlp_bias"):
         raise ModelConfigError(f"mlp_bias=true in {path} is not supported")
-    if cfg.get("use_bidirectional_attention"):
+    if cfg.get("use_bidirectional_attention") in (True, "all"):  # Gemma 4's "vision" touches image tokens only
         raise ModelConfigError(f"use_bidirectional_attention=true in {path} (an embedding model) is not supported")
 
 
@@ -216,6 +244,42 @@ def _gemma(cfg: dict) -> dict:
     return dict(embed_scale=float(cfg["hidden_size"]) ** 0.5, query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
                 attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),  # null: no cap
                 logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+
+
+def _kv_sources(cfg: dict, windows: tuple[int, ...], num_layers: int, path: Path) -> tuple[int, ...]:
+    """Per layer, the layer whose K/V it attends over: the last num_kv_shared_layers read those of
+    the last earlier layer of their type (sliding or global), as transformers' kv_sharing_modes."""
+    first_shared = num_layers - int(cfg.get("num_kv_shared_layers") or 0)
+    kinds = [bool(windows[i]) if windows else False for i in range(num_layers)]
+    sources = []
+    for i in range(num_layers):
+        owners = [j for j in range(min(i + 1, first_shared)) if kinds[j] == kinds[i]]
+        if not owners:
+            raise ModelConfigError(f"layer {i} shares the K/V of no earlier layer of its type in {path}")
+        sources.append(owners[-1])
+    return tuple(sources)
+
+
+def _gemma4(cfg: dict, windows: tuple[int, ...], num_layers: int, prefix: str, path: Path) -> Gemma4Layers:
+    globals_ = [i for i in range(num_layers) if not (windows and windows[i])]
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    head_dim = int(cfg.get("head_dim") or 256)
+    shapes = {(overrides.get(i, {}).get("head_dim", cfg.get("global_head_dim", head_dim)),
+               overrides.get(i, {}).get("num_key_value_heads", cfg.get("num_global_key_value_heads")
+                                        or cfg.get("num_key_value_heads"))) for i in globals_}
+    if len(shapes) > 1:
+        raise ModelConfigError(f"global layers of different head sizes in {path}; supported: one")
+    (global_head_dim, global_kv_heads), = shapes
+    return Gemma4Layers(int(global_head_dim), int(global_kv_heads), bool(cfg.get("attention_k_eq_v")),
+                        _kv_sources(cfg, windows, num_layers, path), int(cfg.get("hidden_size_per_layer_input") or 0),
+                        int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
+                        bool(cfg.get("use_double_wide_mlp")), prefix)
+
+
+def _text_config(cfg: dict) -> dict:
+    """A multimodal Gemma 4's text_config, with the fields it leaves to the outer config."""
+    outer = {k: cfg[k] for k in ("eos_token_id", "tie_word_embeddings", "dtype", "torch_dtype") if k in cfg}
+    return {**outer, **cfg["text_config"], "architectures": cfg["architectures"]}
 
 
 def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
@@ -256,11 +320,15 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     path = model_dir / "config.json"
     cfg = read_json(path)
     arch = _architecture(cfg, path)
+    if arch == "Gemma4ForConditionalGeneration":
+        cfg = _text_config(cfg)
     _check_supported(cfg, path)
     theta, scaling, local_theta = _rope(cfg, path, _DEFAULT_ROPE_THETA.get(arch, 10000.0))
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
     generation = _generation_config(model_dir)
+    windows = _layer_windows(cfg, arch, num_layers)
+    prefix = "model.language_model." if arch == "Gemma4ForConditionalGeneration" else "model."
     return ModelConfig(
         model_dir=str(model_dir),
         architecture=arch,
@@ -279,11 +347,12 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=_eos_token_ids(cfg, generation),
         sampling_defaults={name: generation[name] for name in SAMPLING_FIELDS if generation.get(name) is not None},
-        layer_windows=_layer_windows(cfg, arch, num_layers),
-        local_rope_theta=(local_theta or 10000.0) if arch == "Gemma3ForCausalLM" else None,
+        layer_windows=windows,
+        local_rope_theta=(local_theta or 10000.0) if arch in ("Gemma3ForCausalLM", *_GEMMA4) else None,
         hidden_act=_activation(cfg, path),
         moe=_moe(cfg, arch, num_layers),
-        **{**_biases(cfg), **SUPPORTED_ARCHITECTURES[arch], **(_gemma(cfg) if arch in _GEMMA else {})},
+        gemma4=_gemma4(cfg, windows, num_layers, prefix, path) if arch in _GEMMA4 else None,
+        **{**_biases(cfg), **(_gemma(cfg) if arch in _GEMMA else {}), **SUPPORTED_ARCHITECTURES[arch]},
     )
 
 
