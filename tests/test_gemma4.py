@@ -59,3 +59,27 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path, captured_logits):
     assert cfg.num_layers == 4 and cfg.vocab_size == BASE["vocab_size"] and cfg.tie_word_embeddings
     steps = run_schedule(make_runner(tmp_path), random_prompts(5))
     assert_logits_match_hf(hf_model, captured_logits, steps)
+
+
+def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(default_model_dir, tmp_path):
+    """gemma4-31b's config reads, the model built from it on the meta device asks for exactly the
+    tensors of transformers' model (tp 1 and 2), and its K/V take the bytes the preset states."""
+    from test_model_families import MetaWeights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightllm.models import Gemma4Model
+    from lightllm.tools.bench_model import write_bench_model
+    from lightllm.utils.dist import TPGroup
+
+    model_dir = write_bench_model(tmp_path / "gemma4", "gemma4-31b", tokenizer_dir=default_model_dir)
+    cfg = read_config(model_dir)
+    assert cfg.layer_windows == ((1024,) * 5 + (0,)) * 10 and cfg.logit_softcap == 30.0
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items() if name != "lm_head.weight"}
+    for rank in (0, 1):
+        weights = MetaWeights()
+        Gemma4Model(cfg, weights, TPGroup(rank, 2), 256, torch.device("meta"))
+        assert weights.asked == expected
+    full = Gemma4Model(cfg, MetaWeights(), TPGroup(0, 1), 256, torch.device("meta"))
+    assert 2 * sum(h * d for h, d in full.kv_shapes) * 2 == 2 * (50 * 16 * 256 + 10 * 4 * 512) * 2 == 880 * 1024

@@ -18,6 +18,10 @@ tiny: a 2-layer model of the same family with seeded random float32 weights, sma
 qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV heads of 128,
     experts in every layer: 128 of intermediate 768, 8 active, renormalised), dummy weights:
     61 GB in bf16, served on one H200, or on an H100 with --quantization fp8 (31 GB).
+gemma4-31b: a Gemma 4 dense shape (60 layers, hidden 5376, 32 heads; 5 of every 6 layers slide over
+    1024 positions with 16 KV heads of 256, the others are global with 4 KV heads of 512, v = k's
+    projection, a quarter of each head turning), with the default tokenizer's vocabulary: 880 KiB of
+    bf16 K/V a token (2 x (50 x 16 x 256 + 10 x 4 x 512) x 2 bytes).
 gpt-oss-20b, gpt-oss-120b: gpt-oss's shapes (24 / 36 layers, hidden 2880, 64 heads and 8 KV heads
     of 64, sliding window 128 on every other layer, YaRN over 4096 positions by 32, 32 / 128
     experts of intermediate 2880, 4 active) with MXFP4 experts as published, dummy weights and the
@@ -113,6 +117,8 @@ SHAPES.update({
 })
 GPT_OSS = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                num_experts_per_tok=4)
+SHAPES["gemma4-31b"] = dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+                            num_key_value_heads=16, head_dim=256)
 SHAPES.update({"gpt-oss-20b": dict(GPT_OSS, num_hidden_layers=24, num_local_experts=32),
                "gpt-oss-120b": dict(GPT_OSS, num_hidden_layers=36, num_local_experts=128)})
 MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral",
@@ -144,6 +150,13 @@ def family_config(preset: str) -> tuple[str, dict]:
     if family == "qwen3":
         return "Qwen3Config", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
                                    tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    if family == "gemma4":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+        return "Gemma4TextConfig", dict(global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+                                        sliding_window=1024, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+                                        max_position_embeddings=262144, rms_norm_eps=1e-6, rope_parameters=rope,
+                                        tie_word_embeddings=True, architectures=["Gemma4ForCausalLM"])
     if family in ("gemma2", "gemma3"):
         head_dim = SHAPES[preset]["head_dim"]
         common = dict(sliding_window=TINY_WINDOW if tiny else 1024, query_pre_attn_scalar=head_dim,
