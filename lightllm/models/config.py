@@ -80,6 +80,7 @@ class MoEConfig:
     biases: bool = False
     swiglu: tuple[float, float] | None = None  # (alpha, limit)
     mxfp4: bool = False  # the checkpoint's experts are MXFP4 (*_blocks, *_scales), kept so in memory
+    gelu: bool = False  # the experts' activation is GELU's tanh form, not silu (Gemma 4)
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,9 @@ def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
                          int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
     if arch == "GptOssForCausalLM":
         return _gpt_oss_moe(cfg, num_layers)
+    if arch in _GEMMA4:  # experts beside the dense MLP in every layer, top-k renormalised
+        return MoEConfig(int(cfg["num_experts"]), int(cfg["top_k_experts"]), int(cfg["moe_intermediate_size"]), True,
+                         tuple(range(num_layers)), gelu=True) if cfg.get("enable_moe_block") else None
     if arch != "Qwen3MoeForCausalLM":
         return None
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 saves the latter

@@ -21,10 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.common.token_table import TokenTable
+from lightllm.kernels import route_topk
+from lightllm.kernels.fused_moe import interleave_gate_up
 from lightllm.kernels.extend_attention import extend_block_m
 from lightllm.utils.dist import TPGroup
 
-from . import layers
+from . import layers, moe
 from .config import ModelConfig, ModelConfigError
 from .layers import (Attention, ColumnParallelLinear, ForwardBatch, GatedMLP, ParallelLMHead, RMSNorm,
                      RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, split_even, split_kv_heads,
@@ -89,6 +91,40 @@ class Gemma4Attention(Attention):
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
 
+class Gemma4Experts:
+    """The MoE variants' experts, beside the dense MLP: routed from the residual stream (normed
+    without a scale, times a learned scale and hidden^-1/2), softmax over all experts, the top k
+    renormalised and each weighted by its expert's scale; the experts (GELU) take the stream
+    through a norm of their own. Tensor-parallel as SparseMoE: each rank a slice of every expert's
+    intermediate dimension, one all-reduce.
+
+    Checkpoint: `router.{proj.weight [E, H], scale [H], per_expert_scale [E]}`, `experts.gate_up_proj`
+    [E, 2I, H] (the gate's I rows, then the up's) and `experts.down_proj` [E, H, I]."""
+
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str):
+        spec, hidden = cfg.moe, cfg.hidden_size
+        start, count = split_even(spec.intermediate_size, tp, "moe_intermediate_size")
+        self.router = weights.get(f"{prefix}.router.proj.weight", (spec.num_experts, hidden))
+        # the router's scale and hidden^-1/2 as one vector: its input is normed, so the product is the same
+        self.router_scale = weights.get(f"{prefix}.router.scale", (hidden,)) * hidden ** -0.5
+        self.expert_scale = weights.get(f"{prefix}.router.per_expert_scale", (spec.num_experts,)).float()
+        self.router_norm = RMSNorm(_UnitWeights(self.router), "router.norm", hidden, cfg.rms_norm_eps)
+        shape = (spec.num_experts, 2 * spec.intermediate_size, hidden)
+        gate, up = (weights.get(f"{prefix}.experts.gate_up_proj", shape, 1, first, count)
+                    for first in (start, spec.intermediate_size + start))
+        down = weights.get(f"{prefix}.experts.down_proj", (spec.num_experts, hidden, spec.intermediate_size), 2, start,
+                           count)
+        self.experts = (interleave_gate_up(gate, up), down)
+        self.top_k, self.tp = spec.top_k, tp
+
+    def __call__(self, stream: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """stream: the residual stream, which routes; h: the experts' input (its normed copy)."""
+        routed, _ = self.router_norm(stream, None)
+        weights, ids = route_topk(F.linear(routed * self.router_scale, self.router), self.top_k, True)
+        weights = weights * self.expert_scale[ids.long()]
+        return self.tp.all_reduce(moe.fused_moe(h, *self.experts, weights, ids, gelu=True))
+
+
 class Gemma4Layer:
     """norm -> attention -> norm, added to the stream; norm -> MLP -> norm, added; the per-layer
     input's gated projection, normed, added; the whole stream times the layer's scalar."""
@@ -107,6 +143,11 @@ class Gemma4Layer:
         wide = g.double_wide_mlp and not self.attn.writes_kv
         mlp_cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size * (2 if wide else 1))
         self.mlp = GatedMLP(weights, tp, mlp_cfg, f"{prefix}.mlp")
+        self.experts = None
+        if cfg.moe is not None:
+            self.experts = Gemma4Experts(weights, tp, cfg, prefix)
+            self.dense_out_norm, self.experts_out_norm = (norm(f"post_feedforward_layernorm_{n}") for n in "12")
+            self.experts_norm = norm("pre_feedforward_layernorm_2")
         size, hidden = g.per_layer_input_size, cfg.hidden_size
         if size:  # replicated: [P, H] and [H, P] are small beside the layer's projections
             self.input_gate = weights.get(f"{prefix}.per_layer_input_gate.weight", (size, hidden))
@@ -118,7 +159,12 @@ class Gemma4Layer:
         h, _ = self.input_norm(x, None)
         attn, _ = self.attn_out_norm(self.attn(h, batch, ropes[self.global_rope], k_cache, v_cache), None)
         h, x = self.mlp_norm(attn, x)  # x += attn, in place
-        mlp, _ = self.mlp_out_norm(self.mlp(h), None)
+        mlp = self.mlp(h)
+        if self.experts is not None:
+            mlp, _ = self.dense_out_norm(mlp, None)
+            experts, _ = self.experts_out_norm(self.experts(x, self.experts_norm(x, None)[0]), None)
+            mlp = mlp + experts
+        mlp, _ = self.mlp_out_norm(mlp, None)
         x = x + mlp
         if layer_input is not None:
             gated = F.gelu(F.linear(x, self.input_gate), approximate="tanh") * layer_input

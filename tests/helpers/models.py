@@ -92,6 +92,12 @@ CASES = {
         num_hidden_layers=3, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "full_attention"], hidden_size_per_layer_input=0,
         tie_word_embeddings=False)),
+    # the MoE variant: 4 GELU experts (top 2, renormalised, each scaled) beside every layer's dense MLP
+    "gemma4_moe": (Gemma4TextConfig, Gemma4ForCausalLM, dict(
+        num_hidden_layers=2, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32)),
     # top-k weights as their share of all experts (norm_topk_prob false); experts in every second layer
     "qwen3_moe_sparse_step": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                               dict(num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
