@@ -3,6 +3,7 @@ the token table holds one copy of the K/V that the last layers share, sized by e
 own heads, and a multimodal checkpoint serves its text model (the towers' weights unread) with
 transformers' logits."""
 
+import pytest
 import torch
 from helpers.models import (BASE, CASES, assert_logits_match_hf, make_model, make_runner, random_prompts,
                             randomize_, run_schedule)
@@ -61,9 +62,11 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path, captured_logits):
     assert_logits_match_hf(hf_model, captured_logits, steps)
 
 
-def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(default_model_dir, tmp_path):
-    """gemma4-31b's config reads, the model built from it on the meta device asks for exactly the
-    tensors of transformers' model (tp 1 and 2), and its K/V take the bytes the preset states."""
+@pytest.mark.parametrize("preset,kv_bytes", [("gemma4-31b", 2 * (50 * 16 * 256 + 10 * 4 * 512) * 2),
+                                             ("gemma4-26b-a4b", 2 * (25 * 8 * 256 + 5 * 2 * 512) * 2)])
+def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(preset, kv_bytes, default_model_dir, tmp_path):
+    """A Gemma 4 preset's config reads, the model built from it on the meta device asks for exactly
+    the tensors of transformers' model (tp 1 and 2), and its K/V take the bytes the preset states."""
     from test_model_families import MetaWeights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -71,9 +74,10 @@ def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(default_model_d
     from lightllm.tools.bench_model import write_bench_model
     from lightllm.utils.dist import TPGroup
 
-    model_dir = write_bench_model(tmp_path / "gemma4", "gemma4-31b", tokenizer_dir=default_model_dir)
+    model_dir = write_bench_model(tmp_path / preset, preset, tokenizer_dir=default_model_dir)
     cfg = read_config(model_dir)
-    assert cfg.layer_windows == ((1024,) * 5 + (0,)) * 10 and cfg.logit_softcap == 30.0
+    assert cfg.layer_windows == ((1024,) * 5 + (0,)) * (cfg.num_layers // 6) and cfg.logit_softcap == 30.0
+    assert (cfg.moe is not None) == (preset == "gemma4-26b-a4b")
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items() if name != "lm_head.weight"}
@@ -82,4 +86,4 @@ def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(default_model_d
         Gemma4Model(cfg, weights, TPGroup(rank, 2), 256, torch.device("meta"))
         assert weights.asked == expected
     full = Gemma4Model(cfg, MetaWeights(), TPGroup(0, 1), 256, torch.device("meta"))
-    assert 2 * sum(h * d for h, d in full.kv_shapes) * 2 == 2 * (50 * 16 * 256 + 10 * 4 * 512) * 2 == 880 * 1024
+    assert 2 * sum(h * d for h, d in full.kv_shapes) * 2 == kv_bytes  # 880 KiB (31b), 220 KiB (26b-a4b)

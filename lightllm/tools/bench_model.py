@@ -22,6 +22,9 @@ gemma4-31b: a Gemma 4 dense shape (60 layers, hidden 5376, 32 heads; 5 of every 
     1024 positions with 16 KV heads of 256, the others are global with 4 KV heads of 512, v = k's
     projection, a quarter of each head turning), with the default tokenizer's vocabulary: 880 KiB of
     bf16 K/V a token (2 x (50 x 16 x 256 + 10 x 4 x 512) x 2 bytes).
+gemma4-26b-a4b: a Gemma 4 MoE shape (30 layers, hidden 2816, 16 heads; sliding layers 8 KV heads of
+    256, global ones 2 of 512; in every layer 128 GELU experts of intermediate 704, 8 active, beside a
+    dense MLP of 2112): 220 KiB of bf16 K/V a token (2 x (25 x 8 x 256 + 5 x 2 x 512) x 2 bytes).
 gpt-oss-20b, gpt-oss-120b: gpt-oss's shapes (24 / 36 layers, hidden 2880, 64 heads and 8 KV heads
     of 64, sliding window 128 on every other layer, YaRN over 4096 positions by 32, 32 / 128
     experts of intermediate 2880, 4 active) with MXFP4 experts as published, dummy weights and the
@@ -118,7 +121,10 @@ SHAPES.update({
 GPT_OSS = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                num_experts_per_tok=4)
 SHAPES["gemma4-31b"] = dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
-                            num_key_value_heads=16, head_dim=256)
+                            num_key_value_heads=16, head_dim=256, num_global_key_value_heads=4)
+SHAPES["gemma4-26b-a4b"] = dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=256, num_global_key_value_heads=2, enable_moe_block=True,
+                                num_experts=128, top_k_experts=8, moe_intermediate_size=704)
 SHAPES.update({"gpt-oss-20b": dict(GPT_OSS, num_hidden_layers=24, num_local_experts=32),
                "gpt-oss-120b": dict(GPT_OSS, num_hidden_layers=36, num_local_experts=128)})
 MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral",
@@ -153,7 +159,7 @@ def family_config(preset: str) -> tuple[str, dict]:
     if family == "gemma4":
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
-        return "Gemma4TextConfig", dict(global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+        return "Gemma4TextConfig", dict(global_head_dim=512, attention_k_eq_v=True,
                                         sliding_window=1024, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
                                         max_position_embeddings=262144, rms_norm_eps=1e-6, rope_parameters=rope,
                                         tie_word_embeddings=True, architectures=["Gemma4ForCausalLM"])
