@@ -20,11 +20,11 @@ qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV hea
     61 GB in bf16, served on one H200, or on an H100 with --quantization fp8 (31 GB).
 gemma4-31b: a Gemma 4 dense shape (60 layers, hidden 5376, 32 heads; 5 of every 6 layers slide over
     1024 positions with 16 KV heads of 256, the others are global with 4 KV heads of 512, v = k's
-    projection, a quarter of each head turning), with the default tokenizer's vocabulary: 880 KiB of
-    bf16 K/V a token (2 x (50 x 16 x 256 + 10 x 4 x 512) x 2 bytes).
+    projection, a quarter of each head turning), with the default tokenizer's vocabulary: 59.1 GB of
+    bf16 weights, 880 KiB of bf16 K/V a token (2 x (50 x 16 x 256 + 10 x 4 x 512) x 2 bytes).
 gemma4-26b-a4b: a Gemma 4 MoE shape (30 layers, hidden 2816, 16 heads; sliding layers 8 KV heads of
     256, global ones 2 of 512; in every layer 128 GELU experts of intermediate 704, 8 active, beside a
-    dense MLP of 2112): 220 KiB of bf16 K/V a token (2 x (25 x 8 x 256 + 5 x 2 x 512) x 2 bytes).
+    dense MLP of 2112): 49.3 GB of bf16 weights (experts 45.7), 220 KiB of bf16 K/V a token (2 x (25 x 8 x 256 + 5 x 2 x 512) x 2 bytes).
 gpt-oss-20b, gpt-oss-120b: gpt-oss's shapes (24 / 36 layers, hidden 2880, 64 heads and 8 KV heads
     of 64, sliding window 128 on every other layer, YaRN over 4096 positions by 32, 32 / 128
     experts of intermediate 2880, 4 active) with MXFP4 experts as published, dummy weights and the
