@@ -153,7 +153,7 @@ TRITON_OPS = {"rms_norm": "rms_norm_triton", "add_rms_norm": "add_rms_norm_trito
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen2_bias_tied", "qwen3_head_dim_24", "gemma2_window_16",
-                                  "gemma3_window_16", "qwen3_moe", "gpt_oss", "gemma4"])
+                                  "gemma3_window_16", "qwen3_moe", "gpt_oss"])
 def test_triton_kernels_match_transformers(name, tmp_path, captured_logits, monkeypatch):
     """The GPU path (Triton kernels, under the interpreter: this runner is on the CPU) as the layers
     call it: strided q/k views, int32/int64 index tensors, packed prompts, token-table decode. On a
