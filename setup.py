@@ -21,7 +21,8 @@ setup(
     package_dir={"lightllm.kernels": "kernels"},
     install_requires=read_requirements(),
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "openai>=1.40", "anthropic>=0.40", "schemathesis>=4.0,<5"]
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "openai>=1.40", "anthropic>=0.40", "schemathesis>=4.0,<5",
+                 "peft>=0.17"]
     },
     license="Apache-2.0",
 )

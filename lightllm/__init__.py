@@ -16,7 +16,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and _os.path.isfile
         _os.path.join(_checkout, "kernels", "_triton.py")):
     __path__.append(_checkout)
 
-_OFFLINE_API = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob")
+_OFFLINE_API = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest")
 
 
 def __getattr__(name: str):

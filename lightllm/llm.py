@@ -36,6 +36,7 @@ from lightllm.frontend.config import FrontendConfig
 from lightllm.frontend.decoder import IncrementalDecoder
 from lightllm.frontend.errors import RequestError
 from lightllm.frontend.limits import Limits, check_lengths, prompt_char_bound
+from lightllm.frontend.lora import LoraNames
 from lightllm.frontend.sampling_ranges import SHARED_FIELDS, check_ranges, model_sampling_defaults
 from lightllm.frontend.tokenizer import load_tokenizer
 
@@ -154,6 +155,16 @@ class SamplingParams:
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
             top_logprobs=self.logprobs or 0, prompt_logprobs=self.prompt_logprobs if index == 0 else None,
             grammar_kind=kind, grammar=grammar)
+
+
+@dataclass
+class LoRARequest:
+    """vLLM's: a LoRA adapter (PEFT's directory) by name. The name identifies it: the first request
+    naming it loads it (unless --lora_modules did); `lora_int_id` is taken for vLLM's signature."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
 
 
 @dataclass
@@ -301,6 +312,7 @@ class LLM:
         self._prompt_ids = itertools.count()
         self._open: dict[int, tuple[_Prompt, _Choice]] = {}
         self._token_text: dict[int, str] = {}
+        self.loras = LoraNames(self.config, self.model_info)
         logger.info("LLM ready: %s, tp %d, max_total_token_num %d", self.config.model_dir, tp, budget)
 
     # ---- life cycle ----
@@ -331,16 +343,19 @@ class LLM:
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Complete each prompt (a string, token ids, or {"prompt_token_ids": ids} / {"prompt": text});
-        `sampling_params`: one for all, or one per prompt (None: get_default_sampling_params()).
+        `sampling_params`: one for all, or one per prompt (None: get_default_sampling_params());
+        `lora_request`: the LoRA adapter of all prompts, or one per prompt (None: the base model).
         Outputs come in prompt order."""
         inputs = [self._prompt_input(p) for p in _as_list(prompts)]
-        return self._run(inputs, sampling_params, use_tqdm)
+        return self._run(inputs, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} dicts, with an assistant's
         "tool_calls" and "tool" results as Hugging Face's templates take them) or a list of them,
         through the tokenizer's chat template; `tools`: function definitions for the template;
@@ -353,7 +368,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         inputs = [self._chat_input(c, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
                   for c in conversations]
-        return self._run(inputs, sampling_params, use_tqdm)
+        return self._run(inputs, sampling_params, use_tqdm, lora_request)
 
     def _prompt_input(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -381,18 +396,23 @@ class LLM:
                            continue_final_message=continue_final_message, options=options, call_format=call_format)
         return text, chat_prompt_ids(self.tokenizer, text)
 
-    def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,
+             lora_request=None) -> list[RequestOutput]:
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(inputs))
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(inputs)
+        if len(loras) != len(inputs):
+            raise ValueError(f"{len(loras)} lora_request for {len(inputs)} prompts")
         # Every prompt is checked before any is submitted.
         prepared = [self._prepare(text, ids, p, i) for i, ((text, ids), p) in enumerate(zip(inputs, params))]
+        lora_ids = [self._lora_id(request) for request in loras]
         progress = _Progress(len(prepared), use_tqdm)
         try:
-            for prompt, engine_params in prepared:
-                self._submit(prompt, engine_params)
+            for (prompt, engine_params), lora_id in zip(prepared, lora_ids):
+                self._submit(prompt, engine_params, lora_id)
             while self.engine.has_work:
                 for out in self.engine.step():
                     self._take(out, progress)
@@ -424,11 +444,24 @@ class LLM:
                    for index in range(params.n)]
         return _Prompt(str(next(self._prompt_ids)), text, ids, choices), engine_params
 
-    def _submit(self, prompt: _Prompt, engine_params: list[EngineSampling]) -> None:
+    def _lora_id(self, request: LoRARequest | None) -> int:
+        """The engine id of the request's adapter, loading it the first time it is named (0: none)."""
+        if request is None:
+            return 0
+        lora_id = self.loras.id_of(request.lora_name)
+        if lora_id is None:
+            lora_id = self.loras.add(request.lora_name, request.lora_path)
+            self.engine.load_lora(lora_id, request.lora_path)
+        elif request.lora_path and request.lora_path != self.loras.paths[request.lora_name]:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {self.loras.paths[request.lora_name]}, "
+                             f"not {request.lora_path}")
+        return lora_id
+
+    def _submit(self, prompt: _Prompt, engine_params: list[EngineSampling], lora_id: int = 0) -> None:
         now = time.monotonic()
         for choice, sampling in zip(prompt.choices, engine_params):
             self._open[choice.req_id] = (prompt, choice)
-            for out in self.engine.add(GenerateReq(choice.req_id, prompt.prompt_ids, sampling, now)):
+            for out in self.engine.add(GenerateReq(choice.req_id, prompt.prompt_ids, sampling, now, lora_id)):
                 self._take(out, None)
 
     def _take(self, out: TokenOut, progress: _Progress | None) -> None:

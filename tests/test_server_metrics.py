@@ -136,3 +136,16 @@ def test_each_app_has_its_own_registry():
     assert samples(second)["lightllm:requests_queue_full_total"] == 0
     global_names = {family.name for family in prometheus_client.REGISTRY.collect()}
     assert not any(name.startswith("lightllm:") for name in global_names)
+
+
+def test_prefix_cache_hits_are_counted_by_tier_over_replicas():
+    metrics = Metrics([1000, 1000])
+    for replica, (hits, host, disk, held) in enumerate([(400, 150, 40, 70), (90, 0, 0, 5)]):
+        metrics.routers[replica] = RouterStats(0, 0, 0, 4000, prefix_hit_tokens=hits, replica=replica,
+                                               prefix_host_hit_tokens=host, prefix_disk_hit_tokens=disk,
+                                               prefix_host_tokens=held)
+    got = samples(metrics)
+    assert got['lightllm:prefix_cache_hits_by_tier_total{tier="host"}'] == 150 - 40
+    assert got['lightllm:prefix_cache_hits_by_tier_total{tier="disk"}'] == 40
+    assert got['lightllm:prefix_cache_hits_by_tier_total{tier="device"}'] == 400 + 90 - 150
+    assert got["lightllm:prefix_cache_host_tokens"] == 75

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.models import make_model, make_runner, random_prompts
 
-from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, StepGraphs, mixed_buckets
+from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, MIXED_TOKEN_ROWS, StepGraphs, mixed_buckets
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, StepPlan
 from lightllm.engine.request import SamplingParams
 
@@ -156,11 +156,11 @@ def test_every_layout_warms_up_on_padding_alone(tmp_path):
     for layout in graphs.mixed:
         graphs._pad_only(layout)
         v = layout.views(graphs.mixed_meta)
-        ids, positions, rows = v["tokens"].view(3, -1).tolist()
+        ids, positions, rows, lora_slots = v["tokens"].view(MIXED_TOKEN_ROWS, -1).tolist()
         decode_rows, decode_lens = v["decodes"].view(2, -1).tolist()
         assert len(decode_rows) == min(layout.tokens, graphs.buckets[-1])  # the most decodes a step holds
         assert set(rows) == set(decode_rows) == {graphs.padding_row} and set(ids) == set(positions) == {0}
-        assert set(decode_lens) == {1} and set(v["ext_cu_q"].tolist()) == {0}
+        assert set(decode_lens) == {1} and set(v["ext_cu_q"].tolist()) == {0} and set(lora_slots) == {-1}
         assert set(v["q_blocks"].view(2, -1)[0].tolist()) == {-1}
 
 

@@ -20,6 +20,7 @@ class RunningReq:
     seq_len: int  # tokens whose K/V are in the cache (or written by a launched step)
     sampling: SamplingState
     prompt_logprobs: list | None = None  # (logprob, top) per prompt position from the 2nd, as computed
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: none)
 
 
 @dataclass
@@ -151,6 +152,7 @@ def step_lists(decodes: DecodeRows, chunks: list, head_dim: int) -> dict[str, li
     rows (and next tokens) of the chunks that want prompt logprobs."""
     positions = [r.seq_len + o for r, o in zip(decodes.reqs, decodes.offsets)]
     token_rows = [r.row for r in decodes.reqs]
+    lora_slots = [r.lora_slot for r in decodes.reqs]
     chunk_ids, cu_q, kv_lens, logit_index = [], [len(decodes)], [], list(range(len(decodes)))
     prompt_rows, prompt_targets = [], []
     for r, c in chunks:
@@ -158,6 +160,7 @@ def step_lists(decodes: DecodeRows, chunks: list, head_dim: int) -> dict[str, li
         chunk_ids.extend(c.token_ids)
         positions.extend(range(c.start, c.start + n))
         token_rows.extend([r.row] * n)
+        lora_slots.extend([r.lora_slot] * n)
         first = cu_q[-1]
         cu_q.append(first + n)
         kv_lens.append(c.start + n)
@@ -172,7 +175,7 @@ def step_lists(decodes: DecodeRows, chunks: list, head_dim: int) -> dict[str, li
              "decode_rows": token_rows[: len(decodes)], "decode_seq_lens": [p + 1 for p in positions[: len(decodes)]],
              "ext_rows": [r.row for r, _ in chunks], "ext_cu_q": cu_q, "ext_kv_lens": kv_lens,
              "ext_q_blocks": extend_q_blocks([len(c.token_ids) for _, c in chunks], head_dim),
-             "logit_index": logit_index + prompt_rows, "sample_rows": sample_rows}
+             "logit_index": logit_index + prompt_rows, "sample_rows": sample_rows, "lora_slots": lora_slots}
     if prompt_targets:
         lists["prompt_targets"] = prompt_targets
     return lists

@@ -7,6 +7,7 @@ frontend's configs extend it): the engine never imports the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from lightllm.engine.config import EngineConfig
@@ -63,13 +64,21 @@ def load_model(workers, config: EngineConfig, replica: int = 0) -> tuple[int, di
 
 
 def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
+    if model_info.get("recurrent_state") and not (config.disable_prefix_cache and config.speculative_config is None):
+        # a recurrent state cannot be cut at a cached prefix's end, nor rolled back past rejected drafts
+        logger.warning("prefix cache and speculative decoding off: the model's linear-attention layers keep "
+                       "a recurrent state that neither can restore yet")
+        config = dataclasses.replace(config, disable_prefix_cache=True, speculative_config=None)
     speculative = SpeculativeConfig.parse(config.speculative_config)
-    speculator = None if speculative is None else Speculator(speculative, model_info["vocab_size"],
-                                                             config.running_max_req_size)
-    scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, config.running_max_req_size,
+    running = model_info.get("running_max_req_size", config.running_max_req_size)  # fewer: the states that fit
+    speculator = None if speculative is None else Speculator(speculative, model_info["vocab_size"], running)
+    scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, running,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
                           admission_wait_steps=config.admission_wait_steps,
-                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator)
+                          burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator,
+                          host_cache_tokens=model_info.get("host_kv_cache_tokens", 0),
+                          disk_cache_tokens=model_info.get("disk_kv_cache_tokens", 0),
+                          max_loras=config.lora_slots, lora_ids=tuple(range(1, len(config.lora_modules) + 1)))
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

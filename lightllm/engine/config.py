@@ -20,6 +20,7 @@ MIN_NODE_TOKEN_CHARS = 16
 # stays: at tp 2, a burst's 3072-token steps (1024 decodes and a 2048-token chunk) left the GPUs
 # 65-80% busy when eager, 92-100% from graphs (two H100s, 2026-11-27, 69e7f75; docs/multi_gpu.md).
 GRAPH_TOKENS_A_RANK = 2048
+DEFAULT_MAX_LORAS = 4
 
 
 def flag(help_text: str, **extra) -> dict:
@@ -66,6 +67,15 @@ class EngineConfig:
         default=False,
         metadata=flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
     )
+    host_kv_cache_gb: float = field(
+        default=0.0,
+        metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
+    )
+    disk_kv_cache_dir: str | None = field(
+        default=None,
+        metadata=flag("directory for a third tier of the prefix cache, below --host_kv_cache_gb (required): KV leaving the host tier is written to a file there (one a rank, removed at start so that it goes with the process) instead of dropped, and loaded back from it; --disk_kv_cache_gb bounds it"),
+    )
+    disk_kv_cache_gb: float = field(default=16.0, metadata=flag("GiB of --disk_kv_cache_dir each rank takes"))
     admission_wait_steps: int = field(
         default=8,
         metadata=flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
@@ -73,7 +83,7 @@ class EngineConfig:
     running_max_req_size: int = field(default=1024, metadata=flag("most requests in the running batch (and the largest CUDA-graph decode bucket); 1024 starts a burst's requests sooner (lower time to first token) at a few percent of throughput against 512 (docs/benchmarks.md)"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=flag("longest prompt + max_new_tokens accepted"))
     tp: int = field(default=1, metadata=flag("tensor-parallel degree: one model worker process per rank"))
-    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1) and each request goes to the least loaded one"))
+    dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1); --dp_routing picks the replica of each request"))
     nccl_port: int = field(default=28765, metadata=flag("port of the torch.distributed rendezvous between model workers on one machine (over several: --dist_init_addr)"))
     nnodes: int = field(default=1, metadata=flag("machines the --tp ranks span, tp / nnodes on each (see docs/architecture.md, 'Scaling past one machine')"))
     node_rank: int = field(default=0, metadata=flag("this machine's index: 0 serves HTTP and drives every rank; the others run only their ranks' model workers"))
@@ -102,6 +112,12 @@ class EngineConfig:
         default=None,
         metadata=flag('speculative decoding, as a JSON object in vLLM\'s shape: {"method": "ngram" (prompt lookup) or "suffix" (frequent continuations of this and earlier requests), "num_speculative_tokens": K (most drafts a request gets a step, 1-16)}; "prompt_lookup_min"/"prompt_lookup_max" tune ngram. Each step a controller gives each request 0..K drafts from its measured acceptance and the measured cost of the step, so speculation runs only where it pays (see docs/architecture.md); greedy output is unchanged, sampling keeps its distribution. Absent: off'),
     )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=flag("LoRA adapters served from the start, as NAME=DIR ... (PEFT's adapter_config.json and adapter_model.safetensors, on the q, k, v, o, gate, up and down projections; not yet on experts): a request picks one by NAME in the OpenAI and Anthropic routes' `model`, /generate's `adapter_id` or LLM.generate's lora_request; more are loaded at run time through /v1/load_lora_adapter", nargs="+"),
+    )
+    max_loras: int | None = field(default=None, metadata=flag(f"LoRA adapters resident on the device at once: a slot pool allocated at start, the adapters beyond it wait in host memory and replace the least recently used slot that no running request uses. Absent: {DEFAULT_MAX_LORAS} with --lora_modules, else 0 (no adapters, none loadable at run time)"))
+    max_lora_rank: int = field(default=16, metadata=flag("largest LoRA rank served (each slot's size); an adapter of a larger rank is refused"))
     step_trace: str | None = field(default=None, metadata=flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/engine/step_trace.py"))
     log_level: str = field(
         default="info",
@@ -115,6 +131,18 @@ class EngineConfig:
         if self.cuda_graph_max_tokens is not None:
             return self.cuda_graph_max_tokens
         return min(GRAPH_TOKENS_A_RANK * self.tp, self.chunked_prefill_size + self.running_max_req_size)
+
+    @property
+    def lora_slots(self) -> int:
+        """--max_loras, or by default DEFAULT_MAX_LORAS where adapters are served from the start."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_MAX_LORAS if self.lora_modules else 0
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora_modules as (name, directory); adapter i of them has id i + 1."""
+        return [tuple(item.split("=", 1)) for item in self.lora_modules]
 
     def for_replica(self, replica: int) -> EngineConfig:
         """The settings one --dp replica's ranks run with: a rendezvous port and a trace of its own."""
@@ -146,9 +174,28 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)
         if self.burst_chunked_prefill_size and self.burst_chunked_prefill_size < self.chunked_prefill_size:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError("--host_kv_cache_gb must be 0 (off) or more")
+        if self.disk_kv_cache_dir and (self.host_kv_cache_gb <= 0 or self.disk_kv_cache_gb <= 0):
+            raise ValueError("--disk_kv_cache_dir needs --host_kv_cache_gb above 0 (the disk tier lies below "
+                             "the host tier) and --disk_kv_cache_gb above 0")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
+        self._check_loras()
         self._check_nodes()
+
+    def _check_loras(self) -> None:
+        names = [item.partition("=")[0] for item in self.lora_modules]
+        if any(not name or not path for name, _, path in (item.partition("=") for item in self.lora_modules)):
+            raise ValueError("--lora_modules takes NAME=DIR items")
+        if len(set(names)) != len(names):
+            raise ValueError("--lora_modules names an adapter twice")
+        if self.lora_slots < 0 or self.max_lora_rank < 1:
+            raise ValueError("--max_loras must be 0 or more, --max_lora_rank at least 1")
+        if self.lora_modules and not self.lora_slots:
+            raise ValueError("--lora_modules needs --max_loras of at least 1")
+        if self.lora_slots and self.quantization == "fp8":
+            raise ValueError("LoRA adapters are not served with --quantization fp8 yet")
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -56,6 +56,8 @@ class EngineCore:
         ids, vocab, p = msg.prompt_ids, self._vocab_size, msg.sampling
         if not ids:
             return "empty prompt"
+        if msg.lora_id and msg.lora_id not in self.scheduler.lora_ids:
+            return f"unknown LoRA adapter {msg.lora_id}"
         if vocab is None:
             return None
         if not 0 <= min(ids) <= max(ids) < vocab:
@@ -66,6 +68,14 @@ class EngineCore:
         if max(p.top_logprobs, p.prompt_logprobs or 0) > vocab:
             return f"more top logprobs asked for than the vocabulary's {vocab} tokens"
         return None
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        """Serve the LoRA adapter at `path` under `lora_id` (never an id used before) from the next step."""
+        self.scheduler.load_lora(lora_id, path)
+
+    def drop_lora(self, lora_id: int) -> list[TokenOut]:
+        """Stop serving adapter `lora_id`; its requests that have not started end with an error."""
+        return self.scheduler.drop_lora(lora_id)
 
     def abort(self, req_id: int) -> bool:
         return self.scheduler.abort(req_id)

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # bucket is running_max_req_size itself.
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 LARGE_BUCKET_STEP = 64
-META_ROWS = 4  # decode steps: input_ids, positions, request rows, sequence lengths
+META_ROWS = 5  # decode steps: input_ids, positions, request rows, sequence lengths, LoRA slots
 # Mixed steps, in tokens: every 64 up to 1024 (a mixed step of a few hundred tokens is at the
 # GEMMs' compute knee, so padding costs about its share of tokens), every 128 above.
 MIXED_SMALL = (16, 32, 64)
@@ -60,7 +60,7 @@ MIXED_STEPS = ((1024, 64), (4096, 128), (16384, 512))
 # prompts (a few hundred tokens each) by the dozen. Each chunk costs a logit row and an extend-
 # attention block slot that leaves at once when unused.
 MAX_GRAPH_CHUNKS = 64
-MIXED_TOKEN_ROWS = 3  # input_ids, positions, token rows (then decode attention's rows and seq lens, `decodes` each)
+MIXED_TOKEN_ROWS = 4  # input_ids, positions, token rows, LoRA slots (then decode attention's rows and seq lens, `decodes` each)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -131,8 +131,8 @@ class StepGraphs:
         self.req_to_token[self.padding_row, 0] = token_table.scratch_slot
         device = token_table.device
         largest = self.buckets[-1]
-        self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest],
-                                 device=device)
+        self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest,
+                                  [-1] * largest], device=device)
         self.mixed_meta = torch.zeros(self.mixed[-1].size, dtype=torch.int64, device=device)
         logit_rows = max(largest, self.mixed[-1].logit_rows)  # the static logits only graphs write
         self.logits = torch.empty(logit_rows if capture else 0, model.config.vocab_size, dtype=torch.float32,
@@ -158,12 +158,12 @@ class StepGraphs:
         return self.bucket(n), self.max_seqlen
 
     def pad_meta(self, input_ids: list[int], positions: list[int], rows: list[int],
-                 seq_lens: list[int]) -> list[int]:
+                 seq_lens: list[int], lora_slots: list[int]) -> list[int]:
         """The step's metadata padded to its bucket, flattened for the runner's one upload."""
         n = len(input_ids)
         pad = self.bucket(n) - n
         return (input_ids + [0] * pad + positions + [0] * pad + rows + [self.padding_row] * pad
-                + seq_lens + [1] * pad)
+                + seq_lens + [1] * pad + lora_slots + [-1] * pad)
 
     def run(self, meta: torch.Tensor, n: int, max_seqlen: int) -> torch.Tensor:
         """fp32 logits [n, vocab] of the real rows; meta is [META_ROWS, bucket] on the device.
@@ -177,10 +177,10 @@ class StepGraphs:
         return self.logits[:n]
 
     def _forward(self, bucket: int, max_seqlen: int) -> torch.Tensor:
-        input_ids, positions, rows, seq_lens = self.meta[:, :bucket]
+        input_ids, positions, rows, seq_lens, lora_slots = self.meta[:, :bucket]
         slots = self.req_to_token[rows, positions].long()  # the runner wrote them before the step
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=rows.int(),
-                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen)
+                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen, lora_slots=lora_slots)
         return self.model.forward(batch, self.token_table)
 
     # ---- mixed steps ----
@@ -204,6 +204,7 @@ class StepGraphs:
         return (lists["decode_ids"] + lists["chunk_ids"] + [0] * pad
                 + lists["positions"] + [0] * pad
                 + lists["token_rows"] + [pad_row] * pad
+                + lists["lora_slots"] + [-1] * pad
                 + lists["decode_rows"] + [pad_row] * undecoded
                 + lists["decode_seq_lens"] + [1] * undecoded
                 + lists["ext_rows"] + [pad_row] * chunk_pad
@@ -215,8 +216,8 @@ class StepGraphs:
     def _pad_only(self, layout: MixedLayout) -> None:
         """The static metadata of `layout` as a step of padding alone (warm-up and capture): each
         layout reads the buffer at its own offsets, so each is filled before it runs."""
-        empty = {name: [] for name in ("decode_ids", "chunk_ids", "positions", "token_rows", "decode_rows", "decode_seq_lens",
-                                       "ext_rows", "ext_kv_lens", "ext_q_blocks", "logit_index")}
+        empty = {name: [] for name in ("decode_ids", "chunk_ids", "positions", "token_rows", "lora_slots", "decode_rows",
+                                       "decode_seq_lens", "ext_rows", "ext_kv_lens", "ext_q_blocks", "logit_index")}
         meta = self.pad_mixed({**empty, "ext_cu_q": [0]}, 0, layout)
         self.mixed_meta[: layout.size].copy_(torch.tensor(meta))
 
@@ -231,14 +232,14 @@ class StepGraphs:
 
     def _mixed_forward(self, layout: MixedLayout, max_seqlen: int) -> torch.Tensor:
         v = layout.views(self.mixed_meta)
-        input_ids, positions, token_rows = v["tokens"].view(MIXED_TOKEN_ROWS, -1)
+        input_ids, positions, token_rows, lora_slots = v["tokens"].view(MIXED_TOKEN_ROWS, -1)
         decode_rows, decode_lens = v["decodes"].view(2, -1)
         slots = self.req_to_token[token_rows, positions].long()
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=decode_rows.int(),
                              decode_seq_lens=decode_lens.int(), decode_max_seqlen=max_seqlen,
                              ext_rows=v["ext_rows"].int(), ext_cu_q=v["ext_cu_q"].int(),
                              ext_kv_lens=v["ext_kv_lens"].int(), ext_q_blocks=v["q_blocks"].int().view(2, -1),
-                             logit_index=v["logit_index"])
+                             logit_index=v["logit_index"], lora_slots=lora_slots)
         return self.model.forward(batch, self.token_table)
 
     # ---- capture ----

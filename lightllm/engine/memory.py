@@ -145,6 +145,25 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+# The hybrid models' recurrent states take at most this share of the memory that --mem_fraction
+# leaves beside what is in use after loading; the KV budget is measured after they are allocated.
+STATE_MEMORY_SHARE = 0.5
+
+
+def state_slots(slot_bytes: int, wanted: int, device: torch.device, mem_fraction: float) -> int:
+    """Request rows (each with its recurrent state, `slot_bytes`) to allocate: `wanted`, or fewer
+    where their states would take more than STATE_MEMORY_SHARE of the memory left."""
+    total, free = memory_info(device)
+    room = (total * mem_fraction - (total - free)) * STATE_MEMORY_SHARE
+    fits = int(room // slot_bytes) - 1  # one slot more serves the padding row
+    if fits < 1:
+        raise ValueError(f"no memory left for the recurrent state of one request ({slot_bytes / 2**20:.1f} MiB)")
+    if fits < wanted:
+        logger.warning("running requests capped at %d (of --running_max_req_size %d): their recurrent states, "
+                       "%.1f MiB each, take %g of the memory left", fits, wanted, slot_bytes / 2**20, STATE_MEMORY_SHARE)
+    return min(wanted, fits)
+
+
 CPU_DEFAULT_TOKENS = 16384  # the most a CPU runner takes unless given more
 
 

@@ -20,22 +20,26 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import torch
 
+from lightllm.common.host_pool import HostKVPool
 from lightllm.common.req_table import OutOfRowsError, ReqTable
 from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
-from lightllm.engine.memory import token_budget
-from lightllm.engine.plan import DropGrammar, Evict, Insert, LoadGrammar, Release, Reset, Split, StepPlan, StepResult
+from lightllm.engine.memory import state_slots, token_budget
+from lightllm.engine.plan import (DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
+                                  Reset, Spill, Split, StepPlan, StepResult)
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
+from lightllm.models.lora import LoraAdapters, module_shapes
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
 
@@ -86,14 +90,27 @@ class ModelRunner:
         dtype = resolve_dtype(config.data_type, cfg, self.device)
         self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,
                                 max_positions=self.max_req_total_len, load_format=config.load_format)
+        self.loras = self._load_loras(config, dtype)  # before the KV budget is sized: its slots take memory
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, self.device)
         running = config.running_max_req_size
+        if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
+            slot_bytes = self.model.state_slot_bytes()
+            running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
+        # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
+        # before the KV budget is measured so that it counts them as in use
+        self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
+        if cfg.linear_attn and cuda_graph:
+            logger.info("CUDA graphs off for this model: its steps with prompt chunks read their bounds to the host, "
+                        "and a padded mixed step's decode rows would run over chunk tokens")
+            cuda_graph = capture = False
         self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)
+        self.host_pool: HostKVPool | None = None  # the prefix cache's host tier (host-resident nodes)
+        self.disk_pool: HostKVPool | None = None  # ... and its disk tier
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
         self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
@@ -108,7 +125,10 @@ class ModelRunner:
                      "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
-                     "burst_chunked_prefill_size": burst}
+                     "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None,
+                     "running_max_req_size": running}
+        if self.loras is not None:  # what the HTTP process checks an adapter against before the engine loads it
+            self.info["lora_modules"] = [(name, *shape) for name, shape in module_shapes(cfg).items()]
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         self.max_total_token_num = config.max_total_token_num
@@ -116,6 +136,12 @@ class ModelRunner:
             self.max_total_token_num = token_budget(self, config.max_total_token_num, burst or self.max_req_total_len,
                                                     config.mem_fraction, graph_bytes)
         self.token_table = self.new_token_table(self.max_total_token_num)
+        self.host_pool = self._new_host_pool(config.host_kv_cache_gb)
+        self.info["host_kv_cache_tokens"] = 0 if self.host_pool is None else self.host_pool.capacity
+        if config.disk_kv_cache_dir and self.host_pool is not None:
+            path = os.path.join(config.disk_kv_cache_dir, f"lightllm-kv-{os.getpid()}.bin")
+            self.disk_pool = self._new_host_pool(config.disk_kv_cache_gb, path)
+        self.info["disk_kv_cache_tokens"] = 0 if self.disk_pool is None else self.disk_pool.capacity
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
                                      config.graph_max_tokens, capture)
@@ -124,9 +150,32 @@ class ModelRunner:
             self._trace = StepTrace(path, self.device)
             atexit.register(self._trace.close)
 
+    def _load_loras(self, config: EngineConfig, dtype: torch.dtype) -> LoraAdapters | None:
+        """The LoRA slot pool and the adapters of --lora_modules (ids 1, 2, ...), or None without slots."""
+        if not config.lora_slots:
+            return None
+        loras = LoraAdapters(self.model, self.config, config.lora_slots, config.max_lora_rank, self.device, dtype)
+        for lora_id, (_, path) in enumerate(config.lora_adapters, 1):
+            loras.add(lora_id, path)
+        return loras
+
     def new_token_table(self, size: int) -> TokenTable:
         shapes = self.model.kv_shapes
         return TokenTable(size, len(shapes), *shapes[0], self.kv_dtype, self.device, shapes=shapes)
+
+    def _new_host_pool(self, gib: float, path: str | None = None) -> HostKVPool | None:
+        """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,
+        the same tokens on every rank."""
+        table = self.token_table
+        per_token = 2 * len(table.k) * table.k[0][0].numel() * table.k[0].element_size()
+        tokens = self.tp.min_int(int(gib * 2**30) // per_token, self.device)
+        if tokens <= 0:
+            return None
+        if len({tuple(k.shape[1:]) for k in table.k}) > 1:
+            raise ValueError("the host and disk KV tiers need one K/V shape in every layer; "
+                             f"{self.config.architecture} has layers of different head sizes")
+        return HostKVPool(tokens, len(table.k), table.k[0].shape[1], table.k[0].shape[2], table.k[0].dtype, self.device,
+                          path)
 
     # ---- the step ----
 
@@ -262,7 +311,8 @@ class ModelRunner:
                     self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
                 state = SamplingState(chunk.sampling, matcher=self._loaded_matcher(chunk.req_id, chunk.sampling))
                 self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
-                                                     [] if chunk.sampling.prompt_logprobs is not None else None)
+                                                     [] if chunk.sampling.prompt_logprobs is not None else None,
+                                                     self.loras.acquire(chunk.lora) if chunk.lora else -1)
 
     def _upload_step(self, plan: StepPlan, decodes: DecodeRows, chunks: list, sampled: list[RunningReq],
                      graphed_decode: bool) -> tuple[dict[str, torch.Tensor], MixedLayout | None]:
@@ -334,11 +384,12 @@ class ModelRunner:
     def _graph_meta(self, decodes: DecodeRows) -> dict[str, list[int]]:
         positions = [r.seq_len + o for r, o in zip(decodes.reqs, decodes.offsets)]
         rows = [r.row for r in decodes.reqs]
-        return {"meta": self.graphs.pad_meta(decodes.ids, positions, rows, [p + 1 for p in positions]),
+        lora_slots = [r.lora_slot for r in decodes.reqs]
+        return {"meta": self.graphs.pad_meta(decodes.ids, positions, rows, [p + 1 for p in positions], lora_slots),
                 "sample_rows": rows}
 
     def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens
+        meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens, LoRA slots
         rows, positions = meta[2, :n], meta[1, :n]
         self._fill_last_tokens(meta[0, :n], rows)
         self.req_to_token_write(rows, positions, slots)
@@ -377,7 +428,7 @@ class ModelRunner:
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
-                             logit_index=t["logit_index"], **decode, **extend)
+                             logit_index=t["logit_index"], lora_slots=t["lora_slots"], **decode, **extend)
         return self.model.forward(batch, self.token_table)
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -403,17 +454,32 @@ class ModelRunner:
                     raise ValueError(f"release of request {op.req_id}: positions [{op.start}, {end}) of "
                                      f"{r.seq_len} ({r.prefix_len} from the cache)")
                 to_free.append(table[r.row, op.start: end])
-                self.req_table.free(r.row)
+                self._free_row(r)
             elif isinstance(op, Insert):
                 r = self.reqs[op.req_id]
                 if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:
                     raise ValueError(f"cache insert {op} of a request with {r.seq_len} tokens")
                 self.nodes[op.node_id] = table[r.row, op.start: op.end].clone()
+            elif isinstance(op, Split) and op.node_id not in self.nodes:
+                self._pool_of(op.node_id).split(op.node_id, op.at, op.upper_id)
             elif isinstance(op, Split):
                 slots = self.nodes[op.node_id]
                 self.nodes[op.upper_id], self.nodes[op.node_id] = slots[: op.at], slots[op.at:]
+            elif isinstance(op, Evict) and op.node_id not in self.nodes:
+                self._pool_of(op.node_id).drop(op.node_id)
             elif isinstance(op, Evict):
                 to_free.append(self.nodes.pop(op.node_id))
+            elif isinstance(op, Offload):
+                to_free.append(self.nodes.pop(op.node_id))
+                self.host_pool.offload(op.node_id, to_free[-1], self.token_table.k + self.token_table.v)
+            elif isinstance(op, Spill):
+                self.disk_pool.take_from(op.node_id, self.host_pool)
+            elif isinstance(op, Load):
+                to_free = self._free_slots(to_free)  # the room evicted for it
+                pool = self._pool_of(op.node_id)
+                slots = self.token_table.alloc(sum(length for _, length in pool.nodes[op.node_id]))
+                pool.load(op.node_id, slots, self.token_table.k + self.token_table.v)
+                self.nodes[op.node_id] = slots.int()
             elif isinstance(op, Reset):
                 self.reset()
                 to_free = []
@@ -421,16 +487,41 @@ class ModelRunner:
                 self._grammar_loads[op.req_id] = [self._load_grammar(op), False]
             elif isinstance(op, DropGrammar):
                 self._grammar_loads.pop(op.req_id, None)
+            elif isinstance(op, (LoadLora, DropLora)):
+                self._lora_op(op)
             else:
                 raise TypeError(f"unknown op {op!r}")
+        self._free_slots(to_free)
+
+    def _pool_of(self, node_id: int) -> HostKVPool:
+        return self.host_pool if node_id in self.host_pool.nodes else self.disk_pool
+
+    def _free_slots(self, to_free: list[torch.Tensor]) -> list[torch.Tensor]:
         if to_free:
             self.token_table.free(torch.cat(to_free))
+        return []
+
+    def _free_row(self, r: RunningReq) -> None:
+        self.req_table.free(r.row)
+        if r.lora_slot >= 0:
+            self.loras.release(r.lora_slot)
+
+    def _lora_op(self, op) -> None:
+        if self.loras is None:
+            raise ValueError("no LoRA adapters are served (--max_loras 0)")
+        if isinstance(op, LoadLora):
+            self.loras.add(op.lora_id, op.path)
+        else:
+            self.loras.drop(op.lora_id)
 
     def reset(self) -> None:
         for r in self.reqs.values():
-            self.req_table.free(r.row)
+            self._free_row(r)
         self.reqs.clear()
         self.nodes.clear()
+        for pool in (self.host_pool, self.disk_pool):
+            if pool is not None:
+                pool.reset()
         self._grammar_loads.clear()
         self.token_table.free_all()
         self._last_launched = None
@@ -444,7 +535,8 @@ class ModelRunner:
 
     def stats(self) -> dict:
         return {"tokens_used": self.token_table.used_count, "max_total_token_num": self.max_total_token_num,
-                "running_requests": len(self.reqs), "cache_nodes": len(self.nodes)}
+                "running_requests": len(self.reqs), "cache_nodes": len(self.nodes),
+                "host_tokens_used": 0 if self.host_pool is None else self.host_pool.capacity - self.host_pool.free_count}
 
     # ---- checks before any state changes, so a refused step leaves the runner as it was ----
 
@@ -466,6 +558,11 @@ class ModelRunner:
             if c.first and (any(n not in self.nodes for n in c.prefix)
                             or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
                 raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
+        if self.state_pool is not None and (plan.drafts or any(c.first and c.prefix for c in plan.chunks)):
+            raise ValueError(f"step {plan.step_id}: drafts and cached prefixes are not served for a model with "
+                             "recurrent state")
+        if not self._loras_fit({c.lora for c in new if c.lora}):
+            raise ValueError(f"step {plan.step_id}: more LoRA adapters starting than free slots")
         full = [i for i in plan.decodes if self.reqs[i].seq_len + len(plan.drafts.get(i, ())) >= self.max_req_total_len]
         if full:
             raise ValueError(f"decode: requests {full} reached max_req_total_len {self.max_req_total_len}")
@@ -477,6 +574,14 @@ class ModelRunner:
                                    f"{self.token_table.free_count} free")
         if len(new) > self.req_table.free_count:
             raise OutOfRowsError(f"step needs {len(new)} request rows, {self.req_table.free_count} free")
+
+    def _loras_fit(self, lora_ids: set[int]) -> bool:
+        """Whether requests of these adapters can start now: loaded, and a slot for each."""
+        if not lora_ids:
+            return True
+        if self.loras is None or not lora_ids <= set(self.loras.host):
+            return False
+        return self.loras.table.fits(lora_ids)
 
 
 def _accepted(drafts: list[int], sampled: list) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightllm.common.radix_cache import Evict, Insert, Split  # the prefix cache's ops, carried in a plan
+from lightllm.common.radix_cache import Evict, Insert, Load, Offload, Spill, Split  # the prefix cache's ops, carried in a plan
 from lightllm.engine.request import SamplingParams
 
 
@@ -28,6 +28,7 @@ class Chunk:
     # First chunk: the prefix-cache nodes, root first, whose slots hold positions [0, start).
     prefix: tuple[int, ...] = ()
     next_id: int = -1  # the prompt token after this chunk (not the last), for prompt logprobs
+    lora: int = 0  # first chunk: the request's LoRA adapter (LoadLora's id; 0: the base model)
 
     @property
     def first(self) -> bool:
@@ -35,7 +36,7 @@ class Chunk:
 
 
 # ---- ops: what the runner does before the step, in order (slots move between requests and
-# the prefix cache's nodes; Insert, Split and Evict are the radix tree's, in
+# the prefix cache's nodes; Insert, Split, Evict, Offload, Spill and Load are the radix tree's, in
 # lightllm/common/radix_cache.py) ----
 
 
@@ -74,7 +75,23 @@ class DropGrammar:
     req_id: int
 
 
-OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar)
+@dataclass
+class LoadLora:
+    """Read the LoRA adapter at `path` into host memory under `lora_id` (ids are never reused: a
+    request names its adapter by id, and the prefix cache keys on it)."""
+
+    lora_id: int
+    path: str
+
+
+@dataclass
+class DropLora:
+    """Forget adapter `lora_id` (no waiting or running request names it any more)."""
+
+    lora_id: int
+
+
+OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill, LoadLora, DropLora)
 
 
 @dataclass
@@ -151,8 +168,8 @@ def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
 
 
 def plan_to_wire(plan: StepPlan) -> tuple:
-    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id)
-                   for c in plan.chunks)
+    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id,
+                    c.lora) for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
     drafts = tuple((r, tuple(d)) for r, d in plan.drafts.items())
     return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync, drafts
@@ -161,8 +178,8 @@ def plan_to_wire(plan: StepPlan) -> tuple:
 def plan_from_wire(wire: tuple) -> StepPlan:
     step_id, decodes, chunks, ops, sync, drafts = wire
     return StepPlan(step_id, list(decodes),
-                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id)
-                     for r, t, s, last, p, prefix, next_id in chunks],
+                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora)
+                     for r, t, s, last, p, prefix, next_id, lora in chunks],
                     [OPS[op[0]](*op[1:]) for op in ops], sync, {r: list(d) for r, d in drafts})
 
 

@@ -93,6 +93,7 @@ class GenerateReq:
     prompt_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    lora_id: int = 0  # the LoRA adapter it runs under (the engine's id of it; 0: the base model)
 
 
 @pickled_by_fields
@@ -125,9 +126,16 @@ class Req:
         self.sampling: SamplingParams = msg.sampling
         self.arrival_time = msg.arrival_time
         self.prompt_len = len(msg.prompt_ids)
+        self.lora_id = msg.lora_id
+        # Its key in the prefix cache: the first token tagged with the adapter, so that KV computed
+        # under one adapter (or none) is never found by a request under another.
+        self.cache_ids = msg.prompt_ids if not msg.lora_id else [msg.prompt_ids[0] + (msg.lora_id << 32),
+                                                                 *msg.prompt_ids[1:]]
         self.max_new_tokens = msg.sampling.max_new_tokens
         self.prefilled = 0  # prompt tokens scheduled (or taken from the prefix cache)
         self.cached = 0  # prompt tokens taken from the prefix cache (final at its first chunk)
+        self.host_hits = 0  # of those, loaded back from its host (or disk) tier
+        self.disk_hits = 0  # ... from its disk tier
         self.started = False  # its first chunk is scheduled: the runner holds a row for it
         # The deepest prefix-cache node it holds a reference on: positions [0, node.depth) of its
         # KV are the cache's slots, the rest its own. None without the cache (or nothing cached).

@@ -13,6 +13,12 @@ already planned in the step waits a step for it, `SHARE_PROBE`); each chunk goes
 it is scheduled, and an ended request's tokens stay cached instead of being freed. Cached tokens
 no running request references count as free: they are evicted, least recently used first, when
 a step needs their room.
+
+With a host tier (`host_cache_tokens`) evicted nodes move to host memory instead; a request
+whose match reaches them locks its path and loads them back (`_load_host`) when it is admitted
+or takes more cached tokens before its first chunk, after evicting room for them: the Load ops
+precede its first chunk in the plan. Admission charges a matched path's host-resident tokens
+like its device ones, so loads in flight are inside the proof.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import time
 import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
-from lightllm.engine.plan import Chunk, DropGrammar, LoadGrammar, Release, Reset, StepPlan, StepResult
+from lightllm.engine.plan import (Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset, StepPlan,
+                                  StepResult)
 from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -149,13 +156,16 @@ def peak_with_drafts(tokens_held: np.ndarray, tokens_left: np.ndarray, drafts: n
 class Scheduler:
     def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
                  prefix_cache: bool = True, admission_wait_steps: int = 0, burst_chunk_budget: int | None = None,
-                 speculator=None):
+                 speculator=None, host_cache_tokens: int = 0, disk_cache_tokens: int = 0, max_loras: int = 0,
+                 lora_ids: tuple[int, ...] = ()):
         """admission_wait_steps: while requests decode and fewer slots are free than
         max_running / ADMISSION_ROOM_DIVISOR (and than requests waiting), admit at most once in
         that many steps, so that slots freed one by one are filled by one prefill step, not one each.
         burst_chunk_budget: the prompt tokens a step may prefill while a burst waits (`step_budget`);
         None or chunk_budget: always chunk_budget. speculator: a spec.controller.Speculator, which
-        gives decoding requests drafts where they pay (None: no speculative decoding)."""
+        gives decoding requests drafts where they pay (None: no speculative decoding).
+        host_cache_tokens: room of the prefix cache's host tier (0: evicted tokens are dropped);
+        disk_cache_tokens: of its disk tier, below the host tier."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.max_total_token_num = max_total_token_num
@@ -170,13 +180,18 @@ class Scheduler:
         self.running: list[Req] = []  # admission order: prefill chunks follow it
         self._by_id: dict[int, Req] = {}
         self._ops: list = []  # ops for the runner, in order; they ride on the next plan
-        self.cache = RadixCache(self._ops) if prefix_cache else None
+        self.cache_tiers = (host_cache_tokens, disk_cache_tokens)
+        self.cache = RadixCache(self._ops, *self.cache_tiers) if prefix_cache else None
         self._growing: list[Req] = []  # requests whose chunk in the last plan joins the cache next
         self._in_steps: set[int] = set()  # ids of steps planned whose result is not yet in
         self._next_step = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the cache (counter)
         self.prefix_hit_tokens = 0  # of which found cached (counter)
+        self.prefix_host_hit_tokens = 0  # of those, loaded back from the host or disk tier (counter)
+        self.prefix_disk_hit_tokens = 0  # of those, from the disk tier (counter)
         self.speculator = speculator
+        self.max_loras = max_loras  # LoRA adapters the running batch may use at once (the runner's slots)
+        self.lora_ids = set(lora_ids)  # the adapters the runner holds (those of --lora_modules: 1, 2, ...)
         self._drafts: dict[int, dict[int, list[int]]] = {}  # step id -> its plan's drafts, until its result
 
     # ---- requests in and out ----
@@ -223,7 +238,7 @@ class Scheduler:
                 fed = req.output_ids + req.unemitted
                 if req.decode_steps > len(fed):
                     raise RuntimeError(f"{req} ends with a decode in flight: its tokens are not all known")
-                tokens = req.prompt_ids[start: req.prefilled] + fed[: req.decode_steps]
+                tokens = req.cache_ids[start: req.prefilled] + fed[: req.decode_steps]
                 duplicated, _ = self.cache.insert(node or self.cache.root, tokens, req.req_id, start)
                 end = start + duplicated
             self._ops.append(Release(req.req_id, start, end))
@@ -260,7 +275,7 @@ class Scheduler:
 
     def flush_cache(self) -> int:
         """Evict every cached token no running request references; returns how many."""
-        return 0 if self.cache is None else self.cache.evict(self.cache.total_tokens)
+        return 0 if self.cache is None else self.cache.flush()
 
     # ---- planning ----
 
@@ -378,23 +393,35 @@ class Scheduler:
         if self.cache is None or not req.uses_cache:
             return
         above = req.node or self.cache.root
-        found = self.cache.match(req.prompt_ids[req.prefilled: req.prompt_len - 1], above)
+        found = self.cache.match(req.cache_ids[req.prefilled: req.prompt_len - 1], above)
         if found.length:
             node = self.cache.take(found)
             self.cache.lock(node, above=above)
             req.node, req.prefilled = node, node.depth
+            self._load_host(req)
+
+    def _load_host(self, req: Req) -> None:
+        """Its locked path's host-resident nodes come back to the device, root side first, each
+        after room is evicted for it (admission charged their tokens)."""
+        for node in self.cache.host_path(req.node):
+            self._make_room(len(node.key))
+            req.disk_hits += len(node.key) if node.disk else 0
+            self.cache.load(node)
+            req.host_hits += len(node.key)
 
     def _probe(self, req: Req) -> tuple | None:
         """Where its next chunk starts and its first SHARE_PROBE tokens (None: too short to matter)."""
         if req.prompt_left <= SHARE_PROBE or not req.uses_cache:
             return None
-        return req.prefilled, tuple(req.prompt_ids[req.prefilled: req.prefilled + SHARE_PROBE])
+        return req.prefilled, tuple(req.cache_ids[req.prefilled: req.prefilled + SHARE_PROBE])
 
     def _start(self, req: Req) -> None:
         """Its first chunk is planned: count the lookup."""
         if self.cache is not None:
             self.prefix_queried_tokens += req.prompt_len
             self.prefix_hit_tokens += req.prefilled
+            self.prefix_host_hit_tokens += req.host_hits
+            self.prefix_disk_hit_tokens += req.disk_hits
         req.cached = req.prefilled
         req.started = True
         if req.arrival_time > 0:
@@ -406,6 +433,8 @@ class Scheduler:
         last = req.prefilled == req.prompt_len
         chunk = Chunk(req.req_id, req.prompt_ids[start: start + n], start, last,
                       req.sampling if start == req.cached else None)
+        if chunk.first:
+            chunk.lora = req.lora_id
         if not last and not req.uses_cache:
             chunk.next_id = req.prompt_ids[req.prefilled]
         if last:
@@ -420,7 +449,7 @@ class Scheduler:
             if req.status is ReqStatus.FINISHED or not req.grows_cache:
                 continue  # an ended request was cached whole
             start = req.shared
-            tokens = req.prompt_ids[start: req.prefilled]
+            tokens = req.cache_ids[start: req.prefilled]
             duplicated, node = self.cache.insert(req.node or self.cache.root, tokens, req.req_id, start,
                                                  after_match=False)
             if node is not None:
@@ -429,12 +458,12 @@ class Scheduler:
             elif duplicated:  # computed twice at once: its own copy stays its own until it ends
                 req.grows_cache = False
 
-    def _make_room(self, drafts: int = 0) -> None:
-        """Evict unreferenced cached tokens until what the plan allocates fits (its drafts too,
-        for the step)."""
+    def _make_room(self, extra: int = 0) -> None:
+        """Evict unreferenced cached tokens until what the plan allocates fits (and `extra` more:
+        the step's drafts, or a node about to be loaded from the host tier)."""
         if self.cache is None or self.cache.evictable_tokens == 0:
             return
-        need = self.slots_used + drafts - self.max_total_token_num
+        need = self.slots_used + extra - self.max_total_token_num
         if need > 0:
             freed = self.cache.evict(need)
             if freed < need:  # admission counts evictable tokens as free: this cannot happen
@@ -448,12 +477,12 @@ class Scheduler:
             return
         if self._gathering_room(room):
             return
-        candidates = [r for r in self._admission_order() if r.grammar_ready][:room]
+        candidates = self._within_lora_slots([r for r in self._admission_order() if r.grammar_ready][:room])
         if not candidates:
             return
         matches = None
-        if self.cache is not None and self.cache.total_tokens:
-            matches = [self.cache.match(req.prompt_ids[: req.prompt_len - 1] if req.uses_cache else [])
+        if self.cache is not None and (self.cache.total_tokens or self.cache.host_tokens or self.cache.disk_tokens):
+            matches = [self.cache.match(req.cache_ids[: req.prompt_len - 1] if req.uses_cache else [])
                        for req in candidates]
         fits = self._fits(candidates, matches)
         lo, hi = 0, len(candidates)  # lo fits; find the largest count that fits
@@ -475,11 +504,41 @@ class Scheduler:
             if self.speculator is not None:
                 req.spec = self.speculator.start(req.req_id, req.prompt_ids)
             if matches is not None and req.uses_cache:  # matched again: an earlier admission may have split a node
-                found = self.cache.match(req.prompt_ids[: req.prompt_len - 1])
+                found = self.cache.match(req.cache_ids[: req.prompt_len - 1])
                 if found.length:
                     req.node = self.cache.take(found)
                     self.cache.lock(req.node)
                     req.prefilled = found.length
+                    self._load_host(req)
+
+    def _within_lora_slots(self, candidates: list[Req]) -> list[Req]:
+        """The candidates up to the first whose LoRA adapter would be one more than the runner's
+        slots hold beside the running batch's."""
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        for i, req in enumerate(candidates):
+            if req.lora_id and req.lora_id not in adapters:
+                if len(adapters) == self.max_loras:
+                    return candidates[:i]
+                adapters.add(req.lora_id)
+        return candidates
+
+    # ---- LoRA adapters ----
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        if not self.max_loras or lora_id in self.lora_ids or lora_id <= 0:
+            raise ValueError(f"cannot load LoRA adapter {lora_id}: no slots, or the id is taken")
+        self.lora_ids.add(lora_id)
+        self._ops.append(LoadLora(lora_id, path))
+
+    def drop_lora(self, lora_id: int) -> list[TokenOut]:
+        """Forget adapter `lora_id`: its requests that have not started end with an error (the
+        running ones finish on the slot that holds it)."""
+        self.lora_ids.discard(lora_id)
+        unstarted = [r for r in [*self.waiting.values(), *self.running] if r.lora_id == lora_id and not r.started]
+        for req in unstarted:
+            self.abort(req.req_id)
+        self._ops.append(DropLora(lora_id))
+        return [TokenOut(r.req_id, -1, 0.0, FinishReason.ERROR, error="LoRA adapter unloaded") for r in unstarted]
 
     def _gathering_room(self, room: int) -> bool:
         """Whether to leave the free slots empty this step: every admission into a decoding batch
@@ -632,5 +691,5 @@ class Scheduler:
         self._ops.clear()
         self._ops.append(Reset())
         if self.cache is not None:
-            self.cache = RadixCache(self._ops)
+            self.cache = RadixCache(self._ops, *self.cache_tiers)
         return [TokenOut(req.req_id, -1, 0.0, FinishReason.ERROR, error=error) for req in reqs]

@@ -35,11 +35,20 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma4ForCausalLM": dict(sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=1.0),
     # its text model; the vision and audio towers' weights are left unread
     "Gemma4ForConditionalGeneration": dict(sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=1.0),
+    # hybrid: Gated DeltaNet layers beside gated full attention, zero-centred norms (LinearAttnConfig)
+    **{arch: dict(qk_norm=True, norm_offset=1.0) for arch in (
+        "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")},
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                "gemma4": "Gemma4ForConditionalGeneration"}
+HYBRID_ARCHITECTURES = tuple(arch for arch in SUPPORTED_ARCHITECTURES if arch.startswith(("Qwen3Next", "Qwen3_5")))
+# text under text_config (Gemma 4's vision and audio towers' weights are left unread)
+_MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration")
 _GEMMA4 = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *_GEMMA4)  # tied embeddings unless config.json says otherwise
 # Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
@@ -80,6 +89,7 @@ class MoEConfig:
     biases: bool = False
     swiglu: tuple[float, float] | None = None  # (alpha, limit)
     mxfp4: bool = False  # the checkpoint's experts are MXFP4 (*_blocks, *_scales), kept so in memory
+    shared_intermediate_size: int = 0  # > 0: a gated shared expert beside the routed ones (Qwen3-Next, Qwen3.5)
     gelu: bool = False  # the experts' activation is GELU's tanh form, not silu (Gemma 4)
 
 
@@ -101,6 +111,28 @@ class Gemma4Layers:
     per_layer_vocab_size: int
     double_wide_mlp: bool
     prefix: str  # the text model's checkpoint names: "model." or, multimodal, "model.language_model."
+
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """The hybrid models (Qwen3-Next, Qwen3.5): `layers` are Gated DeltaNet layers (linear attention
+    with a recurrent state per request and a causal conv1d), the others gated full attention (an
+    output gate from q_proj, rotary over the first `rotary_dim` of each head)."""
+
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    rotary_dim: int
+    grouped_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head
+    weight_prefix: str = "model"  # "model.language_model" in the multimodal checkpoints
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -140,7 +172,13 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores capped at +-attn_softcap by tanh (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same for the final logits
     attn_sinks: bool = False  # a learned logit per head in each attention softmax's denominator (gpt-oss)
+    linear_attn: LinearAttnConfig | None = None  # the hybrid models' linear-attention layers
     gemma4: Gemma4Layers | None = None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the token table (the hybrid models' full-attention layers)."""
+        return self.num_layers - (len(self.linear_attn.layers) if self.linear_attn else 0)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -277,12 +315,6 @@ def _gemma4(cfg: dict, windows: tuple[int, ...], num_layers: int, prefix: str, p
                         bool(cfg.get("use_double_wide_mlp")), prefix)
 
 
-def _text_config(cfg: dict) -> dict:
-    """A multimodal Gemma 4's text_config, with the fields it leaves to the outer config."""
-    outer = {k: cfg[k] for k in ("eos_token_id", "tie_word_embeddings", "dtype", "torch_dtype") if k in cfg}
-    return {**outer, **cfg["text_config"], "architectures": cfg["architectures"]}
-
-
 def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
     """Mixtral: every layer, top-k renormalised. Qwen3-MoE: the layers of every
     `decoder_sparse_step`-th index (from 1) less `mlp_only_layers`, renormalised by `norm_topk_prob`."""
@@ -294,6 +326,8 @@ def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
     if arch in _GEMMA4:  # experts beside the dense MLP in every layer, top-k renormalised
         return MoEConfig(int(cfg["num_experts"]), int(cfg["top_k_experts"]), int(cfg["moe_intermediate_size"]), True,
                          tuple(range(num_layers)), gelu=True) if cfg.get("enable_moe_block") else None
+    if arch in HYBRID_ARCHITECTURES:
+        return _hybrid_moe(cfg, arch, num_layers)
     if arch != "Qwen3MoeForCausalLM":
         return None
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 saves the latter
@@ -317,6 +351,48 @@ def _gpt_oss_moe(cfg: dict, num_layers: int) -> MoEConfig:
                      mxfp4=quant == "mxfp4")
 
 
+def _hybrid_moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
+    """Qwen3-Next: as Qwen3-MoE's layers; Qwen3.5-MoE: every layer, renormalised. Both add a shared expert."""
+    num_experts = int(cfg.get("num_experts") or 0)
+    if not num_experts or arch in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        return None
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    renormalize = bool(cfg.get("norm_topk_prob", True)) or arch != "Qwen3NextForCausalLM"
+    return MoEConfig(num_experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+                     renormalize, layers, shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+
+
+def _linear_attn(cfg: dict, arch: str, num_layers: int, head_dim: int) -> LinearAttnConfig | None:
+    if arch not in HYBRID_ARCHITECTURES:
+        return None
+    interval = int(cfg.get("full_attention_interval", 4))
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                       for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ModelConfigError(f"layer_types must name linear_attention or full_attention for each of "
+                               f"{num_layers} layers, got {types}")
+    factor = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    return LinearAttnConfig(
+        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        num_k_heads=int(cfg["linear_num_key_heads"]), num_v_heads=int(cfg["linear_num_value_heads"]),
+        k_head_dim=int(cfg["linear_key_head_dim"]), v_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), rotary_dim=int(head_dim * factor),
+        grouped_projections=arch == "Qwen3NextForCausalLM",
+        weight_prefix="model.language_model" if arch in _MULTIMODAL else "model")
+
+
+def _text_config(cfg: dict, arch: str) -> dict:
+    """The multimodal checkpoints' text model: text_config's fields over the top level's."""
+    if arch not in _MULTIMODAL:
+        return cfg
+    merged = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    merged.update(cfg.get("text_config") or {})
+    if "tie_word_embeddings" in cfg:  # the top level's is the one transformers ties by
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
+
+
 def read_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -324,12 +400,14 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     path = model_dir / "config.json"
     cfg = read_json(path)
     arch = _architecture(cfg, path)
-    if arch == "Gemma4ForConditionalGeneration":
-        cfg = _text_config(cfg)
+    cfg = _text_config(cfg, arch)
+    if arch in HYBRID_ARCHITECTURES:  # Qwen3.5-MoE's config names no dense width: it has no dense layer
+        cfg.setdefault("intermediate_size", cfg.get("moe_intermediate_size"))
     _check_supported(cfg, path)
     theta, scaling, local_theta = _rope(cfg, path, _DEFAULT_ROPE_THETA.get(arch, 10000.0))
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
     generation = _generation_config(model_dir)
     windows = _layer_windows(cfg, arch, num_layers)
     prefix = "model.language_model." if arch == "Gemma4ForConditionalGeneration" else "model."
@@ -342,7 +420,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -355,6 +433,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         local_rope_theta=(local_theta or 10000.0) if arch in ("Gemma3ForCausalLM", *_GEMMA4) else None,
         hidden_act=_activation(cfg, path),
         moe=_moe(cfg, arch, num_layers),
+        linear_attn=_linear_attn(cfg, arch, num_layers, head_dim),
         gemma4=_gemma4(cfg, windows, num_layers, prefix, path) if arch in _GEMMA4 else None,
         **{**_biases(cfg), **(_gemma(cfg) if arch in _GEMMA else {}), **SUPPORTED_ARCHITECTURES[arch]},
     )

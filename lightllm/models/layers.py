@@ -45,6 +45,7 @@ class ForwardBatch:
     ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
     ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
+    lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none)
 
     @property
     def num_decodes(self) -> int:
@@ -112,10 +113,13 @@ class ColumnParallelLinear:
                                for name, out, start, count in parts]) if bias else None
         self.fp8 = Fp8Weight(weight) if quantization == "fp8" else None
         self.weight = None if self.fp8 else weight
+        self.parts, self.in_slice = parts, (0, in_features)  # what a LoRA adapter's A and B are cut to
+        self.lora = None  # models/lora.py's LoraTarget, where LoRA adapters are served
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is None:
-            return F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora(x, y)
         return _add_bias(self.fp8(x), self.bias)
 
 
@@ -144,6 +148,8 @@ class RowParallelLinear:
         self.fp8 = Fp8Weight(weight) if quantization == "fp8" else None
         self.weight_t = None if self.fp8 else weight.t().contiguous()
         self.bias = weights.get(f"{name}.bias", (out_features,)) if bias else None
+        self.parts, self.in_slice = [(name, out_features, 0, out_features)], (start, count)
+        self.lora = None  # models/lora.py's LoraTarget: its share of x's features, added before the reduce
         # Off (`defer_reduce`): the output is this rank's partial sum and the RMSNorm that takes
         # it all-reduces it, fused with its residual add where it can (RMSNorm.reduce).
         self.reduce_output = True
@@ -182,6 +188,8 @@ class RowParallelLinear:
             return torch.bmm(x.view(rows, parts, k // parts).transpose(0, 1),
                              self.weight_t.view(parts, k // parts, -1), out_dtype=torch.float32)
         y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
+        if self.lora is not None:
+            y = self.lora(x, y)
         if not self.reduce_output:
             return y
         return _add_bias(self.tp.all_reduce(y), self.bias)

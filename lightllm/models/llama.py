@@ -93,9 +93,13 @@ class LlamaModel:
         self.dtype = self.embed.weight.dtype
         # Gemma scales by sqrt(hidden) rounded to the activations' dtype, as transformers does
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=self.dtype).item()
+        self.lora = None  # models/lora.py's LoraSlots, where LoRA adapters are served
+
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
         """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
+        if self.lora is not None:
+            self.lora.prepare(batch.lora_slots)
         x, residual = self.embed(batch.input_ids), None
         if self.embed_scale != 1.0:
             x = x * self.embed_scale

@@ -24,6 +24,8 @@ from .layers import split_even
 EXPERT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    **{arch: ("mlp", "gate_proj", "up_proj", "down_proj") for arch in (
+        "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")},
 }
 
 

@@ -29,6 +29,10 @@ class ServerConfig(FrontendConfig):
         default=None,
         metadata=flag("the model's name in the OpenAI-style API (/v1/models and requests' 'model' field); absent: the model directory's name"),
     )
+    dp_routing: str = field(
+        default="prefix",
+        metadata=flag("how a request picks its --dp replica: prefix = the one whose cache most likely holds the longest prefix of its prompt (an index of the prompts sent to each), unless that one's open requests take more than 1.25x the least loaded one's share of its KV budget plus 5 percent of it; least_loaded = the smallest such share; round_robin = in turn (docs/architecture.md)", choices=("prefix", "least_loaded", "round_robin")),
+    )
     max_queued_requests: int = field(
         default=4096,
         metadata=flag("most open requests that have not yet had their first token (waiting for admission or in prefill); one more gets 429 with Retry-After at once, before it reaches the router. Twice the largest burst of the repo's benchmarks (2,000 requests at once): a bound on memory and on waiting, not on throughput"),
@@ -136,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.metadata.get("internal"):
             continue
         kind = _cli_type(hints[f.name])
-        if kind is bool:
+        if f.metadata.get("nargs"):  # a tuple of strings
+            parser.add_argument(f"--{f.name}", nargs=f.metadata["nargs"], default=f.default, help=f.metadata["help"])
+        elif kind is bool:
             parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
         else:
             parser.add_argument(
@@ -153,6 +159,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     given["api_key"] = given["api_key"] if given["api_key"] is not None else os.environ.get(API_KEY_ENV) or None
     given["node_token"] = given["node_token"] if given["node_token"] is not None else (
         os.environ.get(NODE_TOKEN_ENV) or None)
+    given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
     config = ServerConfig(**given)
     try:
         config.check()

@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary.
 
-HTTP process -> router:        GenerateReq, AbortReq
+HTTP process -> router:        GenerateReq, AbortReq, LoraLoad, LoraUnload (to every --dp replica)
 router -> detokenizer:         GenerateReq (forwarded once, before its first token, without its prompt or
                                compiled grammar), BatchTokenOut,
                                AbortReq (forwarded, so that the detokenizer drops the request)
@@ -26,6 +26,19 @@ from lightllm.engine.request import FinishReason, TokenOut, pickled_by_fields
 @dataclass
 class AbortReq:
     req_id: int
+
+
+@dataclass
+class LoraLoad:
+    """Serve the LoRA adapter at `path` (checked by the HTTP process) under the new id `lora_id`."""
+
+    lora_id: int
+    path: str
+
+
+@dataclass
+class LoraUnload:
+    lora_id: int
 
 
 @dataclass
@@ -69,6 +82,9 @@ class RouterStats:
     prefix_queried_tokens: int = 0  # counters since start: prompt tokens looked up in the cache
     prefix_hit_tokens: int = 0  # ... and found there
     replica: int = 0  # which engine (--dp) reports
+    prefix_host_tokens: int = 0  # tokens the prefix cache's host tier holds
+    prefix_host_hit_tokens: int = 0  # counter: of prefix_hit_tokens, those loaded back from the host (or disk) tier
+    prefix_disk_hit_tokens: int = 0  # counter: of those, from the disk tier
     # Speculative decoding, counters since start: verified draft runs, their drafts, the drafts
     # accepted, and per draft position how often it was accepted.
     spec_drafts: int = 0

@@ -32,6 +32,12 @@ gpt-oss-20b, gpt-oss-120b: gpt-oss's shapes (24 / 36 layers, hidden 2880, 64 hea
     default tokenizer's vocabulary (their own 201088 tokens would add 1.7 GB): 20b 12.0 GB of
     weights (experts 10.2 GB; 38.2 in bf16), 120b 63.5 GB (experts 60.9 GB; 229 in bf16), on one
     H200. tiny-gpt-oss: 3 layers of 4 experts, dense fp32 experts, window 16.
+qwen3.5-27b, qwen3.5-35b-a3b: the hybrid Qwen3.5 shapes (Gated DeltaNet in 3 layers of 4, gated
+    full attention in the 4th, head_dim 256 with a quarter of it rotated, rope base 1e7): the dense
+    27B (64 layers, hidden 5120, 24 heads, 4 KV heads, 16 key and 48 value heads of 128 in the
+    linear layers, intermediate 17408) and the 35B-A3B (40 layers, hidden 2048, 16 heads, 2 KV
+    heads, 16 key and 32 value heads, 256 experts of 512 with 8 active and a shared one of 512);
+    tiny-qwen3.5: 4 such layers at the tiny size.
 
 The tokenizer comes from the default model, or from `--tokenizer DIR` (any directory with
 its files, such as a bench-8b directory): where there is no network, as on the GPU machines.
@@ -134,12 +140,25 @@ SHAPES["gemma4-26b-a4b"] = dict(hidden_size=2816, intermediate_size=2112, num_hi
 SHAPES.update({"gpt-oss-20b": dict(GPT_OSS, num_hidden_layers=24, num_local_experts=32),
                "gpt-oss-120b": dict(GPT_OSS, num_hidden_layers=36, num_local_experts=128)})
 MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral",
+               "qwen3.5-35b-a3b": "qwen3.5_moe",
                "gpt-oss-20b": "gpt_oss", "gpt-oss-120b": "gpt_oss", "tiny-gpt-oss": "gpt_oss"}
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
 MXFP4_CONFIG = {"quant_method": "mxfp4",
                 "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
                                            "lm_head"]}
+HYBRID_LAYERS = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, head_dim=256)
+SHAPES.update({
+    "qwen3.5-27b": dict(HYBRID_LAYERS, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+                        linear_num_value_heads=48),
+    "qwen3.5-35b-a3b": dict(HYBRID_LAYERS, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                            num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512),
+    "tiny-qwen3.5": dict(SHAPES["tiny"], num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=8),
+})
 # tiny presets: float32, for exact comparisons with transformers
 DTYPES = {name: "float32" if name.startswith("tiny") else "bfloat16" for name in SHAPES}
 TINY_WINDOW = 16
@@ -149,6 +168,12 @@ def family_config(preset: str) -> tuple[str, dict]:
     """(transformers config class, its family's fields) of a preset; Llama 3.1's by default."""
     family = MOE_PRESETS.get(preset) or preset.removeprefix("tiny-").split("-")[0]
     tiny = preset.startswith("tiny")
+    if family.startswith("qwen3.5"):
+        rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+        common = dict(rope_parameters=rope, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        if family == "qwen3.5_moe":
+            return "Qwen3_5MoeTextConfig", dict(common, architectures=["Qwen3_5MoeForCausalLM"])
+        return "Qwen3_5TextConfig", dict(common, architectures=["Qwen3_5ForCausalLM"])
     if family == "qwen3_moe":
         return "Qwen3MoeConfig", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
                                       tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])

@@ -39,6 +39,8 @@ from lightllm.frontend.limits import Limits, prompt_char_bound
 from lightllm.server.httpserver.responses_api import add_responses_routes
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
+from lightllm.server.httpserver.lora_api import add_lora_routes
+from lightllm.frontend.lora import LoraNames
 from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 
@@ -61,6 +63,7 @@ class ServerState:
     started: float  # wall-clock time of start-up
     chat: ChatParsers  # how answers' tool calls and reasoning are read
     sampling_defaults: dict  # for the fields an OpenAI-style request leaves out (--sampling_defaults)
+    loras: LoraNames  # the LoRA adapters a request may name
 
 
 def sampling_defaults(config: ServerConfig, model_info: dict) -> dict:
@@ -83,7 +86,9 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         config=config,
         tokenizer=tokenizer,
         encoder=PromptEncoder(tokenizer),
-        manager=HttpServerManager(config, metrics, heartbeats),
+        manager=HttpServerManager(config, metrics, heartbeats,
+                                  host_cache_tokens=[r.model_info.get("host_kv_cache_tokens", 0)
+                                                     + r.model_info.get("disk_kv_cache_tokens", 0) for r in ready]),
         metrics=metrics,
         limits=Limits(config.max_req_input_len, config.max_req_total_len, min(capacities),
                       prompt_char_bound(tokenizer, config.max_req_input_len)),
@@ -96,6 +101,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
                           getattr(tokenizer, "chat_template", None)),
         sampling_defaults=sampling_defaults(config, model_info),
+        loras=LoraNames(config, model_info),
     )
 
     @contextlib.asynccontextmanager
@@ -127,6 +133,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
     add_openai_routes(app)
+    add_lora_routes(app)
     add_responses_routes(app)
     add_messages_routes(app)
     add_tokenize_routes(app)
@@ -264,7 +271,7 @@ async def info(request: Request) -> JSONResponse:
             "max_req_total_len": config.max_req_total_len,
             "chunked_prefill_size": config.chunked_prefill_size,
             "burst_chunked_prefill_size": model.get("burst_chunked_prefill_size"),
-            "running_max_req_size": config.running_max_req_size,
+            "running_max_req_size": model.get("running_max_req_size", config.running_max_req_size),  # fewer: states
             "speculative_config": speculative_info(config.speculative_config),
             "tool_call_parser": state.chat.tool_call_parser,
             "reasoning_parser": config.reasoning_parser,

@@ -23,6 +23,7 @@ from lightllm.frontend.limits import check_lengths, check_prompt_chars
 from lightllm.server.httpserver.errors import error_body
 from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
 from lightllm.server.httpserver.json_body import add_json_route
+from lightllm.server.httpserver.lora_api import lora_id_of
 from lightllm.server.httpserver.params import GenerateRequest, check_token_ids
 from lightllm.server.io_struct import TextOut
 
@@ -42,8 +43,9 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     sampling = await sampling_of(params)
     prompt_ids = await state.encoder.encode(body.inputs)
     check_lengths(len(prompt_ids), sampling, state.limits, "max_new_tokens")  # before the grammar compiles
+    lora_id = lora_id_of(params.adapter_id, state)
     await state.grammars.attach(sampling)
-    return Generation(request, [prompt_ids], sampling, start, "max_new_tokens", params.n or 1), sampling
+    return Generation(request, [prompt_ids], sampling, start, "max_new_tokens", params.n or 1, lora_id), sampling
 
 
 async def generate(request: Request, body: GenerateRequest) -> Response:

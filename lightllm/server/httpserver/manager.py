@@ -24,10 +24,13 @@ import zmq.asyncio
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from lightllm.frontend.errors import RequestError
 from lightllm.server.config import ServerConfig
+from lightllm.server.httpserver.dp_routing import ReplicaRouter
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTextOut,
+    LoraLoad,
+    LoraUnload,
     RouterFailed,
     RouterHeartbeat,
     RouterStats,
@@ -69,13 +72,16 @@ RECEIVE_AT_ONCE = 256  # most detokenizer messages routed to the streams before 
 
 
 class HttpServerManager:
-    def __init__(self, config: ServerConfig, metrics: Metrics, heartbeats: list[RouterHeartbeat]):
+    def __init__(self, config: ServerConfig, metrics: Metrics, heartbeats: list[RouterHeartbeat],
+                 host_cache_tokens: list[int] | None = None):
         self._config = config
         self.metrics = metrics
         self._heartbeats = heartbeats  # one per --dp replica
         # Load of each replica: KV tokens its open requests may take (prompt + max_new_tokens),
         # known here at once, unlike the routers' reports, which lag.
         self._load = [0] * config.dp
+        self._replicas = ReplicaRouter(config.dp, config.dp_routing)
+        self._host_cache_tokens = host_cache_tokens or [0] * config.dp  # each replica's host and disk tiers
         self._req_ids = itertools.count()
         self._outputs: dict[int, asyncio.Queue[TextOut]] = {}
         self._queued: set[int] = set()  # open requests without their first output yet
@@ -145,12 +151,14 @@ class HttpServerManager:
                 return stalled if len(self._heartbeats) == 1 else f"replica {replica}: {stalled}"
         return None
 
-    def _pick_replica(self) -> int:
-        """The replica whose open requests may take the smallest share of its KV budget."""
+    def _pick_replica(self, prompt_ids: list[int]) -> int:
+        """By --dp_routing (dp_routing.py), from each replica's share of its KV budget that its open
+        requests may take."""
         if len(self._load) == 1:
             return 0
-        capacity = [stats.max_total_token_num for stats in self.metrics.routers]
-        return min(range(len(self._load)), key=lambda d: (self._load[d] / capacity[d], d))
+        budget = [stats.max_total_token_num for stats in self.metrics.routers]
+        loads = [load / tokens for load, tokens in zip(self._load, budget)]
+        return self._replicas.pick(prompt_ids, loads, [b + h for b, h in zip(budget, self._host_cache_tokens)])
 
     def refuse_new(self, reason: str) -> None:
         if self._refusing is None:
@@ -215,8 +223,13 @@ class HttpServerManager:
         queue = self._outputs.get(req_id)
         return 0 if queue is None else queue.qsize()
 
+    def send_lora(self, msg: LoraLoad | LoraUnload) -> None:
+        """A LoRA adapter loaded or unloaded, on every replica (before any request that names it)."""
+        for to_router in self._to_routers:
+            to_router.send_pyobj(msg)
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *,
-                       bounded: bool = True) -> AsyncIterator[TextOut]:
+                       bounded: bool = True, lora_id: int = 0) -> AsyncIterator[TextOut]:
         """Yield the request's outputs until its last one. Leaving early (the client went away,
         a timeout) aborts it in the router, which frees its KV tokens. `bounded`: refused with
         QueueFull when the queue is full (the /health probe is not)."""
@@ -229,11 +242,11 @@ class HttpServerManager:
         self._outputs[req_id] = queue
         self._queued.add(req_id)
         self._idle.clear()
-        replica, cost = self._pick_replica(), len(prompt_ids) + sampling.max_new_tokens
+        replica, cost = self._pick_replica(prompt_ids), len(prompt_ids) + sampling.max_new_tokens
         self._load[replica] += cost
         self.metrics.routed.labels(str(replica)).inc()
         to_router = self._to_routers[replica]
-        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time()))
+        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time(), lora_id))
         finish_reason = None
         try:
             while finish_reason is None:

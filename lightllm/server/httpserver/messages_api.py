@@ -24,6 +24,7 @@ from lightllm.server.httpserver.errors import anthropic_error
 from lightllm.server.httpserver.generation import Generation, failure, sampling_of
 from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.json_body import add_json_route
+from lightllm.server.httpserver.lora_api import lora_id_of
 from lightllm.server.httpserver.openai_api import check_request
 from lightllm.server.httpserver.openai_params import (LENIENT, FunctionDef, FunctionName, OpenAIBody, check_tools,
                                                       template_tool)
@@ -209,10 +210,9 @@ def add_messages_routes(app: FastAPI) -> None:
     add_json_route(app, "/v1/messages/count_tokens", count_tokens)
 
 
-def check_model(model: str, state) -> None:
-    if model != state.config.served_model_name:
-        raise RequestError(f"model {model!r} does not exist; this server serves {state.config.served_model_name!r}",
-                           404)
+def check_model(model: str, state) -> int:
+    """The engine id of the LoRA adapter `model` names (0: the base model); 404 for a name not served."""
+    return lora_id_of(model, state)
 
 
 async def count_tokens(request: Request, body: CountTokensRequest) -> JSONResponse:
@@ -228,7 +228,7 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
 async def messages(request: Request, body: MessagesRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
-    check_model(body.model, state)
+    lora_id = check_model(body.model, state)
     body.check()
     openai_body = body.openai_body()
     check_request(openai_body, state)
@@ -237,8 +237,8 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
                                          body.template_options(), sampling, max_tokens_given=True,
                                          max_tokens_field="max_tokens", **body.prompt_ending)
     parser = state.chat.answer_parser(text, body.choice != "none")
-    generation = Generation(request, [prompt_ids], sampling, start, "max_tokens")
-    fmt = MessageFormatter(body, state.config.served_model_name, generation)
+    generation = Generation(request, [prompt_ids], sampling, start, "max_tokens", lora_id=lora_id)
+    fmt = MessageFormatter(body, body.model if lora_id else state.config.served_model_name, generation)
     if not body.stream:
         (choice,) = await generation.result()
         return JSONResponse(fmt.message(answer_blocks(parser, choice.text), choice.last))

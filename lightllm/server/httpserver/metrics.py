@@ -105,6 +105,7 @@ class RouterCollector:
                                   value=stats.prefix_queried_tokens)
         yield CounterMetricFamily("lightllm:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed).", value=stats.prefix_hit_tokens)
+        yield from self._prefix_tiers(routers, stats.prefix_hit_tokens)
         yield from self._speculation(routers)
 
     @staticmethod
@@ -124,6 +125,21 @@ class RouterCollector:
                                                if pos < len(r.spec_accepted_per_pos)))
         yield per_pos
 
+
+    @staticmethod
+    def _prefix_tiers(routers: list[RouterStats], hits: int):
+        """The prefix cache's hits by the tier they came from, and what its host tier holds."""
+        host = sum(r.prefix_host_hit_tokens for r in routers)
+        disk = sum(r.prefix_disk_hit_tokens for r in routers)
+        by_tier = CounterMetricFamily("lightllm:prefix_cache_hits_by_tier",
+                                      "Prompt tokens found in the prefix cache, by the tier that held them "
+                                      "(device; host or disk: loaded back from there).", labels=["tier"])
+        by_tier.add_metric(["device"], hits - host)
+        by_tier.add_metric(["host"], host - disk)
+        by_tier.add_metric(["disk"], disk)
+        yield by_tier
+        yield GaugeMetricFamily("lightllm:prefix_cache_host_tokens", "Tokens the prefix cache's host tier holds.",
+                                value=sum(r.prefix_host_tokens for r in routers))
 
     @staticmethod
     def _replicas(routers: list[RouterStats]):

@@ -22,8 +22,8 @@ from lightllm.frontend.chat.tool_calls import CallStart, Text
 from lightllm.server.httpserver.chat_prompt import chat_inputs
 from lightllm.server.httpserver.errors import openai_error
 from lightllm.server.httpserver.generation import Choice, Generation, batch_member, failure, sampling_of
-from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.json_body import add_json_route
+from lightllm.server.httpserver.lora_api import adapter_objects, lora_id_of
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
 from lightllm.frontend.limits import check_lengths, check_prompt_chars
 from lightllm.engine.request import FinishReason, SamplingParams
@@ -52,22 +52,22 @@ def model_object(state) -> dict:
 
 
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [model_object(request.app.state.server)]})
+    state = request.app.state.server
+    return JSONResponse({"object": "list", "data": [model_object(state), *adapter_objects(state, int(state.started))]})
 
 
 async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
     """OpenAI's models.retrieve: the model object of the served name, a 404 for any other."""
     state = request.app.state.server
-    if model_id != state.config.served_model_name:
-        raise RequestError(f"the model {model_id!r} does not exist; this server serves "
-                           f"{state.config.served_model_name!r}", 404)
+    if lora_id_of(model_id, state):
+        return JSONResponse(next(m for m in adapter_objects(state, int(state.started)) if m["id"] == model_id))
     return JSONResponse(model_object(state))
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
-    check_request(body, state)
+    lora_id = check_request(body, state)
     prompts = body.prompt_values(state.model_info["vocab_size"])
     if isinstance(prompts[0], str):  # texts, all of them (the body's type)
         for i, text in enumerate(prompts):
@@ -81,13 +81,13 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         with batch_member(i, len(prompts)):
             check_lengths(len(prompt_ids), sampling, state.limits, body.max_tokens_field)
     await state.grammars.attach(sampling)
-    return await answer(request, body, sampling, prompts, start, fmt)
+    return await answer(request, body, sampling, prompts, start, fmt, lora_id)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
     start = time.monotonic()
     state = request.app.state.server
-    check_request(body, state)
+    lora_id = check_request(body, state)
     body.check_tools()
     sampling = await sampling_of(body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
@@ -95,20 +95,20 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
                                          body.max_tokens_given, body.max_tokens_field, **body.prompt_ending)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none")
                                              for _ in range(body.choices)], prompt_ids)
-    return await answer(request, body, sampling, [prompt_ids], start, fmt)
+    return await answer(request, body, sampling, [prompt_ids], start, fmt, lora_id)
 
 
-def check_request(body: OpenAIBody, state) -> None:
+def check_request(body: OpenAIBody, state) -> int:
+    """The body's fields checked; the engine id of the LoRA adapter its `model` names (0: none)."""
     body.check_supported(state.model_info["vocab_size"])
-    served = state.config.served_model_name
-    if body.model is not None and body.model != served:
-        raise RequestError(f"model {body.model!r} does not exist; this server serves {served!r}", 404)
+    return lora_id_of(body.model, state)
 
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompts: list[list[int]],
-                 start: float, fmt: CompletionFormat) -> Response:
-    generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices)
-    fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=request.app.state.server.config.served_model_name)
+                 start: float, fmt: CompletionFormat, lora_id: int = 0) -> Response:
+    generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices, lora_id)
+    model = body.model if lora_id else request.app.state.server.config.served_model_name
+    fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=model)
     if not body.stream:
         choices = await generation.result()
         return JSONResponse(fmt.whole(choices, usage(generation, [c.last for c in choices])))

@@ -222,14 +222,14 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     state = request.app.state.server
     body.check()
     openai_body = body.openai_body()
-    check_request(openai_body, state)
+    lora_id = check_request(openai_body, state)
     sampling = await sampling_of(openai_body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.tools or [], body.choice,
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
                                          body.max_output_tokens is not None, "max_output_tokens")
     parser = state.chat.answer_parser(text, body.choice != "none")
-    generation = Generation(request, [prompt_ids], sampling, start, "max_output_tokens")
-    fmt = ResponseFormatter(body, state.config.served_model_name)
+    generation = Generation(request, [prompt_ids], sampling, start, "max_output_tokens", lora_id=lora_id)
+    fmt = ResponseFormatter(body, body.model if lora_id else state.config.served_model_name)
     if not body.stream:
         (choice,) = await generation.result()
         blocks = answer_blocks(parser, choice.text)

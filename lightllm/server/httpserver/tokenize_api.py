@@ -18,6 +18,7 @@ from lightllm.frontend.limits import check_prompt_chars
 from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import add_json_route
+from lightllm.server.httpserver.lora_api import lora_id_of
 from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, prompt_ending, template_tool
 from lightllm.server.httpserver.params import STRICT
 
@@ -64,9 +65,7 @@ def add_tokenize_routes(app: FastAPI) -> None:
 
 
 def check_model(model: str | None, state) -> None:
-    served = state.config.served_model_name
-    if model is not None and model != served:
-        raise RequestError(f"model {model!r} does not exist; this server serves {served!r}", 404)
+    lora_id_of(model, state)  # a LoRA adapter's name too: it tokenizes as the base model
 
 
 async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONResponse:

@@ -24,6 +24,8 @@ from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTokenOut,
+    LoraLoad,
+    LoraUnload,
     RouterFailed,
     RouterHeartbeat,
     RouterReady,
@@ -138,6 +140,12 @@ class RouterManager:
             elif isinstance(msg, AbortReq):
                 if self.core.abort(msg.req_id):
                     self._to_detokenizer.send_pyobj(msg)
+            elif isinstance(msg, LoraLoad):
+                self.core.load_lora(msg.lora_id, msg.path)
+            elif isinstance(msg, LoraUnload):
+                ended = self.core.drop_lora(msg.lora_id)
+                if ended:
+                    self._to_detokenizer.send_pyobj(BatchTokenOut(ended))
             else:
                 logger.error("unexpected message %r", type(msg).__name__)
             self._stats_dirty = True
@@ -160,6 +168,10 @@ class RouterManager:
         stats = RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
                             self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
                             scheduler.prefix_hit_tokens, self.replica)
+        if scheduler.cache is not None:
+            stats.prefix_host_tokens = scheduler.cache.host_tokens
+            stats.prefix_host_hit_tokens = scheduler.prefix_host_hit_tokens
+            stats.prefix_disk_hit_tokens = scheduler.prefix_disk_hit_tokens
         spec = scheduler.speculator
         if spec is not None:
             stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens

@@ -40,6 +40,7 @@ from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_tri
 from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
+from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
 from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm.kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -155,6 +156,18 @@ def call_every_kernel() -> None:
     one_shot_add_rms_norm_triton(x, x.clone(), weight, 1e-5, data_ptrs=pointers, flags_ptrs=pointers,
                                  counters=torch.zeros(256, dtype=torch.int64), rank=0, region_bytes=80 << 20)
     call_moe_kernels()
+    call_lora_kernels()
+
+
+def call_lora_kernels() -> None:
+    """LoRA on bench-8b's merged q/k/v projection (three parts of rank 16) and its down projection,
+    four slots, bf16."""
+    tokens, slots, rank = 4, 4, 16
+    rows, starts = lora_segments(torch.tensor([0, -1, 2, 0]), slots)
+    for k, n, parts in ((HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, 3), (INTER, HIDDEN, 1)):
+        x, y = torch.randn(tokens, k, dtype=BF16), torch.randn(tokens, n, dtype=BF16)
+        a, b = torch.randn(slots, parts * rank, k, dtype=BF16), torch.randn(slots, n, parts * rank, dtype=BF16)
+        lora_expand_triton(y, lora_shrink_triton(x, a, rows, starts), b, rows, starts)
 
 
 def call_moe_kernels() -> None:

@@ -37,6 +37,8 @@ def payload(request: SampledRequest, max_new_tokens: int | None = None) -> dict:
         "ignore_eos": True,
         "do_sample": False,
     }
+    if request.adapter is not None:
+        parameters["adapter_id"] = request.adapter
     return {"inputs": request.prompt, "parameters": parameters}
 
 

@@ -42,6 +42,7 @@ class SampledRequest:
     prompt: str
     prompt_ids: list[int]
     output_len: int
+    adapter: str | None = None  # the LoRA adapter it names (/generate's adapter_id); None: the base model
 
     @property
     def prompt_len(self) -> int:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="sharegpt, shared-prefix: client processes sharing the requests (request i to process i mod N)")
     add("--result-json", type=Path, default=None, help="write the figures to this JSON file")
     add("--output-len", type=int, default=OUTPUT_LEN, help="shared-prefix and multi-turn: output tokens per request")
+    add("--lora-adapters", default="", help="sharegpt: LoRA adapter names, comma-separated (the server's "
+        "--lora_modules; lightllm.tools.bench_lora writes random ones): request i names adapter i mod (N + 1), the "
+        "last share the base model")
     prefix = parser.add_argument_group("shared-prefix: groups of requests that share a system prompt")
     prefix.add_argument("--prefix-groups", type=int, default=SharedPrefixSpec.groups, help="groups (system prompts)")
     prefix.add_argument("--prefix-group-size", type=int, default=SharedPrefixSpec.group_size, help="requests per group")
@@ -172,7 +175,11 @@ def sharegpt_requests(args, tokenizer) -> list[SampledRequest]:
 
 def sharegpt_workload(args, tokenizer) -> Workload:
     requests = sharegpt_requests(args, tokenizer)
+    adapters = [name for name in args.lora_adapters.split(",") if name]
+    spread_over_adapters(requests, adapters)
     params = {"workload": "sharegpt", "num_prompts": len(requests)}
+    if adapters:
+        params["lora_adapters"] = len(adapters)
     return Workload(params, requests, lambda: send_requests(args, requests))
 
 
@@ -215,6 +222,13 @@ def multi_turn_workload(args, tokenizer) -> Workload:
 
 
 WORKLOADS = {"sharegpt": sharegpt_workload, "shared-prefix": shared_prefix_workload, "multi-turn": multi_turn_workload}
+
+
+def spread_over_adapters(requests: list[SampledRequest], names: list[str]) -> None:
+    """Request i names adapter i mod (len(names) + 1); that index past the names: the base model."""
+    choices = [*names, None]
+    for i, request in enumerate(requests):
+        request.adapter = choices[i % len(choices)]
 
 
 def run(args) -> dict:

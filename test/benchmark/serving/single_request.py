@@ -22,8 +22,10 @@ import requests
 logger = logging.getLogger("single_request")
 
 
-def timed_stream(url: str, prompt: str, max_new_tokens: int) -> dict:
+def timed_stream(url: str, prompt: str, max_new_tokens: int, adapter: str | None = None) -> dict:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    if adapter is not None:
+        body["parameters"]["adapter_id"] = adapter
     start = time.perf_counter()
     stamps, last = [], None
     with requests.post(f"{url}/generate_stream", json=body, stream=True, timeout=600) as response:
@@ -57,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="Explain what a large language model is, in simple words.")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5, help="timed requests; the first is also reported")
+    parser.add_argument("--adapter", default=None, help="the LoRA adapter the timed requests name (default: none)")
     args = parser.parse_args(argv)
     try:
-        runs = [timed_stream(args.url, args.prompt, args.max_new_tokens) for _ in range(args.repeat)]
+        runs = [timed_stream(args.url, args.prompt, args.max_new_tokens, args.adapter) for _ in range(args.repeat)]
         check_other_routes(args.url, args.prompt, args.max_new_tokens)
     except (requests.RequestException, RuntimeError) as exc:
         logger.error("%s", exc)

@@ -1,0 +1,95 @@
+"""Gated DeltaNet's short causal convolution: per channel, out_t = silu(sum_j w[j] x_{t-K+1+j}),
+with the last K - 1 inputs of a sequence kept as its state, so that a later chunk or decode step
+continues where the last one stopped.
+
+- `causal_conv1d_varlen_ref`: a step's prompt chunks, packed, each after its state [C, K-1]
+  (zeros at a request's start), all at once; returns the outputs and the new states.
+  `causal_conv1d_ref` is the same for one sequence.
+- `causal_conv1d_step_ref`: one token for each of B requests, their states in a pool by row,
+  updated in place.
+
+The `_ref` functions are the CPU path and the oracle; the decode step has a Triton kernel
+(`causal_conv1d_step_triton`).
+"""
+import torch
+import torch.nn.functional as F
+
+from ._triton import cdiv, next_power_of_2, tl, triton
+
+
+def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """N packed sequences (a step's prompt chunks) at once: x [T, C], sequence i is tokens
+    [cu_seqlens[i], cu_seqlens[i+1]) after its state states[i] ([N, C, K-1]). Returns
+    (silu(conv) [T, C], the new states [N, C, K-1]: each sequence's last K - 1 inputs).
+    Each sequence is laid out after its own state, [state 0 | x 0 | state 1 | x 1 | ...]: one
+    convolution over that line gives every token its own window, and nothing is padded."""
+    channels, width = weight.shape
+    n, tail = len(cu_seqlens) - 1, width - 1
+    token_rows = torch.tensor([t + tail * (i + 1) for i, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:]))
+                               for t in range(a - cu_seqlens[0], b - cu_seqlens[0])], device=x.device)
+    ends = torch.tensor([b - cu_seqlens[0] + tail * (i + 1) for i, b in enumerate(cu_seqlens[1:])], device=x.device)
+    state_rows = ends[:, None] - torch.arange(tail, 0, -1, device=x.device)  # [N, K-1]: each one's last inputs
+    line = x.new_empty(x.shape[0] + n * tail, channels)
+    starts = (ends - torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], device=x.device))[:, None]
+    line[starts - torch.arange(tail, 0, -1, device=x.device)] = states.transpose(1, 2).to(x.dtype)
+    line[token_rows] = x
+    conv = F.conv1d(line.T[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]  # [C, rows - K + 1]
+    out = F.silu(conv.T[token_rows - tail]).to(x.dtype)
+    return out, line[state_rows].transpose(1, 2).contiguous()
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: x [T, C], weight [C, K], state [C, K-1] or None (zeros). Returns (silu(conv)
+    [T, C], state [C, K-1])."""
+    if state is None:
+        state = x.new_zeros(weight.shape[0], weight.shape[1] - 1)
+    out, states = causal_conv1d_varlen_ref(x, weight, [0, x.shape[0]], state[None])
+    return out, states[0]
+
+
+def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                           rows: torch.Tensor) -> torch.Tensor:
+    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C]."""
+    seq = torch.cat([states[rows].to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
+    states[rows] = seq[..., 1:].to(states.dtype)
+    return F.silu((seq.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
+
+
+@triton.jit
+def _causal_conv1d_step_kernel(x_ptr, weight_ptr, states_ptr, rows_ptr, out_ptr, channels, x_stride, out_stride,
+                               WIDTH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One (request, block of channels): the window [state | x] times the weights, then the
+    state shifted by one. States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = tl.arange(0, BLOCK_W)[None, :]
+    c_mask = (c < channels)[:, None]
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    state = states_ptr + row * channels * (WIDTH - 1) + c[:, None] * (WIDTH - 1)
+    x = tl.load(x_ptr + b * x_stride + c, mask=c < channels, other=0.0)[:, None]
+    window = tl.load(state + j, mask=c_mask & (j < WIDTH - 1), other=0.0)
+    window = tl.where(j == WIDTH - 1, x, window)
+    shifted = tl.load(state + j + 1, mask=c_mask & (j < WIDTH - 2), other=0.0)  # read before any store
+    shifted = tl.where(j == WIDTH - 2, x, shifted)
+    weight = tl.load(weight_ptr + c[:, None] * WIDTH + j, mask=c_mask & (j < WIDTH), other=0.0).to(tl.float32)
+    acc = tl.sum(window.to(tl.float32) * weight, axis=1)
+    tl.store(state + j, shifted.to(states_ptr.dtype.element_ty), mask=c_mask & (j < WIDTH - 1))
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * out_stride + c, out.to(out_ptr.dtype.element_ty), mask=c < channels)
+
+
+def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                              rows: torch.Tensor) -> torch.Tensor:
+    assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1
+    batch, channels = x.shape
+    width = weight.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    block_c = min(next_power_of_2(channels), 256)
+    _causal_conv1d_step_kernel[(batch, cdiv(channels, block_c))](
+        x, weight, states, rows, out, channels, x.stride(0), out.stride(0), WIDTH=width, BLOCK_C=block_c,
+        BLOCK_W=next_power_of_2(width))
+    return out

@@ -1,0 +1,176 @@
+"""The gated delta rule (Gated DeltaNet's linear attention, Qwen3-Next and Qwen3.5), in fp32.
+
+Per value head a state S [dk, dv] decays by exp(g_t) each token, then takes the delta rule's
+correction toward v_t along the (L2-normalised) key: S = a S + k (beta (v - k^T a S))^T, and the
+output reads it with the scaled, L2-normalised query: o = S^T q. Two forms with one meaning:
+
+- `gated_delta_rule_varlen_ref`: a step's prompt chunks, packed, each from its initial state, all
+  at once, in blocks of CHUNK tokens (the WY form: each block is a triangular solve and a few
+  matmuls, and the state is carried block to block); the prefill and extend path.
+  `gated_delta_rule_chunk_ref` is the same for one sequence.
+- `gated_delta_rule_step_ref`: one token for each of B requests, their states updated in place
+  in a pool by row; the decode path.
+
+Key heads fewer than value heads are shared by consecutive value heads (GQA-style). The `_ref`
+functions are the CPU path and the oracle; the decode step has a Triton kernel
+(`gated_delta_rule_step_triton`); the chunked form's is still to come (on a GPU its reference
+runs, over all of a step's chunks at once).
+"""
+import torch
+
+from ._triton import cdiv, next_power_of_2, tl, triton
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [..., Hk, dk] -> fp32 [..., Hv, dk], L2-normalised, q scaled by dk^-1/2."""
+    groups = num_v_heads // q.shape[-2]
+    q, k = (x.float().repeat_interleave(groups, dim=-2) if groups > 1 else x.float() for x in (q, k))
+    return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
+
+
+def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """N packed sequences (a step's prompt chunks), all at once: q, k [T, Hk, dk], v [T, Hv, dv],
+    g (log decay, <= 0) and beta [T, Hv]; sequence i is tokens [cu_seqlens[i], cu_seqlens[i+1])
+    and starts from states[i] ([N, Hv, dk, dv] fp32). Returns (o [T, Hv, dv] in v's dtype, the final
+    states [N, Hv, dk, dv] fp32).
+
+    Each sequence is cut into blocks of CHUNK tokens, its last one padded with tokens that leave
+    the state as it is (k = 0, g = 0), so that memory follows the tokens, not N x the longest. The
+    blocks' own work is batched over all of them; the state then goes block by block, each round
+    taking the i-th block of every sequence that has one."""
+    num_heads, dtype = v.shape[1], v.dtype
+    layout = BlockLayout(cu_seqlens, v.device)
+    q, k = _prepare(q, k, num_heads)
+    q, k, v = (layout.blocks(x).transpose(1, 2) for x in (q, k, v.float()))  # [NB, H, C, d]
+    g, beta = (layout.blocks(x.float()).transpose(1, 2) for x in (g, beta))  # [NB, H, C]
+    g = g.cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [NB, H, C, C]
+    k_beta = k * beta[..., None]
+    # (I + strictly-lower(beta K K^T decay)) U = beta V: each block's corrected values (the WY form)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_decayed, k_to_end = q * g.exp()[..., None], k * (g[..., -1:] - g).exp()[..., None]
+    block_decay = g[..., -1].exp()[..., None, None]
+    s, out = states.float().clone(), torch.empty_like(v)
+    for seqs, blocks in layout.rounds():
+        state = s[seqs]
+        new = values[blocks] - k_decayed[blocks] @ state
+        out[blocks] = q_decayed[blocks] @ state + scores[blocks] @ new
+        s[seqs] = state * block_decay[blocks] + k_to_end[blocks].transpose(-1, -2) @ new
+    return layout.tokens(out.transpose(1, 2)).to(dtype), s
+
+
+class BlockLayout:
+    """Packed sequences in blocks of CHUNK tokens: where each token sits ([block, offset]) and, for
+    round i, the sequences with an i-th block and that block's index (one upload)."""
+
+    def __init__(self, cu_seqlens: list[int], device: torch.device):
+        lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        counts = [-(-n // CHUNK) for n in lengths]
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        self.num_blocks = sum(counts)
+        index = [(firsts[i] + p // CHUNK) * CHUNK + p % CHUNK for i, n in enumerate(lengths) for p in range(n)]
+        rounds = [[(i, firsts[i] + r) for i in range(len(counts)) if counts[i] > r] for r in range(max(counts))]
+        self.sizes = [len(r) for r in rounds]
+        pairs = [pair for r in rounds for pair in r]
+        host = torch.tensor(index + [i for i, _ in pairs] + [b for _, b in pairs], dtype=torch.int64)
+        flat = host.to(device, non_blocking=True)
+        self.index, self._seqs, self._blocks = flat.split([len(index), len(pairs), len(pairs)])
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed [T, ...] -> [blocks, CHUNK, ...], zeros past each sequence's end."""
+        out = x.new_zeros((self.num_blocks * CHUNK, *x.shape[1:]))
+        out[self.index] = x
+        return out.view(self.num_blocks, CHUNK, *x.shape[1:])
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[blocks, CHUNK, ...] -> packed [T, ...]."""
+        return x.reshape(self.num_blocks * CHUNK, *x.shape[2:])[self.index]
+
+    def rounds(self):
+        start = 0
+        for size in self.sizes:
+            yield self._seqs[start: start + size], self._blocks[start: start + size]
+            start += size
+
+
+def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q, k [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv], state [Hv, dk, dv] fp32 or
+    None (zeros). Returns (o [T, Hv, dv] in v's dtype, final state fp32)."""
+    if state is None:
+        state = v.new_zeros((v.shape[1], k.shape[-1], v.shape[-1]), dtype=torch.float32)
+    out, final = gated_delta_rule_varlen_ref(q, k, v, g, beta, [0, v.shape[0]], state[None])
+    return out, final[0]
+
+
+def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                              states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """One token each of B requests: q, k [B, Hk, dk], v [B, Hv, dv], g and beta [B, Hv]; states
+    [S, Hv, dk, dv] fp32, rows [B] each request's state, updated in place. Returns o [B, Hv, dv]."""
+    q, k = _prepare(q, k, v.shape[1])
+    s = states[rows] * g.float().exp()[..., None, None]
+    delta = (v.float() - (s * k[..., None]).sum(-2)) * beta.float()[..., None]
+    s = s + k[..., None] * delta[..., None, :]
+    states[rows] = s
+    return (s * q[..., None]).sum(-2).to(v.dtype)
+
+
+@triton.jit
+def _gated_delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, rows_ptr, o_ptr,
+                                  q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride,
+                                  g_stride, beta_stride, o_stride, o_head_stride, num_heads, group, scale,
+                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One (request, value head, block of value dims): its state's columns [DK, BLOCK_V] decay,
+    take the delta rule's correction and give the output's columns. States [S, H, DK, DV] contiguous."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = dk < DK, dv < DV
+    key_head = head // group
+    q = tl.load(q_ptr + b * q_stride + key_head * q_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * k_stride + key_head * k_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + b * v_stride + head * v_head_stride + dv, mask=v_mask, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + b * g_stride + head).to(tl.float32))
+    beta = tl.load(beta_ptr + b * beta_stride + head).to(tl.float32)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
+    mask = k_mask[:, None] & v_mask[None, :]
+    s = tl.load(s_ptrs, mask=mask, other=0.0) * decay
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(s_ptrs, s, mask=mask)
+    out = tl.sum(s * q[:, None], axis=0)
+    tl.store(o_ptr + b * o_stride + head * o_head_stride + dv, out.to(o_ptr.dtype.element_ty), mask=v_mask)
+
+
+def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    assert states.is_contiguous() and states.dtype == torch.float32
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
+    batch, num_heads, dv = v.shape
+    dk = q.shape[-1]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch == 0:
+        return out
+    block_v = min(next_power_of_2(dv), 32)  # a program's state tile [dk, 32] stays in registers
+    grid = (batch, num_heads, cdiv(dv, block_v))
+    _gated_delta_rule_step_kernel[grid](q, k, v, g, beta, states, rows, out, q.stride(0), q.stride(1), k.stride(0),
+                                        k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+                                        out.stride(0), out.stride(1), num_heads, num_heads // q.shape[1],
+                                        dk ** -0.5, DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v)
+    return out

@@ -1,0 +1,156 @@
+"""LoRA on a mixed batch: each token's row goes through its own adapter's A and B (or none), one
+launch per operation for the whole batch, whatever the mix of adapters.
+
+The adapters sit in a slot pool: a [S, R, K] and b [S, N, R] per projection (R the largest rank,
+smaller ranks zero-padded). A step groups its rows by slot once (`lora_segments`: the rows in slot
+order and where each slot's run of them starts); then per projection
+
+    lora_shrink:   s[p, t] = x[t, K slice p] @ a[slot(t), :, K slice p]^T    [P, T, R] fp32
+    lora_expand_:  y[t] += (sum over p of s[p, t]) @ b[slot(t)]^T            in place, summed in fp32
+
+The shrink's P partial sums over slices of K (`shrink_splits`: several for a step of few rows, so
+that a decode step's few rows still spread over many programs; the reference's P is 1) are added
+up by the expand, in a fixed order: the result does not depend on timing. Rows of no adapter
+(slot -1) are in no segment: the kernels skip them, and their s rows are never written or read.
+The kernels' grids are (slots, row blocks, K slices or column blocks), fixed by the step's rows
+and the pool's size, so a CUDA graph replays them with any mix of adapters; a program whose block
+lies past its slot's rows leaves at once.
+"""
+import torch
+
+from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
+
+BLOCK_ROWS = 16
+BLOCK_K = 64
+BLOCK_N = 64
+# The shrink of a step of at most SPLIT_ROWS rows cuts K into slices of about SPLIT_K (a decode
+# step's one row block would otherwise be one program per slot over all of K). Not yet tuned on a GPU.
+SPLIT_ROWS = 64
+SPLIT_K = 512
+
+
+def lora_segments(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [T] int64 in slot order, starts [num_slots + 1] int32): slot s's rows are
+    rows[starts[s]:starts[s + 1]]; rows of slot -1 come last, past starts[num_slots]. Device ops
+    only (no host sync), so that a graph captures it."""
+    keyed = torch.where(slots < 0, num_slots, slots)
+    rows = torch.argsort(keyed, stable=True)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+    counts.index_add_(0, keyed, torch.ones_like(keyed))
+    starts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device)
+    starts[1:] = counts[:num_slots].cumsum(0)
+    return rows, starts
+
+
+def shrink_splits(tokens: int, k: int) -> int:
+    """Slices of K the shrink of `tokens` rows takes (1: K whole)."""
+    return 1 if tokens > SPLIT_ROWS else max(1, cdiv(k, SPLIT_K))
+
+
+def _segments(starts: torch.Tensor):
+    bounds = starts.tolist()
+    return [(s, bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1) if bounds[s + 1] > bounds[s]]
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                    splits: int | None = None) -> torch.Tensor:
+    """[1, T, R] fp32 (K whole, whatever `splits`)."""
+    out = torch.zeros(1, x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for slot, begin, end in _segments(starts):
+        index = rows[begin:end]
+        out[0, index] = x[index].float() @ a[slot].float().T
+    return out
+
+
+def lora_expand_ref(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
+                    starts: torch.Tensor) -> torch.Tensor:
+    for slot, begin, end in _segments(starts):
+        index = rows[begin:end]
+        summed = s[:, index].sum(0).to(b.dtype).float()  # rounded to the weights' dtype, as the kernel's dot
+        y[index] = (y[index].float() + summed @ b[slot].float().T).to(y.dtype)
+    return y
+
+
+@fast_launch
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, K, R, k_slice, x_stride, a_slot_stride, a_stride,
+                   out_split_stride, out_stride, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    slot = tl.program_id(0)
+    begin = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_ROWS
+    end = tl.load(starts_ptr + slot + 1)
+    if begin < end:
+        offs = begin + tl.arange(0, BLOCK_ROWS)
+        in_seg = offs < end
+        rows = tl.load(rows_ptr + offs, mask=in_seg, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
+        split = tl.program_id(2)
+        k_end = tl.minimum(K, (split + 1) * k_slice)
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_R), dtype=tl.float32)
+        for k0 in range(split * k_slice, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=in_seg[:, None] & (k[None, :] < k_end),
+                         other=0.0)
+            at = tl.load(a_base + r[None, :] * a_stride + k[:, None], mask=(k[:, None] < k_end) & (r[None, :] < R),
+                         other=0.0)
+            acc += dot(xt, at, DOT_UPCAST)
+        out = out_ptr + split.to(tl.int64) * out_split_stride + rows[:, None] * out_stride + r[None, :]
+        tl.store(out, acc, mask=in_seg[:, None] & (r[None, :] < R))
+
+
+@fast_launch
+@triton.jit
+def _expand_kernel(y_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, N, R, splits, y_stride, s_split_stride, s_stride,
+                   b_slot_stride, b_stride, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
+    slot = tl.program_id(0)
+    begin = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_ROWS
+    end = tl.load(starts_ptr + slot + 1)
+    if begin < end:
+        offs = begin + tl.arange(0, BLOCK_ROWS)
+        in_seg = offs < end
+        rows = tl.load(rows_ptr + offs, mask=in_seg, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        keep_s = in_seg[:, None] & (r[None, :] < R)
+        st = tl.zeros((BLOCK_ROWS, BLOCK_R), dtype=tl.float32)
+        for p in range(0, splits):
+            st += tl.load(s_ptr + p * s_split_stride + rows[:, None] * s_stride + r[None, :], mask=keep_s, other=0.0)
+        bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + n[None, :] * b_stride + r[:, None],
+                     mask=(r[:, None] < R) & (n[None, :] < N), other=0.0)
+        delta = dot(st.to(bt.dtype), bt, DOT_UPCAST)  # s rounded to the weights' dtype: tensor cores take bf16
+        out = y_ptr + rows[:, None] * y_stride + n[None, :]
+        keep = in_seg[:, None] & (n[None, :] < N)
+        y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+def _block_r(rank: int) -> int:
+    return max(16, next_power_of_2(rank))  # tl.dot takes no dimension below 16
+
+
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                       splits: int | None = None) -> torch.Tensor:
+    """[P, T, R] fp32, P = `splits` (default shrink_splits of the step)."""
+    assert x.stride(-1) == 1 and a.is_contiguous()
+    tokens, k = x.shape
+    slots, rank = a.shape[:2]
+    splits = shrink_splits(tokens, k) if splits is None else splits
+    k_slice = cdiv(cdiv(k, splits), BLOCK_K) * BLOCK_K
+    out = torch.empty(splits, tokens, rank, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(slots, cdiv(tokens, BLOCK_ROWS), splits)](
+        x, a, out, rows, starts, k, rank, k_slice, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+        out.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K, DOT_UPCAST=not x.is_cuda)
+    return out
+
+
+def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
+                       starts: torch.Tensor) -> torch.Tensor:
+    assert y.stride(-1) == 1 and s.stride(-1) == 1 and b.is_contiguous()
+    tokens, n = y.shape
+    slots, _, rank = b.shape
+    _expand_kernel[(slots, cdiv(tokens, BLOCK_ROWS), cdiv(n, BLOCK_N))](
+        y, s, b, rows, starts, n, rank, s.shape[0], y.stride(0), s.stride(0), s.stride(1), b.stride(0), b.stride(1),
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda)
+    return y

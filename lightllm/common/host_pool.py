@@ -1,0 +1,179 @@
+"""The prefix cache's host tier: evicted nodes' KV in host memory, one runner's (one rank's shard).
+
+The pool is allocated once, at start: `[capacity, 2 * layers, kv_heads, head_dim]`, token-major so
+that a run of tokens is one contiguous block of every layer's K and V (pinned on CUDA, so copies
+are DMA and leave the host thread). Its room is handed out in runs of tokens (first fit, merged
+on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
+
+Offload gathers a node's token-granular slots of every layer into a contiguous staging tensor on
+the device (STAGING_TOKENS at a time), then copies it to the node's runs: one large copy a run. Load copies the runs to
+a staging tensor and scatters it into fresh slots. On CUDA both copies run on a copy stream: an
+offload's copy waits for the gather (on the step's stream) and overlaps what follows; a load's
+scatter, and so the next forward, waits for its copy. The host side never touches the data, and
+both directions use the one copy stream, so a run freed by a load and reused by an offload is
+read before it is overwritten.
+
+CPU bookkeeping of the room lives in the radix tree (lightllm/common/radix_cache.py): every rank
+applies the same ops in the same order, so every rank's runs are the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Runs = list[tuple[int, int]]  # (first token, tokens)
+
+# Most tokens one staging tensor holds: 64 MiB for an 8B model in bf16 (128 KiB a token), so the
+# transient device memory of a copy stays small beside the step's while each copy stays large.
+STAGING_TOKENS = 512
+
+
+def cut(runs: Runs, n: int) -> tuple[Runs, Runs]:
+    """(the runs of the first n tokens, the runs of the rest)."""
+    head, rest, done = [], list(runs), 0
+    while done < n:
+        start, length = rest.pop(0)
+        take = min(length, n - done)
+        head.append((start, take))
+        if take < length:
+            rest.insert(0, (start + take, length - take))
+        done += take
+    return head, rest
+
+
+class HostPoolFullError(RuntimeError):
+    """More host tokens were asked for than are free (the tree's bookkeeping is off)."""
+
+
+class HostKVPool:
+    def __init__(self, capacity: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, path: str | None = None):
+        """`path`: the disk tier's pool, a file mapped there (removed at once: it lives as long as
+        the process), whose copies run on the current stream."""
+        self.capacity = capacity
+        self.device = device
+        shape = (capacity, 2 * num_layers, kv_heads, head_dim)
+        cuda = device.type == "cuda" and path is None
+        if path is None:
+            self.data = torch.empty(shape, dtype=dtype, pin_memory=cuda)
+        else:
+            self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1] * kv_heads * head_dim,
+                                        dtype=dtype).view(shape)
+            os.unlink(path)
+        self.free_runs: Runs = [(0, capacity)] if capacity else []  # sorted by start, never adjacent
+        self.free_count = capacity
+        self.nodes: dict[int, Runs] = {}  # prefix-cache node id -> its runs, in token order
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        logger.info("%s KV pool: %d tokens, %.2f GiB%s", "host" if path is None else f"disk ({path})", capacity,
+                    self.data.numel() * self.data.element_size() / 2**30, " (pinned)" if cuda else "")
+
+    # ---- room ----
+
+    def alloc(self, n: int) -> Runs:
+        """n tokens of room: one run when one is long enough (first fit), else the first runs."""
+        if n > self.free_count:
+            raise HostPoolFullError(f"host KV pool: {n} tokens asked, {self.free_count} free")
+        for i, (start, length) in enumerate(self.free_runs):
+            if length >= n:
+                self.free_runs[i: i + 1] = [(start + n, length - n)] if length > n else []
+                self.free_count -= n
+                return [(start, n)]
+        out, left = [], n
+        while left:
+            start, length = self.free_runs[0]
+            take = min(length, left)
+            out.append((start, take))
+            self.free_runs[0:1] = [(start + take, length - take)] if length > take else []
+            left -= take
+        self.free_count -= n
+        return out
+
+    def free(self, runs: Runs) -> None:
+        merged: Runs = []
+        for start, length in sorted(self.free_runs + runs):
+            if merged and merged[-1][0] + merged[-1][1] > start:
+                raise HostPoolFullError(f"host KV pool: run ({start}, {length}) freed twice")
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self.free_runs = merged
+        self.free_count += sum(length for _, length in runs)
+
+    # ---- nodes (the tree's ops) ----
+
+    def offload(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
+        """Copy the KV at `slots` of every layer (`layers_kv`: every layer's K, then every V) into
+        fresh room for `node_id`; the slots may be reused by anything launched after this call."""
+        runs = self.alloc(len(slots))
+        index, rest = slots.to(torch.int64), runs
+        for first in range(0, len(index), STAGING_TOKENS):
+            part = index[first: first + STAGING_TOKENS]
+            piece, rest = cut(rest, len(part))
+            staging = torch.stack([t.index_select(0, part) for t in layers_kv], dim=1)  # [n, 2L, heads, dim]
+            self._copy(piece, staging, to_host=True)
+        self.nodes[node_id] = runs
+
+    def load(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
+        """Copy node `node_id`'s KV into `slots` of every layer and free its room; whatever is
+        launched after this call on the current stream sees it."""
+        runs = self.nodes.pop(node_id)
+        index, rest = slots.to(torch.int64), runs
+        for first in range(0, len(index), STAGING_TOKENS):
+            part = index[first: first + STAGING_TOKENS]
+            piece, rest = cut(rest, len(part))
+            staging = torch.empty((len(part), *self.data.shape[1:]), dtype=self.data.dtype, device=self.device)
+            self._copy(piece, staging, to_host=False)
+            for i, t in enumerate(layers_kv):
+                t.index_copy_(0, part, staging[:, i])
+        self.free(runs)
+
+    def take_from(self, node_id: int, other: HostKVPool) -> None:
+        """Node `node_id` moves from `other`'s room to fresh room here (host pool to disk pool)."""
+        if other.stream is not None:
+            other.stream.synchronize()  # read on the host: its offloads in flight must have landed
+        runs = other.nodes.pop(node_id)
+        mine, rest = self.alloc(sum(n for _, n in runs)), runs
+        for start, length in mine:
+            piece, rest = cut(rest, length)
+            for s, n in piece:  # run to run, no staging: both are host memory
+                self.data[start: start + n] = other.data[s: s + n]
+                start += n
+        other.free(runs)
+        self.nodes[node_id] = mine
+
+    def split(self, node_id: int, at: int, upper_id: int) -> None:
+        self.nodes[upper_id], self.nodes[node_id] = cut(self.nodes.pop(node_id), at)
+
+    def drop(self, node_id: int) -> None:
+        self.free(self.nodes.pop(node_id))
+
+    def reset(self) -> None:
+        self.nodes.clear()
+        self.free_runs = [(0, self.capacity)] if self.capacity else []
+        self.free_count = self.capacity
+
+    def _copy(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
+        """staging (device, contiguous) <-> the runs of the pool, one copy a run."""
+        if self.stream is None:
+            self._copy_runs(runs, staging, to_host)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # to host: the gather is done; to device: staging is allocated
+        with torch.cuda.stream(self.stream):
+            self._copy_runs(runs, staging, to_host)
+        staging.record_stream(self.stream)
+        if not to_host:
+            compute.wait_stream(self.stream)
+
+    def _copy_runs(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
+        offset = 0
+        for start, length in runs:
+            host, dev = self.data[start: start + length], staging[offset: offset + length]
+            (host if to_host else dev).copy_(dev if to_host else host, non_blocking=self.stream is not None)
+            offset += length

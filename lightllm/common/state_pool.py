@@ -1,0 +1,35 @@
+"""The recurrent state of the hybrid models' linear-attention layers, one slot per request row.
+
+Each Gated DeltaNet layer keeps, per running request, its causal convolution's last inputs
+[conv_dim, kernel - 1] (the model's dtype) and its recurrent state [v_heads, k_dim, v_dim]
+(fp32, as the delta rule accumulates it). Slot i belongs to request row i (ReqTable), so a
+request that holds a row holds its state: the scheduler's row limit is the state's admission
+limit, and the pool is allocated once at start, before the KV budget is measured, so that its
+memory is counted as in use there. A request's first chunk starts from zeros (the model does not
+read the slot then), so a freed row needs no clearing. One more slot serves a padding row.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class StatePool:
+    def __init__(self, slots: int, num_layers: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
+                 dtype: torch.dtype, device: torch.device | str):
+        self.slots = slots
+        self.conv = [torch.zeros((slots, *conv_shape), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.recurrent = [torch.zeros((slots, *recurrent_shape), dtype=torch.float32, device=device)
+                          for _ in range(num_layers)]
+        logger.info("state pool: %d slots x %d linear-attention layers, %.2f MiB a request, %.2f GiB",
+                    slots, num_layers, self.slot_bytes() / 2**20, self.nbytes() / 2**30)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+
+    def slot_bytes(self) -> int:
+        return self.nbytes() // self.slots

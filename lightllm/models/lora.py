@@ -1,0 +1,192 @@
+"""LoRA adapters in PEFT's format, served many at once beside the base model.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors` (PEFT's
+`save_pretrained`). Each adapted projection W gets W x + scaling * B (A x), with A [r, in] and
+B [out, r], scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The q, k, v, o, gate,
+up and down projections of the dense layers are served; the experts of mixture-of-experts layers
+are not yet (an adapter with them is refused).
+
+On the device every adapted projection keeps a slot pool (`LoraSlots`), allocated once at start:
+for slot s, A rows and B columns of rank `max_rank` (smaller ranks zero-padded), the scaling
+folded into B. A merged projection (q/k/v, gate/up) stacks its parts' A along the rank and
+places each part's B in its own rank columns, so one shrink and one expand serve all of its
+parts. Tensor parallel cuts as the layers do: a column-parallel layer keeps all of A and its
+rows of B, a row-parallel layer its columns of A and all of B (its output is a partial sum,
+added before the layer's all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
+from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
+
+from .config import ModelConfig
+
+__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes"]
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of every projection an adapter may adapt."""
+    d, h, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    shapes = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
+              "o_proj": (h, cfg.num_heads * d), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    sparse = set(cfg.moe.layers) if cfg.moe is not None else set()
+    return {f"model.layers.{i}.{TARGETS[name]}.{name}": shape for i in range(cfg.num_layers)
+            for name, shape in shapes.items() if not (TARGETS[name] == "mlp" and i in sparse)}
+
+
+@dataclass
+class LoraAdapter:
+    """An adapter's weights in host memory: module name -> (A [r, in], B * scaling [out, r]) in fp32."""
+
+    spec: AdapterSpec
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
+    from safetensors.torch import load_file
+
+    spec = read_adapter(path, module_shapes(cfg), max_rank)
+    tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+    weights = {name: (tensors[keys["A"]].float(), tensors[keys["B"]].float() * spec.scaling)
+               for name, keys in spec.modules.items()}
+    return LoraAdapter(spec, weights)
+
+
+class LoraTarget:
+    """One projection's slots: a [S, parts * R, in] and b [S, out, parts * R] (this rank's share),
+    applied to the step's rows by the pool's segments."""
+
+    def __init__(self, linear, pool: LoraSlots, max_rank: int, device, dtype):
+        self.pool, self.parts, self.in_slice, self.max_rank = pool, linear.parts, linear.in_slice, max_rank
+        rank, out = len(self.parts) * max_rank, sum(count for _, _, _, count in self.parts)
+        self.a = torch.zeros(pool.num_slots, rank, self.in_slice[1], device=device, dtype=dtype)
+        self.b = torch.zeros(pool.num_slots, out, rank, device=device, dtype=dtype)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        in_start, in_count = self.in_slice
+        row = 0
+        for i, (name, _, start, count) in enumerate(self.parts):
+            pair = adapter.weights.get(name)
+            if pair is not None:
+                a, b = pair
+                r, first = a.shape[0], i * self.max_rank
+                self.a[slot, first: first + r] = a[:, in_start: in_start + in_count]
+                self.b[slot, row: row + count, first: first + r] = b[start: start + count]
+            row += count
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        rows, starts = self.pool.segments
+        return lora_expand_(y, lora_shrink(x, self.a, rows, starts), self.b, rows, starts)
+
+
+def _projections(layer) -> list:
+    out = [layer.attn.qkv, layer.attn.o]
+    mlp = layer.mlp
+    if hasattr(mlp, "gate_up") and hasattr(mlp, "down"):  # a dense MLP (not the experts)
+        out += [mlp.gate_up, mlp.down]
+    return out
+
+
+class LoraSlots:
+    """The device's adapter slots, `num_slots` of rank up to `max_rank`, allocated once: attached to
+    every served projection of `model`. `prepare` groups a step's rows by slot (slot -1: none)."""
+
+    def __init__(self, model, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+        self.num_slots = num_slots
+        self.targets = []
+        for layer in model.layers:
+            for linear in _projections(layer):
+                linear.lora = LoraTarget(linear, self, max_rank, device, dtype)
+                if hasattr(linear, "split_sum"):
+                    linear.split_sum = 0  # its output must be whole for the adapter's share to be added
+                self.targets.append(linear.lora)
+        self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
+        model.lora = self
+
+    def prepare(self, slots: torch.Tensor | None) -> None:
+        assert slots is not None, "a model serving LoRA adapters needs every step's ForwardBatch.lora_slots"
+        self.segments = lora_segments(slots, self.num_slots)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        for target in self.targets:
+            target.load(slot, adapter)
+
+    def nbytes(self) -> int:
+        return sum(t.a.nbytes + t.b.nbytes for t in self.targets)
+
+
+class SlotTable:
+    """Which adapter (by id; 0: none) each device slot holds, and how many running requests use
+    it; an adapter not resident takes a free slot, else the least recently used slot no running
+    request uses. CPU bookkeeping, the same on every rank."""
+
+    def __init__(self, num_slots: int):
+        self.owner, self.users, self.last_use = [0] * num_slots, [0] * num_slots, [0] * num_slots
+        self._clock = 0
+
+    def acquire(self, lora_id: int) -> tuple[int, bool]:
+        """(slot, whether its weights must be loaded)."""
+        self._clock += 1
+        if lora_id in self.owner:
+            slot, load = self.owner.index(lora_id), False
+        else:
+            idle = [s for s in range(len(self.owner)) if self.users[s] == 0]
+            if not idle:
+                raise RuntimeError(f"no free LoRA slot for adapter {lora_id}: all {len(self.owner)} in use")
+            slot, load = min(idle, key=lambda s: (self.owner[s] != 0, self.last_use[s])), True
+            self.owner[slot] = lora_id
+        self.users[slot] += 1
+        self.last_use[slot] = self._clock
+        return slot, load
+
+    def fits(self, lora_ids: set[int]) -> bool:
+        """Whether requests of these adapters can all start now."""
+        missing = [i for i in lora_ids if i not in self.owner]
+        idle = sum(1 for s, owner in enumerate(self.owner) if self.users[s] == 0 and owner not in lora_ids)
+        return len(missing) <= idle
+
+    def release(self, slot: int) -> None:
+        assert self.users[slot] > 0, slot
+        self.users[slot] -= 1
+
+    def forget(self, lora_id: int) -> None:
+        """An unloaded adapter's slot holds nothing once its last user ends (it is then free)."""
+        if lora_id in self.owner and self.users[self.owner.index(lora_id)] == 0:
+            self.owner[self.owner.index(lora_id)] = 0
+
+
+class LoraAdapters:
+    """A runner's adapters: every loaded one in host memory by id, the resident ones in the
+    device's slots. `acquire` gives a starting request its adapter's slot (copying the weights in
+    if they are not there), `release` hands it back when the request ends."""
+
+    def __init__(self, model, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.cfg, self.max_rank = cfg, max_rank
+        self.slots = LoraSlots(model, num_slots, max_rank, device, dtype)
+        self.table = SlotTable(num_slots)
+        self.host: dict[int, LoraAdapter] = {}
+
+    def add(self, lora_id: int, path: str) -> None:
+        self.host[lora_id] = load_adapter(path, self.cfg, self.max_rank)
+
+    def drop(self, lora_id: int) -> None:
+        self.host.pop(lora_id, None)
+        self.table.forget(lora_id)
+
+    def acquire(self, lora_id: int) -> int:
+        slot, load = self.table.acquire(lora_id)
+        if load:
+            self.slots.load(slot, self.host[lora_id])
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.table.release(slot)

@@ -1,0 +1,316 @@
+"""The prefix cache's host tier.
+
+The tree: random inserts, lock-and-loads (the scheduler's pattern), evictions and flushes against
+a plain model of every cached sequence and of where each lives (hypothesis); the ops replayed on
+a slot store give every node its tokens on the tier the tree says.
+The pool: an offload then a load puts every layer's K and V of each token at the token's new slot.
+The engine on a real model (CPU), a KV budget small enough to evict: greedy output equals
+transformers' and the device-only cache's, over random multi-turn traffic; when idle no slot
+or host room is held.
+"""
+
+import pytest
+import torch
+from helpers.models import Client, hf_greedy, make_model, make_runner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightllm.common import host_pool
+from lightllm.common.host_pool import HostKVPool
+from lightllm.common.radix_cache import Evict, Insert, Load, Offload, RadixCache, Spill, Split
+from lightllm.common.token_table import TokenTable
+from lightllm.engine.config import EngineConfig
+from lightllm.engine.core import EngineCore
+from lightllm.engine.request import SamplingParams
+from lightllm.engine.scheduler import Scheduler
+
+VOCAB = 101
+NEW = 4
+
+# ---- the tree ----
+
+token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=10)
+actions = st.lists(  # evictions and matches weighted up: each move between tiers needs both
+    st.one_of(
+        st.tuples(st.just("insert"), token_lists),
+        st.tuples(st.sampled_from(["lock", "lock+unlock"]), token_lists),
+        st.tuples(st.just("unlock"), st.integers(0, 100)),
+        st.tuples(st.just("evict"), st.integers(0, 20)),
+        st.tuples(st.just("evict"), st.integers(0, 20)),
+    ),
+    min_size=10,
+    max_size=60,
+)
+
+
+class TieredStore:
+    """The runner's side: node id -> its tokens' slots on the device, in the host or the disk pool."""
+
+    def __init__(self):
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.disk: dict[int, list] = {}
+
+    def tier(self, node_id: int) -> dict:
+        return next(t for t in (self.device, self.host, self.disk) if node_id in t)
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            if isinstance(op, Insert):
+                assert all(op.node_id not in t for t in (self.device, self.host, self.disk))
+                self.device[op.node_id] = [(op.req_id, p) for p in range(op.start, op.end)]
+            elif isinstance(op, Split):
+                tier = self.tier(op.node_id)
+                slots = tier[op.node_id]
+                tier[op.upper_id], tier[op.node_id] = slots[: op.at], slots[op.at:]
+            elif isinstance(op, Evict):
+                self.tier(op.node_id).pop(op.node_id)
+            elif isinstance(op, Offload):
+                self.host[op.node_id] = self.device.pop(op.node_id)
+            elif isinstance(op, Spill):
+                self.disk[op.node_id] = self.host.pop(op.node_id)
+            elif isinstance(op, Load):
+                self.device[op.node_id] = self.tier(op.node_id).pop(op.node_id)
+        ops.clear()
+
+
+def prefixes(tokens) -> set[tuple[int, ...]]:
+    return {tuple(tokens[:n]) for n in range(1, len(tokens) + 1)}
+
+
+def tiers(cache: RadixCache) -> tuple[set, set, set]:
+    """(every cached sequence, those whose last token is off the device, those of them on disk)."""
+    every, host, disk = set(), set(), set()
+    for path, node_id in cache.cached_prefixes().items():
+        node = cache._nodes[node_id]
+        mine = {path[:n] for n in range(node.depth - len(node.key) + 1, node.depth + 1)}
+        every |= mine
+        host |= mine if node.host else set()
+        disk |= mine if node.disk else set()
+    return every, host, disk
+
+
+@settings(max_examples=300, deadline=None)
+@given(actions, st.integers(0, 12), st.sampled_from([0, 6, 30]))
+def test_tree_with_lower_tiers_keeps_every_sequence_on_one_tier(actions, capacity, disk_capacity):
+    ops = []
+    cache = RadixCache(ops, host_capacity=capacity, disk_capacity=disk_capacity if capacity else 0)
+    store = TieredStore()
+    model: set[tuple[int, ...]] = set()
+    locks = []
+    for req_id, (kind, arg) in enumerate(actions):
+        if kind == "insert":
+            duplicated, _ = cache.insert(cache.root, arg, req_id, 0)
+            assert duplicated <= len(arg)
+            model |= prefixes(arg)  # a host node the insert reached is dropped, its sequences now on the device
+            model = {p for p in model if p in prefixes(arg) or p in tiers(cache)[0]}
+        elif kind.startswith("lock"):
+            found = cache.match(arg)
+            if found.length:
+                node = cache.take(found)
+                cache.lock(node)
+                for host_node in cache.host_path(node):
+                    cache.evict(len(host_node.key))  # what the scheduler does for room
+                    cache.load(host_node)
+                assert not cache.host_path(node)
+                locks.append((node, arg[: found.length]))
+                if kind == "lock+unlock":
+                    cache.unlock(locks.pop()[0])
+        elif kind == "unlock" and locks:
+            cache.unlock(locks.pop(arg % len(locks))[0])
+        elif kind == "evict":
+            before_device = cache.total_tokens
+            freed = cache.evict(arg)
+            assert cache.total_tokens == before_device - freed
+        store.apply(ops)
+        cache.check()
+        every, host, disk = tiers(cache)
+        assert every <= model and all(p[:-1] in every for p in every if len(p) > 1)  # prefix-closed
+        assert all(p[:-1] not in host or p in host for p in every)  # below a host token: host only
+        assert all(p[:-1] not in disk or p in disk for p in every)  # below a disk token: disk only
+        assert len(host - disk) == cache.host_tokens <= capacity and len(every - host) == cache.total_tokens
+        assert len(disk) == cache.disk_tokens <= cache.disk_capacity
+        assert all(prefixes(t) <= every - host for _, t in locks)  # locked: on the device
+        model = every
+        for node_id, node in cache._nodes.items():
+            if node_id:
+                tier = store.disk if node.disk else store.host if node.host else store.device
+                assert len(tier[node_id]) == len(node.key)
+        assert set(store.device) | set(store.host) | set(store.disk) == set(cache._nodes) - {0}
+    for node, _ in locks:
+        cache.unlock(node)
+    cache.flush()
+    store.apply(ops)
+    assert cache.total_tokens == cache.host_tokens == cache.disk_tokens == 0
+    assert not store.device and not store.host and not store.disk
+
+
+def test_a_host_node_is_dropped_least_recently_used_first():
+    ops = []
+    cache = RadixCache(ops, host_capacity=4)
+    cache.insert(cache.root, [1, 2], 0, 0)
+    cache.insert(cache.root, [3, 4], 1, 0)
+    cache.insert(cache.root, [5, 6], 2, 0)
+    assert cache.evict(6) == 6 and cache.total_tokens == 0
+    assert cache.host_tokens == 4 and cache.match([1, 2]).length == 0  # the oldest did not fit
+    assert cache.match([3, 4]).length == 2 and cache.match([5, 6]).length == 2
+
+
+# ---- the pool ----
+
+@pytest.mark.parametrize("staging", [512, 2])
+def test_offload_then_load_puts_each_token_at_its_new_slot(staging, monkeypatch):
+    monkeypatch.setattr(host_pool, "STAGING_TOKENS", staging)
+    layers, heads, dim = 3, 2, 4
+    table = TokenTable(32, layers, heads, dim, torch.float32, "cpu")
+    for t in table.k + table.v:
+        t.copy_(torch.randn_like(t))
+    pool = HostKVPool(16, layers, heads, dim, torch.float32, torch.device("cpu"))
+    first, _, second, _ = pool.alloc(2), pool.alloc(2), pool.alloc(3), pool.alloc(9)
+    pool.free(first + second)  # the pool's room in two runs, neither long enough alone
+    old = torch.tensor([9, 2, 30, 17, 5], dtype=torch.int32)
+    expected = [t[old.long()].clone() for t in table.k + table.v]
+    pool.offload(7, old, table.k + table.v)
+    assert pool.nodes[7] == [(0, 2), (4, 3)]
+    pool.split(7, 4, 8)  # the upper 4 tokens and the lower 1
+    new = torch.tensor([0, 1, 3, 4, 6])
+    pool.load(8, new[:4], table.k + table.v)
+    pool.load(7, new[4:], table.k + table.v)
+    for t, want in zip(table.k + table.v, expected):
+        torch.testing.assert_close(t[new], want, rtol=0, atol=0)
+    assert pool.free_count == 5 and not pool.nodes
+
+
+def test_a_node_spilled_to_disk_loads_back_to_its_new_slots(tmp_path):
+    layers, heads, dim = 2, 2, 4
+    table = TokenTable(16, layers, heads, dim, torch.float32, "cpu")
+    for t in table.k + table.v:
+        t.copy_(torch.randn_like(t))
+    host = HostKVPool(8, layers, heads, dim, torch.float32, torch.device("cpu"))
+    disk = HostKVPool(8, layers, heads, dim, torch.float32, torch.device("cpu"), path=str(tmp_path / "kv.bin"))
+    assert not list(tmp_path.iterdir())  # the file goes with the process
+    disk.alloc(1)  # its room starts elsewhere than the host pool's
+    old = torch.tensor([3, 11, 7, 0, 14])
+    expected = [t[old].clone() for t in table.k + table.v]
+    host.offload(5, old, table.k + table.v)
+    disk.take_from(5, host)
+    assert host.free_count == 8 and not host.nodes and disk.nodes[5] == [(1, 5)]
+    new = torch.tensor([1, 2, 4, 5, 6])
+    disk.load(5, new, table.k + table.v)
+    for t, want in zip(table.k + table.v, expected):
+        torch.testing.assert_close(t[new], want, rtol=0, atol=0)
+
+
+def test_the_disk_tier_needs_the_host_tier():
+    with pytest.raises(ValueError, match="--disk_kv_cache_dir needs --host_kv_cache_gb"):
+        EngineConfig(disk_kv_cache_dir="/tmp").check()
+    EngineConfig(disk_kv_cache_dir="/tmp", host_kv_cache_gb=1.0).check()
+
+
+# ---- the engine ----
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf_model = make_model("llama_gqa_llama3_rope", path)
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads of 16, fp32
+    runner = make_runner(path, tokens=96, running_max_req_size=4, max_req_total_len=96,
+                         host_kv_cache_gb=160 * per_token / 2**30)
+    assert runner.host_pool.capacity == 160
+    return hf_model, runner
+
+
+def engine(runner, host: int, chunk: int = 16, disk: int = 0) -> EngineCore:
+    scheduler = Scheduler(runner.max_total_token_num, chunk, runner.req_table.max_reqs, host_cache_tokens=host,
+                          disk_cache_tokens=disk)
+    return EngineCore(scheduler, runner, eos_token_ids=[], overlap=True)
+
+
+def assert_idle(core: EngineCore) -> None:
+    """Nothing held but the cache's nodes, on both tiers; a flush frees every slot and host token."""
+    runner, scheduler = core._workers, core.scheduler
+    scheduler.cache.check()
+    assert not runner.reqs and runner.token_table.used_count == scheduler.cached_tokens
+    pools = [(p, held) for p, held in ((runner.host_pool, scheduler.cache.host_tokens),
+                                       (runner.disk_pool, scheduler.cache.disk_tokens)) if p is not None]
+    for pool, held in pools:
+        assert pool.capacity - pool.free_count == held == sum(n for runs in pool.nodes.values() for _, n in runs)
+    scheduler.flush_cache()
+    core.drain()
+    assert runner.token_table.used_count == 0 and not runner.nodes
+    for pool, _ in pools:
+        assert pool.free_count == pool.capacity and not pool.nodes and pool.free_runs == [(0, pool.capacity)]
+
+
+def tokens(rng: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=rng).tolist()
+
+
+def converse(core, conversations: list[list[int]], turns: list[list[int]], rng) -> list[list[int]]:
+    """Each turn, the listed conversations send their history and a new user message together."""
+    client, outs = Client(core), []
+    for who in turns:
+        prompts = [conversations[c] + tokens(rng, 3 + (c * 5 + len(outs)) % 7) for c in who]
+        got = client.run(prompts, SamplingParams(max_new_tokens=NEW))
+        for c, prompt, out in zip(who, prompts, got):
+            conversations[c] = prompt + out
+        outs += got
+    return outs
+
+
+def test_multi_turn_reloads_from_host_and_equals_transformers(tiny):
+    hf_model, runner = tiny
+    rng = torch.Generator().manual_seed(5)
+    system = tokens(rng, 10)
+    starts = [system + tokens(rng, 8) for _ in range(4)]
+    turns = [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1, 2, 3]]
+    results = {}
+    for host in (0, runner.host_pool.capacity):
+        core = engine(runner, host)
+        conversations = [list(s) for s in starts]
+        results[host] = converse(core, conversations, turns, torch.Generator().manual_seed(6))
+        if host:
+            scheduler = core.scheduler
+            assert scheduler.cache.evicted_tokens > 0 and scheduler.prefix_host_hit_tokens > 0
+            assert scheduler.prefix_host_hit_tokens <= scheduler.prefix_hit_tokens
+        assert_idle(core)
+    assert results[0] == results[runner.host_pool.capacity]
+    # the oracle for the last turn: every conversation's final history, prompted afresh
+    last = [c[:-NEW] for c in conversations]
+    assert [c[-NEW:] for c in conversations] == list(hf_greedy(hf_model, last, NEW).values())
+
+
+def test_multi_turn_through_the_disk_tier_equals_the_device_only_cache(tmp_path):
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    per_token = 2 * 2 * 2 * 16 * 4
+    runner = make_runner(tmp_path, tokens=96, running_max_req_size=4, max_req_total_len=96,
+                         host_kv_cache_gb=24 * per_token / 2**30, disk_kv_cache_dir=str(tmp_path),
+                         disk_kv_cache_gb=200 * per_token / 2**30)
+    assert (runner.host_pool.capacity, runner.disk_pool.capacity) == (24, 200)
+    turns = [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1, 2, 3]]
+    results = []
+    for host, disk in ((0, 0), (24, 200)):
+        core = engine(runner, host, disk=disk)
+        rng = torch.Generator().manual_seed(8)
+        conversations = [tokens(rng, 14) for _ in range(4)]
+        results.append(converse(core, conversations, turns, rng))
+        if disk:
+            assert core.scheduler.prefix_disk_hit_tokens > 0
+        assert_idle(core)
+    assert results[0] == results[1]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True), min_size=2, max_size=5),
+       st.sampled_from([24, 160]), st.integers(0, 2**16))
+def test_random_multi_turn_traffic_equals_the_device_only_cache(tiny, turns, host, seed):
+    _, runner = tiny
+    results = []
+    for tier in (0, host):
+        core = engine(runner, tier)
+        rng = torch.Generator().manual_seed(seed)
+        system = tokens(rng, 6)
+        conversations = [system + tokens(rng, 4 + c) for c in range(4)]
+        results.append(converse(core, conversations, turns, rng))
+        assert_idle(core)
+    assert results[0] == results[1]

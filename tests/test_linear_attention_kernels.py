@@ -1,0 +1,143 @@
+"""The Gated DeltaNet references (kernels/gated_delta_rule.py, kernels/causal_conv1d.py) against
+transformers' own torch implementations (Qwen3-Next's), on fresh random inputs: whole sequences,
+the same sequences cut into chunks at random points with the state carried, and token by token
+through the decode step's pooled, in-place states (fp32: within 1e-5)."""
+
+import pytest
+import torch
+from transformers.models.qwen3_next.modeling_qwen3_next import (causal_conv1d_fn, torch_chunk_gated_delta_rule,
+                                                                torch_recurrent_gated_delta_rule)
+
+from lightllm.kernels import causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_step, gated_delta_rule_varlen
+from lightllm.kernels.causal_conv1d import causal_conv1d_ref as causal_conv1d
+from lightllm.kernels.gated_delta_rule import gated_delta_rule_chunk_ref as gated_delta_rule_chunk
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def delta_inputs(gen, tokens, k_heads, v_heads, dk, dv):
+    q, k = torch.randn(tokens, k_heads, dk, generator=gen), torch.randn(tokens, k_heads, dk, generator=gen)
+    v = torch.randn(tokens, v_heads, dv, generator=gen)
+    g = -torch.rand(tokens, v_heads, generator=gen) * 2  # log decay: exp(g) in (0.13, 1]
+    return q, k, v, g, torch.rand(tokens, v_heads, generator=gen)
+
+
+def cuts(gen, tokens, pieces):
+    inner = torch.randperm(tokens - 1, generator=gen)[: pieces - 1] + 1
+    return [0, *sorted(inner.tolist()), tokens]
+
+
+@pytest.mark.parametrize("tokens,k_heads,v_heads", [(150, 2, 4), (37, 3, 3), (1, 1, 2)])
+def test_gated_delta_rule_chunked_and_stepped_equal_transformers(tokens, k_heads, v_heads):
+    gen = torch.Generator().manual_seed(tokens)
+    q, k, v, g, beta = delta_inputs(gen, tokens, k_heads, v_heads, 16, 8)
+    initial = torch.randn(v_heads, 16, 8, generator=gen) * 0.1
+    expected, final = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                   initial_state=initial[None], output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    recurrent, _ = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                    initial_state=initial[None], use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(recurrent, expected, **TOL)  # transformers' two forms agree
+    out, state = gated_delta_rule_chunk(q, k, v, g, beta, initial)
+    torch.testing.assert_close(out, expected[0], **TOL)
+    torch.testing.assert_close(state, final[0], **TOL)
+    # chunks cut anywhere, each starting from the state the one before left
+    bounds, state, parts = cuts(gen, tokens, min(4, tokens)), initial, []
+    for lo, hi in zip(bounds, bounds[1:]):
+        part, state = gated_delta_rule_chunk(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+        parts.append(part)
+    torch.testing.assert_close(torch.cat(parts), expected[0], **TOL)
+    torch.testing.assert_close(state, final[0], **TOL)
+    # token by token in a pool of three rows: row 2's state moves, the others stay
+    pool = torch.randn(3, v_heads, 16, 8, generator=gen)
+    others = pool[[0, 1]].clone()
+    pool[2] = initial
+    steps = [gated_delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], pool,
+                                   torch.tensor([2])) for t in range(tokens)]
+    torch.testing.assert_close(torch.cat(steps), expected[0], **TOL)
+    torch.testing.assert_close(pool[2], final[0], **TOL)
+    assert torch.equal(pool[[0, 1]], others)
+
+
+def test_causal_conv1d_chunked_and_stepped_equal_transformers():
+    gen = torch.Generator().manual_seed(0)
+    tokens, channels, width = 23, 12, 4
+    x, weight = torch.randn(tokens, channels, generator=gen), torch.randn(channels, width, generator=gen)
+    expected = causal_conv1d_fn(x.T[None], weight, None, activation="silu")[0].T
+    out, final = causal_conv1d(x, weight, None)
+    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(final, x[-(width - 1):].T)  # the last K - 1 inputs
+    bounds, state, parts = [0, 1, 2, 9, tokens], None, []  # chunks shorter than the state, too
+    for lo, hi in zip(bounds, bounds[1:]):
+        part, state = causal_conv1d(x[lo:hi], weight, state)
+        parts.append(part)
+    torch.testing.assert_close(torch.cat(parts), expected, **TOL)
+    pool = torch.randn(2, channels, width - 1, generator=gen)
+    other = pool[0].clone()
+    pool[1] = 0
+    steps = [causal_conv1d_step(x[t:t + 1], weight, pool, torch.tensor([1])) for t in range(tokens)]
+    torch.testing.assert_close(torch.cat(steps), expected, **TOL)
+    torch.testing.assert_close(pool[1], final)
+    assert torch.equal(pool[0], other)
+
+
+def test_packed_sequences_equal_each_alone():
+    """A step's chunks packed (lengths 1 to 70, each from its own state) give what each gives alone."""
+    gen = torch.Generator().manual_seed(5)
+    lengths, k_heads, v_heads, dk, dv, channels = (70, 1, 5, 2, 64), 2, 4, 16, 8, 12
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta = delta_inputs(gen, cu[-1], k_heads, v_heads, dk, dv)
+    states = torch.randn(len(lengths), v_heads, dk, dv, generator=gen) * 0.3
+    out, final = gated_delta_rule_varlen(q, k, v, g, beta, cu, states)
+    x, weight = torch.randn(cu[-1], channels, generator=gen), torch.randn(channels, 4, generator=gen)
+    conv_states = torch.randn(len(lengths), channels, 3, generator=gen)
+    conv_out, conv_final = causal_conv1d_varlen(x, weight, cu, conv_states)
+    for i, (lo, hi) in enumerate(zip(cu, cu[1:])):
+        alone, state = gated_delta_rule_chunk(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[i])
+        torch.testing.assert_close(out[lo:hi], alone, **TOL)
+        torch.testing.assert_close(final[i], state, **TOL)
+        alone, state = causal_conv1d(x[lo:hi], weight, conv_states[i])
+        torch.testing.assert_close(conv_out[lo:hi], alone, **TOL)
+        torch.testing.assert_close(conv_final[i], state, **TOL)
+
+
+# ---- the decode steps' Triton kernels against their references (the interpreter without a GPU) ----
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STEP_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_heads,v_heads,dk,dv", [(2, 4, 16, 8), (1, 1, 32, 48)])  # dv 48: two value blocks
+def test_gated_delta_rule_step_triton_equals_reference(dtype, k_heads, v_heads, dk, dv):
+    from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
+
+    gen = torch.Generator().manual_seed(dk + dv)
+    q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, 3, k_heads, v_heads, dk, dv))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    states = torch.randn(5, v_heads, dk, dv, generator=gen).to(DEVICE) * 0.3
+    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    expected_states = states.clone()
+    expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
+    got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows)
+    torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
+    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])  # rows 1 and 3 untouched too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels", [12, 300])  # 300: two channel blocks
+def test_causal_conv1d_step_triton_equals_reference(dtype, channels):
+    from lightllm.kernels.causal_conv1d import causal_conv1d_step_ref, causal_conv1d_step_triton
+
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(3, channels, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(channels, 4, generator=gen).to(DEVICE, dtype)
+    states = torch.randn(5, channels, 3, generator=gen).to(DEVICE, dtype)
+    rows = torch.tensor([1, 4, 0], device=DEVICE)
+    expected_states = states.clone()
+    expected = causal_conv1d_step_ref(x, weight, expected_states, rows)
+    got = causal_conv1d_step_triton(x, weight, states, rows)
+    torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
+    assert torch.equal(states, expected_states)  # a shift: the same values moved
