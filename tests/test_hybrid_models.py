@@ -154,35 +154,43 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
     assert round(model.state_slot_bytes() * 2 / 2**20, 1) == state_mib  # tp 2: half of the heads a rank
 
 
-def test_the_engine_serves_a_recurrent_state_without_cache_or_drafts_on_the_runners_rows():
-    """A model with recurrent state (the runner's info says so) gets no prefix cache and no drafts,
-    even when asked for, and the scheduler runs as many requests as the runner has rows for."""
+def test_the_engine_serves_a_recurrent_state_with_snapshots_without_drafts_on_the_runners_rows():
+    """A model with recurrent state (the runner's info says so) gets no drafts, even when asked for,
+    a prefix cache only where the runner has snapshot slots, and as many running requests as the
+    runner has rows for."""
     from lightllm.engine import build
     from lightllm.engine.config import EngineConfig
 
-    config = EngineConfig(model_dir="m", running_max_req_size=64,
+    config = EngineConfig(model_dir="m", running_max_req_size=64, state_snapshot_interval=512,
                           speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
     info = {"eos_token_ids": [2], "vocab_size": 10, "burst_chunked_prefill_size": None, "running_max_req_size": 5}
     plain = build.build_engine(config, None, 1000, info).scheduler
     assert plain.cache is not None and plain.speculator is not None and plain.max_running == 5
-    hybrid = build.build_engine(config, None, 1000, {**info, "recurrent_state": True}).scheduler
-    assert hybrid.cache is None and hybrid.speculator is None and hybrid.max_running == 5
+    assert plain.snapshot_interval == 0 and plain.cache.snapshot_slots == 0
+    hybrid = build.build_engine(config, None, 1000, {**info, "recurrent_state": True, "state_snapshot_slots": 3})
+    hybrid = hybrid.scheduler
+    assert hybrid.speculator is None and hybrid.max_running == 5
+    assert hybrid.snapshot_interval == 512 and hybrid.cache.snapshot_slots == 3
+    no_room = build.build_engine(config, None, 1000, {**info, "recurrent_state": True, "state_snapshot_slots": 0})
+    assert no_room.scheduler.cache is None
 
 
-def test_the_runner_refuses_drafts_and_cached_prefixes_for_a_recurrent_state(tmp_path):
-    """Drafts would move a recurrent state past tokens that may be rejected, and a cached prefix has
-    no state to start from: a hybrid model's runner refuses both before anything changes."""
+def test_the_runner_refuses_drafts_and_a_cached_prefix_without_its_snapshot(tmp_path):
+    """Drafts would move a recurrent state past tokens that may be rejected, and a cached prefix
+    without the snapshot of the state after it has no state to start from: a hybrid model's runner
+    refuses both before anything changes."""
     from benchmark.lib.direct_step import run_step
 
     from lightllm.engine.plan import Chunk, Insert, StepPlan
 
     make_hybrid("qwen3_next", tmp_path)
-    runner = make_runner(tmp_path, tokens=128)
+    runner = make_runner(tmp_path, tokens=128, state_snapshot_slots=2)
     run_step(runner, prompts=[(0, [1, 2, 3, 4], SamplingParams())])
     with pytest.raises(ValueError, match="recurrent state"):
         runner.step(StepPlan(10, [0], drafts={0: [5, 6]}, sync=True))
     runner.apply([Insert(0, 0, 4, 0)])  # a prefix-cache node over request 0's four tokens
-    cached = Chunk(1, [7, 8], 4, True, SamplingParams(), prefix=(0,))
-    with pytest.raises(ValueError, match="recurrent state"):
-        runner.step(StepPlan(11, [], [cached], sync=True))
+    for snapshot in (-1, 2):  # none, or past the 2 slots
+        cached = Chunk(1, [7, 8], 4, True, SamplingParams(), prefix=(0,), snapshot=snapshot)
+        with pytest.raises(ValueError, match="snapshot"):
+            runner.step(StepPlan(11, [], [cached], sync=True))
     assert run_step(runner, [0]) and runner.reqs[0].seq_len == 5  # request 0 decodes on as before

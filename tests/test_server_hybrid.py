@@ -1,7 +1,8 @@
 """A server on bench_model's tiny-qwen3.5 (a hybrid model: 3 Gated DeltaNet layers and 1 gated
 full-attention layer, random fp32 weights, the default model's tokenizer): greedy text equals
-transformers' `generate`, also the second time and for each of n = 2 choices, with the prefix
-cache turned off for it (no token reported cached); an image part in a chat message is a 400
+transformers' `generate`, also the second time, resumed from the prefix cache's snapshot of the
+recurrent state at the deepest 16-token boundary of the prompt (the tokens reported cached), and
+for each of n = 2 choices; an image part in a chat message is a 400
 (only the text model is served).
 Relies on transformers' Qwen3.5 modeling code and its greedy `generate` as the oracle."""
 
@@ -14,8 +15,9 @@ PROMPT = "the river runs over the stone light and the cache of every batch runs 
 NEW = 16
 
 
-def test_greedy_text_equals_transformers_without_the_prefix_cache(tmp_path_factory):
-    with preset_server(tmp_path_factory, "tiny-qwen3.5", ("--chunked_prefill_size", "16")) as (model_dir, server):
+def test_greedy_text_equals_transformers_with_the_prefix_cache(tmp_path_factory):
+    flags = ("--chunked_prefill_size", "16", "--state_snapshot_interval", "16")
+    with preset_server(tmp_path_factory, "tiny-qwen3.5", flags) as (model_dir, server):
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
         model.generation_config.eos_token_id = None
@@ -23,9 +25,9 @@ def test_greedy_text_equals_transformers_without_the_prefix_cache(tmp_path_facto
         assert ids.shape[1] > 16  # two chunks or more
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
         expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        for _ in range(2):
+        for cached in (0, (ids.shape[1] - 1) // 16 * 16):
             got = server.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True)
-            assert got["generated_text"] == [expected] and got["cached_tokens"] == 0
+            assert got["generated_text"] == [expected] and got["cached_tokens"] == cached
         body = {"model": model_dir.name, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "n": 2,
                 "ignore_eos": True}
         response = server.post("/v1/completions", body)

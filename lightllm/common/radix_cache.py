@@ -25,6 +25,14 @@ A disk tier (`disk_capacity` > 0) lies below: a node leaving the host pool once 
 children is in it is copied to disk (Spill) instead of dropped; disk-resident leaves are
 dropped least recently used first. `host` means "not on the device" for both lower tiers, and
 `disk` which of them, so the disk-resident nodes of a path are the tail of its host ones.
+
+For a model with recurrent state (linear-attention layers) KV alone cannot resume a prompt: the
+tree keeps snapshots of the state (`snapshot_slots` slots of a pool in each runner) on some nodes,
+each the state after the tokens root..node, and a match is cut back to the deepest node with one
+(`resumable`). A snapshot is taken from a running request whose tokens end at the node (Snapshot
+op); it goes with its node (evicted, offloaded or dropped), and when no slot is free the least
+recently used snapshot no running request references gives its slot up. Snapshots stay on the
+device: an offloaded node drops its snapshot (the KV tiers hold KV only).
 """
 
 from __future__ import annotations
@@ -75,6 +83,15 @@ class Spill:
 
 
 @dataclass
+class Snapshot:
+    """Running request `req_id`'s recurrent state (its row's slot of the state pool) is copied to
+    snapshot slot `slot`: the state after its tokens so far, which end where the slot's node ends."""
+
+    req_id: int
+    slot: int
+
+
+@dataclass
 class Load:
     """Host-resident node `node_id` takes slots of the token table, its KV copied back from the
     host (or disk) pool, whose room is freed."""
@@ -83,7 +100,7 @@ class Load:
 
 
 class Node:
-    __slots__ = ("node_id", "key", "parent", "children", "ref", "last_use", "depth", "host", "disk")
+    __slots__ = ("node_id", "key", "parent", "children", "ref", "last_use", "depth", "host", "disk", "snapshot")
 
     def __init__(self, node_id: int, key: list[int], parent: Node | None, last_use: int = 0):
         self.node_id = node_id
@@ -95,6 +112,7 @@ class Node:
         self.depth = (parent.depth if parent is not None else 0) + len(key)  # tokens root..here
         self.host = False  # its KV is in the host (or disk) pool, not in the token table
         self.disk = False  # ... in the disk pool
+        self.snapshot = -1  # slot of the recurrent state after its tokens (models with one), or -1
 
     def in_host_pool(self) -> bool:
         return self.host and not self.disk
@@ -138,7 +156,7 @@ def common_prefix_len(key: list[int], tokens: list[int], start: int) -> int:
 
 
 class RadixCache:
-    def __init__(self, ops: list, host_capacity: int = 0, disk_capacity: int = 0):
+    def __init__(self, ops: list, host_capacity: int = 0, disk_capacity: int = 0, snapshot_slots: int = 0):
         self.ops = ops  # plan ops for the runner, shared with the scheduler, in order
         self.root = Node(0, [], None)
         self._ids = itertools.count(1)
@@ -156,6 +174,9 @@ class RadixCache:
         self.disk_tokens = 0  # tokens of disk-resident nodes (not in host_tokens)
         self._disk_evictable: list[tuple[int, int, Node]] = []  # disk-resident leaves, lazily pruned
         self.loaded_disk_tokens = 0  # counter: of loaded_tokens, those read from the disk pool
+        self.snapshot_slots = snapshot_slots  # > 0: the model has recurrent state (matches need a snapshot)
+        self._free_snapshots = list(range(snapshot_slots))[::-1]
+        self._snapshot_nodes: dict[int, Node] = {}  # slot -> the node whose snapshot it holds
 
     @property
     def evictable_tokens(self) -> int:
@@ -176,6 +197,16 @@ class RadixCache:
                 return Match(node, child, n, i + n)
             node, i = child, i + n
         return Match(node, None, 0, i)
+
+    def resumable(self, found: Match, above: Node) -> Match:
+        """`found` (a match below `above`) as far as a request can resume it: with snapshots, cut
+        back to the deepest node of it that holds one (or to `above`, nothing matched)."""
+        if not self.snapshot_slots:
+            return found
+        node = found.node
+        while node is not above and node.snapshot < 0:
+            node = node.parent
+        return Match(node, None, 0, node.depth - above.depth)
 
     def take(self, match: Match) -> Node:
         """The node that ends exactly where `match` ends (splitting the child it ends inside)."""
@@ -234,6 +265,28 @@ class RadixCache:
         self._maybe_evictable(new)
         return found.length, new
 
+    def snapshot(self, node: Node, req_id: int) -> bool:
+        """Keep running request `req_id`'s state, whose tokens end where `node` ends, as `node`'s
+        snapshot; False where it has one already or no slot can be had."""
+        if node.snapshot >= 0 or not self.snapshot_slots:
+            return False
+        if not self._free_snapshots:
+            idle = [n for n in self._snapshot_nodes.values() if not n.ref]
+            if not idle:
+                return False
+            self._drop_snapshot(min(idle, key=lambda n: (n.last_use, n.node_id)))
+        node.snapshot = self._free_snapshots.pop()
+        self._snapshot_nodes[node.snapshot] = node
+        self.ops.append(Snapshot(req_id, node.snapshot))
+        return True
+
+    def _drop_snapshot(self, node: Node) -> None:
+        """Its slot is free again (no op: the runner's slot is simply overwritten by a later Snapshot)."""
+        if node.snapshot >= 0:
+            del self._snapshot_nodes[node.snapshot]
+            self._free_snapshots.append(node.snapshot)
+            node.snapshot = -1
+
     def _split(self, node: Node, at: int) -> Node:
         """Cut `node` after `at` tokens; the new upper part becomes its parent and is returned."""
         assert 0 < at < len(node.key), (node, at)
@@ -262,6 +315,7 @@ class RadixCache:
             self.evicted_tokens += len(node.key)
             if offload and self._host_room(len(node.key)):
                 node.host = True
+                self._drop_snapshot(node)
                 self.total_tokens -= len(node.key)
                 self.host_tokens += len(node.key)
                 self.ops.append(Offload(node_id))
@@ -347,6 +401,7 @@ class RadixCache:
             stack.extend(order[-1].children.values())
         for gone in reversed(order):
             del self._nodes[gone.node_id]
+            self._drop_snapshot(gone)
             if gone.disk:
                 self.disk_tokens -= len(gone.key)
             elif gone.host:
@@ -407,6 +462,13 @@ class RadixCache:
         assert (total, locked, host) == (self.total_tokens, self.locked_tokens, self.host_tokens), (total, locked, host)
         assert host <= self.host_capacity and disk <= self.disk_capacity, (host, disk)
         assert disk == self.disk_tokens, disk
+        assert len(self._snapshot_nodes) + len(self._free_snapshots) == self.snapshot_slots
+        assert all(self._nodes.get(n.node_id) is n and n.snapshot == slot and not n.host
+                   for slot, n in self._snapshot_nodes.items())
+
+    @property
+    def snapshots_used(self) -> int:
+        return len(self._snapshot_nodes)
 
     def cached_prefixes(self) -> dict[tuple[int, ...], int]:
         """Every cached token sequence (each node's path from the root) -> its node id."""

@@ -7,6 +7,10 @@ request that holds a row holds its state: the scheduler's row limit is the state
 limit, and the pool is allocated once at start, before the KV budget is measured, so that its
 memory is counted as in use there. A request's first chunk starts from zeros (the model does not
 read the slot then), so a freed row needs no clearing. One more slot serves a padding row.
+
+The prefix cache's snapshots of the state (models with recurrent state) are a second pool of the
+same shapes (`like`), its slots named by the radix tree; `copy_slot` moves one slot's state, every
+layer's, between the two.
 """
 
 from __future__ import annotations
@@ -27,6 +31,17 @@ class StatePool:
                           for _ in range(num_layers)]
         logger.info("state pool: %d slots x %d linear-attention layers, %.2f MiB a request, %.2f GiB",
                     slots, num_layers, self.slot_bytes() / 2**20, self.nbytes() / 2**30)
+
+    def like(self, slots: int) -> StatePool:
+        """A pool of `slots` slots of this one's shapes, on its device."""
+        conv, recurrent = self.conv[0], self.recurrent[0]
+        return StatePool(slots, len(self.conv), tuple(conv.shape[1:]), tuple(recurrent.shape[1:]), conv.dtype,
+                         conv.device)
+
+    def copy_slot(self, slot: int, source: StatePool, source_slot: int) -> None:
+        """Slot `slot` takes `source`'s slot `source_slot` (every layer's conv and recurrent state)."""
+        for mine, theirs in zip(self.conv + self.recurrent, source.conv + source.recurrent):
+            mine[slot].copy_(theirs[source_slot])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)

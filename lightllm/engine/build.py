@@ -64,11 +64,17 @@ def load_model(workers, config: EngineConfig, replica: int = 0) -> tuple[int, di
 
 
 def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
-    if model_info.get("recurrent_state") and not (config.disable_prefix_cache and config.speculative_config is None):
-        # a recurrent state cannot be cut at a cached prefix's end, nor rolled back past rejected drafts
-        logger.warning("prefix cache and speculative decoding off: the model's linear-attention layers keep "
-                       "a recurrent state that neither can restore yet")
-        config = dataclasses.replace(config, disable_prefix_cache=True, speculative_config=None)
+    hybrid = bool(model_info.get("recurrent_state"))
+    if hybrid and config.speculative_config is not None:
+        # a recurrent state cannot be rolled back past rejected drafts
+        logger.warning("speculative decoding off: the model's linear-attention layers keep a recurrent state "
+                       "that cannot be rolled back past rejected drafts")
+        config = dataclasses.replace(config, speculative_config=None)
+    snapshots = model_info.get("state_snapshot_slots", 0)
+    if hybrid and not config.disable_prefix_cache and not snapshots:
+        logger.warning("prefix cache off: no slot for a snapshot of the model's recurrent state "
+                       "(--state_snapshot_slots)")
+        config = dataclasses.replace(config, disable_prefix_cache=True)
     speculative = SpeculativeConfig.parse(config.speculative_config)
     running = model_info.get("running_max_req_size", config.running_max_req_size)  # fewer: the states that fit
     speculator = None if speculative is None else Speculator(speculative, model_info["vocab_size"], running)
@@ -78,7 +84,8 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
                           burst_chunk_budget=model_info["burst_chunked_prefill_size"], speculator=speculator,
                           host_cache_tokens=model_info.get("host_kv_cache_tokens", 0),
                           disk_cache_tokens=model_info.get("disk_kv_cache_tokens", 0),
-                          max_loras=config.lora_slots, lora_ids=tuple(range(1, len(config.lora_modules) + 1)))
+                          max_loras=config.lora_slots, lora_ids=tuple(range(1, len(config.lora_modules) + 1)),
+                          snapshot_interval=config.state_snapshot_interval if hybrid else 0, snapshot_slots=snapshots)
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
                       vocab_size=model_info["vocab_size"])
 

@@ -67,6 +67,14 @@ class EngineConfig:
         default=False,
         metadata=flag("recompute every prompt; by default the KV of prompt prefixes already computed (shared system prompts, earlier chat turns) is kept in a radix tree and reused, evicted least recently used first when room is needed"),
     )
+    state_snapshot_interval: int = field(
+        default=2048,
+        metadata=flag("models with recurrent state (Qwen3-Next, Qwen3.5): the prefix cache keeps a snapshot of every linear-attention layer's state every this many prompt tokens, and a prompt resumes from the deepest snapshot inside its cached prefix; such a model's prompt chunks end at these boundaries (a request's chunk never crosses one). The default, --chunked_prefill_size's, takes a snapshot at every full chunk of a lone request without cutting any; lower it for shorter shared prefixes (a snapshot every 512 tokens serves a 2000-token system prompt up to 1536), at the price of chunks no longer than it"),
+    )
+    state_snapshot_slots: int = field(
+        default=64,
+        metadata=flag("models with recurrent state: snapshots the prefix cache can hold, allocated at start beside the states of the running requests and counted as used before the KV budget is measured (at most half of the memory left then); one is a request's whole state (146.8 MiB for qwen3.5-27b in bf16 at tp 1); the least recently used one no running request needs makes room. 0: the prefix cache is off for such a model"),
+    )
     host_kv_cache_gb: float = field(
         default=0.0,
         metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
@@ -174,6 +182,8 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)
         if self.burst_chunked_prefill_size and self.burst_chunked_prefill_size < self.chunked_prefill_size:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
+        if self.state_snapshot_interval < 1 or self.state_snapshot_slots < 0:
+            raise ValueError("--state_snapshot_interval must be at least 1 and --state_snapshot_slots at least 0")
         if self.host_kv_cache_gb < 0:
             raise ValueError("--host_kv_cache_gb must be 0 (off) or more")
         if self.disk_kv_cache_dir and (self.host_kv_cache_gb <= 0 or self.disk_kv_cache_gb <= 0):

@@ -164,6 +164,17 @@ def state_slots(slot_bytes: int, wanted: int, device: torch.device, mem_fraction
     return min(wanted, fits)
 
 
+def snapshot_slots(slot_bytes: int, wanted: int, device: torch.device, mem_fraction: float) -> int:
+    """Slots of the prefix cache's state snapshots to allocate (after the state pool): `wanted`, or
+    as many as fit in STATE_MEMORY_SHARE of the memory then left (0: none, the cache is off)."""
+    total, free = memory_info(device)
+    fits = max(0, int((total * mem_fraction - (total - free)) * STATE_MEMORY_SHARE // slot_bytes))
+    if fits < wanted:
+        logger.warning("state snapshots capped at %d (of --state_snapshot_slots %d), %.1f MiB each",
+                       fits, wanted, slot_bytes / 2**20)
+    return min(wanted, fits)
+
+
 CPU_DEFAULT_TOKENS = 16384  # the most a CPU runner takes unless given more
 
 

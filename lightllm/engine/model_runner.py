@@ -28,13 +28,14 @@ import torch
 
 from lightllm.common.host_pool import HostKVPool
 from lightllm.common.req_table import OutOfRowsError, ReqTable
+from lightllm.common.state_pool import StatePool
 from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
-from lightllm.engine.memory import state_slots, token_budget
+from lightllm.engine.memory import snapshot_slots, state_slots, token_budget
 from lightllm.engine.plan import (DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
-                                  Reset, Spill, Split, StepPlan, StepResult)
+                                  Reset, Snapshot, Spill, Split, StepPlan, StepResult)
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
@@ -102,6 +103,8 @@ class ModelRunner:
         # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
         # before the KV budget is measured so that it counts them as in use
         self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
+        # ... and the prefix cache's snapshots of them, slots named by the radix tree (also counted)
+        self.snapshot_pool = self._new_snapshot_pool(config)
         if cfg.linear_attn and cuda_graph:
             logger.info("CUDA graphs off for this model: its steps with prompt chunks read their bounds to the host, "
                         "and a padded mixed step's decode rows would run over chunk tokens")
@@ -126,7 +129,8 @@ class ModelRunner:
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
                      "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None,
-                     "running_max_req_size": running}
+                     "running_max_req_size": running,
+                     "state_snapshot_slots": 0 if self.snapshot_pool is None else self.snapshot_pool.slots}
         if self.loras is not None:  # what the HTTP process checks an adapter against before the engine loads it
             self.info["lora_modules"] = [(name, *shape) for name, shape in module_shapes(cfg).items()]
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
@@ -309,6 +313,8 @@ class ModelRunner:
                 row = self.req_table.alloc()
                 if chunk.prefix:
                     self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
+                if chunk.snapshot >= 0:  # the recurrent state after the prefix: its chunk reads the slot
+                    self.state_pool.copy_slot(row, self.snapshot_pool, chunk.snapshot)
                 state = SamplingState(chunk.sampling, matcher=self._loaded_matcher(chunk.req_id, chunk.sampling))
                 self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
                                                      [] if chunk.sampling.prompt_logprobs is not None else None,
@@ -472,6 +478,8 @@ class ModelRunner:
             elif isinstance(op, Offload):
                 to_free.append(self.nodes.pop(op.node_id))
                 self.host_pool.offload(op.node_id, to_free[-1], self.token_table.k + self.token_table.v)
+            elif isinstance(op, Snapshot):
+                self.snapshot_pool.copy_slot(op.slot, self.state_pool, self.reqs[op.req_id].row)
             elif isinstance(op, Spill):
                 self.disk_pool.take_from(op.node_id, self.host_pool)
             elif isinstance(op, Load):
@@ -492,6 +500,15 @@ class ModelRunner:
             else:
                 raise TypeError(f"unknown op {op!r}")
         self._free_slots(to_free)
+
+    def _new_snapshot_pool(self, config) -> StatePool | None:
+        """The prefix cache's state snapshots (None: no recurrent state, no cache, or no room)."""
+        if self.state_pool is None or config.disable_prefix_cache or not config.state_snapshot_slots:
+            return None
+        wanted = snapshot_slots(self.state_pool.slot_bytes(), config.state_snapshot_slots, self.device,
+                                config.mem_fraction)
+        slots = self.tp.min_int(wanted, self.device)
+        return self.state_pool.like(slots) if slots else None
 
     def _pool_of(self, node_id: int) -> HostKVPool:
         return self.host_pool if node_id in self.host_pool.nodes else self.disk_pool
@@ -558,9 +575,13 @@ class ModelRunner:
             if c.first and (any(n not in self.nodes for n in c.prefix)
                             or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
                 raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
-        if self.state_pool is not None and (plan.drafts or any(c.first and c.prefix for c in plan.chunks)):
-            raise ValueError(f"step {plan.step_id}: drafts and cached prefixes are not served for a model with "
-                             "recurrent state")
+        if self.state_pool is not None and plan.drafts:
+            raise ValueError(f"step {plan.step_id}: drafts are not served for a model with recurrent state")
+        snapshots = 0 if self.snapshot_pool is None else self.snapshot_pool.slots
+        if self.state_pool is not None and any(c.first and bool(c.prefix) != (0 <= c.snapshot < snapshots)
+                                               for c in plan.chunks):
+            raise ValueError(f"step {plan.step_id}: a cached prefix of a model with recurrent state needs the "
+                             f"snapshot of its state (one of {snapshots} slots), and only such a prefix has one")
         if not self._loras_fit({c.lora for c in new if c.lora}):
             raise ValueError(f"step {plan.step_id}: more LoRA adapters starting than free slots")
         full = [i for i in plan.decodes if self.reqs[i].seq_len + len(plan.drafts.get(i, ())) >= self.max_req_total_len]

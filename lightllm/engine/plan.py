@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightllm.common.radix_cache import Evict, Insert, Load, Offload, Spill, Split  # the prefix cache's ops, carried in a plan
+from lightllm.common.radix_cache import (Evict, Insert, Load, Offload, Snapshot, Spill,  # the prefix cache's ops,
+                                         Split)  # carried in a plan
 from lightllm.engine.request import SamplingParams
 
 
@@ -29,6 +30,9 @@ class Chunk:
     prefix: tuple[int, ...] = ()
     next_id: int = -1  # the prompt token after this chunk (not the last), for prompt logprobs
     lora: int = 0  # first chunk: the request's LoRA adapter (LoadLora's id; 0: the base model)
+    # First chunk with a prefix, for a model with recurrent state: the snapshot slot holding the
+    # state after positions [0, start), copied into the request's state slot before the chunk.
+    snapshot: int = -1
 
     @property
     def first(self) -> bool:
@@ -36,8 +40,8 @@ class Chunk:
 
 
 # ---- ops: what the runner does before the step, in order (slots move between requests and
-# the prefix cache's nodes; Insert, Split, Evict, Offload, Spill and Load are the radix tree's, in
-# lightllm/common/radix_cache.py) ----
+# the prefix cache's nodes; Insert, Split, Evict, Offload, Spill, Load and Snapshot are the radix
+# tree's, in lightllm/common/radix_cache.py) ----
 
 
 @dataclass
@@ -91,7 +95,7 @@ class DropLora:
     lora_id: int
 
 
-OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill, LoadLora, DropLora)
+OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill, LoadLora, DropLora, Snapshot)
 
 
 @dataclass
@@ -169,7 +173,7 @@ def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
 
 def plan_to_wire(plan: StepPlan) -> tuple:
     chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id,
-                    c.lora) for c in plan.chunks)
+                    c.lora, c.snapshot) for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
     drafts = tuple((r, tuple(d)) for r, d in plan.drafts.items())
     return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync, drafts
@@ -178,8 +182,8 @@ def plan_to_wire(plan: StepPlan) -> tuple:
 def plan_from_wire(wire: tuple) -> StepPlan:
     step_id, decodes, chunks, ops, sync, drafts = wire
     return StepPlan(step_id, list(decodes),
-                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora)
-                     for r, t, s, last, p, prefix, next_id, lora in chunks],
+                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora, snapshot)
+                     for r, t, s, last, p, prefix, next_id, lora, snapshot in chunks],
                     [OPS[op[0]](*op[1:]) for op in ops], sync, {r: list(d) for r, d in drafts})
 
 

@@ -19,6 +19,13 @@ whose match reaches them locks its path and loads them back (`_load_host`) when 
 or takes more cached tokens before its first chunk, after evicting room for them: the Load ops
 precede its first chunk in the plan. Admission charges a matched path's host-resident tokens
 like its device ones, so loads in flight are inside the proof.
+
+For a model with recurrent state (`snapshot_interval` > 0) a request resumes only where the tree
+holds a snapshot of the state: its match is cut back to the deepest one (`RadixCache.resumable`),
+and its first chunk names the snapshot slot the runner copies into its state slot. Its chunks end
+at multiples of `snapshot_interval` (a chunk never crosses one), and a chunk that ends on one,
+once it joins the cache, leaves a snapshot on its node (taken from the request's state slot
+before the request's next chunk runs).
 """
 
 from __future__ import annotations
@@ -157,7 +164,7 @@ class Scheduler:
     def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
                  prefix_cache: bool = True, admission_wait_steps: int = 0, burst_chunk_budget: int | None = None,
                  speculator=None, host_cache_tokens: int = 0, disk_cache_tokens: int = 0, max_loras: int = 0,
-                 lora_ids: tuple[int, ...] = ()):
+                 lora_ids: tuple[int, ...] = (), snapshot_interval: int = 0, snapshot_slots: int = 0):
         """admission_wait_steps: while requests decode and fewer slots are free than
         max_running / ADMISSION_ROOM_DIVISOR (and than requests waiting), admit at most once in
         that many steps, so that slots freed one by one are filled by one prefill step, not one each.
@@ -165,7 +172,8 @@ class Scheduler:
         None or chunk_budget: always chunk_budget. speculator: a spec.controller.Speculator, which
         gives decoding requests drafts where they pay (None: no speculative decoding).
         host_cache_tokens: room of the prefix cache's host tier (0: evicted tokens are dropped);
-        disk_cache_tokens: of its disk tier, below the host tier."""
+        disk_cache_tokens: of its disk tier, below the host tier. snapshot_interval > 0: the model
+        has recurrent state, snapshots of it every that many prompt tokens, in `snapshot_slots` slots."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.max_total_token_num = max_total_token_num
@@ -180,7 +188,10 @@ class Scheduler:
         self.running: list[Req] = []  # admission order: prefill chunks follow it
         self._by_id: dict[int, Req] = {}
         self._ops: list = []  # ops for the runner, in order; they ride on the next plan
-        self.cache_tiers = (host_cache_tokens, disk_cache_tokens)
+        if prefix_cache and snapshot_interval and not snapshot_slots:
+            raise ValueError("a prefix cache for a model with recurrent state needs snapshot slots")
+        self.snapshot_interval = snapshot_interval
+        self.cache_tiers = (host_cache_tokens, disk_cache_tokens, snapshot_slots if snapshot_interval else 0)
         self.cache = RadixCache(self._ops, *self.cache_tiers) if prefix_cache else None
         self._growing: list[Req] = []  # requests whose chunk in the last plan joins the cache next
         self._in_steps: set[int] = set()  # ids of steps planned whose result is not yet in
@@ -307,7 +318,7 @@ class Scheduler:
                     first_chunks.append(req)
                 if probe is not None:
                     computing.add(probe)
-                plan.chunks.append(self._chunk(req, min(budget, req.prompt_left)))
+                plan.chunks.append(self._chunk(req, min(budget, self._chunk_room(req))))
                 budget -= len(plan.chunks[-1].token_ids)
                 if self.cache is not None and req.grows_cache:
                     self._growing.append(req)
@@ -316,6 +327,9 @@ class Scheduler:
         self._make_room(plan.num_drafts)
         for req, chunk in zip(first_chunks, (c for c in plan.chunks if c.first)):
             chunk.prefix = tuple(node.node_id for node, _ in reversed(cache_path(req.node)))
+            if self.snapshot_interval and req.node is not None:
+                assert req.node.snapshot >= 0, req.node  # resumable() cut the match back to one
+                chunk.snapshot = req.node.snapshot
         plan.ops = list(self._ops)
         self._ops.clear()
         if not plan.empty:
@@ -393,12 +407,25 @@ class Scheduler:
         if self.cache is None or not req.uses_cache:
             return
         above = req.node or self.cache.root
-        found = self.cache.match(req.cache_ids[req.prefilled: req.prompt_len - 1], above)
+        found = self._match(req.cache_ids[req.prefilled: req.prompt_len - 1], above)
         if found.length:
             node = self.cache.take(found)
             self.cache.lock(node, above=above)
             req.node, req.prefilled = node, node.depth
             self._load_host(req)
+
+    def _match(self, tokens: list[int], above=None) -> Match:
+        """The longest cached prefix of `tokens` below `above` (the root) that a request can resume."""
+        above = above or self.cache.root
+        return self.cache.resumable(self.cache.match(tokens, above), above)
+
+    def _chunk_room(self, req: Req) -> int:
+        """Most tokens its next chunk may take: the rest of its prompt, up to the next snapshot
+        boundary for a model with recurrent state."""
+        if not self.snapshot_interval or self.cache is None or not req.uses_cache:
+            return req.prompt_left
+        boundary = (req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval
+        return min(req.prompt_left, boundary - req.prefilled)
 
     def _load_host(self, req: Req) -> None:
         """Its locked path's host-resident nodes come back to the device, root side first, each
@@ -455,6 +482,8 @@ class Scheduler:
             if node is not None:
                 self.cache.lock(node, above=node.parent)
                 req.node = node
+                if self.snapshot_interval and req.prefilled % self.snapshot_interval == 0:
+                    self.cache.snapshot(node, req.req_id)
             elif duplicated:  # computed twice at once: its own copy stays its own until it ends
                 req.grows_cache = False
 
@@ -482,7 +511,7 @@ class Scheduler:
             return
         matches = None
         if self.cache is not None and (self.cache.total_tokens or self.cache.host_tokens or self.cache.disk_tokens):
-            matches = [self.cache.match(req.cache_ids[: req.prompt_len - 1] if req.uses_cache else [])
+            matches = [self._match(req.cache_ids[: req.prompt_len - 1] if req.uses_cache else [])
                        for req in candidates]
         fits = self._fits(candidates, matches)
         lo, hi = 0, len(candidates)  # lo fits; find the largest count that fits
@@ -504,7 +533,7 @@ class Scheduler:
             if self.speculator is not None:
                 req.spec = self.speculator.start(req.req_id, req.prompt_ids)
             if matches is not None and req.uses_cache:  # matched again: an earlier admission may have split a node
-                found = self.cache.match(req.cache_ids[: req.prompt_len - 1])
+                found = self._match(req.cache_ids[: req.prompt_len - 1])
                 if found.length:
                     req.node = self.cache.take(found)
                     self.cache.lock(req.node)

@@ -1,0 +1,91 @@
+"""The prefix cache for the hybrid models (tiny, random, fp32): a prompt that shares a cached prefix
+resumes from the snapshot of the linear layers' recurrent and conv states at the deepest snapshot
+boundary inside the match, reuses the full-attention layers' KV up to there, prefills the rest,
+and still gives transformers' greedy tokens; `cached_tokens` is that snapshot's depth.
+
+Snapshots every 8 tokens with 7-token chunks: a request's chunks are cut at 8, 16, 24 (7 + 1 each),
+so a restore at the wrong boundary (or none: the row's state left by an earlier request, or zeros)
+changes the tokens. Relies on transformers' Qwen3-Next / Qwen3.5 torch paths and greedy `generate`."""
+
+import pytest
+import torch
+from helpers.models import assert_idle, hf_greedy, make_runner
+from test_hybrid_models import make_hybrid
+
+from lightllm.engine.core import EngineCore
+from lightllm.engine.request import GenerateReq, SamplingParams
+from lightllm.engine.scheduler import Scheduler
+
+INTERVAL, CHUNK, NEW = 8, 7, 6
+
+
+def hybrid_engine(runner) -> EngineCore:
+    scheduler = Scheduler(runner.max_total_token_num, CHUNK, runner.req_table.max_reqs,
+                          snapshot_interval=INTERVAL, snapshot_slots=runner.info["state_snapshot_slots"])
+    return EngineCore(scheduler, runner, eos_token_ids=[])
+
+
+def serve(core, prompts: list[list[int]], first_id: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts at once: (greedy tokens, cached_tokens) of each."""
+    for i, p in enumerate(prompts):
+        core.add(GenerateReq(first_id + i, p, SamplingParams(max_new_tokens=NEW)))
+    got = {}
+    for out in core.drain():
+        got.setdefault(out.req_id, []).append(out)
+    ids = range(first_id, first_id + len(prompts))
+    return [[o.token_id for o in got[i]] for i in ids], [got[i][0].cached_tokens for i in ids]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_a_shared_prefix_resumes_from_its_snapshot_and_equals_transformers(name, tmp_path):
+    hf_model = make_hybrid(name, tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    assert runner.info["state_snapshot_slots"] == 3 and runner.snapshot_pool.slot_bytes() == runner.state_pool.slot_bytes()
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 101, (30,), generator=gen).tolist()
+    tails = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 4, 12)]
+    # 30 tokens, then two at once sharing 21 and 17 of them (snapshots at 8, 16, 24: resume at 16),
+    # then one sharing 27 (resume at 24) after the others ended
+    workload = [[base], [base[:21] + tails[0], base[:17] + tails[1]], [base[:27] + tails[2]]]
+    expected = hf_greedy(hf_model, [p for group in workload for p in group], NEW)
+    core = hybrid_engine(runner)
+    tokens, cached = [], []
+    for group in workload:
+        t, c = serve(core, group, len(tokens))
+        tokens += t
+        cached += c
+        core.scheduler.cache.check()
+    assert tokens == [expected[i] for i in range(len(tokens))]
+    assert cached == [0, 16, 16, 24]
+    assert core.scheduler.prefix_hit_tokens == 56
+    assert_idle(core)
+    assert core.scheduler.cache.snapshots_used == 0  # every snapshot went with its node
+    core.scheduler.cache.check()
+
+
+def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
+    """A hybrid request's chunks never cross a multiple of the interval; a chunk ending on one
+    leaves a snapshot on its node once it joins the cache; an offloaded node drops its snapshot."""
+    from lightllm.common.radix_cache import Offload, Snapshot
+    from lightllm.engine.request import Req
+
+    s = Scheduler(1000, 20, 4, host_cache_tokens=100, snapshot_interval=INTERVAL, snapshot_slots=2)
+    s.add(Req(GenerateReq(0, list(range(30)), SamplingParams(max_new_tokens=1)), frozenset()))
+    lengths, taken = [], []
+    for _ in range(4):
+        plan = s.schedule()
+        lengths += [(c.start, len(c.token_ids)) for c in plan.chunks]
+        taken.append([type(op) for op in plan.ops].count(Snapshot))
+        s.cache.check()
+    assert lengths == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    assert taken == [0, 1, 1, 0] and s.cache.snapshots_used == 2  # at 24 none: both slots' nodes are in use
+    s.abort(0)
+    s.add(Req(GenerateReq(1, list(range(50, 70)), SamplingParams(max_new_tokens=1)), frozenset()))
+    s.schedule()
+    assert [type(op) for op in s.schedule().ops].count(Snapshot) == 1  # an idle snapshot gave its slot up
+    assert s.cache.snapshots_used == 2
+    s.abort(1)
+    s.schedule()
+    assert s.cache.evict(s.cache.total_tokens) and s.cache.snapshots_used == 0
+    assert any(isinstance(op, Offload) for op in s._ops)
+    s.cache.check()
