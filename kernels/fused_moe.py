@@ -92,9 +92,12 @@ def _expert_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return y if bias is None else y + bias[expert]
 
 
-def moe_activation(gate_up: torch.Tensor, swiglu: tuple[float, float] | None) -> torch.Tensor:
-    """[P, 2I] interleaved gate/up -> [P, I] fp32: silu(gate) * up, or gpt-oss's clamped SwiGLU."""
+def moe_activation(gate_up: torch.Tensor, swiglu: tuple[float, float] | None, gelu: bool = False) -> torch.Tensor:
+    """[P, 2I] interleaved gate/up -> [P, I] fp32: silu(gate) * up, GELU's tanh form of gate times up
+    (`gelu`, Gemma 4), or gpt-oss's clamped SwiGLU."""
     gate, up = gate_up[:, 0::2].float(), gate_up[:, 1::2].float()
+    if gelu:
+        return F.gelu(gate, approximate="tanh") * up
     if swiglu is None:
         return F.silu(gate) * up
     alpha, limit = swiglu
@@ -105,7 +108,8 @@ def moe_activation(gate_up: torch.Tensor, swiglu: tuple[float, float] | None) ->
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                   w_down_scale: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
-                  down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+                  down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None,
+                  gelu: bool = False) -> torch.Tensor:
     """[T, H] in x's dtype; each expert's projections in x's dtype, as transformers computes them.
     With the scales (fp8 weights, quantize_experts_fp8's) each projection is fp8_linear's; uint8
     weights are MXFP4, dequantised to x's dtype. Biases [E, 2I] (interleaved as w_gate_up's rows)
@@ -120,7 +124,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
             continue
         tokens = pairs // top_k
         gate_up = _expert_linear(x[tokens], w_gate_up, w_gate_up_scale, expert, gate_up_bias)
-        hidden = moe_activation(gate_up, swiglu).to(x.dtype)
+        hidden = moe_activation(gate_up, swiglu, gelu).to(x.dtype)
         y = _expert_linear(hidden, w_down, w_down_scale, expert, down_bias).float()
         y = y * topk_weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y)
@@ -404,7 +408,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
                         EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                         EVEN_N: tl.constexpr, TMA: tl.constexpr, MXFP4: tl.constexpr, BIAS: tl.constexpr,
-                        SWIGLU: tl.constexpr):
+                        SWIGLU: tl.constexpr, GELU: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I outputs, from the
     2 * BLOCK_N interleaved gate/up weight rows that make them, multiplied in one dot.
     out[pair, c] = silu(x[token] . gate_c) * (x[token] . up_c). FP8: x and the weights are fp8, the
@@ -413,7 +417,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted
     (experts back to back): rows past the expert's 2I belong to the next one (or lie past the end,
     read as zeros) and give only masked columns; a K tail past H reads as zeros. MXFP4: the weights
     are packed (w_row_stride bytes a row, scales HIDDEN / 32 a row), widened as loaded; BIAS: the
-    expert's gate/up bias added before the activation; SWIGLU: gpt-oss's clamped SwiGLU."""
+    expert's gate/up bias added before the activation; SWIGLU: gpt-oss's clamped SwiGLU; GELU: GELU's
+    tanh form in place of silu (g (1 + tanh(u)) / 2 = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3))."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < num_experts:  # blocks past the last expert's run hold no pairs
@@ -458,6 +463,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted
             gate = tl.minimum(gate, swiglu_limit)
             up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
             y = (up + 1.0) * gate * tl.sigmoid(swiglu_alpha * gate)
+        elif GELU:
+            y = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
         else:
             y = gate / (1.0 + tl.exp(-gate)) * up
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -513,7 +520,7 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, sorted_pa
 def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up: torch.Tensor,
                        w_scale: torch.Tensor | None, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
                        top_k: int, out_dtype: torch.dtype, plan: MoEPlan, bias: torch.Tensor | None = None,
-                       swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+                       swiglu: tuple[float, float] | None = None, gelu: bool = False) -> torch.Tensor:
     """The gate/up kernel alone: [T * K, I], silu(gate) * up (or the clamped SwiGLU) by pair (a: x,
     or its fp8 rows with a_scale and the weights' w_scale; uint8 weights: MXFP4 with w_scale theirs)."""
     mxfp4 = w_gate_up.dtype == torch.uint8
@@ -531,7 +538,8 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
         sorted_pairs, block_experts, out, num_pairs, top_k, num_experts, a.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), 0 if w_scale is None else w_scale.stride(0), out.stride(0), num_blocks, num_cols,
         float(alpha), float(limit), **_options(plan, fp8, a, hidden), HIDDEN=hidden, INTER=inter,
-        EVEN_N=inter % plan.block_n == 0, TMA=tma, MXFP4=mxfp4, BIAS=bias is not None, SWIGLU=swiglu is not None)
+        EVEN_N=inter % plan.block_n == 0, TMA=tma, MXFP4=mxfp4, BIAS=bias is not None, SWIGLU=swiglu is not None,
+        GELU=gelu)
     return out
 
 
@@ -584,7 +592,8 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                      topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                      w_down_scale: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None,
-                     plan: MoEPlan | None = None, down_plan: MoEPlan | None = None) -> torch.Tensor:
+                     gelu: bool = False, plan: MoEPlan | None = None,
+                     down_plan: MoEPlan | None = None) -> torch.Tensor:
     """fused_moe_ref's result through the two grouped-GEMM kernels. `plan` overrides moe_plan's
     choice for the gate/up kernel and, unless `down_plan` is given, for the down kernel too (the
     two share the alignment, so their row blocks must be equal)."""
@@ -603,7 +612,7 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     sorted_pairs, block_experts = align_by_expert_triton(topk_ids, num_experts, plan.block_m)
     a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)
     hidden_by_pair = moe_gate_up_triton(a, a_scale, w_gate_up, w_gate_up_scale, sorted_pairs, block_experts, top_k,
-                                        x.dtype, plan, gate_up_bias, swiglu)
+                                        x.dtype, plan, gate_up_bias, swiglu, gelu)
     a, a_scale = quantize_fp8_rows_triton(hidden_by_pair) if fp8 else (hidden_by_pair, None)
     out_by_pair = moe_down_triton(a, a_scale, w_down, w_down_scale, sorted_pairs, block_experts,
                                   topk_weights.float().contiguous().view(-1), x.dtype, down_plan, down_bias)

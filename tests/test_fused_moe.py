@@ -347,3 +347,26 @@ def test_moe_ab_compares_two_trees_that_agree(capsys):
     assert moe_ab.main(["--old", str(Path(fused_moe_module.__file__).parent), "--smoke", "--rounds", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| bf16", "| fp8"))]
     assert [row.split(" | ")[:2] for row in rows] == [["| bf16", "3"], ["| bf16", "300"], ["| fp8", "300"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_gelu_experts_match_ref_and_transformers_form(dtype):
+    """Gemma 4's experts: GELU's tanh form in place of silu, in the kernel as in the reference, and the
+    reference as transformers computes an expert (act(gate) * up, then down)."""
+    tokens, num_experts, top_k = 7, 4, 2
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
+    w_gate_up, w_down = experts(num_experts, dtype)
+    weights, ids = random_routing(tokens, num_experts, top_k)
+    expected = fused_moe_ref(x, w_gate_up, w_down, weights, ids, gelu=True)
+    got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, gelu=True, plan=DECODE_PLAN)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    if dtype == torch.float32:
+        gate, up = w_gate_up[:, 0::2], w_gate_up[:, 1::2]
+        by_hand = torch.zeros_like(x)
+        for t in range(tokens):
+            for j in range(top_k):
+                e = int(ids[t, j])
+                h = torch.nn.functional.gelu(gate[e] @ x[t], approximate="tanh") * (up[e] @ x[t])
+                by_hand[t] += weights[t, j] * (w_down[e] @ h)
+        torch.testing.assert_close(expected, by_hand, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(expected, fused_moe_ref(x, w_gate_up, w_down, weights, ids), atol=1e-2)

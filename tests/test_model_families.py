@@ -23,7 +23,7 @@ def prompts() -> list[list[int]]:
     return [system + tokens(10 + i, 3 + 4 * i) for i in range(3)] + [tokens(2, 45), tokens(3, 5)]
 
 
-@pytest.mark.parametrize("name", ["qwen3_head_dim_24", "gemma2_window_16", "gemma3_window_16"])
+@pytest.mark.parametrize("name", ["qwen3_head_dim_24", "gemma2_window_16", "gemma3_window_16", "gemma4"])
 def test_chunked_prefill_and_prefix_cache_equal_transformers(name, tmp_path):
     hf_model = make_model(name, tmp_path)
     runner = make_runner(tmp_path, tokens=1024, max_req_total_len=96)

@@ -28,7 +28,8 @@ def test_logits_match_transformers(name, tmp_path, captured_logits):
     steps = run_schedule(runner, random_prompts(1))
     assert len(captured_logits) == len(steps)
     assert_logits_match_hf(hf_model, captured_logits, steps)
-    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 256, "running_requests": 0, "cache_nodes": 0}
+    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 256, "running_requests": 0, "cache_nodes": 0,
+                              "host_tokens_used": 0}
     assert runner.token_table.free_count == int(runner.token_table.mem_state.sum()) == 256
 
 

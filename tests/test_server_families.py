@@ -1,8 +1,8 @@
-"""One server per new family (bench_model's tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-gpt-oss: random
+"""One server per new family (bench_model's tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-gpt-oss, tiny-gemma4: random
 fp32 weights, the default model's tokenizer, a sliding window of 16 for Gemma and gpt-oss): greedy text of prompts
 longer than the window, generated past it, equals transformers' `generate`, the second time too
 (with the prompt then in the prefix cache).
-Relies on transformers' Qwen3, Gemma2, Gemma3 and GptOss modeling code and its greedy `generate` as the oracle."""
+Relies on transformers' Qwen3, Gemma2, Gemma3, GptOss and Gemma4 modeling code and its greedy `generate` as the oracle."""
 
 import pytest
 import torch
@@ -15,7 +15,8 @@ PROMPTS = ["the river runs over the stone light and the cache of every batch run
 NEW = 24
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss"])
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss",
+                                                  "tiny-gemma4"])
 def family(request, tmp_path_factory):
     with preset_server(tmp_path_factory, request.param) as (model_dir, server):
         yield model_dir, server

@@ -170,6 +170,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content may be null only for role 'assistant'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "'messages[0].content[0].type': Input should be 'text', got 'image_url'"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+     400, "'messages[0].content[0].type': Input should be 'text', got 'input_audio'"),
     ({"messages": HI, "n": 129}, 400, "'n': Input should be less than or equal to 128"),
     ({"messages": HI, "n": 0}, 400, "'n': Input should be greater than or equal to 1"),
     ({"messages": HI, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),

@@ -5,7 +5,9 @@ keeps a copy of the one head), q/k/v biases, Qwen3's per-head q/k norms, Gemma's
 soft caps and extra norms, tied and untied heads, a vocabulary (101) that does not divide by 2
 (padded shards), and Qwen3-MoE's experts (each rank half of every expert's intermediate dimension)
 beside a dense layer, and gpt-oss's sinks (split with the q heads) and biased experts (the down
-bias added by one rank). Tolerance atol = rtol = 1e-4 in fp32 (all-reduce
+bias added by one rank), and Gemma 4's global layers (one KV head of
+their own size, replicated), shared KV, per-layer inputs (replicated) and experts beside the
+dense MLP. Tolerance atol = rtol = 1e-4 in fp32 (all-reduce
 changes the summation order; observed differences are ~1e-6).
 """
 
@@ -24,7 +26,7 @@ from lightllm.utils.dist import TPGroup
 
 ATOL = RTOL = 1e-4
 TP_CASES = ["llama_gqa_llama3_rope", "llama_mqa_tied_theta", "qwen2_bias_tied", "qwen3_head_dim_24",
-            "gemma2_window_16", "gemma3_window_16", "qwen3_moe", "gpt_oss"]
+            "gemma2_window_16", "gemma3_window_16", "qwen3_moe", "gpt_oss", "gemma4", "gemma4_moe"]
 
 
 def free_port():

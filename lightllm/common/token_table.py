@@ -1,7 +1,8 @@
 """The KV cache as a table of token slots.
 
-Every layer owns one K and one V buffer of shape [size, kv_heads, head_dim]; a slot index
-names the same position in all of them. `mem_state[i]` is 1 when slot i is free.
+Every layer owns one K and one V buffer of shape [size, kv_heads, head_dim] (a layer that shares
+an earlier layer's K/V, as Gemma 4's last ones, owns none; the head shape may differ by layer);
+a slot index names the same position in all of them. `mem_state[i]` is 1 when slot i is free.
 
 Allocation never waits on the device: the free count is kept exactly on the host (we know
 what we hand out and take back), and the slots themselves are picked on the device from the
@@ -31,21 +32,23 @@ class DoubleFreeError(RuntimeError):
 
 class TokenTable:
     def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, shapes: list[tuple[int, int]] | None = None):
+        """`shapes`: each buffer's (kv_heads, head_dim) where they differ (Gemma 4's global layers have
+        heads of their own; its KV-sharing layers own no buffer); else num_layers of one shape."""
         if size <= 0:
             raise ValueError(f"token table size must be positive, got {size}")
         self.size = size
         self.device = torch.device(device)
         self.scratch_slot = size
-        shape = (size + 1, kv_heads, head_dim)
+        shapes = shapes or [(kv_heads, head_dim)] * num_layers
         # Zeroed, not just allocated: the pages are taken now, so the process's memory is its
         # working size from the start and does not creep up as slots are first written.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k = [torch.zeros((size + 1, *shape), dtype=dtype, device=self.device) for shape in shapes]
+        self.v = [torch.zeros((size + 1, *shape), dtype=dtype, device=self.device) for shape in shapes]
         self.mem_state = torch.ones(size, dtype=torch.int32, device=self.device)
         self.free_count = size
-        logger.info("token table: %d slots x %d layers x %d kv heads x %d dims (%s), %.2f GiB",
-                    size, num_layers, kv_heads, head_dim, dtype, self.nbytes() / 2**30)
+        logger.info("token table: %d slots x %d buffers of (kv heads, dims) %s (%s), %.2f GiB",
+                    size, len(shapes), sorted(set(shapes)), dtype, self.nbytes() / 2**30)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -184,7 +184,7 @@ def token_budget(runner, requested: int | None, chunk_budget: int, mem_fraction:
     given: the host is shared, and a larger cache buys a CPU server nothing."""
     found = profile(runner, chunk_budget, mem_fraction, graph_bytes)
     cfg, device = runner.config, runner.device
-    per_token = 2 * cfg.num_kv_layers * runner.model.kv_heads * cfg.head_dim * runner.kv_dtype.itemsize
+    per_token = 2 * sum(heads * dim for heads, dim in runner.model.kv_shapes) * runner.kv_dtype.itemsize
     fits = runner.tp.min_int(found.tokens(per_token), device)
     where = f"{found.describe(device)}, {per_token} B a token"
     if requested is not None:

@@ -164,8 +164,8 @@ class ModelRunner:
         return loras
 
     def new_token_table(self, size: int) -> TokenTable:
-        cfg = self.config
-        return TokenTable(size, cfg.num_kv_layers, self.model.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        shapes = self.model.kv_shapes
+        return TokenTable(size, len(shapes), *shapes[0], self.kv_dtype, self.device, shapes=shapes)
 
     def _new_host_pool(self, gib: float, path: str | None = None) -> HostKVPool | None:
         """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,
@@ -175,6 +175,9 @@ class ModelRunner:
         tokens = self.tp.min_int(int(gib * 2**30) // per_token, self.device)
         if tokens <= 0:
             return None
+        if len({tuple(k.shape[1:]) for k in table.k}) > 1:
+            raise ValueError("the host and disk KV tiers need one K/V shape in every layer; "
+                             f"{self.config.architecture} has layers of different head sizes")
         return HostKVPool(tokens, len(table.k), table.k[0].shape[1], table.k[0].shape[2], table.k[0].dtype, self.device,
                           path)
 

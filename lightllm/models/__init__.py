@@ -12,13 +12,14 @@ from lightllm.utils.dist import TPGroup
 from .config import (HYBRID_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError, read_config,
                      resolve_dtype, resolve_kv_dtype)
 from .layers import ForwardBatch
+from .gemma4 import Gemma4Model
 from .llama import LlamaModel
 from .qwen3_next import HybridModel
 from .weights import CheckpointWeights, DummyWeights, WeightLoadError
 
 logger = logging.getLogger(__name__)
 
-MODEL_CLASSES = {arch: LlamaModel for arch in SUPPORTED_ARCHITECTURES}
+MODEL_CLASSES = {arch: Gemma4Model if arch.startswith("Gemma4") else LlamaModel for arch in SUPPORTED_ARCHITECTURES}
 MODEL_CLASSES.update({arch: HybridModel for arch in HYBRID_ARCHITECTURES})
 LOAD_FORMATS = ("auto", "dummy", "dummy_echo")
 

@@ -31,6 +31,10 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": {},
     "Qwen3MoeForCausalLM": dict(qk_norm=True),
     "GptOssForCausalLM": dict(attn_sinks=True),
+    # Gemma 4's norms scale by their weight alone, and its attention does not scale q.k (q and k are normed)
+    "Gemma4ForCausalLM": dict(sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=1.0),
+    # its text model; the vision and audio towers' weights are left unread
+    "Gemma4ForConditionalGeneration": dict(sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=1.0),
     # hybrid: Gated DeltaNet layers beside gated full attention, zero-centred norms (LinearAttnConfig)
     **{arch: dict(qk_norm=True, norm_offset=1.0) for arch in (
         "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
@@ -40,17 +44,21 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                "gemma4": "Gemma4ForConditionalGeneration"}
 HYBRID_ARCHITECTURES = tuple(arch for arch in SUPPORTED_ARCHITECTURES if arch.startswith(("Qwen3Next", "Qwen3_5")))
-_MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # tied embeddings unless config.json says otherwise
+# text under text_config (Gemma 4's vision and audio towers' weights are left unread)
+_MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration")
+_GEMMA4 = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *_GEMMA4)  # tied embeddings unless config.json says otherwise
 # Where config.json has no `layer_types`: every `pattern`-th layer is global, the others slide
 # (transformers' defaults); Qwen2/3's slide from max_window_layers on, the others' (Mistral,
 # Mixtral, Qwen3-MoE: transformers ignores its max_window_layers) all slide.
-_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
+_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2,
+                     **{arch: 6 for arch in _GEMMA4}}
 _MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1_000_000.0, "GptOssForCausalLM": 150_000.0}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's name -> the MLP's
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -82,6 +90,28 @@ class MoEConfig:
     swiglu: tuple[float, float] | None = None  # (alpha, limit)
     mxfp4: bool = False  # the checkpoint's experts are MXFP4 (*_blocks, *_scales), kept so in memory
     shared_intermediate_size: int = 0  # > 0: a gated shared expert beside the routed ones (Qwen3-Next, Qwen3.5)
+    gelu: bool = False  # the experts' activation is GELU's tanh form, not silu (Gemma 4)
+
+
+@dataclass(frozen=True)
+class Gemma4Layers:
+    """What Gemma 4's text model adds to Gemma 3's fields. Its global layers have heads of their own
+    size and count, and where `k_eq_v` their v is k's projection (taken before k's norm). Each layer
+    attends over the K/V of layer kv_source[i]: itself, or for the last num_kv_shared_layers the last
+    earlier layer of its type, whose K/V it reads and never writes (the token table holds one copy);
+    those layers' MLP is twice as wide where `double_wide_mlp`. Each layer adds a per-layer input
+    (of per_layer_input_size per token; 0: none) after its MLP, and scales its output by its
+    `layer_scalar`."""
+
+    global_head_dim: int
+    global_kv_heads: int
+    k_eq_v: bool
+    kv_source: tuple[int, ...]
+    per_layer_input_size: int
+    per_layer_vocab_size: int
+    double_wide_mlp: bool
+    prefix: str  # the text model's checkpoint names: "model." or, multimodal, "model.language_model."
+
 
 
 @dataclass(frozen=True)
@@ -143,6 +173,7 @@ class ModelConfig:
     logit_softcap: float = 0.0  # the same for the final logits
     attn_sinks: bool = False  # a learned logit per head in each attention softmax's denominator (gpt-oss)
     linear_attn: LinearAttnConfig | None = None  # the hybrid models' linear-attention layers
+    gemma4: Gemma4Layers | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -227,7 +258,7 @@ def _activation(cfg: dict, path: Path) -> str:
 def _check_supported(cfg: dict, path: Path) -> None:
     if cfg.get("mlp_bias"):
         raise ModelConfigError(f"mlp_bias=true in {path} is not supported")
-    if cfg.get("use_bidirectional_attention"):
+    if cfg.get("use_bidirectional_attention") in (True, "all"):  # Gemma 4's "vision" touches image tokens only
         raise ModelConfigError(f"use_bidirectional_attention=true in {path} (an embedding model) is not supported")
 
 
@@ -254,6 +285,36 @@ def _gemma(cfg: dict) -> dict:
                 logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
+def _kv_sources(cfg: dict, windows: tuple[int, ...], num_layers: int, path: Path) -> tuple[int, ...]:
+    """Per layer, the layer whose K/V it attends over: the last num_kv_shared_layers read those of
+    the last earlier layer of their type (sliding or global), as transformers' kv_sharing_modes."""
+    first_shared = num_layers - int(cfg.get("num_kv_shared_layers") or 0)
+    kinds = [bool(windows[i]) if windows else False for i in range(num_layers)]
+    sources = []
+    for i in range(num_layers):
+        owners = [j for j in range(min(i + 1, first_shared)) if kinds[j] == kinds[i]]
+        if not owners:
+            raise ModelConfigError(f"layer {i} shares the K/V of no earlier layer of its type in {path}")
+        sources.append(owners[-1])
+    return tuple(sources)
+
+
+def _gemma4(cfg: dict, windows: tuple[int, ...], num_layers: int, prefix: str, path: Path) -> Gemma4Layers:
+    globals_ = [i for i in range(num_layers) if not (windows and windows[i])]
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    head_dim = int(cfg.get("head_dim") or 256)
+    shapes = {(overrides.get(i, {}).get("head_dim", cfg.get("global_head_dim", head_dim)),
+               overrides.get(i, {}).get("num_key_value_heads", cfg.get("num_global_key_value_heads")
+                                        or cfg.get("num_key_value_heads"))) for i in globals_}
+    if len(shapes) > 1:
+        raise ModelConfigError(f"global layers of different head sizes in {path}; supported: one")
+    (global_head_dim, global_kv_heads), = shapes
+    return Gemma4Layers(int(global_head_dim), int(global_kv_heads), bool(cfg.get("attention_k_eq_v")),
+                        _kv_sources(cfg, windows, num_layers, path), int(cfg.get("hidden_size_per_layer_input") or 0),
+                        int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
+                        bool(cfg.get("use_double_wide_mlp")), prefix)
+
+
 def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
     """Mixtral: every layer, top-k renormalised. Qwen3-MoE: the layers of every
     `decoder_sparse_step`-th index (from 1) less `mlp_only_layers`, renormalised by `norm_topk_prob`."""
@@ -262,6 +323,9 @@ def _moe(cfg: dict, arch: str, num_layers: int) -> MoEConfig | None:
                          int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
     if arch == "GptOssForCausalLM":
         return _gpt_oss_moe(cfg, num_layers)
+    if arch in _GEMMA4:  # experts beside the dense MLP in every layer, top-k renormalised
+        return MoEConfig(int(cfg["num_experts"]), int(cfg["top_k_experts"]), int(cfg["moe_intermediate_size"]), True,
+                         tuple(range(num_layers)), gelu=True) if cfg.get("enable_moe_block") else None
     if arch in HYBRID_ARCHITECTURES:
         return _hybrid_moe(cfg, arch, num_layers)
     if arch != "Qwen3MoeForCausalLM":
@@ -345,6 +409,8 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     num_layers = int(cfg["num_hidden_layers"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
     generation = _generation_config(model_dir)
+    windows = _layer_windows(cfg, arch, num_layers)
+    prefix = "model.language_model." if arch == "Gemma4ForConditionalGeneration" else "model."
     return ModelConfig(
         model_dir=str(model_dir),
         architecture=arch,
@@ -363,12 +429,13 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=_eos_token_ids(cfg, generation),
         sampling_defaults={name: generation[name] for name in SAMPLING_FIELDS if generation.get(name) is not None},
-        layer_windows=_layer_windows(cfg, arch, num_layers),
-        local_rope_theta=(local_theta or 10000.0) if arch == "Gemma3ForCausalLM" else None,
+        layer_windows=windows,
+        local_rope_theta=(local_theta or 10000.0) if arch in ("Gemma3ForCausalLM", *_GEMMA4) else None,
         hidden_act=_activation(cfg, path),
         moe=_moe(cfg, arch, num_layers),
         linear_attn=_linear_attn(cfg, arch, num_layers, head_dim),
-        **{**_biases(cfg), **SUPPORTED_ARCHITECTURES[arch], **(_gemma(cfg) if arch in _GEMMA else {})},
+        gemma4=_gemma4(cfg, windows, num_layers, prefix, path) if arch in _GEMMA4 else None,
+        **{**_biases(cfg), **(_gemma(cfg) if arch in _GEMMA else {}), **SUPPORTED_ARCHITECTURES[arch]},
     )
 
 

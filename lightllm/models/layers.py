@@ -279,6 +279,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "yarn":
         return yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if scaling["rope_type"] == "proportional":  # Gemma 4's global layers: the first pairs turn, the rest stay
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        return torch.cat([inv_freq[:turning], torch.zeros_like(inv_freq[turning:])]) / scaling.get("factor", 1.0)
     return llama3_inv_freq(inv_freq, scaling)
 
 

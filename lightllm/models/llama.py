@@ -89,6 +89,7 @@ class LlamaModel:
         self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size, tied=cfg.tie_word_embeddings,
                                       softcap=cfg.logit_softcap)
         self.kv_heads = self.layers[0].attn.kv_heads  # per rank
+        self.kv_shapes = [(self.kv_heads, cfg.head_dim)] * cfg.num_layers  # each K/V buffer's (heads, dim)
         self.dtype = self.embed.weight.dtype
         # Gemma scales by sqrt(hidden) rounded to the activations' dtype, as transformers does
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=self.dtype).item()

@@ -320,6 +320,7 @@ class HybridModel:
         if not attention:
             raise ModelConfigError("a hybrid model needs at least one full_attention layer")
         self.kv_heads = attention[0].kv_heads  # per rank
+        self.kv_shapes = [(self.kv_heads, cfg.head_dim)] * len(attention)  # each K/V buffer's (heads, dim)
         self.dtype = self.embed.weight.dtype
         self.state_pool: StatePool | None = None
 

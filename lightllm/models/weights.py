@@ -108,6 +108,7 @@ class DummyWeights:
     drafts needs. Every shape, kernel and byte moved is as with "dummy"."""
 
     ZERO_IN_ECHO = ("o_proj.weight", "down_proj.weight")
+    ONES = ("norm.weight", "layer_scalar")  # scales (Gemma 4 multiplies each layer's output by its layer_scalar)
     # uint8 tensors (MXFP4 experts): any packed pair of values; scales of 2^-6..2^-3, weights of
     # about dense's size
     MXFP4_SCALES = (121, 125)
@@ -124,7 +125,7 @@ class DummyWeights:
             return self._echo(name, shape, dim, start, length)
         shape = list(shape)
         shape[dim] = shape[dim] - start if length is None else length
-        if name.endswith("norm.weight"):
+        if name.endswith(self.ONES):
             return torch.ones(shape, dtype=self.dtype, device=self.device)
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         return out.normal_(0.0, 0.02, generator=self.generator)
@@ -138,7 +139,7 @@ class DummyWeights:
     def _echo(self, name: str, shape: tuple[int, ...], dim: int, start: int, length: int | None) -> torch.Tensor:
         """The whole tensor from a generator seeded by its name (the LM head by the embedding's),
         then this rank's slice."""
-        if name.endswith("norm.weight"):
+        if name.endswith(self.ONES):
             full = torch.ones(shape, dtype=self.dtype, device=self.device)
         elif name.endswith(self.ZERO_IN_ECHO):
             full = torch.zeros(shape, dtype=self.dtype, device=self.device)

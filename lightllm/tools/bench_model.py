@@ -14,10 +14,18 @@ qwen3-8b, gemma3-12b: the same for Qwen3-8B's shape (36 layers, q/k norms, rope 
 tiny: a 2-layer model of the same family with seeded random float32 weights, small enough
     to serve on a CPU in tests of the server and the benchmark client; tiny-qwen3, tiny-gemma2
     and tiny-gemma3 the same for those families (sliding window 16 where they have one);
+    tiny-gemma4 4 layers of Gemma 4 (shared K/V, per-layer inputs);
     tiny-mixtral and tiny-qwen3-moe with 8 experts (2 active) in place of the dense MLPs.
 qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 heads, 4 KV heads of 128,
     experts in every layer: 128 of intermediate 768, 8 active, renormalised), dummy weights:
     61 GB in bf16, served on one H200, or on an H100 with --quantization fp8 (31 GB).
+gemma4-31b: a Gemma 4 dense shape (60 layers, hidden 5376, 32 heads; 5 of every 6 layers slide over
+    1024 positions with 16 KV heads of 256, the others are global with 4 KV heads of 512, v = k's
+    projection, a quarter of each head turning), with the default tokenizer's vocabulary: 59.1 GB of
+    bf16 weights, 880 KiB of bf16 K/V a token (2 x (50 x 16 x 256 + 10 x 4 x 512) x 2 bytes).
+gemma4-26b-a4b: a Gemma 4 MoE shape (30 layers, hidden 2816, 16 heads; sliding layers 8 KV heads of
+    256, global ones 2 of 512; in every layer 128 GELU experts of intermediate 704, 8 active, beside a
+    dense MLP of 2112): 49.3 GB of bf16 weights (experts 45.7), 220 KiB of bf16 K/V a token (2 x (25 x 8 x 256 + 5 x 2 x 512) x 2 bytes).
 gpt-oss-20b, gpt-oss-120b: gpt-oss's shapes (24 / 36 layers, hidden 2880, 64 heads and 8 KV heads
     of 64, sliding window 128 on every other layer, YaRN over 4096 positions by 32, 32 / 128
     experts of intermediate 2880, 4 active) with MXFP4 experts as published, dummy weights and the
@@ -119,6 +127,16 @@ SHAPES.update({
 })
 GPT_OSS = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                num_experts_per_tok=4)
+SHAPES["gemma4-31b"] = dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+                            num_key_value_heads=16, head_dim=256, num_global_key_value_heads=4)
+# tiny-gemma4: sliding and global layers alternating (heads of 16 and 32), the last two sharing the K/V
+# of the first two, per-layer inputs of 8
+SHAPES["tiny-gemma4"] = dict(SHAPES["tiny"], num_hidden_layers=4, num_global_key_value_heads=1, global_head_dim=32,
+                             num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                             layer_types=["sliding_attention", "full_attention"] * 2)
+SHAPES["gemma4-26b-a4b"] = dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=256, num_global_key_value_heads=2, enable_moe_block=True,
+                                num_experts=128, top_k_experts=8, moe_intermediate_size=704)
 SHAPES.update({"gpt-oss-20b": dict(GPT_OSS, num_hidden_layers=24, num_local_experts=32),
                "gpt-oss-120b": dict(GPT_OSS, num_hidden_layers=36, num_local_experts=128)})
 MOE_PRESETS = {"qwen3-30b-a3b": "qwen3_moe", "tiny-qwen3-moe": "qwen3_moe", "tiny-mixtral": "mixtral",
@@ -169,6 +187,14 @@ def family_config(preset: str) -> tuple[str, dict]:
     if family == "qwen3":
         return "Qwen3Config", dict(rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
                                    tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    if family == "gemma4":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+        dims = {} if tiny else dict(global_head_dim=512, hidden_size_per_layer_input=0)
+        return "Gemma4TextConfig", dict(dims, attention_k_eq_v=True, sliding_window=TINY_WINDOW if tiny else 1024,
+                                        final_logit_softcapping=30.0,
+                                        max_position_embeddings=262144, rms_norm_eps=1e-6, rope_parameters=rope,
+                                        tie_word_embeddings=True, architectures=["Gemma4ForCausalLM"])
     if family in ("gemma2", "gemma3"):
         head_dim = SHAPES[preset]["head_dim"]
         common = dict(sliding_window=TINY_WINDOW if tiny else 1024, query_pre_attn_scalar=head_dim,
@@ -191,6 +217,8 @@ def make_config(preset: str, tokenizer_dir: Path):
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     class_name, fields = family_config(preset)
+    if class_name == "Gemma4TextConfig":  # its per-layer inputs' table covers the vocabulary
+        fields = dict(fields, vocab_size_per_layer_input=len(tokenizer))
     return getattr(transformers, class_name)(
         **SHAPES[preset],
         **fields,

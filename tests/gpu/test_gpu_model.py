@@ -4,7 +4,8 @@
 
 The tiny random models of tests/helpers/models.py at its GPU_SIZES (Llama: GQA with llama3
 rope; Qwen2: q/k/v bias, tied embeddings; Qwen3: q/k norms; Gemma 2 and 3: sliding windows past
-which the prompts run, soft caps; Mixtral and Qwen3-MoE: the fused MoE kernel) prefill a mixed
+which the prompts run, soft caps; Mixtral and Qwen3-MoE: the fused MoE kernel; Gemma 4: shared K/V, per-layer inputs, GELU experts)
+prefill a mixed
 batch through ModelRunner and decode greedily (CUDA graphs), and run through the engine core
 (chunked prefill beside running decodes, with one step in flight and without). Bounds:
 - fp32 agrees with transformers' greedy `generate` token for token.
@@ -48,6 +49,11 @@ CASES = {
     "gemma3_window_16": dict(sliding_window=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
     "mixtral": dict(num_local_experts=8),
     "qwen3_moe": dict(num_experts=16, moe_intermediate_size=128),
+    # heads of 32 and 64 (one extend-attention block size), per-layer inputs over the whole vocabulary
+    "gemma4": dict(num_hidden_layers=4, head_dim=32, global_head_dim=64, sliding_window=64,
+                   vocab_size_per_layer_input=1000),
+    "gemma4_moe": dict(num_hidden_layers=2, head_dim=32, global_head_dim=64, sliding_window=64, num_experts=16,
+                       moe_intermediate_size=128),
 }
 PROMPT_LENS = (5, 130, 37, 300)
 NEW_TOKENS = 24

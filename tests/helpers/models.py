@@ -4,7 +4,8 @@ the comparisons with transformers on the same weights (fp32 on the CPU: atol = r
 observed differences ~1e-6)."""
 
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM,
+                          Gemma4TextConfig, GptOssConfig,
                           GptOssForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -75,6 +76,28 @@ CASES = {
     "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(num_key_value_heads=2, head_dim=16, intermediate_size=32,
                                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                                       rope_parameters=YARN_ROPE)),
+    # Gemma 4: sliding (window 8, head 16, 2 KV heads) and global layers (head 32, 1 KV head, v = k,
+    # a quarter of each head turning), the last two reading the K/V of layers 0 and 1 with MLPs
+    # twice as wide; per-layer inputs of 8; logits capped at 30; each layer's scalar drawn too
+    "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM, dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=101, final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 5000.0}})),
+    # ... and with its own v projection, no KV sharing, no per-layer inputs, untied
+    "gemma4_plain": (Gemma4TextConfig, Gemma4ForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "full_attention"], hidden_size_per_layer_input=0,
+        tie_word_embeddings=False)),
+    # the MoE variant: 4 GELU experts (top 2, renormalised, each scaled) beside every layer's dense MLP
+    "gemma4_moe": (Gemma4TextConfig, Gemma4ForCausalLM, dict(
+        num_hidden_layers=2, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32)),
     # top-k weights as their share of all experts (norm_topk_prob false); experts in every second layer
     "qwen3_moe_sparse_step": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                               dict(num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
@@ -94,6 +117,9 @@ def randomize_(model, seed, scale=0.15, generator=None):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1 + 0.1 * noise if "norm" in name else scale * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4 scales each layer's output by it (1 as initialised)
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
 
 
 def make_model(name, out_dir, seed=0, scale=0.15, generator=None, **sizes):
