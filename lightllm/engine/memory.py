@@ -183,7 +183,7 @@ def token_budget(runner, requested: int | None, chunk_budget: int, mem_fraction:
     (the smallest); one given by hand must fit. On the CPU at most CPU_DEFAULT_TOKENS unless
     given: the host is shared, and a larger cache buys a CPU server nothing."""
     found = profile(runner, chunk_budget, mem_fraction, graph_bytes)
-    cfg, device = runner.config, runner.device
+    device = runner.device
     per_token = 2 * sum(heads * dim for heads, dim in runner.model.kv_shapes) * runner.kv_dtype.itemsize
     fits = runner.tp.min_int(found.tokens(per_token), device)
     where = f"{found.describe(device)}, {per_token} B a token"
