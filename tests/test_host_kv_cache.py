@@ -3,10 +3,11 @@
 The tree: random inserts, lock-and-loads (the scheduler's pattern), evictions and flushes against
 a plain model of every cached sequence and of where each lives (hypothesis); the ops replayed on
 a slot store give every node its tokens on the tier the tree says.
-The pool: an offload then a load puts every layer's K and V of each token at the token's new slot.
+The pool: an offload then a load puts every layer's K and V of each token at the token's new slot,
+with one shape in every buffer or buffers of their own heads and head size (as Gemma 4's).
 The engine on a real model (CPU), a KV budget small enough to evict: greedy output equals
-transformers' and the device-only cache's, over random multi-turn traffic; when idle no slot
-or host room is held.
+transformers' and the device-only cache's, over random multi-turn traffic, and for Gemma 4 the
+device-only cache's; when idle no slot or host room is held.
 """
 
 import pytest
@@ -158,14 +159,18 @@ def test_a_host_node_is_dropped_least_recently_used_first():
 
 # ---- the pool ----
 
+# one shape in every layer, and Gemma 4's kind: buffers of their own heads and head size each
+SHAPES = {"uniform": [(2, 4)] * 3, "mixed": [(2, 4), (1, 8), (3, 2), (2, 4)]}
+
+
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("staging", [512, 2])
-def test_offload_then_load_puts_each_token_at_its_new_slot(staging, monkeypatch):
+def test_offload_then_load_puts_each_token_at_its_new_slot(staging, shapes, monkeypatch):
     monkeypatch.setattr(host_pool, "STAGING_TOKENS", staging)
-    layers, heads, dim = 3, 2, 4
-    table = TokenTable(32, layers, heads, dim, torch.float32, "cpu")
+    table = TokenTable(32, len(shapes), *shapes[0], torch.float32, "cpu", shapes=shapes)
     for t in table.k + table.v:
         t.copy_(torch.randn_like(t))
-    pool = HostKVPool(16, layers, heads, dim, torch.float32, torch.device("cpu"))
+    pool = HostKVPool(16, shapes, torch.float32, torch.device("cpu"))
     first, _, second, _ = pool.alloc(2), pool.alloc(2), pool.alloc(3), pool.alloc(9)
     pool.free(first + second)  # the pool's room in two runs, neither long enough alone
     old = torch.tensor([9, 2, 30, 17, 5], dtype=torch.int32)
@@ -186,8 +191,8 @@ def test_a_node_spilled_to_disk_loads_back_to_its_new_slots(tmp_path):
     table = TokenTable(16, layers, heads, dim, torch.float32, "cpu")
     for t in table.k + table.v:
         t.copy_(torch.randn_like(t))
-    host = HostKVPool(8, layers, heads, dim, torch.float32, torch.device("cpu"))
-    disk = HostKVPool(8, layers, heads, dim, torch.float32, torch.device("cpu"), path=str(tmp_path / "kv.bin"))
+    host = HostKVPool(8, [(heads, dim)] * layers, torch.float32, torch.device("cpu"))
+    disk = HostKVPool(8, [(heads, dim)] * layers, torch.float32, torch.device("cpu"), path=str(tmp_path / "kv.bin"))
     assert not list(tmp_path.iterdir())  # the file goes with the process
     disk.alloc(1)  # its room starts elsewhere than the host pool's
     old = torch.tensor([3, 11, 7, 0, 14])
@@ -312,5 +317,27 @@ def test_random_multi_turn_traffic_equals_the_device_only_cache(tiny, turns, hos
         system = tokens(rng, 6)
         conversations = [system + tokens(rng, 4 + c) for c in range(4)]
         results.append(converse(core, conversations, turns, rng))
+        assert_idle(core)
+    assert results[0] == results[1]
+
+
+def test_gemma4_multi_turn_through_the_host_tier_equals_the_device_only_cache(tmp_path):
+    """Buffers of two shapes (sliding layers: 2 kv heads of 16; global: 1 of 32) and KV-sharing layers."""
+    make_model("gemma4", tmp_path)
+    per_token = 2 * (2 * 16 + 32) * 4  # K and V of the two buffers that own KV, fp32
+    runner = make_runner(tmp_path, tokens=96, running_max_req_size=4, max_req_total_len=96,
+                         host_kv_cache_gb=160 * per_token / 2**30)
+    assert sorted({tuple(k.shape[1:]) for k in runner.token_table.k}) == [(1, 32), (2, 16)]
+    assert runner.host_pool.capacity == 160
+    turns = [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1, 2, 3]]
+    results = []
+    for host in (0, 160):
+        core = engine(runner, host)
+        rng = torch.Generator().manual_seed(9)
+        system = tokens(rng, 10)
+        conversations = [system + tokens(rng, 8) for _ in range(4)]
+        results.append(converse(core, conversations, turns, rng))
+        if host:
+            assert core.scheduler.cache.evicted_tokens > 0 and core.scheduler.prefix_host_hit_tokens > 0
         assert_idle(core)
     assert results[0] == results[1]

@@ -1,8 +1,10 @@
 """The prefix cache's host tier: evicted nodes' KV in host memory, one runner's (one rank's shard).
 
-The pool is allocated once, at start: `[capacity, 2 * layers, kv_heads, head_dim]`, token-major so
-that a run of tokens is one contiguous block of every layer's K and V (pinned on CUDA, so copies
-are DMA and leave the host thread). Its room is handed out in runs of tokens (first fit, merged
+The pool is allocated once, at start: `[capacity, record]`, token-major, a token's record the
+concatenation of every KV buffer's K, then every V, each flattened to its own heads x head size
+(Gemma 4's global layers have more than its sliding ones), so that a run of tokens is one
+contiguous block of every layer's K and V (pinned on CUDA, so copies are DMA and leave the host
+thread). Its room is handed out in runs of tokens (first fit, merged
 on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
 
 Offload gathers a node's token-granular slots of every layer into a contiguous staging tensor on
@@ -51,19 +53,21 @@ class HostPoolFullError(RuntimeError):
 
 
 class HostKVPool:
-    def __init__(self, capacity: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, path: str | None = None):
-        """`path`: the disk tier's pool, a file mapped there (removed at once: it lives as long as
-        the process), whose copies run on the current stream."""
+    def __init__(self, capacity: int, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                 path: str | None = None):
+        """`shapes`: each KV buffer's (kv heads, head dim), as the token table's; the offloads and
+        loads pass every buffer's K, then every V, in that order. `path`: the disk tier's pool, a
+        file mapped there (removed at once: it lives as long as the process), whose copies run on
+        the current stream."""
         self.capacity = capacity
         self.device = device
-        shape = (capacity, 2 * num_layers, kv_heads, head_dim)
+        self.widths = [heads * dim for heads, dim in shapes] * 2  # each K's, then each V's, in a record
+        shape = (capacity, sum(self.widths))
         cuda = device.type == "cuda" and path is None
         if path is None:
             self.data = torch.empty(shape, dtype=dtype, pin_memory=cuda)
         else:
-            self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1] * kv_heads * head_dim,
-                                        dtype=dtype).view(shape)
+            self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1], dtype=dtype).view(shape)
             os.unlink(path)
         self.free_runs: Runs = [(0, capacity)] if capacity else []  # sorted by start, never adjacent
         self.free_count = capacity
@@ -110,18 +114,20 @@ class HostKVPool:
     def offload(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
         """Copy the KV at `slots` of every layer (`layers_kv`: every layer's K, then every V) into
         fresh room for `node_id`; the slots may be reused by anything launched after this call."""
+        self._check(layers_kv)
         runs = self.alloc(len(slots))
         index, rest = slots.to(torch.int64), runs
         for first in range(0, len(index), STAGING_TOKENS):
             part = index[first: first + STAGING_TOKENS]
             piece, rest = cut(rest, len(part))
-            staging = torch.stack([t.index_select(0, part) for t in layers_kv], dim=1)  # [n, 2L, heads, dim]
+            staging = torch.cat([t.index_select(0, part).flatten(1) for t in layers_kv], dim=1)  # [n, record]
             self._copy(piece, staging, to_host=True)
         self.nodes[node_id] = runs
 
     def load(self, node_id: int, slots: torch.Tensor, layers_kv: list[torch.Tensor]) -> None:
         """Copy node `node_id`'s KV into `slots` of every layer and free its room; whatever is
         launched after this call on the current stream sees it."""
+        self._check(layers_kv)
         runs = self.nodes.pop(node_id)
         index, rest = slots.to(torch.int64), runs
         for first in range(0, len(index), STAGING_TOKENS):
@@ -129,8 +135,8 @@ class HostKVPool:
             piece, rest = cut(rest, len(part))
             staging = torch.empty((len(part), *self.data.shape[1:]), dtype=self.data.dtype, device=self.device)
             self._copy(piece, staging, to_host=False)
-            for i, t in enumerate(layers_kv):
-                t.index_copy_(0, part, staging[:, i])
+            for t, piece_kv in zip(layers_kv, staging.split(self.widths, dim=1)):
+                t.index_copy_(0, part, piece_kv.view(len(part), *t.shape[1:]))
         self.free(runs)
 
     def take_from(self, node_id: int, other: HostKVPool) -> None:
@@ -157,6 +163,11 @@ class HostKVPool:
         self.nodes.clear()
         self.free_runs = [(0, self.capacity)] if self.capacity else []
         self.free_count = self.capacity
+
+    def _check(self, layers_kv: list[torch.Tensor]) -> None:
+        widths = [t[0].numel() for t in layers_kv]
+        if widths != self.widths:
+            raise ValueError(f"host KV pool: buffers of {widths} elements a token, its records of {self.widths}")
 
     def _copy(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
         """staging (device, contiguous) <-> the runs of the pool, one copy a run."""

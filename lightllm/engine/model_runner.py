@@ -171,15 +171,11 @@ class ModelRunner:
         """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,
         the same tokens on every rank."""
         table = self.token_table
-        per_token = 2 * len(table.k) * table.k[0][0].numel() * table.k[0].element_size()
+        per_token = sum(t[0].numel() * t.element_size() for t in table.k + table.v)
         tokens = self.tp.min_int(int(gib * 2**30) // per_token, self.device)
         if tokens <= 0:
             return None
-        if len({tuple(k.shape[1:]) for k in table.k}) > 1:
-            raise ValueError("the host and disk KV tiers need one K/V shape in every layer; "
-                             f"{self.config.architecture} has layers of different head sizes")
-        return HostKVPool(tokens, len(table.k), table.k[0].shape[1], table.k[0].shape[2], table.k[0].dtype, self.device,
-                          path)
+        return HostKVPool(tokens, [tuple(k.shape[1:]) for k in table.k], table.k[0].dtype, self.device, path)
 
     # ---- the step ----
 
