@@ -73,4 +73,5 @@ def test_one_at_a_time_matches_transformers(runner, prompts, hf_greedy):
 def test_mixed_batch_matches_transformers(runner, prompts, hf_greedy):
     assert len({len(p) for p in prompts}) == len(prompts), "prompts of different lengths"
     assert generate(runner, prompts, first_id=100) == hf_greedy
-    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 1024, "running_requests": 0, "cache_nodes": 0}
+    assert runner.stats() == {"tokens_used": 0, "max_total_token_num": 1024, "running_requests": 0, "cache_nodes": 0,
+                              "host_tokens_used": 0}
