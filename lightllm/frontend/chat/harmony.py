@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from lightllm.frontend.chat.tool_calls import CallArgs, CallStart, Text, _held_back, new_call_id
+from lightllm.frontend.chat.tool_calls import CallArgs, CallStart, StreamParser, Text, _held_back, new_call_id
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -27,7 +27,7 @@ RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
-class HarmonyParser:
+class HarmonyParser(StreamParser):
     def __init__(self):
         self.mode = "start"  # start -> header -> message -> header ...; or content (no harmony at all)
         self.buffer = ""
@@ -37,13 +37,6 @@ class HarmonyParser:
     @classmethod
     def for_prompt(cls, prompt_text: str) -> HarmonyParser:
         return cls()
-
-    def feed(self, text: str) -> list:
-        self.buffer += text
-        out: list = []
-        while self.buffer and self._step(out):
-            pass
-        return out
 
     def finish(self) -> list:
         """The rest: an unfinished message's text as its kind; an unfinished header is dropped."""

@@ -10,10 +10,10 @@ always think end the prompt with `<think>` themselves: then the answer starts in
 from __future__ import annotations
 
 from lightllm.frontend.chat.harmony import HarmonyParser
-from lightllm.frontend.chat.tool_calls import Text, _held_back
+from lightllm.frontend.chat.tool_calls import StreamParser, Text, _held_back
 
 
-class Qwen3Reasoning:
+class Qwen3Reasoning(StreamParser):
     OPEN, CLOSE = "<think>", "</think>"
 
     def __init__(self, started_inside: bool = False):
@@ -24,13 +24,6 @@ class Qwen3Reasoning:
     @classmethod
     def for_prompt(cls, prompt_text: str) -> Qwen3Reasoning:
         return cls(started_inside=prompt_text.rstrip().endswith(cls.OPEN))
-
-    def feed(self, text: str) -> list[Text]:
-        self.buffer += text
-        out: list[Text] = []
-        while self.buffer and self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Text]:
         out = [Text(self.buffer, reasoning=self.mode == "reasoning")] if self.buffer else []

@@ -144,7 +144,24 @@ def _loads(text: str):
         return None
 
 
-class HermesParser:
+class StreamParser:
+    """A parser fed text as it streams: the text waits in `buffer` and `_step` takes what it can
+    of it into `out`, returning False when the rest must wait for more text."""
+
+    buffer: str
+
+    def feed(self, text: str) -> list:
+        self.buffer += text
+        out: list = []
+        while self.buffer and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: list) -> bool:
+        raise NotImplementedError
+
+
+class HermesParser(StreamParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self):
@@ -155,12 +172,8 @@ class HermesParser:
         self.not_json = False  # the current block does not start with an object
         self.calls = 0
 
-    def feed(self, text: str) -> list:
-        self.buffer += text
-        out: list = []
-        while self.buffer and (self._inside(out) if self.call else self._outside(out)):
-            pass
-        return out
+    def _step(self, out: list) -> bool:
+        return self._inside(out) if self.call else self._outside(out)
 
     def finish(self) -> list:
         out: list = []
@@ -238,7 +251,7 @@ def _content(parser, text: str, out: list) -> None:
         out.append(Text(body))
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(StreamParser):
     """Calls only when the answer starts with one (after whitespace and <|python_tag|>); from the
     first text that is not a call on, everything is content."""
 
@@ -250,13 +263,6 @@ class Llama3JsonParser:
         self.call: CallObject | None = None
         self.skipped = ""  # what came before the current call's object (whitespace, separators)
         self.calls = 0
-
-    def feed(self, text: str) -> list:
-        self.buffer += text
-        out: list = []
-        while self.buffer and self._step(out):
-            pass
-        return out
 
     def finish(self) -> list:
         out: list = []

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import re
 
-from lightllm.frontend.chat.tool_calls import (CallArgs, CallFormat, CallStart, Text, _content, _held_back,
-                                             forced_calls, new_call_id)
+from lightllm.frontend.chat.tool_calls import (CallArgs, CallFormat, CallStart, StreamParser, Text, _content,
+                                             _held_back, forced_calls, new_call_id)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -141,7 +141,7 @@ class XmlCall:
         return [CallArgs(self.index, json.dumps(piece, ensure_ascii=False)[1:-1])]
 
 
-class XmlCallParser:
+class XmlCallParser(StreamParser):
     """The parser of tool_calls.py's interface; `schemas`: each function's parameters (by name)."""
 
     def __init__(self, schemas: dict | None = None):
@@ -153,13 +153,8 @@ class XmlCallParser:
         self.call: XmlCall | None = None
         self.calls = 0
 
-    def feed(self, text: str) -> list:
-        self.buffer += text
-        out: list = []
-        step = {"text": self._text, "head": self._head, "body": self._body, "value": self._value}
-        while self.buffer and step[self.mode](out):
-            pass
-        return out
+    def _step(self, out: list) -> bool:
+        return {"text": self._text, "head": self._head, "body": self._body, "value": self._value}[self.mode](out)
 
     def finish(self) -> list:
         out: list = []
