@@ -297,9 +297,10 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
 def sink_weight(sinks_ptr, heads, head_mask, m_i, SINKS: tl.constexpr):
     """exp2(sink * LOG2E - m_i) per head: an attention sink's share of a softmax whose running max
     (log2 units, attend_kv_block's) is m_i, added once to its sum; 0 without sinks."""
+    weight = tl.zeros_like(m_i)  # one return of one type: Triton's compiler refuses a scalar beside a tensor
     if SINKS:
-        return tl.exp2(tl.load(sinks_ptr + heads, mask=head_mask, other=float("-inf")) * 1.4426950408889634 - m_i)
-    return 0.0
+        weight = tl.exp2(tl.load(sinks_ptr + heads, mask=head_mask, other=float("-inf")) * 1.4426950408889634 - m_i)
+    return weight
 
 
 def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:

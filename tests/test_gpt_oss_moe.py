@@ -60,7 +60,7 @@ def test_reference_with_biases_and_swiglu_is_transformers_experts():
         hf.gate_up_proj_bias.copy_(gate_up_bias)
         hf.down_proj_bias.copy_(down_bias)
         x = torch.randn(9, HIDDEN) * 3  # large enough that the clamp at 7 bites
-        weights, ids = routing(9, 2)
+        weights, ids = (t.cpu() for t in routing(9, 2))  # transformers' experts on the CPU, as x
         expected = hf(x, ids.long(), weights)
     got = fused_moe_ref(x, w_gate_up, w_down, weights, ids, gate_up_bias=gate_up_bias, down_bias=down_bias,
                         swiglu=SWIGLU)

@@ -32,10 +32,13 @@ def test_gated_delta_rule_chunked_and_stepped_equal_transformers(tokens, k_heads
     gen = torch.Generator().manual_seed(tokens)
     q, k, v, g, beta = delta_inputs(gen, tokens, k_heads, v_heads, 16, 8)
     initial = torch.randn(v_heads, 16, 8, generator=gen) * 0.1
-    expected, final = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+    # each key head serves v_heads / k_heads value heads in turn, as transformers' model repeats them
+    # before its functions (which take one key head a value head in some of its releases)
+    qv, kv = (t.repeat_interleave(v_heads // k_heads, dim=1) for t in (q, k))
+    expected, final = torch_chunk_gated_delta_rule(qv[None], kv[None], v[None], g[None], beta[None],
                                                    initial_state=initial[None], output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True)
-    recurrent, _ = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+    recurrent, _ = torch_recurrent_gated_delta_rule(qv[None], kv[None], v[None], g[None], beta[None],
                                                     initial_state=initial[None], use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(recurrent, expected, **TOL)  # transformers' two forms agree
     out, state = gated_delta_rule_chunk(q, k, v, g, beta, initial)

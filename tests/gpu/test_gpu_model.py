@@ -4,8 +4,8 @@
 
 The tiny random models of tests/helpers/models.py at its GPU_SIZES (Llama: GQA with llama3
 rope; Qwen2: q/k/v bias, tied embeddings; Qwen3: q/k norms; Gemma 2 and 3: sliding windows past
-which the prompts run, soft caps; Mixtral and Qwen3-MoE: the fused MoE kernel; Gemma 4: shared K/V, per-layer inputs, GELU experts)
-prefill a mixed
+which the prompts run, soft caps; Mixtral and Qwen3-MoE: the fused MoE kernel; Gemma 4: shared K/V,
+per-layer inputs, GELU experts; gpt-oss: sinks, YaRN, expert biases) prefill a mixed
 batch through ModelRunner and decode greedily (CUDA graphs), and run through the engine core
 (chunked prefill beside running decodes, with one step in flight and without). Bounds:
 - fp32 agrees with transformers' greedy `generate` token for token.
@@ -31,8 +31,8 @@ batch through ModelRunner and decode greedily (CUDA graphs), and run through the
 
 import pytest
 import torch
-from helpers.models import (GPU_SIZES, LLAMA3_ROPE, assert_idle, engine, hf_greedy, make_gpu_model, make_runner,
-                            random_prompts)
+from helpers.models import (GPU_SIZES, LLAMA3_ROPE, YARN_ROPE, assert_idle, engine, hf_greedy, make_gpu_model,
+                            make_runner, random_prompts)
 
 from benchmark.lib.direct_step import run_step
 from lightllm.engine.request import GenerateReq, SamplingParams
@@ -54,6 +54,9 @@ CASES = {
                    vocab_size_per_layer_input=1000),
     "gemma4_moe": dict(num_hidden_layers=2, head_dim=32, global_head_dim=64, sliding_window=64, num_experts=16,
                        moe_intermediate_size=128),
+    # attention sinks on sliding and full layers, YaRN past position 64, experts with biases and the clamped SwiGLU
+    "gpt_oss": dict(num_local_experts=8, intermediate_size=128, sliding_window=64,
+                    rope_parameters={**YARN_ROPE, "original_max_position_embeddings": 64}),
 }
 PROMPT_LENS = (5, 130, 37, 300)
 NEW_TOKENS = 24
