@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# LoRA serving on a lent GPU in one call: bench-8b with COUNT random rank-RANK adapters against the
+# base model alone, on the same saved ShareGPT requests. From the repo root:
+#
+#   bash test/benchmark/serving/lora_device.sh [COUNT [RANK [N]]]      (defaults 16, 16, 1000)
+#
+# Rows: a server without adapters, N requests at once (streamed, ignore_eos); a server with the
+# adapters (--lora_modules, --max_loras COUNT: all resident), the same N requests with request i
+# naming adapter i mod (COUNT + 1), the last share on the base model; one request at a time
+# (single_request.py, 256 tokens) on each, with and without an adapter. Before each burst the
+# server answers single_request.py, so the burst does not pay the kernels' first compiles.
+# Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b,
+# .gpu/requests-N.json. Results: $OUT/lora.md (the table), $OUT/*.json (benchmark_serving's).
+set -euo pipefail
+ROOT=$(pwd); DRY=0; SERVER=; END=$((SECONDS + ${BUDGET_S:-570}))
+source "$ROOT/test/benchmark/lib/gpu_lib.sh"
+OUT=${OUT:-/tmp/lora_out}; WORK=${WORK:-/tmp/lora_work}; MODEL=${MODEL:-$ROOT/.gpu/bench-8b}
+COUNT=${1:-16}; RANK=${2:-16}; N=${3:-1000}
+rm -rf "$WORK"; mkdir -p "$OUT" "$WORK"
+install_kit
+export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 -m lightllm.tools.bench_lora --model "$MODEL" --out "$WORK/loras" --count "$COUNT" --rank "$RANK" \
+  > "$WORK/flags.txt"
+read -r -a modules <<<"$(sed -n 's/^--lora_modules //p' "$WORK/flags.txt")"
+adapters=$(sed -n 's/^--lora-adapters //p' "$WORK/flags.txt")
+
+serve() {  # serve NAME SERVER-FLAGS...: a server in a session of its own, once /health answers
+  local name=$1; shift
+  setsid python3 -m lightllm.server.api_server --model_dir "$MODEL" --load_format dummy --port 8000 "$@" \
+    > "$WORK/$name-server.log" 2>&1 &
+  SERVER=$!
+  wait_healthy 8000 $((SECONDS + 300)) "$WORK/$name-server.log"
+}
+single() {  # single NAME [--adapter A]: one request at a time, 256 tokens, 5 times
+  local name=$1; shift
+  timeout 120 python3 test/benchmark/serving/single_request.py --max-new-tokens 256 "$@" > "$OUT/single-$name.md" 2>&1 \
+    || echo "single $name failed"
+}
+burst() {  # burst NAME [CLIENT-FLAGS...]: the N saved requests at once
+  local name=$1; shift
+  timeout $(($(left) > 60 ? $(left) : 60)) python3 test/benchmark/serving/benchmark_serving.py --model "$MODEL" \
+    --requests "$ROOT/.gpu/requests-$N.json" --num-prompts "$N" --stream --no-progress \
+    --result-json "$OUT/burst-$name.json" "$@" > "$WORK/burst-$name.log" 2>&1 || echo "burst $name failed"
+}
+
+serve base
+single base
+burst base
+stop_server
+serve lora --lora_modules "${modules[@]}" --max_loras "$COUNT" --max_lora_rank "$RANK"
+single lora-0 --adapter lora-0
+burst lora --lora-adapters "$adapters"
+single lora-server-base
+stop_server
+
+python3 - "$OUT" "$COUNT" "$RANK" "$N" > "$OUT/lora.md" <<'PY'
+import json, re, sys
+from pathlib import Path
+out, count, rank, n = Path(sys.argv[1]), *sys.argv[2:]
+def burst(name):
+    path = out / f"burst-{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+def tpot(name):
+    path = out / f"single-{name}.md"
+    rows = re.findall(r"\| median \| [\d.]+ \| ([\d.]+) \|", path.read_text()) if path.exists() else []
+    return float(rows[0]) if rows else None
+base, lora = burst("base"), burst("lora")
+print(f"{count} adapters of rank {rank}, {n} requests at once (request i: adapter i mod {int(count) + 1})\n")
+print("| server | req/s | output tok/s | median / P99 TTFT ms | median / P99 TPOT ms | failed |")
+print("| --- | ---: | ---: | ---: | ---: | ---: |")
+for name, row in (("base model only", base), ("with the adapters", lora)):
+    if row:
+        print(f"| {name} | {row['request_throughput']:.2f} | {row['output_throughput']:.0f} | "
+              f"{row.get('median_ttft_ms', 0):.0f} / {row.get('p99_ttft_ms', 0):.0f} | "
+              f"{row.get('median_tpot_ms', 0):.2f} / {row.get('p99_tpot_ms', 0):.2f} | {row['failed']} |")
+if base and lora:
+    print(f"\nthroughput with the adapters / base only: {lora['request_throughput'] / base['request_throughput']:.3f}x")
+one = {name: tpot(name) for name in ("base", "lora-0", "lora-server-base")}
+print(f"\none request at a time, median TPOT ms: base server {one['base']}, adapter lora-0 {one['lora-0']}, "
+      f"LoRA server without an adapter {one['lora-server-base']}")
+if one["base"] and one["lora-0"]:
+    print(f"TPOT with an adapter / base server: {one['lora-0'] / one['base']:.3f}x")
+PY
+cat "$OUT/lora.md"
