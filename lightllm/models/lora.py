@@ -24,6 +24,7 @@ import torch
 
 from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
 from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
+from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
 
@@ -83,8 +84,8 @@ class LoraTarget:
             row += count
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        rows, starts = self.pool.segments
-        return lora_expand_(y, lora_shrink(x, self.a, rows, starts), self.b, rows, starts)
+        seg = self.pool.segments
+        return lora_expand_(y, lora_shrink(x, self.a, seg), self.b, seg)
 
 
 def _projections(layer) -> list:
@@ -108,7 +109,7 @@ class LoraSlots:
                 if hasattr(linear, "split_sum"):
                     linear.split_sum = 0  # its output must be whole for the adapter's share to be added
                 self.targets.append(linear.lora)
-        self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.segments: Segments | None = None
         model.lora = self
 
     def prepare(self, slots: torch.Tensor | None) -> None:
