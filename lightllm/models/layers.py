@@ -45,7 +45,7 @@ class ForwardBatch:
     ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
     ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
-    lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none)
+    lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none); None: no adapter
 
     @property
     def num_decodes(self) -> int:

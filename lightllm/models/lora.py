@@ -85,6 +85,8 @@ class LoraTarget:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         seg = self.pool.segments
+        if seg is None:  # no row of the step has an adapter
+            return y
         return lora_expand_(y, lora_shrink(x, self.a, seg), self.b, seg)
 
 
@@ -98,7 +100,8 @@ def _projections(layer) -> list:
 
 class LoraSlots:
     """The device's adapter slots, `num_slots` of rank up to `max_rank`, allocated once: attached to
-    every served projection of `model`. `prepare` groups a step's rows by slot (slot -1: none)."""
+    every served projection of `model`. `prepare` groups a step's rows by slot (slot -1: none), or
+    turns the adapters off for a step where no row has one."""
 
     def __init__(self, model, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
         self.num_slots = num_slots
@@ -113,8 +116,8 @@ class LoraSlots:
         model.lora = self
 
     def prepare(self, slots: torch.Tensor | None) -> None:
-        assert slots is not None, "a model serving LoRA adapters needs every step's ForwardBatch.lora_slots"
-        self.segments = lora_segments(slots, self.num_slots)
+        """slots None: no row of the step has an adapter, and the projections launch no LoRA kernel."""
+        self.segments = None if slots is None else lora_segments(slots, self.num_slots)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         for target in self.targets:
