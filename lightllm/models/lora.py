@@ -109,8 +109,6 @@ class LoraSlots:
         for layer in model.layers:
             for linear in _projections(layer):
                 linear.lora = LoraTarget(linear, self, max_rank, device, dtype)
-                if hasattr(linear, "split_sum"):
-                    linear.split_sum = 0  # its output must be whole for the adapter's share to be added
                 self.targets.append(linear.lora)
         self.segments: Segments | None = None
         model.lora = self
