@@ -20,12 +20,14 @@ table (one vector compare over the slots' first blocks). Its size is `max_row_bl
 blocks any mix of the step's rows over the pool's slots can need, fixed by the step's rows and
 the pool's size, so a CUDA graph replays it with any mix of adapters; the programs past the step's
 real blocks (at most one a used slot's worth, and those of rows of no adapter) leave at once.
+Both kernels take programmatic dependent launch on sm90+ (scheduled while the kernel ahead
+finishes; each program finds its block, then waits for it before reading x or s).
 """
 from typing import NamedTuple
 
 import torch
 
-from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
+from ._triton import cdiv, dot, fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
 
 BLOCK_ROWS = 16
 BLOCK_K = 64
@@ -114,8 +116,10 @@ def _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS: tl.cons
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, blocks_ptr, num_slots, K, R, k_slice, x_stride,
                    a_slot_stride, a_stride, out_split_stride, out_stride, BLOCK_ROWS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                   PDL: tl.constexpr):
     slot, rows, in_seg = _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS, BLOCK_S)
+    grid_dependency_wait(PDL)  # x may come from the kernel before (the segments come from older ones)
     if slot < num_slots:
         r = tl.arange(0, BLOCK_R)
         a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
@@ -137,8 +141,10 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, blocks_ptr, num_
 @triton.jit
 def _expand_kernel(y_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, blocks_ptr, num_slots, N, R, splits, y_stride,
                    s_split_stride, s_stride, b_slot_stride, b_stride, BLOCK_ROWS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                   PDL: tl.constexpr):
     slot, rows, in_seg = _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS, BLOCK_S)
+    grid_dependency_wait(PDL)  # s comes from the shrink before; every program waits, even one that leaves
     if slot < num_slots:
         r = tl.arange(0, BLOCK_R)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,7 +182,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: Segments, splits: 
         _shrink_kernel[(blocks, splits)](
             x, a, out, seg.rows, seg.starts, seg.blocks, slots, k, rank, k_slice, x.stride(0), a.stride(0),
             a.stride(1), out.stride(0), out.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
-            BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K, DOT_UPCAST=not x.is_cuda)
+            BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K, DOT_UPCAST=not x.is_cuda, **pdl(x))
     return out
 
 
@@ -189,5 +195,5 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: S
         _expand_kernel[(blocks, cdiv(n, BLOCK_N))](
             y, s, b, seg.rows, seg.starts, seg.blocks, slots, n, rank, s.shape[0], y.stride(0), s.stride(0),
             s.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
-            BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda)
+            BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda, **pdl(y))
     return y
