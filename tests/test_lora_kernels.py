@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 
-from lightllm.kernels import lora as lora_kernels
 from lightllm.kernels.lora import (BLOCK_ROWS, lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref,
                                    lora_shrink_triton, max_row_blocks)
 

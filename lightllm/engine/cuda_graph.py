@@ -280,7 +280,7 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d decode CUDA graphs (batch %s; and as many without LoRA: %d) and %d mixed-step graphs (tokens %s) in %.1f s, "
-                    "%.2f GiB", len(self.graphs), ",".join(map(str, self.buckets)), len(self.base_graphs),
-                    len(self.mixed_graphs),
-                    ",".join(str(m.tokens) for m in self.mixed), time.perf_counter() - start, used / 2**30)
+        logger.info("captured %d decode CUDA graphs (batch %s; %d more without LoRA) and %d mixed-step graphs "
+                    "(tokens %s) in %.1f s, %.2f GiB", len(self.graphs), ",".join(map(str, self.buckets)),
+                    len(self.base_graphs), len(self.mixed_graphs), ",".join(str(m.tokens) for m in self.mixed),
+                    time.perf_counter() - start, used / 2**30)
