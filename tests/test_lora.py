@@ -15,6 +15,7 @@ from lightllm.engine.scheduler import Scheduler
 from lightllm.common.lora_files import LoraAdapterError, read_adapter
 from lightllm.models import read_config
 from lightllm.models.lora import module_shapes
+from lightllm import kernels as lora_lib
 
 NEW_TOKENS = 8
 # name -> (rank, alpha, target modules, rslora)
@@ -103,6 +104,32 @@ def test_mixed_batch_matches_each_alone(runner, model_dir, adapters, prompts, ex
     core = engine(runner, chunk=7)
     got = run(core, requests, first_id=1000)
     assert got == [expected[name][j] for name in [None, *ADAPTERS] for j in range(len(prompts))]
+    assert_idle(core)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["graph_buckets", "eager"])
+def test_steps_without_adapter_rows_launch_no_lora(runner, model_dir, adapters, prompts, expected, padded, monkeypatch):
+    """A request on the base model alone runs no shrink or expand in its decode steps (graphs: the
+    decode buckets captured without LoRA) nor, eager, in its prefill (a mixed step's graph runs
+    them whatever its rows), and still equals PEFT's base; beside an adapter's request every step
+    runs them."""
+    import lightllm.models.lora as lora_module
+
+    if not padded:
+        modules = tuple(f"{name}={path}" for name, path in adapters.items())
+        runner = make_runner(model_dir, tokens=512, max_req_total_len=64, lora_modules=modules, max_loras=2,
+                             max_lora_rank=8, cuda_graph=False)
+    calls = []
+    monkeypatch.setattr(lora_module, "lora_shrink", lambda *args: calls.append(1) or real_shrink(*args))
+    real_shrink = lora_lib.lora_shrink
+    core = engine(runner, chunk=64, prefix_cache=False)
+    projections = 4 * read_config(model_dir).num_layers  # q/k/v, o, gate/up, down
+    assert run(core, [(prompts[0], None)], first_id=3000) == [expected[None][0]]
+    assert len(calls) == (projections if padded else 0)  # the prefill step; no decode step
+    calls.clear()
+    assert run(core, [(prompts[0], None), (prompts[1], "mlp_r2")], first_id=3010) == [expected[None][0],
+                                                                                       expected["mlp_r2"][1]]
+    assert len(calls) == NEW_TOKENS * projections  # one prefill step, then the decode steps
     assert_idle(core)
 
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from lightllm.kernels.lora import (lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref,
-                                   lora_shrink_triton)
+from lightllm.kernels.lora import (BLOCK_ROWS, lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref,
+                                   lora_shrink_triton, max_row_blocks)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,16 +39,31 @@ def per_row(slots, x, a, b, y):
 
 def test_segments_group_rows_by_slot():
     slots = torch.tensor([2, -1, 0, 2, 0, -1, 1], device=DEVICE)
-    rows, starts = lora_segments(slots, 4)
+    rows, starts, blocks = lora_segments(slots, 4)
     assert starts.tolist() == [0, 2, 3, 5, 5]
+    assert blocks.tolist() == [0, 1, 2, 3, 3]  # one row block each for slots 0-2, none for slot 3
     assert rows.tolist()[:5] == [2, 4, 6, 0, 3] and sorted(rows.tolist()[5:]) == [1, 5]
+
+
+@pytest.mark.parametrize("tokens,num_slots", [(1, 16), (7, 3), (40, 3), (256, 16), (300, 4)])
+def test_max_row_blocks_bounds_every_mix(tokens, num_slots):
+    """The grid fits the blocks of any mix: the worst ones leave each used slot's last block
+    nearly empty, and a mix over fewer slots never needs more."""
+    grid = max_row_blocks(tokens, num_slots)
+    for _ in range(50):
+        used = torch.randint(1, num_slots + 1, ()).item()
+        slots = torch.randint(-1, used, (tokens,))
+        assert lora_segments(slots, num_slots).blocks[-1].item() <= grid
+    worst = [s for s in range(min(tokens, num_slots)) for _ in range(BLOCK_ROWS + 1)][:tokens]
+    slots = torch.tensor(worst + [0] * (tokens - len(worst)))
+    assert lora_segments(slots, num_slots).blocks[-1].item() <= grid
 
 
 def test_reference_applies_each_rows_adapter():
     slots, x, a, b, y = mixed_batch(23, 4, 8, 32, 40)
-    rows, starts = lora_segments(slots, 4)
-    s = lora_shrink_ref(x, a, rows, starts)
-    got = lora_expand_ref(y.clone(), s, b, rows, starts)
+    seg = lora_segments(slots, 4)
+    s = lora_shrink_ref(x, a, seg)
+    got = lora_expand_ref(y.clone(), s, b, seg)
     torch.testing.assert_close(got, per_row(slots, x, a, b, y), atol=1e-4, rtol=1e-4)
 
 
@@ -67,14 +82,38 @@ def assert_close(got, expected, dtype):
 def test_triton_matches_reference(rank, k, n, splits, dtype):
     """Splits 3: the shrink's partial sums over slices of K (the last one shorter), added up by the expand."""
     slots, x, a, b, y = mixed_batch(37, 3, rank, k, n, dtype)
-    rows, starts = lora_segments(slots, 3)
-    expected_s = lora_shrink_ref(x, a, rows, starts)
-    s = lora_shrink_triton(x, a, rows, starts, splits)
+    seg = lora_segments(slots, 3)
+    expected_s = lora_shrink_ref(x, a, seg)
+    s = lora_shrink_triton(x, a, seg, splits)
     assert s.shape == (splits or 1, 37, rank) and expected_s.shape == (1, 37, rank)
     used = slots >= 0  # rows of no adapter are never written
     torch.testing.assert_close(s.sum(0)[used], expected_s[0, used], **FP32_TOL)  # fp32 sums either way
-    expected = lora_expand_ref(y.clone(), expected_s, b, rows, starts)
+    expected = lora_expand_ref(y.clone(), expected_s, b, seg)
     for partial_sums in (expected_s, s):
-        got = lora_expand_triton(y.clone(), partial_sums, b, rows, starts)
+        got = lora_expand_triton(y.clone(), partial_sums, b, seg)
         assert_close(got, expected, dtype)
         assert torch.equal(got[~used], y[~used])
+
+
+UNEVEN = {  # slot of each row, shuffled: a slot of many rows beside slots of one, empty slots, rows of none
+    "uneven": [0] * 35 + [3] + [5] * 17 + [-1] * 6 + [6],
+    "one slot, the last": [6] * 19,
+    "no adapter": [-1] * 21,
+    "one row": [4],
+}
+
+
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_row_blocks_find_their_slot(case):
+    """The grid over the step's row blocks: each block finds its slot (empty slots have no blocks,
+    blocks past the step's leave), on very uneven counts; the shrink's partial sums too."""
+    slots = torch.tensor(UNEVEN[case], device=DEVICE)
+    slots = slots[torch.randperm(len(slots), device=DEVICE)]
+    tokens, num_slots, rank, k, n = len(slots), 7, 8, 64, 40
+    x, y = torch.randn(tokens, k, device=DEVICE), torch.randn(tokens, n, device=DEVICE)
+    a, b = torch.randn(num_slots, rank, k, device=DEVICE), torch.randn(num_slots, n, rank, device=DEVICE)
+    seg = lora_segments(slots, num_slots)
+    expected = per_row(slots, x, a, b, y)
+    for splits in (1, 2):
+        got = lora_expand_triton(y.clone(), lora_shrink_triton(x, a, seg, splits), b, seg)
+        torch.testing.assert_close(got, expected, **FP32_TOL)

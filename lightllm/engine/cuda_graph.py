@@ -5,6 +5,9 @@ one shared memory pool; the runner keeps `graph_memory_bytes` of headroom for th
 the KV cache:
 
 - decode steps (no prompt chunk): the smallest decode bucket >= the batch (`decode_buckets`);
+  a model serving LoRA adapters captures each decode bucket twice, with its LoRA kernels and
+  without them (for steps where no row has an adapter: `run(lora=False)`), in the same pool (the
+  two take the same activations, so the second costs capture time and the graphs' own nodes);
 - mixed steps (decodes beside prompt chunks, or chunks alone): the smallest token bucket >= the
   step's tokens (`mixed_buckets`), with up to MAX_GRAPH_CHUNKS chunks. Larger steps, steps with
   more chunks and steps that want prompt logprobs run eagerly: a step of more than
@@ -138,6 +141,7 @@ class StepGraphs:
         self.logits = torch.empty(logit_rows if capture else 0, model.config.vocab_size, dtype=torch.float32,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode buckets without LoRA (model.lora set)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all()
@@ -165,22 +169,24 @@ class StepGraphs:
         return (input_ids + [0] * pad + positions + [0] * pad + rows + [self.padding_row] * pad
                 + seq_lens + [1] * pad + lora_slots + [-1] * pad)
 
-    def run(self, meta: torch.Tensor, n: int, max_seqlen: int) -> torch.Tensor:
+    def run(self, meta: torch.Tensor, n: int, max_seqlen: int, lora: bool = True) -> torch.Tensor:
         """fp32 logits [n, vocab] of the real rows; meta is [META_ROWS, bucket] on the device.
-        A captured bucket's logits live in the static buffer until the next step."""
+        A captured bucket's logits live in the static buffer until the next step. lora False: no
+        row has a LoRA adapter (the LoRA kernels are left out)."""
         bucket = meta.shape[1]
         self.meta[:, :bucket].copy_(meta)
-        graph = self.graphs.get(bucket)
+        graph = (self.graphs if lora or self.model.lora is None else self.base_graphs).get(bucket)
         if graph is None:
-            return self._forward(bucket, max_seqlen)[:n]
+            return self._forward(bucket, max_seqlen, lora)[:n]
         graph.replay()
         return self.logits[:n]
 
-    def _forward(self, bucket: int, max_seqlen: int) -> torch.Tensor:
+    def _forward(self, bucket: int, max_seqlen: int, lora: bool = True) -> torch.Tensor:
         input_ids, positions, rows, seq_lens, lora_slots = self.meta[:, :bucket]
         slots = self.req_to_token[rows, positions].long()  # the runner wrote them before the step
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=rows.int(),
-                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen, lora_slots=lora_slots)
+                             decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen,
+                             lora_slots=lora_slots if lora else None)
         return self.model.forward(batch, self.token_table)
 
     # ---- mixed steps ----
@@ -256,6 +262,9 @@ class StepGraphs:
                      lambda m=m: self._mixed_forward(m, self.max_seqlen)) for m in self.mixed]
         forwards += [(self.graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen))
                      for b in self.buckets]
+        if self.model.lora is not None:
+            forwards += [(self.base_graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen, False))
+                         for b in self.buckets]
         forwards.sort(key=lambda f: -f[1])
         with torch.cuda.device(device):
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -271,6 +280,7 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d decode CUDA graphs (batch %s) and %d mixed-step graphs (tokens %s) in %.1f s, "
-                    "%.2f GiB", len(self.graphs), ",".join(map(str, self.buckets)), len(self.mixed_graphs),
-                    ",".join(str(m.tokens) for m in self.mixed), time.perf_counter() - start, used / 2**30)
+        logger.info("captured %d decode CUDA graphs (batch %s; %d more without LoRA) and %d mixed-step graphs "
+                    "(tokens %s) in %.1f s, %.2f GiB", len(self.graphs), ",".join(map(str, self.buckets)),
+                    len(self.base_graphs), len(self.mixed_graphs), ",".join(str(m.tokens) for m in self.mixed),
+                    time.perf_counter() - start, used / 2**30)

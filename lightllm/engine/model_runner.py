@@ -289,12 +289,13 @@ class ModelRunner:
         slots = self.token_table.alloc(plan.num_tokens, contiguous=bool(chunks))  # a decode's slot is its own
         _advance(decodes.reqs, chunks, sampled)
         max_seqlen = max((r.seq_len for r in decodes.reqs), default=1)
+        lora = any(r.lora_slot >= 0 for r in decodes.reqs) or any(r.lora_slot >= 0 for r, _ in chunks)
         if graphed_decode:
-            logits = self._graph_forward(t, len(decodes), slots, max_seqlen)
-        elif layout is not None:
+            logits = self._graph_forward(t, len(decodes), slots, max_seqlen, lora)
+        elif layout is not None:  # a mixed step's graph runs its LoRA kernels whatever its rows
             logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
-            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen)
+            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen, lora)
         launched = self._sample(plan, t, logits, grammar, chunks, sampled, decodes)
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
@@ -390,12 +391,13 @@ class ModelRunner:
         return {"meta": self.graphs.pad_meta(decodes.ids, positions, rows, [p + 1 for p in positions], lora_slots),
                 "sample_rows": rows}
 
-    def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int,
+                       lora: bool) -> torch.Tensor:
         meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens, LoRA slots
         rows, positions = meta[2, :n], meta[1, :n]
         self._fill_last_tokens(meta[0, :n], rows)
         self.req_to_token_write(rows, positions, slots)
-        return self.graphs.run(meta, n, max_seqlen)
+        return self.graphs.run(meta, n, max_seqlen, lora)
 
     def _mixed_layout(self, plan: StepPlan, chunks, lists: dict) -> MixedLayout | None:
         """The graph bucket of a step with chunks, or None to run it eagerly (too large, too many
@@ -417,7 +419,8 @@ class ModelRunner:
         return self.graphs.run_mixed(t["meta"], layout, num_sampled, max_seqlen)
 
     def _forward(self, t: dict[str, torch.Tensor], decodes: bool, chunks: bool, slots: torch.Tensor,
-                 max_seqlen: int) -> torch.Tensor:
+                 max_seqlen: int, lora: bool) -> torch.Tensor:
+        """lora False: no row of the step has a LoRA adapter (the model launches no LoRA kernel)."""
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
         decode_ids = t["decode_ids"].clone()
         self._fill_last_tokens(decode_ids, t["decode_rows"])
@@ -430,7 +433,8 @@ class ModelRunner:
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
-                             logit_index=t["logit_index"], lora_slots=t["lora_slots"], **decode, **extend)
+                             logit_index=t["logit_index"], lora_slots=t["lora_slots"] if lora else None, **decode,
+                             **extend)
         return self.model.forward(batch, self.token_table)
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

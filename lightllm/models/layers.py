@@ -45,7 +45,7 @@ class ForwardBatch:
     ext_kv_lens: torch.Tensor | None = None  # [C] int32, tokens in the cache including the chunk
     ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
-    lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none)
+    lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none); None: no adapter
 
     @property
     def num_decodes(self) -> int:
@@ -185,8 +185,11 @@ class RowParallelLinear:
                 and x.dtype == self.weight_t.dtype == torch.bfloat16):
             rows, k = x.shape
             parts = self.split_sum
-            return torch.bmm(x.view(rows, parts, k // parts).transpose(0, 1),
-                             self.weight_t.view(parts, k // parts, -1), out_dtype=torch.float32)
+            y = torch.bmm(x.view(rows, parts, k // parts).transpose(0, 1),
+                          self.weight_t.view(parts, k // parts, -1), out_dtype=torch.float32)
+            if self.lora is not None:
+                self.lora(x, y[0])  # the adapter's share, added to the first partial sum in place
+            return y
         y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
         if self.lora is not None:
             y = self.lora(x, y)

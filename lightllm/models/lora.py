@@ -24,6 +24,7 @@ import torch
 
 from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
 from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
+from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
 
@@ -83,8 +84,10 @@ class LoraTarget:
             row += count
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        rows, starts = self.pool.segments
-        return lora_expand_(y, lora_shrink(x, self.a, rows, starts), self.b, rows, starts)
+        seg = self.pool.segments
+        if seg is None:  # no row of the step has an adapter
+            return y
+        return lora_expand_(y, lora_shrink(x, self.a, seg), self.b, seg)
 
 
 def _projections(layer) -> list:
@@ -97,7 +100,8 @@ def _projections(layer) -> list:
 
 class LoraSlots:
     """The device's adapter slots, `num_slots` of rank up to `max_rank`, allocated once: attached to
-    every served projection of `model`. `prepare` groups a step's rows by slot (slot -1: none)."""
+    every served projection of `model`. `prepare` groups a step's rows by slot (slot -1: none), or
+    turns the adapters off for a step where no row has one."""
 
     def __init__(self, model, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
         self.num_slots = num_slots
@@ -105,15 +109,13 @@ class LoraSlots:
         for layer in model.layers:
             for linear in _projections(layer):
                 linear.lora = LoraTarget(linear, self, max_rank, device, dtype)
-                if hasattr(linear, "split_sum"):
-                    linear.split_sum = 0  # its output must be whole for the adapter's share to be added
                 self.targets.append(linear.lora)
-        self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.segments: Segments | None = None
         model.lora = self
 
     def prepare(self, slots: torch.Tensor | None) -> None:
-        assert slots is not None, "a model serving LoRA adapters needs every step's ForwardBatch.lora_slots"
-        self.segments = lora_segments(slots, self.num_slots)
+        """slots None: no row of the step has an adapter, and the projections launch no LoRA kernel."""
+        self.segments = None if slots is None else lora_segments(slots, self.num_slots)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         for target in self.targets:

@@ -42,9 +42,46 @@ def test_graphs_and_eager_equal_peft_with_mixed_adapters(tmp_path):
                              running_max_req_size=16, lora_modules=tuple(f"a{i}={p}" for i, p in enumerate(adapters)),
                              max_loras=2, max_lora_rank=16)
         results[cuda_graph] = serve(runner, requests)
+        if cuda_graph:  # each decode bucket also without the LoRA kernels, for steps of no adapter row
+            assert runner.graphs.base_graphs.keys() == runner.graphs.graphs.keys()
         del runner
     assert results[True] == results[False]
     expected = []
     for lora in range(4):
         expected += peft_greedy(model_dir, adapters[lora - 1] if lora else None, prompts, NEW_TOKENS, device="cuda")
     assert results[True] == expected
+
+
+def test_split_down_projection_adds_the_adapter_once(tmp_path):
+    """bf16, tp 1: the down projection of a step of few rows returns fp32 partial sums over K for the
+    next norm to add (RowParallelLinear.split_sum) and the adapter's share goes into the first; their
+    sum equals the whole projection's (split_sum off) and x W^T + (x A^T) B^T per row, on rows of
+    slot 0, of slot 1 and of none; a step with no adapter row adds nothing."""
+    model_dir = tmp_path / "model"
+    make_gpu_model("llama_gqa_llama3_rope", model_dir)
+    runner = make_runner(model_dir, tokens=1024, device="cuda", cuda_graph=False, data_type="bfloat16",
+                         max_loras=2, max_lora_rank=16)
+    down = runner.model.layers[0].mlp.down
+    assert down.split_sum == 2 and down.lora is not None
+    torch.manual_seed(0)
+    target = down.lora
+    target.a.copy_(torch.randn_like(target.a) * 0.05)
+    target.b.copy_(torch.randn_like(target.b) * 0.05)
+    slots = torch.tensor([0, -1, 1, 0, 1], device="cuda")
+    x = torch.randn(len(slots), down.weight_t.shape[0], device="cuda", dtype=torch.bfloat16)
+    base = x.float() @ down.weight_t.float()
+    expected = base.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[t] += (x[t].float() @ target.a[slot].float().T) @ target.b[slot].float().T
+    runner.model.lora.prepare(slots)
+    split = down(x)
+    assert split.shape[0] == 2 and split.dtype == torch.float32
+    down.split_sum = 0
+    whole = down(x)
+    tol = dict(atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+    torch.testing.assert_close(split.sum(0), expected, **tol)
+    torch.testing.assert_close(whole.float(), expected, **tol)
+    runner.model.lora.prepare(None)
+    down.split_sum = 2
+    torch.testing.assert_close(down(x).sum(0), base, **tol)

@@ -161,13 +161,15 @@ def call_every_kernel() -> None:
 
 def call_lora_kernels() -> None:
     """LoRA on bench-8b's merged q/k/v projection (three parts of rank 16) and its down projection,
-    four slots, bf16."""
-    tokens, slots, rank = 4, 4, 16
-    rows, starts = lora_segments(torch.tensor([0, -1, 2, 0]), slots)
+    16 slots, bf16; the down projection's also into a split projection's fp32 partial sum."""
+    tokens, slots, rank = 4, 16, 16
+    seg = lora_segments(torch.tensor([0, -1, 15, 0]), slots)
     for k, n, parts in ((HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, 3), (INTER, HIDDEN, 1)):
         x, y = torch.randn(tokens, k, dtype=BF16), torch.randn(tokens, n, dtype=BF16)
         a, b = torch.randn(slots, parts * rank, k, dtype=BF16), torch.randn(slots, n, parts * rank, dtype=BF16)
-        lora_expand_triton(y, lora_shrink_triton(x, a, rows, starts), b, rows, starts)
+        s = lora_shrink_triton(x, a, seg)
+        lora_expand_triton(y, s, b, seg)
+    lora_expand_triton(torch.randn(2, tokens, HIDDEN)[0], s, b, seg)
 
 
 def call_moe_kernels() -> None:
