@@ -13,15 +13,20 @@ How a request's matcher advances: the runner accepts each sampled token into the
 request therefore waits on the host for its previous token before its next step is planned,
 as requests with penalties already do. A refused token (`accept` returns False) ends the request.
 
-Where a grammar compiles: in the HTTP process, off the engine step and within a time bound
-(lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized form down with the
-request; the runner only deserializes it (`Grammars.matcher`), once per grammar, inside the step:
-about 25 ms per MB of serialized form on a 2-core CPU (a 3-field schema 0.37 MB, 5 ms; a $ref chain
-grows as its square, 2000 $refs 94 MB, 1.7 s), which is why the HTTP side refuses one over 16 MiB
-(grammar_worker.MAX_COMPILED_BYTES). The runner's first grammar also builds its tokenizer view
-(TokenizerInfo) in the step, once. The
-offline LLM sends no compiled form: its runner compiles. `check_grammar` needs no tokenizer.
-xgrammar is imported lazily, inside functions: the GPU machine and most requests never need it.
+Where a grammar compiles: in the HTTP process's compiler child, off the engine step and within time
+and memory bounds (lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized
+form down with the request. The runner reads it back (`Grammars.matcher` with it), once per grammar,
+on its grammar thread, off the step; the scheduler admits the request once it is read. The read is
+xgrammar's C++ and does not hold the GIL (2026-12-02, 2-core CPU: about 60 ms per MiB of serialized
+form, a Python loop in another thread never held up more than 16 ms; a $ref chain grows as its
+square, 800 $refs 13.5 MiB), but it takes a core, so the thread runs at a lower CPU priority
+(model_runner.GRAMMAR_NICENESS), and the HTTP side refuses a form over 16 MiB
+(grammar_worker.MAX_COMPILED_BYTES). What does hold the GIL is the first use: importing xgrammar and
+building its view of the tokenizer (TokenizerInfo), a second or more of Python, which slowed every
+running step 2-3x at a server's first grammar; a server does it as it starts, in the background
+(`ModelRunner.prepare_grammars`). The offline LLM sends no compiled form: its runner compiles.
+`check_grammar` needs no tokenizer. xgrammar is imported inside functions: the offline LLM and the
+GPU tests never import it unless a request needs it.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ class Grammars:
     """Compiles grammars for one model's tokenizer (one per model runner) and makes matchers.
 
     The tokenizer's xgrammar view (TokenizerInfo, about 0.2 s on top of loading the tokenizer)
-    is built on first use, so that a server that never sees a grammar never pays for it.
+    is built on first use (a server's runner uses it as it starts: ModelRunner.prepare_grammars).
     `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's length;
     `stop_token_ids` default to the tokenizer's EOS; the tokenizer is loaded as the server's
     (`tokenizer_mode`, `trust_remote_code`).

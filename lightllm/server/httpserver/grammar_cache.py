@@ -83,14 +83,28 @@ class GrammarCache:
         return RequestError(f"the {kind.replace('_', ' ')} did not compile within {self.timeout:g} s "
                             "(--grammar_compile_timeout); a simpler one may")
 
+    def prepare(self) -> None:
+        """Start the driving thread, which first builds what compiles need in this process (a server
+        calls it as it starts; the compiler child itself starts at the first grammar)."""
+        self._queue()
+
     def _submit(self, job: Job) -> Job:
+        self._queue().put(job)
+        return job
+
+    def _queue(self) -> queue.SimpleQueue:
         if self._work is None:
             self._work = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(self._work,), name="grammar", daemon=True).start()
-        self._work.put(job)
-        return job
+        return self._work
 
     def _serve(self, work: queue.SimpleQueue) -> None:
+        started = time.monotonic()
+        try:
+            self._worker.prepare()
+            logger.info("structured output ready in %.1f s", time.monotonic() - started)
+        except Exception as exc:  # the first grammar tries again, and its request gets the error
+            logger.warning("structured output not prepared (%s); the first grammar tries again", exc)
         while (job := work.get()) is not None:
             if job.future.set_running_or_notify_cancel():
                 try:
