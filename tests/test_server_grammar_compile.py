@@ -38,8 +38,7 @@ def test_a_first_grammar_loads_while_a_stream_keeps_its_pace(server):
     the tokenizer: a second or more of Python holding the GIL) as the server starts, not at this
     request, where it stalled every running stream; the compile runs in a child process and the
     runner's read in C++ without the GIL, both at a lower priority."""
-    server.wait_for(lambda: server.log_text().count("structured output ready") >= 2, timeout=120,
-                    what="structured output ready in the HTTP process and the model runner")
+    server.wait_for_structured_output()
     stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
     arrivals = stream.arrivals
     server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")

@@ -31,7 +31,7 @@ from lightllm.server.httpserver.grammar_worker import COMPILE_MEMORY_BYTES, Comp
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 64
-CACHE_BYTES = 64 << 20  # specs and serialized grammars together (ASCII JSON mostly: a byte a character)
+CACHE_BYTES = 64 << 20  # specs and packed grammars together
 
 
 @dataclass
@@ -49,7 +49,7 @@ class GrammarCache:
         self._work: queue.SimpleQueue | None = None  # Jobs for the driving thread; None stops it
         self._ready: Future | None = None  # the child's first start
         self._closing = False
-        self._done: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._done: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._done_bytes = 0
         self._running: dict[tuple[str, str], Job] = {}
 
@@ -59,7 +59,7 @@ class GrammarCache:
         if sampling.grammar_kind:
             sampling.compiled_grammar = await self.compiled(sampling.grammar_kind, sampling.grammar)
 
-    async def compiled(self, kind: str, spec: str) -> str:
+    async def compiled(self, kind: str, spec: str) -> bytes:
         key = (kind, spec)
         if key in self._done:
             self._done.move_to_end(key)
@@ -114,7 +114,7 @@ class GrammarCache:
             if self._worker.pid is None and not self._closing:  # killed: ready again before the next job
                 self._start_worker()
 
-    def _run(self, job: Job) -> str | None:
+    def _run(self, job: Job) -> bytes | None:
         if not job.kind:
             self._worker.start()
             return None
@@ -153,5 +153,5 @@ class GrammarCache:
         self._worker.kill()
 
 
-def entry_bytes(key: tuple[str, str], serialized: str) -> int:
+def entry_bytes(key: tuple[str, str], serialized: bytes) -> int:
     return len(key[1]) + len(serialized)

@@ -4,7 +4,7 @@ xgrammar's compile cannot be interrupted from Python, and a costly one holds gig
 runs (1000 forced tools: 11 GB). Here it runs in a child process (spawned at the first grammar,
 one compile at a time, one xgrammar thread) that is killed when the compile runs past its deadline
 or its RSS grows past COMPILE_MEMORY_BYTES, and then started again: the core and the memory come
-back at once. The child sends back xgrammar's serialized form (a string), refused when longer than
+back at once. The child sends back xgrammar's serialized form, packed (zlib), refused when longer than
 MAX_COMPILED_BYTES, the bound that keeps the model runner's read of it short (engine/grammar.py).
 
 The child is kept small (about 100 MB, against 465 MB when it loaded the tokenizer and all of
@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -120,7 +121,8 @@ def serve(spec: CompilerSpec, conn) -> None:
         except EOFError:
             return
         try:
-            conn.send(("ok", checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())))
+            serialized = checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())
+            conn.send(("ok", zlib.compress(serialized.encode(), 1)))  # engine.grammar.pack, without its torch
         except Exception as exc:  # xgrammar refusing the grammar (RuntimeError), or its size
             conn.send(("error", str(exc)))
 
@@ -177,8 +179,8 @@ class CompileWorker:
         logger.info("grammar compiler (pid %d) ready in %.1f s, RSS %.0f MB", self._process.pid,
                     time.monotonic() - started, self._ready_rss / 1e6)
 
-    def compile(self, kind: str, grammar: str, deadline: Callable[[], float]) -> str:
-        """The serialized compiled grammar; CompileStopped when the compile was killed, past
+    def compile(self, kind: str, grammar: str, deadline: Callable[[], float]) -> bytes:
+        """The compiled grammar, packed (engine/grammar.py's `pack`); CompileStopped when the compile was killed, past
         `deadline()` (a time.monotonic value, read as the compile goes) or its memory bound;
         RequestError when xgrammar refuses the grammar."""
         ebnf = grammar_ebnf(kind, grammar)
