@@ -15,7 +15,7 @@ as requests with penalties already do. A refused token (`accept` returns False) 
 
 Where a grammar compiles: in the HTTP process's compiler child, off the engine step and within time
 and memory bounds (lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized
-form down with the request. The runner reads it back (`Grammars.matcher` with it), once per grammar,
+form down with the request, packed (`pack`). The runner reads it back (`Grammars.matcher` with it), once per grammar,
 on its grammar thread, off the step; the scheduler admits the request once it is read. The read is
 xgrammar's C++ and does not hold the GIL (2026-12-02, 2-core CPU: about 60 ms per MiB of serialized
 form, a Python loop in another thread never held up more than 16 ms; a $ref chain grows as its
