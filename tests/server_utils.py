@@ -81,6 +81,12 @@ class Server(ServerProcess):
         """The server's ZeroMQ socket directories in /tmp (one while it runs, none after)."""
         return socket_dirs(self.proc.pid)
 
+    def wait_for_structured_output(self, processes: int = 2) -> None:
+        """Until the HTTP process and the model runners have built their structured output, which
+        they do in the background once the server serves (it holds each process's GIL a while)."""
+        self.wait_for(lambda: self.log_text().count("structured output ready") >= processes, timeout=120,
+                      what="structured output ready in the HTTP process and the model runners")
+
     def health(self, timeout: float = 30.0) -> int | None:
         """The status code of GET /health; None when nothing listens any more."""
         try:

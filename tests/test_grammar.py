@@ -1,14 +1,18 @@
 """Structured output: the validator, the compile cache, the masks, and decoding under a grammar."""
 
 import json
+import os
 import random
 import re
+import threading
 
 import pytest
 import torch
 
-from lightllm.engine.grammar import (CACHE_SIZE, GrammarError, Grammars, allocate_bitmask, apply_bitmask_,
+from lightllm.engine.grammar import (CACHE_SIZE, GrammarError, Grammars, Matcher, allocate_bitmask, apply_bitmask_,
                                      apply_bitmask_reference_, check_grammar)
+from lightllm.engine.model_runner import GRAMMAR_NICENESS
+from lightllm.engine.plan import LoadGrammar
 
 VOCAB = 49152  # the default model's config.json
 SCHEMA = {"type": "object",
@@ -201,6 +205,29 @@ def test_a_serialized_grammar_reads_back_to_the_same_masks(default_model_dir, gr
             assert read_back.terminated
             return
     pytest.fail(f"no end after {MAX_STEPS} tokens")
+
+
+def test_a_prepared_runner_only_reads_a_grammar_on_a_thread_of_lower_priority(tmp_path, monkeypatch):
+    """A server's runner builds its structured output as it starts (`prepare_grammars`: xgrammar's
+    import and its view of the tokenizer, Python holding the GIL for a second or more, which done at
+    the first grammar stalled every running request's steps); a grammar that comes later is only
+    read (xgrammar's C++, without the GIL), on a thread that yields its core to the steps'."""
+    from helpers.models import make_runner
+    from lightllm.tools.bench_model import write_bench_model
+
+    runner = make_runner(write_bench_model(tmp_path, "tiny"))
+    runner.prepare_grammars()
+    grammar_thread = runner._grammar_executor()
+    grammar_thread.submit(lambda: None).result(timeout=300)  # the preparation is done
+    assert runner._grammars is not None, "prepare_grammars built nothing"
+    spec = json.dumps(SCHEMA)
+    serialized = runner._grammars.serialize("json_schema", spec)  # as the HTTP process sends it
+    monkeypatch.setattr(Grammars, "_make_compiler", lambda self: pytest.fail("the load built the tokenizer view"))
+    matcher = runner._load_grammar(LoadGrammar(7, "json_schema", spec, serialized)).result(timeout=60)
+    assert isinstance(matcher, Matcher)
+    thread = grammar_thread.submit(threading.get_native_id).result()
+    steps = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's niceness, as the steps' thread's
+    assert os.getpriority(os.PRIO_PROCESS, thread) == max(steps, GRAMMAR_NICENESS)
 
 
 def test_matcher_rejects_a_bad_spec(grammars):

@@ -32,6 +32,7 @@ def tools(count: int, parameters: dict | None = None) -> list[dict]:
 def server(default_model_dir, tmp_path_factory):
     server = start_server(["--model_dir", str(default_model_dir), "--grammar_compile_timeout", str(BOUND)],
                           tmp_path_factory.mktemp("grammar_bounds") / "server.log")
+    server.wait_for_structured_output()  # the first test times the event loop
     yield server
     assert server.stop() == 0
 
@@ -128,18 +129,21 @@ def test_a_running_stream_keeps_its_pace_while_a_big_grammar_is_handled(server):
 
 
 class FakeWorker:
-    """CompileWorker's interface; a compiled grammar of `size` characters."""
+    """CompileWorker's interface; a compiled grammar of `size` bytes, packed."""
 
     pid = 1
 
     def __init__(self, size: int):
         self.size = size
 
+    def prepare(self) -> None:
+        pass
+
     def start(self) -> None:
         pass
 
-    def compile(self, kind, grammar, deadline) -> str:
-        return "x" * self.size
+    def compile(self, kind, grammar, deadline) -> bytes:
+        return b"x" * self.size
 
     def kill(self) -> None:
         pass
@@ -165,6 +169,6 @@ def test_the_runner_cache_is_bounded_in_bytes(monkeypatch):
     monkeypatch.setattr(grammars, "_deserialize", lambda serialized: object())
     size = engine_grammar.CACHE_BYTES // 8
     for i in range(20):
-        grammars.compile("regex", f"a{i}", "x" * size)
+        grammars.compile("regex", f"a{i}", b"x" * size)
     assert grammars.cached_bytes <= engine_grammar.CACHE_BYTES
     assert len(grammars._compiled) == 7

@@ -13,15 +13,20 @@ How a request's matcher advances: the runner accepts each sampled token into the
 request therefore waits on the host for its previous token before its next step is planned,
 as requests with penalties already do. A refused token (`accept` returns False) ends the request.
 
-Where a grammar compiles: in the HTTP process, off the engine step and within a time bound
-(lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized form down with the
-request; the runner only deserializes it (`Grammars.matcher`), once per grammar, inside the step:
-about 25 ms per MB of serialized form on a 2-core CPU (a 3-field schema 0.37 MB, 5 ms; a $ref chain
-grows as its square, 2000 $refs 94 MB, 1.7 s), which is why the HTTP side refuses one over 16 MiB
-(grammar_worker.MAX_COMPILED_BYTES). The runner's first grammar also builds its tokenizer view
-(TokenizerInfo) in the step, once. The
-offline LLM sends no compiled form: its runner compiles. `check_grammar` needs no tokenizer.
-xgrammar is imported lazily, inside functions: the GPU machine and most requests never need it.
+Where a grammar compiles: in the HTTP process's compiler child, off the engine step and within time
+and memory bounds (lightllm/server/httpserver/grammar_cache.py), which sends xgrammar's serialized
+form down with the request, packed (`pack`). The runner reads it back (`Grammars.matcher` with it), once per grammar,
+on its grammar thread, off the step; the scheduler admits the request once it is read. The read is
+xgrammar's C++ and does not hold the GIL (2026-12-02, 2-core CPU: about 60 ms per MiB of serialized
+form, a Python loop in another thread never held up more than 16 ms; a $ref chain grows as its
+square, 800 $refs 13.5 MiB), but it takes a core, so the thread runs at a lower CPU priority
+(model_runner.GRAMMAR_NICENESS), and the HTTP side refuses a form over 16 MiB
+(grammar_worker.MAX_COMPILED_BYTES). What does hold the GIL is the first use: importing xgrammar and
+building its view of the tokenizer (TokenizerInfo), a second or more of Python, which slowed every
+running step 2-3x at a server's first grammar; a server does it as it starts, in the background
+(`ModelRunner.prepare_grammars`). The offline LLM sends no compiled form: its runner compiles.
+`check_grammar` needs no tokenizer. xgrammar is imported inside functions: the offline LLM and the
+GPU tests never import it unless a request needs it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import zlib
 from collections import OrderedDict
 
 import torch
@@ -39,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 64  # compiled grammars kept per model runner (least recently used dropped first)
-CACHE_BYTES = 64 << 20  # and their size at most, as their serialized forms measure it
+CACHE_BYTES = 64 << 20  # and their size at most, as their packed forms measure it
+PACK_LEVEL = 1  # zlib's fastest
 _MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgrammar's
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's C++ errors start "[hh:mm:ss] /path/file.cc:123: " and at times "Check failed: (...) is false: "
@@ -147,7 +154,7 @@ class Grammars:
     """Compiles grammars for one model's tokenizer (one per model runner) and makes matchers.
 
     The tokenizer's xgrammar view (TokenizerInfo, about 0.2 s on top of loading the tokenizer)
-    is built on first use, so that a server that never sees a grammar never pays for it.
+    is built on first use (a server's runner uses it as it starts: ModelRunner.prepare_grammars).
     `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's length;
     `stop_token_ids` default to the tokenizer's EOS; the tokenizer is loaded as the server's
     (`tokenizer_mode`, `trust_remote_code`).
@@ -160,7 +167,7 @@ class Grammars:
         self.max_threads = max_threads  # xgrammar's threads for one compile
         self._compiler = None
         self._info = None  # xgrammar.TokenizerInfo, made with the compiler
-        # (compiled grammar, its size: spec and serialized form, in characters, about its bytes in memory)
+        # (compiled grammar, its size: spec and packed form, in bytes)
         self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
         self._compiled_bytes = 0
 
@@ -181,9 +188,9 @@ class Grammars:
         # our LRU below is the cache (xgrammar's own would keep a second copy of each grammar)
         return xgrammar.GrammarCompiler(self._info, max_threads=self.max_threads, cache_enabled=False)
 
-    def compile(self, kind: str, spec: str, serialized: str = ""):
+    def compile(self, kind: str, spec: str, serialized: bytes = b""):
         """The compiled grammar of (kind, spec), from the cache when it is there; else read from
-        `serialized` (xgrammar's JSON of it, from `serialize`) when given, else compiled."""
+        `serialized` (its packed form, from `serialize`) when given, else compiled."""
         key = (kind, spec)
         entry = self._compiled.get(key)
         if entry is None:
@@ -199,19 +206,27 @@ class Grammars:
     def cached_bytes(self) -> int:
         return self._compiled_bytes
 
-    def serialize(self, kind: str, spec: str) -> str:
-        """Compile (kind, spec) (uncached: the caller keeps the result) into xgrammar's JSON, which
+    def serialize(self, kind: str, spec: str) -> bytes:
+        """Compile (kind, spec) (uncached: the caller keeps the result) into its packed form, which
         a Grammars of the same model reads back with `compile(kind, spec, serialized)`."""
-        return self.compiler.compile_grammar(_build(kind, spec)).serialize_json()
+        return pack(self.compiler.compile_grammar(_build(kind, spec)).serialize_json())
 
-    def _deserialize(self, serialized: str):
+    def _deserialize(self, serialized: bytes):
         import xgrammar
 
         self.compiler  # builds self._info
-        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
+        return xgrammar.CompiledGrammar.deserialize_json(zlib.decompress(serialized).decode(), self._info)
 
-    def matcher(self, kind: str, spec: str, serialized: str = "") -> Matcher:
+    def matcher(self, kind: str, spec: str, serialized: bytes = b"") -> Matcher:
         return Matcher(self.compile(kind, spec, serialized), kind)
+
+
+def pack(serialized: str) -> bytes:
+    """xgrammar's JSON of a compiled grammar as it crosses processes: zlib's, about 7x smaller (its
+    per-rule automata repeat; 800 $refs: 13.5 -> 1.9 MiB in 0.12 s), so that the router, which
+    forwards it to each runner in a step's ops, and the runner, which reads the step, handle a
+    seventh; the runner inflates it on its grammar thread. The compiler child writes the same."""
+    return zlib.compress(serialized.encode(), PACK_LEVEL)
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:

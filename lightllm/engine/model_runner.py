@@ -19,8 +19,11 @@ decode steps by their batch, steps with prompt chunks by their tokens.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
@@ -116,7 +119,7 @@ class ModelRunner:
         self.disk_pool: HostKVPool | None = None  # ... and its disk tier
         self._pending: Future | None = None  # the launched step whose tokens are not yet returned
         self._last_launched: LaunchedStep | None = None
-        self._grammars = None  # grammar.Grammars, made when the first request with structured output comes
+        self._grammars = None  # grammar.Grammars, made by prepare_grammars or the first request that needs it
         # Grammars load on their own thread, off the step: req id -> (matcher future, reported yet)
         self._grammar_thread: ThreadPoolExecutor | None = None
         self._grammar_loads: dict[int, list] = {}
@@ -359,22 +362,49 @@ class ModelRunner:
             LoadGrammar(req_id, params.grammar_kind, params.grammar, params.compiled_grammar))
         return future.result()
 
+    def prepare_grammars(self) -> None:
+        """Import xgrammar and build its view of the tokenizer now, on the grammar thread, rather than
+        at the first request with structured output: that is Python holding the GIL for a second or
+        more (2026-12-02, the default model on 2 CPU cores: steps of a running stream 2-3x slower and
+        one 0.8 s gap), while a grammar's read after it runs in xgrammar's C++ without the GIL. A
+        server calls it once its model is loaded; the offline LLM and tests build it when needed."""
+        self._grammar_executor().submit(self._prepare_grammars)
+
+    def _prepare_grammars(self) -> None:
+        started = time.monotonic()
+        try:
+            self._loaded_grammars()
+            logger.info("structured output ready in %.1f s", time.monotonic() - started)
+        except Exception as exc:  # a request with structured output tries again, and gets the error
+            logger.warning("structured output not prepared (%s); the first request that needs it tries again", exc)
+
+    def _grammar_executor(self) -> ThreadPoolExecutor:
+        if self._grammar_thread is None:
+            self._grammar_thread = ThreadPoolExecutor(1, "grammar")
+        return self._grammar_thread
+
     def _load_grammar(self, op: LoadGrammar) -> Future:
         """The matcher of op's grammar, on the grammar thread: its compiled form comes from the HTTP
         process (read, then cached by the grammar); only the offline LLM's compile here."""
-        if self._grammar_thread is None:
-            self._grammar_thread = ThreadPoolExecutor(1, "grammar")
-        return self._grammar_thread.submit(self._grammar_matcher, op.kind, op.grammar, op.compiled)
+        return self._grammar_executor().submit(self._grammar_matcher, op.kind, op.grammar, op.compiled)
 
     def _grammar_matcher(self, kind: str, grammar: str, compiled: str):
+        grammars = self._loaded_grammars()
+        # Lowered after the Python above: a thread holding the GIL should not wait for a core
+        _lower_thread_priority()
+        return grammars.matcher(kind, grammar, compiled)
+
+    def _loaded_grammars(self):
+        """The runner's Grammars, made on first use (on the grammar thread only)."""
         if self._grammars is None:
-            from lightllm.engine.grammar import Grammars  # xgrammar: only once a request needs it
+            from lightllm.engine.grammar import Grammars  # xgrammar: only once structured output may come
 
             config = self.engine_config
-            self._grammars = Grammars(config.model_dir, self.config.vocab_size,
-                                      stop_token_ids=list(self.config.eos_token_ids),
-                                      tokenizer_mode=config.tokenizer_mode, trust_remote_code=config.trust_remote_code)
-        return self._grammars.matcher(kind, grammar, compiled)
+            grammars = Grammars(config.model_dir, self.config.vocab_size, stop_token_ids=list(self.config.eos_token_ids),
+                                tokenizer_mode=config.tokenizer_mode, trust_remote_code=config.trust_remote_code)
+            grammars.compiler  # the tokenizer's view, before the step's `self._grammars is None` check sees it
+            self._grammars = grammars
+        return self._grammars
 
     def _record_previous_tokens(self) -> None:
         """Penalties and grammars need the previous step's tokens on the host: wait for them only then."""
@@ -603,6 +633,18 @@ class ModelRunner:
         if self.loras is None or not lora_ids <= set(self.loras.host):
             return False
         return self.loras.table.fits(lora_ids)
+
+
+GRAMMAR_NICENESS = 10  # as the HTTP side's grammar compiler: a read takes what the steps leave of the cores
+
+
+def _lower_thread_priority() -> None:
+    """The calling thread's CPU priority (Linux keeps one a thread), for the grammar thread: xgrammar
+    reads a grammar without the GIL, but on a core that the router, detokenizer and HTTP processes
+    need at every step."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the same priority as the steps
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, max(GRAMMAR_NICENESS, os.getpriority(os.PRIO_PROCESS, thread)))
 
 
 def _accepted(drafts: list[int], sampled: list) -> int:

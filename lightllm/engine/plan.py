@@ -69,7 +69,7 @@ class LoadGrammar:
     req_id: int
     kind: str
     grammar: str
-    compiled: str = ""
+    compiled: bytes = b""
 
 
 @dataclass

@@ -63,7 +63,7 @@ class SamplingParams:
     # "regex" or "ebnf" (grammar: the pattern or the EBNF grammar); compiled by xgrammar.
     grammar_kind: str = ""
     grammar: str = ""
-    compiled_grammar: str = ""  # xgrammar's serialized compiled grammar, from the HTTP process (engine/grammar.py)
+    compiled_grammar: bytes = b""  # xgrammar's compiled grammar, packed (engine/grammar.py), from the HTTP process
 
     @property
     def uses_penalties(self) -> bool:

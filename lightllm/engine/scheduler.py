@@ -212,7 +212,7 @@ class Scheduler:
         if req.sampling.grammar_kind:  # its grammar loads off the step first (LoadGrammar), then it is admitted
             p = req.sampling
             self._ops.append(LoadGrammar(req.req_id, p.grammar_kind, p.grammar, p.compiled_grammar))
-            req.sampling = dataclasses.replace(p, compiled_grammar="")  # sent once: megabytes, at times
+            req.sampling = dataclasses.replace(p, compiled_grammar=b"")  # sent once: megabytes, at times
             req.grammar_ready = False
         self.waiting[req.req_id] = req
         self._waiting_prompt_tokens += req.prompt_len

@@ -78,6 +78,7 @@ class ModelWorkerService(rpyc.Service):
             cores = max(1, (os.cpu_count() or 1) - 1)
             torch.set_num_threads(max(1, cores // self.ranks_on_node))
         self.runner = ModelRunner(EngineConfig(**dict(config_fields)), tp_rank, local_rank=local_rank)
+        self.runner.prepare_grammars()  # in the background, before the first request with structured output
         return self.runner.max_total_token_num, to_wire(self.runner.info)
 
     def exposed_step(self, plan: tuple) -> tuple:

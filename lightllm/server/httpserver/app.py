@@ -107,6 +107,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.manager.start()  # api_server says "serving" once uvicorn accepts connections
+        state.grammars.prepare()  # in the background
         yield
         await state.manager.stop()
         state.grammars.close()

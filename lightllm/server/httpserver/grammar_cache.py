@@ -31,7 +31,7 @@ from lightllm.server.httpserver.grammar_worker import COMPILE_MEMORY_BYTES, Comp
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 64
-CACHE_BYTES = 64 << 20  # specs and serialized grammars together (ASCII JSON mostly: a byte a character)
+CACHE_BYTES = 64 << 20  # specs and packed grammars together
 
 
 @dataclass
@@ -49,7 +49,7 @@ class GrammarCache:
         self._work: queue.SimpleQueue | None = None  # Jobs for the driving thread; None stops it
         self._ready: Future | None = None  # the child's first start
         self._closing = False
-        self._done: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._done: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._done_bytes = 0
         self._running: dict[tuple[str, str], Job] = {}
 
@@ -59,7 +59,7 @@ class GrammarCache:
         if sampling.grammar_kind:
             sampling.compiled_grammar = await self.compiled(sampling.grammar_kind, sampling.grammar)
 
-    async def compiled(self, kind: str, spec: str) -> str:
+    async def compiled(self, kind: str, spec: str) -> bytes:
         key = (kind, spec)
         if key in self._done:
             self._done.move_to_end(key)
@@ -83,14 +83,28 @@ class GrammarCache:
         return RequestError(f"the {kind.replace('_', ' ')} did not compile within {self.timeout:g} s "
                             "(--grammar_compile_timeout); a simpler one may")
 
+    def prepare(self) -> None:
+        """Start the driving thread, which first builds what compiles need in this process (a server
+        calls it as it starts; the compiler child itself starts at the first grammar)."""
+        self._queue()
+
     def _submit(self, job: Job) -> Job:
+        self._queue().put(job)
+        return job
+
+    def _queue(self) -> queue.SimpleQueue:
         if self._work is None:
             self._work = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(self._work,), name="grammar", daemon=True).start()
-        self._work.put(job)
-        return job
+        return self._work
 
     def _serve(self, work: queue.SimpleQueue) -> None:
+        started = time.monotonic()
+        try:
+            self._worker.prepare()
+            logger.info("structured output ready in %.1f s", time.monotonic() - started)
+        except Exception as exc:  # the first grammar tries again, and its request gets the error
+            logger.warning("structured output not prepared (%s); the first grammar tries again", exc)
         while (job := work.get()) is not None:
             if job.future.set_running_or_notify_cancel():
                 try:
@@ -100,7 +114,7 @@ class GrammarCache:
             if self._worker.pid is None and not self._closing:  # killed: ready again before the next job
                 self._start_worker()
 
-    def _run(self, job: Job) -> str | None:
+    def _run(self, job: Job) -> bytes | None:
         if not job.kind:
             self._worker.start()
             return None
@@ -139,5 +153,5 @@ class GrammarCache:
         self._worker.kill()
 
 
-def entry_bytes(key: tuple[str, str], serialized: str) -> int:
+def entry_bytes(key: tuple[str, str], serialized: bytes) -> int:
     return len(key[1]) + len(serialized)

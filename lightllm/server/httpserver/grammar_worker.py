@@ -4,8 +4,8 @@ xgrammar's compile cannot be interrupted from Python, and a costly one holds gig
 runs (1000 forced tools: 11 GB). Here it runs in a child process (spawned at the first grammar,
 one compile at a time, one xgrammar thread) that is killed when the compile runs past its deadline
 or its RSS grows past COMPILE_MEMORY_BYTES, and then started again: the core and the memory come
-back at once. The child sends back xgrammar's serialized form (a string), refused when longer than
-MAX_COMPILED_BYTES, the bound that keeps reading it back in the model runner cheap (engine/grammar.py).
+back at once. The child sends back xgrammar's serialized form, packed (zlib), refused when longer than
+MAX_COMPILED_BYTES, the bound that keeps the model runner's read of it short (engine/grammar.py).
 
 The child is kept small (about 100 MB, against 465 MB when it loaded the tokenizer and all of
 xgrammar): this process turns the tokenizer into xgrammar's view of it once (TokenizerInfo, as
@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 # well under 1 MiB (128 forced tools: 0.2 MiB, +1 MB).
 COMPILE_MEMORY_BYTES = 180 << 20
 KEPT_MEMORY_BYTES = 128 << 20
-# The longest serialized grammar accepted: the model runner reads it back inside a step (engine/grammar.py)
+# The longest serialized grammar accepted: the model runner reads it back, off the step but on a core (engine/grammar.py)
 MAX_COMPILED_BYTES = 16 << 20
 # Below the engine's processes: on a machine of few cores a compile takes what the steps leave.
 COMPILER_NICENESS = 10
@@ -120,7 +121,8 @@ def serve(spec: CompilerSpec, conn) -> None:
         except EOFError:
             return
         try:
-            conn.send(("ok", checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())))
+            serialized = checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())
+            conn.send(("ok", zlib.compress(serialized.encode(), 1)))  # engine.grammar.pack, without its torch
         except Exception as exc:  # xgrammar refusing the grammar (RuntimeError), or its size
             conn.send(("error", str(exc)))
 
@@ -144,12 +146,18 @@ class CompileWorker:
         self._ps: psutil.Process | None = None
         self._ready_rss = 0
 
+    def prepare(self) -> None:
+        """Build what the child needs from this process (xgrammar's import, the tokenizer's view): a
+        second or more of Python holding this process's GIL, which at a server's first grammar
+        stalled the event loop, so the server does it as it starts (grammar_cache.py)."""
+        if self.spec is None:
+            self.spec = CompilerSpec(tokenizer_info_json(*self._tokenizer), os.getpid(), self._log_level)
+
     def start(self) -> None:
         if self._process is not None:
             return
         started = time.monotonic()
-        if self.spec is None:
-            self.spec = CompilerSpec(tokenizer_info_json(*self._tokenizer), os.getpid(), self._log_level)
+        self.prepare()
         # Linux keeps a priority per thread, and a child inherits its starter's: so lowered, the
         # child's imports at start take what the engine leaves, as its compiles do.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILER_NICENESS)
@@ -171,8 +179,8 @@ class CompileWorker:
         logger.info("grammar compiler (pid %d) ready in %.1f s, RSS %.0f MB", self._process.pid,
                     time.monotonic() - started, self._ready_rss / 1e6)
 
-    def compile(self, kind: str, grammar: str, deadline: Callable[[], float]) -> str:
-        """The serialized compiled grammar; CompileStopped when the compile was killed, past
+    def compile(self, kind: str, grammar: str, deadline: Callable[[], float]) -> bytes:
+        """The compiled grammar, packed (engine/grammar.py's `pack`); CompileStopped when the compile was killed, past
         `deadline()` (a time.monotonic value, read as the compile goes) or its memory bound;
         RequestError when xgrammar refuses the grammar."""
         ebnf = grammar_ebnf(kind, grammar)

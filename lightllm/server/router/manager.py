@@ -130,7 +130,7 @@ class RouterManager:
             if isinstance(msg, GenerateReq):
                 # The detokenizer hears of a request before its first token, and of its abort; it
                 # has no use for the compiled grammar (up to megabytes).
-                sampling = dataclasses.replace(msg.sampling, compiled_grammar="")
+                sampling = dataclasses.replace(msg.sampling, compiled_grammar=b"")
                 self._to_detokenizer.send_pyobj(GenerateReq(msg.req_id, [], sampling, msg.arrival_time))
                 refused = self.core.add(msg)
                 if refused:
