@@ -2,7 +2,8 @@
 
 A temperature of 1e-38 divides the logits into float32 overflow (inf, then NaN probabilities);
 before the rule lived in the engine, every HTTP route sampled garbage text with it. Each route
-and the offline LLM must give, with such a temperature, exactly the text of temperature 0.
+and the offline LLM (test_offline_llm.py's test_tiny_temperature_is_greedy, on that module's LLM)
+must give, with such a temperature, exactly the text of temperature 0.
 """
 
 import pytest
@@ -77,13 +78,3 @@ def test_tiny_temperature_is_greedy_on_every_route(default_server, route):
     assert greedy.strip()
     for temperature in TINY:
         assert text(temperature) == greedy, f"temperature {temperature}"
-
-
-def test_tiny_temperature_is_greedy_offline(default_model_dir):
-    from lightllm import LLM
-    from lightllm import SamplingParams as OfflineParams
-
-    with LLM(default_model_dir, max_total_token_num=1024) as llm:
-        texts = [llm.generate(PROMPT, OfflineParams(temperature=t, max_tokens=MAX_TOKENS, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].text for t in (0.0, *TINY)]
-    assert texts[0].strip() and texts[1:] == [texts[0]] * len(TINY)

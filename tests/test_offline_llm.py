@@ -1,6 +1,7 @@
 """The offline API (lightllm/llm.py) on the default model, one LLM for the module: greedy
 generate equals transformers' greedy decoding on the same weights; n choices follow their seeds;
-a batch of mixed parameters gives what each prompt gives alone; stop strings, chat, errors;
+a batch of mixed parameters gives what each prompt gives alone; a near-zero temperature is greedy;
+stop strings, chat, errors;
 and afterwards the engine holds nothing.
 Relies on transformers' Llama modeling code, greedy `generate` and tokenizer (encode, decode, chat template) as the oracle."""
 
@@ -110,6 +111,16 @@ def test_n_seeded_choices_differ_and_follow_the_seed(llm):
     assert llm.generate(PROMPTS[2], single, use_tqdm=False)[0].outputs[0].token_ids == first.outputs[1].token_ids
     other = llm.generate(PROMPTS[2], dataclasses.replace(params, seed=99), use_tqdm=False)[0]
     assert texts(other) != texts(first)
+
+
+def test_tiny_temperature_is_greedy(llm):
+    """test_greedy_rule's check of the offline path, on this module's LLM (one default-model load
+    fewer): a temperature under GREEDY_TEMPERATURE, 1e-38 too, gives temperature 0's text."""
+    from test_greedy_rule import MAX_TOKENS, PROMPT, TINY
+
+    texts = [llm.generate(PROMPT, SamplingParams(temperature=t, max_tokens=MAX_TOKENS, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text for t in (0.0, *TINY)]
+    assert texts[0].strip() and texts[1:] == [texts[0]] * len(TINY)
 
 
 def test_mixed_batch_equals_each_prompt_alone(llm):

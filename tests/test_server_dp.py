@@ -1,6 +1,6 @@
 """--dp: engine replicas behind one HTTP endpoint, on this CPU with the tiny model. Greedy answers
-equal --dp 1's, both replicas receive work, and a replica whose worker dies ends the server
-cleanly: every open request gets its error, no process is left."""
+equal one replica's (the engine's, offline), both replicas receive work, and a replica whose
+worker dies ends the server cleanly: every open request gets its error, no process is left."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -36,28 +36,44 @@ def routed(server) -> list[float]:
     return [samples[f'lightllm:replica_requests_routed_total{{replica="{d}"}}'] for d in range(2)]
 
 
-def test_two_replicas_answer_as_one_and_share_the_work(tiny_dir, tmp_path):
-    one = start_server(["--model_dir", str(tiny_dir)], tmp_path / "dp1.log")
-    try:
-        expected = greedy_tokens(one)
-    finally:
-        assert one.stop() == 0
-    two = start_server(["--model_dir", str(tiny_dir), "--dp", "2"], tmp_path / "dp2.log")
-    try:
-        assert len(two.model_workers()) == 2 and requests.get(f"{two.url}/info", timeout=10).json()["dp"] == 2
-        assert greedy_tokens(two) == expected
-        counts = routed(two)
-        assert sum(counts) == len(PROMPTS) and min(counts) >= 1, counts
-        samples = two.metrics()
-        assert samples["lightllm:num_requests_running"] == 0 and samples["lightllm:kv_cache_used_tokens"] == 0
-        assert 'lightllm:replica_kv_cache_usage_perc{replica="1"}' in samples
-    finally:
-        assert two.stop() == 0
+@pytest.fixture(scope="module")
+def dp2_server(tiny_dir, tmp_path_factory):
+    """One --dp 2 server for both tests: the first leaves it running, the second kills a replica,
+    which ends it. A clean stop of a --dp 2 server is test_dp_routing's check too."""
+    server = start_server(["--model_dir", str(tiny_dir), "--dp", "2"], tmp_path_factory.mktemp("dp2") / "server.log")
+    yield server
+    running = server.proc.poll() is None
+    code = server.stop()
+    assert code == 0 or not running  # a clean stop, unless a test ended it
 
 
-def test_a_dead_replica_ends_the_server_with_every_request_answered(tiny_dir, tmp_path):
-    server = start_server(["--model_dir", str(tiny_dir), "--dp", "2"], tmp_path / "server.log")
+def dp1_greedy_tokens(tiny_dir) -> list[list[int]]:
+    """The same through the engine with one replica, in this process (the offline API runs the
+    router's engine core and a ModelRunner, as test_multinode does; a server costs ~15 s more)."""
+    from lightllm import LLM, SamplingParams
+
+    with LLM(tiny_dir) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_two_replicas_answer_as_one_and_share_the_work(tiny_dir, dp2_server):
+    expected = dp1_greedy_tokens(tiny_dir)
+    two = dp2_server
+    before = routed(two)
+    assert len(two.model_workers()) == 2 and requests.get(f"{two.url}/info", timeout=10).json()["dp"] == 2
+    assert greedy_tokens(two) == expected
+    counts = [after - earlier for after, earlier in zip(routed(two), before)]
+    assert sum(counts) == len(PROMPTS) and min(counts) >= 1, counts
+    samples = two.metrics()
+    assert samples["lightllm:num_requests_running"] == 0 and samples["lightllm:kv_cache_used_tokens"] == 0
+    assert 'lightllm:replica_kv_cache_usage_perc{replica="1"}' in samples
+
+
+def test_a_dead_replica_ends_the_server_with_every_request_answered(dp2_server):
+    server = dp2_server
     family = server.processes()
+    before = routed(server)
     streams = [server.stream({"inputs": f"stream {i}", "parameters": LONG}) for i in range(4)]
     events = [sse_events(stream) for stream in streams]
     firsts = [next(e) for e in events]
@@ -66,7 +82,7 @@ def test_a_dead_replica_ends_the_server_with_every_request_answered(tiny_dir, tm
                                                                                     "parameters": LONG})))
     post.start()
     server.wait_for(lambda: server.metrics()["lightllm:num_requests_running"] == 5, what="5 requests running")
-    assert min(routed(server)) >= 1
+    assert min(after - earlier for after, earlier in zip(routed(server), before)) >= 1  # both replicas have some
     server.model_workers()[0].kill()
     lasts = [list(e)[-1] for e in events]
     post.join(timeout=60)
@@ -78,4 +94,3 @@ def test_a_dead_replica_ends_the_server_with_every_request_answered(tiny_dir, tm
     assert server.proc.wait(timeout=60) == 1
     gone, alive = psutil.wait_procs(family, timeout=15)
     assert not alive and server.socket_dirs() == []
-    server.stop()

@@ -140,6 +140,8 @@ def test_a_router_ready_after_a_long_model_load_is_healthy_at_once(monkeypatch):
 
 
 def test_a_killed_worker_ends_every_open_request_with_an_error(tiny_dir, tmp_path):
+    """SIGKILL to the model worker with six requests open: each ends with an error, the log says
+    which worker died, and the server stops with status 1, leaving no process and no sockets."""
     server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
     (socket_dir,) = server.socket_dirs()
     family = server.processes()
@@ -169,6 +171,9 @@ def test_a_killed_worker_ends_every_open_request_with_an_error(tiny_dir, tmp_pat
     for reply in replies:
         assert reply.status_code == 500 and "exited with code" in reply.json()["error"]
     assert server.proc.wait(timeout=30) == 1
+    log = server.log_text()  # the log names the dead worker and what the server did about it
+    assert f"model worker rank 0 (pid {worker.pid}) exited with code -9" in log
+    assert "the router process" in log and "shutting the server down" in log
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert not alive and not socket_dir.exists()
     server.stop()

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -69,16 +70,6 @@ def test_a_port_in_use_fails_at_once_with_one_line_before_the_model_is_looked_fo
     assert result.stdout == "" and not any(tmp_path.iterdir())
 
 
-def test_the_first_health_after_the_serving_line_is_200(tiny_dir, tmp_path):
-    server = Server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
-    try:
-        line = server.wait_for_log_line(f"serving {tiny_dir} on ")
-        assert server.health() == 200
-        assert line.endswith(f"serving {tiny_dir} on {server.url}")
-    finally:
-        assert server.stop() == 0
-
-
 def test_unloadable_model_fails_start_up_with_a_clear_message(tmp_path):
     model_dir = tmp_path / "not_a_model"
     model_dir.mkdir()
@@ -94,21 +85,6 @@ def test_unloadable_model_fails_start_up_with_a_clear_message(tmp_path):
     assert "the router process" in result.stderr and "before it was ready" in result.stderr
 
 
-def test_killed_model_worker_stops_the_server(tiny_dir, tmp_path):
-    server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
-    family = server.processes()
-    (worker,) = server.model_workers()
-    worker.kill()
-    code = server.proc.wait(timeout=20)
-    log = server.log_text()
-    assert code != 0
-    assert f"model worker rank 0 (pid {worker.pid}) exited with code -9" in log
-    assert "the router process" in log and "shutting the server down" in log
-    gone, alive = psutil.wait_procs(family, timeout=10)
-    assert not alive, f"left behind: {alive}"
-    server.stop()
-
-
 def test_killed_main_process_takes_its_children_along(tiny_dir, tmp_path):
     server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
     family = server.processes()
@@ -117,29 +93,6 @@ def test_killed_main_process_takes_its_children_along(tiny_dir, tmp_path):
     server.proc.wait(timeout=10)
     gone, alive = psutil.wait_procs(family[1:], timeout=20)
     assert not alive, f"orphans: {alive}"
-    server.stop()
-
-
-def test_sigusr2_to_the_main_process_prints_every_process_stacks_and_the_server_goes_on(tiny_dir, tmp_path):
-    """`kill -USR2 MAIN_PID` on a running server: the main process and, passed on, each of its
-    processes (router, detokenizer, model worker) print their threads' stacks to the log, none
-    stops, and the server answers as before; SIGTERM then stops it cleanly."""
-    server = start_server(["--model_dir", str(tiny_dir)], tmp_path / "server.log")
-    family = server.processes()
-    servers = [p for p in family if p.pid == server.proc.pid or "spawn_main" in " ".join(p.cmdline())]
-    assert len(servers) == 4  # main, router, detokenizer, model worker (not the resource tracker)
-    before = server.generate("What is AI?", max_new_tokens=4)["generated_text"]
-    server.proc.send_signal(signal.SIGUSR2)
-    # faulthandler's header for the thread that took the signal, once per process
-    server.wait_for(lambda: server.log_text().count("Current thread") >= len(servers), what="every process's stacks")
-    log = server.log_text()
-    assert "serve_http" in log and "run_model_worker" in log  # the main process's and the worker's main threads
-    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
-    assert server.generate("What is AI?", max_new_tokens=4)["generated_text"] == before
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=60) == 0
-    gone, alive = psutil.wait_procs(family, timeout=10)
-    assert not alive, f"left behind: {alive}"
     server.stop()
 
 
@@ -200,28 +153,67 @@ def write_small_vocab_model(out):
     return out
 
 
-def test_a_failing_request_gets_a_500_and_the_others_go_on(tmp_path):
-    model_dir = write_small_vocab_model(tmp_path / "small_vocab")
-    server = start_server(["--model_dir", str(model_dir)], tmp_path / "server.log")
+@pytest.fixture(scope="module")
+def small_vocab_server(tmp_path_factory):
+    """One server on the small-vocabulary model for the tests that leave it running: started
+    without waiting for /health, so that the first /health after the serving line is the one
+    test_the_first_health_after_the_serving_line_is_200 checks. Its teardown is the SIGTERM that
+    must stop it with status 0 and leave no process behind (Server.stop)."""
+    model_dir = write_small_vocab_model(tmp_path_factory.mktemp("small_vocab"))
+    server = Server(["--model_dir", str(model_dir)], tmp_path_factory.mktemp("small_vocab_server") / "server.log")
     try:
-        body = {"inputs": "a b c d", "parameters": {"max_new_tokens": 100, "ignore_eos": True}}
-        with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as stream:
-            lines = (line for line in stream.iter_lines() if line)
-            first = json.loads(next(lines)[len(b"data:"):])
-            failed = server.post("/generate", {"inputs": "photosynthesis"})  # token ids past 2000
-            rest = [json.loads(line[len(b"data:"):]) for line in lines]
-        assert failed.status_code == 500
-        assert failed.json()["error_type"] == "internal" and "out of range" in failed.json()["error"]
-        assert not first["finished"] and rest[-1]["finished"] and rest[-1]["finish_reason"] == "length"
-        assert 1 + len(rest) == 100
-        openai_failed = server.post("/v1/completions", {"prompt": "photosynthesis"})
-        assert openai_failed.status_code == 500
-        error = openai_failed.json()["error"]
-        assert error["type"] == "internal" and "out of range" in error["message"]
-        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-        server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0, what="all tokens free")
+        line = server.wait_for_log_line(f"serving {model_dir} on ")
+        first_health = server.health()
+        yield SimpleNamespace(server=server, model_dir=model_dir, serving_line=line, first_health=first_health)
     finally:
         assert server.stop() == 0
+
+
+def test_the_first_health_after_the_serving_line_is_200(small_vocab_server):
+    server, model_dir = small_vocab_server.server, small_vocab_server.model_dir
+    assert small_vocab_server.first_health == 200
+    assert small_vocab_server.serving_line.endswith(f"serving {model_dir} on {server.url}")
+
+
+def test_a_failing_request_gets_a_500_and_the_others_go_on(small_vocab_server):
+    server = small_vocab_server.server
+    body = {"inputs": "a b c d", "parameters": {"max_new_tokens": 100, "ignore_eos": True}}
+    with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as stream:
+        lines = (line for line in stream.iter_lines() if line)
+        first = json.loads(next(lines)[len(b"data:"):])
+        failed = server.post("/generate", {"inputs": "photosynthesis"})  # token ids past 2000
+        rest = [json.loads(line[len(b"data:"):]) for line in lines]
+    assert failed.status_code == 500
+    assert failed.json()["error_type"] == "internal" and "out of range" in failed.json()["error"]
+    assert not first["finished"] and rest[-1]["finished"] and rest[-1]["finish_reason"] == "length"
+    assert 1 + len(rest) == 100
+    openai_failed = server.post("/v1/completions", {"prompt": "photosynthesis"})
+    assert openai_failed.status_code == 500
+    error = openai_failed.json()["error"]
+    assert error["type"] == "internal" and "out of range" in error["message"]
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    server.wait_for(lambda: server.metrics()["lightllm:kv_cache_used_tokens"] == 0, what="all tokens free")
+
+
+def test_sigusr2_to_the_main_process_prints_every_process_stacks_and_the_server_goes_on(small_vocab_server):
+    """`kill -USR2 MAIN_PID` on a running server: the main process and, passed on, each of its
+    processes (router, detokenizer, model worker) print their threads' stacks to the log, none
+    stops, and the server answers as before; SIGTERM then stops it cleanly (the fixture's
+    teardown: status 0, no process left)."""
+    server = small_vocab_server.server
+    family = server.processes()
+    servers = [p for p in family if p.pid == server.proc.pid or "spawn_main" in " ".join(p.cmdline())]
+    assert len(servers) == 4  # main, router, detokenizer, model worker (not the resource tracker)
+    before = server.generate("a b c d", max_new_tokens=4)["generated_text"]
+    earlier = len(server.log_text())  # what the fixture's start and the tests before wrote
+    server.proc.send_signal(signal.SIGUSR2)
+    # faulthandler's header for the thread that took the signal, once per process
+    server.wait_for(lambda: server.log_text()[earlier:].count("Current thread") >= len(servers),
+                    what="every process's stacks")
+    log = server.log_text()[earlier:]
+    assert "serve_http" in log and "run_model_worker" in log  # the main process's and the worker's main threads
+    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
+    assert server.generate("a b c d", max_new_tokens=4)["generated_text"] == before
 
 
 def unavailable_event(event: dict) -> bool:

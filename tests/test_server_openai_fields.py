@@ -221,16 +221,21 @@ def test_structured_outputs_hold_on_both_routes(client, model_name, route):
     def text(choice):
         return choice.message.content if route == "chat" else choice.text
 
+    grammar = 'root ::= "rain is " ("good" | "bad") "."'
+    asks = [(extra, max_tokens, seed) for seed in range(2) for extra, max_tokens in (
+        ({"structured_outputs": {"choice": CHOICES}}, 24), ({"guided_choice": CHOICES}, 24),
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, 24), ({"structured_outputs": {"grammar": grammar}}, 24),
+        ({"structured_outputs": {"json": SCHEMA}}, 40), ({"guided_json": json.dumps(SCHEMA)}, 40))]
+    with ThreadPoolExecutor(len(asks)) as pool:  # at once, as a batch: each constraint holds beside the others
+        choices = list(pool.map(lambda a: ask(a[0], max_tokens=a[1], seed=a[2]), asks))
     for seed in range(2):
-        for extra in ({"structured_outputs": {"choice": CHOICES}}, {"guided_choice": CHOICES}):
-            choice = ask(extra, seed=seed)
+        chose, guided, regex, ebnf, json_outputs, guided_json = choices[6 * seed:6 * seed + 6]
+        for choice in (chose, guided):
             assert text(choice) in CHOICES and choice.finish_reason == "stop"
-        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text(ask({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
-                                                          seed=seed)))
-        grammar = 'root ::= "rain is " ("good" | "bad") "."'
-        assert text(ask({"structured_outputs": {"grammar": grammar}}, seed=seed)) in ("rain is good.", "rain is bad.")
-        for extra in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": json.dumps(SCHEMA)}):
-            value = json.loads(text(ask(extra, max_tokens=40, seed=seed)))
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text(regex))
+        assert text(ebnf) in ("rain is good.", "rain is bad.")
+        for choice in (json_outputs, guided_json):
+            value = json.loads(text(choice))
             assert set(value) == {"answer", "score"} and value["answer"] in ("yes", "no")
     with pytest.raises(openai.BadRequestError, match="takes exactly one of json, regex"):
         ask({"structured_outputs": {"regex": "a", "choice": ["b"]}})

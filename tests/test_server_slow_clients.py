@@ -23,14 +23,15 @@ MAX_CONNECTIONS = 20
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    from server_utils import start_server
+def server(tmp_path_factory):
+    """The tiny preset: what is tested is the HTTP front door, which the weights never reach (the
+    tokenizer, whose warning one test looks for, is the default model's)."""
+    from server_utils import preset_server
 
-    server = start_server(["--model_dir", str(default_model_dir), "--request_receive_timeout", str(RECEIVE_TIMEOUT_S),
-                           "--keep_alive_timeout", str(KEEP_ALIVE_S), "--max_connections", str(MAX_CONNECTIONS)],
-                          tmp_path_factory.mktemp("slow_clients") / "server.log")
-    yield server
-    assert server.stop() == 0
+    args = ("--request_receive_timeout", str(RECEIVE_TIMEOUT_S), "--keep_alive_timeout", str(KEEP_ALIVE_S),
+            "--max_connections", str(MAX_CONNECTIONS))
+    with preset_server(tmp_path_factory, "tiny", args) as (_, server):
+        yield server
 
 
 def connect(url: str, timeout: float = 30.0) -> socket.socket:
