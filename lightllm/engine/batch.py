@@ -5,6 +5,7 @@ asynchronous way back (`download`, `LaunchedStep`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 
@@ -75,16 +76,18 @@ class LaunchedStep:
             self._tokens = list(zip(map(int, self._host[0].tolist()), self._host[1].tolist()))
         return self._tokens
 
-    def result(self) -> StepResult:
+    def result(self, keep: list[bool] | None = None) -> StepResult:
+        """The step's tokens, of the rows `keep` marks (all without it: rejected drafts' rows are left out)."""
         tokens = self.tokens()
+        kept = (lambda rows: rows) if keep is None else (lambda rows: compress(rows, keep))
         if self._host.shape[0] == 2 and not self._prompt_parts and not self.prompt_done:  # no logprobs asked for
-            return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in zip(self.req_ids, tokens)])
+            return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in kept(zip(self.req_ids, tokens))])
         for r, chosen, top in self._prompt_parts:
             r.prompt_logprobs.extend(zip(chosen.tolist(), _top_lists(top, len(chosen))))
         out = []
         k = (self._host.shape[0] - 2) // 2
         tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k:].T) if k else None, len(tokens))
-        for req_id, r, (token, logprob), top in zip(self.req_ids, self.sampled_reqs, tokens, tops):
+        for req_id, r, (token, logprob), top in kept(zip(self.req_ids, self.sampled_reqs, tokens, tops)):
             wanted = r.sampling.params.top_logprobs
             prompt = tuple(r.prompt_logprobs) if req_id in self.prompt_done else None
             out.append(SampledToken(req_id, token, logprob, top[:wanted] if wanted else None, prompt))

@@ -222,13 +222,13 @@ class ModelRunner:
         """The step's result; with drafts, keep each verifying request's accepted run (its drafts
         up to the first the target did not sample, and the token sampled there), and before any
         later step: its last token is the run's last, its rejected drafts' slots are free again."""
-        result = launched.result()
         if not launched.verifies:
-            return result
-        keep = [True] * len(result.tokens)
+            return launched.result()
+        tokens = launched.tokens()
+        keep = [True] * len(tokens)
         fix_rows, fix_index, free_rows, free_positions, accepted = [], [], [], [], 0
         for r, first, drafts in launched.verifies:
-            a = _accepted(drafts, result.tokens[first: first + len(drafts)])
+            a = _accepted(drafts, tokens[first: first + len(drafts)])
             accepted += a
             keep[first + a + 1: first + len(drafts) + 1] = [False] * (len(drafts) - a)
             fix_rows.append(r.row)
@@ -246,8 +246,7 @@ class ModelRunner:
             self.token_table.free(self.req_table.req_to_token[index[2 * n: 2 * n + m], index[2 * n + m:]])
         if self._trace is not None:
             self._trace.accepted(launched.step_id, accepted)
-        result.tokens = [t for t, k in zip(result.tokens, keep) if k]
-        return result
+        return launched.result(keep)
 
     def _submit(self, plan: StepPlan) -> Future:
         """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""
@@ -601,10 +600,10 @@ class ModelRunner:
         return self.loras.table.fits(lora_ids)
 
 
-def _accepted(drafts: list[int], sampled: list) -> int:
-    """How many drafts lead the target's own tokens (sampled at the rows that fed them)."""
+def _accepted(drafts: list[int], sampled: list[tuple[int, float]]) -> int:
+    """How many drafts lead the target's own tokens ((token, logprob) sampled at the rows that fed them)."""
     a = 0
-    while a < len(drafts) and sampled[a].token_id == drafts[a]:
+    while a < len(drafts) and sampled[a][0] == drafts[a]:
         a += 1
     return a
 
