@@ -18,7 +18,8 @@ BATCH requests, runs them plainly to get the target's greedy continuation (the o
 benchmarks' controlled draft, test/benchmark/lib/controlled_draft.py, at --alpha), then times
 --steps engine steps of the same requests without speculation and with it, the controller's
 step costs pinned flat so that every request gets its K drafts a step (its probes of plain steps
-still run: they are counted apart). Reported per step kind: the period (one `EngineCore.step`
+still run: they are counted apart); `--wire` passes plans and results through the form they
+cross to the model workers in (`plan.py`'s to/from wire; rpyc's transport itself is left out). Reported per step kind: the period (one `EngineCore.step`
 to the next; wall and CPU), forward + sampler, host = period - forward - sampler, tokens emitted, host
 per token, the parts below (means of their inclusive time per step; nested parts are inside
 their parent), and a cProfile of as many more steps with the forward and sampler left out (the host's own time,
@@ -53,6 +54,8 @@ from lightllm.engine import model_runner as model_runner_module  # noqa: E402
 from lightllm.engine.config import EngineConfig  # noqa: E402
 from lightllm.engine.core import EngineCore  # noqa: E402
 from lightllm.engine.model_runner import ModelRunner  # noqa: E402
+from lightllm.engine.plan import (StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire,  # noqa: E402
+                                  result_to_wire)
 from lightllm.engine.request import GenerateReq, SamplingParams  # noqa: E402
 from lightllm.engine.scheduler import Scheduler  # noqa: E402
 from lightllm.engine.spec.config import SpeculativeConfig  # noqa: E402
@@ -111,10 +114,30 @@ def new_runner(args, model: Path, batch: int, context: int) -> ModelRunner:
     return runner
 
 
-def new_core(runner: ModelRunner, speculator: Speculator | None) -> EngineCore:
+class WireRunner:
+    """The runner behind the plan's and the results' wire form, as the server's workers are
+    reached (rpyc's own transport of the tuples is not included)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        return self.from_worker(self.runner.step(self.to_worker(plan)))
+
+    @staticmethod
+    def to_worker(plan: StepPlan) -> StepPlan:
+        return plan_from_wire(plan_to_wire(plan))
+
+    @staticmethod
+    def from_worker(results: list[StepResult]) -> list[StepResult]:
+        return [result_from_wire(result_to_wire(r)) for r in results]
+
+
+def new_core(runner: ModelRunner, speculator: Speculator | None, wire: bool = False) -> EngineCore:
     scheduler = Scheduler(runner.max_total_token_num, 4096, runner.req_table.max_reqs, prefix_cache=False,
                           speculator=speculator)
-    return EngineCore(scheduler, runner, eos_token_ids=[], vocab_size=runner.config.vocab_size)
+    workers = WireRunner(runner) if wire else runner
+    return EngineCore(scheduler, workers, eos_token_ids=[], vocab_size=runner.config.vocab_size)
 
 
 def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[GenerateReq]:
@@ -154,6 +177,9 @@ def instrument(core: EngineCore, runner: ModelRunner) -> StepParts:
     for name in ("schedule", "process", "wants_drafts", "_plan_drafts", "_drafts_fit", "_settle_drafts"):
         parts.wrap(scheduler, name, f"scheduler.{name}")
     parts.wrap(core, "_measure_and_collect", "core._measure_and_collect")
+    if isinstance(core._workers, WireRunner):
+        parts.wrap(core._workers, "to_worker", "wire.plan")
+        parts.wrap(core._workers, "from_worker", "wire.results")
     spec = scheduler.speculator
     if spec is not None:
         parts.wrap(spec.source, "propose", "draft.propose")
@@ -176,7 +202,7 @@ def run_steps(core: EngineCore, parts: StepParts | None, steps: int, device: tor
 
 def measure(runner: ModelRunner, reqs: list[GenerateReq], speculator: Speculator | None, args) -> tuple[StepParts, str]:
     """Warm the requests up to decoding, time --steps steps, then profile as many more."""
-    core = new_core(runner, speculator)
+    core = new_core(runner, speculator, args.wire)
     for msg in reqs:
         core.add(msg)
     run_steps(core, None, args.warmup, runner.device)
@@ -291,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=150)
     add("--profile-steps", type=int, default=50)
     add("--top", type=int, default=25)
+    add("--wire", action="store_true", help="plans and results through their wire form, as the workers get them")
     add("--clock", choices=("cpu", "wall"), default="cpu", help="the parts' clock: the thread's CPU time or wall time")
     add("--threads", type=int, default=1, help="torch's CPU threads")
     add("--no-cuda-graph", action="store_true")
