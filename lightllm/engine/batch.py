@@ -35,22 +35,27 @@ class DecodeRows:
     offsets: list[int]  # position past the request's seq_len
     ids: list[int]
     verifies: list[tuple[RunningReq, int, list[int]]]  # (request, its first row, its drafts)
+    runs: list[tuple[RunningReq, int]]  # each request and its rows, in order
 
     @classmethod
     def build(cls, decodes: list[int], drafts: dict[int, list[int]], reqs: dict[int, RunningReq]) -> DecodeRows:
+        running = [reqs[i] for i in decodes]
         if not drafts:  # the common step: one row per request, no per-row Python
             n = len(decodes)
-            return cls([reqs[i] for i in decodes], list(decodes), [0] * n, [-1] * n, [])
-        rows = cls([], [], [], [], [])
-        for req_id in decodes:
-            r, fed = reqs[req_id], drafts.get(req_id, ())
+            return cls(running, list(decodes), [0] * n, [-1] * n, [], [(r, 1) for r in running])
+        rows, req_ids, offsets, ids, verifies, runs = [], [], [], [], [], []  # locals: a verify step has hundreds
+        for req_id, r in zip(decodes, running):
+            fed = drafts.get(req_id, ())
+            n = 1 + len(fed)
             if fed:
-                rows.verifies.append((r, len(rows.reqs), list(fed)))
-            rows.reqs += [r] * (1 + len(fed))
-            rows.req_ids += [req_id] * (1 + len(fed))
-            rows.offsets += range(1 + len(fed))
-            rows.ids += [-1, *fed]
-        return rows
+                verifies.append((r, len(rows), list(fed)))
+            rows += [r] * n
+            req_ids += [req_id] * n
+            offsets += range(n)
+            ids.append(-1)
+            ids += fed
+            runs.append((r, n))
+        return cls(rows, req_ids, offsets, ids, verifies, runs)
 
     def __len__(self) -> int:
         return len(self.reqs)

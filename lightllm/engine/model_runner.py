@@ -286,8 +286,8 @@ class ModelRunner:
         grammar = None if self._grammars is None else grammar_masks([r.sampling for r in sampled],
                                                                    self.config.vocab_size, self.device)
         slots = self.token_table.alloc(plan.num_tokens, contiguous=bool(chunks))  # a decode's slot is its own
-        _advance(decodes.reqs, chunks, sampled)
-        max_seqlen = max((r.seq_len for r in decodes.reqs), default=1)
+        _advance(decodes, chunks)
+        max_seqlen = max((r.seq_len for r, _ in decodes.runs), default=1)
         if graphed_decode:
             logits = self._graph_forward(t, len(decodes), slots, max_seqlen)
         elif layout is not None:
@@ -608,11 +608,12 @@ def _accepted(drafts: list[int], sampled: list[tuple[int, float]]) -> int:
     return a
 
 
-def _advance(decodes: list[RunningReq], chunks: list, sampled: list[RunningReq]) -> None:
-    """The host's counters once the step is launched: cached tokens and tokens sampled."""
-    for r in decodes:
-        r.seq_len += 1
+def _advance(decodes: DecodeRows, chunks: list) -> None:
+    """The host's counters once the step is launched: cached tokens and tokens sampled (a row each)."""
+    for r, n in decodes.runs:
+        r.seq_len += n
+        r.sampling.generated += n
     for r, c in chunks:
         r.seq_len += len(c.token_ids)
-    for r in sampled:
-        r.sampling.generated += 1
+        if c.last:
+            r.sampling.generated += 1
