@@ -10,20 +10,27 @@ inline on the CPU) and the rest (the host's). Times are the thread's CPU time
 barely move; the wall time of the step is shown beside it:
 
     python test/benchmark/engine/spec_host_time.py --device cpu --out-md spec_host.md
-    python test/benchmark/engine/spec_host_time.py --model DIR --load-format dummy --device cuda
+    python test/benchmark/engine/spec_host_time.py --model DIR --load-format dummy_echo --dtype bfloat16 \
+        --device cuda --clock wall
+
+(dummy_echo: with plain dummy weights the greedy output changes with a verify step's shapes and
+the oracle's drafts stop matching; docs/benchmarks.md, "Speculative decoding").
 
 Without --model a tiny Llama (hidden 64, 2 layers, vocabulary 512, random fp32 weights) is
 written to a temporary directory. For each scenario BATCHxK (default 1x8 and 64x4) it prefills
 BATCH requests, runs them plainly to get the target's greedy continuation (the oracle of the
 benchmarks' controlled draft, test/benchmark/lib/controlled_draft.py, at --alpha), then times
 --steps engine steps of the same requests without speculation and with it, the controller's
-step costs pinned flat so that every request gets its K drafts a step (its probes of plain steps
-still run: they are counted apart); `--wire` passes plans and results through the form they
-cross to the model workers in (`plan.py`'s to/from wire; rpyc's transport itself is left out). Reported per step kind: the period (one `EngineCore.step`
-to the next; wall and CPU), forward + sampler, host = period - forward - sampler, tokens emitted, host
-per token, the parts below (means of their inclusive time per step; nested parts are inside
-their parent), and a cProfile of as many more steps with the forward and sampler left out (the host's own time,
-top --top functions).
+step costs pinned flat so that every request gets its K drafts a step (its probes of plain
+steps still run: they are counted apart). `--wire` passes plans and results through the form
+they cross to the model workers in (plan.py's to/from wire; rpyc's transport is left out).
+
+Reported per step kind: the period (one `EngineCore.step` to the next; wall and --clock),
+forward + sampler, host = period - forward - sampler, tokens emitted, host per token; the parts
+(means of their inclusive time per step: nested parts are inside their parent); and a cProfile
+of as many more steps with the forward and sampler left out (the host's own time, the top
+--top functions).
+
 On CUDA use `--clock wall` (a thread waiting for the device may spin, which CPU time counts):
 the forward and sampler times are then their launches (asynchronous), and a step with drafts
 waits for its device work inside `runner._settle`; its host time is the period less that wait.
