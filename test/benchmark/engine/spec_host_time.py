@@ -11,7 +11,7 @@ barely move; the wall time of the step is shown beside it:
 
     python test/benchmark/engine/spec_host_time.py --device cpu --out-md spec_host.md
     python test/benchmark/engine/spec_host_time.py --model DIR --load-format dummy_echo --dtype bfloat16 \
-        --device cuda --clock wall
+        --device cuda --clock wall --running-max-req-size 512
 
 (dummy_echo: with plain dummy weights the greedy output changes with a verify step's shapes and
 the oracle's drafts stop matching; docs/benchmarks.md, "Speculative decoding").
@@ -112,7 +112,8 @@ def tiny_llama(out: Path, vocab: int = 512) -> Path:
 
 def new_runner(args, model: Path, batch: int, context: int) -> ModelRunner:
     config = EngineConfig(model_dir=str(model), max_total_token_num=batch * context + 1024, max_req_total_len=context,
-                          running_max_req_size=batch, data_type=args.dtype, load_format=args.load_format,
+                          running_max_req_size=max(batch, args.running_max_req_size or 0), data_type=args.dtype,
+                          load_format=args.load_format,
                           disable_cuda_graph=args.no_cuda_graph)
     runner = ModelRunner(config, device=args.device, check_budget=False)
     if runner._device_thread is not None:  # launch in this thread, as on CUDA: one profile sees it all
@@ -328,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--clock", choices=("cpu", "wall"), default="cpu", help="the parts' clock: the thread's CPU time or wall time")
     add("--threads", type=int, default=1, help="torch's CPU threads")
     add("--no-cuda-graph", action="store_true")
+    add("--running-max-req-size", type=int, default=None,
+        help="request rows, and so the decode graphs' buckets (default: the batch); on a GPU the server's 512, "
+             "so that verify steps replay from graphs as they do there")
     add("--out-md", type=Path, default=None)
     add("--out-json", type=Path, default=None)
     return parser
