@@ -333,7 +333,7 @@ class ModelRunner:
     def _sample(self, plan: StepPlan, t: dict, logits: torch.Tensor, grammar, chunks: list,
                 sampled: list[RunningReq], decodes: DecodeRows) -> LaunchedStep:
         """Sample the step's tokens, keep them as the next step's input, send them to the host."""
-        states = [r.sampling for r in sampled]
+        states = [r.sampling for r, _ in decodes.runs] + [r.sampling for r, c in chunks if c.last]  # one a request
         top_k = max((s.params.top_logprobs for s in states), default=0)
         sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states), top_logprobs=top_k,
                                               grammar=grammar)
@@ -344,7 +344,7 @@ class ModelRunner:
         launched = LaunchedStep(plan.step_id, req_ids, sampled, *download(tokens, logprobs, top, parts))
         launched.verifies, launched.device_tokens = decodes.verifies, tokens
         launched.prompt_done = {c.req_id for r, c in chunks if c.last and r.prompt_logprobs is not None}
-        self._last_launched = launched
+        self._last_launched = launched if any(s.needs_tokens for s in states) else None
         return launched
 
     def _loaded_matcher(self, req_id: int, params):
@@ -375,9 +375,10 @@ class ModelRunner:
         return self._grammars.matcher(kind, grammar, compiled)
 
     def _record_previous_tokens(self) -> None:
-        """Penalties and grammars need the previous step's tokens on the host: wait for them only then."""
+        """Penalties and grammars need the previous step's tokens on the host: wait for them only then
+        (`_last_launched` is kept only for a step with such a request)."""
         last, self._last_launched = self._last_launched, None
-        if last is None or not any(r.sampling.needs_tokens for r in last.sampled_reqs):
+        if last is None:
             return
         for r, (token, _) in zip(last.sampled_reqs, last.tokens()):
             r.sampling.record(token)
