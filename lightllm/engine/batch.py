@@ -5,6 +5,7 @@ asynchronous way back (`download`, `LaunchedStep`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 
@@ -34,22 +35,27 @@ class DecodeRows:
     offsets: list[int]  # position past the request's seq_len
     ids: list[int]
     verifies: list[tuple[RunningReq, int, list[int]]]  # (request, its first row, its drafts)
+    runs: list[tuple[RunningReq, int]]  # each request and its rows, in order
 
     @classmethod
     def build(cls, decodes: list[int], drafts: dict[int, list[int]], reqs: dict[int, RunningReq]) -> DecodeRows:
+        running = [reqs[i] for i in decodes]
         if not drafts:  # the common step: one row per request, no per-row Python
             n = len(decodes)
-            return cls([reqs[i] for i in decodes], list(decodes), [0] * n, [-1] * n, [])
-        rows = cls([], [], [], [], [])
-        for req_id in decodes:
-            r, fed = reqs[req_id], drafts.get(req_id, ())
+            return cls(running, list(decodes), [0] * n, [-1] * n, [], [(r, 1) for r in running])
+        rows, req_ids, offsets, ids, verifies, runs = [], [], [], [], [], []  # locals: a verify step has hundreds
+        for req_id, r in zip(decodes, running):
+            fed = drafts.get(req_id, ())
+            n = 1 + len(fed)
             if fed:
-                rows.verifies.append((r, len(rows.reqs), list(fed)))
-            rows.reqs += [r] * (1 + len(fed))
-            rows.req_ids += [req_id] * (1 + len(fed))
-            rows.offsets += range(1 + len(fed))
-            rows.ids += [-1, *fed]
-        return rows
+                verifies.append((r, len(rows), list(fed)))
+            rows += [r] * n
+            req_ids += [req_id] * n
+            offsets += range(n)
+            ids.append(-1)
+            ids += fed
+            runs.append((r, n))
+        return cls(rows, req_ids, offsets, ids, verifies, runs)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -75,16 +81,18 @@ class LaunchedStep:
             self._tokens = list(zip(map(int, self._host[0].tolist()), self._host[1].tolist()))
         return self._tokens
 
-    def result(self) -> StepResult:
+    def result(self, keep: list[bool] | None = None) -> StepResult:
+        """The step's tokens, of the rows `keep` marks (all without it: rejected drafts' rows are left out)."""
         tokens = self.tokens()
+        kept = (lambda rows: rows) if keep is None else (lambda rows: compress(rows, keep))
         if self._host.shape[0] == 2 and not self._prompt_parts and not self.prompt_done:  # no logprobs asked for
-            return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in zip(self.req_ids, tokens)])
+            return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in kept(zip(self.req_ids, tokens))])
         for r, chosen, top in self._prompt_parts:
             r.prompt_logprobs.extend(zip(chosen.tolist(), _top_lists(top, len(chosen))))
         out = []
         k = (self._host.shape[0] - 2) // 2
         tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k:].T) if k else None, len(tokens))
-        for req_id, r, (token, logprob), top in zip(self.req_ids, self.sampled_reqs, tokens, tops):
+        for req_id, r, (token, logprob), top in kept(zip(self.req_ids, self.sampled_reqs, tokens, tops)):
             wanted = r.sampling.params.top_logprobs
             prompt = tuple(r.prompt_logprobs) if req_id in self.prompt_done else None
             out.append(SampledToken(req_id, token, logprob, top[:wanted] if wanted else None, prompt))

@@ -225,13 +225,13 @@ class ModelRunner:
         """The step's result; with drafts, keep each verifying request's accepted run (its drafts
         up to the first the target did not sample, and the token sampled there), and before any
         later step: its last token is the run's last, its rejected drafts' slots are free again."""
-        result = launched.result()
         if not launched.verifies:
-            return result
-        keep = [True] * len(result.tokens)
+            return launched.result()
+        tokens = launched.tokens()
+        keep = [True] * len(tokens)
         fix_rows, fix_index, free_rows, free_positions, accepted = [], [], [], [], 0
         for r, first, drafts in launched.verifies:
-            a = _accepted(drafts, result.tokens[first: first + len(drafts)])
+            a = _accepted(drafts, tokens[first: first + len(drafts)])
             accepted += a
             keep[first + a + 1: first + len(drafts) + 1] = [False] * (len(drafts) - a)
             fix_rows.append(r.row)
@@ -249,8 +249,7 @@ class ModelRunner:
             self.token_table.free(self.req_table.req_to_token[index[2 * n: 2 * n + m], index[2 * n + m:]])
         if self._trace is not None:
             self._trace.accepted(launched.step_id, accepted)
-        result.tokens = [t for t, k in zip(result.tokens, keep) if k]
-        return result
+        return launched.result(keep)
 
     def _submit(self, plan: StepPlan) -> Future:
         """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""
@@ -290,9 +289,9 @@ class ModelRunner:
         grammar = None if self._grammars is None else grammar_masks([r.sampling for r in sampled],
                                                                    self.config.vocab_size, self.device)
         slots = self.token_table.alloc(plan.num_tokens, contiguous=bool(chunks))  # a decode's slot is its own
-        _advance(decodes.reqs, chunks, sampled)
-        max_seqlen = max((r.seq_len for r in decodes.reqs), default=1)
-        lora = any(r.lora_slot >= 0 for r in decodes.reqs) or any(r.lora_slot >= 0 for r, _ in chunks)
+        _advance(decodes, chunks)
+        max_seqlen = max((r.seq_len for r, _ in decodes.runs), default=1)
+        lora = any(r.lora_slot >= 0 for r, _ in decodes.runs) or any(r.lora_slot >= 0 for r, _ in chunks)
         if graphed_decode:
             logits = self._graph_forward(t, len(decodes), slots, max_seqlen, lora)
         elif layout is not None:  # a mixed step's graph runs its LoRA kernels whatever its rows
@@ -338,7 +337,7 @@ class ModelRunner:
     def _sample(self, plan: StepPlan, t: dict, logits: torch.Tensor, grammar, chunks: list,
                 sampled: list[RunningReq], decodes: DecodeRows) -> LaunchedStep:
         """Sample the step's tokens, keep them as the next step's input, send them to the host."""
-        states = [r.sampling for r in sampled]
+        states = [r.sampling for r, _ in decodes.runs] + [r.sampling for r, c in chunks if c.last]  # one a request
         top_k = max((s.params.top_logprobs for s in states), default=0)
         sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states), top_logprobs=top_k,
                                               grammar=grammar)
@@ -349,7 +348,7 @@ class ModelRunner:
         launched = LaunchedStep(plan.step_id, req_ids, sampled, *download(tokens, logprobs, top, parts))
         launched.verifies, launched.device_tokens = decodes.verifies, tokens
         launched.prompt_done = {c.req_id for r, c in chunks if c.last and r.prompt_logprobs is not None}
-        self._last_launched = launched
+        self._last_launched = launched if any(s.needs_tokens for s in states) else None
         return launched
 
     def _loaded_matcher(self, req_id: int, params):
@@ -407,9 +406,10 @@ class ModelRunner:
         return self._grammars
 
     def _record_previous_tokens(self) -> None:
-        """Penalties and grammars need the previous step's tokens on the host: wait for them only then."""
+        """Penalties and grammars need the previous step's tokens on the host: wait for them only then
+        (`_last_launched` is kept only for a step with such a request)."""
         last, self._last_launched = self._last_launched, None
-        if last is None or not any(r.sampling.needs_tokens for r in last.sampled_reqs):
+        if last is None:
             return
         for r, (token, _) in zip(last.sampled_reqs, last.tokens()):
             r.sampling.record(token)
@@ -647,19 +647,20 @@ def _lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, thread, max(GRAMMAR_NICENESS, os.getpriority(os.PRIO_PROCESS, thread)))
 
 
-def _accepted(drafts: list[int], sampled: list) -> int:
-    """How many drafts lead the target's own tokens (sampled at the rows that fed them)."""
+def _accepted(drafts: list[int], sampled: list[tuple[int, float]]) -> int:
+    """How many drafts lead the target's own tokens ((token, logprob) sampled at the rows that fed them)."""
     a = 0
-    while a < len(drafts) and sampled[a].token_id == drafts[a]:
+    while a < len(drafts) and sampled[a][0] == drafts[a]:
         a += 1
     return a
 
 
-def _advance(decodes: list[RunningReq], chunks: list, sampled: list[RunningReq]) -> None:
-    """The host's counters once the step is launched: cached tokens and tokens sampled."""
-    for r in decodes:
-        r.seq_len += 1
+def _advance(decodes: DecodeRows, chunks: list) -> None:
+    """The host's counters once the step is launched: cached tokens and tokens sampled (a row each)."""
+    for r, n in decodes.runs:
+        r.seq_len += n
+        r.sampling.generated += n
     for r, c in chunks:
         r.seq_len += len(c.token_ids)
-    for r in sampled:
-        r.sampling.generated += 1
+        if c.last:
+            r.sampling.generated += 1

@@ -31,6 +31,16 @@ class SamplingState:
     generated: int = 0  # tokens sampled in launched steps (counted at launch, known without them)
     output_counts: dict[int, int] = field(default_factory=dict)  # kept only when penalties are used
     matcher: object = None  # grammar.Matcher of a request with structured output
+    # Its row of host_lists' fixed columns, made once: a step with drafts has a row per draft
+    # (seed, top_k, greedy, temperature, top_p, uses penalties, uses a sparse input)
+    row: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        p = self.params
+        greedy = p.greedy
+        sparse = bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0
+        self.row = (_signed64(p.seed), p.top_k if p.top_k > 0 else -1, int(greedy),
+                    1.0 if greedy else p.temperature, p.top_p, p.uses_penalties, sparse)
 
     @property
     def uses_penalties(self) -> bool:
@@ -99,16 +109,17 @@ def host_lists(states: list[SamplingState], eos_token_ids=(), offsets: list[int]
     request's generated count (a draft's) draws the random numbers of that later token, so a
     seeded request samples the same tokens with drafts as without."""
     offsets = offsets or [0] * len(states)
-    greedy = [s.params.greedy for s in states]
-    ints = {"seeds": [_signed64(s.params.seed) for s in states],
-            "steps": [s.generated + o for s, o in zip(states, offsets)],
-            "top_ks": [s.params.top_k if s.params.top_k > 0 else -1 for s in states],
-            "greedy": [int(g) for g in greedy]}
-    floats = {"temperatures": [1.0 if g else s.params.temperature for s, g in zip(states, greedy)],
-              "top_ps": [s.params.top_p for s in states]}
-    if any(s.uses_penalties for s in states):
+    if not states:
+        seeds = top_ks = greedy = temperatures = top_ps = penalties = sparse = ()
+    else:  # one pass over the rows, then columns at C speed
+        seeds, top_ks, greedy, temperatures, top_ps, penalties, sparse = zip(*[s.row for s in states])
+    ints = {"seeds": list(seeds), "steps": [s.generated + o for s, o in zip(states, offsets)],
+            "top_ks": list(top_ks), "greedy": list(greedy)}
+    floats = {"temperatures": list(temperatures), "top_ps": list(top_ps)}
+    if any(penalties):
         _penalty_lists(states, ints, floats)
-    _optional_lists(states, offsets, eos_token_ids, ints, floats)
+    if any(sparse):
+        _optional_lists(states, offsets, eos_token_ids, ints, floats)
     return ints, floats
 
 

@@ -30,7 +30,9 @@ before the request's next chunk runs).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -367,10 +369,10 @@ class Scheduler:
         """Drafts for this step's decodes where the controller expects them to pay, within the KV
         budget whatever is accepted (`peak_with_drafts`)."""
         spec = self.speculator
-        decoding = [self._by_id[i] for i in plan.decodes]
-        candidates = [r for r in decoding if r.spec.measured and self._draftable(r)]
+        room = [(r, self._draftable(r)) for r in map(self._by_id.__getitem__, plan.decodes) if r.spec.measured]
+        candidates = [r for r, k in room if k]
         alphas = [r.spec.alpha(spec.global_alpha) for r in candidates]
-        limits = [self._draftable(r) for r in candidates]
+        limits = [k for _, k in room if k]
         outputs = len(plan.sampled)
         counts = spec.allocate(alphas, limits, plan.num_tokens, outputs)
         if counts is None:
@@ -649,27 +651,38 @@ class Scheduler:
             self._settle_drafts(result, drafts)
         spec = self.speculator
         observed = []  # requests whose tokens came, for their next shadow drafts
-        for token in result.tokens:
-            req = self._by_id.get(token.req_id)
+        for req_id, run in itertools.groupby(result.tokens, key=lambda token: token.req_id):  # a request's are adjacent
+            req = self._by_id.get(req_id)
             if req is None:  # ended while this step ran: its extra token is never emitted
                 continue
+            emitted, reason = self._emit(req, run, outs)
+            if spec is not None:  # the source sees the whole run at once
+                spec.observe(req_id, req.spec, emitted)
+                if req_id not in drafts:
+                    observed.append(req)
+            if reason is not None:
+                fed = drafts.get(req_id)
+                if fed is not None:  # its KV holds the accepted drafts after the token it ended on
+                    req.unemitted = fed[req.output_count - req.run_start: req.run_accepted]
+                self._end(req)
+        if spec is not None:
+            spec.shadow_drafts([(r.req_id, r.spec) for r in observed if r.status is ReqStatus.DECODING])
+        return outs
+
+    @staticmethod
+    def _emit(req: Req, run, outs: list[TokenOut]) -> tuple[list[int], FinishReason | None]:
+        """A request's tokens of one step into outputs, up to the one that ends it; (their ids, why it ends)."""
+        emitted, reason = [], None
+        for token in run:
             reason = req.append(token.token_id)
             out = TokenOut(req.req_id, token.token_id, token.logprob, reason, top_logprobs=token.top)
             if req.output_count == 1:
                 out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
             outs.append(out)
-            if spec is not None:
-                spec.observe(req.req_id, req.spec, [token.token_id])
-                if reason is None and req.req_id not in drafts and (not observed or observed[-1] is not req):
-                    observed.append(req)
+            emitted.append(token.token_id)
             if reason is not None:
-                run = drafts.get(req.req_id)
-                if run is not None:  # its KV holds the accepted drafts after the token it ended on
-                    req.unemitted = run[req.output_count - req.run_start: req.run_accepted]
-                self._end(req)
-        if spec is not None:
-            spec.shadow_drafts([(r.req_id, r.spec) for r in observed if r.status is ReqStatus.DECODING])
-        return outs
+                break
+        return emitted, reason
 
     def _grammars_loaded(self, loaded: list) -> list[TokenOut]:
         """Waiting requests whose grammar loaded may be admitted; one that cannot be used ends."""
@@ -692,9 +705,7 @@ class Scheduler:
     def _settle_drafts(self, result: StepResult, drafts: dict[int, list[int]]) -> None:
         """A verifying request's run is its accepted drafts and one more token: it holds the KV of
         those drafts now, and the controller learns how many were accepted."""
-        runs: dict[int, int] = {}
-        for token in result.tokens:
-            runs[token.req_id] = runs.get(token.req_id, 0) + 1
+        runs = collections.Counter(token.req_id for token in result.tokens)
         for req_id, fed in drafts.items():
             req = self._by_id.get(req_id)
             if req is None or req_id not in runs:

@@ -104,11 +104,19 @@ class Curve:
     def __bool__(self) -> bool:
         return bool(self._bins)
 
+    def has_point_within(self, low: float, high: float) -> bool:
+        return any(low <= point[0] <= high for point in self._bins.values())
+
     @property
-    def points(self) -> tuple[np.ndarray, np.ndarray]:
+    def points(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """(token counts, seconds, the slope past the last count: the last two points', flat with one)."""
         if self._points is None:
             pts = sorted(self._bins.values())
-            self._points = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+            slope = 0.0
+            if len(pts) > 1:
+                (x0, y0), (x1, y1) = pts[-2], pts[-1]
+                slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
+            self._points = np.array([p[0] for p in pts]), np.array([p[1] for p in pts]), slope
         return self._points
 
 
@@ -121,7 +129,8 @@ class StepCosts:
     host's planning time that overlap hides for plain steps, and its rows may cost more or less
     than plain tokens. Below the fewest tokens measured with drafts the smallest residual counts,
     and with none measured yet UNMEASURED_SPEC_EXTRA of plain's: a step is tried rather than
-    assumed dear, and once tried it is measured."""
+    assumed dear, and once tried it is measured. (Few numpy calls: the controller evaluates
+    them every step, and a step with drafts waits for it.)"""
 
     def __init__(self):
         self._plain, self._spec = Curve(), Curve()
@@ -132,26 +141,19 @@ class StepCosts:
     def known_near(self, tokens: int) -> bool:
         """A plain step of between half and twice `tokens` tokens was measured: plain's cost at
         this size is not a guess drawn from steps of another kind (a prefill of thousands)."""
-        if not self._plain:
-            return False
-        xs, _ = self._plain.points
-        return bool(np.any((xs >= tokens / 2) & (xs <= tokens * 2)))
+        return self._plain.has_point_within(tokens / 2, tokens * 2)
 
     def plain(self, tokens: np.ndarray) -> np.ndarray:
-        xs, ys = self._plain.points
+        xs, ys, slope = self._plain.points
         out = np.interp(tokens, xs, ys)
-        if len(xs) > 1:
-            slope = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
-            out = np.where(tokens > xs[-1], ys[-1] + slope * (tokens - xs[-1]), out)
-        return out
+        return out + slope * np.maximum(tokens - xs[-1], 0.0) if slope else out
 
     def spec(self, tokens: np.ndarray) -> np.ndarray:
         if not self._spec:
             return self.plain(tokens) * (1 + UNMEASURED_SPEC_EXTRA)
-        xs, ys = self._spec.points
+        xs, ys, _ = self._spec.points
         residual = ys - self.plain(xs)
-        between = np.interp(tokens, xs, residual)
-        return self.plain(tokens) + np.where(tokens < xs[0], residual.min(), between)
+        return self.plain(tokens) + np.interp(tokens, xs, residual, left=residual.min())
 
 
 class Speculator:
@@ -266,7 +268,7 @@ class Speculator:
         extra = np.arange(1, len(order) + 1)
         rate = (outputs + np.cumsum(gains[order])) / self.costs.spec(tokens + extra)
         best = int(np.argmax(rate))
-        plain = outputs / float(self.costs.plain(np.array([tokens]))[0])
+        plain = outputs / float(self.costs.plain(tokens))
         margin = 0.0 if self.speculating else ENTER_MARGIN
         probe = self._plain_steps >= SPEC_PROBE_EVERY and max(alphas) >= SPEC_PROBE_ALPHA
         if rate[best] <= plain * (1 + margin) and not probe:
