@@ -291,7 +291,8 @@ class ModelRunner:
         slots = self.token_table.alloc(plan.num_tokens, contiguous=bool(chunks))  # a decode's slot is its own
         _advance(decodes, chunks)
         max_seqlen = max((r.seq_len for r, _ in decodes.runs), default=1)
-        lora = any(r.lora_slot >= 0 for r, _ in decodes.runs) or any(r.lora_slot >= 0 for r, _ in chunks)
+        lora = self.loras is not None and (any(r.lora_slot >= 0 for r, _ in decodes.runs)
+                                           or any(r.lora_slot >= 0 for r, _ in chunks))  # no pass without slots
         if graphed_decode:
             logits = self._graph_forward(t, len(decodes), slots, max_seqlen, lora)
         elif layout is not None:  # a mixed step's graph runs its LoRA kernels whatever its rows
