@@ -252,3 +252,12 @@ def test_lora_settings_are_checked(settings, error):
     with pytest.raises(ValueError, match=error):
         EngineConfig(**settings).check()
     assert EngineConfig(lora_modules=("a=/x",)).lora_slots == 4 and EngineConfig().lora_slots == 0
+
+
+def test_a_family_whose_forward_serves_no_adapter_is_refused(tmp_path):
+    """Gemma 4's forward never groups a step's rows by adapter: with slots, every adapter would be
+    silently unused, so the runner refuses --max_loras for it."""
+    make_model("gemma4", tmp_path)
+    with pytest.raises(ValueError, match="not served for Gemma4Model"):
+        make_runner(tmp_path, max_loras=1)
+    assert make_runner(tmp_path).loras is None  # and serves without slots

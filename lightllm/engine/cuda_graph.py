@@ -175,7 +175,7 @@ class StepGraphs:
         row has a LoRA adapter (the LoRA kernels are left out)."""
         bucket = meta.shape[1]
         self.meta[:, :bucket].copy_(meta)
-        graph = (self.graphs if lora or getattr(self.model, "lora", None) is None else self.base_graphs).get(bucket)
+        graph = (self.graphs if lora or self.model.lora is None else self.base_graphs).get(bucket)
         if graph is None:
             return self._forward(bucket, max_seqlen, lora)[:n]
         graph.replay()
@@ -262,7 +262,7 @@ class StepGraphs:
                      lambda m=m: self._mixed_forward(m, self.max_seqlen)) for m in self.mixed]
         forwards += [(self.graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen))
                      for b in self.buckets]
-        if getattr(self.model, "lora", None) is not None:  # a family without LoRA has no such attribute
+        if self.model.lora is not None:
             forwards += [(self.base_graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen, False))
                          for b in self.buckets]
         forwards.sort(key=lambda f: -f[1])

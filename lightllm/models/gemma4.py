@@ -174,6 +174,9 @@ class Gemma4Layer:
 
 
 class Gemma4Model:
+    serves_lora = False  # not yet: --max_loras is refused for it
+    lora = None
+
     def __init__(self, cfg: ModelConfig, weights, tp: TPGroup, max_positions: int, device: torch.device):
         g = self.gemma4 = cfg.gemma4
         if extend_block_m(cfg.head_dim) != extend_block_m(g.global_head_dim):

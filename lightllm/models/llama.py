@@ -73,6 +73,8 @@ class DecoderLayer:
 
 
 class LlamaModel:
+    serves_lora = True  # its forward prepares the LoRA slots' segments for each step
+
     def __init__(self, cfg: ModelConfig, weights, tp: TPGroup, max_positions: int, device: torch.device):
         self.config = cfg
         self.embed = VocabParallelEmbedding(weights, tp, "model.embed_tokens.weight", cfg.vocab_size,

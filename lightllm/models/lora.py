@@ -104,6 +104,8 @@ class LoraSlots:
     turns the adapters off for a step where no row has one."""
 
     def __init__(self, model, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+        if not model.serves_lora:  # its forward would never group a step's rows: adapters silently unused
+            raise ValueError(f"LoRA adapters are not served for {type(model).__name__} yet (--max_loras 0)")
         self.num_slots = num_slots
         self.targets = []
         for layer in model.layers:

@@ -305,6 +305,9 @@ def _cache_indices(cfg: ModelConfig) -> list[int]:
 
 
 class HybridModel:
+    serves_lora = False  # not yet: --max_loras is refused for it
+    lora = None
+
     def __init__(self, cfg: ModelConfig, weights, tp: TPGroup, max_positions: int, device: torch.device):
         self.config = cfg
         prefix = cfg.linear_attn.weight_prefix
