@@ -65,9 +65,12 @@ def test_two_replicas_answer_as_one_and_share_the_work(tiny_dir, dp2_server):
     assert greedy_tokens(two) == expected
     counts = [after - earlier for after, earlier in zip(routed(two), before)]
     assert sum(counts) == len(PROMPTS) and min(counts) >= 1, counts
-    samples = two.metrics()
-    assert samples["lightllm:num_requests_running"] == 0 and samples["lightllm:kv_cache_used_tokens"] == 0
-    assert 'lightllm:replica_kv_cache_usage_perc{replica="1"}' in samples
+    def idle() -> bool:  # the replicas publish their gauges once a second: the last answer can lead them
+        samples = two.metrics()
+        return samples["lightllm:num_requests_running"] == 0 and samples["lightllm:kv_cache_used_tokens"] == 0
+
+    two.wait_for(idle, what="no request running and no KV in use")
+    assert 'lightllm:replica_kv_cache_usage_perc{replica="1"}' in two.metrics()
 
 
 def test_a_dead_replica_ends_the_server_with_every_request_answered(dp2_server):
