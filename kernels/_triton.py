@@ -271,11 +271,13 @@ def score_scale(sm_scale: float, softcap: float) -> float:
 @triton.jit
 def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head, dims, dim_mask,
                     k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, qk_scale,
-                    DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+                    DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, UNSEEN: tl.constexpr):
     """One step of the online softmax over a block of keys gathered through the token table:
     the queries' running max m_i, sum l_i and output acc, updated with keys `cols` (valid where
     col_mask) where `allowed` [rows, cols] lets a query see a key. Shared by the attention kernels.
-    qk_scale is score_scale(sm_scale, SOFTCAP); SOFTCAP > 0 caps each score at +-SOFTCAP with tanh."""
+    qk_scale is score_scale(sm_scale, SOFTCAP); SOFTCAP > 0 caps each score at +-SOFTCAP with tanh.
+    UNSEEN: a query may have seen no key yet after this block (its m_i still -inf); it then keeps
+    l_i = 0 and acc = 0 rather than NaN."""
     slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)  # entries past the length may be unset
     # K/V in the queries' dtype: an fp8 cache (--kv_cache_dtype fp8_e4m3) is widened here, as it is read
     k = tl.load(k_ptr + slots[None, :] * k_slot_stride + kv_head * k_head_stride + dims[:, None],
@@ -285,8 +287,11 @@ def attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, a
         scores = (SOFTCAP * 1.4426950408889634) * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_safe = m_new
+    if UNSEEN:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
     v = tl.load(v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :],
                 mask=col_mask[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)

@@ -9,6 +9,11 @@ all and sets the counter back to zero (a merge kernel of its own cost a decode s
 a layer, ~2 us each at batch 1). Large batches keep one chunk per request, written straight to
 the output. Requires 1 <= seq_lens[b] <= max_seqlen <= req_to_token.shape[1].
 
+A request verifying k drafts has 1 + k consecutive rows, one position apart. A program takes up
+to `rows` of them at once (its tile: rows x the group's query heads, each row masked to its own
+keys), so their keys are read once, not once a row; the groups are found on the device from the
+rows' request rows and lengths alone (_group_size).
+
 A sliding-window layer (`window` > 0) attends to the last `window` keys only, the query's own
 included (as transformers' sliding mask: key position > query position - window); its chunks
 split those keys alone. `softcap` > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2).
@@ -112,53 +117,100 @@ def _attend_rows(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seql
 
 
 @triton.jit
-def _chunk(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
-    """Keys per split of one request: its keys (its window's, if any) over NUM_SPLITS, at least
-    MIN_KEYS, a multiple of BLOCK_N. Every program of the request agrees on it."""
-    seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
+def _chunk(seen, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
+    """Keys per split of a group: the `seen` keys its rows see together over NUM_SPLITS, at least
+    MIN_KEYS, a multiple of BLOCK_N. Every program of the group agrees on it."""
     return tl.cdiv(tl.maximum(tl.cdiv(seen, NUM_SPLITS), MIN_KEYS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _num_used(seen, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
+    """The chunks that hold a group's keys."""
+    return tl.cdiv(seen, _chunk(seen, NUM_SPLITS, BLOCK_N, MIN_KEYS))
+
+
+@triton.jit
+def _chained(req_rows_ptr, seq_lens_ptr, rows, batch, req_row, seq_len, offsets):
+    """Whether each of `rows` (at `offsets` from a row of request row req_row and length seq_len)
+    is that request's query `offsets` positions further on: a drafting request's rows in a step."""
+    inside = (rows >= 0) & (rows < batch)
+    return (inside & (tl.load(req_rows_ptr + rows, mask=inside, other=-1) == req_row)
+            & (tl.load(seq_lens_ptr + rows, mask=inside, other=0) == seq_len + offsets))
+
+
+@triton.jit
+def _group_size(req_rows_ptr, seq_lens_ptr, row, batch, req_row, seq_len, ROWS: tl.constexpr):
+    """The rows this program attends for, from `row` (0: another program has them). Consecutive
+    rows of one request one position apart (its last token and its drafts) form groups of up to
+    ROWS rows, cut where (length - 1) % ROWS == 0: each row is in exactly one group, whose keys
+    are then read once for all of its rows. Decided from the rows' own lengths, so a graph's
+    padding rows (all of length 1) stay alone and any mix of decodes and drafts needs no
+    metadata of its own."""
+    previous = _chained(req_rows_ptr, seq_lens_ptr, row - 1, batch, req_row, seq_len, -1)
+    offsets = tl.arange(0, ROWS)
+    member = _chained(req_rows_ptr, seq_lens_ptr, row + offsets, batch, req_row, seq_len, offsets)
+    member = member & (offsets < ROWS - (seq_len - 1) % ROWS)  # up to the next cut
+    size = tl.min(tl.where(member, ROWS, offsets))  # the first row not in the group
+    leads = ((seq_len - 1) % ROWS == 0) | (previous == 0)
+    return tl.where(leads, size, 0)
 
 
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, counters_ptr, o_ptr, sinks_ptr, qk_scale, q_batch_stride, q_head_stride,
+                         part_lse_ptr, counters_ptr, o_ptr, sinks_ptr, qk_scale, batch, q_batch_stride, q_head_stride,
                          k_slot_stride,
                          k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr, DOT_UPCAST: tl.constexpr,
                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
-                         DIRECT: tl.constexpr, PDL: tl.constexpr, SINKS: tl.constexpr):
-    """Attention of one request's chunk for the GROUP query heads sharing one kv head.
+                         DIRECT: tl.constexpr, PDL: tl.constexpr, SINKS: tl.constexpr, ROWS: tl.constexpr):
+    """Attention of one group's chunk for the GROUP query heads sharing one kv head.
 
-    With one chunk per request (NUM_SPLITS == 1, large batches), or (DIRECT, one or two requests)
-    where this request's keys fit one chunk, the output is final: it goes straight to o. Otherwise
-    the program writes the chunk's normalised output and its log2-sum-exp2 per query head, counts
-    itself on the (request, kv head)'s counter, and the last of the request's used chunks merges
-    them into o (_merge_chunks); empty chunks (past
-    this request's length) neither write nor count. Chunks count from the first key the query
-    sees: 0, or its window's first.
-    Each request splits its own keys (_chunk), so a short request beside a long one, or under a
+    A group is one query row, or with ROWS > 1 up to ROWS rows of one request (_group_size: a
+    verifying request's last token and drafts), which see the same keys but each its own first
+    ones; its tile is its rows x GROUP heads, so the keys are read once for all of them.
+    With one chunk per group (NUM_SPLITS == 1, large batches), or (DIRECT, one or two requests)
+    where the group's keys fit one chunk, the output is final: it goes straight to o. Otherwise
+    the program writes the chunk's normalised output and its log2-sum-exp2 per query, counts
+    itself on the (group's first row, kv head)'s counter, and the last of the group's used chunks
+    merges them into o (_merge_chunks); empty chunks (past the group's keys) neither write nor
+    count. Chunks count from the first key a row of the group sees: 0, or its window's first.
+    Each group splits its own keys (_chunk), so a short request beside a long one, or under a
     CUDA graph's fixed bound, still spreads over the splits."""
-    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    first = split * _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS)
-    if WINDOW > 0:
-        first += tl.maximum(seq_len - WINDOW, 0)
-    if first >= seq_len:
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    req_row = tl.load(req_rows_ptr + row)
+    rows_in = 1
+    if ROWS > 1:
+        rows_in = _group_size(req_rows_ptr, seq_lens_ptr, row, batch, req_row, seq_len, ROWS)
+    if rows_in == 0:
         return
-    last = tl.minimum(first + _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS), seq_len)
-    token_row = req_to_token_ptr + tl.load(req_rows_ptr + req).to(tl.int64) * req_to_token_stride
+    last_len = seq_len + rows_in - 1  # the group's last row sees the most keys
+    first_key = 0
+    if WINDOW > 0:
+        first_key = tl.maximum(seq_len - WINDOW, 0)
+    seen = last_len - first_key
+    chunk = _chunk(seen, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    first = first_key + split * chunk
+    if first >= last_len:
+        return
+    last = tl.minimum(first + chunk, last_len)
+    token_row = req_to_token_ptr + req_row.to(tl.int64) * req_to_token_stride
     # The lengths and the token table are the step's; q and this step's keys come from rotary_kv.
     grid_dependency_wait(PDL)
-    heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
-    head_mask = tl.arange(0, BLOCK_G) < GROUP
+    tile = tl.arange(0, BLOCK_G)
+    offsets = tile // GROUP  # each tile row's query: the group's row `offsets` on, head kv_head * GROUP + tile % GROUP
+    heads = kv_head * GROUP + tile % GROUP
+    valid = offsets < rows_in
+    rows = row + tl.where(valid, offsets, 0).to(tl.int64)
+    lens = seq_len + tl.where(valid, offsets, rows_in - 1)  # keys each tile row sees (padding: the last row's)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     # BLOCK_G >= 16 rows for tl.dot; the padding rows are zero queries and are never stored.
-    q = tl.load(q_ptr + req.to(tl.int64) * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :],
-                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(q_ptr + rows[:, None] * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :],
+                mask=valid[:, None] & dim_mask[None, :], other=0.0)
     if AS_F16:  # an fp8 cache: K/V are widened to q's dtype (attend_kv_block), here fp16
         q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -167,85 +219,91 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     for start in range(first, last, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_mask = cols < last
-        m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, col_mask[None, :],
+        allowed = col_mask[None, :]
+        if ROWS > 1:  # a group's earlier rows see fewer keys (and, in a window, start earlier)
+            allowed = allowed & (cols[None, :] < lens[:, None])
+            if WINDOW > 0:
+                allowed = allowed & (cols[None, :] >= lens[:, None] - WINDOW)
+        m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed,
                                         kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
-                                        v_head_stride, qk_scale, DOT_UPCAST, SOFTCAP)
-    o_row = o_ptr + req.to(tl.int64) * o_batch_stride
+                                        v_head_stride, qk_scale, DOT_UPCAST, SOFTCAP, ROWS > 1)
+    o_offsets = rows * o_batch_stride + heads * o_head_stride
     # Whether this program's output is final: known at compile time but for DIRECT's split launches,
     # so the other kernels compile one store path only.
     if NUM_SPLITS == 1:
         final = True
-    elif DIRECT:  # one or two requests: one whose keys fit one chunk skips the partials, the count and the merge
-        final = _num_used(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS) == 1
+    elif DIRECT:  # one or two requests: a group whose keys fit one chunk skips the partials, the count and the merge
+        final = _num_used(seen, NUM_SPLITS, BLOCK_N, MIN_KEYS) == 1
     else:
         final = False
     if final:
-        l_i += sink_weight(sinks_ptr, heads, head_mask, m_i, SINKS)
-        _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride)
+        l_i += sink_weight(sinks_ptr, heads, valid, m_i, SINKS)
+        _store_final(acc, l_i, o_ptr, o_offsets, valid, dims, dim_mask)
     else:
-        _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len,
-                       heads, head_mask, dims, dim_mask, o_head_stride, sinks_ptr, GROUP, BLOCK_G, BLOCK_D, BLOCK_N,
-                       NUM_SPLITS, BLOCK_S, MIN_KEYS, WINDOW, SINKS)
+        # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous: split 0 of each query
+        parts = (rows * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS
+        _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_ptr, o_offsets, row, kv_head, split,
+                       seen, parts, heads, valid, dims, dim_mask, sinks_ptr, BLOCK_G, BLOCK_D, BLOCK_N, NUM_SPLITS,
+                       BLOCK_S, MIN_KEYS, SINKS)
 
 
 @triton.jit
-def _num_used(seq_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-              MIN_KEYS: tl.constexpr):
-    """The chunks that hold a request's keys (its window's, if any)."""
-    seen = tl.minimum(seq_len, WINDOW) if WINDOW > 0 else seq_len
-    return tl.cdiv(seen, _chunk(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS))
+def _store_final(acc, l_i, o_ptr, o_offsets, valid, dims, dim_mask):
+    tl.store(o_ptr + o_offsets[:, None] + dims[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+             mask=valid[:, None] & dim_mask[None, :])
 
 
 @triton.jit
-def _store_final(acc, l_i, o_row, heads, head_mask, dims, dim_mask, o_head_stride):
-    tl.store(o_row + heads[:, None] * o_head_stride + dims[None, :], (acc / l_i[:, None]).to(o_row.dtype.element_ty),
-             mask=head_mask[:, None] & dim_mask[None, :])
-
-
-@triton.jit
-def _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_row, req, kv_head, split, seq_len, heads,
-                   head_mask, dims, dim_mask, o_head_stride, sinks_ptr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   MIN_KEYS: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
-    """A chunk's normalised output and log2-sum-exp2 per query head, counted on the (request, kv
-    head)'s counter; the last of the request's used chunks merges them into o."""
-    # part_o [B, Hq, NUM_SPLITS, BLOCK_D] and part_lse [B, Hq, NUM_SPLITS], contiguous
-    parts = (req.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS  # split 0 of each head
-    tl.store(part_o_ptr + (parts + split)[:, None] * BLOCK_D + dims[None, :], acc / l_i[:, None],
-             mask=head_mask[:, None])
-    tl.store(part_lse_ptr + parts + split, m_i + tl.log2(l_i), mask=head_mask)
+def _store_partial(acc, m_i, l_i, part_o_ptr, part_lse_ptr, counters_ptr, o_ptr, o_offsets, row, kv_head, split,
+                   seen, parts, heads, valid, dims, dim_mask, sinks_ptr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr,
+                   SINKS: tl.constexpr):
+    """A chunk's normalised output and log2-sum-exp2 per query, counted on the (group, kv head)'s
+    counter; the last of the group's used chunks merges them into o. A query that saw no key of
+    this chunk (a group's earlier row) stores zeros and -inf: no weight in the merge."""
+    tl.store(part_o_ptr + (parts + split)[:, None] * BLOCK_D + dims[None, :],
+             acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=valid[:, None])
+    tl.store(part_lse_ptr + parts + split, m_i + tl.log2(l_i), mask=valid)
     tl.debug_barrier()  # every thread's stores before the count (the atomic releases them)
-    num_used = _num_used(seq_len, WINDOW, NUM_SPLITS, BLOCK_N, MIN_KEYS)
-    counter = counters_ptr + req * tl.num_programs(1) + kv_head
+    num_used = _num_used(seen, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    counter = counters_ptr + row * tl.num_programs(1) + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:  # the last chunk done: merge
         tl.store(counter, 0)  # every used chunk has counted: ready for the next launch
         tl.debug_barrier()  # the other programs' partials, acquired, before any thread reads them
-        _merge_chunks(part_o_ptr, part_lse_ptr, o_row, parts, num_used, heads, head_mask, dims, dim_mask,
-                      o_head_stride, sinks_ptr, BLOCK_G, BLOCK_D, BLOCK_S, SINKS)
+        _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr, o_offsets, parts, num_used, heads, valid, dims, dim_mask,
+                      sinks_ptr, BLOCK_G, BLOCK_D, BLOCK_S, SINKS)
 
 
 @triton.jit
-def _merge_chunks(part_o_ptr, part_lse_ptr, o_row_ptr, parts, num_used, heads, head_mask, dims, dim_mask,
-                  o_head_stride, sinks_ptr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+def _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr, o_offsets, parts, num_used, heads, valid, dims, dim_mask,
+                  sinks_ptr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   SINKS: tl.constexpr):
-    """o[head] = the chunks' outputs weighted by exp2 of their log2-sum-exp2, for each head of
-    the group (parts: each head's first chunk); loads bypass L1, which may hold none of them."""
+    """o[query] = the chunks' outputs weighted by exp2 of their log2-sum-exp2, for each query of
+    the tile (parts: each one's first chunk); loads bypass L1, which may hold none of them."""
     chunks = tl.arange(0, BLOCK_S)
-    used = head_mask[:, None] & (chunks[None, :] < num_used)
+    used = valid[:, None] & (chunks[None, :] < num_used)
     lse = tl.load(part_lse_ptr + parts[:, None] + chunks[None, :], mask=used, other=float("-inf"), cache_modifier=".cg")
-    top = tl.where(head_mask, tl.max(lse, 1), 0.0)  # padding heads: no chunks, no NaN
+    top = tl.where(valid, tl.max(lse, 1), 0.0)  # padding queries: no chunks, no NaN
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for chunk in range(0, num_used):
-        weight = tl.exp2(tl.load(part_lse_ptr + parts + chunk, mask=head_mask, other=float("-inf"),
+        weight = tl.exp2(tl.load(part_lse_ptr + parts + chunk, mask=valid, other=float("-inf"),
                                  cache_modifier=".cg") - top)
-        part = tl.load(part_o_ptr + (parts + chunk)[:, None] * BLOCK_D + dims[None, :], mask=head_mask[:, None],
+        part = tl.load(part_o_ptr + (parts + chunk)[:, None] * BLOCK_D + dims[None, :], mask=valid[:, None],
                        other=0.0, cache_modifier=".cg")
         acc += weight[:, None] * part
         total += weight
-    total += sink_weight(sinks_ptr, heads, head_mask, top, SINKS)
-    tl.store(o_row_ptr + heads[:, None] * o_head_stride + dims[None, :],
-             (acc / total[:, None]).to(o_row_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+    total += sink_weight(sinks_ptr, heads, valid, top, SINKS)
+    tl.store(o_ptr + o_offsets[:, None] + dims[None, :], (acc / total[:, None]).to(o_ptr.dtype.element_ty),
+             mask=valid[:, None] & dim_mask[None, :])
+
+
+def group_rows(group: int) -> int:
+    """Rows of one request a program takes by default: as many as fill the 16-row tile its GROUP
+    query heads leave (the tile tl.dot needs), so a step of decodes alone costs nothing more,
+    while a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) or one more times,
+    not 1 + k."""
+    return max(1, 16 // next_power_of_2(group))
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -290,13 +348,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
                             softcap: float = 0.0, plan_for: tuple[int, int] | None = None,
                             launch: tuple[int, int, int] | None = None, fp8_as_f16: bool = True,
-                            min_chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            min_chunk: int | None = None, sinks: torch.Tensor | None = None,
+                            rows: int | None = None) -> torch.Tensor:
     """As decode_attention_ref. The launch plan (splits, block, the fewest keys a split takes) is
     chosen for `plan_for` = (batch, max_seqlen) where given, at least this call's: each plan is a
     kernel Triton compiles, so an eager step takes the plan of the CUDA graph its decodes would
     replay, whose kernel the capture compiled (a plan of its own compiled it again while serving,
     0.3-0.6 s on an H200). `launch` overrides the launch's (BLOCK_N, warps, stages), `min_chunk`
-    the fewest keys a split takes (tune_decode_attention.py).
+    the fewest keys a split takes (tune_decode_attention.py). `rows`: the most rows of one request
+    a program attends for at once (group_rows's by default; 1: each row alone).
     An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
     old way (decode_attention_kv_dtype.py times both)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
@@ -309,6 +369,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     splits, (block_n, warps, stages), min_chunk = _split_plan(plan_batch, num_kv_heads, span, q.device, launch,
                                                               min_chunk)
     block_d = next_power_of_2(head_dim)
+    rows = group_rows(group) if rows is None else rows
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
     if splits > 1:
@@ -320,12 +381,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_lse = counters = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, counters, out,
-        out if sinks is None else sinks, score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0),
+        out if sinks is None else sinks, score_scale(sm_scale, softcap), batch, q.stride(0), q.stride(1),
+        k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group,
-        BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=max(16, next_power_of_2(group * rows)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=min_chunk, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
-        DIRECT=plan_batch <= FEW_REQUESTS, SINKS=sinks is not None,
+        DIRECT=plan_batch <= FEW_REQUESTS, SINKS=sinks is not None, ROWS=rows,
         num_warps=warps, num_stages=stages, **pdl(q))
     return out

@@ -166,7 +166,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_
             allowed = allowed & (cols[None, :] > positions[:, None] - WINDOW)
         m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, col_mask, allowed, kv_head,
                                         dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
-                                        qk_scale, DOT_UPCAST, SOFTCAP)
+                                        qk_scale, DOT_UPCAST, SOFTCAP, False)
     l_i += sink_weight(sinks_ptr, head, True, tl.where(row_mask, m_i, 0.0), SINKS)  # padding rows: never stored
     if WINDOW > 0:  # padding rows past the chunk may see no key at all; they are not stored
         l_i = tl.where(row_mask, l_i, 1.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightllm.kernels._triton import fp8_dot_dtype, zeroed_counters
+from lightllm.kernels._triton import HAS_TRITON, fp8_dot_dtype, tl, triton, zeroed_counters
 from lightllm.kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
 from lightllm.kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from lightllm.kernels.extend_attention import (extend_attention_ref, extend_attention_triton, extend_q_blocks,
@@ -310,6 +310,87 @@ def test_decode_attention_planned_for_a_graph_bucket_is_the_reference(plan_batch
     assert not decode_module._chunk_counters(q.device).any()
     with pytest.raises(AssertionError):  # a plan for fewer requests than the call has
         decode_attention_triton(*args, plan_for=(len(seq_lens) - 1, bound))
+
+
+def verify_batch(runs, num_q_heads, num_kv_heads, head_dim, num_slots=800, padding=0):
+    """A step's decode rows as a verify step lays them out: each run (length, rows) is one request's
+    last token and drafts, `rows` consecutive rows of lengths length .. length + rows - 1; then
+    `padding` rows of a graph bucket (one shared row of length 1)."""
+    q, k_cache, v_cache, req_to_token, req_rows, lens = decode_batch(
+        [length + n - 1 for length, n in runs] + [1], num_q_heads, num_kv_heads, head_dim, torch.float32, num_slots)
+    rows = [req_rows[i] for i, (_, n) in enumerate(runs) for _ in range(n)] + [req_rows[-1]] * padding
+    lengths = [length + j for length, n in runs for j in range(n)] + [1] * padding
+    q = randn(len(rows), num_q_heads, head_dim)
+    return (q, k_cache, v_cache, req_to_token, torch.stack(rows),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+
+
+# Runs whose groups start at, cross and end at a cut ((length - 1) % rows == 0), single rows
+# between them, and a run of one key.
+VERIFY_RUNS = [(5, 5), (1, 1), (8, 3), (100, 9), (300, 2), (33, 1), (1, 4), (297, 8)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("waves,window", [(0, 0), (256, 0), (256, 40), (0, 40)],
+                         ids=["one-split", "split-k", "split-k-window", "window"])
+def test_decode_attention_groups_a_requests_rows_as_the_reference(rows, waves, window, monkeypatch):
+    """A verifying request's rows (its last token and drafts, one position apart) attended by one
+    program per group of up to `rows` rows, each row to its own keys: equal to each row alone
+    (the reference), split or not, in a window, with a graph's padding rows after them; every
+    chunk counter back at zero."""
+    monkeypatch.setattr(decode_module, "WAVES", waves)
+    args = verify_batch(VERIFY_RUNS, 8, 2, 64, padding=5)
+    bound = int(args[5].max())
+    args += (bound, 0.125)
+    assert decode_module._split_plan(len(args[0]), 2, bound, torch.device(DEVICE))[0] > 1 or not waves
+    got = torch.full_like(args[0], float("nan"))  # a row no group attends for stays NaN
+    decode_attention_triton(*args, window=window, rows=rows, out=got)
+    assert_close(got, decode_attention_ref(*args, window=window), ATTN_TOL[torch.float32])
+    assert not decode_module._chunk_counters(args[0].device).any()
+
+
+def test_decode_attention_group_row_that_sees_no_key_of_a_chunk(monkeypatch):
+    """One request verifying one draft in a window of 128 (gpt-oss's): its two rows' keys split
+    in two chunks of 128 from the first row's window start, so the second chunk holds the last
+    row's newest key alone and the first row sees none of it; that row's part of the chunk weighs
+    nothing in the merge (no NaN from a softmax over no key)."""
+    monkeypatch.setattr(decode_module, "WAVES", 64)
+    args = verify_batch([(301, 2)], 8, 2, 64)  # one group: (301 - 1) % 2 == 0
+    args += (302, 0.125)
+    assert decode_module._split_plan(2, 2, 128, torch.device(DEVICE))[0] == 2
+    got = decode_attention_triton(*args, window=128, rows=2)
+    assert_close(got, decode_attention_ref(*args, window=128), ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_decode_attention_groups_cover_each_row_once(rows):
+    """_group_size on the device: the groups' sizes, from the rows they lead, cover every row
+    exactly once; a run of 1 + k rows is cut where (length - 1) % rows == 0, so it takes
+    ceil((1 + k) / rows) or one more programs; padding rows (one shared row, length 1) and
+    another request's rows stay alone."""
+    args = verify_batch(VERIFY_RUNS, 4, 2, 16, padding=3)
+    req_rows, lens = args[4], args[5]
+    sizes = torch.zeros(len(lens), dtype=torch.int32, device=DEVICE)
+    _group_sizes_kernel[(len(lens),)](req_rows, lens, sizes, len(lens), ROWS=rows)
+    covered = torch.zeros(len(lens), dtype=torch.int32)
+    for row, size in enumerate(sizes.tolist()):
+        covered[row: row + size] += 1
+    assert covered.tolist() == [1] * len(lens)
+    first = 0
+    for length, n in VERIFY_RUNS:  # each run's groups: cut at the positions the lengths give
+        cuts = [j for j in range(n) if j == 0 or (length + j - 1) % rows == 0]
+        assert [j for j in range(n) if sizes[first + j] > 0] == cuts, (length, n)
+        first += n
+    assert sizes[first:].tolist() == [1] * 3
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _group_sizes_kernel(req_rows_ptr, seq_lens_ptr, out_ptr, batch, ROWS: tl.constexpr):
+        row = tl.program_id(0)
+        size = decode_module._group_size(req_rows_ptr, seq_lens_ptr, row, batch, tl.load(req_rows_ptr + row),
+                                         tl.load(seq_lens_ptr + row), ROWS)
+        tl.store(out_ptr + row, size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

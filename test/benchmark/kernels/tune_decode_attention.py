@@ -3,6 +3,7 @@ num_stages) against the shipped ones, checked against the torch reference, timed
 KV stream's floor.
 
     python test/benchmark/kernels/tune_decode_attention.py [--batches 1,64,256] [--context 1024] [--min-chunk 64,256]
+    python test/benchmark/kernels/tune_decode_attention.py --drafts 4 --rows 1,auto,8   (a verify step's rows)
 
 The cases are the decode CUDA graphs' (split plan from the server's max_req_total_len, 3072 by
 default), each request's slots a contiguous run of the token table as the allocator gives them,
@@ -29,16 +30,19 @@ from lightllm.kernels.decode_attention import decode_attention_ref, decode_atten
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def case(batch: int, context: int, max_seqlen: int):
+def case(batch: int, context: int, max_seqlen: int, drafts: int = 0):
+    """Decode rows of `batch` requests of `context` keys; with drafts, each request's 1 + drafts
+    rows one position apart, as a verify step lays them out."""
     torch.manual_seed(batch)
     slots = batch * max_seqlen
     k_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     v_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     order = torch.randperm(batch, device="cuda")  # requests' runs in shuffled order, as after many steps
     req_to_token = (order[:, None] * max_seqlen + torch.arange(max_seqlen, device="cuda")[None, :]).int()
-    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
-    rows = torch.arange(batch, device="cuda", dtype=torch.int32)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    n = 1 + drafts
+    q = torch.randn(batch * n, NUM_Q_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    rows = torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(n)
+    seq_lens = (context - drafts + torch.arange(n, device="cuda", dtype=torch.int32)).repeat(batch)
     return q, k_cache, v_cache, req_to_token, rows, seq_lens
 
 
@@ -53,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-chunk", default="auto", help="the fewest keys a chunk takes, comma-separated; auto: the "
                         "kernel's own choice (what an older kernel, without the argument, takes)")
     parser.add_argument("--top", type=int, default=6, help="settings shown per case, fastest first")
+    parser.add_argument("--drafts", type=int, default=0, help="rows past each request's last token (a verify "
+                        "step's drafts); its last row sees `context` keys")
+    parser.add_argument("--rows", default="", help="rows of a request a program takes, comma-separated, each timed "
+                        "with the shipped launch (1: each row alone); with it the launch grid is skipped")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no GPU", file=sys.stderr)
@@ -67,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     grid = list(itertools.product(chunks, map(int, args.block_n.split(",")),
                                   map(int, args.warps.split(",")), map(int, args.stages.split(","))))
     for batch, context in itertools.product(map(int, args.batches.split(",")), map(int, args.context.split(","))):
-        q, k, v, table, rows, lens = case(batch, context, args.max_seqlen)
+        q, k, v, table, rows, lens = case(batch, context, args.max_seqlen, args.drafts)
         ref = decode_attention_ref(q, k, v, table, rows, lens, context, scale).float()
+        if args.rows:
+            failed += time_rows(args, batch, context, (q, k, v, table, rows, lens), ref, bandwidth)
+            continue
         floor_us = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2 / bandwidth * 1e6
         shipped = graph_call_us(lambda: decode_attention_triton(q, k, v, table, rows, lens, args.max_seqlen, scale))
         error = (decode_attention_triton(q, k, v, table, rows, lens, args.max_seqlen, scale).float() - ref).abs().max()
@@ -93,6 +104,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {batch} | {context} | {min_chunk or 'auto'} | {block_n} | {warps} | {stages} | {us:.1f} | "
                   f"{floor_us / us:.2f} | {error:.4f} |")
     return 1 if failed else 0
+
+
+def time_rows(args, batch: int, context: int, call: tuple, ref: torch.Tensor, bandwidth: float) -> int:
+    """The shipped launch with each `--rows` setting: one table row each; the floor is each
+    request's keys read once."""
+    q, k, v, table, rows, lens = call
+    floor_us = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2 / bandwidth * 1e6
+    failed = 0
+    for setting in args.rows.split(","):
+        extra = {} if setting == "auto" else {"rows": int(setting)}
+        run = lambda: decode_attention_triton(q, k, v, table, rows, lens, args.max_seqlen, HEAD_DIM ** -0.5,  # noqa: E731
+                                              **extra)
+        error = (run().float() - ref).abs().max().item()
+        failed += error > 2e-2
+        us = graph_call_us(run)
+        print(f"| {batch} x {1 + args.drafts} rows | {context} | rows={setting} | | | | {us:.1f} | "
+              f"{floor_us / us:.2f} | {error:.4f} |")
+    return failed
 
 
 if __name__ == "__main__":
