@@ -6,6 +6,7 @@
 #   trace:LOAD:ALPHA         one controlled setting with --step_trace, the trace summarised
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b, .gpu/requests-1000.json.
 # Results: $OUT/<part>.md and .json; a part's failure does not stop the others.
+# TOTAL_S: the seconds a controlled or methods part may take (default 520).
 #   bash test/benchmark/serving/spec_device.sh controlled:batch1@12,conc64@128:0,0.8 methods:conc64@128:ngram,suffix
 set -u
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -26,11 +27,11 @@ for part in "$@"; do
       off=(--requests .gpu/requests-1000.json --out-dir .gpu/spec)
       [[ -f .gpu/spec/oracle.jsonl ]] && off=(--off-from .gpu/spec --out-dir ".gpu/spec-$n")
       "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16" "${off[@]}" --loads "$loads" \
-        --alphas "$what" --out-md "$OUT/controlled-$n.md" --out-json "$OUT/controlled-$n.json" --total-timeout 520 ;;
+        --alphas "$what" --out-md "$OUT/controlled-$n.md" --out-json "$OUT/controlled-$n.json" --total-timeout "${TOTAL_S:-520}" ;;
     methods)
       "${SWEEP[@]}" --server-args "--load_format dummy --data_type bfloat16" --requests .gpu/requests-1000.json \
         --out-dir ".gpu/methods-$n" --loads "$loads" --alphas "" --methods "$what" \
-        --out-md "$OUT/methods-$n.md" --out-json "$OUT/methods-$n.json" --total-timeout 520 ;;
+        --out-md "$OUT/methods-$n.md" --out-json "$OUT/methods-$n.json" --total-timeout "${TOTAL_S:-520}" ;;
     trace)
       "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16 --step_trace /tmp/steps-$n.jsonl" \
         --off-from .gpu/spec --out-dir ".gpu/trace-$n" --loads "$loads" --alphas "$what" \
