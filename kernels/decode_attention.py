@@ -158,7 +158,7 @@ def _group_size(req_rows_ptr, seq_lens_ptr, row, batch, req_row, seq_len, ROWS: 
 @fast_launch
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, part_o_ptr,
-                         part_lse_ptr, counters_ptr, o_ptr, sinks_ptr, qk_scale, batch, q_batch_stride, q_head_stride,
+                         part_lse_ptr, counters_ptr, o_ptr, sinks_ptr, qk_scale, q_batch_stride, q_head_stride,
                          k_slot_stride,
                          k_head_stride, v_slot_stride, v_head_stride, req_to_token_stride, o_batch_stride,
                          o_head_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -184,7 +184,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_rows_ptr, se
     req_row = tl.load(req_rows_ptr + row)
     rows_in = 1
     if ROWS > 1:
-        rows_in = _group_size(req_rows_ptr, seq_lens_ptr, row, batch, req_row, seq_len, ROWS)
+        # the grid's first axis is the batch: no argument of its own (an int argument's value is
+        # part of a Triton kernel's specialisation, and eager steps' batches would compile anew)
+        rows_in = _group_size(req_rows_ptr, seq_lens_ptr, row, tl.num_programs(0), req_row, seq_len, ROWS)
     if rows_in == 0:
         return
     last_len = seq_len + rows_in - 1  # the group's last row sees the most keys
@@ -299,10 +301,13 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr, o_offsets, parts, num_used, h
 
 
 def group_rows(group: int) -> int:
-    """Rows of one request a program takes by default: as many as fill the 16-row tile its GROUP
-    query heads leave (the tile tl.dot needs), so a step of decodes alone costs nothing more,
-    while a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) or one more times,
-    not 1 + k."""
+    """Rows of one request a program takes by default where the plan keeps one chunk a group
+    (large batches): as many as fill the 16-row tile its GROUP query heads leave (the tile tl.dot
+    needs), so a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) or one more
+    times, not 1 + k. H200, Llama-3.1-8B's heads, tune_decode_attention.py (2026-12-02, d7caf92),
+    us a call: 64 requests x 5 rows at 1024 keys 154 against 189 a row alone; 256 plain decodes
+    272 against 294. Split plans (small batches) keep each row alone: 64 plain decodes at 1024
+    keys (two splits) 77.3 alone against 80.9 grouped, 16 x 5 rows 50.3 against 52.0."""
     return max(1, 16 // next_power_of_2(group))
 
 
@@ -356,7 +361,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     replay, whose kernel the capture compiled (a plan of its own compiled it again while serving,
     0.3-0.6 s on an H200). `launch` overrides the launch's (BLOCK_N, warps, stages), `min_chunk`
     the fewest keys a split takes (tune_decode_attention.py). `rows`: the most rows of one request
-    a program attends for at once (group_rows's by default; 1: each row alone).
+    a program attends for at once (by default group_rows's with one split, else 1: each row alone).
     An fp8 cache is widened to fp16 (fp8_dot_dtype); fp8_as_f16=False widens it to q's dtype, the
     old way (decode_attention_kv_dtype.py times both)."""
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == 1
@@ -369,7 +374,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     splits, (block_n, warps, stages), min_chunk = _split_plan(plan_batch, num_kv_heads, span, q.device, launch,
                                                               min_chunk)
     block_d = next_power_of_2(head_dim)
-    rows = group_rows(group) if rows is None else rows
+    if rows is None:  # grouped where one program takes a group's keys (large batches): measured fastest there
+        rows = group_rows(group) if splits == 1 else 1
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
     if splits > 1:
@@ -381,8 +387,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_lse = counters = out
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, seq_lens, part_o, part_lse, counters, out,
-        out if sinks is None else sinks, score_scale(sm_scale, softcap), batch, q.stride(0), q.stride(1),
-        k_cache.stride(0),
+        out if sinks is None else sinks, score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group * rows)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
