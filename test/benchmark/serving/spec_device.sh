@@ -17,7 +17,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1
 # the commit measured, written here before the call (`git rev-parse --short HEAD > .gpu/COMMIT`)
 [[ -f .gpu/COMMIT ]] && export LIGHTLLM_COMMIT=$(cat .gpu/COMMIT)
-SWEEP=(python3 test/benchmark/serving/spec_sweep.py --model .gpu/bench-8b --output-len 256 --num-prompts 128)
+# SWEEP_ARGS: more spec_sweep.py flags for every part (e.g. --warmup-requests 64)
+SWEEP=(python3 test/benchmark/serving/spec_sweep.py --model .gpu/bench-8b --output-len 256 --num-prompts 128 ${SWEEP_ARGS:-})
 n=0
 for part in "$@"; do
   IFS=: read -r kind loads what <<<"$part"
@@ -35,20 +36,28 @@ for part in "$@"; do
     trace)
       "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16 --step_trace /tmp/steps-$n.jsonl" \
         --off-from .gpu/spec --out-dir ".gpu/trace-$n" --loads "$loads" --alphas "$what" \
-        --out-md "$OUT/trace-$n.md" --total-timeout 300
+        --out-md "$OUT/trace-$n.md" --total-timeout "${TOTAL_S:-300}"
       python3 test/benchmark/engine/step_trace.py "/tmp/steps-$n.jsonl" > "$OUT/trace-$n.txt" 2>&1
       python3 - "/tmp/steps-$n.jsonl" >> "$OUT/trace-$n.txt" <<'PY'
 import json, sys, statistics
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 for row, after in zip(rows, rows[1:]):
     row["device"], row["period"] = row["end_ms"] - row["start_ms"], after["start_ms"] - row["start_ms"]
-for drafted in (False, True):
-    steps = [r for r in rows[:-1] if bool(r.get("drafts")) == drafted and r.get("decodes", 0) >= 32]
-    if steps:
-        mean = lambda key: statistics.mean(r.get(key, 0) for r in steps)
-        print(f"drafts={drafted}: {len(steps)} steps of 32+ decodes: decodes {mean('decodes'):.0f}, drafts "
-              f"{mean('drafts'):.0f}, accepted {mean('accepted'):.0f}, device {mean('device'):.2f} ms, "
-              f"start to start {mean('period'):.2f} ms, launch {mean('launch_ms'):.2f} ms")
+def size(r):
+    d = r.get("decodes", 0)
+    return "prefill" if r.get("chunk_tokens") else ("1" if d <= 1 else "2-31" if d < 32 else "32+")
+groups = {}
+for r in rows[:-1]:
+    groups.setdefault((size(r), bool(r.get("drafts"))), []).append(r)
+span = rows[-1]["end_ms"] - rows[0]["start_ms"]
+busy = sum(r["end_ms"] - r["start_ms"] for r in rows)
+print(f"{len(rows)} steps over {span:.0f} ms, the device busy {busy / span:.1%}")
+print("| decodes | drafts | steps | decodes | drafts | device ms | start to start ms | launch ms |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+for (kind, drafted), steps in sorted(groups.items()):
+    mean = lambda key: statistics.mean(r.get(key, 0) for r in steps)
+    print(f"| {kind} | {drafted} | {len(steps)} | {mean('decodes'):.1f} | {mean('drafts'):.1f} | "
+          f"{mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} |")
 PY
       ;;
     *) echo "unknown part $part" ;;
