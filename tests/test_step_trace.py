@@ -61,6 +61,25 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     assert gc.callbacks.count(runner._trace._on_gc) == 0  # closing the trace unhooks it
 
 
+def test_a_step_says_whether_it_was_sync_and_what_was_collected_before_it(tiny_model, tmp_path):
+    """`sync`: the engine waited for the step's result before the next plan; `collected`: the
+    empty sync plans (collections of the step in flight) run since the step before."""
+    from lightllm.engine.plan import StepPlan
+
+    path = tmp_path / "trace.jsonl"
+    config = EngineConfig(model_dir=str(tiny_model), max_total_token_num=2048, max_req_total_len=256,
+                          running_max_req_size=4, data_type="float32", step_trace=str(path))
+    runner = ModelRunner(config, device="cpu", check_budget=False)
+    run_step(runner, prompts=[(1, list(range(1, 8)), SamplingParams(max_new_tokens=64))])  # sync
+    runner.step(StepPlan(900, [1], sync=False))  # overlapped: stays in flight
+    assert runner.step(StepPlan(-1, sync=True))  # the engine collects it: one result
+    runner.step(StepPlan(901, [1], sync=False))
+    runner.step(StepPlan(-1, sync=True))
+    runner._trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(s.get("sync", False), s.get("collected", 0)) for s in lines] == [(True, 0), (False, 0), (False, 1)]
+
+
 def test_a_step_names_the_triton_kernels_it_met_first(tmp_path, monkeypatch):
     """A step in which kernels/_triton.py's fast launch met new specialisations records their
     count, time and kernels; the next step, which met none, records no names."""

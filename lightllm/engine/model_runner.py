@@ -190,6 +190,8 @@ class ModelRunner:
         try:
             job = self._submit(plan) if plan.ops or not plan.empty else None
             done = [] if self._pending is None else [self._settle(self._pending.result())]
+            if self._trace is not None and job is None and done:  # the engine collected the step in flight
+                self._trace.collections += 1
             self._pending = None
             if job is not None and (plan.sync or plan.empty):
                 launched = job.result()
@@ -303,7 +305,7 @@ class ModelRunner:
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
                             len(chunks), graphed_decode or layout is not None,
-                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts)
+                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts, plan.sync)
         return launched
 
     def _start_requests(self, plan: StepPlan) -> None:

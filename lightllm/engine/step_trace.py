@@ -18,7 +18,10 @@ the process and their host time (Triton compiling, or loading from its cache; ke
 CUDA only), and where there are any, `new_kernel_names`, their kernels. Eager steps on CUDA also
 carry the caching allocator's counts so far: `device_allocs`, the blocks it had to take from the
 driver (cudaMalloc), and `alloc_retries`, the allocations it could only serve after freeing its
-cached blocks (cudaFree, which waits for the device).
+cached blocks (cudaFree, which waits for the device). `sync` marks a step whose result the
+engine waited for before planning the next (a step with drafts, or run without overlap);
+`collected` counts the times the engine collected the step in flight just before this one
+(speculative decoding does before a step it expects to have drafts).
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
@@ -56,6 +59,7 @@ class StepTrace:
             self._ref.record()
         self._pending: list[dict] = []
         self._gc_ms, self._gc_start = 0.0, None
+        self.collections = 0  # steps in flight the engine collected (an empty sync plan) since the last launch
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -79,10 +83,14 @@ class StepTrace:
                 "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
-            decode_context: int, chunk_context: int, drafts: int = 0) -> None:
+            decode_context: int, chunk_context: int, drafts: int = 0, sync: bool = False) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         if drafts:
             record["drafts"] = drafts
+        if sync:
+            record["sync"] = True
+        if self.collections:
+            record["collected"], self.collections = self.collections, 0
         record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
                       decode_context=decode_context, chunk_context=chunk_context,
                       launch_ms=(now - record.pop("host_start")) * 1000,

@@ -38,6 +38,7 @@ for part in "$@"; do
         --off-from .gpu/spec --out-dir ".gpu/trace-$n" --loads "$loads" --alphas "$what" \
         --out-md "$OUT/trace-$n.md" --total-timeout "${TOTAL_S:-300}"
       python3 test/benchmark/engine/step_trace.py "/tmp/steps-$n.jsonl" > "$OUT/trace-$n.txt" 2>&1
+      gzip -c "/tmp/steps-$n.jsonl" > "$OUT/steps-$n.jsonl.gz"
       python3 - "/tmp/steps-$n.jsonl" >> "$OUT/trace-$n.txt" <<'PY'
 import json, sys, statistics
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
@@ -52,12 +53,14 @@ for r in rows[:-1]:
 span = rows[-1]["end_ms"] - rows[0]["start_ms"]
 busy = sum(r["end_ms"] - r["start_ms"] for r in rows)
 print(f"{len(rows)} steps over {span:.0f} ms, the device busy {busy / span:.1%}")
-print("| decodes | drafts | steps | decodes | drafts | device ms | start to start ms | launch ms |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+print("| decodes | drafts | steps | decodes | drafts | accepted | device ms | start to start ms | launch ms | sync | "
+      "after a collection | ms of the run |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for (kind, drafted), steps in sorted(groups.items()):
-    mean = lambda key: statistics.mean(r.get(key, 0) for r in steps)
+    mean = lambda key: statistics.mean(float(r.get(key, 0)) for r in steps)
     print(f"| {kind} | {drafted} | {len(steps)} | {mean('decodes'):.1f} | {mean('drafts'):.1f} | "
-          f"{mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} |")
+          f"{mean('accepted'):.1f} | {mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} | "
+          f"{mean('sync'):.0%} | {mean('collected'):.0%} | {sum(r['period'] for r in steps):.0f} |")
 PY
       ;;
     *) echo "unknown part $part" ;;
