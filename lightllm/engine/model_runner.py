@@ -196,6 +196,8 @@ class ModelRunner:
                 done += [] if launched is None else [self._settle(launched)]
             elif job is not None:
                 self._pending = job
+            if job is None and self._trace is not None:  # idle now: the trace is whole on disk (a stop
+                self._trace.flush()  # may end this process before its atexit runs)
             return self._report_grammars(done, idle=job is None)
         except BaseException:
             self._pending = None
