@@ -364,13 +364,16 @@ class ModelRunner:
             LoadGrammar(req_id, params.grammar_kind, params.grammar, params.compiled_grammar))
         return future.result()
 
-    def prepare_grammars(self) -> None:
+    def prepare_grammars(self) -> Future:
         """Import xgrammar and build its view of the tokenizer now, on the grammar thread, rather than
         at the first request with structured output: that is Python holding the GIL for a second or
         more (2026-12-02, the default model on 2 CPU cores: steps of a running stream 2-3x slower and
         one 0.8 s gap), while a grammar's read after it runs in xgrammar's C++ without the GIL. A
-        server calls it once its model is loaded; the offline LLM and tests build it when needed."""
-        self._grammar_executor().submit(self._prepare_grammars)
+        server's worker calls it once its model is loaded and waits for the returned future before
+        it reports ready, so that neither that GIL time nor the objects it makes (which the start-up
+        heap's freeze then takes in) meet the first requests; the offline LLM and tests build it
+        when needed."""
+        return self._grammar_executor().submit(self._prepare_grammars)
 
     def _prepare_grammars(self) -> None:
         started = time.monotonic()
