@@ -7,9 +7,12 @@
 #   cold     no request before the measured ones (vLLM's client)
 #   warm     compare.py's warm-up first: the first 32 requests, 16 tokens each, greedy, together
 #   greedy   cold, with temperature 0 sent
+# PART@TREE runs the server of another checkout (an older commit's: `git worktree add .gpu/old COMMIT`
+# before the call, carried), this tree's client; its trace places no request among the steps before d216d9d.
 # Each part takes about 2 minutes on an H200 (start, 50 s of requests, stop): two fit in one call.
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b, .gpu/requests-1000.json.
-# Results: $OUT/<part>/{tail.md,tail.json,steps.jsonl,server.log} and $OUT/<part>.log; the reports at the end.
+# Results: $OUT/<part>/{tail.md,tail.json,steps.jsonl,server.log} and $OUT/<part>.log (the part's name with
+# any character other than letters, digits, _ . - as _); the reports at the end.
 #   bash test/benchmark/serving/tail_device.sh cold warm
 # Elsewhere (the CPU, scaled down): MODEL, REQUESTS, SERVER_ARGS, N, RATE, PYTHON, NO_WHEELS=1.
 set -u
@@ -26,16 +29,21 @@ TAIL=("$PYTHON" test/benchmark/serving/tail_trace.py --model "${MODEL:-.gpu/benc
   --requests "${REQUESTS:-.gpu/requests-1000.json}" --num-prompts "${N:-1000}" --rate "${RATE:-20}"
   --server-args "${SERVER_ARGS:---load_format dummy --data_type bfloat16 --disable_prefix_cache}"
   --start-timeout 100 --timeout 80)
+name() { echo "${1//[^A-Za-z0-9_.-]/_}"; }
 for part in "${PARTS[@]}"; do
-  case $part in
+  kind=${part%%@*} tree=()
+  [[ $part == *@* ]] && tree=(--server-tree "${part#*@}")
+  case $kind in
     cold) extra=(--warmup 0) ;;
     warm) extra=(--warmup 32) ;;
     greedy) extra=(--warmup 0 --temperature 0) ;;
     *) echo "unknown part $part"; continue ;;
   esac
-  timeout -k 10 170 "${TAIL[@]}" "${extra[@]}" --label "$part" --out-dir "$OUT/$part" > "$OUT/$part.log" 2>&1
+  dir=$OUT/$(name "$part")
+  timeout -k 10 170 "${TAIL[@]}" "${extra[@]}" "${tree[@]}" --label "$part" --out-dir "$dir" > "$dir.log" 2>&1
   echo "== $part: rc $? at $SECONDS s"
 done
 for part in "${PARTS[@]}"; do
-  if [[ -f $OUT/$part/tail.md ]]; then cat "$OUT/$part/tail.md"; echo; else tail -20 "$OUT/$part.log"; fi
+  dir=$OUT/$(name "$part")
+  if [[ -f $dir/tail.md ]]; then cat "$dir/tail.md"; echo; else tail -20 "$dir.log"; fi
 done

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shlex
 import statistics
 import sys
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top", type=int, default=15, help="rows of each step table")
     add("--label", default="", help="name of this run in the report")
     add("--out-dir", type=Path, default=Path("tail_out"))
+    add("--server-tree", type=Path, default=None, help="run the server of this checkout (an older commit's), "
+        "first on its PYTHONPATH; a trace without origin_unix_s (before d216d9d) is not placed among the requests")
     add("--start-timeout", type=float, default=240.0, help="seconds for the server to answer /health")
     add("--timeout", type=float, default=300.0, help="seconds the measured run may take")
     return parser
@@ -70,7 +73,11 @@ def measure(args) -> tuple[list[RequestResult], Path]:
     requests = read_requests(args.requests)[: args.num_prompts]
     server_args = ["--model_dir", str(args.model), "--host", "127.0.0.1", *shlex.split(args.server_args),
                    "--step_trace", str(trace)]
-    server = start_server(server_args, args.out_dir / "server.log", args.start_timeout, own_session=True)
+    tree = {}
+    if args.server_tree:
+        path = os.pathsep.join([str(args.server_tree.resolve()), os.environ.get("PYTHONPATH", "")])
+        tree = {"env": {**os.environ, "PYTHONPATH": path}, "cwd": str(args.server_tree)}
+    server = start_server(server_args, args.out_dir / "server.log", args.start_timeout, own_session=True, **tree)
     try:
         if args.warmup:
             asyncio.run(warm_up(server.url, requests[: args.warmup], WARMUP_TOKENS))
@@ -83,16 +90,20 @@ def measure(args) -> tuple[list[RequestResult], Path]:
 
 
 def load_steps(path: Path, origin_s: float) -> list[dict]:
-    """The trace's steps in start order, with `start`, `end` (s after `origin_s` on the wall clock)
-    and `device_ms`, `idle_ms` (since the previous step's end) and `kind`."""
+    """The trace's steps in start order, with `start`, `end` (s after `origin_s` on the wall clock;
+    `placed` False: on the trace's own clock, which has no origin), `device_ms`, `idle_ms` (since the
+    previous step's end) and `kind`."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not lines:
         return []
-    zero = next(line["origin_unix_s"] for line in lines if "origin_unix_s" in line) - origin_s
+    origins = [line["origin_unix_s"] for line in lines if "origin_unix_s" in line]
+    if not origins:  # an older server's trace: its own clock, and no request can be placed on it
+        logger.warning("%s has no origin_unix_s: step times are the trace's own", path)
+    zero = origins[0] - origin_s if origins else 0.0
     steps = sorted(lines, key=lambda s: s["start_ms"])
     previous_end = None
     for s in steps:
-        s["start"], s["end"] = zero + s["start_ms"] / 1000, zero + s["end_ms"] / 1000
+        s["start"], s["end"], s["placed"] = zero + s["start_ms"] / 1000, zero + s["end_ms"] / 1000, bool(origins)
         s["device_ms"] = s["end_ms"] - s["start_ms"]
         s["idle_ms"] = 0.0 if previous_end is None else max(0.0, s["start_ms"] - previous_end)
         s["kind"] = kind(s)
@@ -119,7 +130,7 @@ def steps_while_waiting(steps: list[dict], slow: list[dict]) -> list[dict]:
     """Steps whose device time overlaps some slow request's wait (its send to its first token),
     longest first; each names the slow requests it held up."""
     held = []
-    for s in steps:
+    for s in (s for s in steps if s["placed"]):
         waiting = [r["index"] for r in slow if s["start"] < r["sent"] + r["ttft_ms"] / 1000 and s["end"] > r["sent"]]
         if waiting:
             held.append({**s, "waiting": waiting})
