@@ -68,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(args) -> tuple[list[RequestResult], Path]:
     """The results of one run against a fresh server, and its step trace."""
-    trace = args.out_dir / "steps.jsonl"
+    trace = (args.out_dir / "steps.jsonl").resolve()  # absolute: an older tree's server runs in that tree
     trace.unlink(missing_ok=True)
     requests = read_requests(args.requests)[: args.num_prompts]
-    server_args = ["--model_dir", str(args.model), "--host", "127.0.0.1", *shlex.split(args.server_args),
+    server_args = ["--model_dir", str(args.model.resolve()), "--host", "127.0.0.1", *shlex.split(args.server_args),
                    "--step_trace", str(trace)]
     tree = {}
     if args.server_tree:
