@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 from aiohttp import web
 
@@ -18,7 +19,7 @@ from helpers import BENCHMARK  # and makes the benchmark package importable
 
 from benchmark.lib import sharegpt
 from benchmark.lib.server_process import start_server
-from benchmark.lib.serving_client import run_requests, run_requests_in_processes
+from benchmark.lib.serving_client import arrival_offsets, run_requests, run_requests_in_processes
 from benchmark.lib.serving_metrics import RequestResult, format_summary, slowest_first_tokens, summarize
 from benchmark.lib.sharegpt import SampledRequest
 
@@ -175,20 +176,39 @@ def fake_server_app() -> web.Application:
             await response.write(f"data:{json.dumps(event)}\n\n".encode())
         return response
 
+    async def completions(request):
+        """vLLM's stream: the first chunk's text is empty and the next comes FIRST_GAP_S later."""
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        count = body["max_tokens"] - ("short" in body["prompt"])
+        for i in range(count):
+            choice = {"index": 0, "text": "x" if i else "", "finish_reason": "length" if i == count - 1 else None}
+            await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            if i == 0:
+                await asyncio.sleep(FIRST_GAP_S)
+        usage = {"prompt_tokens": 3, "completion_tokens": count, "total_tokens": 3 + count}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return response
+
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)
+    app.router.add_post("/v1/completions", completions)
     return app
 
 
-async def run_against_fake_server(requests, stream):
+FIRST_GAP_S = 0.5
+
+
+async def run_against_fake_server(requests, stream, **options):
     runner = web.AppRunner(fake_server_app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        return await run_requests(f"http://127.0.0.1:{port}", requests, stream, progress=False)
+        return await run_requests(f"http://127.0.0.1:{port}", requests, stream, progress=False, **options)
     finally:
         await runner.cleanup()
 
@@ -208,6 +228,57 @@ def test_failed_requests_are_counted_not_hidden(stream):
     assert sum(count for error, count in summary["errors"].items() if error.startswith("expected")) == 3
     if stream:
         assert all(r.ttft is not None and len(r.itl) == r.output_len - 1 for r in results if r.success)
+
+
+def test_completions_are_timed_as_vllm_times_them():
+    """TTFT at the first chunk with a choice though its text is empty (vLLM's client), an ITL
+    between chunks, the token count from the usage chunk: a short answer fails on it."""
+    requests = [SampledRequest(f"{kind} prompt", [1, 2, 3], 4) for kind in ("ok", "short", "ok")]
+    results, _ = asyncio.run(run_against_fake_server(requests, True, api="completions"))
+    assert [(r.success, r.output_len) for r in results] == [(True, 4), (False, 3), (True, 4)]
+    for r in (results[0], results[2]):
+        assert r.ttft < FIRST_GAP_S <= r.itl[0] and len(r.itl) == 3 and r.output_text == "xxx"
+
+
+def gaps(offsets: list[float]) -> np.ndarray:
+    return np.diff(offsets)
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+@pytest.mark.parametrize("arrival", ["own", "vllm"])
+def test_arrivals_have_the_rate_and_gamma_shape_asked_for(arrival, burstiness):
+    """Gaps of mean 1/rate whose coefficient of variation is 1/sqrt(shape), in order from 0 on."""
+    count, rate = 20000, 20.0
+    offsets = arrival_offsets(count, rate, seed=7, arrival=arrival, burstiness=burstiness)
+    spread = gaps(offsets)
+    assert len(offsets) == count and offsets[0] >= 0 and (spread >= 0).all()
+    assert spread.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert spread.std() / spread.mean() == pytest.approx(burstiness ** -0.5, rel=0.05)
+    if arrival == "vllm":  # scaled so that the last request goes out at count / rate exactly
+        assert offsets[-1] == pytest.approx(count / rate, rel=1e-12)
+    else:
+        assert offsets[0] == 0.0
+    assert arrival_offsets(5, float("inf"), 0, arrival, burstiness) == [0.0] * 5
+
+
+def test_vllm_arrivals_replay_its_client_for_a_seed():
+    """vLLM's `bench serve` seeds numpy's global generator with --seed and draws one gap per
+    request, the first included, with np.random.gamma(burstiness, 1 / (rate * burstiness)); the
+    running sums are scaled so that the last is count / rate."""
+    count, rate, burstiness, seed = 50, 20.0, 0.7, 3
+    np.random.seed(seed)
+    sums = np.cumsum([np.random.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)) for _ in range(count)])
+    expected = sums * (count / rate) / sums[-1]
+    assert arrival_offsets(count, rate, seed, "vllm", burstiness) == pytest.approx(expected.tolist(), rel=1e-12)
+    assert arrival_offsets(count, rate, seed, "vllm", burstiness)[0] > 0  # the first one waits too
+
+
+def test_own_poisson_arrivals_are_the_ones_sent_before():
+    """burstiness 1 keeps the seeded sequence of the earlier client (expovariate gaps from 0)."""
+    rng, expected = random.Random(5), [0.0]
+    for _ in range(9):
+        expected.append(expected[-1] + rng.expovariate(8.0))
+    assert arrival_offsets(10, 8.0, 5) == expected
 
 
 @pytest.mark.timeout(300)
@@ -273,6 +344,10 @@ def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
         client_cmd += ["--model", str(model), "--dataset", str(data_path), "--num-prompts", "20", "--stream"]
         client_cmd += ["--result-json", str(tmp_path / "result.json"), "--no-progress"]
         client = subprocess.run(client_cmd, env=env, capture_output=True, text=True, timeout=400)
+        # as vLLM's client: its arrival times and body (sampled: no temperature), counted from the usage
+        as_vllm_cmd = [*client_cmd[:-3], "--num-prompts", "8", "--api", "completions", "--arrival", "vllm",
+                       "--request-rate", "40", "--result-json", str(tmp_path / "as_vllm.json"), "--no-progress"]
+        as_vllm = subprocess.run(as_vllm_cmd, env=env, capture_output=True, text=True, timeout=400)
         single_cmd = [sys.executable, str(BENCHMARK / "serving" / "single_request.py"), "--url", url]
         single = subprocess.run(single_cmd + ["--max-new-tokens", "8", "--repeat", "2"], env=env,
                                 capture_output=True, text=True, timeout=400)
@@ -286,6 +361,10 @@ def test_end_to_end_against_the_real_server_on_cpu(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["completed"], result["failed"]) == (20, 0)
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
+    assert as_vllm.returncode == 0, as_vllm.stdout + as_vllm.stderr
+    as_vllm_result = json.loads((tmp_path / "as_vllm.json").read_text())
+    assert (as_vllm_result["completed"], as_vllm_result["failed"]) == (8, 0)
+    assert as_vllm_result["total_output_tokens"] == sum(result["per_request"]["output_len"][:8])
 
 
 @pytest.fixture(scope="module")

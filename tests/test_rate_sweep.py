@@ -123,3 +123,31 @@ def test_sweep_of_a_real_server(tiny_server, tmp_path, capsys):
     assert both.read_bytes()[:8] == PNG_MAGIC
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [float(row.split("|")[1]) for row in rows] == [4.0, 8.0, 8.0]  # a table row per rate of each sweep
+
+
+def test_tail_trace_places_slow_requests_among_the_steps(tmp_path):
+    """tail_trace.py: the trace's clock placed on the client's by origin_unix_s; a slow request
+    is held up by the steps that overlap its wait, and a step far over its kind's median is found."""
+    from benchmark.serving import tail_trace
+
+    origin, sent0 = 1000.0, 1000.5  # the trace began 0.5 s before the first request was sent
+    decode = {"decodes": 4, "chunk_tokens": 0, "chunks": 0, "graph": True, "launch_ms": 0.1}
+    steps = [{**decode, "start_ms": 500.0 + 10 * i, "end_ms": 505.0 + 10 * i} for i in range(20)]
+    steps[3].update(end_ms=900.0)  # 0.03-0.4 s on the client's clock: 370 ms, 74x its kind's median
+    steps[3]["new_kernel_names"], steps[3]["new_kernels"] = ["_random_uniform_kernel"], 1
+    steps[0]["origin_unix_s"] = origin
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    loaded = tail_trace.load_steps(path, sent0)
+    assert loaded[0]["start"] == pytest.approx(0.0) and loaded[3]["end"] == pytest.approx(0.4)
+    rows = {"sent_s": [0.0, 0.02, 0.3], "ttft_s": [0.01, 0.45, 0.2], "prompt_len": [5, 700, 9]}
+    slow = tail_trace.slow_requests(rows, slow_ms=150)
+    assert [(r["index"], r["ttft_ms"]) for r in slow] == [(1, pytest.approx(450.0)), (2, pytest.approx(200.0))]
+    held = tail_trace.steps_while_waiting(loaded, slow)
+    assert held[0]["end_ms"] == 900.0 and held[0]["waiting"] == [1, 2]  # the long step held both
+    assert all(s["waiting"] == [1] for s in held[1:]) and len(held) == 18  # steps 2-19; all but 3 end by 0.2 s
+    medians = tail_trace.kind_medians(loaded)
+    over = tail_trace.far_over(loaded, medians, 3.0)
+    assert [s["end_ms"] for s in over] == [900.0]
+    text = "\n".join(tail_trace.step_rows(over, medians, 5))
+    assert "_random_uniform_kernel" in text and "| 370.0 | 5.0 |" in text

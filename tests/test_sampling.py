@@ -231,3 +231,22 @@ def test_prompt_logprobs_are_the_log_softmax_at_the_next_tokens():
     torch.testing.assert_close(chosen, raw.gather(1, targets[:, None]).squeeze(1))
     torch.testing.assert_close(values, raw.topk(4).values)
     assert prompt_logprobs(logits, targets, 0)[1] is None
+
+
+def test_every_uploaded_view_starts_on_16_bytes_and_holds_its_list():
+    """A step's metadata goes up in one buffer; Triton compiles a kernel per alignment of its
+    pointer arguments, so every view starts on a 16-byte boundary whatever the lists' lengths
+    (the random draw's `steps` followed an odd number of seeds at an 8-byte offset)."""
+    from lightllm.engine.batch import upload
+
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    for _ in range(20):
+        lengths = torch.randint(0, 7, (7,), generator=rng).tolist()
+        ints = {f"i{k}": torch.randint(-(1 << 40), 1 << 40, (n,), generator=rng).tolist() for k, n in enumerate(lengths[:4])}
+        floats = {f"f{k}": torch.randn(n, generator=rng).tolist() for k, n in enumerate(lengths[4:])}
+        views = upload(ints, floats, torch.device("cpu"))
+        assert all(view.data_ptr() % 16 == 0 for view in views.values()), lengths
+        assert all(views[name].tolist() == values for name, values in ints.items())
+        for name, values in floats.items():
+            assert views[name].dtype == torch.float32
+            torch.testing.assert_close(views[name], torch.tensor(values, dtype=torch.float32))

@@ -189,3 +189,27 @@ def test_eager_steps_compile_no_decode_attention_after_capture(tmp_path):
         rid += 1000
     assert "_decode_split_kernel" not in NEW_SPECIALISATIONS["kernels"][captured:]
     assert runner.stats()["tokens_used"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels on CUDA only")
+def test_sampling_compiles_nothing_after_the_start(tmp_path):
+    """On the GPU: the runner's start compiles the greedy and the seeded-draw kernels, and every
+    step's sampling inputs start on 16 bytes, so steps of greedy and of sampled requests, odd and
+    even in number, compile neither again (each compile held a first request 0.3-0.6 s)."""
+    from lightllm.kernels._triton import NEW_SPECIALISATIONS
+
+    make_model("llama_gqa_llama3_rope", tmp_path)
+    runner = make_runner(tmp_path, tokens=2048, max_req_total_len=128, running_max_req_size=16, device="cuda")
+    started = len(NEW_SPECIALISATIONS["kernels"])
+    sampled = SamplingParams(do_sample=True, temperature=0.8, seed=3)
+    step_id, rid = 0, 100
+    for params, count in ((sampled, 1), (sampled, 2), (sampled, 3), (GREEDY, 1), (GREEDY, 2)):
+        chunks = [Chunk(rid + i, p, 0, True, params) for i, p in enumerate(random_prompts(count, lengths=[9] * count))]
+        ids = [c.req_id for c in chunks]
+        for plan in (StepPlan(step_id, [], chunks, sync=True), StepPlan(step_id + 1, ids, [], sync=True),
+                     StepPlan(step_id + 2, [], [], ops=[Release(i) for i in ids], sync=True)):
+            runner.step(plan)
+        step_id, rid = step_id + 3, rid + 100
+    new = NEW_SPECIALISATIONS["kernels"][started:]
+    assert "_random_uniform_kernel" not in new and "_greedy_sample_kernel" not in new, new
+    assert runner.stats()["tokens_used"] == 0

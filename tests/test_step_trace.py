@@ -3,11 +3,13 @@ and the summary script's accounting of busy and idle time."""
 
 import gc
 import json
+import time
 
 import pytest
 
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.plan import StepPlan
 from benchmark.lib.direct_step import run_step
 from lightllm.engine.request import SamplingParams
 
@@ -23,6 +25,7 @@ def tiny_model(tmp_path_factory):
 
 def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     path = tmp_path / "trace.jsonl"
+    before = time.time()
     config = EngineConfig(model_dir=str(tiny_model), max_total_token_num=2048, max_req_total_len=256,
                           running_max_req_size=4, data_type="float32", step_trace=str(path), cuda_graph_max_tokens=16)
     runner = ModelRunner(config, device="cpu", check_budget=False)
@@ -41,9 +44,14 @@ def test_runner_writes_one_line_per_step(tiny_model, tmp_path):
     runner.model.forward = collecting
     run_step(runner, [1], prompts=[(2, list(range(1, 21)), params), (3, [5, 6, 7], params)])
     sent.append((1, 23, 2))
-    runner._trace.close()
+    assert path.read_text() == ""  # fewer steps than a batch of lines
+    runner.step(StepPlan(-100, sync=True))  # the engine idles: every step so far is written
     lines = [json.loads(line) for line in path.read_text().splitlines()]
+    runner._trace.close()
     assert [(s["decodes"], s["chunk_tokens"], s["chunks"]) for s in lines] == sent
+    # the wall-clock moment of the trace's 0 ms, once, at the top: the first step starts after it
+    assert [i for i, s in enumerate(lines) if "origin_unix_s" in s] == [0]
+    assert before <= lines[0]["origin_unix_s"] <= lines[0]["origin_unix_s"] + lines[0]["start_ms"] / 1000 <= time.time()
     # the KV tokens each step's attention reads: request 1 has 7 + k tokens at its k-th decode;
     # the last step's chunks hold 20 and 3 tokens, and its decode the 5th token of request 1
     assert [(s["decode_context"], s["chunk_context"]) for s in lines] == [(0, 7), (8, 0), (9, 0), (10, 0), (11, 23)]

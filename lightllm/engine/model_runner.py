@@ -39,6 +39,7 @@ from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout,
 from lightllm.engine.memory import snapshot_slots, state_slots, token_budget
 from lightllm.engine.plan import (DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
                                   Reset, Snapshot, Spill, Split, StepPlan, StepResult)
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.step_trace import StepTrace
@@ -152,10 +153,23 @@ class ModelRunner:
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
                                      config.graph_max_tokens, capture)
+        if self.device.type == "cuda":
+            self._warm_sampler()
         if config.step_trace:
             path = config.step_trace if config.tp == 1 else f"{config.step_trace}.rank{tp_rank}"
             self._trace = StepTrace(path, self.device)
             atexit.register(self._trace.close)
+
+    @torch.inference_mode()
+    def _warm_sampler(self) -> None:
+        """Choose one token greedily and one by a seeded draw, through the step's own upload: the
+        greedy kernel is one the memory profile (every row sampled) never launches, and a kernel's
+        first launch compiles it (0.3-0.6 s on an H200 host) under the first request that needs it."""
+        for params in (SamplingParams(), SamplingParams(do_sample=True)):
+            ints, floats = host_lists([SamplingState(params)])
+            batch = SamplingBatch.from_tensors(upload(ints, floats, self.device), all_greedy=params.greedy)
+            sample(torch.randn(1, self.config.vocab_size, device=self.device), batch)
+        torch.cuda.synchronize(self.device)
 
     def _load_loras(self, config: EngineConfig, dtype: torch.dtype) -> LoraAdapters | None:
         """The LoRA slot pool and the adapters of --lora_modules (ids 1, 2, ...), or None without slots."""
@@ -198,6 +212,8 @@ class ModelRunner:
                 done += [] if launched is None else [self._settle(launched)]
             elif job is not None:
                 self._pending = job
+            if job is None and self._trace is not None:  # idle now: the trace is whole on disk (a stop
+                self._trace.flush()  # may end this process before its atexit runs)
             return self._report_grammars(done, idle=job is None)
         except BaseException:
             self._pending = None
@@ -364,13 +380,16 @@ class ModelRunner:
             LoadGrammar(req_id, params.grammar_kind, params.grammar, params.compiled_grammar))
         return future.result()
 
-    def prepare_grammars(self) -> None:
+    def prepare_grammars(self) -> Future:
         """Import xgrammar and build its view of the tokenizer now, on the grammar thread, rather than
         at the first request with structured output: that is Python holding the GIL for a second or
         more (2026-12-02, the default model on 2 CPU cores: steps of a running stream 2-3x slower and
         one 0.8 s gap), while a grammar's read after it runs in xgrammar's C++ without the GIL. A
-        server calls it once its model is loaded; the offline LLM and tests build it when needed."""
-        self._grammar_executor().submit(self._prepare_grammars)
+        server's worker calls it once its model is loaded and waits for the returned future before
+        it reports ready, so that neither that GIL time nor the objects it makes (which the start-up
+        heap's freeze then takes in) meet the first requests; the offline LLM and tests build it
+        when needed."""
+        return self._grammar_executor().submit(self._prepare_grammars)
 
     def _prepare_grammars(self) -> None:
         started = time.monotonic()

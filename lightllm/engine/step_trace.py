@@ -25,7 +25,9 @@ engine waited for before planning the next (a step with drafts, or run without o
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
-an event recorded on an idle device at that moment. The device idled before a step by
+an event recorded on an idle device at that moment. The first line also carries `origin_unix_s`,
+that moment on the wall clock (time.time()), so that a client's send times can be placed on the
+trace's clock. The device idled before a step by
 `start_ms - previous end_ms`: the time between the previous step's end and the moment the host
 had this one launched. A step whose `launched_ms` is past its `start_ms` reached the device
 before its launch was done, so its `end_ms - start_ms` holds up to that much waiting for the
@@ -50,11 +52,11 @@ class StepTrace:
         self.file = open(path, "a", buffering=1 << 16)
         self.cuda = device.type == "cuda"
         self.device = device
-        self._t0 = time.perf_counter()
         self._ref = None
         if self.cuda:
             torch.cuda.synchronize(device)  # the reference event then fires at once: one origin for both clocks
-            self._t0 = time.perf_counter()
+        self._t0, self._origin_unix = time.perf_counter(), time.time()
+        if self.cuda:
             self._ref = torch.cuda.Event(enable_timing=True)
             self._ref.record()
         self._pending: list[dict] = []
@@ -130,6 +132,8 @@ class StepTrace:
                 start, end = record["start"], record["end"]
             line = {k: v for k, v in record.items() if k not in ("start", "end")}
             line.update(start_ms=round(start, 3), end_ms=round(end, 3), launch_ms=round(line["launch_ms"], 3))
+            if self._origin_unix is not None:  # the first line written
+                line["origin_unix_s"], self._origin_unix = self._origin_unix, None
             self.file.write(json.dumps(line) + "\n")
             done += 1
         del self._pending[:done]

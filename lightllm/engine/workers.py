@@ -32,8 +32,8 @@ from rpyc.utils.authenticators import AuthenticationError
 
 from lightllm.engine.core import WorkerDied
 from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
-from lightllm.utils.process import (STOP_SIGNAL, init_child_process, start_signals_blocked, starting_child,
-                                    stop_processes, use_one_heap)
+from lightllm.utils.process import (STOP_SIGNAL, freeze_startup_heap, init_child_process, start_signals_blocked,
+                                    starting_child, stop_processes, use_one_heap)
 
 if TYPE_CHECKING:
     from lightllm.engine.config import EngineConfig
@@ -78,7 +78,8 @@ class ModelWorkerService(rpyc.Service):
             cores = max(1, (os.cpu_count() or 1) - 1)
             torch.set_num_threads(max(1, cores // self.ranks_on_node))
         self.runner = ModelRunner(EngineConfig(**dict(config_fields)), tp_rank, local_rank=local_rank)
-        self.runner.prepare_grammars()  # in the background, before the first request with structured output
+        self.runner.prepare_grammars().result()  # before the first request, structured or not
+        freeze_startup_heap()
         return self.runner.max_total_token_num, to_wire(self.runner.info)
 
     def exposed_step(self, plan: tuple) -> tuple:

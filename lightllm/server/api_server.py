@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from lightllm.server.config import ServerConfig, parse_config
 from lightllm.server.io_struct import RouterHeartbeat, RouterReady
 from lightllm.utils.process import (GROUP_SIGNALS, STACKS_SIGNAL, deferred_while_starting, dump_stacks_on_signal,
-                                    setup_logging, start_signals_blocked, starting_child, stop_processes)
+                                    freeze_startup_heap, setup_logging, start_signals_blocked, starting_child,
+                                    stop_processes)
 
 if TYPE_CHECKING:
     from lightllm.server.httpserver.manager import HttpServerManager
@@ -160,6 +161,7 @@ def serve_http(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
                                            timeout_keep_alive=config.keep_alive_timeout))
     if config.log_level != "debug":  # after uvicorn.Config, which sets its loggers up
         logging.getLogger("uvicorn.access").addFilter(no_probe_lines)
+    freeze_startup_heap()
     exit_code = 0
     drain_task = None
 

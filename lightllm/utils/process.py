@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import logging
 import multiprocessing
 import os
@@ -107,6 +108,21 @@ def _stacks_to_children(signum, frame) -> None:
         time.sleep(0.2)  # the previous process's dump written first, not interleaved with this one's
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, STACKS_SIGNAL)
+
+
+def freeze_startup_heap() -> None:
+    """Last step of a server process's start: collect once, then move every object it holds into
+    the collector's permanent generation (gc.freeze), which no later collection walks. A process
+    ends its start with ~350k objects (torch, transformers, the tokenizer, the model, its graphs)
+    and a backlog of them not yet examined, so without this its first full collections come with
+    the first requests and each walks them all: on the CPU the HTTP process took one of 285 ms and
+    the model worker three of 160-210 ms within the first 3 s of a run, delaying those requests'
+    first tokens (a warm-up request absorbed them; vLLM's benchmark client sends none)."""
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.info("start-up heap frozen: %d objects out of garbage collection (%.0f ms)", gc.get_freeze_count(),
+                (time.perf_counter() - start) * 1000)
 
 
 def init_child_process(parent_pid: int, log_level: str) -> None:

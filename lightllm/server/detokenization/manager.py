@@ -18,7 +18,7 @@ from lightllm.server.io_struct import (
     ProcessReady,
     TextOut,
 )
-from lightllm.utils.process import init_child_process
+from lightllm.utils.process import freeze_startup_heap, init_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ def start_detokenization_process(config: ServerConfig, ready_pipe, parent_pid: i
     """Entry of the detokenizer process; reports ProcessReady on `ready_pipe`, then serves."""
     init_child_process(parent_pid, config.log_level)
     manager = DetokenizationManager(config, load_tokenizer(config))
+    freeze_startup_heap()
     ready_pipe.send(ProcessReady("detokenizer"))
     logger.info("detokenizer ready (pid %d)", os.getpid())
     try:

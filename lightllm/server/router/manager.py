@@ -32,7 +32,7 @@ from lightllm.server.io_struct import (
     RouterStats,
 )
 from lightllm.server.router.stats import ThroughputLog
-from lightllm.utils.process import init_child_process
+from lightllm.utils.process import freeze_startup_heap, init_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
         max_total_token_num, info = load_model(workers, config, replica)
         core = build_engine(config, workers, max_total_token_num, info)
         manager = RouterManager(config, core, workers.sentinels, heartbeat, replica)
+        freeze_startup_heap()
         ready_pipe.send(RouterReady(max_total_token_num, info))
         logger.info("router ready (pid %d): max_total_token_num %d", os.getpid(), max_total_token_num)
         serve(manager, workers)

@@ -1,15 +1,23 @@
 """HTTP side of the serving benchmark: send sampled requests to the server and time them.
 
-Every request is greedy, ignores EOS and asks for exactly its reference output length, so
-that a run's token counts are fixed by the sample and the server cannot finish early.
-Requests go out all at once (rate inf) or with Poisson arrivals at a seeded rate, at most
-`max_concurrency` in flight when given. A multi-turn run starts its conversations that way;
-each conversation sends its next turn when the previous answer is back.
+Every request ignores EOS and asks for exactly its reference output length, so that a run's
+token counts are fixed by the sample and the server cannot finish early; on /generate_stream
+it is greedy. Requests go out all at once (rate inf) or at seeded arrival times (`arrival_offsets`:
+our own Poisson process, or vLLM's `bench serve` one replayed), at most `max_concurrency` in
+flight when given. A multi-turn run starts its conversations that way; each conversation sends
+its next turn when the previous answer is back.
+
+`api="completions"` sends each request as vLLM's `bench serve --backend vllm` does: a streamed
+/v1/completions body with `max_tokens`, `ignore_eos`, usage in the last chunk and no temperature
+unless one is given (the server's default then applies: OpenAI's 1.0, or the model's
+generation_config.json), and times it the same way: TTFT at the first chunk that has a choice
+(its text may be empty), an ITL between every two such chunks, the token count from the usage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -20,6 +28,7 @@ import time
 from typing import AsyncIterator, Callable
 
 import aiohttp
+import numpy as np
 from tqdm.asyncio import tqdm
 
 from benchmark.lib.prefix_workloads import next_history, turn_prompt
@@ -96,13 +105,59 @@ async def post_generate_stream(session: aiohttp.ClientSession, url: str, body: d
         result.error = "stream ended without a finished event"
 
 
-async def send(session: aiohttp.ClientSession, url: str, request: SampledRequest, stream: bool) -> RequestResult:
+def completions_payload(request: SampledRequest, temperature: float | None = None) -> dict:
+    """vLLM's `bench serve --backend vllm --ignore-eos` body; no temperature unless given."""
+    body = {"prompt": request.prompt, "max_tokens": request.output_len, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "repetition_penalty": 1.0, "logprobs": None}
+    if request.adapter is not None:
+        body["model"] = request.adapter
+    if temperature is not None:
+        body["temperature"] = temperature
+    return body
+
+
+async def post_completions_stream(session: aiohttp.ClientSession, url: str, body: dict,
+                                  result: RequestResult) -> None:
+    """/v1/completions, streamed, timed as vLLM's client times it: TTFT at the first chunk with a
+    choice (even one of empty text), ITL between such chunks, the token count from the usage."""
+    start = last = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            result.error = await error_text(response)
+            return
+        pieces, finished = [], False
+        async for event in sse_events(response):
+            if event.get("error"):
+                result.error = f"stream error: {event['error']}"
+                return
+            choices = event.get("choices")
+            if choices:
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                pieces.append(choices[0].get("text") or "")
+                finished = finished or choices[0].get("finish_reason") is not None
+            elif event.get("usage"):
+                result.output_len = event["usage"]["completion_tokens"]
+        result.output_text = "".join(pieces)
+        result.success = finished
+        result.error = "" if finished else "stream ended without a finish reason"
+
+
+async def send(session: aiohttp.ClientSession, url: str, request: SampledRequest, stream: bool,
+               api: str = "generate", temperature: float | None = None) -> RequestResult:
     result = RequestResult(request.prompt_len, request.output_len)
-    post = post_generate_stream if stream else post_generate
+    if api == "completions":
+        post, body = post_completions_stream, completions_payload(request, temperature)
+    else:
+        post, body = post_generate_stream if stream else post_generate, payload(request)
     result.sent_at = time.time()
     start = time.perf_counter()
     try:
-        await post(session, url, payload(request), result)
+        await post(session, url, body, result)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
         result.success = False
         result.error = f"{type(exc).__name__}: {exc}"
@@ -110,13 +165,40 @@ async def send(session: aiohttp.ClientSession, url: str, request: SampledRequest
     return fail_if_short(result)
 
 
-async def arrivals(count: int, request_rate: float, seed: int) -> AsyncIterator[int]:
-    """Yield request indices at Poisson arrival times (all at once when the rate is inf)."""
-    rng = random.Random(seed)
-    for index in range(count):
+ARRIVALS = ("own", "vllm")
+
+
+def arrival_offsets(count: int, request_rate: float, seed: int, arrival: str = "own",
+                    burstiness: float = 1.0) -> list[float]:
+    """Seconds after the run's start at which each request goes out (all 0 at an infinite rate).
+    Gaps have mean 1 / rate and a gamma shape of `burstiness` (1: exponential, Poisson arrivals;
+    below 1 burstier, above 1 more regular).
+      own   the first request at 0, then gaps drawn from random.Random(seed)
+      vllm  vLLM's `bench serve` times for its --seed: numpy's legacy generator seeded with it
+            (the one its `np.random.seed` seeds) draws every gap, the first one too, and the
+            sums are scaled so that the last request goes out at count / rate exactly"""
+    if not math.isfinite(request_rate) or count == 0:
+        return [0.0] * count
+    if request_rate <= 0 or burstiness <= 0 or arrival not in ARRIVALS:
+        raise ValueError(f"arrivals: want a positive rate and burstiness and one of {ARRIVALS}, got "
+                         f"{request_rate}, {burstiness}, {arrival!r}")
+    scale = 1.0 / (request_rate * burstiness)
+    if arrival == "own":
+        rng = random.Random(seed)
+        draw = (lambda: rng.expovariate(request_rate)) if burstiness == 1 else (lambda: rng.gammavariate(burstiness, scale))
+        return list(itertools.accumulate((draw() for _ in range(count - 1)), initial=0.0))
+    times = np.cumsum(np.random.RandomState(seed).gamma(burstiness, scale, size=count))
+    return (times * (count / request_rate / times[-1])).tolist()
+
+
+async def arrivals(offsets: list[float]) -> AsyncIterator[int]:
+    """Yield request indices at their offsets from the first call (late ones at once, in order)."""
+    start = time.perf_counter()
+    for index, offset in enumerate(offsets):
+        wait = start + offset - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
         yield index
-        if math.isfinite(request_rate) and index + 1 < count:
-            await asyncio.sleep(rng.expovariate(request_rate))
 
 
 def raise_open_file_limit() -> None:
@@ -130,15 +212,15 @@ class Sender:
     """One HTTP session, one limit on requests in flight, one progress bar."""
 
     def __init__(self, url: str, stream: bool, max_concurrency: int | None, timeout_s: float, total: int,
-                 progress: bool):
-        self.url, self.stream = url, stream
+                 progress: bool, api: str = "generate", temperature: float | None = None):
+        self.url, self.stream, self.api, self.temperature = url, stream, api, temperature
         self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no pool cap
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
         self.bar = tqdm(total=total, desc="requests", disable=not progress)
 
     async def send(self, request: SampledRequest) -> RequestResult:
-        return await self.limited(lambda: send(self.session, self.url, request, self.stream))
+        return await self.limited(lambda: send(self.session, self.url, request, self.stream, self.api, self.temperature))
 
     async def limited(self, start_one) -> RequestResult:
         """`start_one()` awaited within the limit on requests in flight."""
@@ -164,11 +246,18 @@ async def run_requests(
     seed: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = True,
+    arrival: str = "own",
+    burstiness: float = 1.0,
+    api: str = "generate",
+    temperature: float | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every request; return their results (in request order) and the wall time."""
+    """Send every request; return their results (in request order) and the wall time. `arrival`
+    and `burstiness`: arrival_offsets'; `api` "completions": vLLM's client's body and timing
+    (streamed whatever `stream` says), with `temperature` when given."""
     raise_open_file_limit()
-    sender = Sender(url, stream, max_concurrency, timeout_s, len(requests), progress)
-    return await send_at_arrivals(sender, len(requests), request_rate, seed, lambda i: sender.send(requests[i]))
+    sender = Sender(url, stream, max_concurrency, timeout_s, len(requests), progress, api, temperature)
+    offsets = arrival_offsets(len(requests), request_rate, seed, arrival, burstiness)
+    return await send_at_arrivals(sender, offsets, lambda i: sender.send(requests[i]))
 
 
 def run_requests_in_processes(
@@ -224,12 +313,12 @@ def _send_share(k: int, url: str, requests: list[SampledRequest], stream: bool, 
     out.put((k, start, start + duration, usage.ru_utime + usage.ru_stime, results))
 
 
-async def send_at_arrivals(sender: Sender, count: int, request_rate: float, seed: int, start_one) -> tuple[list, float]:
-    """Start `start_one(i)` for i in 0..count-1 at the arrival times; their results in that
+async def send_at_arrivals(sender: Sender, offsets: list[float], start_one) -> tuple[list, float]:
+    """Start `start_one(i)` for each i at its offset (seconds from now); their results in that
     order and the wall time. Closes the sender."""
     try:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(start_one(i)) async for i in arrivals(count, request_rate, seed)]
+        tasks = [asyncio.create_task(start_one(i)) async for i in arrivals(offsets)]
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
     finally:
@@ -272,7 +361,7 @@ async def run_conversations(
     total = sum(len(messages) for messages in conversations)
     sender = Sender(url, stream, max_concurrency, timeout_s, total, progress)
     results, duration = await send_at_arrivals(
-        sender, len(conversations), request_rate, seed,
+        sender, arrival_offsets(len(conversations), request_rate, seed),
         lambda i: converse(sender, conversations[i], output_len, count_tokens))
     return [result for turns in results for result in turns], duration
 
@@ -331,7 +420,7 @@ async def run_chats(url: str, chats: list[tuple[list[dict], int]], max_concurren
     results in order and the wall time. Greedy, ending at EOS: a result has the length it has."""
     raise_open_file_limit()
     sender = Sender(url, True, max_concurrency, timeout_s, len(chats), progress)
-    return await send_at_arrivals(sender, len(chats), math.inf, 0,
+    return await send_at_arrivals(sender, [0.0] * len(chats),
                                   lambda i: sender.limited(lambda: send_chat(sender.session, url, *chats[i])))
 
 

@@ -37,6 +37,7 @@ from benchmark.lib.prefix_workloads import (  # noqa: E402
     shared_prefix_requests,
 )
 from benchmark.lib.serving_client import (  # noqa: E402
+    ARRIVALS,
     DEFAULT_TIMEOUT_S,
     read_prefix_cache_counters,
     run_conversations,
@@ -64,6 +65,13 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the sampling and of the arrival times")
     add("--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no limit)")
     add("--warmup", type=int, default=0, help="short requests sent (and checked) before the measured run")
+    add("--arrival", choices=ARRIVALS, default="own", help="at a finite rate: own (first request at 0, gaps from "
+        "Python's random) or vllm (vLLM's `bench serve` arrival times for the same --seed, --burstiness and rate)")
+    add("--burstiness", type=float, default=1.0, help="gamma shape of the gaps between arrivals (1: Poisson)")
+    add("--api", choices=("generate", "completions"), default="generate",
+        help="sharegpt: generate (/generate_stream, greedy) or completions (vLLM's client: a streamed "
+        "/v1/completions body with the server's default temperature unless --temperature, TTFT at the first chunk)")
+    add("--temperature", type=float, default=None, help="--api completions: the temperature sent (default: none)")
     add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds the whole run may take")
     add("--no-progress", action="store_true", help="no progress bar")
 
@@ -102,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--client-procs must be at least 1")
     if args.client_procs > 1 and (args.workload == "multi-turn" or args.max_concurrency):
         parser.error("--client-procs > 1: not with the multi-turn workload or --max-concurrency")
+    if args.client_procs > 1 and (args.arrival != "own" or args.burstiness != 1 or args.api != "generate"):
+        parser.error("--client-procs > 1: own Poisson arrivals on /generate_stream only")
+    if args.workload != "sharegpt" and (args.arrival != "own" or args.burstiness != 1 or args.api != "generate"):
+        parser.error("--arrival, --burstiness and --api: the sharegpt workload only")
     if args.workload == "multi-turn" and args.save_requests:
         parser.error("--save-requests: a multi-turn run's prompts depend on the answers; there is no fixed sample")
     return args
@@ -146,12 +158,17 @@ def sending(args) -> dict:
     )
 
 
+def traffic(args) -> dict:
+    """How the sharegpt requests go out beyond `sending`: arrivals and body (add_client_args)."""
+    return dict(arrival=args.arrival, burstiness=args.burstiness, api=args.api, temperature=args.temperature)
+
+
 def send_requests(args, requests: list[SampledRequest]):
     """The measured run of a sharegpt or shared-prefix workload: from this process, or from
     --client-procs processes (one process reading every stream can be what a fast server's
     figures measure)."""
     if args.client_procs <= 1:
-        return run_requests(args.base_url, requests, **sending(args))
+        return run_requests(args.base_url, requests, **sending(args), **traffic(args))
 
     async def from_processes():
         results, duration, _ = await asyncio.to_thread(

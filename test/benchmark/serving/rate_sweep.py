@@ -13,6 +13,13 @@ whose own TTFT and TPOT were within --slo-ttft-ms and --slo-tpot-ms (serving_met
 markdown table on stdout, the figures in --out-json, latency and goodput against rate in --plot.
 --plot-only draws saved sweeps (LABEL=JSON, or JSON and its --label) on the same axes.
 
+--arrival vllm --api completions --warmup 0 replays what vLLM's `vllm bench serve --backend vllm
+--dataset-name sharegpt --ignore-eos --request-rate R --seed S` sends (on the requests saved with
+vLLM's sampling rules for that seed, which are in its order): its arrival times, no request before
+the measured ones (its 0.26 release skips the initial test request unless --ready-check-timeout-sec
+is given, and warms up only with --num-warmups), its body (no temperature: the server's default)
+and its TTFT (the first chunk with a choice).
+
 A server with the prefix cache on still holds a rate's prompts when the next rate sends them
 again, which makes later rates look faster: start it with --disable_prefix_cache (the table
 gives each rate's hit rate when the server's /metrics has the counters).
@@ -33,7 +40,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import benchmark.*` (README.md)
 
-from benchmark.serving.benchmark_serving import add_client_args, json_safe, load_tokenizer, sharegpt_requests  # noqa: E402
+from benchmark.serving.benchmark_serving import (add_client_args, json_safe, load_tokenizer, sharegpt_requests,  # noqa: E402
+                                                traffic)
 from benchmark.lib.serving_client import read_prefix_cache_counters, run_requests, warm_up  # noqa: E402
 from benchmark.lib.serving_metrics import PERCENTILE_RANKS, SLO, goodput, prefix_cache_figures, summarize  # noqa: E402
 from benchmark.lib.sharegpt import SampledRequest  # noqa: E402
@@ -96,7 +104,7 @@ def measure_rate(args, requests: list[SampledRequest], rate: float, slo: SLO) ->
     before = asyncio.run(read_prefix_cache_counters(args.base_url))
     results, duration = asyncio.run(run_requests(
         args.base_url, requests, stream=True, request_rate=rate, max_concurrency=args.max_concurrency,
-        seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress))
+        seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress, **traffic(args)))
     after = asyncio.run(read_prefix_cache_counters(args.base_url))
     entry = {"request_rate": rate, **summarize(results, duration), "goodput": goodput(results, duration, slo)}
     entry.update(prefix_cache_figures(before, after))
