@@ -422,3 +422,29 @@ def test_an_admission_evicts_its_room_before_it_loads_its_path(tiny):
         assert_idle(core)
     finally:
         runner.step = step
+
+
+def test_the_pinned_pool_is_its_exact_size_registered_once_and_unregistered_when_dropped(monkeypatch):
+    """torch's pinned allocator would round 24 GiB up to 32: the pool registers exactly its own bytes
+    (CUDA's calls recorded here; tests/gpu runs them)."""
+    calls = []
+
+    class Cudart:
+        class cudaError:
+            success = 0
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    data = host_pool.pinned_empty((3, 5), torch.float16)
+    assert data.shape == (3, 5) and not data.any()
+    assert calls == [("register", data.data_ptr(), 30)]
+    ptr = data.data_ptr()
+    del data
+    assert calls[1:] == [("unregister", ptr)]

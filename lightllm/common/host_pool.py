@@ -3,9 +3,10 @@
 The pool is allocated once, at start: `[capacity, record]`, token-major, a token's record the
 concatenation of every KV buffer's K, then every V, each flattened to its own heads x head size
 (Gemma 4's global layers have more than its sliding ones), so that a run of tokens is one
-contiguous block of every layer's K and V (pinned on CUDA, so copies are DMA and leave the host
-thread). Its room is handed out in runs of tokens (first fit, merged
-on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
+contiguous block of every layer's K and V (page-locked on CUDA, at its exact size: `pinned_empty`,
+so copies are DMA and leave the host thread; the start logs how long that took). Its room is handed
+out in runs of tokens (first fit, merged on free); a node holds a list of runs, so splitting a node
+splits its list and copies nothing.
 
 Offload gathers the token-granular slots of every layer of a batch of nodes (a step's evictions)
 into a contiguous staging tensor on the device (STAGING_TOKENS at a time), then copies it to the
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+import weakref
 
 import torch
 
@@ -62,6 +65,22 @@ def merged(runs: Runs) -> Runs:
     return out
 
 
+def pinned_empty(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly `shape`. torch's pinned allocator rounds a request up to
+    a power of two (--host_kv_cache_gb 24 would lock 32 GiB) and its cudaHostAlloc faults the pages
+    in on one thread; here torch's threads fault them in (zero_) and CUDA then locks them. Falls
+    back to the pinned allocator where registering fails."""
+    data = torch.zeros(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
+    if error != cudart.cudaError.success:
+        logger.warning("cudaHostRegister failed (%s): the host KV pool comes from torch's pinned allocator", error)
+        del data
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(data, cudart.cudaHostUnregister, data.data_ptr())  # before its memory goes back
+    return data
+
+
 class HostPoolFullError(RuntimeError):
     """More host tokens were asked for than are free (the tree's bookkeeping is off)."""
 
@@ -78,8 +97,11 @@ class HostKVPool:
         self.widths = [heads * dim for heads, dim in shapes] * 2  # each K's, then each V's, in a record
         shape = (capacity, sum(self.widths))
         cuda = device.type == "cuda" and path is None
-        if path is None:
-            self.data = torch.empty(shape, dtype=dtype, pin_memory=cuda)
+        started = time.monotonic()
+        if cuda:
+            self.data = pinned_empty(shape, dtype)
+        elif path is None:
+            self.data = torch.empty(shape, dtype=dtype)
         else:
             self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1], dtype=dtype).view(shape)
             os.unlink(path)
@@ -87,8 +109,9 @@ class HostKVPool:
         self.free_count = capacity
         self.nodes: dict[int, Runs] = {}  # prefix-cache node id -> its runs, in token order
         self.stream = torch.cuda.Stream(device) if cuda else None
-        logger.info("%s KV pool: %d tokens, %.2f GiB%s", "host" if path is None else f"disk ({path})", capacity,
-                    self.data.numel() * self.data.element_size() / 2**30, " (pinned)" if cuda else "")
+        logger.info("%s KV pool: %d tokens, %.2f GiB%s in %.1f s", "host" if path is None else f"disk ({path})",
+                    capacity, self.data.numel() * self.data.element_size() / 2**30, " (pinned)" if cuda else "",
+                    time.monotonic() - started)
 
     # ---- room ----
 
