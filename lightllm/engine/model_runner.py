@@ -125,6 +125,7 @@ class ModelRunner:
         self._grammar_thread: ThreadPoolExecutor | None = None
         self._grammar_loads: dict[int, list] = {}
         self._trace = None
+        self._ops_ms = 0.0  # host time the last plan's ops took (offloads and loads of the prefix cache's tiers)
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
         burst = burst_budget(config.burst_chunked_prefill_size, config.chunked_prefill_size, self.device.type)
@@ -261,7 +262,9 @@ class ModelRunner:
         return future
 
     def _apply_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
+        started = time.perf_counter()
         self.apply(plan.ops)
+        self._ops_ms = (time.perf_counter() - started) * 1000  # the step trace's ops_ms
         if self.device.type == "cpu":
             self._trim_heap(idle=plan.empty and not self.reqs)
         return None if plan.empty else self._launch(plan)
@@ -304,7 +307,8 @@ class ModelRunner:
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
                             len(chunks), graphed_decode or layout is not None,
-                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts)
+                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts,
+                            ops=len(plan.ops), ops_ms=self._ops_ms)
         return launched
 
     def _start_requests(self, plan: StepPlan) -> None:
