@@ -355,7 +355,8 @@ def test_a_batch_of_nodes_moves_in_one_copy_a_staging_tensor(monkeypatch):
     pool = HostKVPool(64, shapes, torch.float32, torch.device("cpu"))
     copies = []
     copy = pool._copy
-    monkeypatch.setattr(pool, "_copy", lambda runs, staging, to_host: (copies.append(runs), copy(runs, staging, to_host)))
+    monkeypatch.setattr(pool, "_copy", lambda runs, staging, to_host: (copies.append(runs),
+                                                                        copy(runs, staging, to_host)))
     old = [torch.randperm(64)[:n].int() for n in (5, 9, 3)]
     expected = [[t[slots.long()].clone() for t in table.k + table.v] for slots in old]
     pool.offload(list(zip((1, 2, 3), old)), table.k + table.v)
@@ -415,7 +416,8 @@ def test_an_admission_evicts_its_room_before_it_loads_its_path(tiny):
         client.run([history + tokens(rng, 5)], SamplingParams(max_new_tokens=NEW))
         admitting = [plan for plan in plans if any(isinstance(op, Load) for op in plan.ops)]
         assert len(admitting) == 1
-        kinds = "".join("L" if isinstance(op, Load) else "O" for op in admitting[0].ops if isinstance(op, (Offload, Load)))
+        moves = [op for op in admitting[0].ops if isinstance(op, (Offload, Load))]
+        kinds = "".join("L" if isinstance(op, Load) else "O" for op in moves)
         # its room, then its loads, one run each (the plan's chunk may evict more after them)
         assert re.fullmatch(r"O+L{2,}O*", kinds), admitting[0].ops
         assert core.scheduler.prefix_host_hit_tokens == len(history) - 1

@@ -11,13 +11,13 @@ splits its list and copies nothing.
 Offload gathers the token-granular slots of every layer of a batch of nodes (a step's evictions)
 into a contiguous staging tensor on the device (STAGING_TOKENS at a time), then copies it to the
 nodes' runs, adjacent runs merged: one large copy a run. Load copies a batch of nodes' runs to a
-staging tensor and scatters it into fresh slots. A batch costs the same few launches a layer as one
-node (a step reloading a 12-turn chat's history moves about ten nodes: per node, the 64 buffers of
-an 8B model took about 1 ms of host time a node, as long as a step of the device). On CUDA both copies run on a copy stream: an
-offload's copy waits for the gather (on the step's stream) and overlaps what follows; a load's
-scatter, and so the next forward, waits for its copy. The host side never touches the data, and
-both directions use the one copy stream, so a run freed by a load and reused by an offload is
-read before it is overwritten.
+staging tensor and scatters it into fresh slots. A batch costs the same few launches a buffer as
+one node (a step reloading a 12-turn chat's history moves about ten nodes; node by node, the 64
+buffers of an 8B model cost about 1 ms of host time each, as long as the device's step). On CUDA
+both copies run on a copy stream: an offload's copy waits for the gather (on the step's stream)
+and overlaps what follows; a load's scatter, and so the next forward, waits for its copy. The host
+side never touches the data, and both directions use the one copy stream, so a run freed by a load
+and reused by an offload is read before it is overwritten.
 
 CPU bookkeeping of the room lives in the radix tree (lightllm/common/radix_cache.py): every rank
 applies the same ops in the same order, so every rank's runs are the same.

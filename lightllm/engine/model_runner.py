@@ -64,6 +64,11 @@ def resolve_device(device: str | None, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _moved_in_batches(op) -> type | None:
+    """Offload or Load: consecutive ones are applied as one batch (None: any other op)."""
+    return type(op) if isinstance(op, (Offload, Load)) else None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, *, local_rank: int | None = None,
                  device: str | None = None, check_budget: bool = True):
@@ -489,7 +494,7 @@ class ModelRunner:
         Offloads, and consecutive Loads, move as one batch (the scheduler emits a step's room
         before its loads: `Scheduler._load_host`)."""
         to_free = []
-        for kind, group in itertools.groupby(ops, key=lambda op: type(op) if isinstance(op, (Offload, Load)) else None):
+        for kind, group in itertools.groupby(ops, key=_moved_in_batches):
             if kind is Offload:
                 to_free += self._offload([op.node_id for op in group])
             elif kind is Load:

@@ -91,7 +91,8 @@ async def log_progress(pairs: list, total: int, start: float, every_s: float) ->
                     len(pairs), total, sum(not r.success for _, r in pairs), loop.time() - start, median)
 
 
-async def run_all(url: str, conversations: list[list[str]], args, tokenizer, limit_s: float) -> tuple[list, float, bool]:
+async def run_all(url: str, conversations: list[list[str]], args, tokenizer,
+                  limit_s: float) -> tuple[list, float, bool]:
     """(turn, result) of every turn that ended, the seconds taken, and whether `limit_s` cut the
     run short (the turns still open are then dropped)."""
     loop = asyncio.get_running_loop()
