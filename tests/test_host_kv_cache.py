@@ -432,9 +432,6 @@ def test_the_pinned_pool_is_its_exact_size_registered_once_and_unregistered_when
     calls = []
 
     class Cudart:
-        class cudaError:
-            success = 0
-
         def cudaHostRegister(self, ptr, size, flags):
             calls.append(("register", ptr, size))
             return 0

@@ -73,7 +73,7 @@ def pinned_empty(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     data = torch.zeros(shape, dtype=dtype)
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
-    if error != cudart.cudaError.success:
+    if int(error) != 0:  # cudaSuccess
         logger.warning("cudaHostRegister failed (%s): the host KV pool comes from torch's pinned allocator", error)
         del data
         return torch.empty(shape, dtype=dtype, pin_memory=True)
