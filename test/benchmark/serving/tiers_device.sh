@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The host tier's multi-turn goal on a lent GPU, in one call: the CUDA path of the pool
-# (tests/gpu/test_gpu_host_kv_cache.py), then multi_turn_tiers.py at 4x the KV budget of bench-8b,
-# the device cache alone and with a 24 GiB host tier, each server with a step trace.
+# The host tier's multi-turn goal on a lent GPU, in one call: multi_turn_tiers.py at 4x the KV
+# budget of bench-8b, the device cache alone and with a 24 GiB host tier, each server with a step
+# trace, within SECONDS; then the CUDA path of the pool (tests/gpu/test_gpu_host_kv_cache.py, 90 s at most).
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b.
 # Results under $OUT: tiers.md and .json, the run's log, the servers' logs, each variant's step
 # trace and its summary (with the host time of the plans' ops: offloads and loads).
@@ -15,8 +15,6 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1
 [[ -f .gpu/COMMIT ]] && export LIGHTLLM_COMMIT=$(cat .gpu/COMMIT)
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_host_kv_cache.py > "$OUT/gpu-test.txt" 2>&1
-echo "== tests/gpu/test_gpu_host_kv_cache.py: rc $? at $SECONDS s"; tail -2 "$OUT/gpu-test.txt"
 python3 test/benchmark/serving/multi_turn_tiers.py --model .gpu/bench-8b --synthetic --budget 32768 --working-sets 4 \
   --variants gpu,host --turns 12 --turn-len 64 --output-len 32 --think 2.0 --host-kv-gb 24 \
   --server-args "--load_format dummy --data_type bfloat16 --step_trace $OUT/steps-{variant}.jsonl" \
@@ -42,4 +40,6 @@ print(f"{sys.argv[2]}: {len(rows)} steps over {span:.1f} s, device busy {busy:.1
 PY
   head -12 "$OUT/steps-$variant.txt"
 done
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_host_kv_cache.py > "$OUT/gpu-test.txt" 2>&1
+echo "== tests/gpu/test_gpu_host_kv_cache.py: rc $? at $SECONDS s"; tail -2 "$OUT/gpu-test.txt"
 cat "$OUT/tiers.md" 2>/dev/null
