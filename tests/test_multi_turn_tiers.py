@@ -67,3 +67,12 @@ def test_a_run_past_its_bound_reports_the_turns_that_ended():
     assert sorted(turn for turn, _ in pairs) == [0, 0, 0] and all(r.success for _, r in pairs)
     row = multi_turn_tiers.summarize(pairs, duration, {}, {})
     assert row["requests"] == 3 and row["returning_ttft_median_ms"] is None
+
+
+def test_a_variant_whose_server_fails_has_a_row_that_says_why():
+    log = ("server exited with 1:\n2026-12-02 INFO [router] ok\n2026-12-02 ERROR [router] lightllm.server.router.manager: "
+           "cannot load the model: RuntimeError: can't allocate memory")
+    reason = multi_turn_tiers.failure(RuntimeError(log))
+    assert reason.endswith("can't allocate memory") and "ERROR" in reason
+    table = multi_turn_tiers.markdown([dict(variant="host", working_set=4.0, conversations=114, error=reason)])
+    assert "| 4 | host | 114 | failed: " in table and table.count("\n") == 2

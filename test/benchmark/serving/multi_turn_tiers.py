@@ -189,6 +189,10 @@ def markdown(rows: list[dict]) -> str:
              "first TTFT median ms | output tok/s | req/s | hit rate (host, disk) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['working_set']:g} | {r['variant']} | {r['conversations']} | failed: {r['error']} |"
+                         " | | | | |")
+            continue
         lines.append(f"| {r['working_set']:g} | {r['variant']}{' (cut short)' if r['cut_short'] else ''} | "
                      f"{r['conversations']} | {r['requests']}/{r['planned']} | "
                      f"{ms(r['returning_ttft_median_ms'])} / {ms(r['returning_ttft_p90_ms'])} | "
@@ -259,15 +263,31 @@ def main() -> None:
     runs = [(float(w), v) for w in args.working_sets.split(",") for v in args.variants.split(",")]
     for i, (working_set, variant) in enumerate(runs):
         conversations = conversations_for(args, working_set, tokenizer, random.Random(args.seed))
-        rows.append(run_variant(args, variant, working_set, conversations, tokenizer, log_dir, budget, len(runs) - i))
-    table = markdown(rows)
-    print(table)
+        try:
+            rows.append(run_variant(args, variant, working_set, conversations, tokenizer, log_dir, budget,
+                                    len(runs) - i))
+        except Exception as exc:  # a server that did not start: its row says why, the others still report
+            logger.exception("%s at %gx failed", variant, working_set)
+            rows.append(dict(variant=variant, working_set=working_set, conversations=len(conversations),
+                             error=failure(exc)))
+        write_results(rows, args)  # after each variant: a call cut short keeps the rows so far
+    print(markdown(rows))
+    if args.plot:
+        plot([r for r in rows if not r.get("error")], args.plot)
+
+
+def failure(exc: Exception) -> str:
+    """One line: the server log's first ERROR line where the message carries one (a server that exited)."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    errors = [line for line in lines if " ERROR " in line]
+    return (errors[0] if errors else lines[0])[-240:].replace("|", "/")
+
+
+def write_results(rows: list[dict], args) -> None:
     if args.out_md:
-        Path(args.out_md).write_text(table + "\n")
+        Path(args.out_md).write_text(markdown(rows) + "\n")
     if args.out_json:
         Path(args.out_json).write_text(json.dumps(rows, indent=1))
-    if args.plot:
-        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
