@@ -279,8 +279,8 @@ def main() -> None:
 def failure(exc: Exception) -> str:
     """One line: the server log's first ERROR line where the message carries one (a server that exited)."""
     lines = str(exc).splitlines() or [type(exc).__name__]
-    errors = [line for line in lines if " ERROR " in line]
-    return (errors[0] if errors else lines[0])[-240:].replace("|", "/")
+    errors = [line.split(" ERROR ", 1)[1] for line in lines if " ERROR " in line]
+    return (errors[0] if errors else lines[0])[:300].replace("|", "/")
 
 
 def write_results(rows: list[dict], args) -> None:
