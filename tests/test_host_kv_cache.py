@@ -10,6 +10,8 @@ transformers' and the device-only cache's, over random multi-turn traffic, and f
 device-only cache's; when idle no slot or host room is held.
 """
 
+import re
+
 import pytest
 import torch
 from helpers.models import Client, hf_greedy, make_model, make_runner
@@ -175,12 +177,12 @@ def test_offload_then_load_puts_each_token_at_its_new_slot(staging, shapes, monk
     pool.free(first + second)  # the pool's room in two runs, neither long enough alone
     old = torch.tensor([9, 2, 30, 17, 5], dtype=torch.int32)
     expected = [t[old.long()].clone() for t in table.k + table.v]
-    pool.offload(7, old, table.k + table.v)
+    pool.offload([(7, old)], table.k + table.v)
     assert pool.nodes[7] == [(0, 2), (4, 3)]
     pool.split(7, 4, 8)  # the upper 4 tokens and the lower 1
     new = torch.tensor([0, 1, 3, 4, 6])
-    pool.load(8, new[:4], table.k + table.v)
-    pool.load(7, new[4:], table.k + table.v)
+    pool.load([(8, new[:4])], table.k + table.v)
+    pool.load([(7, new[4:])], table.k + table.v)
     for t, want in zip(table.k + table.v, expected):
         torch.testing.assert_close(t[new], want, rtol=0, atol=0)
     assert pool.free_count == 5 and not pool.nodes
@@ -197,11 +199,11 @@ def test_a_node_spilled_to_disk_loads_back_to_its_new_slots(tmp_path):
     disk.alloc(1)  # its room starts elsewhere than the host pool's
     old = torch.tensor([3, 11, 7, 0, 14])
     expected = [t[old].clone() for t in table.k + table.v]
-    host.offload(5, old, table.k + table.v)
+    host.offload([(5, old)], table.k + table.v)
     disk.take_from(5, host)
     assert host.free_count == 8 and not host.nodes and disk.nodes[5] == [(1, 5)]
     new = torch.tensor([1, 2, 4, 5, 6])
-    disk.load(5, new, table.k + table.v)
+    disk.load([(5, new)], table.k + table.v)
     for t, want in zip(table.k + table.v, expected):
         torch.testing.assert_close(t[new], want, rtol=0, atol=0)
 
@@ -341,3 +343,107 @@ def test_gemma4_multi_turn_through_the_host_tier_equals_the_device_only_cache(tm
             assert core.scheduler.cache.evicted_tokens > 0 and core.scheduler.prefix_host_hit_tokens > 0
         assert_idle(core)
     assert results[0] == results[1]
+
+
+# ---- batches: a step's evictions, then its loads, each moved in one batch ----
+
+def test_a_batch_of_nodes_moves_in_one_copy_a_staging_tensor(monkeypatch):
+    shapes = SHAPES["mixed"]
+    table = TokenTable(64, len(shapes), *shapes[0], torch.float32, "cpu", shapes=shapes)
+    for t in table.k + table.v:
+        t.copy_(torch.randn_like(t))
+    pool = HostKVPool(64, shapes, torch.float32, torch.device("cpu"))
+    copies = []
+    copy = pool._copy
+    monkeypatch.setattr(pool, "_copy", lambda runs, staging, to_host: (copies.append(runs),
+                                                                        copy(runs, staging, to_host)))
+    old = [torch.randperm(64)[:n].int() for n in (5, 9, 3)]
+    expected = [[t[slots.long()].clone() for t in table.k + table.v] for slots in old]
+    pool.offload(list(zip((1, 2, 3), old)), table.k + table.v)
+    assert copies == [[(0, 17)]]  # three nodes, one gather, one copy of their adjacent runs
+    new = torch.randperm(64)[:17].split([3, 5, 9])
+    pool.load(list(zip((3, 1, 2), new)), table.k + table.v)
+    assert copies[1:] == [[(14, 3), (0, 14)]]  # one staging tensor, a copy a run
+    for slots, want in zip((new[1], new[2], new[0]), expected):
+        for t, w in zip(table.k + table.v, want):
+            torch.testing.assert_close(t[slots], w, rtol=0, atol=0)
+    assert pool.free_count == 64 and pool.free_runs == [(0, 64)] and not pool.nodes
+
+
+def test_the_runner_moves_consecutive_offloads_and_loads_as_one_batch(tiny, monkeypatch):
+    _, runner = tiny
+    pool, kv = runner.host_pool, runner.token_table.k + runner.token_table.v
+    calls = []
+    for name in ("offload", "load"):
+        method = getattr(pool, name)
+        monkeypatch.setattr(pool, name, lambda nodes, layers, method=method, name=name: (
+            calls.append((name, [node_id for node_id, _ in nodes])), method(nodes, layers)))
+    for t in kv:
+        t.copy_(torch.randn_like(t))
+    for node_id, n in ((101, 4), (102, 7), (103, 2)):
+        runner.nodes[node_id] = runner.token_table.alloc(n, contiguous=False).int()
+    expected = {i: [t[runner.nodes[i].long()].clone() for t in kv] for i in (101, 102, 103)}
+    runner.apply([Offload(101), Offload(102), Offload(103)])
+    assert runner.token_table.used_count == 0 and not runner.nodes
+    runner.apply([Load(102), Load(101), Load(103)])
+    assert calls == [("offload", [101, 102, 103]), ("load", [102, 101, 103])]
+    for node_id, want in expected.items():
+        for t, w in zip(kv, want):
+            torch.testing.assert_close(t[runner.nodes[node_id].long()], w, rtol=0, atol=0)
+    runner.apply([Evict(101), Evict(102), Evict(103)])
+    assert runner.token_table.used_count == 0 and pool.free_count == pool.capacity
+
+
+def test_an_admission_evicts_its_room_before_it_loads_its_path(tiny):
+    """A returning conversation whose history is host-resident in several nodes, the device full
+    of evictable tokens: the plan that admits it evicts, then loads its nodes, so the runner moves
+    each as one batch (room evicted node by node would interleave them)."""
+    _, runner = tiny
+    core = engine(runner, 160)
+    plans = []
+    step = runner.step
+    runner.step = lambda plan: (plans.append(plan), step(plan))[1]
+    try:
+        rng = torch.Generator().manual_seed(11)
+        client = Client(core)
+        first = tokens(rng, 30)  # chunks of 16: its history is three nodes (16, 14 and its answer's)
+        history = first + client.run([first], SamplingParams(max_new_tokens=NEW))[0]
+        for _ in range(3):  # others push it to the host tier and fill the device
+            client.run([tokens(rng, 40)], SamplingParams(max_new_tokens=NEW))
+        assert core.scheduler.cache.match(history).length == len(history) - 1
+        assert len(core.scheduler.cache.host_path(core.scheduler.cache.take(core.scheduler.cache.match(history)))) >= 2
+        plans.clear()
+        client.run([history + tokens(rng, 5)], SamplingParams(max_new_tokens=NEW))
+        admitting = [plan for plan in plans if any(isinstance(op, Load) for op in plan.ops)]
+        assert len(admitting) == 1
+        moves = [op for op in admitting[0].ops if isinstance(op, (Offload, Load))]
+        kinds = "".join("L" if isinstance(op, Load) else "O" for op in moves)
+        # its room, then its loads, one run each (the plan's chunk may evict more after them)
+        assert re.fullmatch(r"O+L{2,}O*", kinds), admitting[0].ops
+        assert core.scheduler.prefix_host_hit_tokens == len(history) - 1
+        assert_idle(core)
+    finally:
+        runner.step = step
+
+
+def test_the_pinned_pool_is_its_exact_size_registered_once_and_unregistered_when_dropped(monkeypatch):
+    """torch's pinned allocator would round 24 GiB up to 32: the pool registers exactly its own bytes
+    (CUDA's calls recorded here; tests/gpu runs them)."""
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    data = host_pool.pinned_empty((3, 5), torch.float16)
+    assert data.shape == (3, 5) and not data.any()
+    assert calls == [("register", data.data_ptr(), 30)]
+    ptr = data.data_ptr()
+    del data
+    assert calls[1:] == [("unregister", ptr)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -62,6 +63,11 @@ def resolve_device(device: str | None, local_rank: int) -> torch.device:
         chosen = torch.device(device)
         return torch.device("cuda", torch.cuda.current_device()) if chosen == torch.device("cuda") else chosen
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _moved_in_batches(op) -> type | None:
+    """Offload or Load: consecutive ones are applied as one batch (None: any other op)."""
+    return type(op) if isinstance(op, (Offload, Load)) else None
 
 
 class ModelRunner:
@@ -125,6 +131,7 @@ class ModelRunner:
         self._grammar_thread: ThreadPoolExecutor | None = None
         self._grammar_loads: dict[int, list] = {}
         self._trace = None
+        self._ops_ms = 0.0  # host time the last plan's ops took (offloads and loads of the prefix cache's tiers)
         self._device_thread = ThreadPoolExecutor(1, "device") if self.device.type == "cpu" else None
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
         burst = burst_budget(config.burst_chunked_prefill_size, config.chunked_prefill_size, self.device.type)
@@ -278,7 +285,9 @@ class ModelRunner:
         return future
 
     def _apply_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
+        started = time.perf_counter()
         self.apply(plan.ops)
+        self._ops_ms = (time.perf_counter() - started) * 1000  # the step trace's ops_ms
         if self.device.type == "cpu":
             self._trim_heap(idle=plan.empty and not self.reqs)
         return None if plan.empty else self._launch(plan)
@@ -321,7 +330,8 @@ class ModelRunner:
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
                             len(chunks), graphed_decode or layout is not None,
-                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts, plan.sync)
+                            sum(r.seq_len for r in decodes.reqs), sum(r.seq_len for r, _ in chunks), plan.num_drafts,
+                            sync=plan.sync, ops=len(plan.ops), ops_ms=self._ops_ms)
         return launched
 
     def _start_requests(self, plan: StepPlan) -> None:
@@ -501,57 +511,77 @@ class ModelRunner:
     def apply(self, ops: list) -> None:
         """Apply a plan's ops in order. Safe while the steps that wrote those slots are still
         queued: the device runs the ops and any later step in order (on the CPU: the device
-        thread). Every rank applies the same ops and ends up with the same slots."""
-        table = self.req_table.req_to_token
+        thread). Every rank applies the same ops and ends up with the same slots. Consecutive
+        Offloads, and consecutive Loads, move as one batch (the scheduler emits a step's room
+        before its loads: `Scheduler._load_host`)."""
         to_free = []
-        for op in ops:
-            if isinstance(op, Release):
-                r = self.reqs.pop(op.req_id)
-                end = r.seq_len if op.end < 0 else op.end
-                if not r.prefix_len <= op.start <= end <= r.seq_len:
-                    raise ValueError(f"release of request {op.req_id}: positions [{op.start}, {end}) of "
-                                     f"{r.seq_len} ({r.prefix_len} from the cache)")
-                to_free.append(table[r.row, op.start: end])
-                self._free_row(r)
-            elif isinstance(op, Insert):
-                r = self.reqs[op.req_id]
-                if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:
-                    raise ValueError(f"cache insert {op} of a request with {r.seq_len} tokens")
-                self.nodes[op.node_id] = table[r.row, op.start: op.end].clone()
-            elif isinstance(op, Split) and op.node_id not in self.nodes:
-                self._pool_of(op.node_id).split(op.node_id, op.at, op.upper_id)
-            elif isinstance(op, Split):
-                slots = self.nodes[op.node_id]
-                self.nodes[op.upper_id], self.nodes[op.node_id] = slots[: op.at], slots[op.at:]
-            elif isinstance(op, Evict) and op.node_id not in self.nodes:
-                self._pool_of(op.node_id).drop(op.node_id)
-            elif isinstance(op, Evict):
-                to_free.append(self.nodes.pop(op.node_id))
-            elif isinstance(op, Offload):
-                to_free.append(self.nodes.pop(op.node_id))
-                self.host_pool.offload(op.node_id, to_free[-1], self.token_table.k + self.token_table.v)
-            elif isinstance(op, Snapshot):
-                self.snapshot_pool.copy_slot(op.slot, self.state_pool, self.reqs[op.req_id].row)
-            elif isinstance(op, Spill):
-                self.disk_pool.take_from(op.node_id, self.host_pool)
-            elif isinstance(op, Load):
-                to_free = self._free_slots(to_free)  # the room evicted for it
-                pool = self._pool_of(op.node_id)
-                slots = self.token_table.alloc(sum(length for _, length in pool.nodes[op.node_id]))
-                pool.load(op.node_id, slots, self.token_table.k + self.token_table.v)
-                self.nodes[op.node_id] = slots.int()
-            elif isinstance(op, Reset):
-                self.reset()
-                to_free = []
-            elif isinstance(op, LoadGrammar):
-                self._grammar_loads[op.req_id] = [self._load_grammar(op), False]
-            elif isinstance(op, DropGrammar):
-                self._grammar_loads.pop(op.req_id, None)
-            elif isinstance(op, (LoadLora, DropLora)):
-                self._lora_op(op)
+        for kind, group in itertools.groupby(ops, key=_moved_in_batches):
+            if kind is Offload:
+                to_free += self._offload([op.node_id for op in group])
+            elif kind is Load:
+                to_free = self._free_slots(to_free)  # the room evicted for them
+                self._load([op.node_id for op in group])
             else:
-                raise TypeError(f"unknown op {op!r}")
+                for op in group:
+                    to_free = self._apply_one(op, to_free)
         self._free_slots(to_free)
+
+    def _apply_one(self, op, to_free: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Any op but Offload and Load; returns the slots to free at the end (none after a Reset)."""
+        table = self.req_table.req_to_token
+        if isinstance(op, Release):
+            r = self.reqs.pop(op.req_id)
+            end = r.seq_len if op.end < 0 else op.end
+            if not r.prefix_len <= op.start <= end <= r.seq_len:
+                raise ValueError(f"release of request {op.req_id}: positions [{op.start}, {end}) of "
+                                 f"{r.seq_len} ({r.prefix_len} from the cache)")
+            to_free.append(table[r.row, op.start: end])
+            self._free_row(r)
+        elif isinstance(op, Insert):
+            r = self.reqs[op.req_id]
+            if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:
+                raise ValueError(f"cache insert {op} of a request with {r.seq_len} tokens")
+            self.nodes[op.node_id] = table[r.row, op.start: op.end].clone()
+        elif isinstance(op, Split) and op.node_id not in self.nodes:
+            self._pool_of(op.node_id).split(op.node_id, op.at, op.upper_id)
+        elif isinstance(op, Split):
+            slots = self.nodes[op.node_id]
+            self.nodes[op.upper_id], self.nodes[op.node_id] = slots[: op.at], slots[op.at:]
+        elif isinstance(op, Evict) and op.node_id not in self.nodes:
+            self._pool_of(op.node_id).drop(op.node_id)
+        elif isinstance(op, Evict):
+            to_free.append(self.nodes.pop(op.node_id))
+        elif isinstance(op, Snapshot):
+            self.snapshot_pool.copy_slot(op.slot, self.state_pool, self.reqs[op.req_id].row)
+        elif isinstance(op, Spill):
+            self.disk_pool.take_from(op.node_id, self.host_pool)
+        elif isinstance(op, Reset):
+            self.reset()
+            return []
+        elif isinstance(op, LoadGrammar):
+            self._grammar_loads[op.req_id] = [self._load_grammar(op), False]
+        elif isinstance(op, DropGrammar):
+            self._grammar_loads.pop(op.req_id, None)
+        elif isinstance(op, (LoadLora, DropLora)):
+            self._lora_op(op)
+        else:
+            raise TypeError(f"unknown op {op!r}")
+        return to_free
+
+    def _offload(self, node_ids: list[int]) -> list[torch.Tensor]:
+        """The nodes' KV to the host pool in one batch; returns their slots (to free)."""
+        slots = [self.nodes.pop(node_id) for node_id in node_ids]
+        self.host_pool.offload(list(zip(node_ids, slots)), self.token_table.k + self.token_table.v)
+        return slots
+
+    def _load(self, node_ids: list[int]) -> None:
+        """The nodes' KV back into fresh slots, a batch for each run of nodes in one pool."""
+        for pool, group in itertools.groupby(node_ids, key=self._pool_of):
+            group = list(group)
+            sizes = [sum(length for _, length in pool.nodes[node_id]) for node_id in group]
+            slots = self.token_table.alloc(sum(sizes)).split(sizes)
+            pool.load(list(zip(group, slots)), self.token_table.k + self.token_table.v)
+            self.nodes.update((node_id, s.int()) for node_id, s in zip(group, slots))
 
     def _new_snapshot_pool(self, config) -> StatePool | None:
         """The prefix cache's state snapshots (None: no recurrent state, no cache, or no room)."""

@@ -17,8 +17,10 @@ a step needs their room.
 With a host tier (`host_cache_tokens`) evicted nodes move to host memory instead; a request
 whose match reaches them locks its path and loads them back (`_load_host`) when it is admitted
 or takes more cached tokens before its first chunk, after evicting room for them: the Load ops
-precede its first chunk in the plan. Admission charges a matched path's host-resident tokens
-like its device ones, so loads in flight are inside the proof.
+precede its first chunk in the plan, and the requests admitted together evict their room before
+any of them loads (a step's Offloads, then its Loads, consecutive: one batch each in the runner).
+Admission charges a matched path's host-resident tokens like its device ones, so loads in flight
+are inside the proof.
 
 For a model with recurrent state (`snapshot_interval` > 0) a request resumes only where the tree
 holds a snapshot of the state: its match is cut back to the deepest one (`RadixCache.resumable`),
@@ -414,7 +416,7 @@ class Scheduler:
             node = self.cache.take(found)
             self.cache.lock(node, above=above)
             req.node, req.prefilled = node, node.depth
-            self._load_host(req)
+            self._load_host([req])
 
     def _match(self, tokens: list[int], above=None) -> Match:
         """The longest cached prefix of `tokens` below `above` (the root) that a request can resume."""
@@ -429,11 +431,19 @@ class Scheduler:
         boundary = (req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval
         return min(req.prompt_left, boundary - req.prefilled)
 
-    def _load_host(self, req: Req) -> None:
-        """Its locked path's host-resident nodes come back to the device, root side first, each
-        after room is evicted for it (admission charged their tokens)."""
-        for node in self.cache.host_path(req.node):
-            self._make_room(len(node.key))
+    def _load_host(self, reqs: list[Req]) -> None:
+        """Their locked paths' host-resident nodes come back to the device, root side first, after
+        room is evicted for all of them (admission charged their tokens): the plan then holds the
+        evictions, then the loads, which the runner moves as one batch each. A node two paths
+        share counts as a host hit of the first."""
+        nodes: dict = {}  # node -> the request it is loaded for, in load order
+        for req in reqs:
+            for node in self.cache.host_path(req.node):
+                nodes.setdefault(node, req)
+        if not nodes:
+            return
+        self._make_room(sum(len(node.key) for node in nodes))
+        for node, req in nodes.items():
             req.disk_hits += len(node.key) if node.disk else 0
             self.cache.load(node)
             req.host_hits += len(node.key)
@@ -527,6 +537,7 @@ class Scheduler:
             lo = 1  # alone, a request never holds more than its cap: the delay term is moot
         if lo:
             self._last_admission_step = self._next_step
+        matched = []  # admitted with a cached prefix: their host-resident nodes load once all are locked
         for req in candidates[:lo]:
             del self.waiting[req.req_id]
             self._waiting_prompt_tokens -= req.prompt_len
@@ -540,7 +551,9 @@ class Scheduler:
                     req.node = self.cache.take(found)
                     self.cache.lock(req.node)
                     req.prefilled = found.length
-                    self._load_host(req)
+                    matched.append(req)
+        if self.cache is not None:
+            self._load_host(matched)
 
     def _within_lora_slots(self, candidates: list[Req]) -> list[Req]:
         """The candidates up to the first whose LoRA adapter would be one more than the runner's

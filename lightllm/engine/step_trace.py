@@ -18,10 +18,12 @@ the process and their host time (Triton compiling, or loading from its cache; ke
 CUDA only), and where there are any, `new_kernel_names`, their kernels. Eager steps on CUDA also
 carry the caching allocator's counts so far: `device_allocs`, the blocks it had to take from the
 driver (cudaMalloc), and `alloc_retries`, the allocations it could only serve after freeing its
-cached blocks (cudaFree, which waits for the device). `sync` marks a step whose result the
-engine waited for before planning the next (a step with drafts, or run without overlap);
-`collected` counts the times the engine collected the step in flight just before this one
-(speculative decoding does before a step it expects to have drafts).
+cached blocks (cudaFree, which waits for the device). A step whose plan carried ops (releases, the
+prefix cache's inserts, evictions, and its tiers' offloads and loads) has `ops` and `ops_ms`, the
+host time they took before its launch began. `sync` marks a step whose result the engine waited
+for before planning the next (a step with drafts, or run without overlap); `collected` counts the
+times the engine collected the step in flight just before this one (speculative decoding does
+before a step it expects to have drafts).
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
@@ -85,7 +87,8 @@ class StepTrace:
                 "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
-            decode_context: int, chunk_context: int, drafts: int = 0, sync: bool = False) -> None:
+            decode_context: int, chunk_context: int, drafts: int = 0, sync: bool = False, ops: int = 0,
+            ops_ms: float = 0.0) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         if drafts:
             record["drafts"] = drafts
@@ -93,6 +96,8 @@ class StepTrace:
             record["sync"] = True
         if self.collections:
             record["collected"], self.collections = self.collections, 0
+        if ops:  # the plan's ops, applied before `begin`: their host time is not in launch_ms
+            record.update(ops=ops, ops_ms=round(ops_ms, 3))
         record.update(step=step_id, decodes=decodes, chunk_tokens=chunk_tokens, chunks=chunks, graph=graph,
                       decode_context=decode_context, chunk_context=chunk_context,
                       launch_ms=(now - record.pop("host_start")) * 1000,

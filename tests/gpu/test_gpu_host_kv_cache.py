@@ -24,11 +24,11 @@ def test_offload_reuse_load_on_the_copy_stream():
     assert pool.data.is_pinned()
     old = torch.randperm(4096, device=device)[:1500].int()
     expected = [t[old.long()].clone() for t in table.k + table.v]
-    pool.offload(1, old, table.k + table.v)
+    pool.offload([(1, old)], table.k + table.v)
     for t in table.k + table.v:  # the step's stream overwrites the freed slots at once
         t.index_fill_(0, old.long(), 0)
     new = torch.randperm(4096, device=device)[:1500]
-    pool.load(1, new, table.k + table.v)
+    pool.load([(1, new)], table.k + table.v)
     for t, want in zip(table.k + table.v, expected):
         torch.testing.assert_close(t[new], want, rtol=0, atol=0)
 
