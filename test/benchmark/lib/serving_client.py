@@ -120,8 +120,15 @@ async def post_completions_stream(session: aiohttp.ClientSession, url: str, body
                                   result: RequestResult) -> None:
     """/v1/completions, streamed, timed as vLLM's client times it: TTFT at the first chunk with a
     choice (even one of empty text), ITL between such chunks, the token count from the usage."""
+    await post_openai_stream(session, f"{url}/v1/completions", body, result, lambda choice: choice.get("text") or "")
+
+
+async def post_openai_stream(session: aiohttp.ClientSession, endpoint: str, body: dict, result: RequestResult,
+                             chunk_text) -> None:
+    """An OpenAI route's stream into `result`: `chunk_text(choice)` is a chunk's output text, or
+    None for a chunk that carries none (no TTFT, no ITL); the token count comes from the usage."""
     start = last = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=body) as response:
+    async with session.post(endpoint, json=body) as response:
         if response.status != 200:
             result.error = await error_text(response)
             return
@@ -130,18 +137,18 @@ async def post_completions_stream(session: aiohttp.ClientSession, url: str, body
             if event.get("error"):
                 result.error = f"stream error: {event['error']}"
                 return
-            choices = event.get("choices")
-            if choices:
-                now = time.perf_counter()
-                if result.ttft is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                pieces.append(choices[0].get("text") or "")
-                finished = finished or choices[0].get("finish_reason") is not None
-            elif event.get("usage"):
-                result.output_len = event["usage"]["completion_tokens"]
+            result.output_len = (event.get("usage") or {}).get("completion_tokens", result.output_len)
+            for choice in event.get("choices") or ():
+                text = chunk_text(choice)
+                if text is not None:
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    pieces.append(text)
+                finished = finished or choice.get("finish_reason") is not None
         result.output_text = "".join(pieces)
         result.success = finished
         result.error = "" if finished else "stream ended without a finish reason"
@@ -375,31 +382,8 @@ def chat_payload(messages: list[dict], max_tokens: int) -> dict:
 async def post_chat_stream(session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult) -> None:
     """/v1/chat/completions, streamed: TTFT at the first text, ITL between chunks (a chunk may carry
     several tokens), the token count from the usage chunk."""
-    start = last = time.perf_counter()
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            result.error = await error_text(response)
-            return
-        pieces, finished = [], False
-        async for event in sse_events(response):
-            if event.get("error"):
-                result.error = f"stream error: {event['error']}"
-                return
-            result.output_len = (event.get("usage") or {}).get("completion_tokens", result.output_len)
-            for choice in event.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    now = time.perf_counter()
-                    if result.ttft is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    pieces.append(text)
-                finished = finished or choice.get("finish_reason") is not None
-        result.output_text = "".join(pieces)
-        result.success = finished
-        result.error = "" if finished else "stream ended without a finish reason"
+    await post_openai_stream(session, f"{url}/v1/chat/completions", body, result,
+                             lambda choice: (choice.get("delta") or {}).get("content") or None)
 
 
 async def send_chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> RequestResult:
