@@ -211,16 +211,15 @@ class ModelRunner:
         try:
             job = self._submit(plan) if plan.ops or not plan.empty else None
             done = [] if self._pending is None else [self._settle(self._pending.result())]
-            if self._trace is not None and job is None and done:  # the engine collected the step in flight
-                self._trace.collections += 1
             self._pending = None
             if job is not None and (plan.sync or plan.empty):
                 launched = job.result()
                 done += [] if launched is None else [self._settle(launched)]
             elif job is not None:
                 self._pending = job
-            if job is None and self._trace is not None:  # idle now: the trace is whole on disk (a stop
-                self._trace.flush()  # may end this process before its atexit runs)
+            if job is None and self._trace is not None:  # nothing launched: an idle runner's trace is whole
+                self._trace.collections += bool(done)  # on disk (a stop may end it before atexit runs); with
+                self._trace.flush()  # a result back, the engine collected the step in flight
             return self._report_grammars(done, idle=job is None)
         except BaseException:
             self._pending = None
