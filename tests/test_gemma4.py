@@ -30,8 +30,8 @@ def test_shared_layers_own_no_kv_buffer(tmp_path, monkeypatch):
 
 
 class _Budget:
-    def tokens(self, token_bytes):
-        assert token_bytes == 2 * (2 * 16 + 1 * 32) * 4
+    def tokens(self, token_bytes, fixed_bytes):
+        assert (token_bytes, fixed_bytes) == (2 * (2 * 16 + 1 * 32) * 4, 0)
         return 1000
 
     def describe(self, device):

@@ -260,8 +260,10 @@ def default_runs(default_model_dir):
                 (copy, Params(max_tokens=40, temperature=0, logit_bias={9: 5.0}, min_tokens=5)),
                 (quote, Params(max_tokens=30, temperature=0, presence_penalty=0.5))]
     runs = {}
-    for method in (None, "ngram", "suffix"):
+    for method in (None, "ngram", "suffix", "draft_model"):
         config = None if method is None else {"method": method, "num_speculative_tokens": 6}
+        if method == "draft_model":  # the model as its own draft: real weights, drafts mostly accepted
+            config["model"] = str(default_model_dir)
         llm = LLM(default_model_dir, max_total_token_num=4096, chunked_prefill_size=32, speculative_config=config)
         try:
             outs = [llm.chat(messages, params, use_tqdm=False)[0] for messages, params in requests[:1]]
@@ -274,7 +276,7 @@ def default_runs(default_model_dir):
     return runs
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_default_model_output_is_unchanged_by_speculation(default_runs, method):
     """Greedy and seeded outputs, stop strings, logit_bias with min_tokens, penalties (which do not
     speculate), n > 1 and logprobs: the same with drafts as without, and drafts did run."""
@@ -289,14 +291,18 @@ def test_default_model_output_is_unchanged_by_speculation(default_runs, method):
                 assert all(abs(pos[t].logprob - pos0[t].logprob) < 1e-3 for t in pos)
 
 
-def test_server_streams_the_same_tokens_and_reports_drafts(default_server, default_model_dir, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_server_streams_the_same_tokens_and_reports_drafts(default_server, default_model_dir, tmp_path, method):
     """A server with --speculative_config: /info shows it, a copy request streams the tokens the
-    plain server streams (several per event batch at times), and /metrics counts the drafts."""
+    plain server streams (several per event batch at times), and /metrics counts the drafts. With
+    a draft model (the model drafting for itself) the workers run it, across their rpyc seam."""
     import json
 
     from server_utils import sse_events, start_server
 
-    config = {"method": "ngram", "num_speculative_tokens": 6}
+    config = {"method": method, "num_speculative_tokens": 6}
+    if method == "draft_model":
+        config["model"] = str(default_model_dir)
     server = start_server(["--model_dir", str(default_model_dir), "--speculative_config", json.dumps(config)],
                           tmp_path / "server.log")
     try:

@@ -22,6 +22,7 @@ class RunningReq:
     sampling: SamplingState
     prompt_logprobs: list | None = None  # (logprob, top) per prompt position from the 2nd, as computed
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: none)
+    draft_len: int = 0  # positions whose K/V the draft model holds (spec/draft_runner.py)
 
 
 @dataclass

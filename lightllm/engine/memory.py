@@ -130,9 +130,9 @@ class MemoryBudget:
     def limit(self) -> int:
         return int(self.total * self.mem_fraction)
 
-    def tokens(self, token_bytes: int) -> int:
-        """KV tokens that fit beside the peak."""
-        return max(0, (self.limit - self.in_use - self.peak - self.graphs) // token_bytes)
+    def tokens(self, token_bytes: int, fixed_bytes: int = 0) -> int:
+        """KV tokens that fit beside the peak (and `fixed_bytes` the KV takes whatever its tokens)."""
+        return max(0, (self.limit - self.in_use - self.peak - self.graphs - fixed_bytes) // token_bytes)
 
     def describe(self, device: torch.device) -> str:
         what = "GPU memory" if device.type == "cuda" else "host RAM"
@@ -184,9 +184,9 @@ def token_budget(runner, requested: int | None, chunk_budget: int, mem_fraction:
     given: the host is shared, and a larger cache buys a CPU server nothing."""
     found = profile(runner, chunk_budget, mem_fraction, graph_bytes)
     device = runner.device
-    per_token = 2 * sum(heads * dim for heads, dim in runner.model.kv_shapes) * runner.kv_dtype.itemsize
-    fits = runner.tp.min_int(found.tokens(per_token), device)
-    where = f"{found.describe(device)}, {per_token} B a token"
+    per_token, fixed = runner.kv_bytes()
+    fits = runner.tp.min_int(found.tokens(per_token, fixed), device)
+    where = f"{found.describe(device)}, {per_token} B a token" + (f" and {_gib(fixed)} besides" if fixed else "")
     if requested is not None:
         if requested > fits:
             raise ValueError(f"--max_total_token_num {requested} does not fit: at most {fits} tokens fit in {where}; "

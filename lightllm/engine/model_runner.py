@@ -38,11 +38,13 @@ from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import snapshot_slots, state_slots, token_budget
-from lightllm.engine.plan import (DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
+from lightllm.engine.plan import (DraftRequest, DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
                                   Reset, Snapshot, Spill, Split, StepPlan, StepResult)
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
+from lightllm.engine.spec.config import SpeculativeConfig
+from lightllm.engine.spec.draft_runner import DraftRunner
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.models.lora import LoraAdapters, module_shapes
@@ -108,6 +110,7 @@ class ModelRunner:
             slot_bytes = self.model.state_slot_bytes()
             running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
+        self.drafter = self._load_drafter(config, dtype, running + 1)  # weights in use before the budget is sized
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
         # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
@@ -187,9 +190,40 @@ class ModelRunner:
             loras.add(lora_id, path)
         return loras
 
+    def _load_drafter(self, config: EngineConfig, dtype: torch.dtype, rows: int) -> DraftRunner | None:
+        """The draft model of --speculative_config's draft_model method (None for any other)."""
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is None or spec.method != "draft_model":
+            return None
+        if self.config.linear_attn:
+            return None  # the engine serves such a model without speculation (build.py)
+        return DraftRunner(spec.model, self.config.vocab_size, dtype=dtype, kv_dtype=self.kv_dtype,
+                           device=self.device, tp=self.tp, max_positions=self.max_req_total_len,
+                           k_max=spec.num_speculative_tokens, rows=rows, load_format=config.load_format)
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(bytes a token of KV budget takes, bytes taken whatever the budget): the draft model's
+        KV rides on the target's slots and adds its scratch rows."""
+        per_token = 2 * sum(heads * dim for heads, dim in self.model.kv_shapes) * self.kv_dtype.itemsize
+        if self.drafter is None:
+            return per_token, 0
+        return per_token + self.drafter.bytes_per_token(), self.drafter.scratch_bytes()
+
     def new_token_table(self, size: int) -> TokenTable:
         shapes = self.model.kv_shapes
+        if self.drafter is not None:
+            self.drafter.new_kv(size)
         return TokenTable(size, len(shapes), *shapes[0], self.kv_dtype, self.device, shapes=shapes)
+
+    def draft(self, asks: list[DraftRequest]) -> list[tuple[tuple[int, ...], int]]:
+        """The draft model's proposals (`DraftRunner.propose`), between steps: the step in flight,
+        if any, must have been collected (drafts continue the latest tokens)."""
+        if self.drafter is None:
+            raise ValueError("no draft model is served (--speculative_config method draft_model)")
+        if self._pending is not None:
+            raise ValueError("draft asked for while a step is in flight")
+        run = lambda: self.drafter.propose(asks, self.reqs, self.req_table.req_to_token)  # noqa: E731
+        return self._device_thread.submit(run).result() if self._device_thread is not None else run()
 
     def _new_host_pool(self, gib: float, path: str | None = None) -> HostKVPool | None:
         """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,

@@ -202,3 +202,23 @@ def result_from_wire(wire: tuple | None) -> StepResult | None:
         return None
     step_id, tokens, error, grammars = wire
     return StepResult(step_id, [SampledToken(*t) for t in tokens], error, list(grammars))
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """A draft model's proposal for one request (spec/draft_runner.py): its tokens from position
+    `start` on, and how many drafts to continue them with (0: catch up only, the tokens end
+    before the request's last sampled one)."""
+
+    req_id: int
+    start: int
+    tokens: tuple[int, ...]
+    k: int
+
+
+def drafts_to_wire(asks: list[DraftRequest]) -> tuple:
+    return tuple((a.req_id, a.start, tuple(a.tokens), a.k) for a in asks)
+
+
+def drafts_from_wire(wire: tuple) -> list[DraftRequest]:
+    return [DraftRequest(req_id, start, tuple(tokens), k) for req_id, start, tokens, k in wire]

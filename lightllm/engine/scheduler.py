@@ -358,9 +358,10 @@ class Scheduler:
         the engine then collects the step in flight first (drafts continue the latest tokens).
         A request counts if the source had drafts for it after its last token (its shadow)."""
         reqs = [r for r in self.running if r.status is ReqStatus.DECODING and r.needs_decode]
-        candidates = [r for r in reqs if r.spec.shadow and r.spec.measured and self._draftable_later(r)]
-        alphas = [r.spec.alpha(self.speculator.global_alpha) for r in candidates]
-        limits = [min(len(r.spec.shadow), self._draftable_later(r)) for r in candidates]
+        spec = self.speculator
+        candidates = [r for r in reqs if spec.limit(r.spec) and r.spec.measured and self._draftable_later(r)]
+        alphas = [r.spec.alpha(spec.global_alpha) for r in candidates]
+        limits = [min(spec.limit(r.spec), self._draftable_later(r)) for r in candidates]
         return self.speculator.allocate(alphas, limits, len(reqs), len(reqs)) is not None
 
     def _draftable_later(self, req: Req) -> int:
@@ -380,11 +381,7 @@ class Scheduler:
         if counts is None:
             spec.planned(False)
             return {}
-        drafts = {}
-        for req, k in zip(candidates, counts):
-            proposal = spec.source.propose(req.req_id, k) if k else []
-            if proposal:
-                drafts[req.req_id] = proposal[:k]
+        drafts = spec.propose({req.req_id: k for req, k in zip(candidates, counts) if k})
         while drafts and not self._drafts_fit(drafts):
             drafts = {i: d[: len(d) // 2] for i, d in drafts.items() if len(d) > 1}
         spec.planned(bool(drafts))

@@ -31,7 +31,8 @@ from rpyc.core.stream import SocketStream
 from rpyc.utils.authenticators import AuthenticationError
 
 from lightllm.engine.core import WorkerDied
-from lightllm.engine.plan import StepPlan, StepResult, plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
+from lightllm.engine.plan import (DraftRequest, StepPlan, StepResult, drafts_from_wire, drafts_to_wire, plan_from_wire,
+                                  plan_to_wire, result_from_wire, result_to_wire)
 from lightllm.utils.process import (STOP_SIGNAL, freeze_startup_heap, init_child_process, start_signals_blocked,
                                     starting_child, stop_processes, use_one_heap)
 
@@ -84,6 +85,9 @@ class ModelWorkerService(rpyc.Service):
 
     def exposed_step(self, plan: tuple) -> tuple:
         return tuple(result_to_wire(r) for r in self.runner.step(plan_from_wire(plan)))
+
+    def exposed_draft(self, asks: tuple) -> tuple:
+        return to_wire(self.runner.draft(drafts_from_wire(asks)))
 
     def exposed_stats(self) -> tuple:
         return to_wire(self.runner.stats())
@@ -211,7 +215,7 @@ def connect_remote_worker(rank: int, node: int, host: str, port: int, token: byt
 class ModelWorkers:
     """The router's handle on every rank: on this machine, and on the others when given a layout."""
 
-    METHODS = ("load", "step", "stats", "ping")
+    METHODS = ("load", "step", "draft", "stats", "ping")
 
     def __init__(self, tp: int, log_level: str, layout: NodeLayout | None = None, replica: int = 0,
                  replicas: int = 1):
@@ -283,6 +287,10 @@ class ModelWorkers:
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         return [result_from_wire(r) for r in self._call_all("step", plan_to_wire(plan))]
+
+    def draft(self, asks: list[DraftRequest]) -> list[tuple[tuple[int, ...], int]]:
+        """The draft model's proposals (every rank runs it: each holds its shard of the draft's KV)."""
+        return [(tuple(drafts), drafted) for drafts, drafted in self._call_all("draft", drafts_to_wire(asks))]
 
     def stats(self) -> dict:
         return dict(self._gather([self._methods["stats"][0]()]))  # read-only: rank 0 is enough

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-# Draft sources that need no model; "module:Class" names one from elsewhere (benchmarks' controlled draft).
-METHODS = ("ngram", "suffix")
+# Draft sources; "module:Class" names one from elsewhere (benchmarks' controlled draft).
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -46,6 +46,8 @@ class SpeculativeConfig:
         if self.method not in METHODS and ":" not in self.method:
             raise ValueError(f"speculative method {self.method!r}: choose one of {', '.join(METHODS)} "
                              "(or module:Class for a draft source of your own)")
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError('speculative method draft_model needs "model": the draft model\'s directory')
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -40,6 +40,9 @@ DECAY = 0.97  # a request's acceptance counts fade by this per outcome: about th
 PRIOR_WEIGHT = 2.0  # a new request's acceptance is the global one, worth this many outcomes
 GLOBAL_RATE = 0.02  # the global acceptance moves this far towards each outcome
 GLOBAL_PRIOR = 0.3
+# ... and with a draft model, whose acceptance no shadow proposal measures before it is tried: a
+# draft model's chains are accepted about this much a token where it suits its target at all.
+MODEL_DRAFT_PRIOR = 0.6
 ENTER_MARGIN = 0.05  # from plain steps, speculate only when 5% ahead: entering costs a step's overlap
 COST_RATE = 0.1  # a step period's estimate moves this far towards each measurement
 # While it speculates, plain steps of the batch's size are not measured: after this many steps
@@ -67,6 +70,7 @@ class RequestSpec:
     accepted: float = 0.0
     rejected: float = 0.0
     shadow: list[int] = field(default_factory=list)
+    unshadowed: bool = False  # its source makes no shadow proposals: it may speculate from the start
 
     def outcome(self, accepted: int, rejected: bool) -> None:
         self.accepted = self.accepted * DECAY + accepted
@@ -75,7 +79,7 @@ class RequestSpec:
     @property
     def measured(self) -> bool:
         """Some draft of its own was scored (shadow or verified): it may speculate."""
-        return self.accepted + self.rejected > 0
+        return self.unshadowed or self.accepted + self.rejected > 0
 
     def alpha(self, prior: float) -> float:
         return (self.accepted + PRIOR_WEIGHT * prior) / (self.accepted + self.rejected + PRIOR_WEIGHT)
@@ -160,13 +164,16 @@ class Speculator:
     """The draft source and the controller, for the scheduler: it sees each request's tokens
     and says which drafts the next step verifies. Counters in vLLM's names feed /metrics."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_rows: int):
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_rows: int, drafter=None):
+        """`drafter`: the workers' `draft` call, for a draft model."""
         self.config = config
-        self.source = make_draft_source(config, vocab_size)
+        self.source = make_draft_source(config, vocab_size, drafter)
+        # Shadow proposals where proposing is free (the host's sources); a draft model's cost device time
+        self.shadows = getattr(self.source, "free_proposals", True)
         self.k_max = config.num_speculative_tokens
         self.max_rows = max_rows  # decode rows a step may have (the largest CUDA-graph decode bucket)
         self.costs = StepCosts()
-        self.global_alpha = GLOBAL_PRIOR
+        self.global_alpha = GLOBAL_PRIOR if self.shadows else MODEL_DRAFT_PRIOR
         self.speculating = False  # the last plan had drafts
         self._drafted_steps = 0  # steps with drafts since the last probe
         self._probe_left = 0  # plain steps still to run for the probe
@@ -181,7 +188,7 @@ class Speculator:
 
     def start(self, req_id: int, prompt_ids: list[int]) -> RequestSpec:
         self.source.start(req_id, prompt_ids)
-        return RequestSpec()
+        return RequestSpec(unshadowed=not self.shadows)
 
     def finish(self, req_id: int) -> None:
         self.source.finish(req_id)
@@ -203,6 +210,8 @@ class Speculator:
     def shadow_drafts(self, reqs: list[tuple[int, RequestSpec]]) -> None:
         """New shadow drafts for requests whose last ones are used up, at most
         SHADOW_PROPOSALS_A_STEP a step, taken in turns across steps."""
+        if not self.shadows:
+            return
         empty = [(req_id, spec) for req_id, spec in reqs if not spec.shadow]
         if len(empty) > SHADOW_PROPOSALS_A_STEP:
             start = self._shadow_turn % len(empty)
@@ -210,6 +219,18 @@ class Speculator:
             empty = (empty[start:] + empty[:start])[:SHADOW_PROPOSALS_A_STEP]
         for req_id, spec in empty:
             spec.shadow = self.source.propose(req_id, self.k_max)
+
+    def propose(self, wants: dict[int, int]) -> dict[int, list[int]]:
+        """Drafts for each request (req id -> most drafts), in one call where the source batches them."""
+        many = getattr(self.source, "propose_many", None)
+        if many is not None:
+            return many(wants)
+        proposals = ((req_id, self.source.propose(req_id, k)) for req_id, k in wants.items())
+        return {req_id: drafts[: wants[req_id]] for req_id, drafts in proposals if drafts}
+
+    def limit(self, spec: RequestSpec) -> int:
+        """Most drafts the request's source may propose next: its shadow's length, or k_max without shadows."""
+        return len(spec.shadow) if self.shadows else self.k_max
 
     def verified(self, spec: RequestSpec, drafts: int, accepted: int) -> None:
         """A step verified `drafts` drafts of the request and accepted the first `accepted`."""
@@ -270,7 +291,7 @@ class Speculator:
         best = int(np.argmax(rate))
         plain = outputs / float(self.costs.plain(tokens))
         margin = 0.0 if self.speculating else ENTER_MARGIN
-        probe = self._plain_steps >= SPEC_PROBE_EVERY and max(alphas) >= SPEC_PROBE_ALPHA
+        probe = self._plain_steps >= SPEC_PROBE_EVERY and (max(alphas) >= SPEC_PROBE_ALPHA or not self.shadows)
         if rate[best] <= plain * (1 + margin) and not probe:
             return None
         return np.bincount(owner[order[: best + 1]], minlength=len(alphas)).tolist()

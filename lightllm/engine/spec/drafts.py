@@ -30,6 +30,10 @@ SuffixDraft (suffix decoding: Oliaro et al., 2024)
     output), kept whole in least-recently-finished order up to max_cached_tokens. Evicting a
     sequence removes its entries from the index, O(ladder steps * max_occurrences) a token, which
     is amortized over the token's insertion; so the index never outgrows the tokens it describes.
+
+ModelDraft (a draft model)
+    The workers run the draft model (spec/draft_runner.py); this side keeps each request's tokens
+    and how far the workers' draft KV has caught up, and asks for a step's proposals in one call.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lightllm.engine.plan import DraftRequest
 from lightllm.engine.spec.config import SpeculativeConfig
 
 
@@ -53,11 +58,16 @@ class DraftSource(Protocol):
     def finish(self, req_id: int) -> None: ...
 
 
-def make_draft_source(config: SpeculativeConfig, vocab_size: int) -> DraftSource:
+def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None) -> DraftSource:
+    """`drafter`: the workers' `draft` call, for the draft_model method."""
     if config.method == "ngram":
         return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixDraft(**config.options)
+    if config.method == "draft_model":
+        if drafter is None:
+            raise ValueError("the draft_model method needs workers that run the draft model")
+        return ModelDraft(drafter, **config.options)
     module, _, name = config.method.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(vocab_size=vocab_size, **config.options)
@@ -248,6 +258,66 @@ class SuffixDraft:
         """Every key _index_suffix entered for the sequence: the ladder n-grams followed by a token."""
         tokens = sequence.tokens
         return {tuple(tokens[end - n:end]) for end in range(1, len(tokens)) for n in self.key_lengths if n <= end}
+
+
+# Tokens a proposal call catches the draft model up on at most, over all its requests: the draft's
+# step then stays within the activations of a target chunk (which the KV budget is sized beside).
+# A request whose catch-up is longer goes on in later calls and gets no drafts until it is done.
+CATCH_UP_TOKENS = 2048
+
+
+@dataclass
+class _ModelDraftState:
+    tokens: list[int]
+    drafted: int = 0  # positions the workers' draft KV holds, as they last said
+
+
+class ModelDraft:
+    """draft_model: proposals from a draft model that the workers run (spec/draft_runner.py).
+    This side keeps each request's tokens and how far the draft's KV has caught up, and sends a
+    proposal call the tokens since. Proposals cost device time, so the controller makes no shadow
+    proposals with this source (`free_proposals`); its acceptance is learnt from verification."""
+
+    free_proposals = False
+
+    def __init__(self, drafter, catch_up_tokens: int = CATCH_UP_TOKENS):
+        self._drafter, self.catch_up_tokens = drafter, catch_up_tokens
+        self._requests: dict[int, _ModelDraftState] = {}
+
+    def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
+        assert req_id not in self._requests, f"request {req_id} started twice"
+        self._requests[req_id] = _ModelDraftState(list(prompt_ids))
+
+    def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
+        self._requests[req_id].tokens.extend(token_ids)
+
+    def finish(self, req_id: int) -> None:
+        self._requests.pop(req_id, None)
+
+    def propose(self, req_id: int, k: int) -> list[int]:
+        return self.propose_many({req_id: k}).get(req_id, [])
+
+    def propose_many(self, wants: dict[int, int]) -> dict[int, list[int]]:
+        """Drafts for each request (req id -> most drafts) in one call to the workers; requests
+        past this call's catch-up budget only catch up."""
+        asks, budget = [], self.catch_up_tokens
+        for req_id, k in wants.items():
+            state = self._requests[req_id]
+            pending = len(state.tokens) - state.drafted
+            if pending <= budget:
+                asks.append(DraftRequest(req_id, state.drafted, tuple(state.tokens[state.drafted:]), k))
+            elif budget > 0 and pending > 1:
+                take = min(budget, pending - 1)  # the last token goes with the drafts
+                asks.append(DraftRequest(req_id, state.drafted, tuple(state.tokens[state.drafted: state.drafted + take]), 0))
+            budget -= pending
+        if not asks:
+            return {}
+        out = {}
+        for ask, (drafts, drafted) in zip(asks, self._drafter(asks)):
+            self._requests[ask.req_id].drafted = drafted
+            if drafts:
+                out[ask.req_id] = list(drafts)
+        return out
 
 
 def _doubling(first: int, last: int) -> tuple[int, ...]:

@@ -1,0 +1,141 @@
+"""The draft model of `{"method": "draft_model", "model": DIR}`, run by every worker beside the target.
+
+Proposals are greedy chains of the draft model: point masses, so verification is the same as for
+the n-gram sources (a draft is accepted exactly when the target samples it).
+
+KV. The draft keeps its own K/V buffers with one row per slot of the target's token table: the
+draft's K/V of a request's position lives at the slot the target gave that position, so the
+target's allocation and the scheduler's admission proof cover the draft's KV too (its bytes a
+token are counted in the KV budget, `ModelRunner.kv_bytes_per_token`). Past them, `k_max` scratch
+rows per request row hold the positions a proposal runs ahead of the target (the request's last
+sampled token and the drafts but the last): a proposal writes those slots into the request's
+row of `req_to_token` past its length, where the target's next step overwrites them before it
+reads them.
+
+Catch-up. A proposal for a request runs the draft over the tokens its draft KV lacks (the host
+side, `drafts.ModelDraft`, sends them: it keeps every request's tokens), then k - 1 single-token
+steps. `RunningReq.draft_len` counts the positions whose draft K/V is in place; it ends at the
+request's length, since the last sampled token's K/V went to a scratch row and the drafts may be
+rejected. A request's draft KV is only ever read by its own proposals after its own catch-up has
+written it, so a prefix shared through the cache (whose draft KV another request wrote, or none
+did) is recomputed, the same values, at the first proposal.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+from kernels.extend_attention import extend_q_blocks
+from lightllm.common.token_table import TokenTable
+from lightllm.engine.batch import RunningReq, upload
+from lightllm.engine.plan import DraftRequest
+from lightllm.models import ForwardBatch, load_model, read_config
+
+logger = logging.getLogger(__name__)
+
+
+class DraftRunner:
+    def __init__(self, model_dir: str, target_vocab: int, *, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 device: torch.device, tp, max_positions: int, k_max: int, rows: int, load_format: str = "auto"):
+        """`rows`: request rows of the target's table (padding row included), each with k_max scratch rows."""
+        self.config = cfg = read_config(model_dir)
+        self.vocab = min(cfg.vocab_size, target_vocab)  # a draft's padded vocabulary beyond the target's never wins
+        if abs(cfg.vocab_size - target_vocab) > 1024:
+            raise ValueError(f"draft model {model_dir}: vocabulary of {cfg.vocab_size} tokens against the target's "
+                             f"{target_vocab}: the draft must share the target's tokenizer")
+        self.model = load_model(cfg, dtype=dtype, device=device, tp=tp, max_positions=max_positions,
+                                load_format=load_format)
+        self.device, self.kv_dtype, self.k_max, self.rows = device, kv_dtype, k_max, rows
+        self.kv: TokenTable | None = None
+        self._base = 0  # first scratch row: the target's table size
+
+    def bytes_per_token(self) -> int:
+        return 2 * sum(heads * dim for heads, dim in self.model.kv_shapes) * self.kv_dtype.itemsize
+
+    def scratch_bytes(self) -> int:
+        return self.rows * self.k_max * self.bytes_per_token()
+
+    def new_kv(self, size: int) -> None:
+        """Buffers for a target token table of `size` slots, and the scratch rows past them."""
+        self.kv = None  # the old buffers go before the new ones are taken
+        shapes = self.model.kv_shapes
+        self.kv = TokenTable(size + self.rows * self.k_max, len(shapes), *shapes[0], self.kv_dtype, self.device,
+                             shapes=shapes)
+        self._base = size
+
+    @torch.inference_mode()
+    def propose(self, asks: list[DraftRequest], reqs: dict[int, RunningReq],
+                req_to_token: torch.Tensor) -> list[tuple[tuple[int, ...], int]]:
+        """For each ask, (its drafts, the request's draft_len after): no drafts where the draft KV
+        lacks positions before `start` (the host then sends from draft_len) or the ask is stale."""
+        out: list[tuple[tuple[int, ...], int]] = [((), 0)] * len(asks)
+        runs = []  # (index in asks, request, ask) of the asks that run
+        for i, ask in enumerate(asks):
+            r = reqs.get(ask.req_id)
+            if r is None:
+                continue
+            end = ask.start + len(ask.tokens)
+            fits = end == r.seq_len + 1 if ask.k else end <= r.seq_len
+            if ask.start > r.draft_len or not fits or not ask.tokens:
+                out[i] = ((), r.draft_len)
+                continue
+            runs.append((i, r, ask))
+        if not runs:
+            return out
+        drafts = self._run([r for _, r, _ in runs], [a for _, _, a in runs], req_to_token)
+        for (i, r, ask), chain in zip(runs, drafts):
+            r.draft_len = min(r.seq_len, ask.start + len(ask.tokens))
+            out[i] = (tuple(chain[: ask.k]), r.draft_len)
+        return out
+
+    def _run(self, reqs: list[RunningReq], asks: list[DraftRequest], req_to_token: torch.Tensor) -> list[list[int]]:
+        """The catch-up step over every ask's tokens, then single-token steps down the chains."""
+        drafting = [j for j, a in enumerate(asks) if a.k]
+        for j in drafting:  # the scratch rows of the positions run ahead: the last token's and the drafts'
+            r = reqs[j]
+            scratch = self._base + r.row * self.k_max + torch.arange(asks[j].k, device=self.device)
+            req_to_token[r.row, r.seq_len: r.seq_len + asks[j].k] = scratch.int()
+        tokens = [t for a in asks for t in a.tokens]
+        logits = self._forward([r.row for r in reqs], [a.start for a in asks], [len(a.tokens) for a in asks],
+                               torch.tensor(tokens, device=self.device), req_to_token, wanted=drafting)
+        chains = [logits.argmax(-1)]
+        k = max((asks[j].k for j in drafting), default=0)
+        for step in range(1, k):
+            alive = [n for n, j in enumerate(drafting) if asks[j].k > step]
+            rows = [reqs[drafting[n]].row for n in alive]
+            starts = [reqs[drafting[n]].seq_len + step for n in alive]
+            index = torch.tensor(alive, device=self.device)
+            logits = self._forward(rows, starts, [1] * len(alive), chains[-1][index], req_to_token,
+                                   wanted=list(range(len(alive))))
+            latest = chains[-1].clone()
+            latest[index] = logits.argmax(-1)
+            chains.append(latest)
+        if not drafting:
+            return [[] for _ in asks]
+        by_drafting = torch.stack(chains, dim=1).tolist()  # one copy back: [drafting, k]
+        out = [[] for _ in asks]
+        for n, j in enumerate(drafting):
+            out[j] = by_drafting[n][: asks[j].k]
+        return out
+
+    def _forward(self, rows: list[int], starts: list[int], lengths: list[int], input_ids: torch.Tensor,
+                 req_to_token: torch.Tensor, wanted: list[int]) -> torch.Tensor:
+        """One draft step: request rows[i] feeds lengths[i] tokens from position starts[i]; the
+        logits (over the vocabulary both models share) of the last token of each chunk in `wanted`."""
+        token_rows = [row for row, n in zip(rows, lengths) for _ in range(n)]
+        positions = [p for start, n in zip(starts, lengths) for p in range(start, start + n)]
+        cu_q = [0]
+        for n in lengths:
+            cu_q.append(cu_q[-1] + n)
+        ints = {"positions": positions, "token_rows": token_rows, "ext_rows": rows, "ext_cu_q": cu_q,
+                "ext_kv_lens": [s + n for s, n in zip(starts, lengths)],
+                "ext_q_blocks": extend_q_blocks(lengths, self.config.head_dim),
+                "logit_index": [cu_q[i + 1] - 1 for i in wanted] or [0]}
+        t = upload(ints, {}, self.device)
+        slots = req_to_token[t["token_rows"], t["positions"]].long()
+        batch = ForwardBatch(input_ids.long(), t["positions"], slots, req_to_token, ext_rows=t["ext_rows"].int(),
+                             ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
+                             ext_q_blocks=t["ext_q_blocks"].int().view(2, -1), logit_index=t["logit_index"])
+        logits = self.model.forward(batch, self.kv)
+        return logits[: len(wanted), : self.vocab]
