@@ -30,12 +30,14 @@ def draft_runner(target, draft, k=4, **settings):
     return make_runner(target, tokens=512, max_req_total_len=96, speculative_config=config, **settings)
 
 
-def test_proposals_are_the_draft_models_greedy_chain(models):
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["padded", "eager"])
+def test_proposals_are_the_draft_models_greedy_chain(models, cuda_graph):
     """After a prompt (in two catch-up calls, one of them catch-up only) and after a verify step
     that rejected drafts, each proposal is transformers' greedy continuation on the draft's
-    weights of the request's tokens so far."""
+    weights of the request's tokens so far (single-token steps as the draft's padded decode
+    steps, graphs on a GPU, or eager chunks)."""
     target, _, draft, hf_draft = models
-    runner = draft_runner(target, draft, k=5)
+    runner = draft_runner(target, draft, k=5, cuda_graph=cuda_graph)
     prompt = random_prompts(3, lengths=(23,))[0]
     (result,) = runner.step(StepPlan(1, [], [Chunk(0, prompt, 0, True, SamplingParams())], sync=True))
     tokens = prompt + [result.tokens[0].token_id]
@@ -96,8 +98,9 @@ def test_the_draft_kv_is_in_the_budget(models):
     draft_token = 2 * 1 * 2 * 16 * 4  # one layer, 2 KV heads of 16, K and V, fp32
     assert per_token == plain.kv_bytes()[0] + draft_token
     rows = runner.req_table.max_reqs + 1
-    assert fixed == rows * 3 * draft_token
-    assert runner.drafter.kv.size == 512 + rows * 3
+    assert fixed == (1 + rows * 3) * draft_token  # the padding rows' slot and the scratch rows
+    assert runner.drafter.kv.size == 512 + 1 + rows * 3
+    assert runner.drafter.kv.scratch_slot == runner.token_table.scratch_slot  # the padding row's, for both
 
 
 def test_catch_up_is_bounded_a_call():

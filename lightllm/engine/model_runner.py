@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 # worker is never idle: its RSS grew ~50 MiB/min with the heap in use flat (CPU soak, 2026-11-23,
 # ed8c1ec; docs/benchmarks-history.md). Give them back every this many steps too (about 2-10 ms each).
 CPU_TRIM_EVERY_STEPS = 100
+# A draft model's graphs: its single-token steps replay decode graphs; its catch-up runs eagerly,
+# so its mixed-step family is the smallest there is.
+DRAFT_GRAPH_TOKENS = 16
 
 
 def resolve_device(device: str | None, local_rank: int) -> torch.device:
@@ -149,6 +152,10 @@ class ModelRunner:
             self.info["lora_modules"] = [(name, *shape) for name, shape in module_shapes(cfg).items()]
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
+        if capture and self.drafter is not None:
+            draft = self.drafter.config
+            graph_bytes += graph_memory_bytes(running, DRAFT_GRAPH_TOKENS, draft.hidden_size, draft.intermediate_size,
+                                              draft.vocab_size, dtype.itemsize)
         self.max_total_token_num = config.max_total_token_num
         if check_budget or self.max_total_token_num is None:
             self.max_total_token_num = token_budget(self, config.max_total_token_num, burst or self.max_req_total_len,
@@ -163,6 +170,9 @@ class ModelRunner:
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
                                      config.graph_max_tokens, capture)
+            if self.drafter is not None:  # its single-token steps, as decodes of the draft model
+                self.drafter.graphs = StepGraphs(self.drafter.model, self.drafter.kv, self.req_table, running,
+                                                 DRAFT_GRAPH_TOKENS, capture)
         if self.device.type == "cuda":
             self._warm_sampler()
         if config.step_trace:

@@ -5,6 +5,9 @@
 8b ("bench-8b"): the Llama-3.1-8B shape (llama3 rope scaling, untied embeddings, bfloat16)
     with the default model's 49152-token vocabulary and no weight files: the server loads it
     with `--load_format dummy`, so a GPU benchmark needs neither a download nor 16 GB of disk.
+1b ("bench-1b"): Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads, 8 KV heads of 64,
+    intermediate 8192) with the same vocabulary: the draft model of bench-8b in speculative
+    decoding benchmarks (with --load_format dummy_echo on both, every draft is accepted).
 70b ("bench-70b"): the same for Llama-3.1-70B's shape (80 layers, hidden 8192, 64 heads,
     8 KV heads, intermediate 28672): 141 GB of bf16 weights, served at --tp 4 or 8.
 qwen3-8b, gemma3-12b: the same for Qwen3-8B's shape (36 layers, q/k norms, rope base 1e6) and
@@ -72,6 +75,14 @@ SHAPES = {
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
     ),
     "70b": dict(
         hidden_size=8192,

@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import torch
 
-from kernels.extend_attention import extend_q_blocks
+from lightllm.kernels.extend_attention import extend_q_blocks
 from lightllm.common.token_table import TokenTable
 from lightllm.engine.batch import RunningReq, upload
+from lightllm.engine.cuda_graph import META_ROWS
 from lightllm.engine.plan import DraftRequest
 from lightllm.models import ForwardBatch, load_model, read_config
 
@@ -48,21 +49,25 @@ class DraftRunner:
                                 load_format=load_format)
         self.device, self.kv_dtype, self.k_max, self.rows = device, kv_dtype, k_max, rows
         self.kv: TokenTable | None = None
-        self._base = 0  # first scratch row: the target's table size
+        self._base = 0  # first scratch row: past the target's slots and its padding slot
+        self.graphs = None  # StepGraphs of the draft model on `kv` (the model runner makes them)
 
     def bytes_per_token(self) -> int:
         return 2 * sum(heads * dim for heads, dim in self.model.kv_shapes) * self.kv_dtype.itemsize
 
     def scratch_bytes(self) -> int:
-        return self.rows * self.k_max * self.bytes_per_token()
+        return (1 + self.rows * self.k_max) * self.bytes_per_token()
 
     def new_kv(self, size: int) -> None:
-        """Buffers for a target token table of `size` slots, and the scratch rows past them."""
+        """Buffers for a target token table of `size` slots, and the scratch rows past them. Slot
+        `size` is the target's scratch slot, where padding rows write (the request table's padding
+        row names it for both models' graphs): it stays that here too."""
         self.kv = None  # the old buffers go before the new ones are taken
         shapes = self.model.kv_shapes
-        self.kv = TokenTable(size + self.rows * self.k_max, len(shapes), *shapes[0], self.kv_dtype, self.device,
+        self.kv = TokenTable(size + 1 + self.rows * self.k_max, len(shapes), *shapes[0], self.kv_dtype, self.device,
                              shapes=shapes)
-        self._base = size
+        self.kv.scratch_slot = size
+        self._base = size + 1
 
     @torch.inference_mode()
     def propose(self, asks: list[DraftRequest], reqs: dict[int, RunningReq],
@@ -106,8 +111,12 @@ class DraftRunner:
             rows = [reqs[drafting[n]].row for n in alive]
             starts = [reqs[drafting[n]].seq_len + step for n in alive]
             index = torch.tensor(alive, device=self.device)
-            logits = self._forward(rows, starts, [1] * len(alive), chains[-1][index], req_to_token,
-                                   wanted=list(range(len(alive))))
+            ids = chains[-1][index]
+            if self.graphs is not None and len(alive) <= self.graphs.buckets[-1]:
+                logits = self._graph_step(rows, starts, ids)
+            else:
+                logits = self._forward(rows, starts, [1] * len(alive), ids, req_to_token,
+                                       wanted=list(range(len(alive))))
             latest = chains[-1].clone()
             latest[index] = logits.argmax(-1)
             chains.append(latest)
@@ -118,6 +127,15 @@ class DraftRunner:
         for n, j in enumerate(drafting):
             out[j] = by_drafting[n][: asks[j].k]
         return out
+
+    def _graph_step(self, rows: list[int], positions: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """A single-token step of every row as a decode step of the draft, from its CUDA graph
+        (padded eagerly where none was captured)."""
+        n = len(rows)
+        meta = self.graphs.pad_meta([0] * n, positions, rows, [p + 1 for p in positions], [-1] * n)
+        meta = upload({"meta": meta}, {}, self.device)["meta"].view(META_ROWS, -1)
+        meta[0, :n] = ids
+        return self.graphs.run(meta, n, max(positions) + 1, lora=False)[:, : self.vocab]
 
     def _forward(self, rows: list[int], starts: list[int], lengths: list[int], input_ids: torch.Tensor,
                  req_to_token: torch.Tensor, wanted: list[int]) -> torch.Tensor:

@@ -4,6 +4,8 @@
 #                            outputs are taken from .gpu/spec when it holds them (--off-from), else run
 #   methods:LOADS:METHODS    ngram/suffix against off on ShareGPT (bench-8b, dummy weights)
 #   trace:LOAD:ALPHA         one controlled setting with --step_trace, the trace summarised
+#   draft:LOADS:FORMATS      draft_model (bench-1b drafting for bench-8b, written here) against off on
+#                            ShareGPT, per load format: dummy_echo (every draft accepted), dummy (none)
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b, .gpu/requests-1000.json.
 # Results: $OUT/<part>.md and .json; a part's failure does not stop the others.
 # TOTAL_S: the seconds a controlled or methods part may take (default 520).
@@ -33,6 +35,15 @@ for part in "$@"; do
       "${SWEEP[@]}" --server-args "--load_format dummy --data_type bfloat16" --requests .gpu/requests-1000.json \
         --out-dir ".gpu/methods-$n" --loads "$loads" --alphas "" --methods "$what" \
         --out-md "$OUT/methods-$n.md" --out-json "$OUT/methods-$n.json" --total-timeout "${TOTAL_S:-520}" ;;
+    draft)
+      [[ -d .gpu/bench-1b ]] || python3 -m lightllm.tools.bench_model --preset 1b --out .gpu/bench-1b \
+        --tokenizer .gpu/bench-8b > /dev/null
+      for format in ${what//,/ }; do
+        "${SWEEP[@]}" --server-args "--load_format $format --data_type bfloat16" --requests .gpu/requests-1000.json \
+          --out-dir ".gpu/draft-$n-$format" --loads "$loads" --alphas "" --methods draft_model \
+          --draft-model .gpu/bench-1b --out-md "$OUT/draft-$n-$format.md" --out-json "$OUT/draft-$n-$format.json" \
+          --total-timeout "${TOTAL_S:-520}"
+      done ;;
     trace)
       "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16 --step_trace /tmp/steps-$n.jsonl" \
         --off-from .gpu/spec --out-dir ".gpu/trace-$n" --loads "$loads" --alphas "$what" \
