@@ -282,7 +282,9 @@ def test_default_model_output_is_unchanged_by_speculation(default_runs, method):
     speculate), n > 1 and logprobs: the same with drafts as without, and drafts did run."""
     plain, _ = default_runs[None]
     got, stats = default_runs[method]
-    assert stats["num_accepted_tokens"] > 20  # the copy requests were verified in runs
+    # the copy requests were verified in runs; a draft model as large as its target (on a CPU) is
+    # dropped by the controller once its calls are measured, after its first proposals
+    assert stats["num_accepted_tokens"] > (0 if method == "draft_model" else 20)
     for (ids, text, finish, logprobs), (ids0, text0, finish0, logprobs0) in zip(got, plain):
         assert (ids, text, finish) == (ids0, text0, finish0)
         if logprobs0 is not None:  # the target's logprobs, as without drafts (fp32 on the CPU)

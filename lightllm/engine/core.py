@@ -88,13 +88,14 @@ class EngineCore:
         """Plan and launch one step; return the outputs of the steps that completed."""
         start = time.perf_counter()
         outs = self._measure_and_collect(start)
+        collected = time.perf_counter()  # planning (a draft model's proposals too) is in the period
         plan = self.scheduler.schedule()
         if plan.empty and not plan.ops and not self._in_flight and not self.scheduler.awaiting_grammars:
             self._timing = None
             return outs
         plan.sync = not self._overlap or plan.empty or bool(plan.drafts)
         if self.scheduler.speculator is not None:
-            self._time(time.perf_counter() if self._flushed else start, plan)
+            self._time(collected if self._flushed else start, plan)
         return outs + self._run(plan)
     def _run(self, plan: StepPlan) -> list[TokenOut]:
         try:

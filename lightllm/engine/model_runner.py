@@ -57,9 +57,9 @@ logger = logging.getLogger(__name__)
 # worker is never idle: its RSS grew ~50 MiB/min with the heap in use flat (CPU soak, 2026-11-23,
 # ed8c1ec; docs/benchmarks-history.md). Give them back every this many steps too (about 2-10 ms each).
 CPU_TRIM_EVERY_STEPS = 100
-# A draft model's graphs: its single-token steps replay decode graphs; its catch-up runs eagerly,
-# so its mixed-step family is the smallest there is.
-DRAFT_GRAPH_TOKENS = 16
+# A draft model's graphs: its single-token steps replay decode graphs, its catch-up (a few tokens a
+# request after each verify step, one chunk each) mixed-step graphs of up to this many tokens.
+DRAFT_GRAPH_TOKENS = 512
 
 
 def resolve_device(device: str | None, local_rank: int) -> torch.device:

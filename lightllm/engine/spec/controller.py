@@ -29,6 +29,7 @@ It speculates only where the expected tokens per second of the step beat plain d
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,6 +161,31 @@ class StepCosts:
         return self.plain(tokens) + np.interp(tokens, xs, residual, left=residual.min())
 
 
+class DraftCost:
+    """Seconds a draft model's proposal call takes, as a + b * chain (chain: the most drafts any
+    request of the call gets, the draft's steps in a row), fitted by exponentially weighted least
+    squares over calls in steady state (a catch-up of a few tokens a request; a request's first
+    call, which catches up on its whole prompt, says nothing of the next ones). With one chain
+    length seen so far the cost is taken as proportional to it."""
+
+    def __init__(self):
+        self._sums = np.zeros(5)  # weight, chain, seconds, chain^2, chain * seconds
+
+    def add(self, chain: int, seconds: float) -> None:
+        self._sums *= 1 - COST_RATE
+        self._sums += (1.0, chain, seconds, chain * chain, chain * seconds)
+
+    def __call__(self, chain: np.ndarray) -> np.ndarray | float:
+        n, k, t, kk, kt = self._sums
+        if n == 0:
+            return 0.0
+        var = kk / n - (k / n) ** 2
+        if var < 1e-6 * max(kk / n, 1.0):
+            return chain * (t / k)
+        slope = max(0.0, (kt / n - k * t / n / n) / var)
+        return max(0.0, t / n - slope * k / n) + slope * chain
+
+
 class Speculator:
     """The draft source and the controller, for the scheduler: it sees each request's tokens
     and says which drafts the next step verifies. Counters in vLLM's names feed /metrics."""
@@ -179,6 +205,10 @@ class Speculator:
         self._probe_left = 0  # plain steps still to run for the probe
         self._plain_steps = 0  # steps without drafts since the last step with drafts
         self._shadow_turn = 0  # where the next step's shadow proposals start among those due
+        # A draft model's proposal calls (device time, not part of the step's cost curve): their
+        # model, and the seconds of the call the last plan made and of the one just made
+        self.draft_cost = DraftCost()
+        self._last_call_seconds = self._call_seconds = 0.0
         self.num_drafts = 0  # verified chains
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -223,6 +253,13 @@ class Speculator:
     def propose(self, wants: dict[int, int]) -> dict[int, list[int]]:
         """Drafts for each request (req id -> most drafts), in one call where the source batches them."""
         many = getattr(self.source, "propose_many", None)
+        if many is not None and not self.shadows:  # a draft model: time the call
+            started = time.perf_counter()
+            drafts = many(wants)
+            self._call_seconds = time.perf_counter() - started
+            if self.source.last_catch_up <= 2 * sum(k + 1 for k in wants.values()):  # steady state
+                self.draft_cost.add(max(wants.values()), self._call_seconds)
+            return drafts
         if many is not None:
             return many(wants)
         proposals = ((req_id, self.source.propose(req_id, k)) for req_id, k in wants.items())
@@ -255,11 +292,13 @@ class Speculator:
     # ---- the choice ----
 
     def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
-        self.costs.measured(drafted, tokens, seconds)
+        """The period of the last planned step (its proposal call's time left out: DraftCost has it)."""
+        self.costs.measured(drafted, tokens, max(seconds - self._last_call_seconds, 1e-6) if drafted else seconds)
 
     def planned(self, drafted: bool) -> None:
         """The step just planned had drafts or not: count towards the next probes."""
         self.speculating = drafted
+        self._last_call_seconds, self._call_seconds = (self._call_seconds if drafted else 0.0), 0.0
         self._plain_steps = 0 if drafted else self._plain_steps + 1
         if self._probe_left:
             self._probe_left -= 1
@@ -287,7 +326,10 @@ class Speculator:
         gains = np.array(alphas)[owner] ** depth
         order = np.argsort(-gains, kind="stable")[:room]
         extra = np.arange(1, len(order) + 1)
-        rate = (outputs + np.cumsum(gains[order])) / self.costs.spec(tokens + extra)
+        cost = self.costs.spec(tokens + extra)
+        if not self.shadows:  # a draft model runs as many steps as the longest chain
+            cost = cost + self.draft_cost(np.maximum.accumulate(depth[order]))
+        rate = (outputs + np.cumsum(gains[order])) / cost
         best = int(np.argmax(rate))
         plain = outputs / float(self.costs.plain(tokens))
         margin = 0.0 if self.speculating else ENTER_MARGIN

@@ -103,7 +103,7 @@ class DraftRunner:
             req_to_token[r.row, r.seq_len: r.seq_len + asks[j].k] = scratch.int()
         tokens = [t for a in asks for t in a.tokens]
         logits = self._forward([r.row for r in reqs], [a.start for a in asks], [len(a.tokens) for a in asks],
-                               torch.tensor(tokens, device=self.device), req_to_token, wanted=drafting)
+                               tokens, req_to_token, wanted=drafting)
         chains = [logits.argmax(-1)]
         k = max((asks[j].k for j in drafting), default=0)
         for step in range(1, k):
@@ -137,22 +137,32 @@ class DraftRunner:
         meta[0, :n] = ids
         return self.graphs.run(meta, n, max(positions) + 1, lora=False)[:, : self.vocab]
 
-    def _forward(self, rows: list[int], starts: list[int], lengths: list[int], input_ids: torch.Tensor,
+    def _forward(self, rows: list[int], starts: list[int], lengths: list[int], input_ids: list[int] | torch.Tensor,
                  req_to_token: torch.Tensor, wanted: list[int]) -> torch.Tensor:
-        """One draft step: request rows[i] feeds lengths[i] tokens from position starts[i]; the
-        logits (over the vocabulary both models share) of the last token of each chunk in `wanted`."""
-        token_rows = [row for row, n in zip(rows, lengths) for _ in range(n)]
-        positions = [p for start, n in zip(starts, lengths) for p in range(start, start + n)]
+        """One draft step: request rows[i] feeds lengths[i] tokens from position starts[i] (ids on
+        the host, or on the device); the logits (over the vocabulary both models share) of the last
+        token of each chunk in `wanted`. From a mixed-step graph where one fits (host ids only)."""
         cu_q = [0]
         for n in lengths:
             cu_q.append(cu_q[-1] + n)
-        ints = {"positions": positions, "token_rows": token_rows, "ext_rows": rows, "ext_cu_q": cu_q,
-                "ext_kv_lens": [s + n for s, n in zip(starts, lengths)],
-                "ext_q_blocks": extend_q_blocks(lengths, self.config.head_dim),
-                "logit_index": [cu_q[i + 1] - 1 for i in wanted] or [0]}
-        t = upload(ints, {}, self.device)
+        lists = {"positions": [p for start, n in zip(starts, lengths) for p in range(start, start + n)],
+                 "token_rows": [row for row, n in zip(rows, lengths) for _ in range(n)], "ext_rows": rows,
+                 "ext_cu_q": cu_q, "ext_kv_lens": [s + n for s, n in zip(starts, lengths)],
+                 "ext_q_blocks": extend_q_blocks(lengths, self.config.head_dim),
+                 "logit_index": [cu_q[i + 1] - 1 for i in wanted]}
+        layout = None
+        if self.graphs is not None and isinstance(input_ids, list):
+            layout = self.graphs.mixed_layout(cu_q[-1], len(rows), 0, len(wanted))
+        if layout is not None:
+            lists.update(decode_ids=[], chunk_ids=input_ids, lora_slots=[-1] * cu_q[-1], decode_rows=[],
+                         decode_seq_lens=[])
+            meta = upload({"meta": self.graphs.pad_mixed(lists, 0, layout)}, {}, self.device)["meta"]
+            return self.graphs.run_mixed(meta, layout, len(wanted), max(lists["ext_kv_lens"]))[:, : self.vocab]
+        lists["logit_index"] = lists["logit_index"] or [0]
+        t = upload(lists, {}, self.device)
+        ids = torch.tensor(input_ids, device=self.device) if isinstance(input_ids, list) else input_ids
         slots = req_to_token[t["token_rows"], t["positions"]].long()
-        batch = ForwardBatch(input_ids.long(), t["positions"], slots, req_to_token, ext_rows=t["ext_rows"].int(),
+        batch = ForwardBatch(ids.long(), t["positions"], slots, req_to_token, ext_rows=t["ext_rows"].int(),
                              ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                              ext_q_blocks=t["ext_q_blocks"].int().view(2, -1), logit_index=t["logit_index"])
         logits = self.model.forward(batch, self.kv)

@@ -283,6 +283,7 @@ class ModelDraft:
     def __init__(self, drafter, catch_up_tokens: int = CATCH_UP_TOKENS):
         self._drafter, self.catch_up_tokens = drafter, catch_up_tokens
         self._requests: dict[int, _ModelDraftState] = {}
+        self.last_catch_up = 0  # tokens the last call caught the draft up on, the last of each request's included
 
     def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
         assert req_id not in self._requests, f"request {req_id} started twice"
@@ -310,6 +311,7 @@ class ModelDraft:
                 take = min(budget, pending - 1)  # the last token goes with the drafts
                 asks.append(DraftRequest(req_id, state.drafted, tuple(state.tokens[state.drafted: state.drafted + take]), 0))
             budget -= pending
+        self.last_catch_up = sum(len(a.tokens) for a in asks)
         if not asks:
             return {}
         out = {}
