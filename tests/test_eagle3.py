@@ -1,27 +1,29 @@
 """EAGLE-3 heads: our module (models/eagle3.py, over the token table) against a plain-torch
 reference of the paper's head (helpers/eagle3.py) on tiny random heads in the published
-checkpoint layouts, and the target's auxiliary hidden states against transformers'
-output_hidden_states. fp32 on the CPU, atol = rtol = 1e-4."""
+checkpoint layouts and over two gloo ranks, and the target's auxiliary hidden states against
+transformers' output_hidden_states. fp32 on the CPU, atol = rtol = 1e-4."""
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from helpers.eagle3 import HEAD, head_tensors, reference_head, reference_target_id, write_head
 from helpers.models import make_model
+from test_tp import free_port, leave_together
 from benchmark.lib.one_request import decode_batch, extend_batch, slot_table
 
 from lightllm.common.token_table import TokenTable
 from lightllm.models import (Eagle3Config, ModelConfigError, WeightLoadError, load_eagle3, load_model, read_config,
                              read_eagle3_config)
-from lightllm.utils.dist import TPGroup
+from lightllm.utils.dist import TPGroup, init_tp
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 MAX_LEN = 32
 CPU = torch.device("cpu")
 
 
-def load_head(model_dir, target_embed=None):
+def load_head(model_dir, target_embed=None, tp=TPGroup()):
     cfg = read_eagle3_config(model_dir)
-    head = load_eagle3(cfg, dtype=torch.float32, device=CPU, tp=TPGroup(), max_positions=MAX_LEN,
+    head = load_eagle3(cfg, dtype=torch.float32, device=CPU, tp=tp, max_positions=MAX_LEN,
                        target_embed=target_embed)
     kv = TokenTable(MAX_LEN, 1, head.kv_heads, cfg.layer.head_dim, torch.float32, CPU)
     return head, kv
@@ -76,6 +78,33 @@ def test_target_logits_spread_the_draft_vocabulary(tmp_path):
     assert full.shape == (2, HEAD["vocab_size"]) and torch.equal(full[:, ids], logits)
     assert torch.isinf(full).sum() == 2 * (HEAD["vocab_size"] - HEAD["draft_vocab_size"])
     assert torch.equal(head.target_ids(torch.arange(HEAD["draft_vocab_size"])), ids)
+
+
+def tp_head_worker(rank, world_size, port, head_dir, out_file):
+    head, kv = load_head(head_dir, tp=init_tp(rank, world_size, port, "cpu"))
+    tokens, features, logits, hidden = prefill(head, kv, torch.Generator().manual_seed(5))
+    draft = head.target_ids(logits[-1].argmax())
+    batch = decode_batch(draft[None], torch.tensor([len(tokens)]), slot_table(MAX_LEN, CPU), MAX_LEN)
+    step_logits, step_hidden = head.forward(batch, kv, hidden[-1:])
+    if rank == 0:
+        torch.save(dict(tokens=tokens + [int(draft)], features=features + [hidden[-1]], logits=logits, hidden=hidden,
+                        step_logits=step_logits, step_hidden=step_hidden), out_file)
+    leave_together()
+
+
+def test_head_over_two_ranks_matches_the_reference(tmp_path):
+    """Two gloo ranks, each with half the heads, of fc's input, of the MLP and of a draft
+    vocabulary that does not divide by 2 (41: padded shards): a prefill and a chained step."""
+    tensors = head_tensors(seed=6, draft_vocab_size=41)
+    write_head(tmp_path / "head", tensors, draft_vocab_size=41)
+    mp.spawn(tp_head_worker, args=(2, free_port(), tmp_path / "head", tmp_path / "tp2.pt"), nprocs=2, join=True)
+    got = torch.load(tmp_path / "tp2.pt")
+    ref_logits, ref_hidden = reference_head(tensors, got["tokens"], got["features"])
+    torch.testing.assert_close(got["logits"], ref_logits[:-1], **TOL)
+    torch.testing.assert_close(got["hidden"], ref_hidden[:-1], **TOL)
+    assert got["tokens"][-1] == reference_target_id(tensors, int(ref_logits[-2].argmax()))
+    torch.testing.assert_close(got["step_logits"][0], ref_logits[-1], **TOL)
+    torch.testing.assert_close(got["step_hidden"][0], ref_hidden[-1], **TOL)
 
 
 # (architecture, file, names of the decoder layer, config.json's extra fields, the head's own embedding)
