@@ -8,8 +8,8 @@
   tokens and features (Triton's fp32 dots may round through TF32).
 - Four chained steps replayed from one CUDA graph draft exactly the eager steps' tokens.
 - The target's aux hidden states (a 7-layer Llama of helpers.models' GPU sizes) from a prefill and
-  from a decode step replayed from a CUDA graph are the eager step's, and within REL_TOL of
-  transformers' output_hidden_states (fp32, CPU).
+  from a decode step replayed from a CUDA graph are the eager step's, and within REL_TOL (bf16:
+  BF16_REL_TOL) of transformers' output_hidden_states (fp32, CPU).
 """
 
 import pytest
@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GPU = torch.device("cuda")
 MAX_LEN = 128
 REL_TOL = 1e-2
+BF16_REL_TOL = 5e-2
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              vocab_size=1000, draft_vocab_size=300, target_hidden_size=256)
 
@@ -104,19 +105,22 @@ def test_chained_head_steps_replay_from_a_cuda_graph(tmp_path):
     assert torch.equal(replayed, eager)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_aux_hidden_states_from_a_cuda_graph(tmp_path):
+def test_aux_hidden_states_from_a_cuda_graph(tmp_path, dtype):
+    """bf16: the stream as the down projection's split partial sums are added in the next norm."""
+    tol = REL_TOL if dtype == torch.float32 else BF16_REL_TOL
     hf_model = make_gpu_model("llama_gqa_llama3_rope", tmp_path, num_hidden_layers=7)
     layers = Eagle3Config(None, 0, 256).aux_layers(7)
-    model = load_model(read_config(tmp_path), dtype=torch.float32, device=GPU, tp=TPGroup(), max_positions=MAX_LEN)
+    model = load_model(read_config(tmp_path), dtype=dtype, device=GPU, tp=TPGroup(), max_positions=MAX_LEN)
     cfg = model.config
-    kv = TokenTable(MAX_LEN, cfg.num_layers, model.kv_heads, cfg.head_dim, torch.float32, GPU, model.kv_shapes)
+    kv = TokenTable(MAX_LEN, cfg.num_layers, model.kv_heads, cfg.head_dim, dtype, GPU, model.kv_shapes)
     ids = torch.randint(cfg.vocab_size, (41,), generator=torch.Generator().manual_seed(11))
     hidden = hf_model(ids[None], output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[i][0] for i in layers], -1)
     req_to_token = slot_table(MAX_LEN, GPU)
     _, aux = model.forward(extend_batch(ids[:40].to(GPU), 0, req_to_token, cfg.head_dim, layers), kv)
-    assert rel_err(aux, expected[:40]) < REL_TOL
+    assert rel_err(aux, expected[:40]) < tol
     token, position = ids[40:].to(GPU), torch.tensor([40], device=GPU)
 
     def step():
@@ -126,5 +130,5 @@ def test_aux_hidden_states_from_a_cuda_graph(tmp_path):
     graph, replayed = capture(step)
     replayed.zero_()
     graph.replay()
-    torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
-    assert rel_err(eager[0], expected[40]) < REL_TOL
+    torch.testing.assert_close(replayed, eager)
+    assert rel_err(eager[0], expected[40]) < tol
