@@ -10,12 +10,13 @@ dummy weights, sharing the target's embedding. One request with `--context` toke
 both token tables (the K/V's values do not change the time).
 
 Rows: the target's decode step (one token: forward, logits, greedy argmax), the same returning
-the three aux layers' hidden states, and k = 1..4 chained head steps: the first from the
+the three aux layers' hidden states; `head x k`, k = 1..4 chained head steps: the first from the
 target's features through fc, each next from the step before's hidden state and drafted token
-(greedy, through d2t), each writing its own K/V. Eager, and on CUDA each replayed from a CUDA
-graph of the whole row. `per draft / target` is the k steps' time over k target steps of the
-same mode: the issue's goal is at most 0.10. Each row's drafted tokens must agree across k and
-modes (a check of the chain, not a figure).
+(greedy, through d2t), each writing its own K/V; `cycle x k`, the drafting that follows a verify
+step which kept k + 1 tokens: the head's extend over them through fc (logits of the last), then
+k - 1 chained steps. Eager, and on CUDA each replayed from a CUDA graph of the whole row.
+`per draft / target` is the row's time over k target steps of the same mode: the goal is at most
+0.10. The drafts must agree across k and modes (a check of the chain, not a figure).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import benchmark.*` (README.md)
-from benchmark.lib.one_request import decode_batch, slot_table  # noqa: E402
+from benchmark.lib.one_request import decode_batch, extend_batch, slot_table  # noqa: E402
 
 from lightllm.common.token_table import TokenTable  # noqa: E402
-from lightllm.models import Eagle3Config, load_eagle3, load_model, read_config  # noqa: E402
+from lightllm.models import Eagle3Config, ForwardBatch, load_eagle3, load_model, read_config  # noqa: E402
 from lightllm.tools.bench_model import SHAPES, family_config  # noqa: E402
 from lightllm.utils.dist import TPGroup  # noqa: E402
 
@@ -76,7 +77,7 @@ def build(args) -> Rig:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = read_config(args.model or write_target_config(Path(tmp), args.tiny))
-    slots = args.context + 8
+    slots = args.context + args.max_k + 8
     tp = TPGroup()
     target = load_model(cfg, dtype=dtype, device=device, tp=tp, max_positions=slots, load_format="dummy")
     head_cfg = Eagle3Config(dataclasses.replace(cfg, num_layers=1, model_dir="dummy"),
@@ -104,6 +105,28 @@ def head_chain(rig: Rig, features: torch.Tensor, k: int) -> torch.Tensor:
     for j in range(k):
         batch = decode_batch(token, rig.position + j, rig.req_to_token, rig.max_seqlen)
         logits, features = rig.head.forward(batch, rig.head_kv, features)
+        token = rig.head.target_ids(logits.argmax(-1))
+        drafts.append(token)
+    return torch.cat(drafts)
+
+
+def cycle_inputs(rig: Rig, features: torch.Tensor, k: int) -> tuple[ForwardBatch, torch.Tensor]:
+    """The extend batch of k + 1 kept tokens ending at the target's position (logits of the last)
+    and their features, built once: a CUDA graph replays them."""
+    batch = extend_batch(rig.token.expand(k + 1).contiguous(), int(rig.position) - k, rig.req_to_token,
+                         rig.head.config.layer.head_dim)
+    batch.logit_index = torch.tensor([k], device=rig.token.device)
+    return batch, features.expand(k + 1, -1).contiguous()
+
+
+def head_cycle(rig: Rig, batch: ForwardBatch, features: torch.Tensor, k: int) -> torch.Tensor:
+    """The head's extend over a verify step's kept tokens, then k - 1 chained steps: [k] drafts."""
+    logits, hidden = rig.head.forward(batch, rig.head_kv, features)
+    token = rig.head.target_ids(logits.argmax(-1))
+    drafts, features = [token], hidden[-1:]
+    for j in range(1, k):
+        logits, features = rig.head.forward(decode_batch(token, rig.position + j, rig.req_to_token, rig.max_seqlen),
+                                            rig.head_kv, features)
         token = rig.head.target_ids(logits.argmax(-1))
         drafts.append(token)
     return torch.cat(drafts)
@@ -158,21 +181,31 @@ def measure(rig: Rig, args) -> list[dict]:
 
         target_ms, _ = time_of(lambda: target_step(rig, aux=False))
         aux_ms, _ = time_of(lambda: target_step(rig, aux=True))
-        rows.append(dict(mode=mode, what="target step", k=0, ms=target_ms, target_ms=target_ms))
-        rows.append(dict(mode=mode, what="target step + aux", k=0, ms=aux_ms, target_ms=target_ms))
+        rows.append(dict(mode=mode, what="target step", kind="target", k=0, ms=target_ms, target_ms=target_ms))
+        rows.append(dict(mode=mode, what="target step + aux", kind="target", k=0, ms=aux_ms, target_ms=target_ms))
         for k in range(1, args.max_k + 1):
             ms, drafts = time_of(lambda k=k: head_chain(rig, features, k))
-            rows.append(dict(mode=mode, what=f"head x {k}", k=k, ms=ms, target_ms=target_ms, drafts=drafts.tolist()))
+            rows.append(dict(mode=mode, what=f"head x {k}", kind="chain", k=k, ms=ms, target_ms=target_ms,
+                             drafts=drafts.tolist()))
+        for k in range(1, args.max_k + 1):
+            batch, kept = cycle_inputs(rig, features, k)
+            ms, drafts = time_of(lambda k=k, batch=batch, kept=kept: head_cycle(rig, batch, kept, k))
+            rows.append(dict(mode=mode, what=f"cycle x {k}", kind="cycle", k=k, ms=ms, target_ms=target_ms,
+                             drafts=drafts.tolist()))
     return rows
 
 
 def draft_disagreements(rows: list[dict]) -> list[str]:
-    """Where a chain's drafts are not the eager longest chain's first k (a greedy chain over the
-    same K/V is deterministic; a graph's kernels could still round apart at a near tie)."""
-    chains = [r for r in rows if r["k"]]
+    """Where a chain's drafts are not the eager longest chain's first k, or a cycle's not the
+    eager cycle's of its k (greedy steps over the same K/V are deterministic; a graph's kernels
+    could still round apart at a near tie)."""
+    chains = [r for r in rows if r["kind"] == "chain"]
     longest = max((r for r in chains if r["mode"] == "eager"), key=lambda r: r["k"])["drafts"]
-    return [f"{r['mode']} {r['what']} drafted {r['drafts']}, the longest eager chain {longest}"
-            for r in chains if r["drafts"] != longest[: r["k"]]]
+    eager_cycles = {r["k"]: r["drafts"] for r in rows if r["kind"] == "cycle" and r["mode"] == "eager"}
+    expected = [(r, longest[: r["k"]]) for r in chains] + [(r, eager_cycles[r["k"]]) for r in rows
+                                                          if r["kind"] == "cycle"]
+    return [f"{r['mode']} {r['what']} drafted {r['drafts']}, expected {want}" for r, want in expected
+            if r["drafts"] != want or len(want) != r["k"]]
 
 
 def table(rows: list[dict], title: str) -> list[str]:
