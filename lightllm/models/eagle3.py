@@ -49,9 +49,9 @@ class Eagle3Head:
         layer, hidden = cfg.layer, cfg.layer.hidden_size
         prefix = _layer_prefix(weights)
         self.config = cfg
-        if target_embed is None or weights.has("embed_tokens.weight"):
-            target_embed = VocabParallelEmbedding(weights, tp, "embed_tokens.weight", layer.vocab_size, hidden)
-        self.embed = target_embed
+        own_embed = target_embed is None or weights.has("embed_tokens.weight")
+        self.embed = (VocabParallelEmbedding(weights, tp, "embed_tokens.weight", layer.vocab_size, hidden)
+                      if own_embed else target_embed)
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(weights, name, hidden, layer.rms_norm_eps)
@@ -74,8 +74,8 @@ class Eagle3Head:
         self.dtype = self.norm.weight.dtype
 
     def forward(self, batch: ForwardBatch, kv: TokenTable, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """features: the target's hidden states at batch.aux_layers [T, 3 x target hidden] (through
-        fc), or the head's own output hidden states of the step before [T, hidden] (not changed).
+        """features: the target's hidden states entering its aux layers [T, 3 x target hidden]
+        (Eagle3Config.aux_layers; through fc), or the head's own output hidden states of the step before [T, hidden] (not changed).
         Returns fp32 logits over the draft vocabulary [S, draft vocab] of the tokens at
         batch.logit_index (all when None), and the output hidden states [T, hidden] (before the
         final norm: what a chained step takes as its features)."""
