@@ -398,7 +398,10 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     if not model_dir.is_dir():
         raise ModelConfigError(f"model directory {model_dir} does not exist")
     path = model_dir / "config.json"
-    cfg = read_json(path)
+    return _model_config(model_dir, read_json(path), path)
+
+
+def _model_config(model_dir: Path, cfg: dict, path: Path) -> ModelConfig:
     arch = _architecture(cfg, path)
     cfg = _text_config(cfg, arch)
     if arch in HYBRID_ARCHITECTURES:  # Qwen3.5-MoE's config names no dense width: it has no dense layer
@@ -437,6 +440,63 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         gemma4=_gemma4(cfg, windows, num_layers, prefix, path) if arch in _GEMMA4 else None,
         **{**_biases(cfg), **(_gemma(cfg) if arch in _GEMMA else {}), **SUPPORTED_ARCHITECTURES[arch]},
     )
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 draft head: one Llama decoder layer (`layer`) whose q/k/v read the normed token
+    embedding beside the normed feature (2 x hidden_size), `fc` from three target layers' hidden
+    states (3 x target_hidden_size) to hidden_size, and its own final norm and LM head over a
+    reduced vocabulary of draft_vocab_size tokens (d2t maps them to the target's)."""
+
+    layer: ModelConfig
+    draft_vocab_size: int
+    target_hidden_size: int
+    # eagle_config.eagle_aux_hidden_state_layer_ids: the target layers whose outputs feed fc; None: the default
+    aux_layer_ids: tuple[int, ...] | None = None
+    # the residual stream starts from hidden_norm(feature), not the feature (some trained heads' config.json)
+    norm_before_residual: bool = False
+
+    def aux_layers(self, target_layers: int) -> tuple[int, ...]:
+        """The target layers whose input hidden states feed fc, ascending: (2, L // 2, L - 3) of an
+        L-layer target, as the published heads were trained, or the config's ids + 1 (it names
+        each layer whose output it takes, the input of the next)."""
+        ids = ((2, target_layers // 2, target_layers - 3) if self.aux_layer_ids is None
+               else tuple(i + 1 for i in self.aux_layer_ids))
+        if len(ids) != 3 or list(ids) != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < target_layers:
+            raise ModelConfigError(f"an EAGLE-3 head takes three ascending layers of the target's {target_layers}; "
+                                   f"got the inputs of layers {ids}")
+        return ids
+
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def read_eagle3_config(model_dir: str | Path) -> Eagle3Config:
+    """An EAGLE-3 head's directory: its config.json names one of EAGLE3_ARCHITECTURES, or (the
+    first published heads) LlamaForCausalLM with a draft_vocab_size."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelConfigError(f"draft model directory {model_dir} does not exist")
+    path = model_dir / "config.json"
+    top = read_json(path)
+    arch = (top.get("architectures") or [None])[0]
+    if arch not in EAGLE3_ARCHITECTURES and "draft_vocab_size" not in top:
+        raise ModelConfigError(f"{path} is not an EAGLE-3 head: architecture {arch!r} without draft_vocab_size; "
+                               f"supported: {', '.join(EAGLE3_ARCHITECTURES)}")
+    cfg = {**top, **(top.get("transformer_layer_config") or {})}  # the speculators layout nests the layer's fields
+    unsupported = [name for name in ("norm_before_fc", "fc_norm") if cfg.get(name)]
+    if unsupported:
+        raise ModelConfigError(f"{path}: {', '.join(unsupported)} (norms on the target's hidden states) not supported")
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        logger.warning("%s says num_hidden_layers %s; an EAGLE-3 head has one decoder layer", path,
+                       cfg["num_hidden_layers"])
+    layer = _model_config(model_dir, {**cfg, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}, path)
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
+        "eagle_aux_hidden_state_layer_ids")
+    return Eagle3Config(layer, int(cfg.get("draft_vocab_size") or layer.vocab_size),
+                        int(cfg.get("target_hidden_size") or layer.hidden_size),
+                        tuple(int(i) for i in ids) if ids else None, bool(cfg.get("norm_before_residual", False)))
 
 
 def resolve_dtype(data_type: str, config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -46,6 +46,9 @@ class ForwardBatch:
     ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
     lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none); None: no adapter
+    # layers whose input hidden states (the residual stream entering them) of all T tokens the
+    # forward returns beside the logits, concatenated in this order (an EAGLE-3 head's features)
+    aux_layers: tuple[int, ...] = ()
 
     @property
     def num_decodes(self) -> int:
@@ -351,13 +354,15 @@ class Attention:
     """q/k/v projection (column-parallel, merged), rotary, KV written to the token table,
     attention over the requests' rows of the table, o projection."""
 
-    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str, window: int = 0):
+    def __init__(self, weights, tp: TPGroup, cfg: ModelConfig, prefix: str, window: int = 0,
+                 in_features: int | None = None):
+        """in_features: q/k/v's input width where it is not hidden_size (an EAGLE-3 head's 2 x hidden)."""
         d = cfg.head_dim
         q_start, self.q_heads = split_even(cfg.num_heads, tp, "num_attention_heads")
         kv_start, self.kv_heads = split_kv_heads(cfg.num_kv_heads, tp)
         kv_parts = [(f"{prefix}.{n}_proj", cfg.num_kv_heads * d, kv_start * d, self.kv_heads * d) for n in "kv"]
         q_part = (f"{prefix}.q_proj", cfg.num_heads * d, q_start * d, self.q_heads * d)
-        self.qkv = ColumnParallelLinear(weights, [q_part] + kv_parts, cfg.hidden_size, cfg.qkv_bias,
+        self.qkv = ColumnParallelLinear(weights, [q_part] + kv_parts, in_features or cfg.hidden_size, cfg.qkv_bias,
                                         cfg.quantization)
         self.o = RowParallelLinear(weights, tp, f"{prefix}.o_proj", cfg.hidden_size, cfg.num_heads * d,
                                    q_start * d, self.q_heads * d, cfg.o_bias, cfg.quantization)

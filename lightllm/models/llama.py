@@ -60,8 +60,12 @@ class DecoderLayer:
         else:
             self.mlp.defer_reduce(next_norm)
 
-    def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache):
+    def __call__(self, x, residual, batch: ForwardBatch, ropes, k_cache, v_cache, capture: list | None = None):
+        """capture: where given, the residual stream entering this layer is appended to it (a copy:
+        the norm after attention adds to the stream in place)."""
         h, residual = self.input_norm(x, residual)
+        if capture is not None:
+            capture.append(residual.clone())
         x = self.attn(h, batch, ropes[self.local_rope], k_cache, v_cache)
         if self.attn_out_norm is not None:
             x, _ = self.attn_out_norm(x, None)
@@ -98,8 +102,10 @@ class LlamaModel:
         self.lora = None  # models/lora.py's LoraSlots, where LoRA adapters are served
 
 
-    def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
+    def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None); with
+        batch.aux_layers also the input hidden states of those layers for all T tokens,
+        concatenated in layer order ([T, len(aux_layers) x hidden], an EAGLE-3 head's features)."""
         if self.lora is not None:
             self.lora.prepare(batch.lora_slots)
         x, residual = self.embed(batch.input_ids), None
@@ -108,9 +114,13 @@ class LlamaModel:
         # each layer takes (cos, sin) of its own base: [0] the global one, [1] the sliding layers' (Gemma 3)
         local = None if self.local_rotary is None else self.local_rotary(batch.positions)
         ropes = (self.rotary(batch.positions), local)
-        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
-            x, residual = layer(x, residual, batch, ropes, k_cache, v_cache)
+        aux = [] if batch.aux_layers else None
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v)):
+            x, residual = layer(x, residual, batch, ropes, k_cache, v_cache, aux if i in batch.aux_layers else None)
         if batch.logit_index is not None:  # x may be the last projection's partial sums [P, T, H]
             x, residual = x[..., batch.logit_index, :], residual[batch.logit_index]
         h, _ = self.norm(x, residual)
-        return self.lm_head(h)
+        if aux is None:
+            return self.lm_head(h)
+        assert len(aux) == len(batch.aux_layers), f"aux layers {batch.aux_layers} of {len(self.layers)} layers"
+        return self.lm_head(h), torch.cat(aux, dim=-1)

@@ -81,6 +81,9 @@ class CheckpointWeights:
             self.entries.update(_open(path))
         logger.info("checkpoint %s: %d tensors", self.model_dir, len(self.entries))
 
+    def has(self, name: str) -> bool:
+        return name in self.entries
+
     def _shape(self, entry) -> list[int]:
         handle, ref = entry
         return list(ref.shape) if handle is None else handle.get_slice(ref).get_shape()
@@ -116,6 +119,11 @@ class DummyWeights:
     def __init__(self, dtype: torch.dtype, device: torch.device, seed: int = 0, echo: bool = False):
         self.dtype, self.device, self.echo, self.seed = dtype, device, echo, seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def has(self, name: str) -> bool:
+        """False: a tensor a checkpoint may leave out (an EAGLE-3 head's embedding, its vocabulary
+        map) is taken as left out; `get` still makes any tensor asked for."""
+        return False
 
     def get(self, name: str, shape: tuple[int, ...], dim: int = 0, start: int = 0,
             length: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
