@@ -165,3 +165,22 @@ def test_the_controller_counts_the_draft_models_steps(step_ms, expected):
         spec.draft_cost.add(chain, 0.002 + step_ms / 1000 * chain)
     counts = spec.allocate([0.95], [8], 1, 1)
     assert counts is None if expected is None else counts[0] in expected
+
+
+def test_a_probe_that_brings_no_drafts_waits_for_the_next():
+    """Proposals that come back empty (catch-up only) still count as the probe: the next is
+    SPEC_PROBE_EVERY steps away, not at every step (each would cost the step's overlap)."""
+    from lightllm.engine.spec.controller import SPEC_PROBE_EVERY
+
+    spec = Speculator(SpeculativeConfig("draft_model", model="/x"), 101, 8, drafter=lambda asks: [((), 0)] * len(asks))
+    spec.measured(False, 1, 0.004)
+    spec.measured(True, 5, 0.040)  # drafts never pay: only probes ask for them
+    spec.global_alpha = 0.0
+    spec.start(1, [1, 2, 3])
+    asked = []
+    for step in range(3 * SPEC_PROBE_EVERY):
+        counts = spec.allocate([0.0], [4], 1, 1)
+        drafts = spec.propose({1: counts[0]}) if counts else {}
+        asked += [step] if counts else []
+        spec.planned(bool(drafts))
+    assert 2 <= len(asked) <= 3

@@ -251,7 +251,10 @@ class Speculator:
             spec.shadow = self.source.propose(req_id, self.k_max)
 
     def propose(self, wants: dict[int, int]) -> dict[int, list[int]]:
-        """Drafts for each request (req id -> most drafts), in one call where the source batches them."""
+        """Drafts for each request (req id -> most drafts), in one call where the source batches them.
+        A call counts as the probe it may be, drafts or none: a draft model's can come back empty
+        (its catch-up on long prompts), and a probe tried every step would cost each step's overlap."""
+        self._plain_steps = 0
         many = getattr(self.source, "propose_many", None)
         if many is not None and not self.shadows:  # a draft model: time the call
             started = time.perf_counter()
