@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 CPU_TRIM_EVERY_STEPS = 100
 # A draft model's graphs: its single-token steps replay decode graphs, its catch-up (a few tokens a
 # request after each verify step, one chunk each) mixed-step graphs of up to this many tokens.
-DRAFT_GRAPH_TOKENS = 512
+DRAFT_GRAPH_TOKENS = 1024
 
 
 def resolve_device(device: str | None, local_rank: int) -> torch.device:
