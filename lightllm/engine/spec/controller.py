@@ -21,14 +21,22 @@ It speculates only where the expected tokens per second of the step beat plain d
   plain(tokens)'s. The comparison is redone every step from current measurements, for the batch
   as it is: there is no batch-size threshold at which speculation switches off, only a rate that
   stops paying, and a wrong estimate costs the steps it takes the measurements to correct it.
-  While it speculates, a plain step of the batch's size is measured every PROBE_EVERY steps
-  (PROBE_STEPS of them), so that plain's cost is current too; and while it does not, a step
-  with drafts every SPEC_PROBE_EVERY steps where acceptance is high enough to matter.
+  While it does not speculate, a step with drafts every SPEC_PROBE_EVERY steps where acceptance
+  is high enough to matter; plain steps are measured in the guard's held-off epochs, steady.
+- The run-level guard (`RunGuard`). The per-step rates rest on a cost model, and a model can be
+  wrong where the run is not (a step with drafts is synchronous: the host's turnaround that overlap
+  hides for plain steps, prefill steps with drafts, a plain period measured after a synchronous
+  step). So the choice above runs only in epochs where speculation is allowed; other epochs hold
+  it off, and the two are compared by what the run realized: tokens emitted per second per
+  decoding request. The side that wins (allowed must win by MARGIN) runs in long epochs, the other
+  is tried once after each, and the winner's epochs lengthen while it keeps winning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,19 +44,17 @@ import numpy as np
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.drafts import make_draft_source
 
+logger = logging.getLogger(__name__)
+
 DECAY = 0.97  # a request's acceptance counts fade by this per outcome: about the last 30 chains count
 PRIOR_WEIGHT = 2.0  # a new request's acceptance is the global one, worth this many outcomes
 GLOBAL_RATE = 0.02  # the global acceptance moves this far towards each outcome
 GLOBAL_PRIOR = 0.3
 ENTER_MARGIN = 0.05  # from plain steps, speculate only when 5% ahead: entering costs a step's overlap
 COST_RATE = 0.1  # a step period's estimate moves this far towards each measurement
-# While it speculates, plain steps of the batch's size are not measured: after this many steps
-# with drafts, PROBE_STEPS plain ones (two: an overlapped step's period is measured by the next).
-PROBE_EVERY = 64
-PROBE_STEPS = 2
-# And while it does not, a step with drafts every SPEC_PROBE_EVERY steps when some request's drafts
-# would be accepted at least SPEC_PROBE_ALPHA: a cost measured long ago, or at another batch, must
-# not keep speculation off for good.
+# While it does not speculate, a step with drafts every SPEC_PROBE_EVERY steps when some request's
+# drafts would be accepted at least SPEC_PROBE_ALPHA: a cost measured long ago, or at another
+# batch, must not keep speculation off for good.
 SPEC_PROBE_EVERY = 64
 SPEC_PROBE_ALPHA = 0.5
 EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
@@ -58,6 +64,35 @@ SHADOW_PROPOSALS_A_STEP = 32
 # Before any step with drafts is measured, one is assumed to cost this much more than a plain step
 # of as many tokens (its host time is not hidden): drafts must promise that much to be tried.
 UNMEASURED_SPEC_EXTRA = 0.25
+
+# The run-level guard. An epoch's window leaves out its first SETTLE_STEPS steps (the tokens that
+# come in them are the other side's), then measures steps until MIN_STEPS were and the rate's
+# relative standard error is at most PRECISION, or MAX_STEPS were: plain steps at batch 1 are
+# regular and done in four, steps that prefill beside 64 decodes are not. The error is the
+# larger of the window's own and the one the spread of steps seen before gives (SPREAD_DECAY a
+# window): four steps that happen to miss every prefill say nothing of the rate's spread.
+SETTLE_STEPS = 1
+MIN_STEPS = 4
+MAX_STEPS = 24
+PRECISION = 0.03
+SPREAD_DECAY = 0.9
+# Speculation is allowed where it realized more than MARGIN above held off, by more than
+# SIGNIFICANCE standard errors of the comparison: at a tie, or in doubt, it is held off.
+MARGIN = 0.02
+SIGNIFICANCE = 1.0
+# The winner's epochs last RUN_STEPS << backoff steps; each win by the same side adds BACKOFF
+# doublings (a run of a few thousand steps explores a few times, not ten), one by more than
+# DECISIVE (either way) DECISIVE_BACKOFF, up to MAX_BACKOFF (2,048 steps).
+RUN_STEPS = 16
+BACKOFF = 2
+DECISIVE = 0.2
+DECISIVE_BACKOFF = 4
+MAX_BACKOFF = 7
+# The load (decoding requests, a moving average) at half or twice its value at the last verdict
+# makes that verdict stale: both sides are measured again, the backoff from zero.
+LOAD_CHANGE = 2.0
+LOAD_RATE = 0.1
+MAX_INTERVAL_SECONDS = 1.0  # a longer time between two steps counts as this (a stall is not a rate)
 
 
 @dataclass
@@ -156,6 +191,138 @@ class StepCosts:
         return self.plain(tokens) + np.interp(tokens, xs, residual, left=residual.min())
 
 
+class Window:
+    """Tokens emitted against request-seconds (decoding requests x seconds) over an epoch's
+    measured steps: the realized rate, and its relative standard error (a ratio estimator's)."""
+
+    __slots__ = ("steps", "drafted", "x", "y", "xx", "xy", "yy")
+
+    def __init__(self):
+        self.steps = self.drafted = 0
+        self.x = self.y = self.xx = self.xy = self.yy = 0.0
+
+    def add(self, tokens: int, request_seconds: float, drafted: bool) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.x += tokens
+        self.y += request_seconds
+        self.xx += tokens * tokens
+        self.xy += tokens * request_seconds
+        self.yy += request_seconds * request_seconds
+
+    @property
+    def rate(self) -> float:
+        return self.x / self.y if self.y > 0 else 0.0
+
+    @property
+    def variance(self) -> float:
+        """The rate's relative variance (its relative standard error, squared)."""
+        if self.x <= 0:
+            return math.inf
+        r = self.rate
+        return max(0.0, self.xx - 2 * r * self.xy + r * r * self.yy) / (self.x * self.x)
+
+
+class RunGuard:
+    """Whether the per-step choice may speculate now, from what the run realized with it and
+    without: epochs that allow speculation and epochs that hold it off, compared by tokens emitted
+    per second per decoding request (a request's progress: the inverse of its time per token, which
+    compares across batch sizes where throughput does not).
+
+    The side that won the last comparison (allowed must beat held off by MARGIN and by the
+    comparison's doubt) runs an epoch of RUN_STEPS << backoff steps, then the other side one short
+    epoch, then they are compared; each win by the same side lengthens the winner's epoch (up to
+    MAX_BACKOFF), a change of winner starts over, and so does a change of load. So while one side
+    keeps winning, the loser runs at most SETTLE_STEPS + MAX_STEPS steps of every RUN_STEPS <<
+    MAX_BACKOFF: speculation that loses costs the run that share of its loss, and holding off
+    speculation that pays that share of its gain. The first epochs hold off, then allow:
+    speculation is tried, not assumed. `step` is called once a step (one clock read and a few
+    sums); `tokens` is added to as tokens are emitted."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.allowed = False  # this epoch lets the per-step choice speculate
+        self.winner: bool | None = None  # whether allowed won the last comparison (None: none yet)
+        self.backoff = 0
+        self._displaced = 0  # the backoff of the winner the last verdict displaced (0: none)
+        self.tokens = 0  # emitted since the last step
+        self.load = 0.0
+        self._verdict_load = 0.0
+        self._rates: dict[bool, Window] = {}  # each side's last window
+        self._spread = 0.0  # a step's relative variance: the largest seen, decaying by window
+        self._window = Window()
+        self._steps = 0  # steps with decodes in this epoch
+        self._length = SETTLE_STEPS + MIN_STEPS  # steps this epoch runs at least
+        self._unmeasured = SETTLE_STEPS  # its first steps, outside its window
+        self._last = (0.0, 0, False)  # the last step: (its time, decoding requests, had drafts)
+
+    def step(self, drafted: bool, decoding: int) -> None:
+        """A step was planned with `decoding` decodes (and drafts or not): the one before it ran
+        from its start to now, and the tokens that came meanwhile are its epoch's."""
+        now = self.clock()
+        then, requests, had_drafts = self._last
+        self._last = (now, decoding, drafted)
+        tokens, self.tokens = self.tokens, 0
+        if requests and self._steps > self._unmeasured:
+            self._window.add(tokens, requests * min(now - then, MAX_INTERVAL_SECONDS), had_drafts)
+        if not decoding:
+            return
+        self.load = decoding if not self.load else self.load + LOAD_RATE * (decoding - self.load)
+        self._steps += 1
+        if self._verdict_load and not 1 / LOAD_CHANGE < self.load / self._verdict_load < LOAD_CHANGE:
+            self._load_changed()
+        elif self._window_done():
+            self._next_epoch()
+
+    def _window_done(self) -> bool:
+        w = self._window
+        return (self._steps >= self._length and w.steps >= MIN_STEPS
+                and (w.steps >= MAX_STEPS or self._variance(w) <= PRECISION**2))
+
+    def _variance(self, w: Window) -> float:
+        return max(w.variance, self._spread / max(w.steps, 1))
+
+    def _next_epoch(self) -> None:
+        w = self._window
+        seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
+        self._spread = max(self._spread * SPREAD_DECAY, seen)
+        self._rates[self.allowed] = w
+        if self.allowed != self.winner and len(self._rates) == 2:  # an exploration ended
+            self._verdict()
+            self._start(self.winner, RUN_STEPS << self.backoff)
+        else:
+            self._start(not self.allowed, SETTLE_STEPS + MIN_STEPS)
+
+    def _verdict(self) -> None:
+        """Compare the two sides' last windows: the winner, and how long until the next comparison."""
+        allowed, held = self._rates[True], self._rates[False]
+        ratio = allowed.rate / held.rate if held.rate > 0 else math.inf
+        doubt = 1 + SIGNIFICANCE * math.sqrt(self._variance(allowed) + self._variance(held))
+        wins = ratio > (1 + MARGIN) * doubt
+        decisive = ratio > (1 + MARGIN) * (1 + DECISIVE) * doubt or ratio * (1 + DECISIVE) * doubt < 1
+        doublings = (DECISIVE_BACKOFF if decisive else BACKOFF) if allowed.drafted else 0  # no drafts: no news
+        if wins == self.winner:
+            self.backoff, self._displaced = min(MAX_BACKOFF, self.backoff + doublings), 0
+        else:  # a new winner; one displaced by the verdict before gets its backoff back
+            self.winner, self.backoff, self._displaced = wins, max(self._displaced, doublings - 1), self.backoff
+        self._verdict_load = self.load
+        logger.debug("speculation %s: %.3fx the rate held off, next exploration in %d steps",
+                     "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
+
+    def _load_changed(self) -> None:
+        """The last verdict was at another load: measure both sides again, the winner's first."""
+        self._rates.clear()
+        self._verdict_load, self.backoff, self._displaced = self.load, 0, 0
+        self._start(bool(self.winner), SETTLE_STEPS + MIN_STEPS)
+
+    def _start(self, allowed: bool, length: int) -> None:
+        """An epoch of at least `length` steps, its window its last MAX_STEPS (the rate where the
+        comparison is made, not long before), past the settle."""
+        self.allowed, self._length = allowed, length
+        self._unmeasured = max(SETTLE_STEPS, length - MAX_STEPS)
+        self._window, self._steps = Window(), 0
+
+
 class Speculator:
     """The draft source and the controller, for the scheduler: it sees each request's tokens
     and says which drafts the next step verifies. Counters in vLLM's names feed /metrics."""
@@ -168,8 +335,7 @@ class Speculator:
         self.costs = StepCosts()
         self.global_alpha = GLOBAL_PRIOR
         self.speculating = False  # the last plan had drafts
-        self._drafted_steps = 0  # steps with drafts since the last probe
-        self._probe_left = 0  # plain steps still to run for the probe
+        self.guard: RunGuard | None = RunGuard()  # None: the per-step choice alone decides
         self._plain_steps = 0  # steps without drafts since the last step with drafts
         self._shadow_turn = 0  # where the next step's shadow proposals start among those due
         self.num_drafts = 0  # verified chains
@@ -199,6 +365,8 @@ class Speculator:
             spec.shadow.pop(0)
             self._outcome(spec, 1, False)
         self.source.extend(req_id, token_ids)
+        if self.guard is not None:
+            self.guard.tokens += len(token_ids)
 
     def shadow_drafts(self, reqs: list[tuple[int, RequestSpec]]) -> None:
         """New shadow drafts for requests whose last ones are used up, at most
@@ -236,26 +404,19 @@ class Speculator:
     def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
         self.costs.measured(drafted, tokens, seconds)
 
-    def planned(self, drafted: bool) -> None:
-        """The step just planned had drafts or not: count towards the next probes."""
+    def planned(self, drafted: bool, decoding: int = 0) -> None:
+        """The step just planned, with `decoding` decodes, had drafts or not."""
         self.speculating = drafted
         self._plain_steps = 0 if drafted else self._plain_steps + 1
-        if self._probe_left:
-            self._probe_left -= 1
-        elif drafted:
-            self._drafted_steps += 1
-            if self._drafted_steps >= PROBE_EVERY:
-                self._drafted_steps, self._probe_left = 0, PROBE_STEPS
-
-    @property
-    def probing(self) -> bool:
-        return self._probe_left > 0
+        if self.guard is not None:
+            self.guard.step(drafted, decoding)
 
     def allocate(self, alphas: list[float], limits: list[int], tokens: int, outputs: int) -> list[int] | None:
         """Drafts per candidate (alphas, most drafts each may take) for a step of `tokens`
         tokens that emits `outputs` without drafts; None when a plain step is expected to do
-        at least as well (margin ENTER_MARGIN when the last step had no drafts)."""
-        if not alphas or self.probing or not self.costs.known_near(tokens):
+        at least as well (margin ENTER_MARGIN when the last step had no drafts), or while the
+        guard holds speculation off."""
+        if not alphas or (self.guard is not None and not self.guard.allowed) or not self.costs.known_near(tokens):
             return None
         room = self.max_rows - outputs  # at least one row per plain output: keep to the largest graph
         limits = np.minimum(np.array(limits, dtype=np.int64), self.k_max)
