@@ -89,9 +89,10 @@ DECISIVE = 0.2
 DECISIVE_BACKOFF = 4
 MAX_BACKOFF = 7
 # The load (decoding requests, a moving average) at half or twice its value at the last verdict
-# makes that verdict stale: both sides are measured again, the backoff from zero.
+# makes that verdict stale: both sides are measured again, the backoff from zero. The average
+# moves fast (64 to 1 in flight is seen in 3 steps), twice is far from a Poisson load's swings.
 LOAD_CHANGE = 2.0
-LOAD_RATE = 0.1
+LOAD_RATE = 0.3
 MAX_INTERVAL_SECONDS = 1.0  # a longer time between two steps counts as this (a stall is not a rate)
 
 
@@ -249,7 +250,9 @@ class RunGuard:
         self.load = 0.0
         self._verdict_load = 0.0
         self._rates: dict[bool, Window] = {}  # each side's last window
-        self._spread = 0.0  # a step's relative variance: the largest seen, decaying by window
+        # A step's relative variance by side, the largest seen, decaying by window: at batch 1 a
+        # step with drafts emits 1-9 tokens and a plain one always 1.
+        self._spread = {True: 0.0, False: 0.0}
         self._window = Window()
         self._steps = 0  # steps with decodes in this epoch
         self._length = SETTLE_STEPS + MIN_STEPS  # steps this epoch runs at least
@@ -277,15 +280,15 @@ class RunGuard:
     def _window_done(self) -> bool:
         w = self._window
         return (self._steps >= self._length and w.steps >= MIN_STEPS
-                and (w.steps >= MAX_STEPS or self._variance(w) <= PRECISION**2))
+                and (w.steps >= MAX_STEPS or self._variance(w, self.allowed) <= PRECISION**2))
 
-    def _variance(self, w: Window) -> float:
-        return max(w.variance, self._spread / max(w.steps, 1))
+    def _variance(self, w: Window, allowed: bool) -> float:
+        return max(w.variance, self._spread[allowed] / max(w.steps, 1))
 
     def _next_epoch(self) -> None:
         w = self._window
         seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
-        self._spread = max(self._spread * SPREAD_DECAY, seen)
+        self._spread[self.allowed] = max(self._spread[self.allowed] * SPREAD_DECAY, seen)
         self._rates[self.allowed] = w
         if self.allowed != self.winner and len(self._rates) == 2:  # an exploration ended
             self._verdict()
@@ -297,7 +300,7 @@ class RunGuard:
         """Compare the two sides' last windows: the winner, and how long until the next comparison."""
         allowed, held = self._rates[True], self._rates[False]
         ratio = allowed.rate / held.rate if held.rate > 0 else math.inf
-        doubt = 1 + SIGNIFICANCE * math.sqrt(self._variance(allowed) + self._variance(held))
+        doubt = 1 + SIGNIFICANCE * math.sqrt(self._variance(allowed, True) + self._variance(held, False))
         wins = ratio > (1 + MARGIN) * doubt
         decisive = ratio > (1 + MARGIN) * (1 + DECISIVE) * doubt or ratio * (1 + DECISIVE) * doubt < 1
         doublings = (DECISIVE_BACKOFF if decisive else BACKOFF) if allowed.drafted else 0  # no drafts: no news
