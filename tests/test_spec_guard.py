@@ -47,7 +47,7 @@ class Run:
     def __init__(self, spec: Speculator, clock: Clock, seed: int = 0):
         self.spec, self.clock, self.rng = spec, clock, np.random.default_rng(seed)
         self.prefills = np.random.default_rng(seed + 1000)  # the same steps prefill in every run of a seed
-        self.tokens, self.seconds = 0, 0.0
+        self.tokens, self.seconds, self.drafted_seconds = 0, 0.0, 0.0
         self.allowed_steps = []  # per step: whether it had drafts
         self.winners = []  # per step: the guard's last verdict (whether speculation won)
         self._pending = 0
@@ -78,6 +78,7 @@ class Run:
                 spec.measured(False, n, PLAIN_SECONDS)
             self.tokens += emitted
             self.seconds += wall
+            self.drafted_seconds += wall if drafted else 0.0
             self.clock.now += wall
             self.allowed_steps.append(drafted)
             self.winners.append(spec.guard.winner if spec.guard else None)
@@ -92,27 +93,27 @@ def run_rate(spec_speed: float, n: int, steps: int, guarded: bool, alpha: float 
              prefill_share: float = PREFILL_SHARE):
     clock = Clock()
     run = Run(make_speculator(clock, guarded), clock, seed)
-    tokens, seconds, drafted = run.phase(steps, n, alpha, spec_speed, prefill_share)
-    return tokens / seconds / n * PLAIN_SECONDS, float(np.mean(drafted))
+    tokens, seconds, _ = run.phase(steps, n, alpha, spec_speed, prefill_share)
+    return tokens / seconds / n * PLAIN_SECONDS, run.drafted_seconds / seconds
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("speed", [0.88, 0.95])
 def test_guard_holds_off_speculation_the_run_loses_by(speed, seed):
     """64 in flight, alpha 0.8: the per-step costs say drafts pay, the run says they lose 5-12%.
-    Over 4,000 steps the guard drafts in few of them and keeps 98% of plain's rate."""
+    Over 4,000 steps the guard drafts in a small share of the time and keeps 98% of plain's rate."""
     plain, _ = run_rate(1.0, 64, 4000, guarded=False, alpha=0.0, seed=seed)
     rate, drafted = run_rate(speed, 64, 4000, guarded=True, seed=seed)
-    assert rate >= 0.98 * plain and drafted <= 0.1, (rate / plain, drafted)
+    assert rate >= 0.98 * plain and drafted <= 0.12, (rate / plain, drafted)
 
 
 def test_guard_bounds_the_loss_of_a_short_run():
-    """600 steps (a benchmark's run at 64 in flight): the first explorations are most of it, so
-    the bound is looser, but most of the 12% is saved."""
+    """600 steps (a benchmark's run at 64 in flight): the first explorations are a larger share of
+    it, so the bound is looser, but most of the 12% is saved."""
     for seed in range(3):
         plain, _ = run_rate(1.0, 64, 600, guarded=False, alpha=0.0, seed=seed)
         rate, drafted = run_rate(0.88, 64, 600, guarded=True, seed=seed)
-        assert rate >= 0.94 * plain and drafted <= 0.25, (rate / plain, drafted)
+        assert rate >= 0.96 * plain and drafted <= 0.25, (rate / plain, drafted)
 
 
 def test_without_the_guard_the_same_run_loses():
@@ -121,14 +122,15 @@ def test_without_the_guard_the_same_run_loses():
     assert drafted > 0.99 and rate < 0.9
 
 
-@pytest.mark.parametrize(("n", "speed", "prefill_share", "steps"), [(1, 2.8, 0.0, 1000), (64, 1.5, PREFILL_SHARE, 4000)])
+@pytest.mark.parametrize(("n", "speed", "prefill_share", "steps"),
+                         [(1, 2.8, 0.0, 1000), (64, 1.5, PREFILL_SHARE, 4000)])
 def test_guard_keeps_speculation_that_pays(n, speed, prefill_share, steps):
     """Batch 1 at 2.8x (1,000 steps: twelve requests of 256 tokens; its prefills decode nothing),
-    64 in flight at 1.5x: drafts in almost every step, the run's rate within 2% of the per-step
-    choice's alone."""
+    64 in flight at 1.5x: drafts for almost all of the time, the run's rate within 2% of the
+    per-step choice's alone."""
     always, _ = run_rate(speed, n, steps, guarded=False, prefill_share=prefill_share)
     rate, drafted = run_rate(speed, n, steps, guarded=True, prefill_share=prefill_share)
-    assert drafted >= 0.97 and rate >= 0.98 * always, (rate / always, drafted)
+    assert drafted >= 0.95 and rate >= 0.98 * always, (rate / always, drafted)
 
 
 def steps_to_follow(run: Run, steps: int, want: bool) -> int:
@@ -138,7 +140,7 @@ def steps_to_follow(run: Run, steps: int, want: bool) -> int:
     return wrong[-1] + 1 if wrong else 0
 
 
-LONGEST_EPOCH = RUN_STEPS << MAX_BACKOFF  # the winner's longest epoch, in steps
+LONGEST_EPOCH = RUN_STEPS << MAX_BACKOFF  # the winner's longest epoch, in plain steps' time
 SHORT_EPOCH = 1 + MAX_STEPS  # an exploration's longest
 
 

@@ -65,24 +65,28 @@ SHADOW_PROPOSALS_A_STEP = 32
 # of as many tokens (its host time is not hidden): drafts must promise that much to be tried.
 UNMEASURED_SPEC_EXTRA = 0.25
 
-# The run-level guard. An epoch's window leaves out its first SETTLE_STEPS steps (the tokens that
-# come in them are the other side's), then measures steps until MIN_STEPS were and the rate's
-# relative standard error is at most PRECISION, or MAX_STEPS were: plain steps at batch 1 are
-# regular and done in four, steps that prefill beside 64 decodes are not. The error is the
-# larger of the window's own and the one the spread of steps seen before gives (SPREAD_DECAY a
-# window): four steps that happen to miss every prefill say nothing of the rate's spread.
+# The run-level guard. Epochs are measured in time, in units of a plain step's period (of the
+# last held-off window): a step with drafts, longer, counts for more, so a share of epochs is a
+# share of the run's time. An epoch's window leaves out its first SETTLE_STEPS steps (the tokens
+# that come in them are the other side's), then measures until MIN_STEPS steps were and the
+# rate's relative standard error is at most PRECISION, or MAX_STEPS plain steps' time passed:
+# plain steps at batch 1 are regular and done in four, steps that prefill beside 64 decodes are
+# not. The error is the larger of the window's own and the one the spread of that side's steps
+# seen before gives (SPREAD_DECAY a window): four steps that happen to miss every prefill say
+# nothing of the spread. The winner's epoch is measured over its last WINNER_WINDOW x MAX_STEPS.
 SETTLE_STEPS = 1
 MIN_STEPS = 4
 MAX_STEPS = 24
+WINNER_WINDOW = 4
 PRECISION = 0.03
 SPREAD_DECAY = 0.9
 # Speculation is allowed where it realized more than MARGIN above held off, by more than
 # SIGNIFICANCE standard errors of the comparison: at a tie, or in doubt, it is held off.
 MARGIN = 0.02
 SIGNIFICANCE = 1.0
-# The winner's epochs last RUN_STEPS << backoff steps; each win by the same side adds BACKOFF
-# doublings (a run of a few thousand steps explores a few times, not ten), one by more than
-# DECISIVE (either way) DECISIVE_BACKOFF, up to MAX_BACKOFF (2,048 steps).
+# The winner's epochs last RUN_STEPS << backoff plain steps; each win by the same side adds
+# BACKOFF doublings (a short run explores a few times, not ten), one by more than DECISIVE
+# (either way) DECISIVE_BACKOFF, up to MAX_BACKOFF (2,048 plain steps).
 RUN_STEPS = 16
 BACKOFF = 2
 DECISIVE = 0.2
@@ -196,14 +200,16 @@ class Window:
     """Tokens emitted against request-seconds (decoding requests x seconds) over an epoch's
     measured steps: the realized rate, and its relative standard error (a ratio estimator's)."""
 
-    __slots__ = ("steps", "drafted", "x", "y", "xx", "xy", "yy")
+    __slots__ = ("steps", "drafted", "seconds", "x", "y", "xx", "xy", "yy")
 
     def __init__(self):
         self.steps = self.drafted = 0
-        self.x = self.y = self.xx = self.xy = self.yy = 0.0
+        self.seconds = self.x = self.y = self.xx = self.xy = self.yy = 0.0
 
-    def add(self, tokens: int, request_seconds: float, drafted: bool) -> None:
+    def add(self, tokens: int, requests: int, seconds: float, drafted: bool) -> None:
+        request_seconds = requests * seconds
         self.steps += 1
+        self.seconds += seconds
         self.drafted += drafted
         self.x += tokens
         self.y += request_seconds
@@ -231,14 +237,14 @@ class RunGuard:
     compares across batch sizes where throughput does not).
 
     The side that won the last comparison (allowed must beat held off by MARGIN and by the
-    comparison's doubt) runs an epoch of RUN_STEPS << backoff steps, then the other side one short
-    epoch, then they are compared; each win by the same side lengthens the winner's epoch (up to
-    MAX_BACKOFF), a change of winner starts over, and so does a change of load. So while one side
-    keeps winning, the loser runs at most SETTLE_STEPS + MAX_STEPS steps of every RUN_STEPS <<
-    MAX_BACKOFF: speculation that loses costs the run that share of its loss, and holding off
-    speculation that pays that share of its gain. The first epochs hold off, then allow:
-    speculation is tried, not assumed. `step` is called once a step (one clock read and a few
-    sums); `tokens` is added to as tokens are emitted."""
+    comparison's doubt) runs an epoch of RUN_STEPS << backoff plain steps' time, then the other side
+    one short epoch, then they are compared; each win by the same side lengthens the winner's epoch
+    (up to MAX_BACKOFF), a change of winner starts over, and so does a change of load. So while one
+    side keeps winning, the loser runs about MAX_STEPS of every RUN_STEPS << MAX_BACKOFF plain
+    steps' time (at least SETTLE_STEPS + MIN_STEPS of its steps): speculation that loses costs the
+    run that share of its loss, and holding off speculation that pays that share of its gain. The
+    first epochs hold off, then allow: speculation is tried, not assumed. `step` is called once a
+    step (one clock read and a few sums); `tokens` is added to as tokens are emitted."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -255,8 +261,10 @@ class RunGuard:
         self._spread = {True: 0.0, False: 0.0}
         self._window = Window()
         self._steps = 0  # steps with decodes in this epoch
-        self._length = SETTLE_STEPS + MIN_STEPS  # steps this epoch runs at least
-        self._unmeasured = SETTLE_STEPS  # its first steps, outside its window
+        self._seconds = 0.0  # the time of this epoch's steps with decodes
+        self._length = 0  # the time this epoch runs at least, in plain steps
+        self._unmeasured = 0  # the time before its window, in plain steps
+        self._plain_period = 0.0  # the mean time of a step in the last held-off window
         self._last = (0.0, 0, False)  # the last step: (its time, decoding requests, had drafts)
 
     def step(self, drafted: bool, decoding: int) -> None:
@@ -266,21 +274,30 @@ class RunGuard:
         then, requests, had_drafts = self._last
         self._last = (now, decoding, drafted)
         tokens, self.tokens = self.tokens, 0
-        if requests and self._steps > self._unmeasured:
-            self._window.add(tokens, requests * min(now - then, MAX_INTERVAL_SECONDS), had_drafts)
+        if requests:
+            seconds = min(now - then, MAX_INTERVAL_SECONDS)
+            self._seconds += seconds
+            if self._steps > SETTLE_STEPS and self._in_plain_steps(self._seconds) > self._unmeasured:
+                self._window.add(tokens, requests, seconds, had_drafts)
         if not decoding:
             return
         self.load = decoding if not self.load else self.load + LOAD_RATE * (decoding - self.load)
         self._steps += 1
         if self._verdict_load and not 1 / LOAD_CHANGE < self.load / self._verdict_load < LOAD_CHANGE:
-            self._load_changed()
+            self._load_changed(decoding)
         elif self._window_done():
             self._next_epoch()
 
     def _window_done(self) -> bool:
         w = self._window
-        return (self._steps >= self._length and w.steps >= MIN_STEPS
-                and (w.steps >= MAX_STEPS or self._variance(w, self.allowed) <= PRECISION**2))
+        return (self._in_plain_steps(self._seconds) >= self._length and w.steps >= MIN_STEPS
+                and (self._in_plain_steps(w.seconds) >= MAX_STEPS or self._variance(w, self.allowed) <= PRECISION**2))
+
+    def _in_plain_steps(self, seconds: float) -> float:
+        """Time in plain steps (of the last held-off window, or of this epoch's before there is one):
+        epochs are measured in time, so that a step with drafts, longer, counts for more."""
+        period = self._plain_period or self._seconds / max(self._steps, 1)
+        return seconds / period if period > 0 else math.inf
 
     def _variance(self, w: Window, allowed: bool) -> float:
         return max(w.variance, self._spread[allowed] / max(w.steps, 1))
@@ -290,11 +307,13 @@ class RunGuard:
         seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
         self._spread[self.allowed] = max(self._spread[self.allowed] * SPREAD_DECAY, seen)
         self._rates[self.allowed] = w
+        if not self.allowed and w.steps:
+            self._plain_period = w.seconds / w.steps
         if self.allowed != self.winner and len(self._rates) == 2:  # an exploration ended
             self._verdict()
             self._start(self.winner, RUN_STEPS << self.backoff)
         else:
-            self._start(not self.allowed, SETTLE_STEPS + MIN_STEPS)
+            self._start(not self.allowed, 0)
 
     def _verdict(self) -> None:
         """Compare the two sides' last windows: the winner, and how long until the next comparison."""
@@ -312,18 +331,18 @@ class RunGuard:
         logger.debug("speculation %s: %.3fx the rate held off, next exploration in %d steps",
                      "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
 
-    def _load_changed(self) -> None:
+    def _load_changed(self, decoding: int) -> None:
         """The last verdict was at another load: measure both sides again, the winner's first."""
         self._rates.clear()
-        self._verdict_load, self.backoff, self._displaced = self.load, 0, 0
-        self._start(bool(self.winner), SETTLE_STEPS + MIN_STEPS)
+        self.load = self._verdict_load = decoding  # the new load, not the average's way to it
+        self.backoff = self._displaced = 0
+        self._start(bool(self.winner), 0)
 
     def _start(self, allowed: bool, length: int) -> None:
-        """An epoch of at least `length` steps, its window its last MAX_STEPS (the rate where the
-        comparison is made, not long before), past the settle."""
-        self.allowed, self._length = allowed, length
-        self._unmeasured = max(SETTLE_STEPS, length - MAX_STEPS)
-        self._window, self._steps = Window(), 0
+        """An epoch of at least `length` plain steps' time, its window its last MAX_STEPS (the rate
+        where the comparison is made, not long before), past the settle."""
+        self.allowed, self._length, self._unmeasured = allowed, length, length - WINNER_WINDOW * MAX_STEPS
+        self._window, self._steps, self._seconds = Window(), 0, 0.0
 
 
 class Speculator:
