@@ -290,8 +290,9 @@ class RunGuard:
 
     def _window_done(self) -> bool:
         w = self._window
-        return (self._in_plain_steps(self._seconds) >= self._length and w.steps >= MIN_STEPS
-                and (self._in_plain_steps(w.seconds) >= MAX_STEPS or self._variance(w, self.allowed) <= PRECISION**2))
+        if self._in_plain_steps(self._seconds) < self._length or w.steps < MIN_STEPS:
+            return False
+        return self._in_plain_steps(w.seconds) >= MAX_STEPS or self._variance(w, self.allowed) <= PRECISION**2
 
     def _in_plain_steps(self, seconds: float) -> float:
         """Time in plain steps (of the last held-off window, or of this epoch's before there is one):
@@ -328,7 +329,7 @@ class RunGuard:
         else:  # a new winner; one displaced by the verdict before gets its backoff back
             self.winner, self.backoff, self._displaced = wins, max(self._displaced, doublings - 1), self.backoff
         self._verdict_load = self.load
-        logger.debug("speculation %s: %.3fx the rate held off, next exploration in %d steps",
+        logger.debug("speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
                      "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
 
     def _load_changed(self, decoding: int) -> None:
@@ -339,8 +340,8 @@ class RunGuard:
         self._start(bool(self.winner), 0)
 
     def _start(self, allowed: bool, length: int) -> None:
-        """An epoch of at least `length` plain steps' time, its window its last MAX_STEPS (the rate
-        where the comparison is made, not long before), past the settle."""
+        """An epoch of at least `length` plain steps' time, its window its last WINNER_WINDOW x
+        MAX_STEPS (the rate where the comparison is made, not long before), past the settle."""
         self.allowed, self._length, self._unmeasured = allowed, length, length - WINNER_WINDOW * MAX_STEPS
         self._window, self._steps, self._seconds = Window(), 0, 0.0
 
@@ -438,7 +439,8 @@ class Speculator:
         tokens that emits `outputs` without drafts; None when a plain step is expected to do
         at least as well (margin ENTER_MARGIN when the last step had no drafts), or while the
         guard holds speculation off."""
-        if not alphas or (self.guard is not None and not self.guard.allowed) or not self.costs.known_near(tokens):
+        held_off = self.guard is not None and not self.guard.allowed
+        if held_off or not alphas or not self.costs.known_near(tokens):
             return None
         room = self.max_rows - outputs  # at least one row per plain output: keep to the largest graph
         limits = np.minimum(np.array(limits, dtype=np.int64), self.k_max)
