@@ -174,6 +174,26 @@ def test_guard_follows_a_change_of_load_at_once():
     assert steps_to_follow(run, 1000, False) <= 4 * SHORT_EPOCH
 
 
+def test_a_low_load_swinging_every_step_is_no_change_of_load():
+    """About 4 in flight, the count drawn anew every step (1 to 10): no restart of the comparison
+    each time it swings, and where drafts lose 12% the run keeps 98% of plain's rate."""
+    loads = [max(1, int(n)) for n in np.random.default_rng(7).poisson(4, 3000)]
+    rates, restarts = [], []
+    for alpha, speed, guarded in ((0.0, 1.0, False), (0.8, 0.88, True)):
+        clock = Clock()
+        run = Run(make_speculator(clock, guarded), clock)
+        if guarded:
+            guard = run.spec.guard
+            restart = guard._load_changed
+            guard._load_changed = lambda decoding: restarts.append(decoding) or restart(decoding)
+        tokens = request_seconds = 0.0
+        for n in loads:
+            emitted, seconds, _ = run.phase(1, n, alpha, speed)
+            tokens, request_seconds = tokens + emitted, request_seconds + n * seconds
+        rates.append(tokens / request_seconds)
+    assert not restarts and rates[1] >= 0.98 * rates[0], (restarts, rates[1] / rates[0])
+
+
 def test_guard_step_is_cheap():
     """A step of the guard is a clock read and a few sums: well under 10 us (the best of five
     batches, on a shared CPU)."""

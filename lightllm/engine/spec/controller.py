@@ -92,11 +92,13 @@ BACKOFF = 2
 DECISIVE = 0.2
 DECISIVE_BACKOFF = 4
 MAX_BACKOFF = 7
-# The load (decoding requests, a moving average) at half or twice its value at the last verdict
-# makes that verdict stale: both sides are measured again, the backoff from zero. The average
-# moves fast (64 to 1 in flight is seen in 3 steps), twice is far from a Poisson load's swings.
+# The load (decoding requests, a moving average, LOAD_FLOOR added: 1 to 2 in flight is no new
+# regime) at half or twice its value at the last verdict makes that verdict stale: both sides are
+# measured again, the backoff from zero. 64 to 1 in flight is seen in 7 steps; a low Poisson
+# load's swings from step to step are not.
 LOAD_CHANGE = 2.0
-LOAD_RATE = 0.3
+LOAD_RATE = 0.1
+LOAD_FLOOR = 2.0
 MAX_INTERVAL_SECONDS = 1.0  # a longer time between two steps counts as this (a stall is not a rate)
 
 
@@ -283,10 +285,13 @@ class RunGuard:
             return
         self.load = decoding if not self.load else self.load + LOAD_RATE * (decoding - self.load)
         self._steps += 1
-        if self._verdict_load and not 1 / LOAD_CHANGE < self.load / self._verdict_load < LOAD_CHANGE:
+        if self._verdict_load and not 1 / LOAD_CHANGE < self._load_ratio() < LOAD_CHANGE:
             self._load_changed(decoding)
         elif self._window_done():
             self._next_epoch()
+
+    def _load_ratio(self) -> float:
+        return (self.load + LOAD_FLOOR) / (self._verdict_load + LOAD_FLOOR)
 
     def _window_done(self) -> bool:
         w = self._window
