@@ -109,11 +109,11 @@ def test_guard_holds_off_speculation_the_run_loses_by(speed, seed):
 
 def test_guard_bounds_the_loss_of_a_short_run():
     """600 steps (a benchmark's run at 64 in flight): the first explorations are a larger share of
-    it, so the bound is looser, but most of the 12% is saved."""
+    it, so the bound is looser (97% of plain's rate), but most of the 12% is saved."""
     for seed in range(3):
         plain, _ = run_rate(1.0, 64, 600, guarded=False, alpha=0.0, seed=seed)
         rate, drafted = run_rate(0.88, 64, 600, guarded=True, seed=seed)
-        assert rate >= 0.96 * plain and drafted <= 0.25, (rate / plain, drafted)
+        assert rate >= 0.97 * plain and drafted <= 0.25, (rate / plain, drafted)
 
 
 def test_without_the_guard_the_same_run_loses():
