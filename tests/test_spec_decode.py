@@ -18,7 +18,7 @@ from lightllm.engine.plan import Chunk, StepPlan
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.scheduler import peak_token_usage, peak_with_drafts
 from lightllm.engine.spec.config import SpeculativeConfig
-from lightllm.engine.spec.controller import PROBE_EVERY, Speculator
+from lightllm.engine.spec.controller import Speculator
 
 VOCAB = 101
 _steps = itertools.count(1)
@@ -153,7 +153,10 @@ def test_peak_with_drafts_bounds_every_outcome(reqs, rng):
 # ---- the controller ----
 
 def make_speculator():
-    return Speculator(SpeculativeConfig("ngram", num_speculative_tokens=6), vocab_size=VOCAB, max_rows=64)
+    """The per-step choice alone (the run-level guard is tested in test_spec_guard.py)."""
+    spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=6), vocab_size=VOCAB, max_rows=64)
+    spec.guard = None
+    return spec
 
 
 def test_controller_speculates_only_where_it_pays():
@@ -171,17 +174,6 @@ def test_controller_speculates_only_where_it_pays():
     for _ in range(60):
         spec.measured(True, 7, 0.030)
     assert spec.allocate([0.5], [6], 1, 1) is None
-
-
-def test_controller_probes_plain_steps_while_speculating():
-    spec = make_speculator()
-    spec.measured(False, 1, 0.010)
-    for _ in range(PROBE_EVERY):
-        spec.planned(True)
-    assert spec.allocate([0.9], [6], 1, 1) is None  # a probe of plain steps is due
-    spec.planned(False)
-    spec.planned(False)
-    assert spec.allocate([0.9], [6], 1, 1) is not None
 
 
 def test_shadow_drafts_measure_acceptance_without_speculating():

@@ -78,6 +78,7 @@ def test_greedy_with_a_draft_model_equals_transformers(models, chunk):
                           runner.req_table.max_reqs * 5, drafter=runner.draft)
         spec.measured(False, 1, 0.01)  # a flat step cost: drafts pay while any is accepted
         spec.global_alpha = 0.9
+        spec.guard = None  # the per-step choice alone: this checks the tokens, not the guard
         core.scheduler.speculator = spec
         got = Client(core).run(prompts + prompts[:1], SamplingParams(max_new_tokens=20))
         assert got == [expected[i] for i in range(len(prompts))] + [expected[0]]
@@ -158,6 +159,7 @@ def test_the_controller_counts_the_draft_models_steps(step_ms, expected):
     none does."""
     spec = Speculator(SpeculativeConfig("draft_model", model="/x", num_speculative_tokens=8), 101, 8,
                       drafter=lambda asks: [])
+    spec.guard = None  # the per-step choice alone
     spec.measured(False, 1, 0.004)
     spec.measured(False, 300, 0.030)
     spec.measured(True, 9, 0.0044)
@@ -175,6 +177,7 @@ def test_a_probe_that_brings_no_drafts_waits_for_the_next():
     spec = Speculator(SpeculativeConfig("draft_model", model="/x"), 101, 8, drafter=lambda asks: [((), 0)] * len(asks))
     spec.measured(False, 1, 0.004)
     spec.measured(True, 5, 0.040)  # drafts never pay: only probes ask for them
+    spec.guard = None  # the per-step choice alone
     spec.global_alpha = 0.0
     spec.start(1, [1, 2, 3])
     asked = []

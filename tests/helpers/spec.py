@@ -39,6 +39,7 @@ def speculating_engine(runner, chunk, method, overlap=True, prefix_cache=True, *
     spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=5, **config), runner.config.vocab_size,
                       runner.req_table.max_reqs * 6)
     spec.measured(False, 1, 0.01)  # a flat step cost: drafts always pay while they are accepted
+    spec.guard = None  # and no epochs held off: what is under test is verification
     spec.global_alpha = 0.9
     core.scheduler.speculator = spec
     return core

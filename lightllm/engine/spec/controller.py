@@ -21,13 +21,20 @@ It speculates only where the expected tokens per second of the step beat plain d
   plain(tokens)'s. The comparison is redone every step from current measurements, for the batch
   as it is: there is no batch-size threshold at which speculation switches off, only a rate that
   stops paying, and a wrong estimate costs the steps it takes the measurements to correct it.
-  While it speculates, a plain step of the batch's size is measured every PROBE_EVERY steps
-  (PROBE_STEPS of them), so that plain's cost is current too; and while it does not, a step
-  with drafts every SPEC_PROBE_EVERY steps where acceptance is high enough to matter.
+  While it does not speculate, a step with drafts every SPEC_PROBE_EVERY steps where acceptance
+  is high enough to matter; plain steps are measured in the guard's held-off epochs, steady.
+- The run-level guard (`RunGuard`). The per-step rates rest on a cost model, and a model can be
+  wrong where the run is not (a step with drafts is synchronous: the host's turnaround that overlap
+  hides for plain steps, prefill steps with drafts, a plain period measured after a synchronous
+  step). So the choice above runs only in epochs where speculation is allowed; other epochs hold
+  it off, and the two are compared by what the run realized: tokens emitted per second per
+  decoding request. The side that wins (allowed must win by MARGIN) runs in long epochs, the other
+  is tried once after each, and the winner's epochs lengthen while it keeps winning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +43,8 @@ import numpy as np
 
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.drafts import make_draft_source
+
+logger = logging.getLogger(__name__)
 
 DECAY = 0.97  # a request's acceptance counts fade by this per outcome: about the last 30 chains count
 PRIOR_WEIGHT = 2.0  # a new request's acceptance is the global one, worth this many outcomes
@@ -46,13 +55,9 @@ GLOBAL_PRIOR = 0.3
 MODEL_DRAFT_PRIOR = 0.6
 ENTER_MARGIN = 0.05  # from plain steps, speculate only when 5% ahead: entering costs a step's overlap
 COST_RATE = 0.1  # a step period's estimate moves this far towards each measurement
-# While it speculates, plain steps of the batch's size are not measured: after this many steps
-# with drafts, PROBE_STEPS plain ones (two: an overlapped step's period is measured by the next).
-PROBE_EVERY = 64
-PROBE_STEPS = 2
-# And while it does not, a step with drafts every SPEC_PROBE_EVERY steps when some request's drafts
-# would be accepted at least SPEC_PROBE_ALPHA: a cost measured long ago, or at another batch, must
-# not keep speculation off for good.
+# While it does not speculate, a step with drafts every SPEC_PROBE_EVERY steps when some request's
+# drafts would be accepted at least SPEC_PROBE_ALPHA: a cost measured long ago, or at another
+# batch, must not keep speculation off for good.
 SPEC_PROBE_EVERY = 64
 SPEC_PROBE_ALPHA = 0.5
 EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
@@ -62,6 +67,42 @@ SHADOW_PROPOSALS_A_STEP = 32
 # Before any step with drafts is measured, one is assumed to cost this much more than a plain step
 # of as many tokens (its host time is not hidden): drafts must promise that much to be tried.
 UNMEASURED_SPEC_EXTRA = 0.25
+
+# The run-level guard. Epochs are measured in time, in units of a plain step's period (of the
+# last held-off window): a step with drafts, longer, counts for more, so a share of epochs is a
+# share of the run's time. An epoch's window leaves out its first SETTLE_STEPS steps (the tokens
+# that come in them are the other side's), then measures until MIN_STEPS steps were and the
+# rate's relative standard error is at most PRECISION, or MAX_STEPS plain steps' time passed:
+# plain steps at batch 1 are regular and done in four, steps that prefill beside 64 decodes are
+# not. The error is the larger of the window's own and the one the spread of that side's steps
+# seen before gives (SPREAD_DECAY a window): four steps that happen to miss every prefill say
+# nothing of the spread. The winner's epoch is measured over its last WINNER_WINDOW x MAX_STEPS.
+SETTLE_STEPS = 1
+MIN_STEPS = 4
+MAX_STEPS = 24
+WINNER_WINDOW = 4
+PRECISION = 0.03
+SPREAD_DECAY = 0.9
+# Speculation is allowed where it realized more than MARGIN above held off, by more than
+# SIGNIFICANCE standard errors of the comparison: at a tie, or in doubt, it is held off.
+MARGIN = 0.02
+SIGNIFICANCE = 1.0
+# The winner's epochs last RUN_STEPS << backoff plain steps; each win by the same side adds
+# BACKOFF doublings (a short run explores a few times, not ten), one by more than DECISIVE
+# (either way) DECISIVE_BACKOFF, up to MAX_BACKOFF (2,048 plain steps).
+RUN_STEPS = 16
+BACKOFF = 2
+DECISIVE = 0.2
+DECISIVE_BACKOFF = 4
+MAX_BACKOFF = 7
+# The load (decoding requests, a moving average, LOAD_FLOOR added: 1 to 2 in flight is no new
+# regime) at half or twice its value at the last verdict makes that verdict stale: both sides are
+# measured again, the backoff from zero. 64 to 1 in flight is seen in 7 steps; a low Poisson
+# load's swings from step to step are not.
+LOAD_CHANGE = 2.0
+LOAD_RATE = 0.1
+LOAD_FLOOR = 2.0
+MAX_INTERVAL_SECONDS = 1.0  # a longer time between two steps counts as this (a stall is not a rate)
 
 
 @dataclass
@@ -186,6 +227,159 @@ class DraftCost:
         return max(0.0, t / n - slope * k / n) + slope * chain
 
 
+class Window:
+    """Tokens emitted against request-seconds (decoding requests x seconds) over an epoch's
+    measured steps: the realized rate, and its relative standard error (a ratio estimator's)."""
+
+    __slots__ = ("steps", "drafted", "seconds", "x", "y", "xx", "xy", "yy")
+
+    def __init__(self):
+        self.steps = self.drafted = 0
+        self.seconds = self.x = self.y = self.xx = self.xy = self.yy = 0.0
+
+    def add(self, tokens: int, requests: int, seconds: float, drafted: bool) -> None:
+        request_seconds = requests * seconds
+        self.steps += 1
+        self.seconds += seconds
+        self.drafted += drafted
+        self.x += tokens
+        self.y += request_seconds
+        self.xx += tokens * tokens
+        self.xy += tokens * request_seconds
+        self.yy += request_seconds * request_seconds
+
+    @property
+    def rate(self) -> float:
+        return self.x / self.y if self.y > 0 else 0.0
+
+    @property
+    def variance(self) -> float:
+        """The rate's relative variance (its relative standard error, squared)."""
+        if self.x <= 0:
+            return math.inf
+        r = self.rate
+        return max(0.0, self.xx - 2 * r * self.xy + r * r * self.yy) / (self.x * self.x)
+
+
+class RunGuard:
+    """Whether the per-step choice may speculate now, from what the run realized with it and
+    without: epochs that allow speculation and epochs that hold it off, compared by tokens emitted
+    per second per decoding request (a request's progress: the inverse of its time per token, which
+    compares across batch sizes where throughput does not).
+
+    The side that won the last comparison (allowed must beat held off by MARGIN and by the
+    comparison's doubt) runs an epoch of RUN_STEPS << backoff plain steps' time, then the other side
+    one short epoch, then they are compared; each win by the same side lengthens the winner's epoch
+    (up to MAX_BACKOFF), a change of winner starts over, and so does a change of load. So while one
+    side keeps winning, the loser runs about MAX_STEPS of every RUN_STEPS << MAX_BACKOFF plain
+    steps' time (at least SETTLE_STEPS + MIN_STEPS of its steps): speculation that loses costs the
+    run that share of its loss, and holding off speculation that pays that share of its gain. The
+    first epochs hold off, then allow: speculation is tried, not assumed. `step` is called once a
+    step (one clock read and a few sums); `tokens` is added to as tokens are emitted."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.allowed = False  # this epoch lets the per-step choice speculate
+        self.winner: bool | None = None  # whether allowed won the last comparison (None: none yet)
+        self.backoff = 0
+        self._displaced = 0  # the backoff of the winner the last verdict displaced (0: none)
+        self.tokens = 0  # emitted since the last step
+        self.load = 0.0
+        self._verdict_load = 0.0
+        self._rates: dict[bool, Window] = {}  # each side's last window
+        # A step's relative variance by side, the largest seen, decaying by window: at batch 1 a
+        # step with drafts emits 1-9 tokens and a plain one always 1.
+        self._spread = {True: 0.0, False: 0.0}
+        self._window = Window()
+        self._steps = 0  # steps with decodes in this epoch
+        self._seconds = 0.0  # the time of this epoch's steps with decodes
+        self._length = 0  # the time this epoch runs at least, in plain steps
+        self._unmeasured = 0  # the time before its window, in plain steps
+        self._plain_period = 0.0  # the mean time of a step in the last held-off window
+        self._last = (0.0, 0, False)  # the last step: (its time, decoding requests, had drafts)
+
+    def step(self, drafted: bool, decoding: int) -> None:
+        """A step was planned with `decoding` decodes (and drafts or not): the one before it ran
+        from its start to now, and the tokens that came meanwhile are its epoch's."""
+        now = self.clock()
+        then, requests, had_drafts = self._last
+        self._last = (now, decoding, drafted)
+        tokens, self.tokens = self.tokens, 0
+        if requests:
+            seconds = min(now - then, MAX_INTERVAL_SECONDS)
+            self._seconds += seconds
+            if self._steps > SETTLE_STEPS and self._in_plain_steps(self._seconds) > self._unmeasured:
+                self._window.add(tokens, requests, seconds, had_drafts)
+        if not decoding:
+            return
+        self.load = decoding if not self.load else self.load + LOAD_RATE * (decoding - self.load)
+        self._steps += 1
+        if self._verdict_load and not 1 / LOAD_CHANGE < self._load_ratio() < LOAD_CHANGE:
+            self._load_changed(decoding)
+        elif self._window_done():
+            self._next_epoch()
+
+    def _load_ratio(self) -> float:
+        return (self.load + LOAD_FLOOR) / (self._verdict_load + LOAD_FLOOR)
+
+    def _window_done(self) -> bool:
+        w = self._window
+        if self._in_plain_steps(self._seconds) < self._length or w.steps < MIN_STEPS:
+            return False
+        return self._in_plain_steps(w.seconds) >= MAX_STEPS or self._variance(w, self.allowed) <= PRECISION**2
+
+    def _in_plain_steps(self, seconds: float) -> float:
+        """Time in plain steps (of the last held-off window, or of this epoch's before there is one):
+        epochs are measured in time, so that a step with drafts, longer, counts for more."""
+        period = self._plain_period or self._seconds / max(self._steps, 1)
+        return seconds / period if period > 0 else math.inf
+
+    def _variance(self, w: Window, allowed: bool) -> float:
+        return max(w.variance, self._spread[allowed] / max(w.steps, 1))
+
+    def _next_epoch(self) -> None:
+        w = self._window
+        seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
+        self._spread[self.allowed] = max(self._spread[self.allowed] * SPREAD_DECAY, seen)
+        self._rates[self.allowed] = w
+        if not self.allowed and w.steps:
+            self._plain_period = w.seconds / w.steps
+        if self.allowed != self.winner and len(self._rates) == 2:  # an exploration ended
+            self._verdict()
+            self._start(self.winner, RUN_STEPS << self.backoff)
+        else:
+            self._start(not self.allowed, 0)
+
+    def _verdict(self) -> None:
+        """Compare the two sides' last windows: the winner, and how long until the next comparison."""
+        allowed, held = self._rates[True], self._rates[False]
+        ratio = allowed.rate / held.rate if held.rate > 0 else math.inf
+        doubt = 1 + SIGNIFICANCE * math.sqrt(self._variance(allowed, True) + self._variance(held, False))
+        wins = ratio > (1 + MARGIN) * doubt
+        decisive = ratio > (1 + MARGIN) * (1 + DECISIVE) * doubt or ratio * (1 + DECISIVE) * doubt < 1
+        doublings = (DECISIVE_BACKOFF if decisive else BACKOFF) if allowed.drafted else 0  # no drafts: no news
+        if wins == self.winner:
+            self.backoff, self._displaced = min(MAX_BACKOFF, self.backoff + doublings), 0
+        else:  # a new winner; one displaced by the verdict before gets its backoff back
+            self.winner, self.backoff, self._displaced = wins, max(self._displaced, doublings - 1), self.backoff
+        self._verdict_load = self.load
+        logger.debug("speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
+                     "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
+
+    def _load_changed(self, decoding: int) -> None:
+        """The last verdict was at another load: measure both sides again, the winner's first."""
+        self._rates.clear()
+        self.load = self._verdict_load = decoding  # the new load, not the average's way to it
+        self.backoff = self._displaced = 0
+        self._start(bool(self.winner), 0)
+
+    def _start(self, allowed: bool, length: int) -> None:
+        """An epoch of at least `length` plain steps' time, its window its last WINNER_WINDOW x
+        MAX_STEPS (the rate where the comparison is made, not long before), past the settle."""
+        self.allowed, self._length, self._unmeasured = allowed, length, length - WINNER_WINDOW * MAX_STEPS
+        self._window, self._steps, self._seconds = Window(), 0, 0.0
+
+
 class Speculator:
     """The draft source and the controller, for the scheduler: it sees each request's tokens
     and says which drafts the next step verifies. Counters in vLLM's names feed /metrics."""
@@ -201,8 +395,7 @@ class Speculator:
         self.costs = StepCosts()
         self.global_alpha = GLOBAL_PRIOR if self.shadows else MODEL_DRAFT_PRIOR
         self.speculating = False  # the last plan had drafts
-        self._drafted_steps = 0  # steps with drafts since the last probe
-        self._probe_left = 0  # plain steps still to run for the probe
+        self.guard: RunGuard | None = RunGuard()  # None: the per-step choice alone decides
         self._plain_steps = 0  # steps without drafts since the last step with drafts
         self._shadow_turn = 0  # where the next step's shadow proposals start among those due
         # A draft model's proposal calls (device time, not part of the step's cost curve): their
@@ -236,6 +429,8 @@ class Speculator:
             spec.shadow.pop(0)
             self._outcome(spec, 1, False)
         self.source.extend(req_id, token_ids)
+        if self.guard is not None:
+            self.guard.tokens += len(token_ids)
 
     def shadow_drafts(self, reqs: list[tuple[int, RequestSpec]]) -> None:
         """New shadow drafts for requests whose last ones are used up, at most
@@ -298,27 +493,21 @@ class Speculator:
         """The period of the last planned step (its proposal call's time left out: DraftCost has it)."""
         self.costs.measured(drafted, tokens, max(seconds - self._last_call_seconds, 1e-6) if drafted else seconds)
 
-    def planned(self, drafted: bool) -> None:
-        """The step just planned had drafts or not: count towards the next probes."""
+    def planned(self, drafted: bool, decoding: int = 0) -> None:
+        """The step just planned, with `decoding` decodes, had drafts or not."""
         self.speculating = drafted
         self._last_call_seconds, self._call_seconds = (self._call_seconds if drafted else 0.0), 0.0
         self._plain_steps = 0 if drafted else self._plain_steps + 1
-        if self._probe_left:
-            self._probe_left -= 1
-        elif drafted:
-            self._drafted_steps += 1
-            if self._drafted_steps >= PROBE_EVERY:
-                self._drafted_steps, self._probe_left = 0, PROBE_STEPS
-
-    @property
-    def probing(self) -> bool:
-        return self._probe_left > 0
+        if self.guard is not None:
+            self.guard.step(drafted, decoding)
 
     def allocate(self, alphas: list[float], limits: list[int], tokens: int, outputs: int) -> list[int] | None:
         """Drafts per candidate (alphas, most drafts each may take) for a step of `tokens`
         tokens that emits `outputs` without drafts; None when a plain step is expected to do
-        at least as well (margin ENTER_MARGIN when the last step had no drafts)."""
-        if not alphas or self.probing or not self.costs.known_near(tokens):
+        at least as well (margin ENTER_MARGIN when the last step had no drafts), or while the
+        guard holds speculation off."""
+        held_off = self.guard is not None and not self.guard.allowed
+        if held_off or not alphas or not self.costs.known_near(tokens):
             return None
         room = self.max_rows - outputs  # at least one row per plain output: keep to the largest graph
         limits = np.minimum(np.array(limits, dtype=np.int64), self.k_max)

@@ -1,0 +1,245 @@
+"""The run-level guard on speculation: a simulated engine (fake clock, steps of 64 or 1 decoding
+requests, drafts accepted at alpha) whose per-step cost measurements say drafting pays while the
+run's wall time says otherwise, or says the same. The guard must hold speculation off where the
+run loses by it, keep it on where it wins, and follow a change from one to the other."""
+
+import numpy as np
+import pytest
+
+from lightllm.engine.spec.config import SpeculativeConfig
+from lightllm.engine.spec.controller import MAX_BACKOFF, MAX_STEPS, RUN_STEPS, RequestSpec, RunGuard, Speculator
+
+K = 4
+PLAIN_SECONDS = 0.0056  # a plain step of 64 decodes on an H200, overlapped
+PREFILL_SHARE = 0.15  # steps that also prefill: their period is PREFILL_COST times longer
+PREFILL_COST = 2.5
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class NoSource:
+    """The guard needs only the count of tokens emitted; the draft source is not under test."""
+
+    def extend(self, req_id, token_ids):
+        pass
+
+
+def make_speculator(clock: Clock, guarded: bool = True) -> Speculator:
+    spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=K), vocab_size=101, max_rows=4096)
+    spec.source = NoSource()
+    spec.guard = RunGuard(clock) if guarded else None
+    return spec
+
+
+class Run:
+    """A simulated engine loop: plain steps overlap (their tokens come back during the next step),
+    steps with drafts are synchronous (the step in flight is collected first, their own tokens
+    come in their own step). Phase: (steps, decoding requests, alpha, the run's real rate with
+    drafts against plain's at equal emitted tokens). The per-step measurements fed to the
+    controller always say drafts pay: a step with drafts looks 1.5x a plain one's cost."""
+
+    def __init__(self, spec: Speculator, clock: Clock, seed: int = 0):
+        self.spec, self.clock, self.rng = spec, clock, np.random.default_rng(seed)
+        self.prefills = np.random.default_rng(seed + 1000)  # the same steps prefill in every run of a seed
+        self.tokens, self.seconds, self.drafted_seconds = 0, 0.0, 0.0
+        self.allowed_steps = []  # per step: whether it had drafts
+        self.winners = []  # per step: the guard's last verdict (whether speculation won)
+        self._pending = 0
+        self._req = RequestSpec()
+
+    def phase(self, steps: int, n: int, alpha: float, spec_speed: float,
+              prefill_share: float = PREFILL_SHARE) -> tuple[int, float, list[bool]]:
+        spec, rng = self.spec, self.rng
+        tokens0, seconds0, start = self.tokens, self.seconds, len(self.allowed_steps)
+        for _ in range(steps):
+            counts = spec.allocate([alpha] * n, [K] * n, n, n)
+            drafted = counts is not None and sum(counts) > 0
+            spec.planned(drafted, n)
+            noise = PREFILL_COST if self.prefills.random() < prefill_share else 1.0
+            if drafted:
+                accepted = np.cumprod(rng.random((n, K)) < alpha, axis=1)
+                emitted = n + int((accepted * (np.arange(K) < np.array(counts)[:, None])).sum())
+                self._out(self._pending)  # the step in flight first
+                self._pending = 0
+                self._out(emitted)
+                expected = n + sum(float(np.sum(alpha ** np.arange(1, c + 1))) for c in counts)
+                wall = expected / n * PLAIN_SECONDS / spec_speed * noise  # the period, whatever is accepted
+                spec.measured(True, n + sum(counts), 1.5 * PLAIN_SECONDS)
+            else:
+                self._out(self._pending)
+                self._pending, emitted = n, n
+                wall = PLAIN_SECONDS * noise
+                spec.measured(False, n, PLAIN_SECONDS)
+            self.tokens += emitted
+            self.seconds += wall
+            self.drafted_seconds += wall if drafted else 0.0
+            self.clock.now += wall
+            self.allowed_steps.append(drafted)
+            self.winners.append(spec.guard.winner if spec.guard else None)
+        return self.tokens - tokens0, self.seconds - seconds0, self.allowed_steps[start:]
+
+    def _out(self, count: int) -> None:
+        if count:
+            self.spec.observe(0, self._req, [0] * count)
+
+
+def run_rate(spec_speed: float, n: int, steps: int, guarded: bool, alpha: float = 0.8, seed: int = 0,
+             prefill_share: float = PREFILL_SHARE):
+    clock = Clock()
+    run = Run(make_speculator(clock, guarded), clock, seed)
+    tokens, seconds, _ = run.phase(steps, n, alpha, spec_speed, prefill_share)
+    return tokens / seconds / n * PLAIN_SECONDS, run.drafted_seconds / seconds
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("speed", [0.88, 0.95])
+def test_guard_holds_off_speculation_the_run_loses_by(speed, seed):
+    """64 in flight, alpha 0.8: the per-step costs say drafts pay, the run says they lose 5-12%.
+    Over 4,000 steps the guard drafts in a small share of the time and keeps 98% of plain's rate."""
+    plain, _ = run_rate(1.0, 64, 4000, guarded=False, alpha=0.0, seed=seed)
+    rate, drafted = run_rate(speed, 64, 4000, guarded=True, seed=seed)
+    assert rate >= 0.98 * plain and drafted <= 0.12, (rate / plain, drafted)
+
+
+def test_guard_bounds_the_loss_of_a_short_run():
+    """600 steps (a benchmark's run at 64 in flight): the first explorations are a larger share of
+    it, so the bound is looser (97% of plain's rate), but most of the 12% is saved."""
+    for seed in range(3):
+        plain, _ = run_rate(1.0, 64, 600, guarded=False, alpha=0.0, seed=seed)
+        rate, drafted = run_rate(0.88, 64, 600, guarded=True, seed=seed)
+        assert rate >= 0.97 * plain and drafted <= 0.25, (rate / plain, drafted)
+
+
+def test_without_the_guard_the_same_run_loses():
+    """The simulation's premise: the per-step choice alone drafts every step and loses."""
+    rate, drafted = run_rate(0.88, 64, 600, guarded=False)
+    assert drafted > 0.99 and rate < 0.9
+
+
+@pytest.mark.parametrize(("n", "speed", "prefill_share", "steps"),
+                         [(1, 2.8, 0.0, 1000), (64, 1.5, PREFILL_SHARE, 4000)])
+def test_guard_keeps_speculation_that_pays(n, speed, prefill_share, steps):
+    """Batch 1 at 2.8x (1,000 steps: twelve requests of 256 tokens; its prefills decode nothing),
+    64 in flight at 1.5x: drafts for almost all of the time, the run's rate within 2% of the
+    per-step choice's alone."""
+    always, _ = run_rate(speed, n, steps, guarded=False, prefill_share=prefill_share)
+    rate, drafted = run_rate(speed, n, steps, guarded=True, prefill_share=prefill_share)
+    assert drafted >= 0.95 and rate >= 0.98 * always, (rate / always, drafted)
+
+
+def steps_to_follow(run: Run, steps: int, want: bool) -> int:
+    """Of the last `steps` steps, those before the guard's verdict became `want` for good."""
+    winners = run.winners[-steps:]
+    wrong = [i for i, winner in enumerate(winners) if winner != want]
+    return wrong[-1] + 1 if wrong else 0
+
+
+LONGEST_EPOCH = RUN_STEPS << MAX_BACKOFF  # the winner's longest epoch, in plain steps' time
+SHORT_EPOCH = 1 + MAX_STEPS  # an exploration's longest
+
+
+@pytest.mark.parametrize("direction", ["to_spec", "to_plain"])
+def test_guard_follows_a_change_at_the_same_load(direction):
+    """After 6,000 steps of one side winning (the exploration backed off to its longest), the
+    other starts winning: followed within the winner's longest epoch and two explorations, and
+    the new winner's steps are then nearly all as it says."""
+    clock = Clock()
+    run = Run(make_speculator(clock), clock)
+    before, after = (0.9, 1.6) if direction == "to_spec" else (1.6, 0.9)
+    run.phase(6000, 64, 0.8, before)
+    assert run.spec.guard.winner == (direction == "to_plain") and run.spec.guard.backoff == MAX_BACKOFF
+    steps = LONGEST_EPOCH + 8 * SHORT_EPOCH + 1000
+    _, _, drafted = run.phase(steps, 64, 0.8, after)
+    follow = steps_to_follow(run, steps, direction == "to_spec")
+    assert follow <= LONGEST_EPOCH + 2 * SHORT_EPOCH, follow
+    later = drafted[follow:]
+    assert sum(later) / len(later) == pytest.approx(float(direction == "to_spec"), abs=0.05)
+
+
+def test_guard_follows_a_change_of_load_at_once():
+    """64 in flight where drafts lose, then 8 where they win, then 64 again: each change of load
+    starts the comparison over, so the guard follows within a few short epochs, not the longest."""
+    clock = Clock()
+    run = Run(make_speculator(clock), clock)
+    run.phase(6000, 64, 0.8, 0.9)
+    run.phase(1000, 8, 0.8, 1.6)
+    assert steps_to_follow(run, 1000, True) <= 4 * SHORT_EPOCH
+    run.phase(1000, 64, 0.8, 0.9)
+    assert steps_to_follow(run, 1000, False) <= 4 * SHORT_EPOCH
+
+
+def test_a_low_load_swinging_every_step_is_no_change_of_load():
+    """About 4 in flight, the count drawn anew every step (1 to 10): no restart of the comparison
+    each time it swings, and where drafts lose 12% the run keeps 98% of plain's rate."""
+    loads = [max(1, int(n)) for n in np.random.default_rng(7).poisson(4, 3000)]
+    rates, restarts = [], []
+    for alpha, speed, guarded in ((0.0, 1.0, False), (0.8, 0.88, True)):
+        clock = Clock()
+        run = Run(make_speculator(clock, guarded), clock)
+        if guarded:
+            guard = run.spec.guard
+            restart = guard._load_changed
+            guard._load_changed = lambda decoding: restarts.append(decoding) or restart(decoding)
+        tokens = request_seconds = 0.0
+        for n in loads:
+            emitted, seconds, _ = run.phase(1, n, alpha, speed)
+            tokens, request_seconds = tokens + emitted, request_seconds + n * seconds
+        rates.append(tokens / request_seconds)
+    assert not restarts and rates[1] >= 0.98 * rates[0], (restarts, rates[1] / rates[0])
+
+
+def test_guard_step_is_cheap():
+    """A step of the guard is a clock read and a few sums: well under 10 us (the best of five
+    batches, on a shared CPU)."""
+    import time
+
+    guard = RunGuard()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(2000):
+            guard.tokens += 64
+            guard.step(i % 2 == 0, 64)
+        best = min(best, (time.perf_counter() - start) / 2000)
+    assert best < 10e-6, best
+
+
+def test_the_engine_feeds_the_guard(tmp_path):
+    """Through the engine (tiny model, oracle drafts): every token emitted reaches the guard, each
+    step reports its decodes, no step held off has drafts, both kinds of epoch run, and the output
+    is transformers' greedy output across their changes."""
+    from helpers.models import Client, hf_greedy, make_model, make_runner, random_prompts
+    from helpers.spec import OracleDraft, speculating_engine
+
+    from lightllm.engine.request import SamplingParams
+
+    hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96)
+    prompts = random_prompts(7, lengths=(3, 17, 9, 30))
+    expected = hf_greedy(hf_model, prompts, 40)
+    OracleDraft.ORACLE = {tuple(p): expected[i] for i, p in enumerate(prompts)}
+    core = speculating_engine(runner, 64, "helpers.spec:OracleDraft")
+    clock = Clock()
+    guard = core.scheduler.speculator.guard = RunGuard(clock)
+    steps = []  # (allowed, drafted, decoding, tokens) per step
+    step = guard.step
+
+    def recorded(drafted, decoding):
+        steps.append((guard.allowed, drafted, decoding, guard.tokens))
+        clock.now += 0.001
+        step(drafted, decoding)
+
+    guard.step = recorded
+    got = Client(core).run(prompts, SamplingParams(max_new_tokens=40))
+    assert got == [expected[i] for i in range(len(prompts))]
+    assert sum(s[3] for s in steps) + guard.tokens == 40 * len(prompts)
+    assert max(s[2] for s in steps) == len(prompts)
+    assert not any(drafted for allowed, drafted, _, _ in steps if not allowed)
+    assert any(allowed and drafted for allowed, drafted, _, _ in steps)
+    assert any(not allowed and decoding for allowed, _, decoding, _ in steps)
