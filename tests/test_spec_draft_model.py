@@ -105,23 +105,28 @@ def test_the_draft_kv_is_in_the_budget(models):
 
 
 def test_catch_up_is_bounded_a_call():
-    """A request whose catch-up is past the call's budget only catches up (no drafts), and goes on
-    from where the workers say its draft KV ends."""
+    """A call catches up on at most its budget: a request whose whole catch-up fits comes with its
+    drafts, one that does not waits for a call with room, and a prompt longer than a whole call
+    catches up over several calls (no drafts until done), from where the workers say it ends."""
     calls = []
 
     def drafter(asks):
-        calls.append(asks)
+        calls.append([(a.req_id, a.start, len(a.tokens), a.k) for a in asks])
         return [((9,) * a.k, a.start + len(a.tokens) - (1 if a.k else 0)) for a in asks]
 
     source = ModelDraft(drafter, catch_up_tokens=8)
     source.start(1, list(range(20)))
     source.start(2, [3, 4])
-    assert source.propose_many({1: 2, 2: 2}) == {}  # request 1 takes the budget; request 2 is past it
-    assert [(a.req_id, a.start, len(a.tokens), a.k) for a in calls[-1]] == [(1, 0, 8, 0)]
-    assert source.propose_many({2: 2, 1: 2}) == {2: [9, 9]}
-    assert [(a.req_id, a.start, len(a.tokens), a.k) for a in calls[-1]] == [(2, 0, 2, 2), (1, 8, 6, 0)]
-    assert source.propose_many({1: 3}) == {1: [9, 9, 9]}
-    assert [(a.start, a.tokens) for a in calls[-1]] == [(14, tuple(range(14, 20)))]
+    source.start(3, [5, 6, 7, 8, 9, 10])
+    assert source.propose_many({1: 2, 2: 2}) == {}  # request 1 alone, a part of its prompt
+    assert calls[-1] == [(1, 0, 8, 0)]
+    assert source.propose_many({2: 2, 3: 2, 1: 2}) == {2: [9, 9], 3: [9, 9]}
+    assert calls[-1] == [(2, 0, 2, 2), (3, 0, 6, 2)]  # request 1's 12 tokens wait
+    assert source.propose_many({1: 3}) == {}
+    assert calls[-1] == [(1, 8, 8, 0)]
+    assert source.propose_many({1: 3, 2: 1}) == {1: [9, 9, 9], 2: [9]}
+    assert calls[-1] == [(1, 16, 4, 3), (2, 1, 1, 1)]
+    assert source.last_catch_up == 5
 
 
 def test_draft_model_config_needs_a_model():

@@ -78,7 +78,8 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
     speculative = SpeculativeConfig.parse(config.speculative_config)
     running = model_info.get("running_max_req_size", config.running_max_req_size)  # fewer: the states that fit
     speculator = None if speculative is None else Speculator(speculative, model_info["vocab_size"], running,
-                                                             drafter=getattr(workers, "draft", None))
+                                                             drafter=getattr(workers, "draft", None),
+                                                             catch_up_tokens=model_info["burst_chunked_prefill_size"])
     scheduler = Scheduler(max_total_token_num, config.chunked_prefill_size, running,
                           config.schedule_policy, prefix_cache=not config.disable_prefix_cache,
                           admission_wait_steps=config.admission_wait_steps,

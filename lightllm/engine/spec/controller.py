@@ -384,10 +384,12 @@ class Speculator:
     """The draft source and the controller, for the scheduler: it sees each request's tokens
     and says which drafts the next step verifies. Counters in vLLM's names feed /metrics."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_rows: int, drafter=None):
-        """`drafter`: the workers' `draft` call, for a draft model."""
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_rows: int, drafter=None,
+                 catch_up_tokens: int = 0):
+        """`drafter`: the workers' `draft` call, for a draft model, and `catch_up_tokens` the most
+        tokens a call catches it up on (0: the source's default)."""
         self.config = config
-        self.source = make_draft_source(config, vocab_size, drafter)
+        self.source = make_draft_source(config, vocab_size, drafter, catch_up_tokens)
         # Shadow proposals where proposing is free (the host's sources); a draft model's cost device time
         self.shadows = getattr(self.source, "free_proposals", True)
         self.k_max = config.num_speculative_tokens

@@ -58,8 +58,11 @@ class DraftSource(Protocol):
     def finish(self, req_id: int) -> None: ...
 
 
-def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None) -> DraftSource:
-    """`drafter`: the workers' `draft` call, for the draft_model method."""
+def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None,
+                      catch_up_tokens: int = 0) -> DraftSource:
+    """`drafter`: the workers' `draft` call, for the draft_model method, and `catch_up_tokens` the
+    most tokens one call catches its KV up on (the largest prompt step the KV budget was sized
+    beside; 0: CATCH_UP_TOKENS)."""
     if config.method == "ngram":
         return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
@@ -67,7 +70,7 @@ def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None) 
     if config.method == "draft_model":
         if drafter is None:
             raise ValueError("the draft_model method needs workers that run the draft model")
-        return ModelDraft(drafter, **config.options)
+        return ModelDraft(drafter, catch_up_tokens or CATCH_UP_TOKENS, **config.options)
     module, _, name = config.method.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(vocab_size=vocab_size, **config.options)
@@ -260,9 +263,12 @@ class SuffixDraft:
         return {tuple(tokens[end - n:end]) for end in range(1, len(tokens)) for n in self.key_lengths if n <= end}
 
 
-# Tokens a proposal call catches the draft model up on at most, over all its requests: the draft's
-# step then stays within the activations of a target chunk (which the KV budget is sized beside).
-# A request whose catch-up is longer goes on in later calls and gets no drafts until it is done.
+# Tokens a proposal call catches the draft model up on at most, over all its requests (unless the
+# engine says: its largest prompt step), so that the draft's step stays within the activations of
+# a target step the KV budget is sized beside. A request's first call takes its whole prompt with
+# its drafts where it fits (its acceptance is then known after one call, whatever the prompt); one
+# that does not fit waits for a call with room, and a prompt longer than a whole call goes on over
+# several calls, without drafts until it is done.
 CATCH_UP_TOKENS = 2048
 
 
@@ -307,10 +313,11 @@ class ModelDraft:
             pending = len(state.tokens) - state.drafted
             if pending <= budget:
                 asks.append(DraftRequest(req_id, state.drafted, tuple(state.tokens[state.drafted:]), k))
-            elif budget > 0 and pending > 1:
-                take = min(budget, pending - 1)  # the last token goes with the drafts
+                budget -= pending
+            elif not asks and pending > self.catch_up_tokens:  # longer than any call: part of it now
+                take = self.catch_up_tokens
                 asks.append(DraftRequest(req_id, state.drafted, tuple(state.tokens[state.drafted: state.drafted + take]), 0))
-            budget -= pending
+                budget = 0
         self.last_catch_up = sum(len(a.tokens) for a in asks)
         if not asks:
             return {}
