@@ -363,7 +363,7 @@ class RunGuard:
         else:  # a new winner; one displaced by the verdict before gets its backoff back
             self.winner, self.backoff, self._displaced = wins, max(self._displaced, doublings - 1), self.backoff
         self._verdict_load = self.load
-        logger.debug("speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
+        logger.info("speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
                      "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
 
     def _load_changed(self, decoding: int) -> None:
