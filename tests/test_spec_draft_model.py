@@ -174,9 +174,10 @@ def test_the_controller_counts_the_draft_models_steps(step_ms, expected):
     assert counts is None if expected is None else counts[0] in expected
 
 
-def test_a_probe_that_brings_no_drafts_waits_for_the_next():
-    """Proposals that come back empty (catch-up only) still count as the probe: the next is
-    SPEC_PROBE_EVERY steps away, not at every step (each would cost the step's overlap)."""
+def test_probes_that_bring_nothing_come_ever_further_apart():
+    """Probes the rates do not call for (a draft model's are tried whatever the acceptance) come
+    SPEC_PROBE_EVERY steps apart, then twice as far each time, empty calls (catch-up only)
+    included: each would cost the step's overlap and a synchronous verify step."""
     from lightllm.engine.spec.controller import SPEC_PROBE_EVERY
 
     spec = Speculator(SpeculativeConfig("draft_model", model="/x"), 101, 8, drafter=lambda asks: [((), 0)] * len(asks))
@@ -186,9 +187,10 @@ def test_a_probe_that_brings_no_drafts_waits_for_the_next():
     spec.global_alpha = 0.0
     spec.start(1, [1, 2, 3])
     asked = []
-    for step in range(3 * SPEC_PROBE_EVERY):
+    for step in range(16 * SPEC_PROBE_EVERY):
         counts = spec.allocate([0.0], [4], 1, 1)
         drafts = spec.propose({1: counts[0]}) if counts else {}
         asked += [step] if counts else []
         spec.planned(bool(drafts))
-    assert 2 <= len(asked) <= 3
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert asked[0] == SPEC_PROBE_EVERY and gaps == [2 * SPEC_PROBE_EVERY, 4 * SPEC_PROBE_EVERY, 8 * SPEC_PROBE_EVERY]

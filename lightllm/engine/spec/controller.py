@@ -60,6 +60,11 @@ COST_RATE = 0.1  # a step period's estimate moves this far towards each measurem
 # batch, must not keep speculation off for good.
 SPEC_PROBE_EVERY = 64
 SPEC_PROBE_ALPHA = 0.5
+# Each probe the rates did not call for doubles the gap to the next (up to this many steps), and a
+# step they call for drafts in sets it back: a draft model's probe (tried whatever the acceptance,
+# which only verification measures) catches up on its prompts and verifies in a synchronous step,
+# 5% of an H200's time at 64 in flight when it came every 64 steps with no draft accepted.
+SPEC_PROBE_MAX_GAP = 4096
 EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
 # Shadow proposals a step makes at most (the rest wait for a later step): a proposal costs the
 # host 5-10 us, which at 256 requests a step came to 15% of an H200's throughput with every one.
@@ -357,7 +362,9 @@ class RunGuard:
         doubt = 1 + SIGNIFICANCE * math.sqrt(self._variance(allowed, True) + self._variance(held, False))
         wins = ratio > (1 + MARGIN) * doubt
         decisive = ratio > (1 + MARGIN) * (1 + DECISIVE) * doubt or ratio * (1 + DECISIVE) * doubt < 1
-        doublings = (DECISIVE_BACKOFF if decisive else BACKOFF) if allowed.drafted else 0  # no drafts: no news
+        # No drafts: no news. The first verdict compares the run's start (its first prompts prefilled
+        # in the held-off epoch) with what came after: it is checked again at once.
+        doublings = (DECISIVE_BACKOFF if decisive else BACKOFF) if allowed.drafted and self.winner is not None else 0
         if wins == self.winner:
             self.backoff, self._displaced = min(MAX_BACKOFF, self.backoff + doublings), 0
         else:  # a new winner; one displaced by the verdict before gets its backoff back
@@ -399,6 +406,8 @@ class Speculator:
         self.speculating = False  # the last plan had drafts
         self.guard: RunGuard | None = RunGuard()  # None: the per-step choice alone decides
         self._plain_steps = 0  # steps without drafts since the last step with drafts
+        self._probe_gap = SPEC_PROBE_EVERY  # plain steps before the next probe
+        self._probe = False  # the last allocation is a probe (the rates did not call for it)
         self._shadow_turn = 0  # where the next step's shadow proposals start among those due
         # A draft model's proposal calls (device time, not part of the step's cost curve): their
         # model, and the seconds of the call the last plan made and of the one just made
@@ -452,6 +461,8 @@ class Speculator:
         A call counts as the probe it may be, drafts or none: a draft model's can come back empty
         (its catch-up on long prompts), and a probe tried every step would cost each step's overlap."""
         self._plain_steps = 0
+        if self._probe:
+            self._probe_gap, self._probe = min(2 * self._probe_gap, SPEC_PROBE_MAX_GAP), False
         many = getattr(self.source, "propose_many", None)
         if many is not None and not self.shadows:  # a draft model: time the call
             started = time.perf_counter()
@@ -527,8 +538,10 @@ class Speculator:
         best = int(np.argmax(rate))
         plain = outputs / float(self.costs.plain(tokens))
         margin = 0.0 if self.speculating else ENTER_MARGIN
-        probe = self._plain_steps >= SPEC_PROBE_EVERY and (max(alphas) >= SPEC_PROBE_ALPHA or not self.shadows)
-        if rate[best] <= plain * (1 + margin) and not probe:
+        self._probe = rate[best] <= plain * (1 + margin)
+        if not self._probe:
+            self._probe_gap = SPEC_PROBE_EVERY
+        elif self._plain_steps < self._probe_gap or (max(alphas) < SPEC_PROBE_ALPHA and self.shadows):
             return None
         return np.bincount(owner[order[: best + 1]], minlength=len(alphas)).tolist()
 
