@@ -365,13 +365,17 @@ class RunGuard:
         # No drafts: no news. The first verdict compares the run's start (its first prompts prefilled
         # in the held-off epoch) with what came after: it is checked again at once.
         doublings = (DECISIVE_BACKOFF if decisive else BACKOFF) if allowed.drafted and self.winner is not None else 0
-        if wins == self.winner:
+        changed = wins != self.winner
+        if not changed:
             self.backoff, self._displaced = min(MAX_BACKOFF, self.backoff + doublings), 0
         else:  # a new winner; one displaced by the verdict before gets its backoff back
             self.winner, self.backoff, self._displaced = wins, max(self._displaced, doublings - 1), self.backoff
         self._verdict_load = self.load
-        logger.info("speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
-                     "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
+        # at info when the verdict changes (an operator's news), else at debug: with no drafts in the
+        # allowed epochs a verdict comes every RUN_STEPS plain steps
+        logger.log(logging.INFO if changed else logging.DEBUG,
+                   "speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
+                   "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
 
     def _load_changed(self, decoding: int) -> None:
         """The last verdict was at another load: measure both sides again, the winner's first."""
