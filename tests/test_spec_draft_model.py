@@ -56,12 +56,16 @@ def test_proposals_are_the_draft_models_greedy_chain(models, cuda_graph):
 
 
 def test_a_proposal_that_skips_positions_is_refused(models):
-    """Tokens from past the draft KV's length get no drafts, and the answer says where it ends."""
+    """Tokens from past the draft KV's length get no drafts, and the answer says where it ends; so
+    does an ask while a step is in flight."""
     target, _, draft, _ = models
     runner = draft_runner(target, draft)
     runner.step(StepPlan(1, [], [Chunk(7, list(range(1, 12)), 0, True, SamplingParams())], sync=True))
     assert runner.draft([DraftRequest(7, 4, tuple(range(5, 12)) + (3,), 2)]) == [((), 0)]
     assert runner.draft([DraftRequest(8, 0, (1, 2), 2)]) == [((), 0)]  # not running
+    runner.step(StepPlan(2, [7]))  # in flight: the request's length is not settled yet
+    assert runner.draft([DraftRequest(7, 0, tuple(range(1, 14)), 2)]) == [((), 0)]  # 13: its length once settled
+    runner.step(StepPlan(3, [], sync=True))
 
 
 @pytest.mark.parametrize("chunk", [4, 64])

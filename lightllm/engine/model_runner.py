@@ -226,12 +226,13 @@ class ModelRunner:
         return TokenTable(size, len(shapes), *shapes[0], self.kv_dtype, self.device, shapes=shapes)
 
     def draft(self, asks: list[DraftRequest]) -> list[tuple[tuple[int, ...], int]]:
-        """The draft model's proposals (`DraftRunner.propose`), between steps: the step in flight,
-        if any, must have been collected (drafts continue the latest tokens)."""
+        """The draft model's proposals (`DraftRunner.propose`), between steps. Drafts continue the
+        latest tokens, so the engine collects the step in flight first; were one still in flight,
+        no request gets drafts (its length may change with that step's settle)."""
         if self.drafter is None:
             raise ValueError("no draft model is served (--speculative_config method draft_model)")
         if self._pending is not None:
-            raise ValueError("draft asked for while a step is in flight")
+            return [((), self.reqs[a.req_id].draft_len if a.req_id in self.reqs else 0) for a in asks]
         run = lambda: self.drafter.propose(asks, self.reqs, self.req_table.req_to_token)  # noqa: E731
         return self._device_thread.submit(run).result() if self._device_thread is not None else run()
 
