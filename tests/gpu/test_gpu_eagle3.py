@@ -17,6 +17,7 @@ import torch
 from helpers.eagle3 import head_tensors, reference_head, write_head
 from helpers.models import make_gpu_model
 
+from benchmark.engine.static_benchmark import capture
 from benchmark.lib.one_request import decode_batch, extend_batch, slot_table
 from lightllm.common.token_table import TokenTable
 from lightllm.models import Eagle3Config, load_eagle3, load_model, read_config, read_eagle3_config
@@ -68,19 +69,6 @@ def test_head_on_cuda_matches_the_reference(tmp_path):
         logits, hidden = head.forward(decode_batch(draft[None], position, req_to_token, MAX_LEN), kv, hidden[-1:])
         ref_logits, ref_hidden = reference_head(tensors, tokens, features, **SIZES)
         assert rel_err(logits[0], ref_logits[-1]) < REL_TOL and rel_err(hidden[0], ref_hidden[-1]) < REL_TOL
-
-
-def capture(fn):
-    """A CUDA graph of fn() (warmed up on a side stream) and its static output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @torch.inference_mode()

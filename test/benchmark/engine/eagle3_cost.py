@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import benchmark.*` (README.md)
+from benchmark.engine.static_benchmark import capture, replay_us, sync  # noqa: E402
 from benchmark.lib.one_request import decode_batch, extend_batch, slot_table  # noqa: E402
 
 from lightllm.common.token_table import TokenTable  # noqa: E402
@@ -136,37 +137,18 @@ def eager_ms(fn, device: torch.device, iters: int) -> tuple[float, object]:
     """Median milliseconds of fn() between device synchronisations, and its last result."""
     out, times = fn(), []  # the first call compiles
     for _ in range(iters):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync(device)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times), out
 
 
 def graph_ms(fn, iters: int) -> tuple[float, object]:
     """Mean milliseconds of one replay of a CUDA graph of fn(), and the captured result."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters, out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    graph, out = capture(fn)
+    return replay_us(graph, iters) / 1000, out
 
 
 def measure(rig: Rig, args) -> list[dict]:

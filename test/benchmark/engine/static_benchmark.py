@@ -77,19 +77,25 @@ def replay_us(graph, replays: int) -> float:
     return 1000 * start.elapsed_time(end) / replays
 
 
-def graph_call_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Mean microseconds of one call of `fn` within a CUDA graph of `calls` (as a decode step's
-    kernels run). The first call runs outside the capture: compiles, NCCL's communicator."""
+def capture(fn, calls: int = 1):
+    """(a CUDA graph of `calls` calls of fn(), the last call's static output). The first call runs
+    outside the capture, on a side stream: compiles, NCCL's communicator."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(calls):
-            fn()
-    return replay_us(graph, replays) / calls
+            out = fn()
+    return graph, out
+
+
+def graph_call_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Mean microseconds of one call of `fn` within a CUDA graph of `calls` (as a decode step's
+    kernels run)."""
+    return replay_us(capture(fn, calls)[0], replays) / calls
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
