@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 64  # compiled grammars kept per model runner (least recently used dropped first)
-CACHE_BYTES = 64 << 20  # and their size at most, as xgrammar's JSON of them measures it: about what one takes in
-# memory read back (a 700-$ref chain: 10.9 MB of JSON, 0.95 MB packed, 10-12 MB of RSS each)
+CACHE_BYTES = 32 << 20  # and their size at most, as xgrammar's JSON of them measures it: about what one takes in
+# memory read back (a 700-$ref chain: 10.9 MB of JSON, 0.95 MB packed, 10-12 MB of RSS each). A grammar
+# the cache dropped is read again from the packed form its next request brings (grammar_cache.py's cache).
 PACK_LEVEL = 1  # zlib's fastest
 _MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgrammar's
 _ANY_OBJECT = '{"type": "object"}'

@@ -4,13 +4,16 @@
     python test/benchmark/serving/hostile_requests.py --tree /tmp/old       # ... of another checkout's tree
     python test/benchmark/serving/hostile_requests.py --url http://127.0.0.1:8000 --pid PID
 
-Cases, after a control (a plain 2-token /generate: what the probes alone cost the
-stream): a --refs_within chain of `$ref`s that fits the size bound on grammars, a forced tool call (`tool_choice: "required"`, Anthropic's {"type": "any"}) over
---tools functions, and a JSON schema that is a chain of --refs `$ref`s, sent twice (the second
-finds whatever the first left compiled). Each case runs while a normal stream generates: it
-reports the answer's status and time, the peak and after-case RSS of each server process, the
-stream's longest gap between tokens against its median, and the slowest 2-token /generate sent
-during the case against the idle one. Not part of CI.
+Cases, after controls (a plain 2-token /generate: what the probes alone cost the stream; the same
+chat and Anthropic requests without their grammar or tools: what a request of that shape costs,
+its prompt's prefill above all, which on a CPU takes several decode steps' time): a --refs_within
+chain of `$ref`s that fits the size bound on grammars, a forced tool call (`tool_choice:
+"required"`, Anthropic's {"type": "any"}) over --tools functions, --distinct chains that compile
+(what the caches keep), and a JSON schema that is a chain of --refs `$ref`s, sent twice (the second finds whatever the first left compiled). Each case runs
+while a normal stream generates: it reports the answer's status and time, the peak and after-case
+RSS of each server process, the stream's longest gap between tokens against its median, and the
+slowest 2-token /generate sent during the case against the idle one, both also against the
+control of the case's shape (what the grammar or the tools add). Not part of CI.
 """
 
 from __future__ import annotations
@@ -49,24 +52,34 @@ def ref_chain(refs: int) -> dict:
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
-def cases(args) -> list[tuple[str, str, dict]]:
-    """(name, path, body) of each request, in order."""
+IDLE_S = 2.0  # after a case, before its RSS "after": a CPU worker gives its free heap back when idle
+PLAIN_CHAT, PLAIN_MESSAGES = "control: the chat alone", "control: the messages alone"
+
+
+def cases(args) -> list[tuple[str, str, dict, str | None]]:
+    """(name, path, body (a list: sent one after another), the name of the control of its shape) of
+    each case, in order."""
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     chain = {"type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain(args.refs)}}
-    chat_chain = {"messages": question, "max_tokens": 8, "response_format": chain}
-    within = {"messages": question, "max_tokens": 8, "response_format": {
+    chat_chain = {"messages": question, "max_tokens": 16, "response_format": chain}
+    within = {"messages": question, "max_tokens": 16, "response_format": {
         "type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain(args.refs_within)}}}
     return [
-        ("control: a 2-token /generate", "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
-        (f"{args.refs_within}-$ref chain", "/v1/chat/completions", within),
+        ("control: a 2-token /generate", "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, None),
+        (PLAIN_CHAT, "/v1/chat/completions", {"messages": question, "max_tokens": 16}, None),
+        (PLAIN_MESSAGES, "/v1/messages", {"model": args.model, "messages": question, "max_tokens": 16}, None),
+        (f"{args.refs_within}-$ref chain", "/v1/chat/completions", within, PLAIN_CHAT),
         (f"chat, {args.tools} tools, required", "/v1/chat/completions",
-         {"messages": question, "tools": tools(args.tools), "tool_choice": "required", "max_tokens": 16}),
+         {"messages": question, "tools": tools(args.tools), "tool_choice": "required", "max_tokens": 16}, PLAIN_CHAT),
         (f"messages, {args.tools} tools, any", "/v1/messages",
          {"model": args.model, "messages": question, "max_tokens": 16, "tool_choice": {"type": "any"},
           "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
-                    for t in tools(args.tools)]}),
-        (f"{args.refs}-$ref chain, first", "/v1/chat/completions", chat_chain),
-        (f"{args.refs}-$ref chain, again", "/v1/chat/completions", chat_chain),
+                    for t in tools(args.tools)]}, PLAIN_MESSAGES),
+        (f"{args.distinct} distinct {args.refs_distinct}-$ref chains", "/v1/chat/completions",
+         [{**within, "response_format": {"type": "json_schema", "json_schema": {
+             "name": "chain", "schema": ref_chain(args.refs_distinct - i)}}} for i in range(args.distinct)], PLAIN_CHAT),
+        (f"{args.refs}-$ref chain, first", "/v1/chat/completions", chat_chain, PLAIN_CHAT),
+        (f"{args.refs}-$ref chain, again", "/v1/chat/completions", chat_chain, PLAIN_CHAT),
     ]
 
 
@@ -155,7 +168,8 @@ def run_case(url: str, roles: Roles, path: str, body: dict, settle_s: float) -> 
     for thread in threads:
         thread.start()
     sent = time.monotonic()
-    reply = requests.post(f"{url}{path}", json=body, timeout=600)
+    for one in body if isinstance(body, list) else [body]:  # a list: one after another
+        reply = requests.post(f"{url}{path}", json=one, timeout=600)
     seconds = time.monotonic() - sent
     time.sleep(settle_s)  # the server's work after the answer (a compile left running) shows here
     done.set()
@@ -163,22 +177,31 @@ def run_case(url: str, roles: Roles, path: str, body: dict, settle_s: float) -> 
         thread.join()
     during = stream.gaps(sent, time.monotonic())
     stream.close()
+    time.sleep(IDLE_S)  # the server idle again: RSS "after" is what it keeps
     return {"status": reply.status_code, "seconds": seconds, "error": reply.text[:160] if reply.status_code >= 400 else "",
             "peak_mb": peak, "after_mb": roles.rss_mb(), "gap_max": max(during, default=0.0),
             "gap_median": statistics.median(baseline), "probe_max": max(probes, default=0.0)}
 
 
-def report(idle_mb: dict, idle_probe: float, results: list[tuple[str, dict]]) -> str:
-    roles = sorted({role for _, r in results for role in r["peak_mb"]} | set(idle_mb))
+def against(value: float, control: dict | None, key: str) -> str:
+    return f", {value / control[key]:.2f}x control" if control else ""
+
+
+def report(idle_mb: dict, idle_probe: float, results: list[tuple[str, dict, str | None]]) -> str:
+    """One row a case; gap and probe also as a multiple of the control of the case's shape."""
+    roles = sorted({role for _, r, _ in results for role in r["peak_mb"]} | set(idle_mb))
     head = ("| case | status | time s | longest gap s (median) | 2-token /generate s (idle "
             f"{idle_probe:.2f}) | " + " | ".join(f"{r} MB peak / after" for r in roles) + " |")
     lines = [head, "|" + " --- |" * (5 + len(roles)),
              "| idle | | | | | " + " | ".join(f"{idle_mb.get(r, 0):.0f}" for r in roles) + " |"]
-    for name, r in results:
+    by_name = {name: r for name, r, _ in results}
+    for name, r, control_name in results:
+        control = by_name.get(control_name)
         rss = " | ".join(f"{r['peak_mb'].get(role, 0):.0f} / {r['after_mb'].get(role, 0):.0f}" for role in roles)
-        lines.append(f"| {name} | {r['status']} | {r['seconds']:.1f} | {r['gap_max']:.2f} ({r['gap_median']:.3f}) "
-                     f"| {r['probe_max']:.2f} | {rss} |")
-    errors = [f"{name}: {r['error']}" for name, r in results if r["error"]]
+        lines.append(f"| {name} | {r['status']} | {r['seconds']:.1f} | {r['gap_max']:.2f} ({r['gap_median']:.3f}"
+                     f"{against(r['gap_max'], control, 'gap_max')}) "
+                     f"| {r['probe_max']:.2f}{against(r['probe_max'], control, 'probe_max')} | {rss} |")
+    errors = [f"{name}: {r['error']}" for name, r, _ in results if r["error"]]
     return "\n".join(lines + [""] + errors)
 
 
@@ -188,12 +211,14 @@ def run(args) -> str:
     two_tokens(args.url)  # warm
     idle_probe = statistics.median(two_tokens(args.url) for _ in range(5))
     idle_mb = roles.rss_mb()
+    chosen = [case for case in cases(args) if not args.only or args.only in case[0]]
+    controls = {control for *_, control in chosen}
     results = []
-    for name, path, body in cases(args):
-        if args.only and args.only not in name:
+    for name, path, body, control in cases(args):  # in order: a chosen case's control runs before it
+        if (name, path, body, control) not in chosen and name not in controls:
             continue
         logger.info("case: %s (%d bytes)", name, len(json.dumps(body)))
-        results.append((name, run_case(args.url, roles, path, body, args.settle_s)))
+        results.append((name, run_case(args.url, roles, path, body, args.settle_s), control))
         logger.info("%s", results[-1][1])
     return report(idle_mb, idle_probe, results)
 
@@ -208,7 +233,9 @@ def main() -> int:
     parser.add_argument("--tools", type=int, default=1000)
     parser.add_argument("--refs", type=int, default=3000)
     parser.add_argument("--refs_within", type=int, default=1700, help="a chain within today's 64 KiB bound")
-    parser.add_argument("--only", help="run only the cases whose name holds this text")
+    parser.add_argument("--distinct", type=int, default=24, help="grammars of the distinct-chains case, each compiled and kept")
+    parser.add_argument("--refs_distinct", type=int, default=700, help="$refs of its longest chain (one fewer each)")
+    parser.add_argument("--only", help="run only the cases whose name holds this text (and their controls)")
     parser.add_argument("--settle_s", type=float, default=10.0, help="seconds watched after each answer")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
