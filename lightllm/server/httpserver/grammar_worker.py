@@ -31,18 +31,20 @@ from dataclasses import dataclass
 import psutil
 
 from lightllm.frontend.errors import RequestError
-from lightllm.utils.process import init_child_process, start_signals_blocked
+from lightllm.utils.process import init_child_process, return_free_heap, start_signals_blocked
 
 logger = logging.getLogger(__name__)
 
-# Above its RSS when ready: a compile that needs more is killed (and its request gets 400); one that
-# left more behind (the allocator keeps freed pages) restarts the child after it, to give them back.
+# Above its RSS when ready: a compile that needs more is killed (and its request gets 400). After each
+# compile the child gives the allocator's free pages back (malloc_trim); one that still holds more than
+# KEPT_MEMORY_BYTES (xgrammar's own caches, or pages the trim cannot reach) restarts the child after
+# it. A 700-$ref chain left 68 MB behind without the trim.
 # A compile takes about 15 MB a MiB of its serialized form (2026-12-02: a chain of 600 $refs, 7.6 MiB,
 # +109 MB; of 800, 13.5 MiB, +213 MB), and a server process may grow by 200 MB at most: grammars
 # near MAX_COMPILED_BYTES are refused for their memory first. Schemas a client means compile to
 # well under 1 MiB (128 forced tools: 0.2 MiB, +1 MB).
 COMPILE_MEMORY_BYTES = 180 << 20
-KEPT_MEMORY_BYTES = 128 << 20
+KEPT_MEMORY_BYTES = 16 << 20
 # The longest serialized grammar accepted: the model runner reads it back, off the step but on a core (engine/grammar.py)
 MAX_COMPILED_BYTES = 16 << 20
 # Below the engine's processes: on a machine of few cores a compile takes what the steps leave.
@@ -122,9 +124,12 @@ def serve(spec: CompilerSpec, conn) -> None:
             return
         try:
             serialized = checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())
-            conn.send(("ok", zlib.compress(serialized.encode(), 1)))  # engine.grammar.pack, without its torch
+            reply = ("ok", zlib.compress(serialized.encode(), 1))  # engine.grammar.pack, without its torch
         except Exception as exc:  # xgrammar refusing the grammar (RuntimeError), or its size
-            conn.send(("error", str(exc)))
+            reply = ("error", str(exc))
+        serialized = None
+        return_free_heap()  # before the answer: the parent reads the RSS it leaves
+        conn.send(reply)
 
 
 def checked_size(serialized: str) -> str:
