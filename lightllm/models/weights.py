@@ -108,9 +108,12 @@ class DummyWeights:
     the LM head is the embedding, so the model answers every token with itself by a margin of
     about 75 logits (|e|^2 / rms(e) against the others' ~N(0, |e|^2)): greedy output no longer
     depends on the kernels' rounding, which a benchmark that replays an earlier run's output as
-    drafts needs. Every shape, kernel and byte moved is as with "dummy"."""
+    drafts needs. Every shape, kernel and byte moved is as with "dummy". An EAGLE-3 head's `fc`
+    passes the first of its three features through ([I, 0, 0]), so that an echo head over an echo
+    target (the same vocabulary) drafts the token it is given: every draft is accepted."""
 
     ZERO_IN_ECHO = ("o_proj.weight", "down_proj.weight")
+    EAGLE3_FC = "fc.weight"
     ONES = ("norm.weight", "layer_scalar")  # scales (Gemma 4 multiplies each layer's output by its layer_scalar)
     # uint8 tensors (MXFP4 experts): any packed pair of values; scales of 2^-6..2^-3, weights of
     # about dense's size
@@ -151,6 +154,9 @@ class DummyWeights:
             full = torch.ones(shape, dtype=self.dtype, device=self.device)
         elif name.endswith(self.ZERO_IN_ECHO):
             full = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        elif name == self.EAGLE3_FC:  # [hidden, 3 x hidden]: the first feature through
+            full = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            full[:, : shape[0]] = torch.eye(shape[0], dtype=self.dtype, device=self.device)
         else:
             key = "model.embed_tokens.weight" if name == "lm_head.weight" else name
             generator = torch.Generator(device=self.device).manual_seed(zlib.crc32(key.encode()))
