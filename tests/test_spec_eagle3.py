@@ -124,7 +124,7 @@ def llm_target(models, default_model_dir, tmp_path_factory):
 
 def llm_outputs(target, prompts, **settings):
     """Greedy tokens of every prompt through the offline LLM (chunked prefill of 8, prefix cache on),
-    then the first prompt again (a prefix-cache hit); the speculator's counters."""
+    then the first prompt again (a prefix-cache hit); the speculator's counters and every proposal."""
     from lightllm.llm import LLM
     from lightllm.llm import SamplingParams as Params
 
@@ -135,24 +135,43 @@ def llm_outputs(target, prompts, **settings):
         if spec is not None:  # drafts for every decoding request at every step: this checks the tokens
             spec.guard = None
             spec.allocate = lambda alphas, limits, tokens, outputs: [min(n, spec.k_max) for n in limits] if sum(limits) else None
+            propose, proposals = spec.propose, []
+            spec.propose = lambda wants: proposals.append(propose(wants)) or proposals[-1]
         params = Params(max_tokens=16, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs += llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], None if spec is None else spec.stats()
+        return [o.outputs[0].token_ids for o in outs], None if spec is None else (spec.stats(), proposals)
     finally:
         llm.shutdown()
 
 
-def test_llm_greedy_output_is_unchanged_by_the_head(models, llm_target):
-    target, hf_target, head = models[:3]
-    prompts = random_prompts(5, lengths=(3, 21, 12))
-    plain, _ = llm_outputs(llm_target, prompts)
-    got, stats = llm_outputs(llm_target, prompts, speculative_config={"method": "eagle3", "model": str(head),
-                                                                      "num_speculative_tokens": 3})
-    expected = hf_greedy(hf_target, prompts, 16)
+LLM_PROMPTS = random_prompts(5, lengths=(3, 21, 12))
+
+
+@pytest.fixture(scope="module")
+def head_run(models, llm_target):
+    head = models[2]
+    return llm_outputs(llm_target, LLM_PROMPTS, speculative_config={"method": "eagle3", "model": str(head),
+                                                                    "num_speculative_tokens": 3})
+
+
+def test_llm_greedy_output_is_unchanged_by_the_head(models, llm_target, head_run):
+    hf_target = models[1]
+    plain, _ = llm_outputs(llm_target, LLM_PROMPTS)
+    got, (stats, _) = head_run
+    expected = hf_greedy(hf_target, LLM_PROMPTS, 16)
     assert plain == [expected[0], expected[1], expected[2], expected[0]]
     assert got == plain
     assert stats["num_draft_tokens"] >= 3 * 5  # every request verified drafts, several times
+
+
+def test_two_ranks_propose_what_one_does(models, llm_target, head_run):
+    """tp 2 (worker processes, gloo): each rank's fc takes half the aux features and all-reduces
+    g; the head's heads, MLP and draft vocabulary are split. The same drafts, the same output."""
+    got, (_, proposals) = llm_outputs(llm_target, LLM_PROMPTS, tp=2, speculative_config={
+        "method": "eagle3", "model": str(models[2]), "num_speculative_tokens": 3})
+    assert got == head_run[0]
+    assert proposals == head_run[1][1] and sum(len(d) for p in proposals for d in p.values()) >= 3 * 5
 
 
 def test_the_heads_kv_and_features_are_in_the_budget(models):
