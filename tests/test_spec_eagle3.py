@@ -187,6 +187,8 @@ def test_the_heads_kv_and_features_are_in_the_budget(models):
     assert fixed == (1 + rows * 3) * head_kv + feature
     assert runner.drafter.kv.size == 512 + 1 + rows * 3 and runner.drafter.kv.scratch_slot == 512
     assert runner.drafter.features.shape == (512 + 1, 64)
+    echo = eagle3_runner(target, head, k=3, load_format="dummy_echo")  # the benchmarks' target: a random head
+    assert echo.kv_bytes() == (per_token, fixed)
 
 
 def test_eagle3_config_needs_a_head_and_info_shows_it():
