@@ -124,7 +124,9 @@ def llm_target(models, default_model_dir, tmp_path_factory):
 
 def llm_outputs(target, prompts, **settings):
     """Greedy tokens of every prompt through the offline LLM (chunked prefill of 8, prefix cache on),
-    then the first prompt again (a prefix-cache hit); the speculator's counters and every proposal."""
+    then the first prompt again (a prefix-cache hit); then (ids, text, finish, logprobs) of each
+    choice of requests with seeded sampling and n = 2, logprobs, logit_bias with min_tokens, a
+    presence penalty (no drafts) and a stop token; the speculator's counters and every proposal."""
     from lightllm.llm import LLM
     from lightllm.llm import SamplingParams as Params
 
@@ -140,7 +142,16 @@ def llm_outputs(target, prompts, **settings):
         params = Params(max_tokens=16, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs += llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], None if spec is None else (spec.stats(), proposals)
+        greedy = [o.outputs[0].token_ids for o in outs]
+        varied = [Params(max_tokens=12, temperature=0.8, seed=7, n=2, ignore_eos=True),
+                  Params(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True),
+                  Params(max_tokens=12, temperature=0, logit_bias={5: 3.0}, min_tokens=4, ignore_eos=True),
+                  Params(max_tokens=12, temperature=0, presence_penalty=0.5, ignore_eos=True),
+                  Params(max_tokens=12, temperature=0, stop_token_ids=[greedy[1][6]])]
+        outs = llm.generate([{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(len(varied))], varied,
+                            use_tqdm=False)
+        choices = [(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outs for c in o.outputs]
+        return greedy, choices, None if spec is None else (spec.stats(), proposals)
     finally:
         llm.shutdown()
 
@@ -155,23 +166,31 @@ def head_run(models, llm_target):
                                                                     "num_speculative_tokens": 3})
 
 
-def test_llm_greedy_output_is_unchanged_by_the_head(models, llm_target, head_run):
+def test_llm_output_is_unchanged_by_the_head(models, llm_target, head_run):
+    """Greedy tokens (transformers'), seeded samples, logprobs, logit_bias, penalties and stop
+    tokens: the same with the head's drafts at every step as without speculation."""
     hf_target = models[1]
-    plain, _ = llm_outputs(llm_target, LLM_PROMPTS)
-    got, (stats, _) = head_run
+    plain, plain_choices, _ = llm_outputs(llm_target, LLM_PROMPTS)
+    got, choices, (stats, _) = head_run
     expected = hf_greedy(hf_target, LLM_PROMPTS, 16)
     assert plain == [expected[0], expected[1], expected[2], expected[0]]
     assert got == plain
     assert stats["num_draft_tokens"] >= 3 * 5  # every request verified drafts, several times
+    assert plain_choices[-1][2] == "stop" and len(plain_choices) == 6
+    for (ids, text, finish, logprobs), (ids0, text0, finish0, logprobs0) in zip(choices, plain_choices):
+        assert (ids, text, finish) == (ids0, text0, finish0)
+        for pos, pos0 in zip(logprobs or (), logprobs0 or ()):  # the target's logprobs
+            assert pos.keys() == pos0.keys() and all(abs(pos[t].logprob - pos0[t].logprob) < 1e-4 for t in pos)
+    assert choices[2][3] is not None
 
 
 def test_two_ranks_propose_what_one_does(models, llm_target, head_run):
     """tp 2 (worker processes, gloo): each rank's fc takes half the aux features and all-reduces
     g; the head's heads, MLP and draft vocabulary are split. The same drafts, the same output."""
-    got, (_, proposals) = llm_outputs(llm_target, LLM_PROMPTS, tp=2, speculative_config={
+    got, choices, (_, proposals) = llm_outputs(llm_target, LLM_PROMPTS, tp=2, speculative_config={
         "method": "eagle3", "model": str(models[2]), "num_speculative_tokens": 3})
-    assert got == head_run[0]
-    assert proposals == head_run[1][1] and sum(len(d) for p in proposals for d in p.values()) >= 3 * 5
+    assert (got, [c[:3] for c in choices]) == (head_run[0], [c[:3] for c in head_run[1]])
+    assert proposals == head_run[2][1] and sum(len(d) for p in proposals for d in p.values()) >= 3 * 5
 
 
 def test_the_heads_kv_and_features_are_in_the_budget(models):
