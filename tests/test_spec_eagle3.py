@@ -231,3 +231,23 @@ def test_targets_a_head_cannot_serve_are_refused(models, tmp_path):
     make_model("llama_gqa_llama3_rope", tmp_path / "wide", num_hidden_layers=LAYERS, hidden_size=128)
     with pytest.raises(ValueError, match="hidden states of size 64"):
         eagle3_runner(tmp_path / "wide", head)
+
+
+def test_a_qwen3_target_gets_the_reference_heads_chain(models, tmp_path):
+    """The Qwen family (q/k norms, head dim 24 here) through the same aux capture: proposals after
+    a prefill and after verifying the head's own drafts are the reference's chain."""
+    head, tensors = models[2], dict(models[3])
+    hf_target = make_model("qwen3_head_dim_24", tmp_path, num_hidden_layers=LAYERS)
+    tensors["embed_tokens.weight"] = hf_target.model.embed_tokens.weight.detach().clone()
+    plain = load_model(read_config(tmp_path), dtype=torch.float32, device=CPU, tp=TPGroup(), max_positions=MAX_LEN)
+    runner = eagle3_runner(tmp_path, head, k=4)
+    prompt = random_prompts(7, lengths=(14,))[0]
+    (result,) = runner.step(StepPlan(1, [], [Chunk(0, prompt, 0, True, SamplingParams())], sync=True))
+    tokens = prompt + [result.tokens[0].token_id]
+    (drafts, drafted), = runner.draft([DraftRequest(0, 0, tuple(tokens), 4)])
+    assert list(drafts) == reference_chain(tensors, plain, tokens, 4)
+    (result,) = runner.step(StepPlan(2, [0], drafts={0: list(drafts)}, sync=True))
+    tokens += [t.token_id for t in result.tokens]
+    (drafts, _), = runner.draft([DraftRequest(0, drafted, tuple(tokens[drafted:]), 4)])
+    assert list(drafts) == reference_chain(tensors, plain, tokens, 4)
+    runner.free([0])
