@@ -251,3 +251,26 @@ def test_a_qwen3_target_gets_the_reference_heads_chain(models, tmp_path):
     (drafts, _), = runner.draft([DraftRequest(0, drafted, tuple(tokens[drafted:]), 4)])
     assert list(drafts) == reference_chain(tensors, plain, tokens, 4)
     runner.free([0])
+
+
+def test_server_serves_the_head(models, llm_target, tmp_path):
+    """A server with the eagle3 method: its worker process loads the head, /info shows the config,
+    and a completion of token ids is the greedy text without speculation."""
+    import requests
+    from server_utils import start_server
+    from transformers import AutoTokenizer
+
+    config = {"method": "eagle3", "model": str(models[2]), "num_speculative_tokens": 3}
+    server = start_server(["--model_dir", str(llm_target), "--max_total_token_num", "1024", "--max_req_input_len", "64",
+                           "--max_req_total_len", str(MAX_LEN), "--running_max_req_size", "8",
+                           "--speculative_config", json.dumps(config)], tmp_path / "server.log")
+    try:
+        assert requests.get(f"{server.url}/info", timeout=10).json()["speculative_config"] == config
+        body = {"prompt": LLM_PROMPTS[1], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        response = server.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+        expected = hf_greedy(models[1], [LLM_PROMPTS[1]], 48)[0]
+        assert response.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(llm_target).decode(
+            expected, skip_special_tokens=True)
+    finally:
+        assert server.stop() == 0
