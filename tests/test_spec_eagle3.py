@@ -2,8 +2,10 @@
 the runner's proposals are the head's greedy chain as the plain-torch reference computes it
 (helpers/eagle3.py) from the features of one plain target forward over the whole sequence, after
 a chunked prefill, a catch-up split over two calls, a verify step that rejected drafts and a
-prefix-cache hit; the offline LLM's greedy output with the head is its output without speculation;
-the head's KV and features are counted in the KV budget; targets a head cannot serve are refused."""
+prefix-cache hit, and over a Qwen3 target; the offline LLM's output with the head drafting at every
+step is its output without speculation, and at tp 2 its proposals are tp 1's; a server loads the
+head and answers the same greedy text; the head's KV and features are counted in the KV budget;
+targets a head cannot serve are refused."""
 
 import json
 import shutil
