@@ -120,10 +120,13 @@ class MixedLayout:
 
 class StepGraphs:
     def __init__(self, model: LlamaModel, token_table: TokenTable, req_table: ReqTable, max_batch: int,
-                 max_tokens: int, capture: bool):
+                 max_tokens: int, capture: bool, forward=None):
+        """forward: what the graphs run, model.forward's signature (None: model.forward; one that
+        also stores an EAGLE-3 head's features, which the graphs then store too)."""
         if req_table.padding_row is None:
             raise ValueError("padded steps need the request table's padding row")
         self.model, self.token_table = model, token_table
+        self.forward = forward or model.forward
         self.req_to_token = req_table.req_to_token
         self.padding_row = req_table.padding_row
         self.max_seqlen = req_table.max_req_total_len
@@ -187,7 +190,7 @@ class StepGraphs:
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=rows.int(),
                              decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen,
                              lora_slots=lora_slots if lora else None)
-        return self.model.forward(batch, self.token_table)
+        return self.forward(batch, self.token_table)
 
     # ---- mixed steps ----
 
@@ -246,7 +249,7 @@ class StepGraphs:
                              ext_rows=v["ext_rows"].int(), ext_cu_q=v["ext_cu_q"].int(),
                              ext_kv_lens=v["ext_kv_lens"].int(), ext_q_blocks=v["q_blocks"].int().view(2, -1),
                              logit_index=v["logit_index"], lora_slots=lora_slots)
-        return self.model.forward(batch, self.token_table)
+        return self.forward(batch, self.token_table)
 
     # ---- capture ----
 

@@ -45,6 +45,7 @@ from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_
 from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.draft_runner import DraftRunner
+from lightllm.engine.spec.eagle3_runner import Eagle3Runner
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.models.lora import LoraAdapters, module_shapes
@@ -57,9 +58,6 @@ logger = logging.getLogger(__name__)
 # worker is never idle: its RSS grew ~50 MiB/min with the heap in use flat (CPU soak, 2026-11-23,
 # ed8c1ec; docs/benchmarks-history.md). Give them back every this many steps too (about 2-10 ms each).
 CPU_TRIM_EVERY_STEPS = 100
-# A draft model's graphs: its single-token steps replay decode graphs, its catch-up (a few tokens a
-# request after each verify step, one chunk each) mixed-step graphs of up to this many tokens.
-DRAFT_GRAPH_TOKENS = 1024
 
 
 def resolve_device(device: str | None, local_rank: int) -> torch.device:
@@ -114,6 +112,8 @@ class ModelRunner:
             running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         self.drafter = self._load_drafter(config, dtype, running + 1)  # weights in use before the budget is sized
+        # The target's forward: the model's, or (an EAGLE-3 head) one that also stores the head's features
+        self.target_forward = self.model.forward if self.drafter is None else self.drafter.target_forward(self.model)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
         # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
@@ -153,9 +153,7 @@ class ModelRunner:
         graph_bytes = graph_memory_bytes(running, config.graph_max_tokens, cfg.hidden_size, cfg.intermediate_size,
                                          cfg.vocab_size, dtype.itemsize) if capture else 0
         if capture and self.drafter is not None:
-            draft = self.drafter.config
-            graph_bytes += graph_memory_bytes(running, DRAFT_GRAPH_TOKENS, draft.hidden_size, draft.intermediate_size,
-                                              draft.vocab_size, dtype.itemsize)
+            graph_bytes += self.drafter.graph_bytes(running, config.graph_max_tokens, dtype.itemsize)
         self.max_total_token_num = config.max_total_token_num
         if check_budget or self.max_total_token_num is None:
             self.max_total_token_num = token_budget(self, config.max_total_token_num, burst or self.max_req_total_len,
@@ -169,10 +167,9 @@ class ModelRunner:
         self.info["disk_kv_cache_tokens"] = 0 if self.disk_pool is None else self.disk_pool.capacity
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
-                                     config.graph_max_tokens, capture)
-            if self.drafter is not None:  # its single-token steps, as decodes of the draft model
-                self.drafter.graphs = StepGraphs(self.drafter.model, self.drafter.kv, self.req_table, running,
-                                                 DRAFT_GRAPH_TOKENS, capture)
+                                     config.graph_max_tokens, capture, forward=self.target_forward)
+            if self.drafter is not None:
+                self.drafter.make_graphs(self.req_table, running, capture)
         if self.device.type == "cuda":
             self._warm_sampler()
         if config.step_trace:
@@ -201,8 +198,13 @@ class ModelRunner:
         return loras
 
     def _load_drafter(self, config: EngineConfig, dtype: torch.dtype, rows: int) -> DraftRunner | None:
-        """The draft model of --speculative_config's draft_model method (None for any other)."""
+        """The draft model of --speculative_config's draft_model method, or its eagle3 method's
+        head (None for any other); ValueError for a target a head cannot draft for."""
         spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and spec.method == "eagle3":
+            return Eagle3Runner(spec.model, self.model, self.config, dtype=dtype, kv_dtype=self.kv_dtype,
+                                device=self.device, tp=self.tp, max_positions=self.max_req_total_len,
+                                k_max=spec.num_speculative_tokens, rows=rows, load_format=config.load_format)
         if spec is None or spec.method != "draft_model":
             return None
         if self.config.linear_attn:
@@ -213,7 +215,7 @@ class ModelRunner:
 
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes a token of KV budget takes, bytes taken whatever the budget): the draft model's
-        KV rides on the target's slots and adds its scratch rows."""
+        KV (or an EAGLE-3 head's KV and features) rides on the target's slots and adds its scratch rows."""
         per_token = 2 * sum(heads * dim for heads, dim in self.model.kv_shapes) * self.kv_dtype.itemsize
         if self.drafter is None:
             return per_token, 0
@@ -230,7 +232,7 @@ class ModelRunner:
         latest tokens, so the engine collects the step in flight first; were one still in flight,
         no request gets drafts (its length may change with that step's settle)."""
         if self.drafter is None:
-            raise ValueError("no draft model is served (--speculative_config method draft_model)")
+            raise ValueError("no draft model is served (--speculative_config method draft_model or eagle3)")
         if self._pending is not None:
             return [((), self.reqs[a.req_id].draft_len if a.req_id in self.reqs else 0) for a in asks]
         run = lambda: self.drafter.propose(asks, self.reqs, self.req_table.req_to_token)  # noqa: E731
@@ -541,7 +543,7 @@ class ModelRunner:
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
                              logit_index=t["logit_index"], lora_slots=t["lora_slots"] if lora else None, **decode,
                              **extend)
-        return self.model.forward(batch, self.token_table)
+        return self.target_forward(batch, self.token_table)
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows of id -1 feed their request's last sampled token (on the device since its step)."""

@@ -80,7 +80,7 @@ class Eagle3Head:
         batch.logit_index (all when None), and the output hidden states [T, hidden] (before the
         final norm: what a chained step takes as its features)."""
         if features.shape[-1] == self.fc_in:
-            residual = self.fc(features[:, self.fc_slice])
+            residual = self.feature(features)
         else:
             residual = features.clone()  # the norms below add to the stream in place
         emb, _ = self.input_norm(self.embed(batch.input_ids), None)
@@ -93,6 +93,11 @@ class Eagle3Head:
         if batch.logit_index is not None:
             h = h[batch.logit_index]
         return self.lm_head(h), residual
+
+    def feature(self, aux: torch.Tensor) -> torch.Tensor:
+        """The head's input feature [T, hidden] of the target's aux hidden states [T, 3 x target
+        hidden]: fc over this rank's share of them, all-reduced (every rank has the whole)."""
+        return self.fc(aux[:, self.fc_slice])
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """The target vocabulary's ids of draft-vocabulary ids."""

@@ -10,6 +10,9 @@
 - The target's aux hidden states (a 7-layer Llama of helpers.models' GPU sizes) from a prefill and
   from a decode step replayed from a CUDA graph are the eager step's, and within REL_TOL (bf16:
   BF16_REL_TOL) of transformers' output_hidden_states (fp32, CPU).
+- Served (`eagle3`, a 4-layer target): greedy output with drafts at every step is transformers',
+  with CUDA graphs and without; the features the target's captured graphs store are fc of an
+  eager forward's aux states; the head's chained steps from its own graphs draft the eager ones.
 """
 
 import pytest
@@ -120,3 +123,94 @@ def test_aux_hidden_states_from_a_cuda_graph(tmp_path, dtype):
     graph.replay()
     torch.testing.assert_close(replayed, eager)
     assert rel_err(eager[0], expected[40]) < tol
+
+
+def serving_setup(tmp_path, cuda_graph):
+    """A 4-layer target of GPU_SIZES and a head served beside it (eagle3, k = 4), fp32."""
+    import json
+
+    from helpers.models import make_runner
+
+    hf_model = make_gpu_model("llama_gqa_llama3_rope", tmp_path / "target", num_hidden_layers=4)
+    write_head(tmp_path / "head", head_tensors(seed=12, **SIZES), eagle_aux_hidden_state_layer_ids=[0, 1, 2], **SIZES)
+    config = json.dumps({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 4})
+    runner = make_runner(tmp_path / "target", tokens=8192, device="cuda", cuda_graph=cuda_graph, max_req_total_len=512,
+                         running_max_req_size=64, speculative_config=config)
+    return hf_model, runner, config
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+def test_a_served_head_gives_transformers_greedy_tokens(tmp_path, cuda_graph):
+    """Drafts from the head at every step (features stored by the target's captured decode and
+    mixed-step graphs, or eagerly), verified: the target's greedy tokens."""
+    from helpers.models import GPU_SIZES, Client, assert_idle, engine, hf_greedy, random_prompts
+
+    from lightllm.engine.request import SamplingParams
+    from lightllm.engine.spec.config import SpeculativeConfig
+    from lightllm.engine.spec.controller import Speculator
+
+    hf_model, runner, config = serving_setup(tmp_path, cuda_graph)
+    prompts = random_prompts(4, [5, 130, 37, 300, 17, 64], vocab=GPU_SIZES["vocab_size"])
+    expected = hf_greedy(hf_model.to("cuda"), prompts, 40)
+    core = engine(runner, 128)
+    spec = Speculator(SpeculativeConfig.parse(config), GPU_SIZES["vocab_size"], 64 * 5, drafter=runner.draft)
+    spec.guard = None
+    spec.allocate = lambda alphas, limits, tokens, outputs: [min(n, spec.k_max) for n in limits] if sum(limits) else None  # drafts every step: this checks the tokens
+    core.scheduler.speculator = spec
+    got = Client(core).run(prompts, SamplingParams(max_new_tokens=40), staggered=True)
+    assert got == [expected[i] for i in range(len(prompts))]
+    assert spec.num_draft_tokens > 0
+    assert_idle(core)
+
+
+@torch.inference_mode()
+def test_features_stored_from_cuda_graphs_are_the_eager_forwards(tmp_path):
+    """A prefill (a mixed-step graph), decodes and a verify step (decode graphs): the features at
+    the request's slots are fc of the aux hidden states of one eager forward over its tokens."""
+    from lightllm.engine.plan import Chunk, StepPlan
+    from lightllm.engine.request import SamplingParams
+
+    _, runner, _ = serving_setup(tmp_path, cuda_graph=True)
+    assert runner.graphs.graphs and runner.graphs.mixed_graphs  # captured
+    prompt = torch.randint(1000, (40,), generator=torch.Generator().manual_seed(13)).tolist()
+    (result,) = runner.step(StepPlan(1, [], [Chunk(0, prompt, 0, True, SamplingParams())], sync=True))
+    tokens = prompt + [result.tokens[0].token_id]
+    for step in range(2, 5):
+        (result,) = runner.step(StepPlan(step, [0], sync=True))
+        tokens += [result.tokens[0].token_id]
+    (result,) = runner.step(StepPlan(5, [0], drafts={0: [3, 4, 5]}, sync=True))
+    tokens += [t.token_id for t in result.tokens]
+    r = runner.reqs[0]
+    slots = runner.req_table.req_to_token[r.row, : r.seq_len].long()
+    model, head = runner.model, runner.drafter.head
+    cfg = model.config
+    kv = TokenTable(MAX_LEN, cfg.num_layers, model.kv_heads, cfg.head_dim, torch.float32, GPU, model.kv_shapes)
+    batch = extend_batch(torch.tensor(tokens[: r.seq_len], device=GPU), 0, slot_table(MAX_LEN, GPU), cfg.head_dim,
+                         runner.drafter.aux_layers)
+    expected = head.feature(model.forward(batch, kv)[1])
+    assert rel_err(runner.drafter.features[slots], expected.cpu()) < REL_TOL
+    runner.free([0])
+
+
+def test_chained_steps_from_head_graphs_propose_the_eager_drafts(tmp_path):
+    """Three requests in one proposal call (decode bucket 4: a padding row): the drafts of a runner
+    whose head replays its captured chained-step graphs are the eager runner's."""
+    from helpers.models import make_runner, random_prompts
+
+    from lightllm.engine.plan import Chunk, DraftRequest, StepPlan
+    from lightllm.engine.request import SamplingParams
+
+    _, graphed, config = serving_setup(tmp_path, cuda_graph=True)
+    assert graphed.drafter.graphs.graphs  # captured
+    eager = make_runner(tmp_path / "target", tokens=8192, device="cuda", cuda_graph=False, max_req_total_len=512,
+                        running_max_req_size=64, speculative_config=config)
+    prompts = random_prompts(6, [30, 7, 55], vocab=1000)
+    got = []
+    for runner in (graphed, eager):
+        asks = []
+        for i, prompt in enumerate(prompts):
+            (result,) = runner.step(StepPlan(i + 1, [], [Chunk(i, prompt, 0, True, SamplingParams())], sync=True))
+            asks.append(DraftRequest(i, 0, tuple(prompt + [result.tokens[0].token_id]), 4))
+        got.append(runner.draft(asks))
+        runner.free([0, 1, 2])
+    assert got[0] == got[1] and all(len(drafts) == 4 for drafts, _ in got[0])

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 
 # Draft sources; "module:Class" names one from elsewhere (benchmarks' controlled draft).
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+MODEL_METHODS = {"draft_model": "the draft model's directory", "eagle3": "the EAGLE-3 head's directory"}
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -16,7 +17,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # most drafts a request gets in one step (the controller picks 0..this)
     prompt_lookup_min: int = 2  # ngram: shortest n-gram matched (vLLM's names)
     prompt_lookup_max: int = 5  # ngram: longest n-gram matched
-    model: str | None = None  # draft-model directory (for methods that take one)
+    model: str | None = None  # draft model's or EAGLE-3 head's directory (MODEL_METHODS)
     options: dict = field(default_factory=dict)  # any other key, for the draft source's constructor
 
     @classmethod
@@ -46,8 +47,8 @@ class SpeculativeConfig:
         if self.method not in METHODS and ":" not in self.method:
             raise ValueError(f"speculative method {self.method!r}: choose one of {', '.join(METHODS)} "
                              "(or module:Class for a draft source of your own)")
-        if self.method == "draft_model" and not isinstance(self.model, str):
-            raise ValueError('speculative method draft_model needs "model": the draft model\'s directory')
+        if self.method in MODEL_METHODS and not isinstance(self.model, str):
+            raise ValueError(f'speculative method {self.method} needs "model": {MODEL_METHODS[self.method]}')
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
