@@ -208,7 +208,7 @@ def test_the_heads_kv_and_features_are_in_the_budget(models):
     assert fixed == (1 + rows * 3) * head_kv + feature
     assert runner.drafter.kv.size == 512 + 1 + rows * 3 and runner.drafter.kv.scratch_slot == 512
     assert runner.drafter.features.shape == (512 + 1, 64)
-    echo = eagle3_runner(target, head, k=3, load_format="dummy_echo")  # the benchmarks' target: a random head
+    echo = eagle3_runner(target, head, k=3, load_format="dummy_echo")  # the benchmarks' target and an echo head
     assert echo.kv_bytes() == (per_token, fixed)
 
 
@@ -276,3 +276,25 @@ def test_server_serves_the_head(models, llm_target, tmp_path):
             expected, skip_special_tokens=True)
     finally:
         assert server.stop() == 0
+
+
+def test_an_echo_head_beside_an_echo_target_drafts_what_the_target_samples(models, tmp_path):
+    """load_format dummy_echo (benchmarks): the target answers each token with itself and the head,
+    over the target's whole vocabulary, drafts the token its feature came from, so after the first
+    sampled token every draft is accepted: the head's fc passes the first feature through."""
+    target = models[0]
+    head = tmp_path / "echo_head"
+    write_head(head, {}, eagle_aux_hidden_state_layer_ids=AUX_IDS, draft_vocab_size=101, **HEAD_SIZES)
+    runner = eagle3_runner(target, head, k=4, load_format="dummy_echo")
+    prompt = random_prompts(9, lengths=(11,))[0]
+    (result,) = runner.step(StepPlan(1, [], [Chunk(0, prompt, 0, True, SamplingParams())], sync=True))
+    tokens = prompt + [result.tokens[0].token_id]
+    assert tokens[-1] == prompt[-1]  # the echo target
+    (drafts, drafted), = runner.draft([DraftRequest(0, 0, tuple(tokens), 4)])
+    assert list(drafts) == [prompt[-1]] * 4
+    (result,) = runner.step(StepPlan(2, [0], drafts={0: list(drafts)}, sync=True))
+    assert [t.token_id for t in result.tokens] == [prompt[-1]] * 5  # every draft kept, and the token after
+    tokens += [t.token_id for t in result.tokens]
+    (drafts, _), = runner.draft([DraftRequest(0, drafted, tuple(tokens[drafted:]), 4)])
+    assert list(drafts) == [prompt[-1]] * 4
+    runner.free([0])

@@ -128,12 +128,15 @@ def _draft_to_target(weights, cfg: Eagle3Config, device: torch.device) -> torch.
 
 def load_eagle3(cfg: Eagle3Config, *, dtype: torch.dtype, device: torch.device, tp: TPGroup, max_positions: int,
                 load_format: str = "auto", target_embed: VocabParallelEmbedding | None = None) -> Eagle3Head:
-    """The head for this TP rank: weights from its checkpoint ("auto") or random ("dummy")."""
-    if load_format not in ("auto", "dummy"):
-        raise ModelConfigError(f"unsupported load_format {load_format!r} for an EAGLE-3 head; supported: auto, dummy")
+    """The head for this TP rank: weights from its checkpoint ("auto"), random ("dummy"), or an
+    echo head ("dummy_echo", DummyWeights: beside an echo target of its vocabulary every draft is
+    the target's own next token)."""
+    if load_format not in ("auto", "dummy", "dummy_echo"):
+        raise ModelConfigError(f"unsupported load_format {load_format!r} for an EAGLE-3 head; "
+                               "supported: auto, dummy, dummy_echo")
     start = time.perf_counter()
-    weights = (DummyWeights(dtype, device, seed=tp.rank + 1) if load_format == "dummy"
-               else CheckpointWeights(cfg.layer.model_dir, dtype, device))
+    weights = (DummyWeights(dtype, device, seed=tp.rank + 1, echo=load_format == "dummy_echo")
+               if load_format.startswith("dummy") else CheckpointWeights(cfg.layer.model_dir, dtype, device))
     with torch.inference_mode():
         head = Eagle3Head(cfg, weights, tp, max_positions, device, target_embed)
     logger.info("loaded the EAGLE-3 head %s (%s weights, %s, draft vocabulary %d) in %.1f s", cfg.layer.model_dir,

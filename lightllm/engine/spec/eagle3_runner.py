@@ -57,8 +57,7 @@ class Eagle3Runner(DraftRunner):
         self.config = cfg.layer
         self.aux_layers = cfg.aux_layers(target_config.num_layers)
         self.head = load_eagle3(cfg, dtype=dtype, device=device, tp=tp, max_positions=max_positions,
-                                load_format="dummy" if load_format.startswith("dummy") else load_format,
-                                target_embed=target.embed)  # dummy_echo is a target's: the head's are random
+                                load_format=load_format, target_embed=target.embed)  # dummy_echo: an echo head
         self.features: torch.Tensor | None = None  # [target slots + 1, hidden]: g of each slot's token
         self._init_kv(self.head.kv_shapes, device, kv_dtype, k_max, rows)
 

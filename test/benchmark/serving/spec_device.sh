@@ -6,6 +6,8 @@
 #   trace:LOAD:ALPHA         one controlled setting with --step_trace, the trace summarised
 #   draft:LOADS:FORMATS      draft_model (bench-1b drafting for bench-8b, written here) against off on
 #                            ShareGPT, per load format: dummy_echo (every draft accepted), dummy (none)
+#   eagle3:LOADS:FORMATS     an EAGLE-3 head of bench-8b's layer shape over its whole vocabulary (its
+#                            config written here) against off, per load format as draft
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b, .gpu/requests-1000.json.
 # Results: $OUT/<part>.md and .json; a part's failure does not stop the others.
 # TOTAL_S: the seconds a controlled or methods part may take (default 520).
@@ -42,6 +44,20 @@ for part in "$@"; do
         "${SWEEP[@]}" --server-args "--load_format $format --data_type bfloat16" --requests .gpu/requests-1000.json \
           --out-dir ".gpu/draft-$n-$format" --loads "$loads" --alphas "" --methods draft_model \
           --draft-model .gpu/bench-1b --out-md "$OUT/draft-$n-$format.md" --out-json "$OUT/draft-$n-$format.json" \
+          --total-timeout "${TOTAL_S:-520}"
+      done ;;
+    eagle3)
+      python3 - .gpu/bench-8b .gpu/bench-8b-eagle3 <<'PY'
+import json, pathlib, sys
+config = json.loads((pathlib.Path(sys.argv[1]) / "config.json").read_text())
+config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=config["vocab_size"],
+              target_hidden_size=config["hidden_size"])
+out = pathlib.Path(sys.argv[2]); out.mkdir(exist_ok=True); (out / "config.json").write_text(json.dumps(config))
+PY
+      for format in ${what//,/ }; do
+        "${SWEEP[@]}" --server-args "--load_format $format --data_type bfloat16" --requests .gpu/requests-1000.json \
+          --out-dir ".gpu/eagle3-$n-$format" --loads "$loads" --alphas "" --methods eagle3 \
+          --draft-model .gpu/bench-8b-eagle3 --out-md "$OUT/eagle3-$n-$format.md" --out-json "$OUT/eagle3-$n-$format.json" \
           --total-timeout "${TOTAL_S:-520}"
       done ;;
     trace)

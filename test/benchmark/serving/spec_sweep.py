@@ -116,6 +116,9 @@ def parse_alphas(text: str) -> list[float]:
     return alphas
 
 
+MODEL_METHODS = ("draft_model", "eagle3")  # methods whose config names a directory (--draft-model)
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -126,7 +129,7 @@ class Setting:
         if self.method is None:
             return []
         config = {"method": self.method, "num_speculative_tokens": args.num_speculative_tokens}
-        if self.method == "draft_model":
+        if self.method in MODEL_METHODS:
             config["model"] = str(args.draft_model)
         if self.alpha is not None:
             config.update(oracle=str(oracle), alpha=self.alpha, seed=args.seed)
@@ -472,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--passage-tokens", type=lambda t: tuple(int(n) for n in t.split(",")), default=(64, 384),
         metavar="MIN,MAX", help="copy: the passages' length in tokens")
     add("--num-speculative-tokens", type=int, default=8, help="most drafts a request gets a step")
-    add("--draft-model", type=Path, default=None, help="the draft_model method's model directory")
+    add("--draft-model", type=Path, default=None, help="the draft_model method's model directory, or eagle3's head")
     add("--num-prompts", type=int, default=64, help="requests of a load without @COUNT")
     add("--output-len", type=int, default=128, help="controlled: every request's output tokens")
     add("--requests", type=Path, default=None,
@@ -509,8 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the copy workload sends its chats at once or at a concurrency (no poissonR), with off")
     if args.off_from and args.requests:
         parser.error("--off-from replays the requests of that run: no --requests")
-    if "draft_model" in (args.methods or []) and args.draft_model is None:
-        parser.error("the draft_model method needs --draft-model DIR")
+    if set(MODEL_METHODS) & set(args.methods or []) and args.draft_model is None:
+        parser.error("the draft_model and eagle3 methods need --draft-model DIR (the draft model or the head)")
     if args.model is None:
         from lightllm.tools.default_model import ensure_default_model
 
