@@ -112,8 +112,8 @@ class ModelRunner:
             running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         self.drafter = self._load_drafter(config, dtype, running + 1)  # weights in use before the budget is sized
-        # The target's forward: the model's, or (an EAGLE-3 head) one that also stores the head's features
-        self.target_forward = self.model.forward if self.drafter is None else self.drafter.target_forward(self.model)
+        # An EAGLE-3 head's target forward, which also stores the head's features (target_forward)
+        self._features_forward = self.drafter and self.drafter.target_forward(self.model)
         # The token each request feeds next, by request row (padding row included).
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
         # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
@@ -212,6 +212,13 @@ class ModelRunner:
         return DraftRunner(spec.model, self.config.vocab_size, dtype=dtype, kv_dtype=self.kv_dtype,
                            device=self.device, tp=self.tp, max_positions=self.max_req_total_len,
                            k_max=spec.num_speculative_tokens, rows=rows, load_format=config.load_format)
+
+    def target_forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        """The target's forward: the model's (looked up at each call), or with an EAGLE-3 head one
+        that also stores each token's feature at its slot."""
+        if self._features_forward is not None:
+            return self._features_forward(batch, kv)
+        return self.model.forward(batch, kv)
 
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes a token of KV budget takes, bytes taken whatever the budget): the draft model's

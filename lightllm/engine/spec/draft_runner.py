@@ -85,8 +85,8 @@ class DraftRunner:
         self._base = size + 1
 
     def target_forward(self, model):
-        """The target's forward as this draft needs it run (unchanged for a draft model)."""
-        return model.forward
+        """The target's forward as this draft needs it run; None: the model's own (a draft model)."""
+        return None
 
     def graph_bytes(self, max_batch: int, target_graph_tokens: int, itemsize: int) -> int:
         """Memory its CUDA graphs take beside the target's (graph_memory_bytes' estimate)."""
