@@ -9,8 +9,9 @@ chat and Anthropic requests without their grammar or tools: what a request of th
 its prompt's prefill above all, which on a CPU takes several decode steps' time): a --refs_within
 chain of `$ref`s that fits the size bound on grammars, a forced tool call (`tool_choice:
 "required"`, Anthropic's {"type": "any"}) over --tools functions, --distinct chains that compile
-(what the caches keep), and a JSON schema that is a chain of --refs `$ref`s, sent twice (the second finds whatever the first left compiled). Each case runs
-while a normal stream generates: it reports the answer's status and time, the peak and after-case
+(what the caches keep), and a JSON schema that is a chain of --refs `$ref`s, sent twice (the
+second finds whatever the first left compiled). Each case runs while a normal stream generates:
+it reports the answer's status and time, the peak and after-case
 RSS of each server process, the stream's longest gap between tokens against its median, and the
 slowest 2-token /generate sent during the case against the idle one, both also against the
 control of the case's shape (what the grammar or the tools add). Not part of CI.
