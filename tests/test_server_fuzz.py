@@ -44,9 +44,9 @@ logger = logging.getLogger(__name__)
 # Per operation and generation mode. Generating the cases, not sending them, is most of this test's
 # time (on a 2-core CPU 95 s of schemathesis against 27 s of requests for 64 a POST operation), so
 # the count per operation keeps the whole run at MIN_REQUESTS and a little over as routes are added:
-# 11 POST operations (the LoRA adapter routes among them) x 2 modes x 48, about 1,075 requests.
-EXAMPLES = {"POST": 48, "GET": 10, "HEAD": 10}
-MIN_REQUESTS = 1000
+# 11 POST operations (the LoRA adapter routes among them) x 2 modes x 32, about 750 requests.
+EXAMPLES = {"POST": 32, "GET": 10, "HEAD": 10}
+MIN_REQUESTS = 700
 IN_FLIGHT = 16
 REQUEST_TIMEOUT = 60.0  # seconds: far past any answer of this server; reaching it is a hang
 GREEDY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}

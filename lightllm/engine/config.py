@@ -21,6 +21,9 @@ MIN_NODE_TOKEN_CHARS = 16
 # 65-80% busy when eager, 92-100% from graphs (two H100s, 2026-11-27, 69e7f75; docs/multi_gpu.md).
 GRAPH_TOKENS_A_RANK = 2048
 DEFAULT_MAX_LORAS = 4
+# --running_max_req_size when absent (see its help)
+GPU_RUNNING = 1024
+CPU_RUNNING = 128
 
 
 def flag(help_text: str, **extra) -> dict:
@@ -88,7 +91,7 @@ class EngineConfig:
         default=8,
         metadata=flag("while the running batch is nearly full (fewer free slots than running_max_req_size / 16, and than requests waiting), admit waiting requests at most once in this many steps: slots freed one by one are then filled by one prefill step instead of one each, and every such step runs eagerly (no CUDA graph) and slows the whole batch; 0 admits at every step (see docs/benchmarks.md)"),
     )
-    running_max_req_size: int = field(default=1024, metadata=flag("most requests in the running batch (and the largest CUDA-graph decode bucket); 1024 starts a burst's requests sooner (lower time to first token) at a few percent of throughput against 512 (docs/benchmarks.md)"))
+    running_max_req_size: int | None = field(default=None, metadata=flag(f"most requests in the running batch (and the largest CUDA-graph decode bucket). Absent: {GPU_RUNNING} on a GPU, where it starts a burst's requests sooner (lower time to first token) at a few percent of throughput against 512 (docs/benchmarks.md); {CPU_RUNNING} on a CPU, where a larger batch gains nothing and the start-up's profile of the largest step grows with it"))
     max_req_total_len: int = field(default=2048 + 1024, metadata=flag("longest prompt + max_new_tokens accepted"))
     tp: int = field(default=1, metadata=flag("tensor-parallel degree: one model worker process per rank"))
     dp: int = field(default=1, metadata=flag("data-parallel replicas on this machine behind the one HTTP endpoint: each is an engine (router process and --tp workers; replica d uses GPUs d*tp to d*tp+tp-1); --dp_routing picks the replica of each request"))
@@ -131,6 +134,12 @@ class EngineConfig:
         default="info",
         metadata=flag("log level of every process", choices=("debug", "info", "warning", "error")),
     )
+
+    def __post_init__(self):
+        if self.running_max_req_size is None:  # resolved once, so every process and rank reads the same
+            import torch
+
+            object.__setattr__(self, "running_max_req_size", GPU_RUNNING if torch.cuda.is_available() else CPU_RUNNING)
 
     @property
     def graph_max_tokens(self) -> int:
