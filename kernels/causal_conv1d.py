@@ -39,6 +39,19 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: 
     return out, line[state_rows].transpose(1, 2).contiguous()
 
 
+def causal_conv1d_chunks_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
+                             rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
+    """A step's prompt chunks with their states in a pool: x [T, C] all of the step's tokens, chunk
+    i is tokens [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device) after states[rows[i]] ([S, C,
+    K-1]), or after zeros where fresh[i], and leaves its last K - 1 inputs there. Writes out's rows
+    of the chunks only (the decodes' rows before them keep theirs)."""
+    bounds = cu_seqlens.tolist()
+    lo, hi = bounds[0], bounds[-1]
+    initial = torch.where(fresh.view(-1, 1, 1), 0, states[rows])
+    out[lo:hi], new = causal_conv1d_varlen_ref(x[lo:hi], weight, [b - lo for b in bounds], initial)
+    states[rows] = new.to(states.dtype)
+
+
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: x [T, C], weight [C, K], state [C, K-1] or None (zeros). Returns (silu(conv)

@@ -71,6 +71,22 @@ def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return layout.tokens(out.transpose(1, 2)).to(dtype), s
 
 
+def gated_delta_rule_chunks_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                                cu_seqlens: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor,
+                                out: torch.Tensor) -> None:
+    """A step's prompt chunks with their states in a pool (the prefill and extend path): q, k
+    [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv] over all of the step's tokens; chunk i is tokens
+    [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device), starts from states[rows[i]] ([S, Hv, dk,
+    dv] fp32), or from zeros where fresh[i] (a request's first chunk), and leaves its final state
+    there. Writes out's ([T, Hv, dv]) rows of the chunks only: the rows before them (decodes) keep
+    what they hold. Empty chunks (a padded step's) leave zeros in their row."""
+    bounds = cu_seqlens.tolist()
+    lo, hi = bounds[0], bounds[-1]
+    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
+    out[lo:hi], states[rows] = gated_delta_rule_varlen_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                                           [b - lo for b in bounds], initial)
+
+
 class BlockLayout:
     """Packed sequences in blocks of CHUNK tokens: where each token sits ([block, offset]) and, for
     round i, the sequences with an i-th block and that block's index (one upload)."""

@@ -24,6 +24,11 @@ padding tokens past them get no attention output at all: their rows of the step'
 are whatever the memory held, which no real row reads (each row is its own through the GEMMs,
 norms and all-reduces) and whose logits are dropped. Padding chunks are empty (kv_len 0) and
 extend attention's block table has padding slots that leave at once, so its grid is fixed too.
+A hybrid model's linear layers (models/qwen3_next.py) keep a state slot per request row, the
+padding row's included: the decode step over a mixed step's decode rows steps only the padding
+row's slot for the chunk tokens and padding among them, the chunks' kernels (bounds read on the
+device) then write the chunk tokens' rows over them, and a padding chunk is empty and starts fresh,
+so it leaves zeros in the padding row's slot. No request's state moves.
 
 A captured forward reads its step from one static metadata buffer, derives the new tokens' KV
 slots from the request table inside the graph, and writes one static logits buffer. Decode
