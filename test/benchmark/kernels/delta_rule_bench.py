@@ -67,13 +67,15 @@ def fla_kernel():
     return chunk_gated_delta_rule
 
 
-def fla_call(kernel, q, k, v, g, beta, cu, states, rows, fresh, out):
-    """fla's varlen call over the same step (q, k already at the value heads), the pool's states in and out."""
+def fla_call(kernel, bounds, q, k, v, g, beta, cu, states, rows, fresh, out):
+    """fla's varlen call over the same step (its GVA: the key heads as they are), the pool's states
+    in and out; `bounds` (the chunks' bounds from 0, on the device and on the host) made once, so
+    that fla's cached chunk index is built once, not read back at each call."""
     initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
-    lo, hi = int(cu[0]), int(cu[-1])
+    lo, hi, cu_seqlens, cu_seqlens_cpu = bounds
     o, final = kernel(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi],
                       scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
-                      cu_seqlens=(cu - lo).long(), use_qk_l2norm_in_kernel=True)
+                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_qk_l2norm_in_kernel=True)
     out[lo:hi] = o[0]
     states[rows] = final.float()
 
@@ -104,8 +106,9 @@ def case_row(name, lengths, continued, shape, iters, fla) -> dict:
     timed("ours", gated_delta_rule_chunks_triton, q, k, v, g, beta)
     row["ours err"] = relative_error(outputs["ours"][0], outputs["torch"][0])
     if fla is not None:
-        qv, kv = (x.repeat_interleave(v_heads // k_heads, dim=1) for x in (q, k))
-        timed("fla", lambda *a: fla_call(fla, *a), qv, kv, v, g, beta)
+        lo, hi = int(cu[0]), int(cu[-1])
+        bounds = (lo, hi, (cu - lo).long(), (cu - lo).long().cpu())
+        timed("fla", lambda *a: fla_call(fla, bounds, *a), q, k, v, g, beta)
         row["fla err"] = relative_error(outputs["fla"][0], outputs["torch"][0])
         row["ours / fla"] = row["ours ms"] / row["fla ms"]
     channels = 2 * k_heads * dk + v_heads * dv
