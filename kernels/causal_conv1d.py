@@ -46,12 +46,14 @@ def causal_conv1d_chunks_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: 
     """A step's prompt chunks with their states in a pool: x [T, C] all of the step's tokens, chunk
     i is tokens [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device) after states[rows[i]] ([S, C,
     K-1]), or after zeros where fresh[i], and leaves its last K - 1 inputs there. Writes out's rows
-    of the chunks only (the decodes' rows before them keep theirs)."""
+    of the chunks only (the decodes' rows before them keep theirs). Empty chunks (a padded step's
+    padding) read and write no state."""
     bounds = cu_seqlens.tolist()
     lo, hi = bounds[0], bounds[-1]
     initial = torch.where(fresh.view(-1, 1, 1), 0, states[rows])
     out[lo:hi], new = causal_conv1d_varlen_ref(x[lo:hi], weight, [b - lo for b in bounds], initial)
-    states[rows] = new.to(states.dtype)
+    filled = cu_seqlens[1:] > cu_seqlens[:-1]
+    states[rows[filled]] = new[filled].to(states.dtype)
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
@@ -66,10 +68,12 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
 
 def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
                            rows: torch.Tensor) -> torch.Tensor:
-    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C]."""
-    seq = torch.cat([states[rows].to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
-    states[rows] = seq[..., 1:].to(states.dtype)
-    return F.silu((seq.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
+    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C].
+    A row of -1 (a padded step's padding) reads and writes no state; its output is zeros."""
+    live = rows >= 0
+    seq = torch.cat([states[rows.clamp(min=0)].to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
+    states[rows[live]] = seq[live, :, 1:].to(states.dtype)
+    return torch.where(live[:, None], F.silu((seq.to(weight.dtype) * weight).sum(-1)), 0).to(x.dtype)
 
 
 @fast_launch
@@ -83,6 +87,8 @@ def _causal_conv1d_step_kernel(x_ptr, weight_ptr, states_ptr, rows_ptr, out_ptr,
     j = tl.arange(0, BLOCK_W)[None, :]
     c_mask = (c < channels)[:, None]
     row = tl.load(rows_ptr + b).to(tl.int64)
+    if row < 0:  # padding: no state, and the output's zeros stay
+        return
     state = states_ptr + row * channels * (WIDTH - 1) + c[:, None] * (WIDTH - 1)
     x = tl.load(x_ptr + b * x_stride + c, mask=c < channels, other=0.0)[:, None]
     window = tl.load(state + j, mask=c_mask & (j < WIDTH - 1), other=0.0)
@@ -101,7 +107,7 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: tor
     assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1
     batch, channels = x.shape
     width = weight.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # a padding row's (row -1) output
     if batch == 0:
         return out
     block_c = min(next_power_of_2(channels), 256)
@@ -120,10 +126,12 @@ def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, cu_ptr, states_ptr, rows_ptr
     start read from its state (zeros when fresh), then its last WIDTH - 1 inputs as the new state.
     States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
     seq = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = c < channels
     lo = tl.load(cu_ptr + seq)
     hi = tl.load(cu_ptr + seq + 1)
+    if hi <= lo:  # a padding chunk: no state
+        return
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < channels
     row = tl.load(rows_ptr + seq).to(tl.int64)
     # the state is read only for a chunk that continues its request (a vector: the interpreter masks with arrays)
     keep = tl.load(fresh_ptr + seq + c * 0) == 0
@@ -156,7 +164,7 @@ def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, cu_ptr, states_ptr, rows_ptr
 def causal_conv1d_chunks_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
                                 rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
     """A program per (chunk, 128 channels), looping over the chunk's tokens: no host read, and the
-    grid fixed by the chunk count (a padding chunk's program only writes zeros to its row's state)."""
+    grid fixed by the chunk count (a padding chunk's programs return at once)."""
     assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == out.stride(-1) == 1
     channels, width = weight.shape
     block_c = min(next_power_of_2(channels), 128)

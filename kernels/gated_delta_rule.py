@@ -83,12 +83,14 @@ def gated_delta_rule_chunks_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device), starts from states[rows[i]] ([S, Hv, dk,
     dv] fp32), or from zeros where fresh[i] (a request's first chunk), and leaves its final state
     there. Writes out's ([T, Hv, dv]) rows of the chunks only: the rows before them (decodes) keep
-    what they hold. Empty chunks (a padded step's) leave zeros in their row."""
+    what they hold. Empty chunks (a padded step's padding) read and write no state."""
     bounds = cu_seqlens.tolist()
     lo, hi = bounds[0], bounds[-1]
     initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
-    out[lo:hi], states[rows] = gated_delta_rule_varlen_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
-                                                           [b - lo for b in bounds], initial)
+    out[lo:hi], final = gated_delta_rule_varlen_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                                    [b - lo for b in bounds], initial)
+    filled = cu_seqlens[1:] > cu_seqlens[:-1]
+    states[rows[filled]] = final[filled]
 
 
 class BlockLayout:
@@ -138,13 +140,15 @@ def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                               states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """One token each of B requests: q, k [B, Hk, dk], v [B, Hv, dv], g and beta [B, Hv]; states
-    [S, Hv, dk, dv] fp32, rows [B] each request's state, updated in place. Returns o [B, Hv, dv]."""
+    [S, Hv, dk, dv] fp32, rows [B] each request's state, updated in place. Returns o [B, Hv, dv].
+    A row of -1 (a padded step's padding) reads and writes no state; its output is zeros."""
     q, k = _prepare(q, k, v.shape[1])
-    s = states[rows] * g.float().exp()[..., None, None]
+    live = rows >= 0
+    s = states[rows.clamp(min=0)] * g.float().exp()[..., None, None]
     delta = (v.float() - (s * k[..., None]).sum(-2)) * beta.float()[..., None]
     s = s + k[..., None] * delta[..., None, :]
-    states[rows] = s
-    return (s * q[..., None]).sum(-2).to(v.dtype)
+    states[rows[live]] = s[live]
+    return torch.where(live[:, None, None], (s * q[..., None]).sum(-2), 0).to(v.dtype)
 
 
 @fast_launch
@@ -169,6 +173,8 @@ def _gated_delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_p
     decay = tl.exp(tl.load(g_ptr + b * g_stride + head).to(tl.float32))
     beta = tl.load(beta_ptr + b * beta_stride + head).to(tl.float32)
     row = tl.load(rows_ptr + b).to(tl.int64)
+    if row < 0:  # padding: no state, and the output's zeros stay
+        return
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
     s = tl.load(s_ptrs, mask=mask, other=0.0) * decay
@@ -185,7 +191,7 @@ def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     batch, num_heads, dv = v.shape
     dk = q.shape[-1]
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # a padding row's (row -1) output
     if batch == 0:
         return out
     block_v = min(next_power_of_2(dv), 32)  # a program's state tile [dk, 32] stays in registers
@@ -280,6 +286,10 @@ def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, stat
     block: new values U = T (beta v - beta e^G k S), o = (q e^G) S + (q k^T decay) U, and
     S = e^G_last S + (k e^(G_last - G))^T U. States [S, H, DK, DV] contiguous."""
     seq = tl.program_id(0)
+    lo = tl.load(cu_ptr + seq)
+    hi = tl.load(cu_ptr + seq + 1)
+    if hi <= lo:  # a padding chunk: no state
+        return
     head = tl.program_id(1)
     dv = tl.program_id(2) * BV + tl.arange(0, BV)
     dk = tl.arange(0, BK)
@@ -289,8 +299,6 @@ def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, stat
     first_block = tl.load(cu_ptr) * 0
     for s in range(seq):  # this sequence's first block among all of the step's (the inverses' index)
         first_block += (tl.load(cu_ptr + s + 1) - tl.load(cu_ptr + s) + BT - 1) // BT
-    lo = tl.load(cu_ptr + seq)
-    hi = tl.load(cu_ptr + seq + 1)
     row = tl.load(rows_ptr + seq).to(tl.int64)
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     s_mask = dk_mask[:, None] & dv_mask[None, :]

@@ -7,7 +7,8 @@ beside chunks (a padded mixed step's decode rows then run over chunk tokens and 
 chunks in a step (padding chunks beside them), and decode batches that their bucket pads. Every
 state slot starts random, so a fresh chunk that read its slot, or padding that wrote a request's,
 shows. After every step both runners hold the same tokens and the same states in every request's
-slot; each request's greedy tokens are transformers' `generate`.
+slot; padding reads and writes no state (the padding row's slot ends as it started); each
+request's greedy tokens are transformers' `generate`.
 """
 
 import torch
@@ -60,10 +61,13 @@ def test_padded_hybrid_steps_equal_unpadded_and_transformers(tmp_path, monkeypat
         runner = make_runner(tmp_path, tokens=256, max_req_total_len=96, running_max_req_size=6, cuda_graph=graphs,
                              cuda_graph_max_tokens=96)
         gen = torch.Generator().manual_seed(7)
-        for state in runner.state_pool.conv + runner.state_pool.recurrent:
+        slots = runner.state_pool.conv + runner.state_pool.recurrent
+        for state in slots:
             state.copy_(torch.randn(state.shape, generator=gen))
+        padding = [s[runner.req_table.max_reqs].clone() for s in slots]  # the padding row's slot
         runs[graphs] = run(runner, plans)
         assert runner.stats()["tokens_used"] == 0
+        assert all(torch.equal(s[runner.req_table.max_reqs], p) for s, p in zip(slots, padding)), "padding: no state"
     # mixed steps of 49, 42 and 29 tokens in buckets of 64 and 32; decode batches of 3 and 4 in bucket 4
     assert replays == [("run_mixed", 64), ("run_mixed", 64), ("run_mixed", 32)] + [("run", 4)] * DECODE_STEPS
     (plain_tokens, plain_states), (padded_tokens, padded_states) = runs[False], runs[True]

@@ -121,12 +121,13 @@ def test_gated_delta_rule_step_triton_equals_reference(dtype, k_heads, v_heads, 
     q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, 3, k_heads, v_heads, dk, dv))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     states = torch.randn(5, v_heads, dk, dv, generator=gen).to(DEVICE) * 0.3
-    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    rows = torch.tensor([4, -1, 2], device=DEVICE)  # -1: a padded step's padding
     expected_states = states.clone()
     expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
     got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows)
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
-    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])  # rows 1 and 3 untouched too
+    assert (got[1] == 0).all() and torch.equal(expected_states[[0, 1, 3]], states[[0, 1, 3]])  # padding: no state
+    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -138,12 +139,14 @@ def test_causal_conv1d_step_triton_equals_reference(dtype, channels):
     x = torch.randn(3, channels, generator=gen).to(DEVICE, dtype)
     weight = torch.randn(channels, 4, generator=gen).to(DEVICE, dtype)
     states = torch.randn(5, channels, 3, generator=gen).to(DEVICE, dtype)
-    rows = torch.tensor([1, 4, 0], device=DEVICE)
+    rows = torch.tensor([1, -1, 4], device=DEVICE)  # -1: a padded step's padding
+    before = states.clone()
     expected_states = states.clone()
     expected = causal_conv1d_step_ref(x, weight, expected_states, rows)
     got = causal_conv1d_step_triton(x, weight, states, rows)
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
     assert torch.equal(states, expected_states)  # a shift: the same values moved
+    assert (got[1] == 0).all() and torch.equal(states[[0, 2, 3]], before[[0, 2, 3]])  # padding: no state
 
 
 # ---- the chunked forms' Triton kernels against their references: a step's chunks, states in a pool ----
@@ -188,6 +191,7 @@ def test_gated_delta_rule_chunks_triton_equals_reference(lengths, decodes, dtype
     torch.testing.assert_close(outs[1], outs[0], **tol)
     torch.testing.assert_close(pools[1], pools[0], **tol)
     assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
+    assert torch.equal(pools[1][-1], pool[-1]) and torch.equal(pools[0][-1], pool[-1])  # padding chunks: no state
 
 
 @pytest.mark.parametrize("lengths,decodes", CHUNK_CASES)
@@ -211,3 +215,4 @@ def test_causal_conv1d_chunks_triton_equals_reference(lengths, decodes, dtype):
     torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[dtype])
     torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[dtype])
     assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
+    assert torch.equal(pools[1][-1], pool[-1]) and torch.equal(pools[0][-1], pool[-1])  # padding chunks: no state

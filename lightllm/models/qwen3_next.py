@@ -109,8 +109,10 @@ class Sequences:
     then the prompt chunks: their request rows, which of them start their request (and so start
     from zero states), and their bounds among all the step's tokens, all on the device (no host
     read: a padded step's forward is captured in a CUDA graph, cuda_graph.py). A padded step's
-    decode rows may cover chunk tokens (the chunks' kernels then write those rows after them) and
-    its padding chunks are empty, on the padding row, whose state slot no request holds."""
+    padding decode rows (sequence length 1: a real decode follows at least one token), among them
+    those over a mixed step's chunk tokens, are -1 here, and its padding chunks are empty: the
+    kernels read and write no state for either, and the chunks' write their tokens' rows after the
+    decodes'."""
 
     num_decodes: int
     decode_rows: torch.Tensor | None
@@ -121,7 +123,7 @@ class Sequences:
     @classmethod
     def of(cls, batch: ForwardBatch) -> Sequences:
         n = batch.num_decodes
-        rows = None if not n else batch.decode_rows.long()
+        rows = None if not n else torch.where(batch.decode_seq_lens > 1, batch.decode_rows, -1).long()
         if not batch.has_chunks:
             return cls(n, rows)
         cu = batch.ext_cu_q
