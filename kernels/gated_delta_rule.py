@@ -237,7 +237,7 @@ def _unit_keys(k_ptr, t, t_mask, k_stride, head_offset, dk, dk_mask):
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one kernel for every step's chunk count
 def _delta_rule_inverse_kernel(k_ptr, g_ptr, beta_ptr, cu_ptr, inverse_ptr, num_seqs, k_stride, k_head_stride,
                                g_stride, beta_stride, num_heads, group, DK: tl.constexpr, BT: tl.constexpr,
                                BK: tl.constexpr, DOT_UPCAST: tl.constexpr):
