@@ -208,6 +208,9 @@ def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 # The Triton kernels' block (tokens): a constant of its own, so that the interpreter's tests can cut
 # blocks of 16 and cross many block boundaries on tiny sequences.
 TRITON_CHUNK = CHUNK
+# The chunks kernel's value dimensions a program (its state tile [k_dim, BLOCK_V]) and warps: chosen
+# by register count, not yet timed on a GPU (test/benchmark/kernels/delta_rule_bench.py sets them).
+CHUNKS_BLOCK_V, CHUNKS_WARPS = 32, 8
 
 
 @triton.jit
@@ -345,9 +348,9 @@ def gated_delta_rule_chunks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     _delta_rule_inverse_kernel[(max_blocks, num_heads)](
         k, g, beta, cu_seqlens, inverse, num_seqs, k.stride(0), k.stride(1), g.stride(0), beta.stride(0), num_heads,
         group, DK=dk, BT=bt, BK=block_k, DOT_UPCAST=upcast)
-    block_v = max(16, min(next_power_of_2(dv), 32))
+    block_v = max(16, min(next_power_of_2(dv), CHUNKS_BLOCK_V))
     _delta_rule_chunks_kernel[(num_seqs, num_heads, cdiv(dv, block_v))](
         q, k, v, g, beta, cu_seqlens, states, rows, fresh.view(torch.uint8), inverse, out, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
         out.stride(1), num_heads, group, dk ** -0.5, DK=dk, DV=dv, BT=bt, BK=block_k, BV=block_v, DOT_UPCAST=upcast,
-        num_warps=8)
+        num_warps=CHUNKS_WARPS)

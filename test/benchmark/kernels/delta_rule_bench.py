@@ -2,17 +2,20 @@
 flash-linear-attention's `chunk_gated_delta_rule` where it imports.
 
     python test/benchmark/kernels/delta_rule_bench.py [--shape qwen3.5-27b] [--tp 1] [--iters 10]
+        [--block-v 32] [--warps 8]
 
 One linear layer's step of prompt chunks (bf16 q/k/v, fp32 log decays, states in a pool of fp32
 slots), for each case of CASES: the gated delta rule through kernels/gated_delta_rule.py's
 `gated_delta_rule_chunks_triton` (two launches: every block's WY transform, then each chunk's state
 through its blocks), its reference `gated_delta_rule_chunks_ref` (the CPU path, batched torch), and
-fla's kernel with `cu_seqlens` (q and k repeated to the value heads beforehand, outside the timing:
-vLLM and SGLang repeat them too; the states gathered from and written back to the pool inside it,
-as ours does); then the causal conv1d with its state, ours and the reference. Times are the mean
-of --iters calls after a warm-up, between CUDA events (fla reads its chunk bounds to the host, so
-none of the three is timed in a CUDA graph); errors are |x - reference| / |reference| over the
-whole output. Prints one markdown table. CUDA only.
+fla's kernel (package fla-core) with `cu_seqlens` (its bounds on the host too, made once, so that
+it builds its chunk index once; its grouped value heads take the key heads as they are; the states
+gathered from and written back to the pool around it, which ours reads and writes in place); then
+the causal conv1d with its state, ours and the reference. Times are the mean of --iters calls
+after a warm-up, between CUDA events (eager: the reference reads its bounds to the host); errors
+are |x - reference| / |reference| over the whole output. Prints one markdown table. --block-v and
+--warps set our chunks kernel's value dimensions a program and its warps
+(gated_delta_rule.CHUNKS_BLOCK_V, CHUNKS_WARPS). CUDA only.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: `import lightllm`
+from lightllm.kernels import gated_delta_rule  # noqa: E402
 from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_ref, causal_conv1d_chunks_triton  # noqa: E402
 from lightllm.kernels.gated_delta_rule import (gated_delta_rule_chunks_ref,  # noqa: E402
                                                gated_delta_rule_chunks_triton)
@@ -137,7 +141,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-27b")
     parser.add_argument("--tp", type=int, default=1, help="the heads one rank of this tensor-parallel size holds")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--block-v", type=int, default=gated_delta_rule.CHUNKS_BLOCK_V)
+    parser.add_argument("--warps", type=int, default=gated_delta_rule.CHUNKS_WARPS)
     args = parser.parse_args()
+    gated_delta_rule.CHUNKS_BLOCK_V, gated_delta_rule.CHUNKS_WARPS = args.block_v, args.warps
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         sys.exit("delta_rule_bench.py times CUDA kernels: no GPU here")
@@ -146,7 +153,8 @@ def main() -> None:
     fla = fla_kernel()
     rows = [case_row(name, lengths, continued, shape, args.iters, fla) for name, lengths, continued in CASES]
     print(f"{args.shape}, tp {args.tp} (one rank: {shape[0]} key heads, {shape[1]} value heads), "
-          f"{torch.cuda.get_device_name()}, bf16 inputs, fp32 states; ms per call, one layer")
+          f"{torch.cuda.get_device_name()}, bf16 inputs, fp32 states; ms per call, one layer; ours: value "
+          f"block {args.block_v}, {args.warps} warps")
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + " --- |" * len(COLUMNS))
     for row in rows:
