@@ -11,9 +11,10 @@ output reads it with the scaled, L2-normalised query: o = S^T q. Three forms wit
 - `gated_delta_rule_chunks_ref` / `_triton`: the prefill and extend path, the same over all of a
   step's tokens with the chunk bounds on the device and the states in a pool by request row,
   updated in place (no host read: a padded step's forward is captured in a CUDA graph). The
-  Triton form is two launches: each block's WY transform (I + A)^-1, every block of the step at
-  once, then a program per (chunk, value head, 32 value dimensions) carrying its state tile
-  [k_dim, 32] in fp32 through the chunk's blocks (its dots in the inputs' dtype).
+  Triton form is two launches: each block's WY transform (I + A)^-1 and causal scores in fp32,
+  every block of the step at once, then a program per (chunk, value head, 32 value dimensions)
+  carrying its state tile [k_dim, 32] in fp32 through the chunk's blocks (its dots in the inputs'
+  dtype).
 - `gated_delta_rule_step_ref` / `_triton`: one token for each of B requests, their states updated
   in place in a pool by row; the decode path.
 
@@ -241,12 +242,13 @@ def _unit_keys(k_ptr, t, t_mask, k_stride, head_offset, dk, dk_mask):
 
 @fast_launch
 @triton.jit(do_not_specialize=["num_seqs"])  # one kernel for every step's chunk count
-def _delta_rule_inverse_kernel(k_ptr, g_ptr, beta_ptr, cu_ptr, inverse_ptr, num_seqs, k_stride, k_head_stride,
-                               g_stride, beta_stride, num_heads, group, DK: tl.constexpr, BT: tl.constexpr,
-                               BK: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One (block, value head): T = (I + A)^-1 for A[i, j] = beta_i k_i.k_j exp(G_i - G_j), i > j (G the
-    block's cumulative log decay), by forward substitution row by row; T is the block's WY
-    transform (`gated_delta_rule_varlen_ref`'s triangular solves). inverse [blocks, H, BT, BT] fp32."""
+def _delta_rule_blocks_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, blocks_ptr, num_seqs, q_stride, q_head_stride,
+                              k_stride, k_head_stride, g_stride, beta_stride, num_heads, group, scale,
+                              DK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One (block, value head), in fp32: T = (I + A)^-1 for A[i, j] = beta_i k_i.k_j exp(G_i - G_j),
+    i > j (G the block's cumulative log decay), by forward substitution row by row (T is the
+    block's WY transform: `gated_delta_rule_varlen_ref`'s triangular solves), and the causal scores
+    q_i.k_j exp(G_i - G_j), i >= j. blocks [2, blocks, H, BT, BT]: the transforms, then the scores."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     lo, hi = _block_bounds(cu_ptr, num_seqs, block, BT)
@@ -256,19 +258,22 @@ def _delta_rule_inverse_kernel(k_ptr, g_ptr, beta_ptr, cu_ptr, inverse_ptr, num_
     t = lo + i
     t_mask = t < hi
     dk = tl.arange(0, BK)
-    k = _unit_keys(k_ptr, t, t_mask, k_stride, (head // group) * k_head_stride, dk, dk < DK)
+    key_head = head // group
+    k = _unit_keys(k_ptr, t, t_mask, k_stride, key_head * k_head_stride, dk, dk < DK)
+    q = _unit_keys(q_ptr, t, t_mask, q_stride, key_head * q_head_stride, dk, dk < DK) * scale
     beta = tl.load(beta_ptr + t * beta_stride + head, mask=t_mask, other=0.0).to(tl.float32)
     gc = tl.cumsum(tl.load(g_ptr + t * g_stride + head, mask=t_mask, other=0.0).to(tl.float32), axis=0)
-    below = i[:, None] > i[None, :]
-    decay = tl.exp(tl.where(below, gc[:, None] - gc[None, :], float("-inf")))
-    a = dot(k * beta[:, None], tl.trans(k), DOT_UPCAST) * decay
+    decay = tl.exp(tl.where(i[:, None] >= i[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    a = tl.where(i[:, None] > i[None, :], dot(k * beta[:, None], tl.trans(k), DOT_UPCAST) * decay, 0.0)
     inverse = (i[:, None] == i[None, :]).to(tl.float32)
     for r in range(1, BT):  # row r = e_r - sum_{j<r} A[r, j] T[j, :]; rows above r are final
         a_r = tl.sum(tl.where(i[:, None] == r, a, 0.0), axis=0)
         row = tl.where(i == r, 1.0, -tl.sum(a_r[:, None] * inverse, axis=0))
         inverse = tl.where(i[:, None] == r, row[None, :], inverse)
-    base = inverse_ptr + (block.to(tl.int64) * num_heads + head) * BT * BT
-    tl.store(base + i[:, None] * BT + i[None, :], inverse)
+    tile = (block.to(tl.int64) * num_heads + head) * BT * BT + i[:, None] * BT + i[None, :]
+    tl.store(blocks_ptr + tile, inverse)
+    scores_ptr = blocks_ptr + tl.num_programs(0).to(tl.int64) * num_heads * BT * BT
+    tl.store(scores_ptr + tile, dot(q, tl.trans(k), DOT_UPCAST) * decay)
 
 
 @triton.jit
@@ -278,16 +283,17 @@ def _mm(a, b, DT: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # (the step's tokens and chunks bound it)
 def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, states_ptr, rows_ptr, fresh_ptr,
-                              inverse_ptr, o_ptr, q_stride, q_head_stride, k_stride, k_head_stride, v_stride,
+                              blocks_ptr, num_blocks, o_ptr, q_stride, q_head_stride, k_stride, k_head_stride, v_stride,
                               v_head_stride, g_stride, beta_stride, o_stride, o_head_stride, num_heads, group, scale,
                               DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """One (sequence, value head, block of BV value dimensions): its state's columns [DK, BV] from
     the pool (or zeros), carried block by block over the sequence, then back to the pool. Per
     block: new values U = T (beta v - beta e^G k S), o = (q e^G) S + (q k^T decay) U, and
-    S = e^G_last S + (k e^(G_last - G))^T U. States [S, H, DK, DV] contiguous."""
+    S = e^G_last S + (k e^(G_last - G))^T U, T and the scores from _delta_rule_blocks_kernel.
+    States [S, H, DK, DV] contiguous."""
     seq = tl.program_id(0)
     lo = tl.load(cu_ptr + seq)
     hi = tl.load(cu_ptr + seq + 1)
@@ -308,7 +314,6 @@ def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, stat
     keep = tl.load(fresh_ptr + seq + dk * 0) == 0  # (as a vector: the interpreter masks with arrays only)
     state = tl.load(s_ptrs, mask=s_mask & keep[:, None], other=0.0)
     key_head = head // group
-    causal = i[:, None] >= i[None, :]
     for b in range((hi - lo + BT - 1) // BT):
         t = lo + b * BT + i
         t_mask = t < hi
@@ -319,12 +324,11 @@ def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, stat
         beta = tl.load(beta_ptr + t * beta_stride + head, mask=t_mask, other=0.0).to(tl.float32)
         gc = tl.cumsum(tl.load(g_ptr + t * g_stride + head, mask=t_mask, other=0.0).to(tl.float32), axis=0)
         g_last = tl.max(tl.where(i == BT - 1, gc, float("-inf")), axis=0)  # padding tokens add 0
-        inverse = tl.load(inverse_ptr + ((first_block + b).to(tl.int64) * num_heads + head) * BT * BT
-                          + i[:, None] * BT + i[None, :])
+        tile = blocks_ptr + ((first_block + b).to(tl.int64) * num_heads + head) * BT * BT + i[:, None] * BT + i[None, :]
+        inverse = tl.load(tile)
+        scores = tl.load(tile + num_blocks.to(tl.int64) * num_heads * BT * BT)
         corrected = v * beta[:, None] - _mm(k * (beta * tl.exp(gc))[:, None], state, DT, DOT_UPCAST)
         new = _mm(inverse, corrected, DT, DOT_UPCAST)  # [BT, BV]
-        scores = _mm(q, tl.trans(k), DT, DOT_UPCAST) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :],
-                                                                       float("-inf")))
         out = _mm(q * tl.exp(gc)[:, None], state, DT, DOT_UPCAST) + _mm(scores, new, DT, DOT_UPCAST)
         tl.store(o_ptr + t[:, None] * o_stride + head * o_head_stride + dv[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=t_mask[:, None] & dv_mask[None, :])
@@ -343,14 +347,14 @@ def gated_delta_rule_chunks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     tokens, num_heads, dv = v.shape
     dk, num_seqs, bt = q.shape[-1], rows.shape[0], TRITON_CHUNK
     max_blocks = cdiv(tokens, bt) + num_seqs  # each chunk adds at most one partial block
-    inverse = torch.empty(max_blocks, num_heads, bt, bt, dtype=torch.float32, device=v.device)
-    group, block_k, upcast = num_heads // q.shape[1], max(16, next_power_of_2(dk)), not v.is_cuda
-    _delta_rule_inverse_kernel[(max_blocks, num_heads)](
-        k, g, beta, cu_seqlens, inverse, num_seqs, k.stride(0), k.stride(1), g.stride(0), beta.stride(0), num_heads,
-        group, DK=dk, BT=bt, BK=block_k, DOT_UPCAST=upcast)
+    blocks = torch.empty(2, max_blocks, num_heads, bt, bt, dtype=torch.float32, device=v.device)
+    group, block_k, upcast, scale = num_heads // q.shape[1], max(16, next_power_of_2(dk)), not v.is_cuda, dk ** -0.5
+    _delta_rule_blocks_kernel[(max_blocks, num_heads)](
+        q, k, g, beta, cu_seqlens, blocks, num_seqs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0),
+        beta.stride(0), num_heads, group, scale, DK=dk, BT=bt, BK=block_k, DOT_UPCAST=upcast)
     block_v = max(16, min(next_power_of_2(dv), CHUNKS_BLOCK_V))
     _delta_rule_chunks_kernel[(num_seqs, num_heads, cdiv(dv, block_v))](
-        q, k, v, g, beta, cu_seqlens, states, rows, fresh.view(torch.uint8), inverse, out, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
-        out.stride(1), num_heads, group, dk ** -0.5, DK=dk, DV=dv, BT=bt, BK=block_k, BV=block_v, DOT_UPCAST=upcast,
+        q, k, v, g, beta, cu_seqlens, states, rows, fresh.view(torch.uint8), blocks, max_blocks, out, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
+        out.stride(1), num_heads, group, scale, DK=dk, DV=dv, BT=bt, BK=block_k, BV=block_v, DOT_UPCAST=upcast,
         num_warps=CHUNKS_WARPS)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # 27B, one rank: 16 key heads and 48 value heads of 128; the conv over [q | k | v]'s 10240 channels
 K_HEADS, V_HEADS, DIM, CHANNELS = 16, 48, 128, 10240
 RELATIVE_ERROR = {torch.float32: 1e-4, torch.bfloat16: 4e-2}  # |ours - reference| / |reference|, whole tensors
-# (bf16: the dots take bf16 operands, as flash-linear-attention's do; 1.5% on the CPU's interpreter)
+# (bf16: the state's dots take bf16 operands, as flash-linear-attention's do; 1.2% in the CPU's interpreter)
 
 
 def assert_near(results, dtype):
