@@ -306,7 +306,7 @@ def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, stat
     dk_mask, dv_mask = dk < DK, dv < DV
     DT = v_ptr.dtype.element_ty
     first_block = tl.load(cu_ptr) * 0
-    for s in range(seq):  # this sequence's first block among all of the step's (the inverses' index)
+    for s in range(seq):  # this sequence's first block among all of the step's (its tiles' index)
         first_block += (tl.load(cu_ptr + s + 1) - tl.load(cu_ptr + s) + BT - 1) // BT
     row = tl.load(rows_ptr + seq).to(tl.int64)
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
@@ -339,8 +339,8 @@ def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, stat
 def gated_delta_rule_chunks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                    beta: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
                                    rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
-    """Two launches, no host read: each block's WY transform (all blocks at once, a grid bounded by
-    the tokens and chunks), then every chunk's state carried through its blocks."""
+    """Two launches, no host read: each block's WY transform and scores (all blocks at once, a grid
+    bounded by the tokens and chunks), then every chunk's state carried through its blocks."""
     assert states.is_contiguous() and states.dtype == torch.float32
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
     assert g.stride(-1) == beta.stride(-1) == 1
