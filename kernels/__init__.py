@@ -18,12 +18,14 @@ from .greedy_sample import greedy_sample_ref, greedy_sample_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary_kv import rotary_kv_ref, rotary_kv_triton
-# Gated DeltaNet (the hybrid models): the chunked forms' torch references serve every device until their
-# Triton kernels come
-from .causal_conv1d import causal_conv1d_step_ref, causal_conv1d_step_triton
+# Gated DeltaNet (the hybrid models): the varlen forms (host bounds, states in and out) are the math the
+# chunks' references (states in a pool, bounds on the device) run
+from .causal_conv1d import (causal_conv1d_chunks_ref, causal_conv1d_chunks_triton, causal_conv1d_step_ref,
+                            causal_conv1d_step_triton)
 from .causal_conv1d import causal_conv1d_varlen_ref as causal_conv1d_varlen
 from .gated_delta_rule import gated_delta_rule_varlen_ref as gated_delta_rule_varlen
-from .gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
+from .gated_delta_rule import (gated_delta_rule_chunks_ref, gated_delta_rule_chunks_triton, gated_delta_rule_step_ref,
+                               gated_delta_rule_step_triton)
 from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -54,12 +56,14 @@ fp8_gemm = _by_device(fp8_gemm_ref, fp8_gemm_triton)
 fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
 causal_conv1d_step = _by_device(causal_conv1d_step_ref, causal_conv1d_step_triton)
 gated_delta_rule_step = _by_device(gated_delta_rule_step_ref, gated_delta_rule_step_triton)
+causal_conv1d_chunks = _by_device(causal_conv1d_chunks_ref, causal_conv1d_chunks_triton)
+gated_delta_rule_chunks = _by_device(gated_delta_rule_chunks_ref, gated_delta_rule_chunks_triton)
 lora_shrink = _by_device(lora_shrink_ref, lora_shrink_triton)
 lora_expand_ = _by_device(lora_expand_ref, lora_expand_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
-    "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_step", "gated_delta_rule_varlen",
-    "gated_delta_rule_step", "lora_shrink", "lora_expand_", "lora_segments",
+    "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
+    "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "lora_shrink", "lora_expand_", "lora_segments",
 ]

@@ -5,16 +5,18 @@ continues where the last one stopped.
 - `causal_conv1d_varlen_ref`: a step's prompt chunks, packed, each after its state [C, K-1]
   (zeros at a request's start), all at once; returns the outputs and the new states.
   `causal_conv1d_ref` is the same for one sequence.
-- `causal_conv1d_step_ref`: one token for each of B requests, their states in a pool by row,
-  updated in place.
+- `causal_conv1d_chunks_ref` / `_triton`: the prefill and extend path, the same over all of a
+  step's tokens with the chunk bounds on the device and the states in a pool by request row,
+  updated in place (a program per chunk and 128 channels, looping over the chunk's tokens).
+- `causal_conv1d_step_ref` / `_triton`: one token for each of B requests, their states in a pool
+  by row, updated in place.
 
-The `_ref` functions are the CPU path and the oracle; the decode step has a Triton kernel
-(`causal_conv1d_step_triton`).
+The `_ref` functions are the CPU path and the oracle.
 """
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, next_power_of_2, tl, triton
+from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
 
 
 def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
@@ -39,6 +41,21 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: 
     return out, line[state_rows].transpose(1, 2).contiguous()
 
 
+def causal_conv1d_chunks_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
+                             rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
+    """A step's prompt chunks with their states in a pool: x [T, C] all of the step's tokens, chunk
+    i is tokens [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device) after states[rows[i]] ([S, C,
+    K-1]), or after zeros where fresh[i], and leaves its last K - 1 inputs there. Writes out's rows
+    of the chunks only (the decodes' rows before them keep theirs). Empty chunks (a padded step's
+    padding) read and write no state."""
+    bounds = cu_seqlens.tolist()
+    lo, hi = bounds[0], bounds[-1]
+    initial = torch.where(fresh.view(-1, 1, 1), 0, states[rows])
+    out[lo:hi], new = causal_conv1d_varlen_ref(x[lo:hi], weight, [b - lo for b in bounds], initial)
+    filled = cu_seqlens[1:] > cu_seqlens[:-1]
+    states[rows[filled]] = new[filled].to(states.dtype)
+
+
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: x [T, C], weight [C, K], state [C, K-1] or None (zeros). Returns (silu(conv)
@@ -51,12 +68,15 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
 
 def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
                            rows: torch.Tensor) -> torch.Tensor:
-    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C]."""
-    seq = torch.cat([states[rows].to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
-    states[rows] = seq[..., 1:].to(states.dtype)
-    return F.silu((seq.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
+    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C].
+    A row of -1 (a padded step's padding) reads and writes no state; its output is zeros."""
+    live = rows >= 0
+    seq = torch.cat([states[rows.clamp(min=0)].to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
+    states[rows[live]] = seq[live, :, 1:].to(states.dtype)
+    return torch.where(live[:, None], F.silu((seq.to(weight.dtype) * weight).sum(-1)), 0).to(x.dtype)
 
 
+@fast_launch
 @triton.jit
 def _causal_conv1d_step_kernel(x_ptr, weight_ptr, states_ptr, rows_ptr, out_ptr, channels, x_stride, out_stride,
                                WIDTH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -67,6 +87,8 @@ def _causal_conv1d_step_kernel(x_ptr, weight_ptr, states_ptr, rows_ptr, out_ptr,
     j = tl.arange(0, BLOCK_W)[None, :]
     c_mask = (c < channels)[:, None]
     row = tl.load(rows_ptr + b).to(tl.int64)
+    if row < 0:  # padding: no state, and the output's zeros stay
+        return
     state = states_ptr + row * channels * (WIDTH - 1) + c[:, None] * (WIDTH - 1)
     x = tl.load(x_ptr + b * x_stride + c, mask=c < channels, other=0.0)[:, None]
     window = tl.load(state + j, mask=c_mask & (j < WIDTH - 1), other=0.0)
@@ -85,7 +107,7 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: tor
     assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1
     batch, channels = x.shape
     width = weight.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # a padding row's (row -1) output
     if batch == 0:
         return out
     block_c = min(next_power_of_2(channels), 256)
@@ -93,3 +115,59 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: tor
         x, weight, states, rows, out, channels, x.stride(0), out.stride(0), WIDTH=width, BLOCK_C=block_c,
         BLOCK_W=next_power_of_2(width))
     return out
+
+
+@fast_launch
+@triton.jit
+def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, cu_ptr, states_ptr, rows_ptr, fresh_ptr, out_ptr, channels,
+                                 x_stride, out_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_C: tl.constexpr):
+    """One (chunk, block of channels): its tokens in blocks of BLOCK_T, each input before the chunk's
+    start read from its state (zeros when fresh), then its last WIDTH - 1 inputs as the new state.
+    States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
+    seq = tl.program_id(0)
+    lo = tl.load(cu_ptr + seq)
+    hi = tl.load(cu_ptr + seq + 1)
+    if hi <= lo:  # a padding chunk: no state
+        return
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < channels
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    # the state is read only for a chunk that continues its request (a vector: the interpreter masks with arrays)
+    keep = tl.load(fresh_ptr + seq + c * 0) == 0
+    state = states_ptr + row * channels * (WIDTH - 1) + c * (WIDTH - 1)
+    for start in range(lo, hi, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        mask = (t < hi)[:, None] & c_mask[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            src = t - (WIDTH - 1) + j  # the input this weight meets: the chunk's, or its state's (src < lo)
+            from_x = (src >= lo)[:, None]
+            xs = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + c[None, :], mask=mask & from_x, other=0.0)
+            held = tl.load(state[None, :] + (src - lo + WIDTH - 1)[:, None], mask=mask & ~from_x & keep[None, :],
+                           other=0.0)
+            w = tl.load(weight_ptr + c * WIDTH + j, mask=c_mask, other=0.0).to(tl.float32)
+            acc += (xs.to(tl.float32) + held.to(tl.float32)) * w[None, :]
+        out = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + t[:, None].to(tl.int64) * out_stride + c[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    tl.debug_barrier()  # every read of the old state above comes before the new state's stores
+    for j in tl.static_range(WIDTH - 1):
+        # new state j is input hi - (WIDTH - 1) + j: the chunk's, or (a chunk shorter than the state)
+        # the old state's entry hi - lo + j, past every entry stored before it
+        src = hi - (WIDTH - 1) + j + c * 0
+        xs = tl.load(x_ptr + src.to(tl.int64) * x_stride + c, mask=c_mask & (src >= lo), other=0.0)
+        held = tl.load(state + (src - lo + WIDTH - 1), mask=c_mask & (src < lo) & keep, other=0.0)
+        tl.store(state + j, (xs.to(tl.float32) + held.to(tl.float32)).to(states_ptr.dtype.element_ty), mask=c_mask)
+
+
+def causal_conv1d_chunks_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
+                                rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
+    """A program per (chunk, 128 channels), looping over the chunk's tokens: no host read, and the
+    grid fixed by the chunk count (a padding chunk's programs return at once)."""
+    assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == out.stride(-1) == 1
+    channels, width = weight.shape
+    block_c = min(next_power_of_2(channels), 128)
+    _causal_conv1d_chunks_kernel[(rows.shape[0], cdiv(channels, block_c))](
+        x, weight, cu_seqlens, states, rows, fresh.view(torch.uint8), out, channels, x.stride(0), out.stride(0),
+        WIDTH=width, BLOCK_T=64, BLOCK_C=block_c)

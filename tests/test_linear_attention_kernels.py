@@ -121,12 +121,13 @@ def test_gated_delta_rule_step_triton_equals_reference(dtype, k_heads, v_heads, 
     q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, 3, k_heads, v_heads, dk, dv))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     states = torch.randn(5, v_heads, dk, dv, generator=gen).to(DEVICE) * 0.3
-    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    rows = torch.tensor([4, -1, 2], device=DEVICE)  # -1: a padded step's padding
     expected_states = states.clone()
     expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
     got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows)
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
-    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])  # rows 1 and 3 untouched too
+    assert (got[1] == 0).all() and torch.equal(expected_states[[0, 1, 3]], states[[0, 1, 3]])  # padding: no state
+    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -138,9 +139,80 @@ def test_causal_conv1d_step_triton_equals_reference(dtype, channels):
     x = torch.randn(3, channels, generator=gen).to(DEVICE, dtype)
     weight = torch.randn(channels, 4, generator=gen).to(DEVICE, dtype)
     states = torch.randn(5, channels, 3, generator=gen).to(DEVICE, dtype)
-    rows = torch.tensor([1, 4, 0], device=DEVICE)
+    rows = torch.tensor([1, -1, 4], device=DEVICE)  # -1: a padded step's padding
+    before = states.clone()
     expected_states = states.clone()
     expected = causal_conv1d_step_ref(x, weight, expected_states, rows)
     got = causal_conv1d_step_triton(x, weight, states, rows)
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
     assert torch.equal(states, expected_states)  # a shift: the same values moved
+    assert (got[1] == 0).all() and torch.equal(states[[0, 2, 3]], before[[0, 2, 3]])  # padding: no state
+
+
+# ---- the chunked forms' Triton kernels against their references: a step's chunks, states in a pool ----
+
+def step_chunks(gen, lengths, decodes, pool_rows):
+    """Absolute bounds of chunks of `lengths` after `decodes` decode tokens, each on its own pool row
+    (the last empty ones on one padding row, as a padded step has them), and which start fresh."""
+    cu = [decodes]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    real = sum(1 for n in lengths if n)
+    rows = torch.randperm(pool_rows - 1, generator=gen)[:real].tolist() + [pool_rows - 1] * (len(lengths) - real)
+    fresh = [bool(torch.rand((), generator=gen) < 0.3) or not n for n in lengths]
+    return (torch.tensor(cu, dtype=torch.int32, device=DEVICE), torch.tensor(rows, device=DEVICE),
+            torch.tensor(fresh, device=DEVICE), cu[-1])
+
+
+# chunk lengths: one token, shorter than the conv state, across one or more 16-token blocks, padding chunks (empty)
+CHUNK_CASES = [((1, 2, 16, 37, 0, 0), 3), ((17, 5, 1), 0), ((50,), 2)]
+
+
+@pytest.mark.parametrize("lengths,decodes", CHUNK_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_rule_chunks_triton_equals_reference(lengths, decodes, dtype, monkeypatch):
+    from lightllm.kernels import gated_delta_rule as gdr
+
+    monkeypatch.setattr(gdr, "TRITON_CHUNK", 16)  # blocks of 16: boundaries inside tiny chunks
+    gen = torch.Generator().manual_seed(sum(lengths) + decodes)
+    cu, rows, fresh, tokens = step_chunks(gen, lengths, decodes, pool_rows=8)
+    k_heads, v_heads, dk, dv = 1, 2, 16, 24  # dv 24: a value block of 16 and a partial one
+    q, k, v, g, beta = (t.to(DEVICE) for t in delta_inputs(gen, tokens + 2, k_heads, v_heads, dk, dv))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    pool = (torch.randn(8, v_heads, dk, dv, generator=gen) * 0.3).to(DEVICE)
+    outs, pools = [], []
+    for impl in (gdr.gated_delta_rule_chunks_ref, gdr.gated_delta_rule_chunks_triton):
+        out = torch.full_like(v, 7.0)  # the decode rows before the chunks, and the tokens after, keep theirs
+        states = pool.clone()
+        impl(q, k, v, g, beta, cu, states, rows, fresh, out)
+        outs.append(out)
+        pools.append(states)
+    tol = STEP_TOL[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(pools[1], pools[0], **tol)
+    assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
+    assert torch.equal(pools[1][-1], pool[-1]) and torch.equal(pools[0][-1], pool[-1])  # padding chunks: no state
+
+
+@pytest.mark.parametrize("lengths,decodes", CHUNK_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_chunks_triton_equals_reference(lengths, decodes, dtype):
+    from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_ref, causal_conv1d_chunks_triton
+
+    gen = torch.Generator().manual_seed(sum(lengths) + decodes)
+    cu, rows, fresh, tokens = step_chunks(gen, lengths, decodes, pool_rows=8)
+    channels = 40  # a block of 32 channels and a partial one (128 on a GPU)
+    x = torch.randn(tokens + 2, channels, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(channels, 4, generator=gen).to(DEVICE, dtype)
+    pool = torch.randn(8, channels, 3, generator=gen).to(DEVICE, dtype)
+    outs, pools = [], []
+    for impl in (causal_conv1d_chunks_ref, causal_conv1d_chunks_triton):
+        out = torch.full_like(x, 7.0)
+        states = pool.clone()
+        impl(x, weight, cu, states, rows, fresh, out)
+        outs.append(out)
+        pools.append(states)
+    torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[dtype])
+    torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[dtype])
+    assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
+    assert torch.equal(pools[1][-1], pool[-1]) and torch.equal(pools[0][-1], pool[-1])  # padding chunks: no state

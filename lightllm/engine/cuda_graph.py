@@ -24,6 +24,11 @@ padding tokens past them get no attention output at all: their rows of the step'
 are whatever the memory held, which no real row reads (each row is its own through the GEMMs,
 norms and all-reduces) and whose logits are dropped. Padding chunks are empty (kv_len 0) and
 extend attention's block table has padding slots that leave at once, so its grid is fixed too.
+A hybrid model's linear layers (models/qwen3_next.py) keep a state slot per request row, read
+and written only for real rows: a padding decode row (sequence length 1; in a mixed step also
+those over chunk tokens) and a padding chunk (empty) touch no state at all, so padding costs a
+mixed step nothing there, and the chunks' kernels (bounds read on the device) write the chunk
+tokens' rows after the decode step's.
 
 A captured forward reads its step from one static metadata buffer, derives the new tokens' KV
 slots from the request table inside the graph, and writes one static logits buffer. Decode

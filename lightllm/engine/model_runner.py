@@ -121,10 +121,6 @@ class ModelRunner:
         self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
         # ... and the prefix cache's snapshots of them, slots named by the radix tree (also counted)
         self.snapshot_pool = self._new_snapshot_pool(config)
-        if cfg.linear_attn and cuda_graph:
-            logger.info("CUDA graphs off for this model: its steps with prompt chunks read their bounds to the host, "
-                        "and a padded mixed step's decode rows would run over chunk tokens")
-            cuda_graph = capture = False
         self.graphs = None
         self.reqs: dict[int, RunningReq] = {}
         self.nodes: dict[int, torch.Tensor] = {}  # prefix-cache node id -> its slots (int32, on the device)

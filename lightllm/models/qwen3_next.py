@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lightllm.common.state_pool import StatePool
 from lightllm.common.token_table import TokenTable
-from lightllm.kernels import (causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_step, gated_delta_rule_varlen,
+from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_step, gated_delta_rule_chunks, gated_delta_rule_step,
                               rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
@@ -106,30 +106,29 @@ class GatedAttention(Attention):
 @dataclass
 class Sequences:
     """The step's requests as the linear layers take them: the decode rows (one token each, first),
-    then the prompt chunks, packed: their request rows, which of them start their request (and so
-    start from zero states), and their bounds among the chunk tokens (on the host)."""
+    then the prompt chunks: their request rows, which of them start their request (and so start
+    from zero states), and their bounds among all the step's tokens, all on the device (no host
+    read: a padded step's forward is captured in a CUDA graph, cuda_graph.py). A padded step's
+    padding decode rows (sequence length 1: a real decode follows at least one token), among them
+    those over a mixed step's chunk tokens, are -1 here, and its padding chunks are empty: the
+    kernels read and write no state for either, and the chunks' write their tokens' rows after the
+    decodes'."""
 
     num_decodes: int
     decode_rows: torch.Tensor | None
     chunk_rows: torch.Tensor | None = None
     chunk_starts: torch.Tensor | None = None  # [C] bool: the chunk starts its request
-    chunk_bounds: list[int] | None = None
+    chunk_bounds: torch.Tensor | None = None  # [C+1] int32
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> Sequences:
         n = batch.num_decodes
-        rows = None if not n else batch.decode_rows.long()
+        rows = None if not n else torch.where(batch.decode_seq_lens > 1, batch.decode_rows, -1).long()
         if not batch.has_chunks:
             return cls(n, rows)
         cu = batch.ext_cu_q
         starts = batch.ext_kv_lens == cu[1:] - cu[:-1]
-        bounds = (cu - cu[0]).tolist()  # the one host read of a step with chunks: the padding's length
-        return cls(n, rows, batch.ext_rows.long(), starts, bounds)
-
-    def initial(self, pool: torch.Tensor) -> torch.Tensor:
-        """The chunks' states to start from: their slots', or zeros for a request's first chunk."""
-        states = pool[self.chunk_rows]
-        return torch.where(self.chunk_starts.view(-1, *[1] * (states.dim() - 1)), 0, states)
+        return cls(n, rows, batch.ext_rows.long(), starts, cu)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,9 +184,9 @@ class GatedDeltaNet:
         n = seqs.num_decodes
         if n:
             out[:n] = causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows)
-        if seqs.chunk_bounds:
-            out[n:], conv_states[seqs.chunk_rows] = causal_conv1d_varlen(
-                mixed[n:], self.conv_weight, seqs.chunk_bounds, seqs.initial(conv_states))
+        if seqs.chunk_rows is not None:  # after the decodes, whose rows a padded step's chunks may overlap
+            causal_conv1d_chunks(mixed, self.conv_weight, seqs.chunk_bounds, conv_states, seqs.chunk_rows,
+                                 seqs.chunk_starts, out)
         return out
 
     def _delta_rule(self, q, k, v, g, beta, seqs: Sequences, states: torch.Tensor) -> torch.Tensor:
@@ -195,9 +194,9 @@ class GatedDeltaNet:
         n = seqs.num_decodes
         if n:
             out[:n] = gated_delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.decode_rows)
-        if seqs.chunk_bounds:
-            out[n:], states[seqs.chunk_rows] = gated_delta_rule_varlen(
-                q[n:], k[n:], v[n:], g[n:], beta[n:], seqs.chunk_bounds, seqs.initial(states))
+        if seqs.chunk_rows is not None:
+            gated_delta_rule_chunks(q, k, v, g, beta, seqs.chunk_bounds, states, seqs.chunk_rows, seqs.chunk_starts,
+                                    out)
         return out
 
 

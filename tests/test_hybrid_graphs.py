@@ -1,0 +1,79 @@
+"""A hybrid model's steps padded to the CUDA graphs' buckets (the graph path run eagerly on the
+CPU), against the same steps unpadded and against transformers: a tiny Qwen3.5 (3 Gated DeltaNet
+layers, 1 full attention; fp32).
+
+The schedule cuts one prompt across the delta rule's 64-token blocks and across steps, puts decodes
+beside chunks (a padded mixed step's decode rows then run over chunk tokens and padding), several
+chunks in a step (padding chunks beside them), and decode batches that their bucket pads. Every
+state slot starts random, so a fresh chunk that read its slot, or padding that wrote a request's,
+shows. After every step both runners hold the same tokens and the same states in every request's
+slot; padding reads and writes no state (the padding row's slot ends as it started); each
+request's greedy tokens are transformers' `generate`.
+"""
+
+import torch
+from helpers.models import hf_greedy, make_runner, random_prompts
+from test_hybrid_models import TEXT, make_hybrid
+
+from lightllm.engine.cuda_graph import StepGraphs
+from lightllm.engine.plan import Chunk, Release, StepPlan
+from lightllm.engine.request import SamplingParams
+
+GREEDY = SamplingParams()
+DECODE_STEPS = 5
+
+
+def schedule(prompts):
+    """(decodes, chunks, ops) in order; every request's first token comes from its last chunk."""
+    p0, p1, p2, p3 = prompts
+    plans = [([], [Chunk(0, p0[:40], 0, False, GREEDY), Chunk(1, p1, 0, True, GREEDY)], []),
+             ([1], [Chunk(0, p0[40:], 40, True), Chunk(2, p2[:11], 0, False, GREEDY)], []),
+             ([0, 1], [Chunk(2, p2[11:], 11, True), Chunk(3, p3, 0, True, GREEDY)], [])]
+    plans += [([3, 2, 1, 0][: 3 + i % 2], [], []) for i in range(DECODE_STEPS)]  # batches of 3 (bucket 4) and 4
+    return plans + [([], [], [Release(i) for i in range(4)])]
+
+
+def run(runner, plans):
+    """Each request's tokens, and after every step the states of the request rows in use."""
+    tokens, states = {}, []
+    for i, (decodes, chunks, ops) in enumerate(plans):
+        plan = StepPlan(100 + i, decodes, chunks, ops=ops, sync=True)
+        for result in runner.step(plan):
+            for req_id, t in zip(plan.sampled, result.tokens):
+                tokens.setdefault(req_id, []).append(t.token_id)
+        rows = sorted(r.row for r in runner.reqs.values())
+        pool = runner.state_pool
+        states.append([s[rows].clone() for s in pool.conv + pool.recurrent])
+    return tokens, states
+
+
+def test_padded_hybrid_steps_equal_unpadded_and_transformers(tmp_path, monkeypatch):
+    hf_model = make_hybrid("qwen3_5", tmp_path)
+    prompts = random_prompts(3, lengths=(70, 9, 33, 5), vocab=TEXT["vocab_size"])
+    plans = schedule(prompts)
+    replays = []
+    for method in ("run", "run_mixed"):
+        original = getattr(StepGraphs, method)
+        monkeypatch.setattr(StepGraphs, method, lambda self, meta, *a, m=method, f=original:
+                            replays.append((m, meta.shape[-1] if m == "run" else a[0].tokens)) or f(self, meta, *a))
+    runs = {}
+    for graphs in (False, True):
+        runner = make_runner(tmp_path, tokens=256, max_req_total_len=96, running_max_req_size=6, cuda_graph=graphs,
+                             cuda_graph_max_tokens=96)
+        gen = torch.Generator().manual_seed(7)
+        slots = runner.state_pool.conv + runner.state_pool.recurrent
+        for state in slots:
+            state.copy_(torch.randn(state.shape, generator=gen))
+        padding = [s[runner.req_table.max_reqs].clone() for s in slots]  # the padding row's slot
+        runs[graphs] = run(runner, plans)
+        assert runner.stats()["tokens_used"] == 0
+        assert all(torch.equal(s[runner.req_table.max_reqs], p) for s, p in zip(slots, padding)), "padding: no state"
+    # mixed steps of 49, 42 and 29 tokens in buckets of 64 and 32; decode batches of 3 and 4 in bucket 4
+    assert replays == [("run_mixed", 64), ("run_mixed", 64), ("run_mixed", 32)] + [("run", 4)] * DECODE_STEPS
+    (plain_tokens, plain_states), (padded_tokens, padded_states) = runs[False], runs[True]
+    assert padded_tokens == plain_tokens
+    for plain, padded in zip(plain_states, padded_states):
+        for a, b in zip(plain, padded):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)  # CPU GEMMs block by the padded rows
+    expected = hf_greedy(hf_model, prompts, max(len(t) for t in padded_tokens.values()))
+    assert padded_tokens == {i: expected[i][: len(t)] for i, t in padded_tokens.items()}
