@@ -12,19 +12,33 @@ ends with `<|start|>assistant` (the chat template's), so the answer starts at it
 The tags are special tokens: the chat routes keep them in the text for this parser
 (`ChatParsers.keeps_special_tokens`), which takes them out. Text that never opens a header is
 content, as a model that does not write harmony writes it.
+
+A forced call (tool_choice required or a function's name) is held to harmony's own layout by
+`HarmonyCallFormat.forced_grammar`: an optional analysis message, then the calls. Its tags are
+matched as text, which xgrammar matches both with the tags' special tokens (gpt-oss's tokenizer,
+where <|call|> is also a stop token) and with a tokenizer that spells them out.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
-from lightllm.frontend.chat.tool_calls import CallArgs, CallStart, StreamParser, Text, _held_back, new_call_id
+from lightllm.frontend.chat.tool_calls import (CallArgs, CallFormat, CallStart, StreamParser, Text, _held_back,
+                                             calls_format, new_call_id)
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 HEADER_START = ("<|start|>", "<|channel|>")
 RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+NEXT_MESSAGE = "<|start|>assistant"
+ANALYSIS = "<|channel|>analysis<|message|>"
+CALL_END = "<|call|>"
+# A forced call's reasoning takes at most this many tokens, and at most half of the answer's
+# max_new_tokens, so that the call always has room; tags that would end it early are kept out of it.
+REASONING_MAX_TOKENS = 1024
+REASONING_EXCLUDES = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|return|>"]
 
 
 class HarmonyParser(StreamParser):
@@ -98,3 +112,38 @@ class HarmonyParser(StreamParser):
             out.append(CallArgs(self.calls, text))
         else:
             out.append(Text(text, reasoning=self.kind == "reasoning"))
+
+
+def call_header(name: str) -> str:
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+
+
+class HarmonyCallFormat(CallFormat):
+    """gpt-oss's calls, written and forced in harmony. With the harmony reasoning parser the calls
+    come out of it (the channels hold them); the call parser over the content it leaves (final and
+    preamble text, no headers) passes that on as it is."""
+
+    def write(self, name: str, arguments: dict | str) -> str:
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return f"{call_header(name)}{text}{CALL_END}"
+
+    def new_parser(self, schemas: dict | None = None):
+        return HarmonyParser()
+
+    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool,
+                       max_new_tokens: int | None = None) -> str:
+        """After the prompt's `<|start|>assistant`: an analysis message or none, then the calls,
+        each its own message; the analysis as long as `max_new_tokens` leaves room for (module doc)."""
+        tags = [{"type": "tag", "begin": call_header(name), "content": arguments, "end": CALL_END}
+                for name, arguments in functions]
+        calls = calls_format(tags, NEXT_MESSAGE, parallel)
+        budget = REASONING_MAX_TOKENS if max_new_tokens is None else min(REASONING_MAX_TOKENS, max_new_tokens // 2)
+        if budget <= 0:
+            return json.dumps({"type": "structural_tag", "format": calls})
+        reasoning = {"type": "tag", "begin": ANALYSIS, "end": "<|end|>" + NEXT_MESSAGE,
+                     "content": {"type": "any_text", "max_tokens": budget, "excludes": REASONING_EXCLUDES}}
+        both = {"type": "sequence", "elements": [{"type": "optional", "content": reasoning}, calls]}
+        return json.dumps({"type": "structural_tag", "format": both})
+
+
+HARMONY_FORMAT = HarmonyCallFormat(HarmonyParser, call_header("NAME"), "", CALL_END, NEXT_MESSAGE)

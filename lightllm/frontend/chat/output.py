@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightllm.frontend.chat.harmony import HarmonyParser
+from lightllm.frontend.chat.harmony import HARMONY_FORMAT, HarmonyParser
 from lightllm.frontend.chat.reasoning import REASONING_PARSERS
 from lightllm.frontend.chat.tool_calls import CallArgs, CallFormat, CallStart, HermesParser, Llama3JsonParser, Text
 from lightllm.frontend.chat.xml_calls import XML_FORMAT
@@ -15,6 +15,7 @@ FORMATS = {
     "hermes": CallFormat(HermesParser, "<tool_call>\n", "arguments", "\n</tool_call>", "\n"),
     "llama3_json": CallFormat(Llama3JsonParser, "", "parameters", "", "; "),
     "qwen3_xml": XML_FORMAT,
+    "harmony": HARMONY_FORMAT,  # gpt-oss's, with its reasoning parser (not a --tool_call_parser choice)
 }
 
 
@@ -108,25 +109,30 @@ class ChatParsers:
 
 def chat_parsers(tool_call_parser: str | None, reasoning_parser: str | None, architecture: str | None,
                  template: str | None) -> ChatParsers:
-    """The parsers the flags name; without --tool_call_parser, the format the chat template writes,
-    else the model family's."""
-    if tool_call_parser is None:
-        template = template if isinstance(template, str) else ""
-        if "<function=" in template:
-            tool_call_parser = "qwen3_xml"
-        elif "<tool_call>" in template:
-            tool_call_parser = "hermes"
-        elif "<|python_tag|>" in template or '"parameters"' in template:
-            tool_call_parser = "llama3_json"
-        else:
-            tool_call_parser = "llama3_json" if (architecture or "").startswith("Llama") else \
-                "qwen3_xml" if (architecture or "").startswith("Qwen3_5") else "hermes"
+    """The parsers the flags name; without --tool_call_parser, harmony's calls with harmony's
+    channels, else the format the chat template writes, else the model family's."""
     if reasoning_parser is None and architecture == "GptOssForCausalLM":
         reasoning_parser = "harmony"  # gpt-oss always answers in harmony's channels
     if reasoning_parser is None and (architecture or "").startswith("Qwen3_5"):
         reasoning_parser = "qwen3"  # its template opens <think> in the prompt: no text of it is an answer
+    if tool_call_parser is None:
+        tool_call_parser = "harmony" if reasoning_parser == "harmony" else default_call_format(architecture, template)
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     return ChatParsers(FORMATS[tool_call_parser], reasoning, tool_call_parser)
+
+
+def default_call_format(architecture: str | None, template: str | None) -> str:
+    """The format the chat template writes, else the model family's."""
+    template = template if isinstance(template, str) else ""
+    if "<function=" in template:
+        return "qwen3_xml"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or '"parameters"' in template:
+        return "llama3_json"
+    architecture = architecture or ""
+    return "llama3_json" if architecture.startswith("Llama") else "qwen3_xml" if architecture.startswith("Qwen3_5") \
+        else "hermes"
 
 
 @dataclass

@@ -333,10 +333,11 @@ class CallFormat:
         """A parser of one answer; `schemas` (each function's parameters) go to formats that type by them."""
         return self.parser()
 
-    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool) -> str:
+    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool,
+                       max_new_tokens: int | None = None) -> str:
         """An xgrammar structural tag (JSON text) that admits only calls of `functions` ((name, the
         arguments' structural-tag format: forced_call_grammar)), at least one, at most one unless
-        `parallel`."""
+        `parallel`. `max_new_tokens`: the answer's budget, for a format that lets the model reason first."""
         tags = [{"type": "tag", "begin": f'{self.begin}{{"name": {json.dumps(name)}, "{self.args_key}": ',
                  "content": arguments, "end": "}" + self.end} for name, arguments in functions]
         return forced_calls(tags, self.separator, parallel)
@@ -344,7 +345,10 @@ class CallFormat:
 
 def forced_calls(tags: list[dict], separator: str, parallel: bool) -> str:
     """The structural tag of one call's `tags`, at least one, at most one unless `parallel`."""
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
-             "stop_after_first": not parallel}
-    return json.dumps({"type": "structural_tag", "format": calls})
+    return json.dumps({"type": "structural_tag", "format": calls_format(tags, separator, parallel)})
+
+
+def calls_format(tags: list[dict], separator: str, parallel: bool) -> dict:
+    return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+            "stop_after_first": not parallel}
 

@@ -261,7 +261,8 @@ class XmlCallFormat(CallFormat):
     def new_parser(self, schemas: dict | None = None):
         return XmlCallParser(schemas)
 
-    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool) -> str:
+    def forced_grammar(self, functions: list[tuple[str, dict]], parallel: bool,
+                       max_new_tokens: int | None = None) -> str:
         tags = [{"type": "tag", "begin": f"{OPEN}\n{FUNCTION}{name}>\n", "content": arguments,
                  "end": f"\n{FUNCTION_END}\n{CLOSE}"} for name, arguments in functions]
         return forced_calls(tags, self.separator, parallel)

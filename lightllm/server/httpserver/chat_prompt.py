@@ -63,6 +63,6 @@ async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef],
     check_lengths(len(prompt_ids), sampling, state.limits, max_tokens_field)  # a prompt refused compiles nothing
     if choice not in ("none", "auto"):
         sampling.grammar_kind, sampling.grammar = await off_loop(
-            forced_call_grammar, state.chat.call_format, functions, choice, parallel)
+            forced_call_grammar, state.chat.call_format, functions, choice, parallel, sampling.max_new_tokens)
     await state.grammars.attach(sampling)  # the forced call's or the response format's, compiled here
     return text, prompt_ids

@@ -435,10 +435,12 @@ def arguments_format(call_format, function: FunctionDef) -> dict:
     return content
 
 
-def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool) -> tuple[str, str]:
-    """(grammar_kind, grammar) that makes the model call `choice` ('required': any of `tools`)."""
+def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool,
+                        max_new_tokens: int | None = None) -> tuple[str, str]:
+    """(grammar_kind, grammar) that makes the model call `choice` ('required': any of `tools`) within
+    the answer's `max_new_tokens` (a format that lets the model reason first bounds its reasoning by it)."""
     functions = [(f.name, arguments_format(call_format, f)) for f in tools if choice == "required" or f.name == choice]
-    spec = call_format.forced_grammar(functions, parallel and choice == "required")
+    spec = call_format.forced_grammar(functions, parallel and choice == "required", max_new_tokens)
     return "structural_tag", checked_grammar("structural_tag", spec)
 
 
