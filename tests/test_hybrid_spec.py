@@ -55,12 +55,13 @@ def test_a_verify_beside_plain_decodes_and_a_chunk(tmp_path):
     assert {i: v[:10] for i, v in got.items()} == truth
 
 
-def spec_hybrid_engine(runner, method: str) -> EngineCore:
-    """Chunks of 7, snapshots every 8 tokens, and a controller that drafts whenever drafts are accepted."""
+def spec_hybrid_engine(runner, method: str, drafter=None) -> EngineCore:
+    """Chunks of 7, snapshots every 8 tokens, and a controller that drafts whenever drafts are
+    accepted (`drafter`: the runner's draft call, for a draft run by the runner)."""
     scheduler = Scheduler(runner.max_total_token_num, 7, runner.req_table.max_reqs, snapshot_interval=8,
                           snapshot_slots=runner.info["state_snapshot_slots"])
-    spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=K, prompt_lookup_min=1), runner.config.vocab_size,
-                      runner.req_table.max_reqs * (1 + K))
+    config = SpeculativeConfig(method, num_speculative_tokens=K, prompt_lookup_min=1)
+    spec = Speculator(config, runner.config.vocab_size, runner.req_table.max_reqs * (1 + K), drafter=drafter)
     spec.measured(False, 1, 0.01)  # a flat step cost: drafts pay while they are accepted
     spec.guard, spec.global_alpha = None, 0.9
     scheduler.speculator = spec

@@ -46,6 +46,7 @@ from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.draft_runner import DraftRunner
 from lightllm.engine.spec.eagle3_runner import Eagle3Runner
+from lightllm.engine.spec.mtp_runner import MtpRunner
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.models.lora import LoraAdapters, module_shapes
@@ -202,9 +203,12 @@ class ModelRunner:
         return loras
 
     def _load_drafter(self, config: EngineConfig, dtype: torch.dtype, rows: int) -> DraftRunner | None:
-        """The draft model of --speculative_config's draft_model method, or its eagle3 method's
-        head (None for any other); ValueError for a target a head cannot draft for."""
+        """The draft model of --speculative_config's draft_model method, its eagle3 method's head,
+        or the target's MTP layer (mtp; None for any other); ValueError for a target a head cannot draft for."""
         spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and spec.method == "mtp":
+            return MtpRunner(self.model, self.config, dtype=dtype, kv_dtype=self.kv_dtype, device=self.device,
+                             tp=self.tp, k_max=spec.num_speculative_tokens, rows=rows, load_format=config.load_format)
         if spec is not None and spec.method == "eagle3":
             return Eagle3Runner(spec.model, self.model, self.config, dtype=dtype, kv_dtype=self.kv_dtype,
                                 device=self.device, tp=self.tp, max_positions=self.max_req_total_len,
@@ -243,7 +247,7 @@ class ModelRunner:
         latest tokens, so the engine collects the step in flight first; were one still in flight,
         no request gets drafts (its length may change with that step's settle)."""
         if self.drafter is None:
-            raise ValueError("no draft model is served (--speculative_config method draft_model or eagle3)")
+            raise ValueError("no draft model is served (--speculative_config method draft_model, eagle3 or mtp)")
         if self._pending is not None:
             return [((), self.reqs[a.req_id].draft_len if a.req_id in self.reqs else 0) for a in asks]
         run = lambda: self.drafter.propose(asks, self.reqs, self.req_table.req_to_token)  # noqa: E731

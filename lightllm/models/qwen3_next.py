@@ -399,12 +399,22 @@ class HybridModel:
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
         """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
+        x, residual = self._layers(batch, kv)
+        if batch.logit_index is not None:
+            x, residual = x[batch.logit_index], residual[batch.logit_index]
+        h, _ = self.norm(x, residual)
+        return self.lm_head(h)
+
+    def forward_with_hidden(self, batch: ForwardBatch, kv: TokenTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits as `forward`'s, the final hidden state [T, hidden] of every token, after the
+        last norm: an MTP head's features, models/mtp.py)."""
+        h, _ = self.norm(*self._layers(batch, kv))
+        return self.lm_head(h if batch.logit_index is None else h[batch.logit_index]), h
+
+    def _layers(self, batch: ForwardBatch, kv: TokenTable) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.embed(batch.input_ids), None
         rope, seqs = self.rotary(batch.positions), Sequences.of(batch)
         stash = self.verify_stash if seqs.verify_bounds is not None else None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, rope, kv, self.state_pool, seqs, stash)
-        if batch.logit_index is not None:
-            x, residual = x[batch.logit_index], residual[batch.logit_index]
-        h, _ = self.norm(x, residual)
-        return self.lm_head(h)
+        return x, residual
