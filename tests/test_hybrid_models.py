@@ -140,6 +140,7 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
     cfg = read_config(model_dir)
     assert len(cfg.linear_attn.layers) == cfg.num_layers * 3 // 4 and cfg.linear_attn.rotary_dim == 64
     assert cfg.rope_theta == 1e7 and (cfg.moe is not None) == preset.endswith("a3b")
+    assert cfg.linear_attn.mtp_layers == 1  # as published: --speculative_config mtp under a dummy load format
     kv_bytes = 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * 2
     assert kv_bytes == kv_kib * 1024
     if preset.endswith("a3b"):

@@ -113,3 +113,29 @@ def test_a_server_with_the_mtp_method_answers_as_transformers(tmp_path_factory):
         assert float(drafts.group(1)) > 0  # the MTP layer drafted and the target verified
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
+def test_the_presets_mtp_layer_asks_for_a_decoder_layers_tensors(preset, default_model_dir, tmp_path):
+    """At the published shapes (meta device, tp 2): the MTP layer asks for fc [H, 2H], its three
+    norms, and under mtp.layers.0 exactly what the model asks for of a full-attention layer (the
+    MoE's experts and shared expert included)."""
+    from test_model_families import MetaWeights
+
+    from lightllm.models import read_config
+    from lightllm.models.mtp import MtpHead
+    from lightllm.models.qwen3_next import HybridModel
+    from lightllm.tools.bench_model import write_bench_model
+    from lightllm.utils.dist import TPGroup
+
+    cfg = read_config(write_bench_model(tmp_path / preset, preset, tokenizer_dir=default_model_dir))
+    model_weights, mtp_weights = MetaWeights(), MetaWeights()
+    target = HybridModel(cfg, model_weights, TPGroup(1, 2), 256, torch.device("meta"))
+    MtpHead(cfg, mtp_weights, TPGroup(1, 2), target)
+    full = next(i for i in range(cfg.num_layers) if i not in cfg.linear_attn.layers)
+    layer = f"model.layers.{full}."
+    expected = {f"mtp.layers.0.{n[len(layer):]}": s for n, s in model_weights.asked.items() if n.startswith(layer)}
+    hidden = cfg.hidden_size
+    expected.update({"mtp.fc.weight": (hidden, 2 * hidden), **{f"mtp.{n}.weight": (hidden,) for n in
+                                                               ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    assert mtp_weights.asked == expected
