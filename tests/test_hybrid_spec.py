@@ -56,14 +56,15 @@ def test_a_verify_beside_plain_decodes_and_a_chunk(tmp_path):
 
 
 def spec_hybrid_engine(runner, method: str, drafter=None) -> EngineCore:
-    """Chunks of 7, snapshots every 8 tokens, and a controller that drafts whenever drafts are
-    accepted (`drafter`: the runner's draft call, for a draft run by the runner)."""
+    """Chunks of 7, snapshots every 8 tokens, and a controller that gives every decoding request
+    all the drafts its source has, at every step (`drafter`: the runner's draft call, for a draft
+    run by the runner): what is under test is verification, not the controller's timing."""
     scheduler = Scheduler(runner.max_total_token_num, 7, runner.req_table.max_reqs, snapshot_interval=8,
                           snapshot_slots=runner.info["state_snapshot_slots"])
     config = SpeculativeConfig(method, num_speculative_tokens=K, prompt_lookup_min=1)
     spec = Speculator(config, runner.config.vocab_size, runner.req_table.max_reqs * (1 + K), drafter=drafter)
-    spec.measured(False, 1, 0.01)  # a flat step cost: drafts pay while they are accepted
-    spec.guard, spec.global_alpha = None, 0.9
+    spec.guard = None
+    spec.allocate = lambda alphas, limits, tokens, outputs: [min(k, K) for k in limits] if alphas else None
     scheduler.speculator = spec
     return EngineCore(scheduler, runner, eos_token_ids=[])
 
