@@ -83,6 +83,48 @@ def test_a_target_without_mtp_layers_is_refused(tmp_path):
         make_runner(tmp_path, speculative_config=MTP)
 
 
+def drafted_greedy(runner, prompt: list[int], new: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Prefill, then at every step the MTP layer's drafts (K, fewer near the end), verified:
+    (the tokens, the drafts proposed at each step)."""
+    (result,) = runner.step(StepPlan(1, [], [Chunk(0, prompt, 0, True, SamplingParams())], sync=True))
+    tokens, proposed, draft_len = [result.tokens[0].token_id], [], 0
+    while len(tokens) < new:
+        sequence = prompt + tokens
+        (drafts, draft_len), = runner.draft([DraftRequest(0, draft_len, tuple(sequence[draft_len:]), K)])
+        drafts = drafts[: new - len(tokens) - 1]
+        proposed.append(drafts)
+        (result,) = runner.step(StepPlan(len(proposed) + 1, [0], drafts={0: list(drafts)}, sync=True))
+        tokens += [t.token_id for t in result.tokens]
+    runner.free([0])
+    return tokens, proposed
+
+
+def _tp_worker(rank, port, model_dir, out_file):
+    from test_tp import leave_together
+
+    runner = make_runner(model_dir, tokens=256, max_req_total_len=64, running_max_req_size=2,
+                         speculative_config=MTP, tp_rank=rank, tp=2, nccl_port=port)
+    result = drafted_greedy(runner, PROMPTS[0], NEW)
+    if rank == 0:
+        torch.save(result, out_file)
+    leave_together()
+
+
+def test_tp2_drafts_and_tokens_are_tp1s(checkpoint, tmp_path):
+    """Two gloo ranks (each half of the heads of the linear layers, of the attention and of the MTP
+    layer's attention; the verify commit on each rank's share of the states) propose tp 1's drafts
+    and keep tp 1's tokens, which are transformers'."""
+    import torch.multiprocessing as mp
+    from test_tp import free_port
+
+    path, _, _, expected = checkpoint
+    runner = make_runner(path, tokens=256, max_req_total_len=64, running_max_req_size=2, speculative_config=MTP)
+    tp1 = drafted_greedy(runner, PROMPTS[0], NEW)
+    assert tp1[0] == expected[0] and any(tp1[1])
+    mp.spawn(_tp_worker, args=(free_port(), path, tmp_path / "tp2.pt"), nprocs=2, join=True)
+    assert torch.load(tmp_path / "tp2.pt") == tp1
+
+
 def test_a_server_with_the_mtp_method_answers_as_transformers(tmp_path_factory):
     """bench_model's tiny-qwen3.5 with MTP layers written beside it (random: the point is that greedy
     text is unchanged): the worker loads the layer, /info shows the config, /generate's greedy text
