@@ -178,6 +178,6 @@ def test_the_presets_mtp_layer_asks_for_a_decoder_layers_tensors(preset, default
     layer = f"model.layers.{full}."
     expected = {f"mtp.layers.0.{n[len(layer):]}": s for n, s in model_weights.asked.items() if n.startswith(layer)}
     hidden = cfg.hidden_size
-    expected.update({"mtp.fc.weight": (hidden, 2 * hidden), **{f"mtp.{n}.weight": (hidden,) for n in
-                                                               ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    expected["mtp.fc.weight"] = (hidden, 2 * hidden)
+    expected.update({f"mtp.{n}.weight": (hidden,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
     assert mtp_weights.asked == expected
