@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.engine.cuda_graph import graph_memory_bytes
 from lightllm.engine.spec.eagle3_runner import Eagle3Runner
 from lightllm.models import ModelConfig
 from lightllm.models.mtp import load_mtp
@@ -41,9 +40,7 @@ class MtpRunner(Eagle3Runner):
         return forward
 
     def graph_bytes(self, max_batch: int, target_graph_tokens: int, itemsize: int) -> int:
-        cfg = self.config
-        return graph_memory_bytes(max_batch, max_batch, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
-                                  itemsize)
+        return 0  # no graphs of its own (make_graphs)
 
     def make_graphs(self, req_table, max_batch: int, capture: bool) -> None:
         """None: its steps run eagerly, as its target's do."""
