@@ -7,6 +7,8 @@ request rows: the memory (patched) holds the recurrent states of 2 requests only
 takes 2 rows of the 8 asked for, and requests wait for a row and its state, which later ones reuse.
 Relies on transformers' Qwen3-Next / Qwen3.5 modeling code (its torch paths) and greedy `generate`."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.models import Client, assert_idle, engine, hf_greedy, make_runner, randomize_
@@ -138,6 +140,7 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
     cfg = read_config(model_dir)
     assert len(cfg.linear_attn.layers) == cfg.num_layers * 3 // 4 and cfg.linear_attn.rotary_dim == 64
     assert cfg.rope_theta == 1e7 and (cfg.moe is not None) == preset.endswith("a3b")
+    assert cfg.linear_attn.mtp_layers == 1  # as published: --speculative_config mtp under a dummy load format
     kv_bytes = 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * 2
     assert kv_bytes == kv_kib * 1024
     if preset.endswith("a3b"):
@@ -154,8 +157,8 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
     assert round(model.state_slot_bytes() * 2 / 2**20, 1) == state_mib  # tp 2: half of the heads a rank
 
 
-def test_the_engine_serves_a_recurrent_state_with_snapshots_without_drafts_on_the_runners_rows():
-    """A model with recurrent state (the runner's info says so) gets no drafts, even when asked for,
+def test_the_engine_serves_a_recurrent_state_with_snapshots_and_drafts_on_the_runners_rows():
+    """A model with recurrent state (the runner's info says so) gets drafts (a draft model's none),
     a prefix cache only where the runner has snapshot slots, and as many running requests as the
     runner has rows for."""
     from lightllm.engine import build
@@ -169,16 +172,19 @@ def test_the_engine_serves_a_recurrent_state_with_snapshots_without_drafts_on_th
     assert plain.snapshot_interval == 0 and plain.cache.snapshot_slots == 0
     hybrid = build.build_engine(config, None, 1000, {**info, "recurrent_state": True, "state_snapshot_slots": 3})
     hybrid = hybrid.scheduler
-    assert hybrid.speculator is None and hybrid.max_running == 5
+    assert hybrid.speculator is not None and hybrid.max_running == 5
     assert hybrid.snapshot_interval == 512 and hybrid.cache.snapshot_slots == 3
+    draft_model = dataclasses.replace(config, speculative_config='{"method": "draft_model", "model": "d"}')
+    hybrid_info = {**info, "recurrent_state": True, "state_snapshot_slots": 3}
+    assert build.build_engine(draft_model, None, 1000, hybrid_info).scheduler.speculator is None
     no_room = build.build_engine(config, None, 1000, {**info, "recurrent_state": True, "state_snapshot_slots": 0})
     assert no_room.scheduler.cache is None
 
 
 def test_the_runner_refuses_drafts_and_a_cached_prefix_without_its_snapshot(tmp_path):
-    """Drafts would move a recurrent state past tokens that may be rejected, and a cached prefix
-    without the snapshot of the state after it has no state to start from: a hybrid model's runner
-    refuses both before anything changes."""
+    """Drafts need the verify stash, which a runner started without --speculative_config lacks, and a
+    cached prefix without the snapshot of the state after it has no state to start from: a hybrid
+    model's runner refuses both before anything changes."""
     from benchmark.lib.direct_step import run_step
 
     from lightllm.engine.plan import Chunk, Insert, StepPlan

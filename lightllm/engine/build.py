@@ -65,17 +65,15 @@ def load_model(workers, config: EngineConfig, replica: int = 0) -> tuple[int, di
 
 def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_info: dict) -> EngineCore:
     hybrid = bool(model_info.get("recurrent_state"))
-    if hybrid and config.speculative_config is not None:
-        # a recurrent state cannot be rolled back past rejected drafts
-        logger.warning("speculative decoding off: the model's linear-attention layers keep a recurrent state "
-                       "that cannot be rolled back past rejected drafts")
-        config = dataclasses.replace(config, speculative_config=None)
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    if hybrid and speculative is not None and speculative.method == "draft_model":
+        logger.warning("speculative decoding off: a draft model is not run beside a model with recurrent state")
+        config, speculative = dataclasses.replace(config, speculative_config=None), None
     snapshots = model_info.get("state_snapshot_slots", 0)
     if hybrid and not config.disable_prefix_cache and not snapshots:
         logger.warning("prefix cache off: no slot for a snapshot of the model's recurrent state "
                        "(--state_snapshot_slots)")
         config = dataclasses.replace(config, disable_prefix_cache=True)
-    speculative = SpeculativeConfig.parse(config.speculative_config)
     running = model_info.get("running_max_req_size", config.running_max_req_size)  # fewer: the states that fit
     speculator = None if speculative is None else Speculator(speculative, model_info["vocab_size"], running,
                                                              drafter=getattr(workers, "draft", None),

@@ -46,6 +46,7 @@ from lightllm.engine.scheduler import burst_budget
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.draft_runner import DraftRunner
 from lightllm.engine.spec.eagle3_runner import Eagle3Runner
+from lightllm.engine.spec.mtp_runner import MtpRunner
 from lightllm.engine.step_trace import StepTrace
 from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
 from lightllm.models.lora import LoraAdapters, module_shapes
@@ -107,8 +108,11 @@ class ModelRunner:
         self.loras = self._load_loras(config, dtype)  # before the KV budget is sized: its slots take memory
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, self.device)
         running = config.running_max_req_size
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        # a verify step's decode tokens a request row at most, whose recurrence inputs the stash keeps
+        verify_tokens = 1 + spec.num_speculative_tokens if spec is not None and cfg.linear_attn else 0
         if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
-            slot_bytes = self.model.state_slot_bytes()
+            slot_bytes = self.model.state_slot_bytes(verify_tokens)
             running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         self.drafter = self._load_drafter(config, dtype, running + 1)  # weights in use before the budget is sized
@@ -118,7 +122,8 @@ class ModelRunner:
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
         # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
         # before the KV budget is measured so that it counts them as in use
-        self.state_pool = self.model.new_state_pool(running + 1) if cfg.linear_attn else None
+        self.state_pool = self.model.new_state_pool(running + 1, (running + 1) * verify_tokens) \
+            if cfg.linear_attn else None
         # ... and the prefix cache's snapshots of them, slots named by the radix tree (also counted)
         self.snapshot_pool = self._new_snapshot_pool(config)
         self.graphs = None
@@ -194,9 +199,12 @@ class ModelRunner:
         return loras
 
     def _load_drafter(self, config: EngineConfig, dtype: torch.dtype, rows: int) -> DraftRunner | None:
-        """The draft model of --speculative_config's draft_model method, or its eagle3 method's
-        head (None for any other); ValueError for a target a head cannot draft for."""
+        """The draft model of --speculative_config's draft_model method, its eagle3 method's head,
+        or the target's MTP layer (mtp; None for any other); ValueError for a target a head cannot draft for."""
         spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and spec.method == "mtp":
+            return MtpRunner(self.model, self.config, dtype=dtype, kv_dtype=self.kv_dtype, device=self.device,
+                             tp=self.tp, k_max=spec.num_speculative_tokens, rows=rows, load_format=config.load_format)
         if spec is not None and spec.method == "eagle3":
             return Eagle3Runner(spec.model, self.model, self.config, dtype=dtype, kv_dtype=self.kv_dtype,
                                 device=self.device, tp=self.tp, max_positions=self.max_req_total_len,
@@ -235,7 +243,7 @@ class ModelRunner:
         latest tokens, so the engine collects the step in flight first; were one still in flight,
         no request gets drafts (its length may change with that step's settle)."""
         if self.drafter is None:
-            raise ValueError("no draft model is served (--speculative_config method draft_model or eagle3)")
+            raise ValueError("no draft model is served (--speculative_config method draft_model, eagle3 or mtp)")
         if self._pending is not None:
             return [((), self.reqs[a.req_id].draft_len if a.req_id in self.reqs else 0) for a in asks]
         run = lambda: self.drafter.propose(asks, self.reqs, self.req_table.req_to_token)  # noqa: E731
@@ -321,9 +329,25 @@ class ModelRunner:
         self.last_token[index[:n]] = launched.device_tokens[index[n: 2 * n]]
         if m:
             self.token_table.free(self.req_table.req_to_token[index[2 * n: 2 * n + m], index[2 * n + m:]])
+        if self.state_pool is not None:
+            self._commit_verified(launched.decode_runs, dict(zip(fix_rows, fix_index)))
         if self._trace is not None:
             self._trace.accepted(launched.step_id, accepted)
         return launched.result(keep)
+
+    @torch.inference_mode()
+    def _commit_verified(self, runs: list[tuple[RunningReq, int]], last_kept: dict[int, int]) -> None:
+        """The linear layers' states of a verify step's decoding requests advance over the tokens each
+        kept: from its first decode token to `last_kept[row]` (its last accepted one), or its one token."""
+        rows, index, bounds, first = [], [], [0], 0
+        for r, n in runs:
+            end = last_kept.get(r.row, first) + 1
+            rows.append(r.row)
+            index += range(first, end)
+            bounds.append(len(index))
+            first += n
+        up = torch.tensor(rows + index).to(self.device, non_blocking=True)
+        self.model.commit_verified(up[: len(rows)], up[len(rows):], bounds)
 
     def _submit(self, plan: StepPlan) -> Future:
         """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""
@@ -360,7 +384,8 @@ class ModelRunner:
         decodes = DecodeRows.build(plan.decodes, plan.drafts, self.reqs)
         chunks = [(self.reqs[c.req_id], c) for c in plan.chunks]
         sampled = decodes.reqs + [r for r, c in chunks if c.last]
-        graphed_decode = self.graphs is not None and not chunks and len(decodes) <= self.graphs.buckets[-1]
+        graphed_decode = (self.graphs is not None and not chunks and len(decodes) <= self.graphs.buckets[-1]
+                          and not self._hybrid_verify(plan))
         t, layout = self._upload_step(plan, decodes, chunks, sampled, graphed_decode)
         grammar = None if self._grammars is None else grammar_masks([r.sampling for r in sampled],
                                                                    self.config.vocab_size, self.device)
@@ -374,7 +399,8 @@ class ModelRunner:
         elif layout is not None:  # a mixed step's graph runs its LoRA kernels whatever its rows
             logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
-            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen, lora)
+            runs = [n for _, n in decodes.runs] if decodes.verifies and self.state_pool is not None else None
+            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen, lora, runs)
         launched = self._sample(plan, t, logits, grammar, chunks, sampled, decodes)
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
@@ -424,7 +450,7 @@ class ModelRunner:
         parts = chunk_prompt_logprobs(logits[len(sampled):], t.get("prompt_targets"), chunks)
         req_ids = decodes.req_ids + [c.req_id for c in plan.chunks if c.last]
         launched = LaunchedStep(plan.step_id, req_ids, sampled, *download(tokens, logprobs, top, parts))
-        launched.verifies, launched.device_tokens = decodes.verifies, tokens
+        launched.verifies, launched.device_tokens, launched.decode_runs = decodes.verifies, tokens, decodes.runs
         launched.prompt_done = {c.req_id for r, c in chunks if c.last and r.prompt_logprobs is not None}
         self._last_launched = launched if any(s.needs_tokens for s in states) else None
         return launched
@@ -513,10 +539,14 @@ class ModelRunner:
     def _mixed_layout(self, plan: StepPlan, chunks, lists: dict) -> MixedLayout | None:
         """The graph bucket of a step with chunks, or None to run it eagerly (too large, too many
         chunks, prompt logprobs: their rows are not among a bucket's logit rows)."""
-        if self.graphs is None or "prompt_targets" in lists:
+        if self.graphs is None or "prompt_targets" in lists or self._hybrid_verify(plan):
             return None
         return self.graphs.mixed_layout(plan.num_tokens, len(chunks), len(lists["decode_rows"]),
                                         len(lists["sample_rows"]))
+
+    def _hybrid_verify(self, plan: StepPlan) -> bool:
+        """A step verifying drafts on a model with recurrent state: eager, its runs are host lists."""
+        return bool(plan.num_drafts) and self.state_pool is not None
 
     def _mixed_meta(self, lists: dict, num_decodes: int, layout: MixedLayout) -> dict[str, list[int]]:
         return {"meta": self.graphs.pad_mixed(lists, num_decodes, layout), "sample_rows": lists["sample_rows"]}
@@ -530,8 +560,9 @@ class ModelRunner:
         return self.graphs.run_mixed(t["meta"], layout, num_sampled, max_seqlen)
 
     def _forward(self, t: dict[str, torch.Tensor], decodes: bool, chunks: bool, slots: torch.Tensor,
-                 max_seqlen: int, lora: bool) -> torch.Tensor:
-        """lora False: no row of the step has a LoRA adapter (the model launches no LoRA kernel)."""
+                 max_seqlen: int, lora: bool, runs: list[int] | None = None) -> torch.Tensor:
+        """lora False: no row of the step has a LoRA adapter (the model launches no LoRA kernel).
+        runs: each decoding request's tokens, for a model with recurrent state verifying drafts."""
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
         decode_ids = t["decode_ids"].clone()
         self._fill_last_tokens(decode_ids, t["decode_rows"])
@@ -544,8 +575,8 @@ class ModelRunner:
         extend = dict(ext_rows=t["ext_rows"].int(), ext_cu_q=t["ext_cu_q"].int(), ext_kv_lens=t["ext_kv_lens"].int(),
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
-                             logit_index=t["logit_index"], lora_slots=t["lora_slots"] if lora else None, **decode,
-                             **extend)
+                             logit_index=t["logit_index"], lora_slots=t["lora_slots"] if lora else None,
+                             decode_runs=runs, **decode, **extend)
         return self.target_forward(batch, self.token_table)
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -706,8 +737,11 @@ class ModelRunner:
             if c.first and (any(n not in self.nodes for n in c.prefix)
                             or sum(len(self.nodes[n]) for n in c.prefix) != c.start):
                 raise ValueError(f"request {c.req_id}: cached prefix {c.prefix} does not hold {c.start} tokens")
-        if self.state_pool is not None and plan.drafts:
-            raise ValueError(f"step {plan.step_id}: drafts are not served for a model with recurrent state")
+        stash = None if self.state_pool is None else self.model.verify_stash
+        if plan.drafts and self.state_pool is not None and (
+                stash is None or len(plan.decodes) + plan.num_drafts > stash.tokens):
+            raise ValueError(f"step {plan.step_id}: drafts for a model with recurrent state need the verify stash "
+                             f"(--speculative_config at start) to hold the step's decode tokens")
         snapshots = 0 if self.snapshot_pool is None else self.snapshot_pool.slots
         if self.state_pool is not None and any(c.first and bool(c.prefix) != (0 <= c.snapshot < snapshots)
                                                for c in plan.chunks):

@@ -129,6 +129,7 @@ class LinearAttnConfig:
     rotary_dim: int
     grouped_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head
     weight_prefix: str = "model"  # "model.language_model" in the multimodal checkpoints
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (`mtp.*`; models/mtp.py)
 
     @property
     def conv_dim(self) -> int:
@@ -379,7 +380,8 @@ def _linear_attn(cfg: dict, arch: str, num_layers: int, head_dim: int) -> Linear
         k_head_dim=int(cfg["linear_key_head_dim"]), v_head_dim=int(cfg["linear_value_head_dim"]),
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), rotary_dim=int(head_dim * factor),
         grouped_projections=arch == "Qwen3NextForCausalLM",
-        weight_prefix="model.language_model" if arch in _MULTIMODAL else "model")
+        weight_prefix="model.language_model" if arch in _MULTIMODAL else "model",
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0))
 
 
 def _text_config(cfg: dict, arch: str) -> dict:

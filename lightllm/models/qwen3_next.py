@@ -18,15 +18,16 @@ layers and kernels serve them unchanged:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from lightllm.common.state_pool import StatePool
+from lightllm.common.state_pool import StatePool, VerifyStash
 from lightllm.common.token_table import TokenTable
-from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_step, gated_delta_rule_chunks, gated_delta_rule_step,
-                              rotary_kv_)
+from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_chunks,
+                              gated_delta_rule_step, gated_delta_rule_varlen, rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -119,16 +120,25 @@ class Sequences:
     chunk_rows: torch.Tensor | None = None
     chunk_starts: torch.Tensor | None = None  # [C] bool: the chunk starts its request
     chunk_bounds: torch.Tensor | None = None  # [C+1] int32
+    # a step that verifies drafts: each decoding request's run of tokens (bounds among the decode
+    # tokens, on the host) and its row; None: one token a request, its state updated in place
+    verify_bounds: list[int] | None = None
+    verify_rows: torch.Tensor | None = None
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> Sequences:
         n = batch.num_decodes
         rows = None if not n else torch.where(batch.decode_seq_lens > 1, batch.decode_rows, -1).long()
+        seqs = cls(n, rows)
+        if batch.decode_runs is not None:
+            seqs.verify_bounds = [0, *itertools.accumulate(batch.decode_runs)]
+            seqs.verify_rows = rows[torch.tensor(seqs.verify_bounds[:-1]).to(rows.device, non_blocking=True)]
         if not batch.has_chunks:
-            return cls(n, rows)
+            return seqs
         cu = batch.ext_cu_q
         starts = batch.ext_kv_lens == cu[1:] - cu[:-1]
-        return cls(n, rows, batch.ext_rows.long(), starts, cu)
+        seqs.chunk_rows, seqs.chunk_starts, seqs.chunk_bounds = batch.ext_rows.long(), starts, cu
+        return seqs
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,21 +178,43 @@ class GatedDeltaNet:
     def conv_channels(self) -> int:
         return 2 * self.k_heads * self.dk + self.v_heads * self.dv
 
-    def __call__(self, h, seqs: Sequences, conv_states: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        kd, vd, vh = self.k_heads * self.dk, self.v_heads * self.dv, self.v_heads
+    def __call__(self, h, seqs: Sequences, conv_states: torch.Tensor, states: torch.Tensor,
+                 stash: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """`stash`: this layer's (conv inputs, g, beta) rows of the VerifyStash, for a step that verifies."""
+        vd, vh = self.v_heads * self.dv, self.v_heads
         mixed, z, b, a = self.in_proj(h).split([self.conv_channels, vd, vh, vh], dim=-1)
         tokens = mixed.shape[0]
-        q, k, v = self._conv(mixed, seqs, conv_states).split([kd, kd, vd], dim=-1)
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        out = self._delta_rule(q.view(tokens, -1, self.dk), k.view(tokens, -1, self.dk), v.view(tokens, vh, self.dv),
-                               g, torch.sigmoid(b), seqs, states)
+        g, beta = self.neg_a * F.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
+        if seqs.verify_bounds is not None:  # the recurrence's inputs, for the commit of the accepted tokens
+            n = seqs.num_decodes
+            for kept, now in zip(stash, (mixed, g, beta)):
+                kept[:n] = now[:n]
+        q, k, v = self._heads(self._conv(mixed, seqs, conv_states))
+        out = self._delta_rule(q, k, v, g, beta, seqs, states)
         out = gated_rms_norm(out, z.view(tokens, vh, self.dv), self.norm_weight, self.eps)
         return self.out(out.reshape(tokens, vd))
+
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kd, tokens = self.k_heads * self.dk, conv.shape[0]
+        q, k, v = conv.split([kd, kd, self.v_heads * self.dv], dim=-1)
+        return q.view(tokens, -1, self.dk), k.view(tokens, -1, self.dk), v.view(tokens, self.v_heads, self.dv)
+
+    def commit(self, stash: tuple[torch.Tensor, ...], index: torch.Tensor, bounds: list[int], rows: torch.Tensor,
+               conv_states: torch.Tensor, states: torch.Tensor) -> None:
+        """Advance the states of `rows` over their accepted tokens, stash rows `index` (request i's
+        are index[bounds[i]:bounds[i + 1]]), from the states the verify pass read."""
+        mixed, g, beta = (kept[index] for kept in stash)
+        conv, conv_states[rows] = causal_conv1d_varlen(mixed, self.conv_weight, bounds, conv_states[rows])
+        _, k, v = self._heads(conv)
+        _, states[rows] = gated_delta_rule_varlen(k, k, v, g, beta, bounds, states[rows])  # outputs unused
 
     def _conv(self, mixed: torch.Tensor, seqs: Sequences, conv_states: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(mixed)
         n = seqs.num_decodes
-        if n:
+        if seqs.verify_bounds is not None:  # read, not moved: the commit moves it past the accepted tokens
+            out[:n], _ = causal_conv1d_varlen(mixed[:n], self.conv_weight, seqs.verify_bounds,
+                                              conv_states[seqs.verify_rows])
+        elif n:
             out[:n] = causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows)
         if seqs.chunk_rows is not None:  # after the decodes, whose rows a padded step's chunks may overlap
             causal_conv1d_chunks(mixed, self.conv_weight, seqs.chunk_bounds, conv_states, seqs.chunk_rows,
@@ -192,7 +224,10 @@ class GatedDeltaNet:
     def _delta_rule(self, q, k, v, g, beta, seqs: Sequences, states: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(v)
         n = seqs.num_decodes
-        if n:
+        if seqs.verify_bounds is not None:
+            out[:n], _ = gated_delta_rule_varlen(q[:n], k[:n], v[:n], g[:n], beta[:n], seqs.verify_bounds,
+                                                 states[seqs.verify_rows])
+        elif n:
             out[:n] = gated_delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.decode_rows)
         if seqs.chunk_rows is not None:
             gated_delta_rule_chunks(q, k, v, g, beta, seqs.chunk_bounds, states, seqs.chunk_rows, seqs.chunk_starts,
@@ -283,11 +318,13 @@ class HybridLayer:
                                                    offset=cfg.norm_offset)
                                            for n in ("input_layernorm", "post_attention_layernorm"))
 
-    def __call__(self, x, residual, batch: ForwardBatch, rope, kv: TokenTable, pool: StatePool, seqs: Sequences):
+    def __call__(self, x, residual, batch: ForwardBatch, rope, kv: TokenTable, pool: StatePool, seqs: Sequences,
+                 stash: VerifyStash | None):
         h, residual = self.input_norm(x, residual)
         i = self.cache_index
         if self.linear:
-            x = self.mixer(h, seqs, pool.conv[i], pool.recurrent[i])
+            kept = None if stash is None else (stash.mixed[i], stash.g[i], stash.beta[i])
+            x = self.mixer(h, seqs, pool.conv[i], pool.recurrent[i], kept)
         else:
             x = self.mixer(h, batch, rope, kv.k[i], kv.v[i])
         h, residual = self.post_norm(x, residual)
@@ -325,29 +362,58 @@ class HybridModel:
         self.kv_shapes = [(self.kv_heads, cfg.head_dim)] * len(attention)  # each K/V buffer's (heads, dim)
         self.dtype = self.embed.weight.dtype
         self.state_pool: StatePool | None = None
+        self.verify_stash: VerifyStash | None = None
 
-    def state_slot_bytes(self) -> int:
-        """One request's state over every linear layer: conv (the model's dtype) and recurrent (fp32)."""
-        deltas = [layer.mixer for layer in self.layers if layer.linear]
+    @property
+    def _deltas(self) -> list[GatedDeltaNet]:
+        return [layer.mixer for layer in self.layers if layer.linear]
+
+    def state_slot_bytes(self, verify_tokens: int = 0) -> int:
+        """One request's state over every linear layer: conv (the model's dtype) and recurrent (fp32),
+        and the verify stash of `verify_tokens` tokens a request row (VerifyStash)."""
+        deltas = self._deltas
         first, kernel = deltas[0], self.config.linear_attn.conv_kernel
         per_layer = first.conv_channels * (kernel - 1) * self.dtype.itemsize + first.v_heads * first.dk * first.dv * 4
-        return len(deltas) * per_layer
+        stash = VerifyStash.token_bytes(len(deltas), first.conv_channels, first.v_heads, self.dtype)
+        return len(deltas) * per_layer + verify_tokens * stash
 
-    def new_state_pool(self, slots: int) -> StatePool:
-        """The linear layers' states for `slots` request rows, kept by the model for its forwards."""
-        deltas = [layer.mixer for layer in self.layers if layer.linear]
-        first = deltas[0]
+    def new_state_pool(self, slots: int, verify_tokens: int = 0) -> StatePool:
+        """The linear layers' states for `slots` request rows, kept by the model for its forwards, and
+        a verify stash of `verify_tokens` tokens (0: none, no drafts are verified)."""
+        deltas = self._deltas
+        first, device = deltas[0], self.embed.weight.device
         self.state_pool = StatePool(slots, len(deltas), (first.conv_channels, self.config.linear_attn.conv_kernel - 1),
-                                    (first.v_heads, first.dk, first.dv), self.dtype, self.embed.weight.device)
+                                    (first.v_heads, first.dk, first.dv), self.dtype, device)
+        self.verify_stash = VerifyStash(verify_tokens, len(deltas), first.conv_channels, first.v_heads, self.dtype,
+                                        device) if verify_tokens else None
         return self.state_pool
+
+    def commit_verified(self, rows: torch.Tensor, index: torch.Tensor, bounds: list[int]) -> None:
+        """After a verify step: each verifying request's (`rows`) linear-layer states advance over the
+        tokens it keeps, the stash's rows `index` (request i's: index[bounds[i]:bounds[i + 1]])."""
+        pool, stash = self.state_pool, self.verify_stash
+        for i, delta in enumerate(self._deltas):
+            delta.commit((stash.mixed[i], stash.g[i], stash.beta[i]), index, bounds, rows, pool.conv[i],
+                         pool.recurrent[i])
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
         """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
-        x, residual = self.embed(batch.input_ids), None
-        rope, seqs = self.rotary(batch.positions), Sequences.of(batch)
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, rope, kv, self.state_pool, seqs)
+        x, residual = self._layers(batch, kv)
         if batch.logit_index is not None:
             x, residual = x[batch.logit_index], residual[batch.logit_index]
         h, _ = self.norm(x, residual)
         return self.lm_head(h)
+
+    def forward_with_hidden(self, batch: ForwardBatch, kv: TokenTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits as `forward`'s, the final hidden state [T, hidden] of every token, after the
+        last norm: an MTP head's features, models/mtp.py)."""
+        h, _ = self.norm(*self._layers(batch, kv))
+        return self.lm_head(h if batch.logit_index is None else h[batch.logit_index]), h
+
+    def _layers(self, batch: ForwardBatch, kv: TokenTable) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.embed(batch.input_ids), None
+        rope, seqs = self.rotary(batch.positions), Sequences.of(batch)
+        stash = self.verify_stash if seqs.verify_bounds is not None else None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, rope, kv, self.state_pool, seqs, stash)
+        return x, residual

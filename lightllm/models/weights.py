@@ -110,10 +110,11 @@ class DummyWeights:
     depends on the kernels' rounding, which a benchmark that replays an earlier run's output as
     drafts needs. Every shape, kernel and byte moved is as with "dummy". An EAGLE-3 head's `fc`
     passes the first of its three features through ([I, 0, 0]), so that an echo head over an echo
-    target (the same vocabulary) drafts the token it is given: every draft is accepted."""
+    target (the same vocabulary) drafts the token it is given: every draft is accepted; so does an
+    MTP layer's `mtp.fc`, passing the token's embedding through."""
 
-    ZERO_IN_ECHO = ("o_proj.weight", "down_proj.weight")
-    EAGLE3_FC = "fc.weight"
+    ZERO_IN_ECHO = ("o_proj.weight", "down_proj.weight", "out_proj.weight")  # out_proj: linear attention's
+    FEATURE_THROUGH = ("fc.weight", "mtp.fc.weight")  # an EAGLE-3 head's fc, an MTP layer's
     ONES = ("norm.weight", "layer_scalar")  # scales (Gemma 4 multiplies each layer's output by its layer_scalar)
     # uint8 tensors (MXFP4 experts): any packed pair of values; scales of 2^-6..2^-3, weights of
     # about dense's size
@@ -154,7 +155,7 @@ class DummyWeights:
             full = torch.ones(shape, dtype=self.dtype, device=self.device)
         elif name.endswith(self.ZERO_IN_ECHO):
             full = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        elif name == self.EAGLE3_FC:  # [hidden, 3 x hidden]: the first feature through
+        elif name in self.FEATURE_THROUGH:  # [hidden, n x hidden]: the first feature (MTP: the embedding) through
             full = torch.zeros(shape, dtype=self.dtype, device=self.device)
             full[:, : shape[0]] = torch.eye(shape[0], dtype=self.dtype, device=self.device)
         else:

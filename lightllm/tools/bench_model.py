@@ -181,7 +181,9 @@ def family_config(preset: str) -> tuple[str, dict]:
     tiny = preset.startswith("tiny")
     if family.startswith("qwen3.5"):
         rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
-        common = dict(rope_parameters=rope, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        # one MTP layer, as the published configs name it (its mtp.* weights: dummy load formats only)
+        common = dict(rope_parameters=rope, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, mtp_num_hidden_layers=1)
         if family == "qwen3.5_moe":
             return "Qwen3_5MoeTextConfig", dict(common, architectures=["Qwen3_5MoeForCausalLM"])
         return "Qwen3_5TextConfig", dict(common, architectures=["Qwen3_5ForCausalLM"])

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 
 # Draft sources; "module:Class" names one from elsewhere (benchmarks' controlled draft).
-METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")  # mtp: the target checkpoint's MTP layer
 MODEL_METHODS = {"draft_model": "the draft model's directory", "eagle3": "the EAGLE-3 head's directory"}
 MAX_SPECULATIVE_TOKENS = 16
 

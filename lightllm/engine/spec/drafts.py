@@ -31,8 +31,8 @@ SuffixDraft (suffix decoding: Oliaro et al., 2024)
     sequence removes its entries from the index, O(ladder steps * max_occurrences) a token, which
     is amortized over the token's insertion; so the index never outgrows the tokens it describes.
 
-ModelDraft (a draft model, or an EAGLE-3 head)
-    The workers run the draft model (spec/draft_runner.py) or the head (spec/eagle3_runner.py);
+ModelDraft (a draft model, an EAGLE-3 head, or the target's MTP layer)
+    The workers run the draft model (spec/draft_runner.py) or the head (spec/eagle3_runner.py, mtp_runner.py);
     this side keeps each request's tokens and how far the workers' draft KV has caught up, and asks
     for a step's proposals in one call.
 """
@@ -68,7 +68,7 @@ def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None,
         return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixDraft(**config.options)
-    if config.method in ("draft_model", "eagle3"):  # the workers run the draft model or the head alike
+    if config.method in ("draft_model", "eagle3", "mtp"):  # the workers run the draft model or the head alike
         if drafter is None:
             raise ValueError(f"the {config.method} method needs workers that run the draft model")
         return ModelDraft(drafter, catch_up_tokens or CATCH_UP_TOKENS, **config.options)

@@ -129,11 +129,11 @@ class Eagle3Runner(DraftRunner):
 
 def check_target(cfg, target, target_config: ModelConfig) -> None:
     """ValueError unless the head can draft for this target: one of llama.py's family (its forward
-    returns the aux hidden states), no recurrent state, fc over its hidden size, its vocabulary."""
+    returns the aux hidden states; not a hybrid model), fc over its hidden size, its vocabulary."""
     where = f"EAGLE-3 head {cfg.layer.model_dir}"
     if target_config.linear_attn is not None:
-        raise ValueError(f"{where}: the target {target_config.architecture} keeps a recurrent state, which cannot "
-                         "be rolled back past rejected drafts; serve it without speculation")
+        raise ValueError(f"{where}: the target {target_config.architecture} keeps a recurrent state; heads are "
+                         "served for the Llama family (its checkpoint's MTP layer drafts for it: method mtp)")
     if type(target) is not LlamaModel:
         raise ValueError(f"{where}: heads are served for targets of the Llama family (Llama, Mistral, Qwen2/3, ...), "
                          f"not {target_config.architecture}")
