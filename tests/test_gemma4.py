@@ -3,6 +3,8 @@ the token table holds one copy of the K/V that the last layers share, sized by e
 own heads, and a multimodal checkpoint serves its text model (the towers' weights unread) with
 transformers' logits."""
 
+import json
+
 import pytest
 import torch
 from helpers.models import (BASE, CASES, assert_logits_match_hf, make_model, make_runner, random_prompts,
@@ -65,7 +67,8 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path, captured_logits):
 @pytest.mark.parametrize("preset,kv_bytes", [("gemma4-31b", 2 * (50 * 16 * 256 + 10 * 4 * 512) * 2),
                                              ("gemma4-26b-a4b", 2 * (25 * 8 * 256 + 5 * 2 * 512) * 2)])
 def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(preset, kv_bytes, default_model_dir, tmp_path):
-    """A Gemma 4 preset's config reads, the model built from it on the meta device asks for exactly
+    """A Gemma 4 preset's config (written as the published checkpoints write theirs) reads, the
+    model built from it on the meta device asks for exactly
     the tensors of transformers' model (tp 1 and 2), and its K/V take the bytes the preset states."""
     from test_model_families import MetaWeights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,6 +78,8 @@ def test_bench_preset_loads_with_the_checkpoint_names_and_shapes(preset, kv_byte
     from lightllm.utils.dist import TPGroup
 
     model_dir = write_bench_model(tmp_path / preset, preset, tokenizer_dir=default_model_dir)
+    written = json.loads((model_dir / "config.json").read_text())  # the global layers as published
+    assert "per_layer_config" not in written and written["global_head_dim"] == 512
     cfg = read_config(model_dir)
     assert cfg.layer_windows == ((1024,) * 5 + (0,)) * (cfg.num_layers // 6) and cfg.logit_softcap == 30.0
     assert (cfg.moe is not None) == (preset == "gemma4-26b-a4b")

@@ -49,6 +49,7 @@ its files, such as a bench-8b directory): where there is no network, as on the G
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -259,6 +260,23 @@ def save_config_only(config, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
+def flatten_layer_overrides(path: Path) -> None:
+    """Gemma 4's global layers as its published config.json gives them (global_head_dim,
+    num_global_key_value_heads), not as transformers 5.24 writes them (a per_layer_config of
+    overrides), which other readers refuse (vLLM 0.26 with an older transformers: "'head_dim' is
+    a per-layer attribute")."""
+    values = json.loads(path.read_text())
+    overrides = values.pop("per_layer_config", None) or {}
+    shapes = {(o.get("head_dim"), o.get("num_key_value_heads")) for o in overrides.values()}
+    if len(shapes) > 1:
+        raise ValueError(f"global layers of different shapes in {path}: {shapes}")
+    if shapes:
+        (head_dim, kv_heads), = shapes
+        values.update({k: v for k, v in (("global_head_dim", head_dim), ("num_global_key_value_heads", kv_heads))
+                       if v is not None})
+    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
 def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
     """Write the `preset` model directory into `out` and return it; the tokenizer's files come
     from `tokenizer_dir`, else from the default model."""
@@ -283,6 +301,8 @@ def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_di
         update_json(out / "config.json", num_experts=config.num_experts)
     if config.model_type == "gpt_oss" and not preset.startswith("tiny"):  # MXFP4 experts, as published
         update_json(out / "config.json", quantization_config=MXFP4_CONFIG)
+    if config.model_type == "gemma4_text":
+        flatten_layer_overrides(out / "config.json")
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, out / name)
     logger.info("wrote the %s model directory %s", preset, out)
