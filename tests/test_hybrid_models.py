@@ -125,10 +125,11 @@ def test_tp2_matches_tp1(tmp_path):
 
 @pytest.mark.parametrize("preset,state_mib,kv_kib", [("qwen3.5-27b", 146.8, 64), ("qwen3.5-35b-a3b", 61.4, 20)])
 def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default_model_dir, tmp_path):
-    """Each preset reads as its family, the 27B's model (on the meta device) asks for exactly the
-    tensors, of exactly the shapes, that transformers' model of that config holds, at tp 1 and 2,
-    and a request's state is the size docs/architecture.md states (bf16 conv, fp32 recurrent)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Each preset reads as its family (written as the published checkpoints are: the text model of
+    a ConditionalGeneration), the 27B's model (on the meta device) asks for exactly the text
+    model's tensors, of exactly the shapes, that transformers' model of that config holds, at tp 1
+    and 2, and a request's state is the size docs/architecture.md states (bf16 conv, fp32 recurrent)."""
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 
     from lightllm.models import read_config
     from lightllm.models.qwen3_next import HybridModel
@@ -138,6 +139,7 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
 
     model_dir = write_bench_model(tmp_path / preset, preset, tokenizer_dir=default_model_dir)
     cfg = read_config(model_dir)
+    assert cfg.architecture.endswith("ForConditionalGeneration") and cfg.linear_attn.weight_prefix == "model.language_model"
     assert len(cfg.linear_attn.layers) == cfg.num_layers * 3 // 4 and cfg.linear_attn.rotary_dim == 64
     assert cfg.rope_theta == 1e7 and (cfg.moe is not None) == preset.endswith("a3b")
     assert cfg.linear_attn.mtp_layers == 1  # as published: --speculative_config mtp under a dummy load format
@@ -147,8 +149,9 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
         assert cfg.moe.shared_intermediate_size == 512 and len(cfg.moe.layers) == 40 and cfg.moe.renormalize
     else:  # (transformers keeps the experts fused, under other names than the checkpoint's)
         with torch.device("meta"):
-            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-        expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+            hf_model = Qwen3_5ForConditionalGeneration(AutoConfig.from_pretrained(model_dir))
+        expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()
+                    if not name.startswith("model.visual.")}  # the vision tower: never read
         weights = MetaWeights()
         HybridModel(cfg, weights, TPGroup(0, 1), 256, torch.device("meta"))
         assert weights.asked == expected

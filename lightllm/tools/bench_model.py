@@ -277,6 +277,20 @@ def flatten_layer_overrides(path: Path) -> None:
     path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
+def save_as_published_qwen3_5(text_config, out: Path) -> None:
+    """A Qwen3.5 shape as its published checkpoints' config.json has it: the text model's config
+    under text_config of a Qwen3_5(Moe)ForConditionalGeneration (vision_config transformers'
+    default; its weights are never read), which vLLM 0.26 serves (it registers no
+    Qwen3_5ForCausalLM); this server reads the same text model from either form."""
+    import transformers
+
+    moe = text_config.model_type == "qwen3_5_moe_text"
+    config = getattr(transformers, "Qwen3_5MoeConfig" if moe else "Qwen3_5Config")(text_config=text_config.to_dict())
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"]
+    config.tie_word_embeddings = text_config.tie_word_embeddings
+    config.save_pretrained(out)
+
+
 def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
     """Write the `preset` model directory into `out` and return it; the tokenizer's files come
     from `tokenizer_dir`, else from the default model."""
@@ -303,6 +317,8 @@ def write_bench_model(out: Path, preset: str = "8b", seed: int = 0, tokenizer_di
         update_json(out / "config.json", quantization_config=MXFP4_CONFIG)
     if config.model_type == "gemma4_text":
         flatten_layer_overrides(out / "config.json")
+    if config.model_type in ("qwen3_5_text", "qwen3_5_moe_text") and not preset.startswith("tiny"):
+        save_as_published_qwen3_5(config, out)
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, out / name)
     logger.info("wrote the %s model directory %s", preset, out)
