@@ -24,7 +24,7 @@ from .causal_conv1d import (causal_conv1d_chunks_ref, causal_conv1d_chunks_trito
                             causal_conv1d_step_triton)
 from .causal_conv1d import causal_conv1d_varlen_ref as causal_conv1d_varlen
 from .gated_delta_rule import gated_delta_rule_varlen_ref as gated_delta_rule_varlen
-from .gated_delta_rule import (gated_delta_rule_chunks_ref, gated_delta_rule_chunks_triton, gated_delta_rule_step_ref,
+from .gated_delta_rule import (gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref, gated_delta_rule_step_ref,
                                gated_delta_rule_step_triton)
 from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
@@ -57,7 +57,7 @@ fused_moe = _by_device(fused_moe_ref, fused_moe_triton)
 causal_conv1d_step = _by_device(causal_conv1d_step_ref, causal_conv1d_step_triton)
 gated_delta_rule_step = _by_device(gated_delta_rule_step_ref, gated_delta_rule_step_triton)
 causal_conv1d_chunks = _by_device(causal_conv1d_chunks_ref, causal_conv1d_chunks_triton)
-gated_delta_rule_chunks = _by_device(gated_delta_rule_chunks_ref, gated_delta_rule_chunks_triton)
+gated_delta_rule_chunks = _by_device(gated_delta_rule_chunks_ref, gated_delta_rule_chunks_fla)  # fla's kernels on CUDA
 lora_shrink = _by_device(lora_shrink_ref, lora_shrink_triton)
 lora_expand_ = _by_device(lora_expand_ref, lora_expand_triton)
 

@@ -8,13 +8,13 @@ output reads it with the scaled, L2-normalised query: o = S^T q. Three forms wit
   at once, in blocks of CHUNK tokens (the WY form: each block is a triangular solve and a few
   matmuls, and the state is carried block to block). `gated_delta_rule_chunk_ref` is the same for
   one sequence.
-- `gated_delta_rule_chunks_ref` / `_triton`: the prefill and extend path, the same over all of a
+- `gated_delta_rule_chunks_ref` / `_fla`: the prefill and extend path, the same over all of a
   step's tokens with the chunk bounds on the device and the states in a pool by request row,
-  updated in place (no host read: a padded step's forward is captured in a CUDA graph). The
-  Triton form is two launches: each block's WY transform (I + A)^-1 and causal scores in fp32,
-  every block of the step at once, then a program per (chunk, value head, 32 value dimensions)
-  carrying its state tile [k_dim, 32] in fp32 through the chunk's blocks (its dots in the inputs'
-  dtype).
+  updated in place (no host read: a padded step's forward is captured in a CUDA graph). On CUDA
+  it runs flash-linear-attention's `chunk_gated_delta_rule` (fla-core, imported there only):
+  measured on an H200 it took 1.5 ms where our own Triton chunks kernel took 26.7 ms for 8192
+  tokens of a qwen3.5-27b layer (docs/architecture.md), so ours is gone; the wrapper gathers the
+  initial states from the pool and scatters the final ones back.
 - `gated_delta_rule_step_ref` / `_triton`: one token for each of B requests, their states updated
   in place in a pool by row; the decode path.
 
@@ -23,7 +23,7 @@ functions are the CPU path and the oracle.
 """
 import torch
 
-from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton
+from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
 
 CHUNK = 64
 
@@ -204,157 +204,54 @@ def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out
 
 
-# ---- the chunked form's Triton kernels: a step's prompt chunks, bounds and states on the device ----
+# ---- the chunked form on CUDA: flash-linear-attention's chunk_gated_delta_rule over the step's tokens ----
 
-# The Triton kernels' block (tokens): a constant of its own, so that the interpreter's tests can cut
-# blocks of 16 and cross many block boundaries on tiny sequences.
-TRITON_CHUNK = CHUNK
-# The chunks kernel's value dimensions a program (its state tile [k_dim, BLOCK_V]) and warps: chosen
-# by register count, not yet timed on a GPU (test/benchmark/kernels/delta_rule_bench.py sets them).
-CHUNKS_BLOCK_V, CHUNKS_WARPS = 32, 8
+def _fla_chunk_gated_delta_rule():
+    """Imported on first use, on CUDA only: the CPU path (and CI) never needs the library."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return chunk_gated_delta_rule
 
 
-@triton.jit
-def _block_bounds(cu_ptr, num_seqs, block, BT: tl.constexpr):
-    """The tokens [lo, hi) of the packed sequences' block-th block of BT (sequence by sequence,
-    each cut from its start); lo == hi past the last block."""
-    lo = tl.load(cu_ptr) * 0
-    hi = lo
-    seen = lo
-    for s in range(num_seqs):
-        a = tl.load(cu_ptr + s)
-        b = tl.load(cu_ptr + s + 1)
-        n = (b - a + BT - 1) // BT
-        inside = (block >= seen) & (block < seen + n)
-        lo = tl.where(inside, a + (block - seen) * BT, lo)
-        hi = tl.where(inside, tl.minimum(a + (block - seen + 1) * BT, b), hi)
-        seen += n
-    return lo, hi
+def fla_sequences(cu_seqlens: torch.Tensor, tokens: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's chunks as flash-linear-attention's packed sequences, built on the device: bounds
+    [0, cu_seqlens..., tokens, tokens] (a lead sequence over the decode tokens, the chunks, a tail
+    over the padding tokens, an empty last one) and the fixed-size block index [(sequence, block)]
+    of cdiv(tokens, chunk) + the sequences' count rows, the real blocks first, the rest pointing at
+    the empty sequence (whose blocks fla's kernels skip). Fixed sizes and no host read keep a padded
+    step's call capturable in a CUDA graph."""
+    cu = cu_seqlens.long()
+    ends = cu.new_full((1,), tokens)
+    bounds = torch.cat([cu.new_zeros(1), cu, ends, ends])
+    blocks = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
+    offsets = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)])
+    slots = torch.arange(cdiv(tokens, chunk) + blocks.shape[0], device=cu.device)
+    seq = torch.searchsorted(offsets, slots, right=True) - 1
+    real = slots < offsets[-1]
+    seq = torch.where(real, seq, blocks.shape[0] - 1)
+    index = torch.where(real, slots - offsets[seq], 0)
+    return bounds, torch.stack([seq, index], 1)
 
 
-@triton.jit
-def _unit_keys(k_ptr, t, t_mask, k_stride, head_offset, dk, dk_mask):
-    """[BT, BK] fp32 L2-normalised keys (zeros for masked tokens)."""
-    k = tl.load(k_ptr + t[:, None] * k_stride + head_offset + dk[None, :], mask=t_mask[:, None] & dk_mask[None, :],
-                other=0.0).to(tl.float32)
-    return k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["num_seqs"])  # one kernel for every step's chunk count
-def _delta_rule_blocks_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, blocks_ptr, num_seqs, q_stride, q_head_stride,
-                              k_stride, k_head_stride, g_stride, beta_stride, num_heads, group, scale,
-                              DK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One (block, value head), in fp32: T = (I + A)^-1 for A[i, j] = beta_i k_i.k_j exp(G_i - G_j),
-    i > j (G the block's cumulative log decay), by forward substitution row by row (T is the
-    block's WY transform: `gated_delta_rule_varlen_ref`'s triangular solves), and the causal scores
-    q_i.k_j exp(G_i - G_j), i >= j. blocks [2, blocks, H, BT, BT]: the transforms, then the scores."""
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    lo, hi = _block_bounds(cu_ptr, num_seqs, block, BT)
-    if hi <= lo:
-        return
-    i = tl.arange(0, BT)
-    t = lo + i
-    t_mask = t < hi
-    dk = tl.arange(0, BK)
-    key_head = head // group
-    k = _unit_keys(k_ptr, t, t_mask, k_stride, key_head * k_head_stride, dk, dk < DK)
-    q = _unit_keys(q_ptr, t, t_mask, q_stride, key_head * q_head_stride, dk, dk < DK) * scale
-    beta = tl.load(beta_ptr + t * beta_stride + head, mask=t_mask, other=0.0).to(tl.float32)
-    gc = tl.cumsum(tl.load(g_ptr + t * g_stride + head, mask=t_mask, other=0.0).to(tl.float32), axis=0)
-    decay = tl.exp(tl.where(i[:, None] >= i[None, :], gc[:, None] - gc[None, :], float("-inf")))
-    a = tl.where(i[:, None] > i[None, :], dot(k * beta[:, None], tl.trans(k), DOT_UPCAST) * decay, 0.0)
-    inverse = (i[:, None] == i[None, :]).to(tl.float32)
-    for r in range(1, BT):  # row r = e_r - sum_{j<r} A[r, j] T[j, :]; rows above r are final
-        a_r = tl.sum(tl.where(i[:, None] == r, a, 0.0), axis=0)
-        row = tl.where(i == r, 1.0, -tl.sum(a_r[:, None] * inverse, axis=0))
-        inverse = tl.where(i[:, None] == r, row[None, :], inverse)
-    tile = (block.to(tl.int64) * num_heads + head) * BT * BT + i[:, None] * BT + i[None, :]
-    tl.store(blocks_ptr + tile, inverse)
-    scores_ptr = blocks_ptr + tl.num_programs(0).to(tl.int64) * num_heads * BT * BT
-    tl.store(scores_ptr + tile, dot(q, tl.trans(k), DOT_UPCAST) * decay)
-
-
-@triton.jit
-def _mm(a, b, DT: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """a @ b with operands in DT (the inputs' dtype: bf16 on tensor cores, fp32 exact), fp32 sums."""
-    return dot(a.to(DT), b.to(DT), DOT_UPCAST)
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["num_blocks"])  # (the step's tokens and chunks bound it)
-def _delta_rule_chunks_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, states_ptr, rows_ptr, fresh_ptr,
-                              blocks_ptr, num_blocks, o_ptr, q_stride, q_head_stride, k_stride, k_head_stride, v_stride,
-                              v_head_stride, g_stride, beta_stride, o_stride, o_head_stride, num_heads, group, scale,
-                              DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                              BV: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One (sequence, value head, block of BV value dimensions): its state's columns [DK, BV] from
-    the pool (or zeros), carried block by block over the sequence, then back to the pool. Per
-    block: new values U = T (beta v - beta e^G k S), o = (q e^G) S + (q k^T decay) U, and
-    S = e^G_last S + (k e^(G_last - G))^T U, T and the scores from _delta_rule_blocks_kernel.
-    States [S, H, DK, DV] contiguous."""
-    seq = tl.program_id(0)
-    lo = tl.load(cu_ptr + seq)
-    hi = tl.load(cu_ptr + seq + 1)
-    if hi <= lo:  # a padding chunk: no state
-        return
-    head = tl.program_id(1)
-    dv = tl.program_id(2) * BV + tl.arange(0, BV)
-    dk = tl.arange(0, BK)
-    i = tl.arange(0, BT)
-    dk_mask, dv_mask = dk < DK, dv < DV
-    DT = v_ptr.dtype.element_ty
-    first_block = tl.load(cu_ptr) * 0
-    for s in range(seq):  # this sequence's first block among all of the step's (its tiles' index)
-        first_block += (tl.load(cu_ptr + s + 1) - tl.load(cu_ptr + s) + BT - 1) // BT
-    row = tl.load(rows_ptr + seq).to(tl.int64)
-    s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
-    s_mask = dk_mask[:, None] & dv_mask[None, :]
-    keep = tl.load(fresh_ptr + seq + dk * 0) == 0  # (as a vector: the interpreter masks with arrays only)
-    state = tl.load(s_ptrs, mask=s_mask & keep[:, None], other=0.0)
-    key_head = head // group
-    for b in range((hi - lo + BT - 1) // BT):
-        t = lo + b * BT + i
-        t_mask = t < hi
-        k = _unit_keys(k_ptr, t, t_mask, k_stride, key_head * k_head_stride, dk, dk_mask)
-        q = _unit_keys(q_ptr, t, t_mask, q_stride, key_head * q_head_stride, dk, dk_mask) * scale
-        v = tl.load(v_ptr + t[:, None] * v_stride + head * v_head_stride + dv[None, :],
-                    mask=t_mask[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * beta_stride + head, mask=t_mask, other=0.0).to(tl.float32)
-        gc = tl.cumsum(tl.load(g_ptr + t * g_stride + head, mask=t_mask, other=0.0).to(tl.float32), axis=0)
-        g_last = tl.max(tl.where(i == BT - 1, gc, float("-inf")), axis=0)  # padding tokens add 0
-        tile = blocks_ptr + ((first_block + b).to(tl.int64) * num_heads + head) * BT * BT + i[:, None] * BT + i[None, :]
-        inverse = tl.load(tile)
-        scores = tl.load(tile + num_blocks.to(tl.int64) * num_heads * BT * BT)
-        corrected = v * beta[:, None] - _mm(k * (beta * tl.exp(gc))[:, None], state, DT, DOT_UPCAST)
-        new = _mm(inverse, corrected, DT, DOT_UPCAST)  # [BT, BV]
-        out = _mm(q * tl.exp(gc)[:, None], state, DT, DOT_UPCAST) + _mm(scores, new, DT, DOT_UPCAST)
-        tl.store(o_ptr + t[:, None] * o_stride + head * o_head_stride + dv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=t_mask[:, None] & dv_mask[None, :])
-        state = state * tl.exp(g_last) + _mm(tl.trans(k * tl.exp(g_last - gc)[:, None]), new, DT, DOT_UPCAST)
-    tl.store(s_ptrs, state, mask=s_mask)
-
-
-def gated_delta_rule_chunks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                   beta: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
-                                   rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
-    """Two launches, no host read: each block's WY transform and scores (all blocks at once, a grid
-    bounded by the tokens and chunks), then every chunk's state carried through its blocks."""
-    assert states.is_contiguous() and states.dtype == torch.float32
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
-    assert g.stride(-1) == beta.stride(-1) == 1
-    tokens, num_heads, dv = v.shape
-    dk, num_seqs, bt = q.shape[-1], rows.shape[0], TRITON_CHUNK
-    max_blocks = cdiv(tokens, bt) + num_seqs  # each chunk adds at most one partial block
-    blocks = torch.empty(2, max_blocks, num_heads, bt, bt, dtype=torch.float32, device=v.device)
-    group, block_k, upcast, scale = num_heads // q.shape[1], max(16, next_power_of_2(dk)), not v.is_cuda, dk ** -0.5
-    _delta_rule_blocks_kernel[(max_blocks, num_heads)](
-        q, k, g, beta, cu_seqlens, blocks, num_seqs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0),
-        beta.stride(0), num_heads, group, scale, DK=dk, BT=bt, BK=block_k, DOT_UPCAST=upcast)
-    block_v = max(16, min(next_power_of_2(dv), CHUNKS_BLOCK_V))
-    _delta_rule_chunks_kernel[(num_seqs, num_heads, cdiv(dv, block_v))](
-        q, k, v, g, beta, cu_seqlens, states, rows, fresh.view(torch.uint8), blocks, max_blocks, out, q.stride(0),
-        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
-        out.stride(1), num_heads, group, scale, DK=dk, DV=dv, BT=bt, BK=block_k, BV=block_v, DOT_UPCAST=upcast,
-        num_warps=CHUNKS_WARPS)
+def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
+                                rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor,
+                                chunk_fn=None) -> None:
+    """`gated_delta_rule_chunks_ref` on CUDA through flash-linear-attention (its value heads sharing
+    key heads as ours do; L2 norms in its kernel): the initial states gathered from the pool (zeros
+    where a chunk starts its request), one call over all of the step's tokens, the outputs kept for
+    the chunks' rows only, the final states of the non-empty chunks scattered back; all on the
+    device, no host read. chunk_fn: a stand-in with chunk_gated_delta_rule's signature (tests)."""
+    chunk_fn = chunk_fn or _fla_chunk_gated_delta_rule()
+    tokens, dk = v.shape[0], k.shape[-1]
+    bounds, index = fla_sequences(cu_seqlens, tokens)
+    lone = states.new_zeros((1, *states.shape[1:]))
+    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
+    initial = torch.cat([lone, initial, lone, lone])  # the lead, the chunks, the tail, the empty sequence
+    o, final = chunk_fn(q[None], k[None], v[None], g[None], beta[None], scale=dk ** -0.5, initial_state=initial,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds,
+                        chunk_indices=index)
+    at = torch.arange(tokens, device=v.device)
+    inside = (at >= cu_seqlens[0]) & (at < cu_seqlens[-1])
+    out.copy_(torch.where(inside.view(-1, 1, 1), o[0].to(out.dtype), out))
+    filled = (cu_seqlens[1:] > cu_seqlens[:-1]).view(-1, 1, 1, 1)  # padding chunks (empty) share one row
+    states[rows] = torch.where(filled, final[1:-2], states[rows])

@@ -37,6 +37,25 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
 
 
+def _keep_transformers_delta_rule_in_torch() -> None:
+    """Where flash-linear-attention is installed (the `cuda` extra), transformers' decorator puts fla's
+    kernels in place of its own torch code for the hybrid models' delta rule, which takes no CPU
+    tensors and is the code our CUDA path runs: the oracle stays transformers' torch code."""
+    import importlib.util
+    import inspect
+
+    if importlib.util.find_spec("fla") is None:
+        return
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            if hasattr(module, name):
+                setattr(module, name, inspect.unwrap(getattr(module, name)))
+
+
+_keep_transformers_delta_rule_in_torch()
+
+
 # The releases the tests lean on (transformers as the oracle, triton's interpreter, the tokenizers,
 # xgrammar's masks, the HTTP stack): a red run that did not change our code names which one moved.
 REPORTED_PACKAGES = ("torch", "transformers", "triton", "tokenizers", "xgrammar", "fastapi")

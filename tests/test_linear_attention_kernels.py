@@ -3,6 +3,9 @@ transformers' own torch implementations (Qwen3-Next's), on fresh random inputs: 
 the same sequences cut into chunks at random points with the state carried, and token by token
 through the decode step's pooled, in-place states (fp32: within 1e-5)."""
 
+import inspect
+from functools import partial
+
 import pytest
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import (causal_conv1d_fn, torch_chunk_gated_delta_rule,
@@ -149,7 +152,7 @@ def test_causal_conv1d_step_triton_equals_reference(dtype, channels):
     assert (got[1] == 0).all() and torch.equal(states[[0, 2, 3]], before[[0, 2, 3]])  # padding: no state
 
 
-# ---- the chunked forms' Triton kernels against their references: a step's chunks, states in a pool ----
+# ---- the chunked forms' CUDA paths against their references: a step's chunks, states in a pool ----
 
 def step_chunks(gen, lengths, decodes, pool_rows):
     """Absolute bounds of chunks of `lengths` after `decodes` decode tokens, each on its own pool row
@@ -168,30 +171,53 @@ def step_chunks(gen, lengths, decodes, pool_rows):
 CHUNK_CASES = [((1, 2, 16, 37, 0, 0), 3), ((17, 5, 1), 0), ((50,), 2)]
 
 
-@pytest.mark.parametrize("lengths,decodes", CHUNK_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_delta_rule_chunks_triton_equals_reference(lengths, decodes, dtype, monkeypatch):
-    from lightllm.kernels import gated_delta_rule as gdr
+def varlen_standing_in_for_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                               cu_seqlens, chunk_indices):
+    """fla's chunk_gated_delta_rule as the wrapper calls it ([1, T, ...] inputs, packed sequences from
+    their initial states), run by our reference: the wrapper's gather, call and scatter under test."""
+    assert scale == k.shape[-1] ** -0.5 and use_qk_l2norm_in_kernel and output_final_state
+    assert_fla_blocks(cu_seqlens.tolist(), chunk_indices.tolist())
+    out, final = gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu_seqlens.tolist(), initial_state)
+    return out[None], final
 
-    monkeypatch.setattr(gdr, "TRITON_CHUNK", 16)  # blocks of 16: boundaries inside tiny chunks
+
+def assert_fla_blocks(bounds, index, chunk=64):
+    """Every (sequence, block) of the packed sequences once, in order, then rows on the last (empty)
+    sequence's block 0, which fla's kernels skip."""
+    real = [[s, b] for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])) for b in range(-(-(hi - lo) // chunk))]
+    assert bounds[-1] == bounds[-2] and index[: len(real)] == real and len(index) > len(real)
+    assert all(row == [len(bounds) - 2, 0] for row in index[len(real):])
+
+
+@pytest.mark.parametrize("lengths,decodes", CHUNK_CASES + [((1, 70, 64, 0), 2)])
+def test_gated_delta_rule_chunks_fla_wrapper_equals_reference(lengths, decodes):
+    """The CUDA path's wrapper around flash-linear-attention (its kernel replaced by our reference,
+    same signature: fla's kernels do not run in Triton's interpreter; the GPU tests compare the real
+    one): states gathered from the pool (zeros where a chunk starts its request), outputs written
+    for the chunks' rows only, final states back to the chunks' rows, padding chunks' row untouched."""
+    from lightllm.kernels.gated_delta_rule import gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref
+
     gen = torch.Generator().manual_seed(sum(lengths) + decodes)
     cu, rows, fresh, tokens = step_chunks(gen, lengths, decodes, pool_rows=8)
-    k_heads, v_heads, dk, dv = 1, 2, 16, 24  # dv 24: a value block of 16 and a partial one
-    q, k, v, g, beta = (t.to(DEVICE) for t in delta_inputs(gen, tokens + 2, k_heads, v_heads, dk, dv))
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    pool = (torch.randn(8, v_heads, dk, dv, generator=gen) * 0.3).to(DEVICE)
+    q, k, v, g, beta = delta_inputs(gen, tokens + 2, 1, 2, 16, 24)  # 2 padding tokens after the chunks
+    pool = torch.randn(8, 2, 16, 24, generator=gen) * 0.3
     outs, pools = [], []
-    for impl in (gdr.gated_delta_rule_chunks_ref, gdr.gated_delta_rule_chunks_triton):
-        out = torch.full_like(v, 7.0)  # the decode rows before the chunks, and the tokens after, keep theirs
-        states = pool.clone()
+    for impl in (gated_delta_rule_chunks_ref, partial(gated_delta_rule_chunks_fla, chunk_fn=varlen_standing_in_for_fla)):
+        out, states = torch.full_like(v, 7.0), pool.clone()  # decode rows before the chunks, padding after: kept
         impl(q, k, v, g, beta, cu, states, rows, fresh, out)
         outs.append(out)
         pools.append(states)
-    tol = STEP_TOL[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(outs[1], outs[0], **tol)
-    torch.testing.assert_close(pools[1], pools[0], **tol)
+    torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[torch.float32])
+    torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[torch.float32])
     assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
-    assert torch.equal(pools[1][-1], pool[-1]) and torch.equal(pools[0][-1], pool[-1])  # padding chunks: no state
+    assert torch.equal(pools[1][-1], pool[-1])  # the padding chunks' row
+
+
+def test_stand_in_takes_fla_arguments():
+    """The stand-in's keywords are ones fla 0.6's chunk_gated_delta_rule takes (where fla is installed)."""
+    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+    accepted = inspect.signature(fla.chunk_gated_delta_rule).parameters
+    assert set(inspect.signature(varlen_standing_in_for_fla).parameters) <= set(accepted)
 
 
 @pytest.mark.parametrize("lengths,decodes", CHUNK_CASES)

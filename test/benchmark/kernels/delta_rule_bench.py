@@ -1,38 +1,32 @@
-"""Gated DeltaNet's prefill kernels at a model's shapes: ours (Triton), the torch reference, and
-flash-linear-attention's `chunk_gated_delta_rule` where it imports.
+"""Gated DeltaNet's prefill kernels at a model's shapes: the served path, the torch reference, and
+flash-linear-attention's `chunk_gated_delta_rule` called bare.
 
     python test/benchmark/kernels/delta_rule_bench.py [--shape qwen3.5-27b] [--tp 1] [--iters 10]
-        [--block-v 32] [--warps 8]
 
 One linear layer's step of prompt chunks (bf16 q/k/v, fp32 log decays, states in a pool of fp32
 slots), for each case of CASES: the gated delta rule through kernels/gated_delta_rule.py's
-`gated_delta_rule_chunks_triton` (two launches: every block's WY transform, then each chunk's state
-through its blocks), its reference `gated_delta_rule_chunks_ref` (the CPU path, batched torch), and
-fla's kernel (package fla-core) with `cu_seqlens` (its bounds on the host too, made once, so that
-it builds its chunk index once; its grouped value heads take the key heads as they are; the states
-gathered from and written back to the pool around it, which ours reads and writes in place); then
-the causal conv1d with its state, ours and the reference. Times are the mean of --iters calls
-after a warm-up, between CUDA events (eager: the reference reads its bounds to the host); errors
-are |x - reference| / |reference| over the whole output. Prints one markdown table. --block-v and
---warps set our chunks kernel's value dimensions a program and its warps
-(gated_delta_rule.CHUNKS_BLOCK_V, CHUNKS_WARPS). CUDA only.
+`gated_delta_rule_chunks_fla` (what a CUDA step runs: fla's kernel over all of the step's tokens,
+its sequences and block index built on the device, the states gathered from and scattered back to
+the pool), its reference `gated_delta_rule_chunks_ref` (the CPU path, batched torch), and fla's
+kernel bare (package fla-core) with `cu_seqlens` on the host too, made once, so that it builds its
+chunk index once: the wrapper's cost is the difference; then the causal conv1d with its state, ours
+and the reference. Times are the mean of --iters calls after a warm-up, between CUDA events (eager:
+the reference reads its bounds to the host); errors are |x - reference| / |reference| over the
+whole output. Prints one markdown table. CUDA only, with fla-core installed.
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: `import lightllm`
-from lightllm.kernels import gated_delta_rule  # noqa: E402
-from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_ref, causal_conv1d_chunks_triton  # noqa: E402
-from lightllm.kernels.gated_delta_rule import (gated_delta_rule_chunks_ref,  # noqa: E402
-                                               gated_delta_rule_chunks_triton)
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 
-logger = logging.getLogger("delta_rule_bench")
+from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_ref, causal_conv1d_chunks_triton  # noqa: E402
+from lightllm.kernels.gated_delta_rule import gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref  # noqa: E402
 
 SHAPES = {  # name -> (key heads, value heads, key dim, value dim, conv kernel)
     "qwen3.5-27b": (16, 48, 128, 128, 4),
@@ -42,8 +36,8 @@ SHAPES = {  # name -> (key heads, value heads, key dim, value dim, conv kernel)
 CASES = [("prefill 1 x 8192", [8192], False), ("prefill 8 x 1024", [1024] * 8, False),
          ("burst 64 x 128", [128] * 64, False), ("extend 4 x 512", [512] * 4, True),
          ("mixed 1 x 2048", [2048], True)]
-COLUMNS = ["case", "tokens", "chunks", "torch ms", "ours ms", "fla ms", "ours / fla", "ours err", "fla err",
-           "conv torch ms", "conv ours ms", "conv err"]
+COLUMNS = ["case", "tokens", "chunks", "torch ms", "ours ms", "fla bare ms", "ours / bare", "ours err",
+           "fla bare err", "conv torch ms", "conv ours ms", "conv err"]
 
 
 def event_ms(fn, iters: int) -> float:
@@ -62,15 +56,6 @@ def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     return ((x.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
-def fla_kernel():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError as exc:
-        logger.info("flash-linear-attention not importable (%s): its column stays empty", exc)
-        return None
-    return chunk_gated_delta_rule
-
-
 def fla_call(kernel, bounds, q, k, v, g, beta, cu, states, rows, fresh, out):
     """fla's varlen call over the same step (its GVA: the key heads as they are), the pool's states
     in and out; `bounds` (the chunks' bounds from 0, on the device and on the host) made once, so
@@ -84,7 +69,7 @@ def fla_call(kernel, bounds, q, k, v, g, beta, cu, states, rows, fresh, out):
     states[rows] = final.float()
 
 
-def case_row(name, lengths, continued, shape, iters, fla) -> dict:
+def case_row(name, lengths, continued, shape, iters) -> dict:
     k_heads, v_heads, dk, dv, width = shape
     tokens, n = sum(lengths), len(lengths)
     gen = torch.Generator(device="cuda").manual_seed(tokens + n)
@@ -107,14 +92,13 @@ def case_row(name, lengths, continued, shape, iters, fla) -> dict:
         row[f"{label} ms"] = event_ms(lambda: fn(*args, cu, states, rows, fresh, out), iters)  # states move on
 
     timed("torch", gated_delta_rule_chunks_ref, q, k, v, g, beta)
-    timed("ours", gated_delta_rule_chunks_triton, q, k, v, g, beta)
+    timed("ours", gated_delta_rule_chunks_fla, q, k, v, g, beta)
     row["ours err"] = relative_error(outputs["ours"][0], outputs["torch"][0])
-    if fla is not None:
-        lo, hi = int(cu[0]), int(cu[-1])
-        bounds = (lo, hi, (cu - lo).long(), (cu - lo).long().cpu())
-        timed("fla", lambda *a: fla_call(fla, bounds, *a), q, k, v, g, beta)
-        row["fla err"] = relative_error(outputs["fla"][0], outputs["torch"][0])
-        row["ours / fla"] = row["ours ms"] / row["fla ms"]
+    lo, hi = int(cu[0]), int(cu[-1])
+    bounds = (lo, hi, (cu - lo).long(), (cu - lo).long().cpu())
+    timed("fla bare", lambda *a: fla_call(chunk_gated_delta_rule, bounds, *a), q, k, v, g, beta)
+    row["fla bare err"] = relative_error(outputs["fla bare"][0], outputs["torch"][0])
+    row["ours / bare"] = row["ours ms"] / row["fla bare ms"]
     channels = 2 * k_heads * dk + v_heads * dv
     x, weight = randn(tokens, channels), randn(channels, width)
     conv_pool = randn(n + 1, channels, width - 1)
@@ -141,20 +125,14 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-27b")
     parser.add_argument("--tp", type=int, default=1, help="the heads one rank of this tensor-parallel size holds")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--block-v", type=int, default=gated_delta_rule.CHUNKS_BLOCK_V)
-    parser.add_argument("--warps", type=int, default=gated_delta_rule.CHUNKS_WARPS)
     args = parser.parse_args()
-    gated_delta_rule.CHUNKS_BLOCK_V, gated_delta_rule.CHUNKS_WARPS = args.block_v, args.warps
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         sys.exit("delta_rule_bench.py times CUDA kernels: no GPU here")
     k_heads, v_heads, dk, dv, width = SHAPES[args.shape]
     shape = (k_heads // args.tp, v_heads // args.tp, dk, dv, width)
-    fla = fla_kernel()
-    rows = [case_row(name, lengths, continued, shape, args.iters, fla) for name, lengths, continued in CASES]
+    rows = [case_row(name, lengths, continued, shape, args.iters) for name, lengths, continued in CASES]
     print(f"{args.shape}, tp {args.tp} (one rank: {shape[0]} key heads, {shape[1]} value heads), "
-          f"{torch.cuda.get_device_name()}, bf16 inputs, fp32 states; ms per call, one layer; ours: value "
-          f"block {args.block_v}, {args.warps} warps")
+          f"{torch.cuda.get_device_name()}, bf16 inputs, fp32 states; ms per call, one layer")
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + " --- |" * len(COLUMNS))
     for row in rows:
