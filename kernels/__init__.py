@@ -25,7 +25,7 @@ from .causal_conv1d import (causal_conv1d_chunks_ref, causal_conv1d_chunks_trito
 from .causal_conv1d import causal_conv1d_varlen_ref as causal_conv1d_varlen
 from .gated_delta_rule import gated_delta_rule_varlen_ref as gated_delta_rule_varlen
 from .gated_delta_rule import (gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref, gated_delta_rule_step_ref,
-                               gated_delta_rule_step_triton)
+                               gated_delta_rule_step_triton, require_fla)
 from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -65,5 +65,5 @@ __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
     "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
-    "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "lora_shrink", "lora_expand_", "lora_segments",
+    "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "require_fla", "lora_shrink", "lora_expand_", "lora_segments",
 ]

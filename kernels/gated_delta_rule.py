@@ -208,8 +208,17 @@ def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _fla_chunk_gated_delta_rule():
     """Imported on first use, on CUDA only: the CPU path (and CI) never needs the library."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        raise ImportError("the hybrid models' prompt chunks on a GPU run flash-linear-attention's chunked delta "
+                          "rule: pip install 'fla-core>=0.6,<0.7' (or this package's [cuda] extra)") from exc
     return chunk_gated_delta_rule
+
+
+def require_fla() -> None:
+    """Raise at load, not at the first prompt, where flash-linear-attention is missing."""
+    _fla_chunk_gated_delta_rule()
 
 
 def fla_sequences(cu_seqlens: torch.Tensor, tokens: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:

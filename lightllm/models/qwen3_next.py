@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from lightllm.common.state_pool import StatePool, VerifyStash
 from lightllm.common.token_table import TokenTable
 from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_chunks,
-                              gated_delta_rule_step, gated_delta_rule_varlen, rotary_kv_)
+                              gated_delta_rule_step, gated_delta_rule_varlen, require_fla, rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -346,6 +346,8 @@ class HybridModel:
 
     def __init__(self, cfg: ModelConfig, weights, tp: TPGroup, max_positions: int, device: torch.device):
         self.config = cfg
+        if device.type == "cuda":
+            require_fla()
         prefix = cfg.linear_attn.weight_prefix
         self.embed = VocabParallelEmbedding(weights, tp, f"{prefix}.embed_tokens.weight", cfg.vocab_size,
                                             cfg.hidden_size)
