@@ -65,5 +65,6 @@ __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
     "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
-    "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "require_fla", "lora_shrink", "lora_expand_", "lora_segments",
+    "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "require_fla",
+    "lora_shrink", "lora_expand_", "lora_segments",
 ]
