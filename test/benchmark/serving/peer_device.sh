@@ -12,9 +12,10 @@
 #
 # Each row: start the server (vLLM: bf16, dummy weights, --max-model-len $VLLM_MAX_LEN (8192); ours:
 # bf16, dummy weights), wait until /health answers, send the requests, stop the server and wait
-# until its GPU memory is free. Everything stays within TOTAL_S (570 s) of the start; a row that
-# would not fit is skipped. Logs and result JSONs in $OUT/ITEM-NAME/, the table in $OUT/peers.md
-# and on stdout (CPU plumbing check: NO_WHEELS=1 and a tiny model). Needs (carried): .whl/ (the wheels the image lacks), .gpu/MODEL, .gpu/requests-*.json.
+# until its GPU memory is free. Everything stays within TOTAL_S (570 s) of the start; a row with
+# less time left than MIN_ROW_S (150; vLLM's MIN_VLLM_ROW_S, 330) is skipped. Logs and result JSONs
+# in $OUT/ITEM-NAME/, the table in $OUT/peers.md and on stdout (CPU plumbing check: NO_WHEELS=1 and
+# a tiny model). Needs (carried): .whl/ (the wheels the image lacks), .gpu/MODEL, .gpu/requests-*.json.
 set -uo pipefail
 
 ROOT=$(pwd)
@@ -46,7 +47,7 @@ row() {  # row ITEM
   [[ $n == *@* ]] && { rate=${n#*@}; n=${n%@*}; }
   local kind=${server%%+*} extra=; [[ $server == *+* ]] && extra=${server#*+}; extra=${extra//,/ }
   local dir=$OUT/${item//[:\/@+,]/_}; mkdir -p "$dir"
-  local need=150; [[ $kind == vllm ]] && need=330
+  local need=${MIN_ROW_S:-150}; [[ $kind == vllm ]] && need=${MIN_VLLM_ROW_S:-330}
   if (($(left) < need)); then echo "$item: skipped, $(left) s left"; ROWS+=("| $server | $model | $n@$rate | skipped | | | | | |"); return; fi
   local port=$((20000 + RANDOM % 20000)) t0=$SECONDS
   if [[ $kind == vllm ]]; then
