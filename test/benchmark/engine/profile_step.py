@@ -181,8 +181,9 @@ def gemm_table(runner: ModelRunner, batch: int, bandwidth: float, iters: int) ->
     def out_in(linear):  # the weight as [out, in], whichever layout the layer keeps
         return linear.weight if hasattr(linear, "weight") else linear.weight_t.t()
 
-    weights = {"qkv": out_in(layer.attn.qkv), "o": out_in(layer.attn.o), "gate_up": out_in(layer.mlp.gate_up),
-               "down": out_in(layer.mlp.down), "lm_head": out_in(runner.model.lm_head)}
+    mlp = {"gate_up": out_in(layer.mlp.gate_up), "down": out_in(layer.mlp.down)} if hasattr(layer.mlp, "gate_up") else {}
+    weights = {"qkv": out_in(layer.attn.qkv), "o": out_in(layer.attn.o), **mlp,  # experts: moe_bench.py times them
+               "lm_head": out_in(runner.model.lm_head)}
     lines = [f"#### Projection GEMMs alone, M = {batch}", "",
              "| weight | shape | F.linear us | GB/s | of copy | x @ W^T (stored [in, out]) us | GB/s | of copy |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
