@@ -165,23 +165,25 @@ def call_every_kernel() -> None:
 
 
 def call_wide_head_kernels(table, rows, lens, cu_q) -> None:
-    """Gemma 4's global layers (heads of 512, 8 query heads a kv head; Gemma 3's of 256): rotary and
-    the attention launches, bounded by an H100's shared memory as on the GPU (the wrappers see no
-    limit for CPU tensors)."""
+    """Gemma 4's global layers (heads of 512, 8 query heads a kv head): rotary and the attention
+    launches (every decode plan over a bf16 cache, a split one over fp8), bounded by an H100's
+    shared memory as on the GPU (the wrappers see no limit for CPU tensors)."""
     limit = decode_module.shared_memory_limit, extend_module.shared_memory_limit
     decode_module.shared_memory_limit = extend_module.shared_memory_limit = lambda device: H100_SHARED_BYTES
     per_wave = decode_module._programs_per_wave
+    head_dim = 512
+    q, k, v = (torch.randn(4, heads, head_dim, dtype=BF16) for heads in (16, 2, 2))
+    blocks = torch.tensor(extend_q_blocks([1, 3], head_dim, 4), dtype=torch.int32).view(2, -1)
     try:
-        for head_dim, kv_dtype in ((256, BF16), (512, BF16), (512, FP8)):
-            q, k, v = (torch.randn(4, heads, head_dim, dtype=BF16) for heads in (16, 2, 2))
+        for kv_dtype, plans in ((BF16, ((H100_SMS, 2), (H100_SMS, 4), (0, 4))), (FP8, ((H100_SMS, 4),))):
             k_cache, v_cache = (torch.zeros(1024, 2, head_dim, dtype=kv_dtype) for _ in range(2))
-            rotary_kv_triton(q, k, v, *(torch.randn(4, head_dim // 2) for _ in range(2)), k_cache, v_cache,
-                             torch.arange(4))
-            for sms, batch in ((H100_SMS, 2), (H100_SMS, 4), (0, 4)):
+            if kv_dtype == BF16:
+                rotary_kv_triton(q, k, v, *(torch.randn(4, head_dim // 2) for _ in range(2)), k_cache, v_cache,
+                                 torch.arange(4))
+            for sms, batch in plans:
                 decode_module._programs_per_wave = lambda device, sms=sms: sms
                 decode_attention_triton(q[:batch], k_cache, v_cache, table, rows.repeat(2)[:batch],
                                         lens.repeat(2)[:batch], 512, 0.1)
-            blocks = torch.tensor(extend_q_blocks([1, 3], head_dim, 4), dtype=torch.int32).view(2, -1)
             extend_attention_triton(q, k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1)
     finally:
         decode_module.shared_memory_limit, extend_module.shared_memory_limit = limit
