@@ -32,14 +32,20 @@ def extend_block_m(head_dim: int) -> int:
     return 128 if next_power_of_2(head_dim) >= 128 else 64
 
 
+MAX_ACC_ELEMENTS = 128 * 256
+
+
 def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                   limit: int | None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, stages, warps) of a launch: 128 or 64 queries by 64 keys over two stages,
-    shrunk where their tiles would take more shared memory than `limit` (shared_memory_limit;
-    Gemma 4's 512-dim heads: 64 queries by 32 keys). BLOCK_M divides extend_block_m's block."""
+    at most MAX_ACC_ELEMENTS outputs a program, shrunk where their tiles would take more shared
+    memory than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64 queries by 32 keys).
+    BLOCK_M divides extend_block_m's block."""
     block_m = extend_block_m(head_dim)
-    fitted = fit_attention_launch(block_m, 64, 2, next_power_of_2(head_dim), q_dtype.itemsize, kv_dtype.itemsize,
-                                  limit, 16)
+    block_d = next_power_of_2(head_dim)
+    # the fp32 output tile in registers: at most 128 a thread of 8 warps (128 x 256; 64 x 512, not 128 x 512)
+    block_m = min(block_m, MAX_ACC_ELEMENTS // block_d)
+    fitted = fit_attention_launch(block_m, 64, 2, block_d, q_dtype.itemsize, kv_dtype.itemsize, limit, 16)
     return (*fitted, 8 if block_m == 128 else 4)
 
 

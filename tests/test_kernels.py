@@ -546,7 +546,7 @@ def test_every_attention_launch_fits_an_h200s_shared_memory(head_dim, h200_share
     up to 32 query heads a kv head) takes at most an H200's shared memory by attention_shared_bytes,
     which gives what Triton compiles for extend attention (393216 bytes for the old extend launch at
     Gemma 4's 512-dim heads, which an H200 refused); extend's programs split its table's blocks
-    evenly; the launches tuned for 128-dim heads stand."""
+    evenly and hold at most 128 x 256 outputs; the launches tuned for 128-dim heads stand."""
     assert attention_shared_bytes(128, 64, 2, 512, 2, 2) == 393216
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     for (q_dtype, kv_dtype), group in itertools.product([(bf16, bf16), (bf16, fp8), (torch.float32,) * 2],
@@ -560,6 +560,7 @@ def test_every_attention_launch_fits_an_h200s_shared_memory(head_dim, h200_share
             assert used <= H200_SHARED_BYTES, (name, head_dim, q_dtype, kv_dtype, group, kw)
             if name == "_extend_kernel":
                 assert kw["TABLE_M"] == extend_block_m(head_dim) and kw["TABLE_M"] % kw["BLOCK_M"] == 0
+                assert kw["BLOCK_M"] * kw["BLOCK_D"] <= 128 * 256  # the output tile's registers
                 assert grid[0] == 4 * kw["TABLE_M"] // kw["BLOCK_M"]  # each table block's every part
     if head_dim == 128:
         assert extend_launch(128, bf16, bf16, H200_SHARED_BYTES) == (128, 64, 2, 8)
