@@ -46,7 +46,7 @@ def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
     # the fp32 output tile in registers: at most 128 a thread of 8 warps (128 x 256; 64 x 512, not 128 x 512)
     block_m = min(block_m, MAX_ACC_ELEMENTS // block_d)
     fitted = fit_attention_launch(block_m, 64, 2, block_d, q_dtype.itemsize, kv_dtype.itemsize, limit, 16)
-    return (*fitted, 8 if block_m == 128 else 4)
+    return (*fitted, 8 if extend_block_m(head_dim) == 128 else 4)  # 8 warps for wide heads, whatever part they take
 
 
 def extend_q_blocks(q_lens: list[int], head_dim: int, slots: int | None = None) -> list[int]:

@@ -561,6 +561,7 @@ def test_every_attention_launch_fits_an_h200s_shared_memory(head_dim, h200_share
             if name == "_extend_kernel":
                 assert kw["TABLE_M"] == extend_block_m(head_dim) and kw["TABLE_M"] % kw["BLOCK_M"] == 0
                 assert kw["BLOCK_M"] * kw["BLOCK_D"] <= 128 * 256  # the output tile's registers
+                assert kw["num_warps"] == (8 if kw["TABLE_M"] == 128 else 4)
                 assert grid[0] == 4 * kw["TABLE_M"] // kw["BLOCK_M"]  # each table block's every part
     if head_dim == 128:
         assert extend_launch(128, bf16, bf16, H200_SHARED_BYTES) == (128, 64, 2, 8)
