@@ -193,6 +193,59 @@ def num_sms(device: torch.device, elsewhere: int = 1) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+
+# Where torch cannot say: the opt-in limit of sm86/sm89 (99 KiB), the smallest of the GPUs served.
+DEFAULT_SHARED_BYTES = 101376
+
+
+@functools.cache
+def _shared_limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", DEFAULT_SHARED_BYTES)
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The most shared memory one program may take on `device` (opted in: 232448 bytes on an H100
+    or H200), which Triton checks at launch; None for a CPU tensor (the interpreter has none)."""
+    if device.type != "cuda":
+        return None
+    return _shared_limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def attention_shared_bytes(block_m: int, block_n: int, stages: int, block_d: int, q_bytes: int, kv_bytes: int) -> int:
+    """What an attention program keeps in shared memory: its Q tile and `stages` buffers of a K and
+    a V tile in the cache's element size (the pipelined loads; an fp8 cache is widened in registers).
+    Triton 3.9's sm90 compiles take exactly this for extend attention (393216 bytes for Q 128 x 512
+    and two stages of K and V 64 x 512 in bf16, what an H200 refused for Gemma 4's global layers;
+    196608 at 64 x 32, bf16 or 131072 over fp8) and less for decode attention (82944 against
+    147456 at 16 x 32 x 512), whose gathered loads it pipelines less: an upper bound there."""
+    return block_d * (block_m * q_bytes + 2 * block_n * stages * kv_bytes)
+
+
+def fit_attention_launch(block_m: int, block_n: int, stages: int, block_d: int, q_bytes: int, kv_bytes: int,
+                         limit: int | None, min_block_m: int) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) as given, or shrunk until attention_shared_bytes fits `limit`
+    (None: no limit): the key block to 32, then the query block to min_block_m (a divisor of it:
+    the caller's block tables stay valid), then the stages, then both blocks to 16. Keeps the
+    tuned launch wherever it fits (the head sizes it was tuned for)."""
+    def fits(m, n, s):
+        return limit is None or attention_shared_bytes(m, n, s, block_d, q_bytes, kv_bytes) <= limit
+
+    while not fits(block_m, block_n, stages):
+        if block_n > 32:
+            block_n //= 2
+        elif block_m > max(min_block_m, 64):
+            block_m //= 2
+        elif stages > 1:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif block_m > max(min_block_m, 16):
+            block_m //= 2
+        else:
+            raise ValueError(f"no attention launch for head size {block_d} fits {limit} bytes of shared memory")
+    return block_m, block_n, stages
+
 _COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -322,6 +375,7 @@ def fp8_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 __all__ = ["HAS_TRITON", "LOG2E", "attend_kv_block", "cdiv", "dot", "fast_launch", "fp8_dot_dtype",
-           "grid_dependency_wait", "launch_dependents", "next_power_of_2", "num_sms", "pdl", "score_scale", "sink_weight",
+           "attention_shared_bytes", "fit_attention_launch", "grid_dependency_wait", "launch_dependents",
+           "next_power_of_2", "num_sms", "pdl", "score_scale", "shared_memory_limit", "sink_weight",
            "triton",
            "tl", "zeroed_counters"]

@@ -25,8 +25,9 @@ is normalised, once per query, after the chunks' merge.
 import torch
 import torch.nn.functional as F
 
-from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, grid_dependency_wait, next_power_of_2,
-                      num_sms, pdl, score_scale, sink_weight, tl, triton, zeroed_counters)
+from ._triton import (attend_kv_block, cdiv, fast_launch, fit_attention_launch, fp8_dot_dtype, grid_dependency_wait,
+                      next_power_of_2, num_sms, pdl, score_scale, shared_memory_limit, sink_weight, tl, triton,
+                      zeroed_counters)
 
 MAX_SPLITS = 32
 WAVES = 4  # programs to aim for, per SM
@@ -348,6 +349,17 @@ def _split_plan(batch: int, num_kv_heads: int, max_seqlen: int, device: torch.de
     return max(1, min(wanted, MAX_SPLITS, cdiv(max_seqlen, max(min_chunk, launch[0])))), launch, min_chunk
 
 
+def fit_decode_launch(launch: tuple[int, int, int], block_g: int, head_dim: int, q_dtype: torch.dtype,
+                      kv_dtype: torch.dtype, limit: int | None) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of `launch` with the key block and the stages shrunk where its tiles
+    (block_g queries, BLOCK_N keys a stage) would take more shared memory than `limit`
+    (shared_memory_limit): SPLIT_LAUNCH at Gemma 3's 256-dim heads, every launch at 512."""
+    block_n, warps, stages = launch
+    _, block_n, stages = fit_attention_launch(block_g, block_n, stages, next_power_of_2(head_dim), q_dtype.itemsize,
+                                              kv_dtype.itemsize, limit, block_g)
+    return block_n, warps, stages
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
                             max_seqlen: int, sm_scale: float, out: torch.Tensor | None = None, window: int = 0,
@@ -376,6 +388,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d = next_power_of_2(head_dim)
     if rows is None:  # grouped where one program takes a group's keys (large batches): measured fastest there
         rows = group_rows(group) if splits == 1 else 1
+    block_g = max(16, next_power_of_2(group * rows))
+    block_n, warps, stages = fit_decode_launch((block_n, warps, stages), block_g, head_dim, q.dtype, k_cache.dtype,
+                                               shared_memory_limit(q.device))
     out = torch.empty_like(q) if out is None else out
     assert out.stride(-1) == 1
     if splits > 1:
@@ -390,7 +405,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out if sinks is None else sinks, score_scale(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), GROUP=group,
-        BLOCK_G=max(16, next_power_of_2(group * rows)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), MIN_KEYS=min_chunk, DOT_UPCAST=not q.is_cuda,
         WINDOW=window, SOFTCAP=float(softcap), AS_F16=fp8_as_f16 and fp8_dot_dtype(q, k_cache) != q.dtype,
         DIRECT=plan_batch <= FEW_REQUESTS, SINKS=sinks is not None, ROWS=rows,

@@ -20,14 +20,33 @@ before it belong to the step's decodes): the grid never depends on the step's le
 import torch
 import torch.nn.functional as F
 
-from ._triton import (attend_kv_block, cdiv, fast_launch, fp8_dot_dtype, next_power_of_2, score_scale, sink_weight, tl,
-                      triton)
+from ._triton import (attend_kv_block, cdiv, fast_launch, fit_attention_launch, fp8_dot_dtype, next_power_of_2,
+                      score_scale, shared_memory_limit, sink_weight, tl, triton)
 from .decode_attention import softmax_with_sinks
 
 
 def extend_block_m(head_dim: int) -> int:
-    """Queries per program: wide heads take the larger block (H100, bench-8b's 128-dim heads)."""
+    """Queries per block of the block table: wide heads take the larger block (H100, bench-8b's
+    128-dim heads). A program may take a part of its block (extend_launch), never more: a model
+    whose layers differ in head size (Gemma 4: 256 and 512) keeps one table for all of them."""
     return 128 if next_power_of_2(head_dim) >= 128 else 64
+
+
+MAX_ACC_ELEMENTS = 128 * 256
+
+
+def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                  limit: int | None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, stages, warps) of a launch: 128 or 64 queries by 64 keys over two stages,
+    at most MAX_ACC_ELEMENTS outputs a program, shrunk where their tiles would take more shared
+    memory than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64 queries by 32 keys).
+    BLOCK_M divides extend_block_m's block."""
+    block_m = extend_block_m(head_dim)
+    block_d = next_power_of_2(head_dim)
+    # the fp32 output tile in registers: at most 128 a thread of 8 warps (128 x 256; 64 x 512, not 128 x 512)
+    block_m = min(block_m, MAX_ACC_ELEMENTS // block_d)
+    fitted = fit_attention_launch(block_m, 64, 2, block_d, q_dtype.itemsize, kv_dtype.itemsize, limit, 16)
+    return (*fitted, 8 if extend_block_m(head_dim) == 128 else 4)  # 8 warps for wide heads, whatever part they take
 
 
 def extend_q_blocks(q_lens: list[int], head_dim: int, slots: int | None = None) -> list[int]:
@@ -123,15 +142,19 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_
                    q_blocks_ptr,
                    num_blocks, qk_scale, q_token_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                    o_token_stride, o_head_stride, req_to_token_stride, GROUP: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
                    SINKS: tl.constexpr):
-    """One program: BLOCK_M queries of one request's chunk (as the block table says) and one query head."""
-    block, head = tl.program_id(0), tl.program_id(1)
+    """One program: BLOCK_M queries of one request's chunk and one query head: part `program % parts`
+    of the table's block `program // parts` of TABLE_M queries (parts = TABLE_M // BLOCK_M)."""
+    program, head = tl.program_id(0), tl.program_id(1)
+    block = program // (TABLE_M // BLOCK_M)
     req = tl.load(q_blocks_ptr + block)
     if req < 0:  # a padding slot of the table
         return
-    m_block = tl.load(q_blocks_ptr + num_blocks + block)
+    # the program's BLOCK_M rows numbered as blocks of BLOCK_M: the causal bounds below follow
+    m_block = tl.load(q_blocks_ptr + num_blocks + block) * (TABLE_M // BLOCK_M) + program % (TABLE_M // BLOCK_M)
     q_start = tl.load(cu_q_ptr + req).to(tl.int64)
     q_len = tl.load(cu_q_ptr + req + 1).to(tl.int64) - q_start
     kv_len = tl.load(kv_lens_ptr + req).to(tl.int64)
@@ -185,16 +208,16 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == out.stride(-1) == 1
     assert q_blocks.is_contiguous() and q_blocks.shape[0] == 2
     block_d = next_power_of_2(head_dim)
-    block_m = extend_block_m(head_dim)
-    block_n, warps = (64, 8) if block_m == 128 else (64, 4)
+    table_m = extend_block_m(head_dim)
+    block_m, block_n, stages, warps = extend_launch(head_dim, q.dtype, k_cache.dtype, shared_memory_limit(q.device))
     num_blocks = q_blocks.shape[1]
-    _extend_kernel[(num_blocks, num_q_heads)](
+    _extend_kernel[(num_blocks * (table_m // block_m), num_q_heads)](
         q, k_cache, v_cache, out, out if sinks is None else sinks, req_to_token, req_rows, cu_q, kv_lens, q_blocks,
         num_blocks,
         score_scale(sm_scale, softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
+        BLOCK_D=block_d, TABLE_M=table_m, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
         SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, num_warps=warps,
-        num_stages=2)
+        num_stages=stages)
     return out

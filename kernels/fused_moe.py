@@ -190,11 +190,19 @@ def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
     return PREFILL_PLAN if per_expert <= PREFILL_PLAN.block_m else LARGE_PLAN
 
 
-def moe_plans(num_pairs: int, num_experts: int, fp8: bool = False) -> tuple[MoEPlan, MoEPlan]:
+# MXFP4 experts take K blocks of at most 64 (two scale groups: each program decodes [32, cols]
+# bytes a step, half the registers of 128) and no TMA (the packed tiles are loaded and decoded).
+MXFP4_MAX_BLOCK_K = 64
+
+
+def moe_plans(num_pairs: int, num_experts: int, fp8: bool = False, mxfp4: bool = False) -> tuple[MoEPlan, MoEPlan]:
     """(gate/up plan, down plan) for T * K pairs over E experts; the two share the row block,
     which the alignment fixes."""
     plan = moe_plan(num_pairs, num_experts)
-    return LARGE_PLANS[fp8] if plan == LARGE_PLAN else (plan, plan)
+    plans = LARGE_PLANS[fp8] if plan == LARGE_PLAN else (plan, plan)
+    if mxfp4:
+        return tuple(p._replace(block_k=min(p.block_k, MXFP4_MAX_BLOCK_K), tma=False) for p in plans)
+    return plans
 
 
 def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -386,17 +394,50 @@ def moe_tile(num_blocks, num_cols, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def load_mxfp4_tile(w_rows, scale_rows, kk, mask, K: tl.constexpr, dtype: tl.constexpr):
-    """[BLOCK_K, cols] weights of MXFP4 rows (w_rows: each column's packed row, K / 2 bytes; scale_rows
-    its K / 32 scales), widened to dtype: e2m1 is sign, 2 exponent bits (bias 1), 1 mantissa bit."""
-    packed = tl.load(w_rows + (kk // 2)[:, None], mask=mask, other=0)
-    nibble = (packed >> ((kk % 2) * 4)[:, None].to(tl.uint8)) & 15
-    exponent = ((nibble >> 1) & 3).to(tl.float32)
-    mantissa = (nibble & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2(exponent - 1.0))
-    value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
-    scale = tl.load(scale_rows + (kk // 32)[:, None] + 0 * (K // 32), mask=mask, other=127).to(tl.float32)
-    return (value * tl.exp2(scale - 127.0)).to(dtype)
+def mxfp4_bits(nibble, exponent):
+    """The fp32 bit patterns of e2m1 values (int32 nibbles: sign, 2 exponent bits of bias 1, 1
+    mantissa bit) times their scales 2^(s - 127), exponent = s << 23 (an E8M0 scale is an fp32
+    exponent field): |value| = 2^(e - 1) (1 + m / 2) for e >= 1 has exponent field s + e - 1 and
+    mantissa bit m, i.e. (s << 23) + ((em - 2) << 22) with em = nibble & 7; 0.5 (em 1) has field
+    s - 1, (s << 23) - (2 << 22); em 0 is zero. Exact (equal to dequantize_mxfp4's bits) for
+    2 <= s <= 252, where every product is a normal fp32 (checkpoints' scales lie far inside)."""
+    em = nibble & 7
+    offset = em - 2 - (em == 1).to(tl.int32)
+    magnitude = tl.where(em == 0, 0, exponent + (offset << 22))
+    return magnitude | ((nibble & 8) << 28)
+
+
+@triton.jit
+def load_mxfp4_tile(w_rows, scale_rows, k0, col_mask, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    dtype: tl.constexpr):
+    """(even, odd): the [BLOCK_K / 2, cols] weights of MXFP4 rows at K positions k0 + 2i and k0 + 2i + 1
+    (byte i's low and high nibble), widened to dtype; w_rows [1, cols] each column's packed row (K / 2
+    bytes), scale_rows its K / 32 scales, col_mask [1, cols]. Each byte and each scale is loaded once
+    and decoded with integer operations (mxfp4_bits): the multiplier of the old per-value decode
+    (two loads a byte, a scale gathered per value, exp2 and float selects on [BLOCK_K, cols] fp32
+    tiles) made the gate/up kernel 4.7 ms a call at batch 1 (H200). BLOCK_K: a multiple of 32."""
+    cols: tl.constexpr = col_mask.shape[1]
+    byte_k = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_rows + byte_k[:, None], mask=col_mask & ((byte_k < K // 2) | EVEN_K)[:, None], other=0)
+    packed = packed.to(tl.int32)
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scales = tl.load(scale_rows + groups[:, None], mask=col_mask & ((groups < K // 32) | EVEN_K)[:, None], other=127)
+    exponent = scales.to(tl.int32) << 23  # [BLOCK_K / 32, cols], each for 16 bytes
+    exponent = tl.reshape(tl.broadcast_to(exponent[:, None, :], [BLOCK_K // 32, 16, cols]), [BLOCK_K // 2, cols])
+    even = mxfp4_bits(packed & 15, exponent).to(tl.float32, bitcast=True).to(dtype)
+    odd = mxfp4_bits(packed >> 4, exponent).to(tl.float32, bitcast=True).to(dtype)
+    return even, odd
+
+
+@triton.jit
+def mxfp4_dot(a, w_rows, scale_rows, k0, col_mask, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
+    """a [rows, BLOCK_K] times the MXFP4 weights' [BLOCK_K, cols] tile at k0, its rows interleaved from
+    the low and the high nibbles' (one dot: two of half the K, one by each, spilled registers at the
+    large plans, 376 bytes a thread against 8 in the sm90 compile)."""
+    w_even, w_odd = load_mxfp4_tile(w_rows, scale_rows, k0, col_mask, K, BLOCK_K, EVEN_K, a.dtype)
+    w = tl.reshape(tl.permute(tl.join(w_even, w_odd), (0, 2, 1)), [BLOCK_K, w_even.shape[1]])
+    return dot(a, w, DOT_UPCAST)
 
 
 @fast_launch
@@ -440,15 +481,16 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted
             k_mask = (kk < HIDDEN) | EVEN_K
             a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            if TMA:
-                w = w_desc.load([first_row, k0]).T
-            elif MXFP4:
+            if MXFP4:
                 scale_rows = (w_scale_ptr + expert.to(tl.int64) * w_scale_stride
                               + w_rows[None, :].to(tl.int64) * (HIDDEN // 32))
-                w = load_mxfp4_tile(w_tile, scale_rows, kk, w_row_mask[None, :] & k_mask[:, None], HIDDEN, a.dtype)
+                acc += mxfp4_dot(a, w_tile, scale_rows, k0, w_row_mask[None, :], HIDDEN, BLOCK_K, EVEN_K, DOT_UPCAST)
             else:
-                w = tl.load(w_tile + kk[:, None], mask=w_row_mask[None, :] & k_mask[:, None], other=0.0)
-            acc += dot(a, w, DOT_UPCAST)
+                if TMA:
+                    w = w_desc.load([first_row, k0]).T
+                else:
+                    w = tl.load(w_tile + kk[:, None], mask=w_row_mask[None, :] & k_mask[:, None], other=0.0)
+                acc += dot(a, w, DOT_UPCAST)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
             w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + w_rows
@@ -501,10 +543,10 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, sorted_pa
             if MXFP4:
                 scale_rows = (w_scale_ptr + expert.to(tl.int64) * w_scale_stride
                               + cols[None, :].to(tl.int64) * (INTER // 32))
-                w = load_mxfp4_tile(w_rows, scale_rows, kk, col_mask[None, :] & k_mask[:, None], INTER, a.dtype)
+                acc += mxfp4_dot(a, w_rows, scale_rows, k0, col_mask[None, :], INTER, BLOCK_K, EVEN_K, DOT_UPCAST)
             else:
                 w = tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-            acc += dot(a, w, DOT_UPCAST)
+                acc += dot(a, w, DOT_UPCAST)
         if FP8:
             acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
             acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
@@ -524,6 +566,7 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     """The gate/up kernel alone: [T * K, I], silu(gate) * up (or the clamped SwiGLU) by pair (a: x,
     or its fp8 rows with a_scale and the weights' w_scale; uint8 weights: MXFP4 with w_scale theirs)."""
     mxfp4 = w_gate_up.dtype == torch.uint8
+    assert not mxfp4 or plan.block_k % MXFP4_GROUP == 0, "MXFP4 tiles are whole scale groups"
     num_experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2] * (2 if mxfp4 else 1)
     num_pairs = a.shape[0] * top_k
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
@@ -558,6 +601,7 @@ def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch
     """The down kernel alone: [T * K, H], each pair's expert output (plus its bias) times its routing
     weight (pair_weights fp32 [T * K]; a: the gate/up output, or its fp8 rows with a_scale)."""
     mxfp4 = w_down.dtype == torch.uint8
+    assert not mxfp4 or plan.block_k % MXFP4_GROUP == 0, "MXFP4 tiles are whole scale groups"
     num_experts, hidden, inter = w_down.shape[0], w_down.shape[1], w_down.shape[2] * (2 if mxfp4 else 1)
     num_pairs = a.shape[0]
     out = torch.empty(num_pairs, hidden, dtype=out_dtype, device=a.device)
@@ -578,13 +622,14 @@ def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
                 num_stages=plan.num_stages)
 
 
-def fit_plan(plan: MoEPlan, dtype: torch.dtype, fp8: bool) -> MoEPlan:
+def fit_plan(plan: MoEPlan, dtype: torch.dtype, fp8: bool, mxfp4: bool = False) -> MoEPlan:
     """The plan for activations of `dtype`. fp32 (tiny test models) with bf16 or fp32 experts:
     the K blocks halved, or the large plans' pipelined tiles need more shared memory than an H100
     or H200 has (288 KiB). fp8 experts multiply fp8 tiles whatever x's dtype (x is quantised
-    first), so their plans stand: fp8 tensor cores take no K block under 32."""
+    first), so their plans stand: fp8 tensor cores take no K block under 32. MXFP4 K blocks are
+    whole scale groups (32)."""
     if dtype.itemsize == 4 and not fp8:
-        return plan._replace(block_k=max(16, plan.block_k // 2))
+        return plan._replace(block_k=max(32 if mxfp4 else 16, plan.block_k // 2))
     return plan
 
 
@@ -603,11 +648,12 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.empty_like(x)
-    fp8 = w_gate_up_scale is not None and w_gate_up.dtype != torch.uint8  # MXFP4 is weight-only
+    mxfp4 = w_gate_up.dtype == torch.uint8
+    fp8 = w_gate_up_scale is not None and not mxfp4  # MXFP4 is weight-only
     if plan is None:
-        plan, down_plan = moe_plans(num_pairs, num_experts, fp8=fp8)
+        plan, down_plan = moe_plans(num_pairs, num_experts, fp8=fp8, mxfp4=mxfp4)
     down_plan = down_plan or plan
-    plan, down_plan = (fit_plan(p, x.dtype, fp8) for p in (plan, down_plan))
+    plan, down_plan = (fit_plan(p, x.dtype, fp8, mxfp4) for p in (plan, down_plan))
     assert down_plan.block_m == plan.block_m, "the gate/up and down kernels share the alignment's row blocks"
     sorted_pairs, block_experts = align_by_expert_triton(topk_ids, num_experts, plan.block_m)
     a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)

@@ -9,7 +9,8 @@ from transformers import GptOssConfig
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-from lightllm.kernels.fused_moe import DECODE_PLAN, dequantize_mxfp4, fused_moe_ref, fused_moe_triton
+from lightllm.kernels._triton import tl, triton
+from lightllm.kernels.fused_moe import DECODE_PLAN, dequantize_mxfp4, fused_moe_ref, fused_moe_triton, load_mxfp4_tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER, EXPERTS = 64, 96, 4  # multiples of MXFP4's 32-value groups; INTER no multiple of the blocks
@@ -32,6 +33,39 @@ def mxfp4(rows: int, cols: int, experts: int = EXPERTS) -> tuple[torch.Tensor, t
     blocks = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device=DEVICE)
     scales = torch.randint(121, 125, (experts, rows, cols // 32), dtype=torch.uint8, device=DEVICE)
     return blocks, scales
+
+
+@triton.jit
+def _decode_tiles_kernel(w_ptr, scale_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr):
+    """out [ROWS, K]: the rows' weights, decoded one [BLOCK_K, ROWS] tile a program by load_mxfp4_tile."""
+    k0 = tl.program_id(0) * BLOCK_K
+    rows = tl.arange(0, ROWS)
+    even, odd = load_mxfp4_tile(w_ptr + rows[None, :] * (K // 2), scale_ptr + rows[None, :] * (K // 32), k0,
+                                (rows < ROWS)[None, :], K, BLOCK_K, EVEN_K, out_ptr.dtype.element_ty)
+    even_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    out = out_ptr + rows[None, :] * K + even_k[:, None]
+    mask = (even_k < K)[:, None]
+    tl.store(out, even, mask=mask)
+    tl.store(out + 1, odd, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,block_k", [(256, 64), (224, 64), (96, 32)])
+def test_mxfp4_tile_decode_is_bitwise_dequantize_mxfp4(dtype, k, block_k):
+    """The kernels' tile decode (integer bit patterns, the scale added into the exponent field) gives
+    dequantize_mxfp4's bits for every byte (both nibbles: zeros, -0, every magnitude) under every
+    scale of the exact range 2..252 (2^-125 .. 2^125), K tails included."""
+    rows = 64
+    blocks = torch.arange(rows * k // 2).remainder(256).to(torch.uint8).view(rows, k // 2)
+    blocks = blocks[:, torch.randperm(k // 2)]
+    scales = (2 + torch.randperm(rows * k // 32) % 251).to(torch.uint8).view(rows, k // 32)
+    out = torch.full((rows, k), float("nan"), dtype=dtype)
+    _decode_tiles_kernel[(triton.cdiv(k, block_k),)](blocks, scales, out, K=k, ROWS=rows, BLOCK_K=block_k,
+                                                     EVEN_K=k % block_k == 0)
+    expected = dequantize_mxfp4(blocks, scales, dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), expected.view(bits))
 
 
 def routing(tokens: int, top_k: int):

@@ -3,16 +3,19 @@ computation. Without a GPU the Triton kernels run on CPU tensors under TRITON_IN
 (see conftest.py); shapes are kept small because the interpreter is slow.
 Relies on transformers' LlamaRMSNorm and apply_rotary_pos_emb as the independent norm and rotary."""
 import importlib
+import itertools
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightllm.kernels._triton import HAS_TRITON, fp8_dot_dtype, tl, triton, zeroed_counters
+from lightllm.kernels import _triton
+from lightllm.kernels._triton import HAS_TRITON, attention_shared_bytes, fp8_dot_dtype, tl, triton, zeroed_counters
 from lightllm.kernels.apply_penalties import apply_penalties_ref, apply_penalties_triton
 from lightllm.kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from lightllm.kernels.extend_attention import (extend_attention_ref, extend_attention_triton, extend_q_blocks,
+from lightllm.kernels.extend_attention import (extend_attention_ref, extend_attention_triton, extend_block_m,
+                                               extend_launch, extend_q_blocks,
                                                max_q_blocks)
 from lightllm.kernels.fp8_linear import (FP8_MAX, NUM_COUNTERS, SMALL_M_MAX, fp8_gemm_ref, fp8_gemm_small_m,
                                          fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton, quantize_fp8_rows_ref,
@@ -506,6 +509,83 @@ def test_extend_q_blocks_cover_every_query_once():
     assert used <= max_q_blocks(sum(q_lens), len(q_lens), 64)
     with pytest.raises(ValueError):
         extend_q_blocks(q_lens, 64, 3)
+
+
+H200_SHARED_BYTES = 232448  # a block's most shared memory, opted in (an H100's too)
+
+
+@pytest.fixture
+def h200_shared_memory(monkeypatch):
+    """The attention wrappers bound their launches as on an H200 (on the CPU they see no limit)."""
+    for module in (decode_module, extend_attention_module):
+        monkeypatch.setattr(module, "shared_memory_limit", lambda device: H200_SHARED_BYTES)
+
+
+def captured_attention_launches(monkeypatch, head_dim, q_dtype, kv_dtype, group):
+    """(kernel name, grid, kwargs, q) of every launch the attention wrappers make for these heads:
+    decode over one split, several and the few-requests plan, extend; none runs."""
+    launches = []
+    monkeypatch.setattr(_triton._FastKernel, "_launch",
+                        lambda kernel, grid, args, kwargs: launches.append((kernel.fn.__name__, grid, kwargs, args[0])))
+    q = torch.zeros(4, 2 * group, head_dim, dtype=q_dtype)
+    k_cache, v_cache = (torch.zeros(64, 2, head_dim, dtype=kv_dtype) for _ in range(2))
+    table, rows = torch.zeros(4, 64, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    lens = torch.full((4,), 40, dtype=torch.int32)
+    for sms, batch in ((0, 4), (132, 4), (132, 1)):
+        monkeypatch.setattr(decode_module, "_programs_per_wave", lambda device, sms=sms: sms)
+        decode_attention_triton(q[:batch], k_cache, v_cache, table, rows[:batch], lens[:batch], 64, 0.1)
+    blocks = torch.tensor(extend_q_blocks([1, 3], head_dim, 4), dtype=torch.int32).view(2, -1)
+    cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
+    extend_attention_triton(q, k_cache, v_cache, table, rows[:2], cu_q, lens[:2], blocks, 0.1)
+    return launches
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256, 320, 512])
+def test_every_attention_launch_fits_an_h200s_shared_memory(head_dim, h200_shared_memory, monkeypatch):
+    """Every launch the attention wrappers choose (decode plans, extend; bf16, an fp8 cache, fp32;
+    up to 32 query heads a kv head) takes at most an H200's shared memory by attention_shared_bytes,
+    which gives what Triton compiles for extend attention (393216 bytes for the old extend launch at
+    Gemma 4's 512-dim heads, which an H200 refused); extend's programs split its table's blocks
+    evenly and hold at most 128 x 256 outputs; the launches tuned for 128-dim heads stand."""
+    assert attention_shared_bytes(128, 64, 2, 512, 2, 2) == 393216
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    for (q_dtype, kv_dtype), group in itertools.product([(bf16, bf16), (bf16, fp8), (torch.float32,) * 2],
+                                                        [1, 8, 32]):
+        launches = captured_attention_launches(monkeypatch, head_dim, q_dtype, kv_dtype, group)
+        assert sorted(name for name, *_ in launches) == ["_decode_split_kernel"] * 3 + ["_extend_kernel"]
+        for name, grid, kw, q in launches:
+            block_m = kw["BLOCK_G"] if name == "_decode_split_kernel" else kw["BLOCK_M"]
+            used = attention_shared_bytes(block_m, kw["BLOCK_N"], kw["num_stages"], kw["BLOCK_D"], q.element_size(),
+                                          kv_dtype.itemsize)
+            assert used <= H200_SHARED_BYTES, (name, head_dim, q_dtype, kv_dtype, group, kw)
+            if name == "_extend_kernel":
+                assert kw["TABLE_M"] == extend_block_m(head_dim) and kw["TABLE_M"] % kw["BLOCK_M"] == 0
+                assert kw["BLOCK_M"] * kw["BLOCK_D"] <= 128 * 256  # the output tile's registers
+                assert kw["num_warps"] == (8 if kw["TABLE_M"] == 128 else 4)
+                assert grid[0] == 4 * kw["TABLE_M"] // kw["BLOCK_M"]  # each table block's every part
+    if head_dim == 128:
+        assert extend_launch(128, bf16, bf16, H200_SHARED_BYTES) == (128, 64, 2, 8)
+        for launch in (decode_module.WHOLE_LAUNCH, decode_module.SPLIT_LAUNCH, decode_module.FEW_LAUNCH):
+            assert decode_module.fit_decode_launch(launch, 16, 128, bf16, bf16, H200_SHARED_BYTES) == launch
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_extend_attention_at_512_dim_heads_matches_ref(window, h200_shared_memory):
+    """Gemma 4's global heads (fp32): programs of 64 queries over the table's blocks of 128 (a chunk
+    of 70 spans both halves of one), 16 keys a step."""
+    assert extend_launch(512, torch.float32, torch.float32, H200_SHARED_BYTES)[:2] == (64, 16)
+    chunks = [(3, 0), (70, 50), (1, 20)]
+    args = extend_batch(chunks, 2, 1, 512, torch.float32) + (512 ** -0.5,)
+    assert_close(extend_attention_triton(*args, window=window), extend_attention_ref(*args, window=window),
+                 ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("waves", [0, 64], ids=["one-split", "split-k"])
+def test_decode_attention_at_512_dim_heads_matches_ref(waves, h200_shared_memory, monkeypatch):
+    monkeypatch.setattr(decode_module, "WAVES", waves)
+    seq_lens = [5, decode_module.MIN_CHUNK + 40]
+    args = decode_batch(seq_lens, 4, 1, 512, torch.bfloat16) + (max(seq_lens), 512 ** -0.5)
+    assert_close(decode_attention_triton(*args), decode_attention_ref(*args), ATTN_TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)

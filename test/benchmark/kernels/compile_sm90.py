@@ -50,6 +50,7 @@ from lightllm.kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul
 
 # The package's public `decode_attention` function shadows the submodule of the same name.
 decode_module = importlib.import_module("lightllm.kernels.decode_attention")
+extend_module = importlib.import_module("lightllm.kernels.extend_attention")
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
                  torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.bool: "*i1"}
@@ -147,6 +148,7 @@ def call_every_kernel() -> None:
     # a sliding-window layer with soft-capped scores (Gemma 2), on the last pass's (fp8) cache
     decode_attention_triton(q[:2], k_cache, v_cache, table, rows, lens, 512, 0.1, window=256, softcap=50.0)
     extend_attention_triton(q[:4], k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1, window=256, softcap=50.0)
+    call_wide_head_kernels(table, rows, lens, cu_q)
     logits = torch.randn(2, 1000)
     counts = torch.ones(3, dtype=torch.int32)
     apply_penalties_triton(logits, *(torch.rand(2) for _ in range(3)), torch.tensor([1, 5, 7], dtype=torch.int32),
@@ -160,6 +162,32 @@ def call_every_kernel() -> None:
     call_moe_kernels()
     call_lora_kernels()
     call_linear_attention_kernels()
+
+
+def call_wide_head_kernels(table, rows, lens, cu_q) -> None:
+    """Gemma 4's global layers (heads of 512, 8 query heads a kv head): rotary and the attention
+    launches (every decode plan over a bf16 cache, a split one over fp8), bounded by an H100's
+    shared memory as on the GPU (the wrappers see no limit for CPU tensors)."""
+    limit = decode_module.shared_memory_limit, extend_module.shared_memory_limit
+    decode_module.shared_memory_limit = extend_module.shared_memory_limit = lambda device: H100_SHARED_BYTES
+    per_wave = decode_module._programs_per_wave
+    head_dim = 512
+    q, k, v = (torch.randn(4, heads, head_dim, dtype=BF16) for heads in (16, 2, 2))
+    blocks = torch.tensor(extend_q_blocks([1, 3], head_dim, 4), dtype=torch.int32).view(2, -1)
+    try:
+        for kv_dtype, plans in ((BF16, ((H100_SMS, 2), (H100_SMS, 4), (0, 4))), (FP8, ((H100_SMS, 4),))):
+            k_cache, v_cache = (torch.zeros(1024, 2, head_dim, dtype=kv_dtype) for _ in range(2))
+            if kv_dtype == BF16:
+                rotary_kv_triton(q, k, v, *(torch.randn(4, head_dim // 2) for _ in range(2)), k_cache, v_cache,
+                                 torch.arange(4))
+            for sms, batch in plans:
+                decode_module._programs_per_wave = lambda device, sms=sms: sms
+                decode_attention_triton(q[:batch], k_cache, v_cache, table, rows.repeat(2)[:batch],
+                                        lens.repeat(2)[:batch], 512, 0.1)
+            extend_attention_triton(q, k_cache, v_cache, table, rows, cu_q, lens, blocks, 0.1)
+    finally:
+        decode_module.shared_memory_limit, extend_module.shared_memory_limit = limit
+        decode_module._programs_per_wave = per_wave
 
 
 def call_lora_kernels() -> None:
@@ -217,6 +245,17 @@ def call_moe_kernels() -> None:
     # fp8 experts under fp32 activations (the GPU tests' tiny models with --quantization fp8): fp8 tiles
     fused_moe_triton(x.float(), w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale,
                      plan=MoEPlan(32, 32, 32, 4, 2))
+    # MXFP4 experts at gpt-oss's shapes (hidden and intermediate 2880, biases, its clamped SwiGLU): a
+    # decode step's plans and a prefill's
+    gpt_oss = 2880
+    mxfp4 = [torch.zeros(experts, rows, cols, dtype=torch.uint8) for rows, cols in
+             ((2 * gpt_oss, gpt_oss // 2), (gpt_oss, gpt_oss // 2), (2 * gpt_oss, gpt_oss // 32), (gpt_oss, gpt_oss // 32))]
+    biases = dict(gate_up_bias=torch.zeros(experts, 2 * gpt_oss, dtype=BF16), down_bias=torch.zeros(experts, gpt_oss,
+                                                                                                   dtype=BF16))
+    for mxfp4_tokens in (1, 4096):
+        fused_moe_triton(torch.randn(mxfp4_tokens, gpt_oss, dtype=BF16), mxfp4[0], mxfp4[1],
+                         torch.rand(mxfp4_tokens, 4), torch.randint(0, experts, (mxfp4_tokens, 4), dtype=torch.int32),
+                         mxfp4[2], mxfp4[3], **biases, swiglu=(1.702, 7.0))
     # a prefill's alignment: the ids cut into chunks (counts, runs, placement)
     align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
 

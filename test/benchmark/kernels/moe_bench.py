@@ -1,13 +1,15 @@
 """The fused MoE kernel against its floors: memory at decode batches, bf16 peak at prefill.
 
     python test/benchmark/kernels/moe_bench.py [--shape qwen3-30b-a3b] [--tp 1] [--decode 1,64,256]
-        [--prefill 4096] [--fp8] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
+        [--prefill 4096] [--fp8 | --mxfp4] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
         [--tune [--tune-rows 64,128] [--tune-cols 64,128,256] [--tune-groups 0,8] [--tune-tma 0,1]
         [--tune-kernels gate/up,down]] [--out-md moe.md]
 
 One MoE layer of the shape (router choices drawn at random: softmax of normal logits, top k, as
 a balanced router spreads tokens), bf16 weights (--fp8: e4m3 experts with row scales, as
-`--quantization fp8` serves them, against the same floors at one byte a weight). For each size,
+`--quantization fp8` serves them, against the same floors at one byte a weight; --mxfp4: packed
+e2m1 experts with a scale per 32 values, as gpt-oss's checkpoints hold them, 17/32 of a byte a weight).
+For each size,
 first the check: the Triton path (kernels/fused_moe.py's fused_moe_triton) against the torch
 reference on the same inputs, relative error of the whole output (the run stops above 2e-2, 6e-2
 with fp8 experts). Then, each in a CUDA graph of 20 calls (static_benchmark.graph_call_us, as a
@@ -50,6 +52,8 @@ logger = logging.getLogger("moe_bench")
 SHAPES = {  # name -> (hidden, experts' intermediate, experts, top k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
+    "gpt-oss-20b": (2880, 2880, 32, 4),
+    "gpt-oss-120b": (2880, 2880, 128, 4),
 }
 # bf16: the paths round at the same points, in another summation order. fp8: also a pair's row
 # of the SiLU-and-mul output is quantised from each path's own bf16 rounding, and a row whose
@@ -60,16 +64,23 @@ COLUMNS = ["case", "tokens", "plan", "experts hit", "expert MB", "mem floor us",
 
 
 class Layer:
-    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, device: str = "cuda", fp8: bool = False):
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, device: str = "cuda", fp8: bool = False,
+                 mxfp4: bool = False):
         w_gate_up = (torch.randn(experts, 2 * inter, hidden, device=device) * hidden ** -0.5).bfloat16()
         w_down = (torch.randn(experts, hidden, inter, device=device) * inter ** -0.5).bfloat16()
-        if fp8:
+        self.weight_bytes = 1 if fp8 else 17 / 32 if mxfp4 else 2  # MXFP4: half a byte a value and a byte per 32
+        if mxfp4:  # every packed pair of values; scales 2^-8..2^-5 (weights of about 2^-6 .. 2^-3)
+            self.weights = tuple(torch.randint(low, high, shape, dtype=torch.uint8, device=device) for low, high, shape in
+                                 ((0, 256, (experts, 2 * inter, hidden // 2)), (0, 256, (experts, hidden, inter // 2)),
+                                  (119, 123, (experts, 2 * inter, hidden // 32)),
+                                  (119, 123, (experts, hidden, inter // 32))))
+        elif fp8:
             w_gate_up, gate_up_scale = quantize_experts_fp8(w_gate_up)
             w_down, down_scale = quantize_experts_fp8(w_down)
             self.weights = (w_gate_up, w_down, gate_up_scale, down_scale)
         else:
             self.weights = (w_gate_up, w_down)
-        self.w_down, self.max_rel_err, self.fp8 = w_down, MAX_REL_ERR[fp8], fp8
+        self.max_rel_err, self.fp8, self.mxfp4 = MAX_REL_ERR[fp8], fp8, mxfp4
         self.hidden, self.inter, self.experts, self.top_k, self.device = hidden, inter, experts, top_k, device
 
     def inputs(self, tokens: int):
@@ -80,7 +91,7 @@ class Layer:
     def expert_bytes(self, ids: torch.Tensor) -> tuple[int, int]:
         """(experts chosen at least once, their bytes)"""
         hit = torch.unique(ids).numel()
-        return hit, hit * 3 * self.hidden * self.inter * self.w_down.element_size()
+        return hit, int(hit * 3 * self.hidden * self.inter * self.weight_bytes)
 
 
 def relative_error(layer: Layer, x, weights, ids, plans) -> float:
@@ -110,7 +121,7 @@ def grouped_mm_moe(x, w_gate_up, w_down, weights, ids):
 def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan] | None, bandwidth: float,
             peak: float) -> dict:
     x, weights, ids = layer.inputs(tokens)
-    chosen = plans or moe_plans(tokens * layer.top_k, layer.experts, layer.fp8)
+    chosen = plans or moe_plans(tokens * layer.top_k, layer.experts, layer.fp8, layer.mxfp4)
     err = relative_error(layer, x, weights, ids, chosen)
     if not err <= layer.max_rel_err:
         raise AssertionError(f"{case} tokens {tokens} plans {chosen}: relative error {err:.3g} against the reference")
@@ -159,24 +170,25 @@ def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID,
     (alignment + both kernels + the sum over k, one graph) checked against the reference."""
     x, weights, ids = layer.inputs(tokens)
     w_gate_up, w_down, *scales = layer.weights
-    fp8 = bool(scales)
-    default = moe_plans(tokens * layer.top_k, layer.experts, layer.fp8)
+    fp8 = layer.fp8
+    w_scales = scales or (None, None)  # fp8's row scales or MXFP4's
+    default = moe_plans(tokens * layer.top_k, layer.experts, layer.fp8, layer.mxfp4)
     lines, best = [f"tokens {tokens} (default {tuple(default[0])} / {tuple(default[1])})"], []
     for bm in grid["block_m"]:
         sorted_pairs, block_experts = align_by_expert_triton(ids, layer.experts, bm)
         a, a_scale = quantize_fp8_rows_triton(x) if fp8 else (x, None)
         base = MoEPlan(bm, 64, 64, 4, 3)
-        gate_up_want = moe_gate_up_triton(a, a_scale, w_gate_up, scales[0] if fp8 else None, sorted_pairs,
+        gate_up_want = moe_gate_up_triton(a, a_scale, w_gate_up, w_scales[0], sorted_pairs,
                                           block_experts, layer.top_k, x.dtype, base)
         h, h_scale = quantize_fp8_rows_triton(gate_up_want) if fp8 else (gate_up_want, None)
         pair_weights = weights.float().contiguous().view(-1)
-        down_want = moe_down_triton(h, h_scale, w_down, scales[1] if fp8 else None, sorted_pairs, block_experts,
+        down_want = moe_down_triton(h, h_scale, w_down, w_scales[1], sorted_pairs, block_experts,
                                     pair_weights, x.dtype, base)
         runs = {
-            "gate/up": (lambda plan: moe_gate_up_triton(a, a_scale, w_gate_up, scales[0] if fp8 else None,
+            "gate/up": (lambda plan: moe_gate_up_triton(a, a_scale, w_gate_up, w_scales[0],
                                                         sorted_pairs, block_experts, layer.top_k, x.dtype, plan),
                         gate_up_want),
-            "down": (lambda plan: moe_down_triton(h, h_scale, w_down, scales[1] if fp8 else None, sorted_pairs,
+            "down": (lambda plan: moe_down_triton(h, h_scale, w_down, w_scales[1], sorted_pairs,
                                                   block_experts, pair_weights, x.dtype, plan), down_want)}
         fastest = {}
         for kernel, (run, want) in runs.items():
@@ -237,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the chosen plans in each of these program orders (MoEPlan.group_m, e.g. 0,1,8) "
                         "instead of their own")
     parser.add_argument("--fp8", action="store_true", help="fp8 experts (--quantization fp8)")
+    parser.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (gpt-oss's checkpoints)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-groups", default="0", help="--tune's program orders (MoEPlan.group_m), e.g. 0,1,8")
@@ -252,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     hidden, inter, experts, top_k = SHAPES[args.shape]
-    layer = Layer(hidden, inter // args.tp, experts, top_k, fp8=args.fp8)
+    layer = Layer(hidden, inter // args.tp, experts, top_k, fp8=args.fp8, mxfp4=args.mxfp4)
     bandwidth = copy_bandwidth(torch.device("cuda"), 1 << 30)
     sizes = [("decode", int(t)) for t in args.decode.split(",") if t] + [("prefill", int(t))
                                                                         for t in args.prefill.split(",") if t]
     rows, tuned = [], []
     for (case, tokens), plan in itertools.product(sizes, [None, *args.plan]):
         if plan is None and args.groups is not None:  # moe_plans' choice, in each order
-            chosen = moe_plans(tokens * top_k, experts, args.fp8)
+            chosen = moe_plans(tokens * top_k, experts, args.fp8, args.mxfp4)
             for group_m in map(int, args.groups.split(",")):
                 rows.append(one_row(layer, case, tokens, tuple(p._replace(group_m=group_m) for p in chosen),
                                     bandwidth, args.peak_tflops))
@@ -274,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     tma=tuple(bool(int(v)) for v in args.tune_tma.split(",")))
         kernels = tuple(args.tune_kernels.split(","))
         tuned = [line for _, tokens in sizes for line in tune(layer, tokens, grid, kernels)]
-    dtype = "fp8" if args.fp8 else "bf16"
+    dtype = "fp8" if args.fp8 else "MXFP4" if args.mxfp4 else "bf16"
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape} tp {args.tp} (hidden "
                       f"{hidden}, {experts} {dtype} experts of {inter // args.tp}, top {top_k}); copy bandwidth "
                       f"{bandwidth / 1e9:.0f} GB/s; times in us (CUDA graph of 20 calls)", format_table(rows), *tuned])

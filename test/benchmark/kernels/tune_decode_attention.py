@@ -7,7 +7,7 @@ KV stream's floor.
 
 The cases are the decode CUDA graphs' (split plan from the server's max_req_total_len, 3072 by
 default), each request's slots a contiguous run of the token table as the allocator gives them,
-Llama-3.1-8B's heads (32 query, 8 KV, 128 dims, bf16). Prints one markdown table: microseconds per
+Llama-3.1-8B's heads (32 query, 8 KV, 128 dims, bf16; --heads others). Prints one markdown table: microseconds per
 call (timed in a CUDA graph of 20 calls, as a decode step runs them, the KV warm in L2 where it
 fits: a step's layers read it from memory) and the floor fraction (the K/V bytes over the measured
 device-to-device copy bandwidth, divided by the time). GPU only.
@@ -59,9 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=6, help="settings shown per case, fastest first")
     parser.add_argument("--drafts", type=int, default=0, help="rows past each request's last token (a verify "
                         "step's drafts); its last row sees `context` keys")
+    parser.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size (Gemma 3's 16,8,256; "
+                        "Gemma 4's global 16,2,512); settings past the GPU's shared memory are shrunk by the kernel")
     parser.add_argument("--rows", default="", help="rows of a request a program takes, comma-separated, each timed "
                         "with the shipped launch (1: each row alone); with it the launch grid is skipped")
     args = parser.parse_args(argv)
+    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = map(int, args.heads.split(","))
     if not torch.cuda.is_available():
         print("no GPU", file=sys.stderr)
         return 1
