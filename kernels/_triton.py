@@ -246,6 +246,7 @@ def fit_attention_launch(block_m: int, block_n: int, stages: int, block_d: int, 
             raise ValueError(f"no attention launch for head size {block_d} fits {limit} bytes of shared memory")
     return block_m, block_n, stages
 
+
 _COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
