@@ -47,15 +47,21 @@ def run(runner, plans):
     return tokens, states
 
 
-def test_padded_hybrid_steps_equal_unpadded_and_transformers(tmp_path, monkeypatch):
-    hf_model = make_hybrid("qwen3_5", tmp_path)
-    prompts = random_prompts(3, lengths=(70, 9, 33, 5), vocab=TEXT["vocab_size"])
-    plans = schedule(prompts)
+def record_replays(monkeypatch) -> list[tuple[str, int]]:
+    """Each graph replay from now on, in order: ("run", its decode bucket) or ("run_mixed", its tokens)."""
     replays = []
     for method in ("run", "run_mixed"):
         original = getattr(StepGraphs, method)
         monkeypatch.setattr(StepGraphs, method, lambda self, meta, *a, m=method, f=original:
                             replays.append((m, meta.shape[-1] if m == "run" else a[0].tokens)) or f(self, meta, *a))
+    return replays
+
+
+def test_padded_hybrid_steps_equal_unpadded_and_transformers(tmp_path, monkeypatch):
+    hf_model = make_hybrid("qwen3_5", tmp_path)
+    prompts = random_prompts(3, lengths=(70, 9, 33, 5), vocab=TEXT["vocab_size"])
+    plans = schedule(prompts)
+    replays = record_replays(monkeypatch)
     runs = {}
     for graphs in (False, True):
         runner = make_runner(tmp_path, tokens=256, max_req_total_len=96, running_max_req_size=6, cuda_graph=graphs,

@@ -25,10 +25,10 @@ def hybrid_engine(runner) -> EngineCore:
     return EngineCore(scheduler, runner, eos_token_ids=[])
 
 
-def serve(core, prompts: list[list[int]], first_id: int) -> tuple[list[list[int]], list[int]]:
-    """Prompts at once: (greedy tokens, cached_tokens) of each."""
+def serve(core, prompts: list[list[int]], first_id: int, new: int = NEW) -> tuple[list[list[int]], list[int]]:
+    """Prompts at once, `new` greedy tokens each: (greedy tokens, cached_tokens) of each."""
     for i, p in enumerate(prompts):
-        core.add(GenerateReq(first_id + i, p, SamplingParams(max_new_tokens=NEW)))
+        core.add(GenerateReq(first_id + i, p, SamplingParams(max_new_tokens=new)))
     got = {}
     for out in core.drain():
         got.setdefault(out.req_id, []).append(out)

@@ -10,11 +10,12 @@ import pytest
 from helpers.models import assert_idle, hf_greedy, make_runner
 from helpers.spec import OracleDraft
 from test_hybrid_models import make_hybrid
+from test_hybrid_prefix_cache import serve
 from test_spec_decode import decode, drafted_run, plain_run, prefill
 
 from lightllm.engine.core import EngineCore
 from lightllm.engine.plan import Chunk, StepPlan
-from lightllm.engine.request import GenerateReq, SamplingParams
+from lightllm.engine.request import SamplingParams
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.controller import Speculator
@@ -97,7 +98,7 @@ def test_the_engine_with_drafts_chunks_and_snapshots_equals_transformers(method,
     core = spec_hybrid_engine(runner, method)
     tokens, cached = [], []
     for group in WORKLOAD:
-        t, c = _serve(core, group, len(tokens))
+        t, c = serve(core, group, len(tokens), NEW)
         tokens += t
         cached += c
     assert tokens == expected
@@ -108,12 +109,3 @@ def test_the_engine_with_drafts_chunks_and_snapshots_equals_transformers(method,
     assert_idle(core)
 
 
-def _serve(core, prompts, first_id):
-    """Prompts at once: (greedy tokens, cached_tokens) of each."""
-    for i, p in enumerate(prompts):
-        core.add(GenerateReq(first_id + i, p, SamplingParams(max_new_tokens=NEW)))
-    got = {}
-    for out in core.drain():
-        got.setdefault(out.req_id, []).append(out)
-    ids = range(first_id, first_id + len(prompts))
-    return [[o.token_id for o in got[i]] for i in ids], [got[i][0].cached_tokens for i in ids]

@@ -10,10 +10,9 @@ greedy tokens.
 import pytest
 import torch
 from helpers.models import hf_greedy, make_runner, random_prompts
-from test_hybrid_graphs import DECODE_STEPS, run, schedule
+from test_hybrid_graphs import DECODE_STEPS, record_replays, run, schedule
 from test_hybrid_models import TEXT, make_hybrid
 
-from lightllm.engine.cuda_graph import StepGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -121,11 +120,7 @@ def test_hybrid_graphs_equal_eager_and_transformers(tmp_path, monkeypatch):
     hf_model = make_hybrid("qwen3_5", tmp_path).to("cuda")
     prompts = random_prompts(3, lengths=(70, 9, 33, 5), vocab=TEXT["vocab_size"])
     plans = schedule(prompts)
-    replays = []
-    for method in ("run", "run_mixed"):
-        original = getattr(StepGraphs, method)
-        monkeypatch.setattr(StepGraphs, method, lambda self, meta, *a, m=method, f=original:
-                            replays.append(m) or f(self, meta, *a))
+    replays = record_replays(monkeypatch)
     runs = {}
     for graphs in (False, True):
         runner = make_runner(tmp_path, tokens=256, device="cuda", max_req_total_len=96, running_max_req_size=6,
@@ -135,7 +130,7 @@ def test_hybrid_graphs_equal_eager_and_transformers(tmp_path, monkeypatch):
         runs[graphs] = run(runner, plans)
         assert runner.stats()["tokens_used"] == 0
         del runner
-    assert replays == ["run_mixed"] * 3 + ["run"] * DECODE_STEPS
+    assert [m for m, _ in replays] == ["run_mixed"] * 3 + ["run"] * DECODE_STEPS
     (eager_tokens, eager_states), (graph_tokens, graph_states) = runs[False], runs[True]
     assert graph_tokens == eager_tokens
     for eager, graphed in zip(eager_states, graph_states):
