@@ -2,8 +2,8 @@
 
     python test/benchmark/kernels/moe_bench.py [--shape qwen3-30b-a3b] [--tp 1] [--decode 1,64,256]
         [--prefill 4096] [--fp8 | --mxfp4] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
-        [--tune [--tune-rows 64,128] [--tune-cols 64,128,256] [--tune-groups 0,8] [--tune-tma 0,1]
-        [--tune-kernels gate/up,down]] [--out-md moe.md]
+        [--tune [--tune-rows 64,128|auto] [--tune-cols 64,128,256] [--tune-ks 64,128] [--tune-groups 0,8]
+        [--tune-tma 0,1] [--tune-warps-stages 4x2,8x3] [--tune-kernels gate/up,down]] [--out-md moe.md]
 
 One MoE layer of the shape (router choices drawn at random: softmax of normal logits, top k, as
 a balanced router spreads tokens), bf16 weights (--fp8: e4m3 experts with row scales, as
@@ -253,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-groups", default="0", help="--tune's program orders (MoEPlan.group_m), e.g. 0,1,8")
-    parser.add_argument("--tune-rows", default="64,128", help="--tune's row blocks")
+    parser.add_argument("--tune-rows", default="64,128", help="--tune's row blocks; auto: each size's moe_plans row block")
     parser.add_argument("--tune-cols", default="64,128,256", help="--tune's column blocks")
+    parser.add_argument("--tune-ks", default="64,128", help="--tune's K blocks")
+    parser.add_argument("--tune-warps-stages", default=None,
+                        help="--tune's (warps, stages) pairs, e.g. 4x2,4x3,8x3 (default: TUNE_GRID's seven)")
     parser.add_argument("--tune-tma", default="0", help="--tune's gate/up weight tiles: 0 loads, 1 TMA, 0,1 both")
     parser.add_argument("--tune-kernels", default="gate/up,down", help="--tune's kernels, of gate/up and down")
     parser.add_argument("--out-md", default=None)
@@ -281,12 +284,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s %d: %.1f us, %.0f%% of the memory floor", case, tokens, rows[-1]["fused us"],
                     rows[-1]["% mem floor"])
     if args.tune:
-        grid = dict(TUNE_GRID, block_m=tuple(int(v) for v in args.tune_rows.split(",")),
-                    block_n=tuple(int(v) for v in args.tune_cols.split(",")),
+        grid = dict(TUNE_GRID, block_n=tuple(int(v) for v in args.tune_cols.split(",")),
+                    block_k=tuple(int(v) for v in args.tune_ks.split(",")),
                     group_m=tuple(int(v) for v in args.tune_groups.split(",")),
                     tma=tuple(bool(int(v)) for v in args.tune_tma.split(",")))
+        if args.tune_warps_stages:
+            grid["warps_stages"] = tuple(tuple(map(int, ws.split("x"))) for ws in args.tune_warps_stages.split(","))
         kernels = tuple(args.tune_kernels.split(","))
-        tuned = [line for _, tokens in sizes for line in tune(layer, tokens, grid, kernels)]
+        for _, tokens in sizes:
+            rows_of = (moe_plans(tokens * top_k, experts, args.fp8, args.mxfp4)[0].block_m,) \
+                if args.tune_rows == "auto" else tuple(int(v) for v in args.tune_rows.split(","))
+            lines = tune(layer, tokens, dict(grid, block_m=rows_of), kernels)
+            print("\n".join(lines), flush=True)  # as each size ends: a long tune cut short keeps what it found
+            tuned += lines
     dtype = "fp8" if args.fp8 else "MXFP4" if args.mxfp4 else "bf16"
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape} tp {args.tp} (hidden "
                       f"{hidden}, {experts} {dtype} experts of {inter // args.tp}, top {top_k}); copy bandwidth "
