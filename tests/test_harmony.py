@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lightllm.frontend.chat.harmony import HarmonyParser
-from lightllm.frontend.chat.output import AnswerParser, chat_parsers, merge_events
+from lightllm.frontend.chat.output import chat_parsers, merge_events
 from lightllm.frontend.chat.tool_calls import CallArgs, CallStart, Text
 
 REASONING = "<|channel|>analysis<|message|>The user asks for the weather; call the tool.<|end|>"
@@ -17,9 +17,10 @@ CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|cons
 FINAL = "<|start|>assistant<|channel|>final<|message|>It is 21 degrees in Tokyo.<|return|>"
 
 
-def parse(text: str, step: int | None = None):
-    """The answer of `text` fed whole, or `step` characters at a time."""
-    parser = AnswerParser(HarmonyParser(), None)
+def parse(text: str, step: int | None = None, calls: bool = True):
+    """The answer of `text` fed whole, or `step` characters at a time, as a gpt-oss server parses it;
+    `calls`: the request allows tool calls (tool_choice not none)."""
+    parser = chat_parsers(None, None, "GptOssForCausalLM", None).answer_parser("<|start|>assistant", calls)
     pieces = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)]
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
     return merge_events(events)
@@ -50,6 +51,16 @@ def test_recipient_before_the_channel_a_preamble_and_two_calls():
             '<|start|>assistant to=functions.b<|channel|>commentary json<|message|>{}<|call|>')
     assert plain(parse(text, 2)) == [Text("Checking both."), ("CallStart", 0, "a"), CallArgs(0, '{"x": 1}'),
                                      ("CallStart", 1, "b"), CallArgs(1, "{}")]
+
+
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_no_calls_parsed_under_tool_choice_none(step):
+    """tool_choice none: a call the model writes anyway is dropped (it is addressed to the function),
+    the reasoning and the final answer around it are kept; with calls allowed the same text is a call."""
+    text = REASONING + CALL + FINAL
+    assert parse(text, step, calls=False) == [Text("The user asks for the weather; call the tool.", reasoning=True),
+                                              Text("It is 21 degrees in Tokyo.")]
+    assert ("CallStart", 0, "get_weather") in plain(parse(text, step, calls=True))
 
 
 def test_text_without_harmony_is_content_and_an_unfinished_message_is_kept():
@@ -164,3 +175,58 @@ def test_responses_round_trip_of_a_call_and_its_result(gpt_oss_served):
     second = run(ask(REASONING + FINAL, history))
     assert "21 C, sunny" in tokenizer.decode(engine.prompts[-1])
     assert second.output_text == "It is 21 degrees in Tokyo." and second.output[-1].type == "message"
+
+
+def ask_route(served, route: str, choice: str, text: str) -> tuple[str, str, list]:
+    """(content, reasoning, [(name, arguments)]) of a harmony answer `text` to a request on `route`
+    (chat, chat-stream, responses or messages) with get_weather as a tool and tool_choice `choice`."""
+    import anthropic
+    import openai
+    from test_chat_routes_scripted import http, joined, run
+
+    app, engine, tokenizer = served
+    engine.text = text
+    messages = [{"role": "user", "content": "Weather in Tokyo?"}]
+
+    async def ask():
+        async with http(app) as client:
+            api = openai.AsyncOpenAI(base_url="http://scripted/v1", api_key="unused", http_client=client)
+            if route.startswith("chat"):
+                reply = await api.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                          tool_choice=choice, stream=route == "chat-stream")
+                if route == "chat-stream":
+                    got = joined([chunk async for chunk in reply])
+                    return got["content"], got["reasoning"], [(c["name"], c["arguments"]) for c in got["calls"]]
+                message = reply.choices[0].message
+                return (message.content or "", message.reasoning_content or "",
+                        [(c.function.name, c.function.arguments) for c in message.tool_calls or ()])
+            if route == "responses":
+                reply = await api.responses.create(model="scripted", input=messages, tool_choice=choice,
+                                                   tools=[{"type": "function", **TOOLS[0]["function"]}])
+                reasoning = "".join(c.text for i in reply.output if i.type == "reasoning" for c in i.content)
+                return reply.output_text, reasoning, [(i.name, i.arguments) for i in reply.output
+                                                      if i.type == "function_call"]
+            api = anthropic.AsyncAnthropic(base_url="http://scripted", api_key="unused", http_client=client)
+            reply = await api.messages.create(model="scripted", max_tokens=64, messages=messages,
+                                              tools=[{"name": "get_weather", "input_schema": LOCATION}],
+                                              tool_choice={"type": choice})
+            blocks = reply.content
+            return ("".join(b.text for b in blocks if b.type == "text"),
+                    "".join(b.thinking for b in blocks if b.type == "thinking"),
+                    [(b.name, json.dumps(b.input)) for b in blocks if b.type == "tool_use"])
+
+    return run(ask())
+
+
+@pytest.mark.parametrize("route", ["chat", "chat-stream", "responses", "messages"])
+def test_tool_choice_none_offers_no_tools_and_returns_no_calls(gpt_oss_served, route):
+    """gpt-oss under tool_choice none: the prompt lists no tools, and a call the model writes anyway
+    is no tool call (dropped), on each chat route; under auto the same answer is the call."""
+    app, engine, tokenizer = gpt_oss_served
+    content, reasoning, calls = ask_route(gpt_oss_served, route, "none", REASONING + CALL + FINAL)
+    assert "get_weather" not in tokenizer.decode(engine.prompts[-1])
+    assert (content, calls) == ("It is 21 degrees in Tokyo.", [])
+    assert reasoning == "The user asks for the weather; call the tool."
+    content, _, calls = ask_route(gpt_oss_served, route, "auto", REASONING + CALL + FINAL)
+    assert "get_weather" in tokenizer.decode(engine.prompts[-1])
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"location": "Tokyo", "unit": "c"})]

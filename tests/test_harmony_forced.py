@@ -21,9 +21,15 @@ ARGS = {"city": "Tokyo", "days": 3}
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
 
 
-def call(name: str = "get_weather", args: dict = ARGS, head: str = "<|start|>assistant") -> str:
-    """A call as gpt-oss writes it (the prompt's own `<|start|>assistant` comes before the first)."""
-    return f"{head}<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(args)}<|call|>"
+def compact(args: dict) -> str:
+    return json.dumps(args, separators=(",", ":"))
+
+
+def call(name: str = "get_weather", args: dict | str = ARGS, head: str = "<|start|>assistant") -> str:
+    """A call as gpt-oss writes it, its arguments compact JSON (the prompt's own `<|start|>assistant`
+    comes before the first)."""
+    text = args if isinstance(args, str) else compact(args)
+    return f"{head}<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{text}<|call|>"
 
 
 FIRST = call(head="")
@@ -88,6 +94,22 @@ def test_gpt_oss_forces_harmony_calls(tokenizer_dir):
     if "<|call|>" in tokenizer.get_vocab():  # gpt-oss's generation config stops at <|call|>: it ends the grammar too
         ends_on_call, _ = acceptor(tokenizer_dir, stop_tags=("<|call|>", "<|return|>"))
         assert ends_on_call(named, ANALYSIS + call()) and ends_on_call(parallel, FIRST)
+
+
+def test_forced_arguments_are_compact_json(default_model_dir):
+    """A forced call's arguments admit no whitespace between JSON tokens (a model could pad them with
+    it up to max_tokens), not even json.dumps' one space after ':' and ','; spaces inside a string stay."""
+    accepts, _ = acceptor(default_model_dir)
+    spec = grammar("get_weather")
+    assert accepts(spec, call(args='{"city":"Tokyo","days":3}', head=""))
+    for padded in ('{"city": "Tokyo", "days": 3}', '{ "city":"Tokyo","days":3}', '{"city":"Tokyo",\n"days":3}',
+                   '{"city":"Tokyo","days":3 }', '{"city":\t"Tokyo","days":3}'):
+        assert not accepts(spec, call(args=padded, head="")), padded
+    spaced = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+    from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar
+
+    note = forced_call_grammar(gpt_oss_format(), [FunctionDef(name="n", parameters=spaced)], "n", False)[1]
+    assert accepts(note, call("n", {"note": "two words,  a: b"}, head=""))
 
 
 def test_reasoning_is_bounded_by_half_the_answer_budget(default_model_dir):
@@ -168,6 +190,7 @@ def test_a_forced_call_comes_back_as_a_harmony_call(gpt_oss_server):
     assert len(calls) == 1 and named.output_text == "" and named.status == "completed", named.output
     assert calls[0].name == "get_weather"
     fits_schema("get_weather", calls[0].arguments)
+    assert calls[0].arguments == compact(json.loads(calls[0].arguments))  # as the grammar had it written
     anthropic_any = anthropic_messages(gpt_oss_server, model)
     assert anthropic_any.stop_reason == "tool_use" and [b.type for b in anthropic_any.content][-1] == "tool_use"
     assert not [b for b in anthropic_any.content if b.type == "text"]

@@ -51,6 +51,7 @@ CACHE_BYTES = 32 << 20  # and their size at most, as xgrammar's JSON of them mea
 PACK_LEVEL = 1  # zlib's fastest
 _MESSAGE_CHARS = 300  # a user's error message quotes at most this much of xgrammar's
 _ANY_OBJECT = '{"type": "object"}'
+ONE_LINE = (", ", ": ")  # json.dumps' separators without indent: the layout of our JSON grammars
 # xgrammar's C++ errors start "[hh:mm:ss] /path/file.cc:123: " and at times "Check failed: (...) is false: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 # xgrammar (0.2.8; mlc-ai/xgrammar#800) writes one character of a string with minLength or maxLength
@@ -72,8 +73,9 @@ def _one_line(error: Exception) -> str:
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
 
 
-def _build(kind: str, spec: str):
-    """The xgrammar.Grammar of (kind, spec); raises GrammarError when the user's spec is wrong."""
+def _build(kind: str, spec: str, separators: tuple[str, str] = ONE_LINE):
+    """The xgrammar.Grammar of (kind, spec); raises GrammarError when the user's spec is wrong.
+    `separators`: a json_schema's, between items and after keys (json.dumps')."""
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
     if kind == "json_object" and spec:
@@ -91,7 +93,7 @@ def _build(kind: str, spec: str):
     import xgrammar
 
     parse = {"json_object": lambda _: _json_schema(_ANY_OBJECT),
-             "json_schema": _json_schema,
+             "json_schema": lambda schema: _json_schema(schema, separators),
              "regex": xgrammar.Grammar.from_regex,
              "ebnf": xgrammar.Grammar.from_ebnf,
              "structural_tag": xgrammar.Grammar.from_structural_tag}[kind]
@@ -101,21 +103,22 @@ def _build(kind: str, spec: str):
         raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
 
 
-def _json_schema(spec: str):
+def _json_schema(spec: str, separators: tuple[str, str] = ONE_LINE):
     """xgrammar's grammar of a JSON schema, its strings with a length bound held to JSON's characters."""
     import xgrammar
 
-    # No free whitespace, which a small model can emit until max_new_tokens: json.dumps' one-line
-    # layout, one space after each ':' and ',' (xgrammar's separators when indent is None).
-    grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False)
+    # No free whitespace, which a small model can emit until max_new_tokens: one line, the
+    # separators' spaces only.
+    grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False, separators=separators)
     ebnf, bounded = _BOUNDED_STRING_CHARACTER.subn(lambda m: m[1] + _JSON_STRING_CHARACTER, str(grammar))
     return xgrammar.Grammar.from_ebnf(ebnf) if bounded else grammar
 
 
-def json_schema_ebnf(schema: dict) -> str:
-    """A JSON schema as xgrammar's EBNF, in the layout of our json_schema grammars (no free
-    whitespace), for use inside a structural tag; GrammarError when xgrammar cannot use it."""
-    return str(_build("json_schema", json.dumps(schema)))
+def json_schema_ebnf(schema: dict, separators: tuple[str, str] = ONE_LINE) -> str:
+    """A JSON schema as xgrammar's EBNF, one line with no free whitespace (`separators`: json.dumps'
+    meaning; (",", ":") is compact JSON), for use inside a structural tag; GrammarError when
+    xgrammar cannot use it."""
+    return str(_build("json_schema", json.dumps(schema), separators))
 
 
 def check_grammar(kind: str, spec: str) -> None:

@@ -14,7 +14,8 @@ The tags are special tokens: the chat routes keep them in the text for this pars
 content, as a model that does not write harmony writes it.
 
 A forced call (tool_choice required or a function's name) is held to harmony's own layout by
-`HarmonyCallFormat.forced_grammar`: an optional analysis message, then the calls. Its tags are
+`HarmonyCallFormat.forced_grammar`: an optional analysis message, then the calls, their arguments
+compact JSON (no whitespace between tokens, gpt-oss's own layout). Its tags are
 matched as text, which xgrammar matches both with the tags' special tokens (gpt-oss's tokenizer,
 where <|call|> is also a stop token) and with a tokenizer that spells them out.
 """
@@ -121,10 +122,14 @@ def call_header(name: str) -> str:
 class HarmonyCallFormat(CallFormat):
     """gpt-oss's calls, written and forced in harmony. With the harmony reasoning parser the calls
     come out of it (the channels hold them); the call parser over the content it leaves (final and
-    preamble text, no headers) passes that on as it is."""
+    preamble text, no headers) passes that on as it is. Arguments are compact JSON, as gpt-oss
+    writes them (harmony's own examples: `{"location":"Tokyo"}`)."""
+
+    arguments_separators = (",", ":")
 
     def write(self, name: str, arguments: dict | str) -> str:
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False,
+                                                                         separators=self.arguments_separators)
         return f"{call_header(name)}{text}{CALL_END}"
 
     def new_parser(self, schemas: dict | None = None):

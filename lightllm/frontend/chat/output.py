@@ -46,7 +46,9 @@ class Answer:
 
 
 class AnswerParser:
-    """`reasoning`: a reasoning parser or None; `tools`: a tool-call parser or None."""
+    """`reasoning`: a reasoning parser or None; `tools`: a tool-call parser, or None where the answer
+    has no calls (tool_choice none): then a call the reasoning parser reads (harmony's message to a
+    function) is dropped, as it is addressed to the function and not the user."""
 
     def __init__(self, reasoning=None, tools=None):
         self.reasoning, self.tools = reasoning, tools
@@ -58,9 +60,9 @@ class AnswerParser:
         events = self._split(self.reasoning.finish()) if self.reasoning else []
         return events + (self.tools.finish() if self.tools else [])
 
-    def _split(self, texts: list[Text]) -> list:
+    def _split(self, texts: list) -> list:
         if self.tools is None:
-            return texts
+            return [text for text in texts if isinstance(text, Text)]
         out = []
         for text in texts:  # a reasoning parser's calls (harmony's) pass as they are
             out += [text] if not isinstance(text, Text) or text.reasoning else self.tools.feed(text.text)
@@ -98,6 +100,12 @@ class ChatParsers:
     def keeps_special_tokens(self) -> bool:
         """The answer's text must keep its special tokens: the reasoning parser reads them (harmony)."""
         return self.reasoning is HarmonyParser
+
+    def prompt_tools(self, tools: list, choice: str) -> list:
+        """The tools the prompt lists: under tool_choice none, none to a model that answers in harmony
+        (its developer message offers each tool as callable, and gpt-oss calls one whatever the
+        request says; the call would be dropped, leaving an empty answer), else all of them."""
+        return [] if choice == "none" and self.reasoning is HarmonyParser else tools
 
     def answer_parser(self, prompt_text: str, calls: bool, functions: list | None = None) -> AnswerParser:
         """A parser for one answer to `prompt_text`; `calls`: tool calls are parsed out of it;

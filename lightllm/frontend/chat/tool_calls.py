@@ -319,6 +319,7 @@ class CallFormat:
     end: str
     separator: str
     arguments_style = "json"  # how a forced call's arguments are written (xgrammar's JSONSchemaFormat style)
+    arguments_separators = (", ", ": ")  # a forced call's JSON arguments': json.dumps' one line, as templates write
 
     def write(self, name: str, arguments: dict | str) -> str:
         """A call as the model writes it (for a history its chat template cannot render)."""

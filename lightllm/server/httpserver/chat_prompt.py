@@ -53,7 +53,7 @@ async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef],
     grammar compiled (a 400 past --grammar_compile_timeout) once the lengths are known to fit
     (an error names max_new_tokens as the route does: `max_tokens_field`). The prompt ends as
     render_chat's add_generation_prompt and continue_final_message say."""
-    tools = [template_tool(f) for f in functions]
+    tools = state.chat.prompt_tools([template_tool(f) for f in functions], choice)
     if state.chat.keeps_special_tokens:  # the reasoning parser reads them (harmony) and takes them out
         sampling.skip_special_tokens = False
     text, prompt_ids = await chat_prompt(state, messages, tools, options, add_generation_prompt,

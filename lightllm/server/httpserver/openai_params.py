@@ -407,12 +407,13 @@ def check_parameters(function: FunctionDef) -> None:
                            f"{exc}") from None
 
 
-def arguments_grammar(function: FunctionDef) -> str:
-    """The EBNF of a function's arguments (its parameters' schema); a schema xgrammar cannot use is a 400."""
+def arguments_grammar(function: FunctionDef, separators: tuple[str, str]) -> str:
+    """The EBNF of a function's arguments (its parameters' schema, JSON with `separators`); a schema
+    xgrammar cannot use is a 400."""
     from lightllm.engine.grammar import GrammarError, json_schema_ebnf  # xgrammar: only when asked for
 
     try:
-        return json_schema_ebnf(function.parameters or EMPTY_PARAMETERS)
+        return json_schema_ebnf(function.parameters or EMPTY_PARAMETERS, separators)
     except GrammarError as exc:
         message = f"function {function.name!r}: its parameters cannot be used for a forced call: {exc}"
         raise RequestError(message) from None
@@ -422,7 +423,7 @@ def arguments_format(call_format, function: FunctionDef) -> dict:
     """A function's arguments as a structural tag's content: our JSON grammar of its schema, or the
     schema in xgrammar's style of the format (its XML forms)."""
     if call_format.arguments_style == "json":
-        return {"type": "grammar", "grammar": arguments_grammar(function)}
+        return {"type": "grammar", "grammar": arguments_grammar(function, call_format.arguments_separators)}
     from lightllm.engine.grammar import GrammarError, check_grammar
 
     content = {"type": "json_schema", "json_schema": function.parameters or EMPTY_PARAMETERS,
