@@ -18,8 +18,8 @@ so a graph captures one plan):
 
 The fused plan repeats a row block's shrink in each of its programs along N (reading K x R of A
 again each time), which costs little while the row blocks are few, and saves the second launch
-(about 5 us a projection on an H200, 4 a layer: a decode step's LoRA was 256 launches for 32
-layers, now 128). With many rows the repeated shrinks would cost more than the projection's own
+(about 5 us a launch on an H200: a decode step of bench-8b's 32 layers launches 128 for LoRA
+rather than 256). With many rows the repeated shrinks would cost more than the projection's own
 GEMM, and the shrink's row blocks alone fill the GPU: there the two kernels. The shrink's P partial
 sums over slices of K (`shrink_splits`: several where the step has few row blocks, so that its
 rows still spread over many programs; the reference's P is 1) are added up by the expand in a
@@ -51,11 +51,12 @@ BLOCK_N = 64
 # step's one row block would otherwise be one program over all of K. Not yet tuned on a GPU.
 SPLIT_K = 512
 SHRINK_PROGRAMS = 256
-# Steps of up to FUSED_MAX_ROWS rows take the fused kernel. Its programs along N each repeat their
-# row block's shrink: about FUSED_PROGRAMS times K x R of A read again (from L2) a projection, a
-# cost that grows with the row blocks, while the two kernels' shrink reads A once. 32 rows over 16
-# slots make at most 17 row blocks (the fused grid then still has 8 programs along N for each); an
-# estimate, to be tuned with test/benchmark/kernels/lora_bench.py.
+# Steps of up to FUSED_MAX_ROWS rows take the fused kernel. It runs about FUSED_PROGRAMS programs
+# whatever the rows, each reading its slot's K x R of A whole (from L2 after the first) for its row
+# block's shrink, then adding to its run of N tiles one after another: the more row blocks, the
+# fewer programs along N each gets and the longer each program's run, where the two kernels spread
+# the shrink and the expand over more programs. 32 rows over 16 slots make at most 17 row blocks
+# (8 programs along N each). An estimate, to be tuned with test/benchmark/kernels/lora_bench.py.
 FUSED_MAX_ROWS = 32
 FUSED_PROGRAMS = 128  # about one a streaming multiprocessor of an H100 or H200 (132)
 FUSED_BLOCK_K = 128  # few loop trips over K (32 for 4096): each program sums all of it
