@@ -59,7 +59,13 @@ SHRINK_PROGRAMS = 256
 # (8 programs along N each). An estimate, to be tuned with test/benchmark/kernels/lora_bench.py.
 FUSED_MAX_ROWS = 32
 FUSED_PROGRAMS = 128  # about one a streaming multiprocessor of an H100 or H200 (132)
-FUSED_BLOCK_K = 128  # few loop trips over K (32 for 4096): each program sums all of it
+# Each fused program sums all of K alone, an A tile of [block_k, rank block] a loop trip: at a
+# decode step's one row the trips are the kernel's time, bound by the bytes each has in flight, so
+# the tile is large, FUSED_A_TILE elements (block_k 512 at rank 16, 256 at 32, 128 at 48 or 64;
+# 16 KiB in bf16), in FUSED_STAGES stages: with x's [16, block_k] tile 64 KiB of shared memory at
+# most, within the 99 KiB of the smallest GPUs served.
+FUSED_A_TILE = 8192
+FUSED_STAGES = 2
 
 
 class Segments(NamedTuple):
@@ -95,10 +101,10 @@ def shrink_splits(tokens: int, k: int, num_slots: int) -> int:
     return max(1, min(cdiv(k, SPLIT_K), cdiv(SHRINK_PROGRAMS, max(1, max_row_blocks(tokens, num_slots)))))
 
 
-def fused_tiles(tokens: int, n: int, num_slots: int, programs: int = FUSED_PROGRAMS) -> int:
-    """N tiles (of BLOCK_N) each program of the fused kernel adds to: as many programs along N as
+def fused_tiles(tokens: int, n: int, num_slots: int, programs: int = FUSED_PROGRAMS, block_n: int = BLOCK_N) -> int:
+    """N tiles (of block_n) each program of the fused kernel adds to: as many programs along N as
     make about `programs` with the step's row blocks, and no more, since each repeats the shrink."""
-    tiles = cdiv(n, BLOCK_N)
+    tiles = cdiv(n, block_n)
     return cdiv(tiles, max(1, min(tiles, cdiv(programs, max(1, max_row_blocks(tokens, num_slots))))))
 
 
@@ -271,18 +277,22 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: S
 
 
 def lora_shrink_expand_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
-                              programs: int = FUSED_PROGRAMS) -> torch.Tensor:
-    """lora_add_ in one launch (the fused plan, for any row count; `programs`: fused_tiles's)."""
+                              programs: int = FUSED_PROGRAMS, block_k: int | None = None,
+                              block_n: int = BLOCK_N) -> torch.Tensor:
+    """lora_add_ in one launch (the fused plan, for any row count). `programs`: fused_tiles's;
+    block_k None: an A tile of FUSED_A_TILE elements (the others for lora_bench.py to try)."""
     assert y.stride(-1) == 1 and x.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
     tokens, n = y.shape
     slots, rank, k = a.shape
     blocks = max_row_blocks(tokens, slots)
-    tiles = fused_tiles(tokens, n, slots, programs)
+    tiles = fused_tiles(tokens, n, slots, programs, block_n)
+    block_r = _block_r(rank)
     if blocks:
-        _shrink_expand_kernel[(blocks, cdiv(cdiv(n, BLOCK_N), tiles))](
+        _shrink_expand_kernel[(blocks, cdiv(cdiv(n, block_n), tiles))](
             y, x, a, b, seg.rows, seg.starts, seg.blocks, slots, n, k, rank, tiles, y.stride(0), x.stride(0),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
-            BLOCK_R=_block_r(rank), BLOCK_K=FUSED_BLOCK_K, BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda, **pdl(y))
+            BLOCK_R=block_r, BLOCK_K=block_k or max(16, FUSED_A_TILE // block_r), BLOCK_N=block_n,
+            DOT_UPCAST=not y.is_cuda, num_stages=FUSED_STAGES, **pdl(y))
     return y
 
 

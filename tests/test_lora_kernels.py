@@ -145,16 +145,17 @@ def launched(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,rank,k,n", [(13, 8, 72, 130), (1, 24, 200, 40), (FUSED_MAX_ROWS, 5, 130, 70)])
-@pytest.mark.parametrize("programs", [FUSED_PROGRAMS, 6, 1])
-def test_fused_kernel_matches_shrink_then_expand(tokens, rank, k, n, programs, dtype, launched):
+@pytest.mark.parametrize("programs,block_k", [(FUSED_PROGRAMS, None), (6, 32), (1, None)])
+def test_fused_kernel_matches_shrink_then_expand(tokens, rank, k, n, programs, block_k, dtype, launched):
     """One launch: each program's rows' s over all of K, added into its run of N tiles (programs 6:
-    two tiles a program over three, the last program's second tile past N; 1: every tile in one
-    program); ranks padded per slot, K and N not multiples of the blocks, rows of no adapter kept."""
+    two tiles a program over three, the last program's second tile past N, and K in several blocks;
+    1: every tile in one program); ranks padded per slot, K and N not multiples of the blocks, rows
+    of no adapter kept."""
     slots, x, a, b, y = mixed_batch(tokens, 4, rank, k, n, dtype)
     pad_ranks_(a, b)
     seg = lora_segments(slots, 4)
     expected = lora_expand_ref(y.clone(), lora_shrink_ref(x, a, seg), b, seg)
-    got = lora_shrink_expand_triton(y.clone(), x, a, b, seg, programs)
+    got = lora_shrink_expand_triton(y.clone(), x, a, b, seg, programs, block_k)
     assert launched == ["_shrink_expand_kernel"]
     assert_close(got, expected, dtype)
     used = slots >= 0

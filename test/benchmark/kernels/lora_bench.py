@@ -1,18 +1,19 @@
 """A decode step's LoRA work in CUDA graphs: the fused kernel against the shrink and the expand.
 
-    python test/benchmark/kernels/lora_bench.py [--rows 1,8,16,32,64,256] [--layers 32] [--programs 32,64,128,256]
+    python test/benchmark/kernels/lora_bench.py [--rows 1,8,16,32,64,256] [--layers 32] [--fused 128,32,...]
 
-bench-8b's projection groups (hidden 4096; q/k/v 6144 out, its A three parts of rank 16 stacked:
-48 rows; o 4096; gate/up 2 x 14336 out, A 32 rows; down 14336 in), rank 16, 16 slots, bf16, each
-layer its own weights. For each row count (row t under slot t mod 16, so every row has an adapter
-and the step's rows spread over the slots), one CUDA graph per plan of what a step launches for
-LoRA in `--layers` layers (the segments, made once a step, left out): the shrink and the expand
-(two launches a group), the fused kernel (one a group) with fused_tiles aiming at each of
-`--programs` programs (the default marked *), and `lora_add_` as served (the plan FUSED_MAX_ROWS
-picks). Every plan is first checked on one layer against the torch reference (lora_add_ref): the
-largest difference of the added term, relative to its largest value, in the last column (bf16:
-about 1e-2 at most; above 3e-2 the run fails). Prints one markdown table of microseconds per
-step. CUDA only (says so and exits 0 elsewhere); under a minute on an H200.
+bench-8b's projection groups (hidden 4096; q/k/v 6144 out, its A three parts of rank 16 stacked: 48
+rows; o 4096; gate/up 2 x 14336 out, A 32 rows; down 14336 in), rank 16, 16 slots, bf16, each layer
+its own weights. For each row count (row t under slot t mod 16, so every row has an adapter and the
+step's rows spread over the slots), one CUDA graph per plan of what a step launches for LoRA in
+`--layers` layers (the segments, made once a step, left out): the shrink and the expand (two
+launches a group), the fused kernel (one a group) in each `--fused` launch plan (PROGRAMS or
+PROGRAMS:BLOCK_K:BLOCK_N, "-" for the default: fused_tiles's target, the A tile's K block, the N
+tile; "128" is the default launch), and `lora_add_` as served (the plan FUSED_MAX_ROWS picks). Every
+plan is first checked on one layer against the torch reference (lora_add_ref): the largest
+difference of the added term, relative to its largest value, in the last column (bf16: about 1e-2 at
+most; above 3e-2 the run fails). Prints one markdown table of microseconds per step. CUDA only (says
+so and exits 0 elsewhere); about a minute on an H200, most of it compiling.
 """
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ WEIGHT_STD = 0.05  # x ~ N(0, 1): s ~ 3, the added term ~ 0.6, well above bf16's
 
 def shrink_then_expand(y, x, a, b, seg):
     return lora.lora_expand_triton(y, lora.lora_shrink_triton(x, a, seg), b, seg)
+
+
+def fused_plan(spec: str):
+    """PROGRAMS[:BLOCK_K[:BLOCK_N]] ("-": the default) -> the fused kernel with that launch."""
+    fields = (spec.split(":") + ["-", "-"])[:3]
+    programs, block_k, block_n = (None if f == "-" else int(f) for f in fields)
+    return functools.partial(lora.lora_shrink_expand_triton, programs=programs or lora.FUSED_PROGRAMS,
+                             block_k=block_k, block_n=block_n or lora.BLOCK_N)
 
 
 def make_layers(layers: int) -> list[dict]:
@@ -104,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,16,32,64,256", help="rows of the step (decodes)")
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--programs", default="32,64,128,256", help="fused_tiles's target programs to time")
+    parser.add_argument("--fused", default="128,32,64,256,128:128,128:256,128:-:128",
+                        help="the fused kernel's launch plans to time, PROGRAMS[:BLOCK_K[:BLOCK_N]], - for the default")
     parser.add_argument("--replays", type=int, default=20)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -113,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.manual_seed(0)
     plans = {"shrink+expand": shrink_then_expand}
-    for p in map(int, args.programs.split(",")):
-        mark = "*" if p == lora.FUSED_PROGRAMS else ""
-        plans[f"fused {p}{mark}"] = functools.partial(lora.lora_shrink_expand_triton, programs=p)
+    for spec in args.fused.split(","):
+        plans[f"fused {spec}"] = fused_plan(spec)
     plans["lora_add_"] = lora.lora_add_triton
     weights = make_layers(args.layers)
     rows = []
