@@ -277,8 +277,8 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: S
 
 
 def lora_shrink_expand_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
-                              programs: int = FUSED_PROGRAMS, block_k: int | None = None,
-                              block_n: int = BLOCK_N) -> torch.Tensor:
+                              programs: int = FUSED_PROGRAMS, block_k: int | None = None, block_n: int = BLOCK_N,
+                              stages: int = FUSED_STAGES, warps: int = 4) -> torch.Tensor:
     """lora_add_ in one launch (the fused plan, for any row count). `programs`: fused_tiles's;
     block_k None: an A tile of FUSED_A_TILE elements (the others for lora_bench.py to try)."""
     assert y.stride(-1) == 1 and x.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
@@ -292,7 +292,7 @@ def lora_shrink_expand_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
             y, x, a, b, seg.rows, seg.starts, seg.blocks, slots, n, k, rank, tiles, y.stride(0), x.stride(0),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
             BLOCK_R=block_r, BLOCK_K=block_k or max(16, FUSED_A_TILE // block_r), BLOCK_N=block_n,
-            DOT_UPCAST=not y.is_cuda, num_stages=FUSED_STAGES, **pdl(y))
+            DOT_UPCAST=not y.is_cuda, num_stages=stages, num_warps=warps, **pdl(y))
     return y
 
 

@@ -1,6 +1,6 @@
 """A decode step's LoRA work in CUDA graphs: the fused kernel against the shrink and the expand.
 
-    python test/benchmark/kernels/lora_bench.py [--rows 1,8,16,32,64,256] [--layers 32] [--fused 128,32,...]
+    python test/benchmark/kernels/lora_bench.py [--rows 1,8,16,32,64,256] [--layers 32] [--fused 128,32:-:-:3,...]
 
 bench-8b's projection groups (hidden 4096; q/k/v 6144 out, its A three parts of rank 16 stacked: 48
 rows; o 4096; gate/up 2 x 14336 out, A 32 rows; down 14336 in), rank 16, 16 slots, bf16, each layer
@@ -8,12 +8,13 @@ its own weights. For each row count (row t under slot t mod 16, so every row has
 step's rows spread over the slots), one CUDA graph per plan of what a step launches for LoRA in
 `--layers` layers (the segments, made once a step, left out): the shrink and the expand (two
 launches a group), the fused kernel (one a group) in each `--fused` launch plan (PROGRAMS or
-PROGRAMS:BLOCK_K:BLOCK_N, "-" for the default: fused_tiles's target, the A tile's K block, the N
-tile; "128" is the default launch), and `lora_add_` as served (the plan FUSED_MAX_ROWS picks). Every
-plan is first checked on one layer against the torch reference (lora_add_ref): the largest
-difference of the added term, relative to its largest value, in the last column (bf16: about 1e-2 at
-most; above 3e-2 the run fails). Prints one markdown table of microseconds per step. CUDA only (says
-so and exits 0 elsewhere); about a minute on an H200, most of it compiling.
+PROGRAMS:BLOCK_K:BLOCK_N:STAGES:WARPS, "-" for the default: fused_tiles's target, the A tile's K
+block, the N tile, the pipeline's stages, the warps; "128" is the default launch), and `lora_add_`
+as served (the plan FUSED_MAX_ROWS picks). Every plan is first checked on one layer against the
+torch reference (lora_add_ref): the largest difference of the added term, relative to its largest
+value, in the last column (bf16: about 1e-2 at most; above 3e-2 the run fails). Prints one markdown
+table of microseconds per step. CUDA only (says so and exits 0 elsewhere); about a minute on an
+H200, most of it compiling.
 """
 from __future__ import annotations
 
@@ -43,11 +44,10 @@ def shrink_then_expand(y, x, a, b, seg):
 
 
 def fused_plan(spec: str):
-    """PROGRAMS[:BLOCK_K[:BLOCK_N]] ("-": the default) -> the fused kernel with that launch."""
-    fields = (spec.split(":") + ["-", "-"])[:3]
-    programs, block_k, block_n = (None if f == "-" else int(f) for f in fields)
-    return functools.partial(lora.lora_shrink_expand_triton, programs=programs or lora.FUSED_PROGRAMS,
-                             block_k=block_k, block_n=block_n or lora.BLOCK_N)
+    """PROGRAMS[:BLOCK_K[:BLOCK_N[:STAGES[:WARPS]]]] ("-": the default) -> the fused kernel so launched."""
+    names = ("programs", "block_k", "block_n", "stages", "warps")
+    fields = {name: int(f) for name, f in zip(names, spec.split(":")) if f != "-"}
+    return functools.partial(lora.lora_shrink_expand_triton, **fields)
 
 
 def make_layers(layers: int) -> list[dict]:
@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,16,32,64,256", help="rows of the step (decodes)")
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--fused", default="128,32,64,256,128:128,128:256,128:-:128",
-                        help="the fused kernel's launch plans to time, PROGRAMS[:BLOCK_K[:BLOCK_N]], - for the default")
+    parser.add_argument("--fused", default="128,32,256,128:256,128:-:128,128:-:-:3,128:-:-:-:8",
+                        help="the fused kernel's launch plans to time, PROGRAMS[:BLOCK_K[:BLOCK_N[:STAGES[:WARPS]]]], "
+                             "- for the default")
     parser.add_argument("--replays", type=int, default=20)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
