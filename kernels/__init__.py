@@ -13,7 +13,7 @@ from .decode_attention import decode_attention_ref, decode_attention_triton
 from .extend_attention import extend_attention_ref, extend_attention_triton
 from .fused_moe import fused_moe_ref, fused_moe_triton, route_topk
 from .fp8_linear import fp8_gemm_ref, fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton
-from .lora import lora_add_ref, lora_add_triton, lora_segments
+from .lora import lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref, lora_shrink_triton
 from .greedy_sample import greedy_sample_ref, greedy_sample_triton
 from .random_uniform import random_uniform_ref, random_uniform_triton
 from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
@@ -58,12 +58,13 @@ causal_conv1d_step = _by_device(causal_conv1d_step_ref, causal_conv1d_step_trito
 gated_delta_rule_step = _by_device(gated_delta_rule_step_ref, gated_delta_rule_step_triton)
 causal_conv1d_chunks = _by_device(causal_conv1d_chunks_ref, causal_conv1d_chunks_triton)
 gated_delta_rule_chunks = _by_device(gated_delta_rule_chunks_ref, gated_delta_rule_chunks_fla)  # fla's kernels on CUDA
-lora_add_ = _by_device(lora_add_ref, lora_add_triton)
+lora_shrink = _by_device(lora_shrink_ref, lora_shrink_triton)
+lora_expand_ = _by_device(lora_expand_ref, lora_expand_triton)
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
     "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
     "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
     "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "require_fla",
-    "lora_add_", "lora_segments",
+    "lora_shrink", "lora_expand_", "lora_segments",
 ]

@@ -1,32 +1,18 @@
-"""LoRA on a mixed batch: each token's row goes through its own adapter's A and B (or none), in one
-or two launches per projection for the whole batch, whatever the mix of adapters.
+"""LoRA on a mixed batch: each token's row goes through its own adapter's A and B (or none), one
+launch per operation for the whole batch, whatever the mix of adapters.
 
 The adapters sit in a slot pool: a [S, R, K] and b [S, N, R] per projection (R the largest rank,
 smaller ranks zero-padded). A step groups its rows by slot once (`lora_segments`: the rows in slot
 order, where each slot's run of them starts, and where its row blocks start); then per projection
-`lora_add_` adds y[t] += (x[t] @ a[slot(t)]^T) @ b[slot(t)]^T, s = x @ a^T summed in fp32 and
-rounded to the weights' dtype before the second product (tensor cores take bf16), y's sum in fp32.
-One operation, two launch plans by the step's row count T (a host int, fixed per CUDA graph bucket,
-so a graph captures one plan):
 
-    T > FUSED_MAX_ROWS (prefill-sized): two kernels
     lora_shrink:   s[p, t] = x[t, K slice p] @ a[slot(t), :, K slice p]^T    [P, T, R] fp32
-    lora_expand_:  y[t] += (sum over p of s[p, t]) @ b[slot(t)]^T            in place
-    T <= FUSED_MAX_ROWS (decode and small mixed steps): one kernel (`lora_shrink_expand_triton`), whose
-    programs each take a row block and a run of N tiles, compute their rows' s over all of K
-    themselves, and add s @ b^T into their tiles.
+    lora_expand_:  y[t] += (sum over p of s[p, t]) @ b[slot(t)]^T            in place, summed in fp32
 
-The fused plan repeats a row block's shrink in each of its programs along N (reading K x R of A
-again each time), which costs little while the row blocks are few, and saves the second launch
-(about 5 us a launch on an H200: a decode step of bench-8b's 32 layers launches 128 for LoRA
-rather than 256). With many rows the repeated shrinks would cost more than the projection's own
-GEMM, and the shrink's row blocks alone fill the GPU: there the two kernels. The shrink's P partial
-sums over slices of K (`shrink_splits`: several where the step has few row blocks, so that its
-rows still spread over many programs; the reference's P is 1) are added up by the expand in a
-fixed order; the fused kernel sums K in one program: neither result depends on timing. Rows of no
+The shrink's P partial sums over slices of K (`shrink_splits`: several where the step has few row
+blocks, so that a decode step's few rows still spread over many programs; the reference's P is 1)
+are added up by the expand, in a fixed order: the result does not depend on timing. Rows of no
 adapter (slot -1) are in no segment: the kernels skip them, and their s rows are never written or
-read. The torch reference (`lora_add_ref`: lora_shrink_ref then lora_expand_ref) is both plans'
-oracle and the CPU path.
+read.
 
 The kernels' first grid axis runs over the step's row blocks, slot after slot (a slot's rows cut
 into blocks of BLOCK_ROWS; a slot of no rows has none): a program finds its slot in the blocks
@@ -34,8 +20,8 @@ table (one vector compare over the slots' first blocks). Its size is `max_row_bl
 blocks any mix of the step's rows over the pool's slots can need, fixed by the step's rows and
 the pool's size, so a CUDA graph replays it with any mix of adapters; the programs past the step's
 real blocks (at most one a used slot's worth, and those of rows of no adapter) leave at once.
-The kernels take programmatic dependent launch on sm90+ (scheduled while the kernel ahead
-finishes; each program finds its block, then waits for it before reading x, s or y).
+Both kernels take programmatic dependent launch on sm90+ (scheduled while the kernel ahead
+finishes; each program finds its block, then waits for it before reading x or s).
 """
 from typing import NamedTuple
 
@@ -51,21 +37,6 @@ BLOCK_N = 64
 # step's one row block would otherwise be one program over all of K. Not yet tuned on a GPU.
 SPLIT_K = 512
 SHRINK_PROGRAMS = 256
-# Steps of up to FUSED_MAX_ROWS rows take the fused kernel. It runs about FUSED_PROGRAMS programs
-# whatever the rows, each reading its slot's K x R of A whole (from L2 after the first) for its row
-# block's shrink, then adding to its run of N tiles one after another: the more row blocks, the
-# fewer programs along N each gets and the longer each program's run, where the two kernels spread
-# the shrink and the expand over more programs. 32 rows over 16 slots make at most 17 row blocks
-# (8 programs along N each). An estimate, to be tuned with test/benchmark/kernels/lora_bench.py.
-FUSED_MAX_ROWS = 32
-FUSED_PROGRAMS = 128  # about one a streaming multiprocessor of an H100 or H200 (132)
-# Each fused program sums all of K alone, an A tile of [block_k, rank block] a loop trip: at a
-# decode step's one row the trips are the kernel's time, bound by the bytes each has in flight, so
-# the tile is large, FUSED_A_TILE elements (block_k 512 at rank 16, 256 at 32, 128 at 48 or 64;
-# 16 KiB in bf16), in FUSED_STAGES stages: with x's [16, block_k] tile 64 KiB of shared memory at
-# most, within the 99 KiB of the smallest GPUs served.
-FUSED_A_TILE = 8192
-FUSED_STAGES = 2
 
 
 class Segments(NamedTuple):
@@ -101,13 +72,6 @@ def shrink_splits(tokens: int, k: int, num_slots: int) -> int:
     return max(1, min(cdiv(k, SPLIT_K), cdiv(SHRINK_PROGRAMS, max(1, max_row_blocks(tokens, num_slots)))))
 
 
-def fused_tiles(tokens: int, n: int, num_slots: int, programs: int = FUSED_PROGRAMS, block_n: int = BLOCK_N) -> int:
-    """N tiles (of block_n) each program of the fused kernel adds to: as many programs along N as
-    make about `programs` with the step's row blocks, and no more, since each repeats the shrink."""
-    tiles = cdiv(n, block_n)
-    return cdiv(tiles, max(1, min(tiles, cdiv(programs, max(1, max_row_blocks(tokens, num_slots))))))
-
-
 def _segments(seg: Segments):
     bounds = seg.starts.tolist()
     return [(s, bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1) if bounds[s + 1] > bounds[s]]
@@ -130,11 +94,6 @@ def lora_expand_ref(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: Segm
     return y
 
 
-def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """y[t] += (x[t] @ a[slot(t)]^T) @ b[slot(t)]^T in place, for the rows of an adapter."""
-    return lora_expand_ref(y, lora_shrink_ref(x, a, seg), b, seg)
-
-
 @triton.jit
 def _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
     """(slot, rows [BLOCK_ROWS] int64, in_seg) of this program's row block; slot == num_slots: past
@@ -153,35 +112,6 @@ def _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS: tl.cons
     return slot, rows, in_seg
 
 
-@triton.jit
-def _shrink_rows(x_ptr, a_base, rows, in_seg, k_begin, k_end, R, x_stride, a_stride, BLOCK_ROWS: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """[BLOCK_ROWS, BLOCK_R] fp32: the rows' x[:, k_begin:k_end] @ a[:, k_begin:k_end]^T (a_base: the slot's a)."""
-    r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=in_seg[:, None] & (k[None, :] < k_end),
-                     other=0.0)
-        at = tl.load(a_base + r[None, :] * a_stride + k[:, None], mask=(k[:, None] < k_end) & (r[None, :] < R),
-                     other=0.0)
-        acc += dot(xt, at, DOT_UPCAST)
-    return acc
-
-
-@triton.jit
-def _expand_tile(y_ptr, s, b_base, rows, in_seg, n, N, R, y_stride, b_stride, BLOCK_R: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr):
-    """y[rows, n] += s @ b[n]^T (b_base: the slot's b), s [BLOCK_ROWS, BLOCK_R] summed in fp32."""
-    r = tl.arange(0, BLOCK_R)
-    bt = tl.load(b_base + n[None, :] * b_stride + r[:, None], mask=(r[:, None] < R) & (n[None, :] < N), other=0.0)
-    delta = dot(s.to(bt.dtype), bt, DOT_UPCAST)  # s rounded to the weights' dtype: tensor cores take bf16
-    out = y_ptr + rows[:, None] * y_stride + n[None, :]
-    keep = in_seg[:, None] & (n[None, :] < N)
-    y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=keep)
-
-
 @fast_launch
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, blocks_ptr, num_slots, K, R, k_slice, x_stride,
@@ -191,11 +121,18 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, blocks_ptr, num_
     slot, rows, in_seg = _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS, BLOCK_S)
     grid_dependency_wait(PDL)  # x may come from the kernel before (the segments come from older ones)
     if slot < num_slots:
-        split = tl.program_id(1)
-        acc = _shrink_rows(x_ptr, a_ptr + slot.to(tl.int64) * a_slot_stride, rows, in_seg, split * k_slice,
-                           tl.minimum(K, (split + 1) * k_slice), R, x_stride, a_stride, BLOCK_ROWS, BLOCK_R, BLOCK_K,
-                           DOT_UPCAST)
         r = tl.arange(0, BLOCK_R)
+        a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
+        split = tl.program_id(1)
+        k_end = tl.minimum(K, (split + 1) * k_slice)
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_R), dtype=tl.float32)
+        for k0 in range(split * k_slice, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=in_seg[:, None] & (k[None, :] < k_end),
+                         other=0.0)
+            at = tl.load(a_base + r[None, :] * a_stride + k[:, None], mask=(k[:, None] < k_end) & (r[None, :] < R),
+                         other=0.0)
+            acc += dot(xt, at, DOT_UPCAST)
         out = out_ptr + split.to(tl.int64) * out_split_stride + rows[:, None] * out_stride + r[None, :]
         tl.store(out, acc, mask=in_seg[:, None] & (r[None, :] < R))
 
@@ -210,32 +147,18 @@ def _expand_kernel(y_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, blocks_ptr, num_sl
     grid_dependency_wait(PDL)  # s comes from the shrink before; every program waits, even one that leaves
     if slot < num_slots:
         r = tl.arange(0, BLOCK_R)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         keep_s = in_seg[:, None] & (r[None, :] < R)
         st = tl.zeros((BLOCK_ROWS, BLOCK_R), dtype=tl.float32)
         for p in range(0, splits):
             st += tl.load(s_ptr + p * s_split_stride + rows[:, None] * s_stride + r[None, :], mask=keep_s, other=0.0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _expand_tile(y_ptr, st, b_ptr + slot.to(tl.int64) * b_slot_stride, rows, in_seg, n, N, R, y_stride, b_stride,
-                     BLOCK_R, DOT_UPCAST)
-
-
-@fast_launch
-@triton.jit
-def _shrink_expand_kernel(y_ptr, x_ptr, a_ptr, b_ptr, rows_ptr, starts_ptr, blocks_ptr, num_slots, N, K, R, tiles,
-                          y_stride, x_stride, a_slot_stride, a_stride, b_slot_stride, b_stride,
-                          BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, j): the block's s over all of K, added into N tiles j * tiles ... + tiles - 1."""
-    slot, rows, in_seg = _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS, BLOCK_S)
-    grid_dependency_wait(PDL)  # x and y may come from the kernels before; every program waits, even one that leaves
-    if slot < num_slots:
-        slot64 = slot.to(tl.int64)
-        s = _shrink_rows(x_ptr, a_ptr + slot64 * a_slot_stride, rows, in_seg, 0, K, R, x_stride, a_stride,
-                         BLOCK_ROWS, BLOCK_R, BLOCK_K, DOT_UPCAST)
-        b_base = b_ptr + slot64 * b_slot_stride
-        for t in range(0, tiles):
-            n = (tl.program_id(1) * tiles + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            _expand_tile(y_ptr, s, b_base, rows, in_seg, n, N, R, y_stride, b_stride, BLOCK_R, DOT_UPCAST)
+        bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + n[None, :] * b_stride + r[:, None],
+                     mask=(r[:, None] < R) & (n[None, :] < N), other=0.0)
+        delta = dot(st.to(bt.dtype), bt, DOT_UPCAST)  # s rounded to the weights' dtype: tensor cores take bf16
+        out = y_ptr + rows[:, None] * y_stride + n[None, :]
+        keep = in_seg[:, None] & (n[None, :] < N)
+        y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=keep)
 
 
 def _block_r(rank: int) -> int:
@@ -274,30 +197,3 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: S
             s.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
             BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda, **pdl(y))
     return y
-
-
-def lora_shrink_expand_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
-                              programs: int = FUSED_PROGRAMS, block_k: int | None = None, block_n: int = BLOCK_N,
-                              stages: int = FUSED_STAGES, warps: int = 4) -> torch.Tensor:
-    """lora_add_ in one launch (the fused plan, for any row count). `programs`: fused_tiles's;
-    block_k None: an A tile of FUSED_A_TILE elements (the others for lora_bench.py to try)."""
-    assert y.stride(-1) == 1 and x.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
-    tokens, n = y.shape
-    slots, rank, k = a.shape
-    blocks = max_row_blocks(tokens, slots)
-    tiles = fused_tiles(tokens, n, slots, programs, block_n)
-    block_r = _block_r(rank)
-    if blocks:
-        _shrink_expand_kernel[(blocks, cdiv(cdiv(n, block_n), tiles))](
-            y, x, a, b, seg.rows, seg.starts, seg.blocks, slots, n, k, rank, tiles, y.stride(0), x.stride(0),
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
-            BLOCK_R=block_r, BLOCK_K=block_k or max(16, FUSED_A_TILE // block_r), BLOCK_N=block_n,
-            DOT_UPCAST=not y.is_cuda, num_stages=stages, num_warps=warps, **pdl(y))
-    return y
-
-
-def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """The fused kernel up to FUSED_MAX_ROWS rows, else the shrink and the expand (the module's docstring)."""
-    if y.shape[0] <= FUSED_MAX_ROWS:
-        return lora_shrink_expand_triton(y, x, a, b, seg)
-    return lora_expand_triton(y, lora_shrink_triton(x, a, seg), b, seg)

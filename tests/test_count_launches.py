@@ -14,12 +14,12 @@ from benchmark.engine import count_launches
 from lightllm.models import layers
 
 
-def per_layer(model: Path, quantization=None, decodes=4, chunk=62, lora_rank=0) -> collections.Counter:
+def per_layer(model: Path, quantization=None, decodes=4, chunk=62) -> collections.Counter:
     counts = {}
     config = json.loads((model / "config.json").read_text())
     for num_layers in (1, 2):
         (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
-        runner = count_launches.make_runner(model, "dummy", quantization, lora_rank)
+        runner = count_launches.make_runner(model, "dummy", quantization)
         counts[num_layers] = count_launches.count_step(runner, decodes, chunk)
     assert not counts[1] - counts[2], "a deeper model launched fewer of something"
     return counts[2] - counts[1]
@@ -49,15 +49,3 @@ def test_a_layer_of_an_fp8_mixed_step_adds_only_the_o_projections_input_quantisa
         "triton _rms_norm_kernel": 2, "torch _scaled_mm": 4, "triton _rotary_kv_kernel": 1,
         "triton _decode_split_kernel": 1, "triton _extend_kernel": 1, "triton _quantize_rows_kernel": 1,
         "triton _silu_and_mul_fp8_kernel": 1}
-
-
-def test_a_layer_of_a_decode_step_with_adapters_launches_one_lora_kernel_a_projection(tiny, monkeypatch):
-    """Decode rows under an adapter: a layer's q/k/v, o, gate/up and down projections each add their
-    adapter in one fused launch; the shrink and the expand apart (the plan of many rows) took two."""
-    from lightllm.kernels import lora as lora_kernels
-
-    fused = per_layer(tiny, decodes=4, chunk=0, lora_rank=4)
-    monkeypatch.setattr(lora_kernels, "FUSED_MAX_ROWS", 0)
-    apart = per_layer(tiny, decodes=4, chunk=0, lora_rank=4)
-    assert fused - apart == {"triton _shrink_expand_kernel": 4}
-    assert apart - fused == {"triton _shrink_kernel": 4, "triton _expand_kernel": 4}

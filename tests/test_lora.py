@@ -16,7 +16,6 @@ from lightllm.common.lora_files import LoraAdapterError, read_adapter
 from lightllm.models import read_config
 from lightllm.models.lora import module_shapes
 from lightllm import kernels as lora_lib
-from lightllm.kernels.lora import FUSED_MAX_ROWS
 
 NEW_TOKENS = 8
 # name -> (rank, alpha, target modules, rslora)
@@ -110,7 +109,7 @@ def test_mixed_batch_matches_each_alone(runner, model_dir, adapters, prompts, ex
 
 @pytest.mark.parametrize("padded", [True, False], ids=["graph_buckets", "eager"])
 def test_steps_without_adapter_rows_launch_no_lora(runner, model_dir, adapters, prompts, expected, padded, monkeypatch):
-    """A request on the base model alone runs no LoRA kernel in its decode steps (graphs: the
+    """A request on the base model alone runs no shrink or expand in its decode steps (graphs: the
     decode buckets captured without LoRA) nor, eager, in its prefill (a mixed step's graph runs
     them whatever its rows), and still equals PEFT's base; beside an adapter's request every step
     runs them."""
@@ -121,8 +120,8 @@ def test_steps_without_adapter_rows_launch_no_lora(runner, model_dir, adapters, 
         runner = make_runner(model_dir, tokens=512, max_req_total_len=64, lora_modules=modules, max_loras=2,
                              max_lora_rank=8, cuda_graph=False)
     calls = []
-    monkeypatch.setattr(lora_module, "lora_add_", lambda *args: calls.append(1) or real_add(*args))
-    real_add = lora_lib.lora_add_
+    monkeypatch.setattr(lora_module, "lora_shrink", lambda *args: calls.append(1) or real_shrink(*args))
+    real_shrink = lora_lib.lora_shrink
     core = engine(runner, chunk=64, prefix_cache=False)
     projections = 4 * read_config(model_dir).num_layers  # q/k/v, o, gate/up, down
     assert run(core, [(prompts[0], None)], first_id=3000) == [expected[None][0]]
@@ -132,25 +131,6 @@ def test_steps_without_adapter_rows_launch_no_lora(runner, model_dir, adapters, 
                                                                                        expected["mlp_r2"][1]]
     assert len(calls) == NEW_TOKENS * projections  # one prefill step, then the decode steps
     assert_idle(core)
-
-
-@pytest.mark.parametrize("fused_max_rows", [FUSED_MAX_ROWS, 0], ids=["fused", "shrink_expand"])
-def test_gpu_kernels_match_peft(runner, prompts, expected, fused_max_rows, monkeypatch):
-    """The GPU path's LoRA kernels (Triton's interpreter here) in the engine, two adapters and the base
-    at once: each plan gives PEFT's tokens; steps of a few rows (here all) take the fused kernel."""
-    from lightllm.kernels import _triton
-    from lightllm.kernels import lora as lora_kernels
-    import lightllm.models.lora as lora_module
-
-    monkeypatch.setattr(lora_module, "lora_add_", lora_kernels.lora_add_triton)
-    monkeypatch.setattr(lora_kernels, "FUSED_MAX_ROWS", fused_max_rows)
-    launched, launch = set(), _triton._FastKernel._launch
-    monkeypatch.setattr(_triton._FastKernel, "_launch",
-                        lambda kernel, *args: launched.add(kernel.fn.__name__) or launch(kernel, *args))
-    names = ["all_r8", "attn_r4_rslora", None]
-    got = run(engine(runner, chunk=64, prefix_cache=False), list(zip(prompts, names)), first_id=4000)
-    assert got == [expected[name][j] for j, name in enumerate(names)]
-    assert launched == ({"_shrink_expand_kernel"} if fused_max_rows else {"_shrink_kernel", "_expand_kernel"})
 
 
 def test_prefix_cache_keeps_adapters_apart(runner, prompts, expected):

@@ -1,14 +1,13 @@
-"""LoRA's segmented shrink and expand and their fused kernel (kernels/lora.py): the Triton kernels
-against the torch reference, and the reference against a per-row computation, on a batch that mixes adapters, rows
+"""LoRA's segmented shrink and expand (kernels/lora.py): the Triton kernels against the torch
+reference, and the reference against a per-row computation, on a batch that mixes adapters, rows
 of no adapter and slots no row uses. Tiny shapes: the CPU runs Triton's interpreter."""
 import os
 
 import pytest
 import torch
 
-from lightllm.kernels.lora import (BLOCK_ROWS, FUSED_MAX_ROWS, FUSED_PROGRAMS, lora_add_ref, lora_add_triton,
-                                   lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_expand_triton,
-                                   lora_shrink_ref, lora_shrink_triton, max_row_blocks)
+from lightllm.kernels.lora import (BLOCK_ROWS, lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref,
+                                   lora_shrink_triton, max_row_blocks)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,58 +117,3 @@ def test_row_blocks_find_their_slot(case):
     for splits in (1, 2):
         got = lora_expand_triton(y.clone(), lora_shrink_triton(x, a, seg, splits), b, seg)
         torch.testing.assert_close(got, expected, **FP32_TOL)
-
-
-def pad_ranks_(a, b):
-    """Each slot an adapter of its own rank in the pool's R (2 to R), the rest zero, as the slots hold them."""
-    for slot in range(a.shape[0]):
-        rank = torch.randint(2, a.shape[1] + 1, ()).item()
-        a[slot, rank:] = 0
-        b[slot, :, rank:] = 0
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The names of the Triton kernels launched while the test runs, in order."""
-    from lightllm.kernels import _triton
-
-    names, launch = [], _triton._FastKernel._launch
-
-    def counted(kernel, grid, args, kwargs):
-        names.append(kernel.fn.__name__)
-        return launch(kernel, grid, args, kwargs)
-
-    monkeypatch.setattr(_triton._FastKernel, "_launch", counted)
-    return names
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,rank,k,n", [(13, 8, 72, 130), (1, 24, 200, 40), (FUSED_MAX_ROWS, 5, 130, 70)])
-@pytest.mark.parametrize("programs,block_k", [(FUSED_PROGRAMS, None), (6, 32), (1, None)])
-def test_fused_kernel_matches_shrink_then_expand(tokens, rank, k, n, programs, block_k, dtype, launched):
-    """One launch: each program's rows' s over all of K, added into its run of N tiles (programs 6:
-    two tiles a program over three, the last program's second tile past N, and K in several blocks;
-    1: every tile in one program); ranks padded per slot, K and N not multiples of the blocks, rows
-    of no adapter kept."""
-    slots, x, a, b, y = mixed_batch(tokens, 4, rank, k, n, dtype)
-    pad_ranks_(a, b)
-    seg = lora_segments(slots, 4)
-    expected = lora_expand_ref(y.clone(), lora_shrink_ref(x, a, seg), b, seg)
-    got = lora_shrink_expand_triton(y.clone(), x, a, b, seg, programs, block_k)
-    assert launched == ["_shrink_expand_kernel"]
-    assert_close(got, expected, dtype)
-    used = slots >= 0
-    assert torch.equal(got[~used], y[~used])
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, per_row(slots, x, a, b, y), **FP32_TOL)
-
-
-@pytest.mark.parametrize("tokens,plan", [(1, ["_shrink_expand_kernel"]), (FUSED_MAX_ROWS, ["_shrink_expand_kernel"]),
-                                         (FUSED_MAX_ROWS + 1, ["_shrink_kernel", "_expand_kernel"])])
-def test_lora_add_plan_follows_the_rows(tokens, plan, launched):
-    """Up to FUSED_MAX_ROWS rows one fused launch, above them the shrink and the expand; both the reference's result."""
-    slots, x, a, b, y = mixed_batch(tokens, 3, 8, 72, 40)
-    seg = lora_segments(slots, 3)
-    got = lora_add_triton(y.clone(), x, a, b, seg)
-    assert launched == plan
-    torch.testing.assert_close(got, lora_add_ref(y.clone(), x, a, b, seg), **FP32_TOL)

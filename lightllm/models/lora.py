@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
-from lightllm.kernels import lora_add_, lora_segments
+from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
 from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
@@ -87,7 +87,7 @@ class LoraTarget:
         seg = self.pool.segments
         if seg is None:  # no row of the step has an adapter
             return y
-        return lora_add_(y, x, self.a, self.b, seg)
+        return lora_expand_(y, lora_shrink(x, self.a, seg), self.b, seg)
 
 
 def _projections(layer) -> list:

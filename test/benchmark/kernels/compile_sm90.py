@@ -43,8 +43,7 @@ from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PR
                                         align_by_expert_triton, fused_moe_triton, moe_plans, quantize_experts_fp8)
 from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_triton  # noqa: E402
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
-from lightllm.kernels.lora import (lora_expand_triton, lora_segments, lora_shrink_expand_triton,  # noqa: E402
-                                  lora_shrink_triton)
+from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
 from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
 from lightllm.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm.kernels.rotary_kv import rotary_kv_triton  # noqa: E402
@@ -194,7 +193,7 @@ def call_wide_head_kernels(table, rows, lens, cu_q) -> None:
 
 def call_lora_kernels() -> None:
     """LoRA on bench-8b's merged q/k/v projection (three parts of rank 16) and its down projection,
-    16 slots, bf16, both plans; the down projection's also into a split projection's fp32 partial sum."""
+    16 slots, bf16; the down projection's also into a split projection's fp32 partial sum."""
     tokens, slots, rank = 4, 16, 16
     seg = lora_segments(torch.tensor([0, -1, 15, 0]), slots)
     for k, n, parts in ((HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, 3), (INTER, HIDDEN, 1)):
@@ -202,9 +201,7 @@ def call_lora_kernels() -> None:
         a, b = torch.randn(slots, parts * rank, k, dtype=BF16), torch.randn(slots, n, parts * rank, dtype=BF16)
         s = lora_shrink_triton(x, a, seg)
         lora_expand_triton(y, s, b, seg)
-        lora_shrink_expand_triton(y, x, a, b, seg)
     lora_expand_triton(torch.randn(2, tokens, HIDDEN)[0], s, b, seg)
-    lora_shrink_expand_triton(torch.randn(2, tokens, HIDDEN)[0], x, a, b, seg)
 
 
 def call_linear_attention_kernels() -> None:

@@ -8,11 +8,10 @@ from lightllm.engine.plan import Chunk, StepPlan
 _direct_steps = iter(range(-1, -(1 << 62), -1))  # ids of direct steps, apart from the scheduler's
 
 
-def run_step(runner: ModelRunner, decodes: list[int] = (), prompts: list[tuple] = (),
-             lora: int = 0) -> list[tuple[int, float]]:
+def run_step(runner: ModelRunner, decodes: list[int] = (), prompts: list[tuple] = ()) -> list[tuple[int, float]]:
     """One synchronous step without a scheduler (tests and benchmarks): `decodes` are running
-    request ids, `prompts` whole prompts as (req_id, token ids, SamplingParams), all under the LoRA
-    adapter of id `lora` (0: none); returns (token, logprob) per request, decodes first."""
-    chunks = [Chunk(req_id, list(ids), 0, True, params, lora=lora) for req_id, ids, params in prompts]
+    request ids, `prompts` whole prompts as (req_id, token ids, SamplingParams); returns
+    (token, logprob) per request, decodes first."""
+    chunks = [Chunk(req_id, list(ids), 0, True, params) for req_id, ids, params in prompts]
     (result,) = runner.step(StepPlan(next(_direct_steps), list(decodes), chunks, sync=True))
     return [(t.token_id, t.logprob) for t in result.tokens]
