@@ -146,12 +146,6 @@ class MoEPlan(NamedTuple):
     # no per-thread address arithmetic) where the weights allow one (moe_gate_up_triton); else, and
     # in the down kernel (no faster there), per-thread loads.
     tma: bool = False
-    # MXFP4 experts only: how a decoded weight tile meets the activations. 0: the even and odd K
-    # positions' halves interleaved back into one [BLOCK_K, cols] tile, one dot; 1: two dots, one a
-    # half, against the activations' even and odd columns (loaded apart: no interleave); 2: as 1
-    # with the operands swapped, weights [cols, BLOCK_K / 2] first (the register operand of
-    # Hopper's wgmma) times the activations' transpose, the [cols, rows] sums transposed once at the end.
-    mxfp4_form: int = 0
 
 
 # Decode-sized groups (a few pairs per expert) stream the experts' weights: short row blocks, long K
@@ -446,49 +440,6 @@ def mxfp4_dot(a, w_rows, scale_rows, k0, col_mask, K: tl.constexpr, BLOCK_K: tl.
     return dot(a, w, DOT_UPCAST)
 
 
-@triton.jit
-def load_mxfp4_tile_t(w_cols, scale_cols, k0, col_mask, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      dtype: tl.constexpr):
-    """load_mxfp4_tile's (even, odd) transposed: [cols, BLOCK_K / 2] each, from w_cols and scale_cols
-    [cols, 1] and col_mask [cols, 1]; each byte's scale gathered by its own index (cached loads)."""
-    byte_k = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    k_mask = ((byte_k < K // 2) | EVEN_K)[None, :]
-    packed = tl.load(w_cols + byte_k[None, :], mask=col_mask & k_mask, other=0).to(tl.int32)
-    scales = tl.load(scale_cols + (byte_k // 16)[None, :], mask=col_mask & k_mask, other=127)
-    exponent = scales.to(tl.int32) << 23
-    even = mxfp4_bits(packed & 15, exponent).to(tl.float32, bitcast=True).to(dtype)
-    odd = mxfp4_bits(packed >> 4, exponent).to(tl.float32, bitcast=True).to(dtype)
-    return even, odd
-
-
-@triton.jit
-def mxfp4_acc(acc, a_ptrs, a_mask, w_rows, scale_rows, k0, col_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, DOT_UPCAST: tl.constexpr, FORM: tl.constexpr):
-    """acc plus the activations' [rows, BLOCK_K] block at k0 times the MXFP4 weights' tile (MoEPlan.mxfp4_form).
-    a_ptrs [rows, 1] each row's activations (at column 0), a_mask [rows, 1]; w_rows, scale_rows and
-    col_mask [1, cols] as load_mxfp4_tile's. FORM 2: acc is [cols, rows]."""
-    even_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    k_mask = ((even_k < K) | EVEN_K)[None, :]
-    if FORM == 0:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptrs + kk[None, :], mask=a_mask & ((kk < K) | EVEN_K)[None, :], other=0.0)
-        acc += mxfp4_dot(a, w_rows, scale_rows, k0, col_mask, K, BLOCK_K, EVEN_K, DOT_UPCAST)
-    elif FORM == 1:
-        a_even = tl.load(a_ptrs + even_k[None, :], mask=a_mask & k_mask, other=0.0)
-        a_odd = tl.load(a_ptrs + even_k[None, :] + 1, mask=a_mask & k_mask, other=0.0)
-        w_even, w_odd = load_mxfp4_tile(w_rows, scale_rows, k0, col_mask, K, BLOCK_K, EVEN_K, a_even.dtype)
-        acc += dot(a_even, w_even, DOT_UPCAST) + dot(a_odd, w_odd, DOT_UPCAST)
-    else:
-        a_ptrs_t = tl.trans(a_ptrs)  # [1, rows]
-        a_mask_t = tl.trans(a_mask) & tl.trans(k_mask)
-        a_even = tl.load(a_ptrs_t + tl.trans(even_k[None, :]), mask=a_mask_t, other=0.0)  # [BLOCK_K / 2, rows]
-        a_odd = tl.load(a_ptrs_t + tl.trans(even_k[None, :]) + 1, mask=a_mask_t, other=0.0)
-        w_even, w_odd = load_mxfp4_tile_t(tl.trans(w_rows), tl.trans(scale_rows), k0, tl.trans(col_mask), K, BLOCK_K,
-                                          EVEN_K, a_even.dtype)
-        acc += dot(w_even, a_even, DOT_UPCAST) + dot(w_odd, a_odd, DOT_UPCAST)
-    return acc
-
-
 @fast_launch
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted_pairs_ptr, block_experts_ptr, out_ptr,
@@ -498,7 +449,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr,
                         EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                         EVEN_N: tl.constexpr, TMA: tl.constexpr, MXFP4: tl.constexpr, BIAS: tl.constexpr,
-                        SWIGLU: tl.constexpr, GELU: tl.constexpr, MXFP4_FORM: tl.constexpr, SWAPPED: tl.constexpr):
+                        SWIGLU: tl.constexpr, GELU: tl.constexpr):
     """Rows: one block of sorted pairs (one expert); columns: BLOCK_N of the I outputs, from the
     2 * BLOCK_N interleaved gate/up weight rows that make them, multiplied in one dot.
     out[pair, c] = silu(x[token] . gate_c) * (x[token] . up_c). FP8: x and the weights are fp8, the
@@ -524,28 +475,22 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, sorted
             first_row = expert * 2 * INTER + col_tile * 2 * BLOCK_N
         else:
             w_tile = w_ptr + expert.to(tl.int64) * w_expert_stride + w_rows[None, :].to(tl.int64) * w_row_stride
-        if SWAPPED:
-            acc = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
         for k0 in range(0, HIDDEN, BLOCK_K):
+            kk = k0 + ks
+            k_mask = (kk < HIDDEN) | EVEN_K
+            a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
             if MXFP4:
                 scale_rows = (w_scale_ptr + expert.to(tl.int64) * w_scale_stride
                               + w_rows[None, :].to(tl.int64) * (HIDDEN // 32))
-                acc = mxfp4_acc(acc, x_ptr + tokens[:, None] * x_stride, row_mask[:, None], w_tile, scale_rows, k0,
-                                w_row_mask[None, :], HIDDEN, BLOCK_K, EVEN_K, DOT_UPCAST, MXFP4_FORM)
+                acc += mxfp4_dot(a, w_tile, scale_rows, k0, w_row_mask[None, :], HIDDEN, BLOCK_K, EVEN_K, DOT_UPCAST)
             else:
-                kk = k0 + ks
-                k_mask = (kk < HIDDEN) | EVEN_K
-                a = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 if TMA:
                     w = w_desc.load([first_row, k0]).T
                 else:
                     w = tl.load(w_tile + kk[:, None], mask=w_row_mask[None, :] & k_mask[:, None], other=0.0)
                 acc += dot(a, w, DOT_UPCAST)
-        if SWAPPED:
-            acc = tl.trans(acc)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
             w_scales = w_scale_ptr + expert.to(tl.int64) * w_scale_stride + w_rows
@@ -576,7 +521,7 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, sorted_pa
                      w_scale_stride, out_stride, num_blocks, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
                      GROUP_M: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, EVEN_N: tl.constexpr,
-                     MXFP4: tl.constexpr, BIAS: tl.constexpr, MXFP4_FORM: tl.constexpr, SWAPPED: tl.constexpr):
+                     MXFP4: tl.constexpr, BIAS: tl.constexpr):
     """out[pair, cols] = weight[pair] * (a[pair] . down rows cols + bias), for one block of sorted
     pairs (FP8 and MXFP4 as in the gate/up kernel; EVEN_K: BLOCK_K divides I)."""
     block, col_tile = moe_tile(num_blocks, num_cols, GROUP_M)
@@ -589,25 +534,19 @@ def _moe_down_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, sorted_pa
         col_mask = (cols < HIDDEN) | EVEN_N
         w_rows = w_ptr + expert.to(tl.int64) * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
         ks = tl.arange(0, BLOCK_K)
-        if SWAPPED:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
+            kk = k0 + ks
+            k_mask = (kk < INTER) | EVEN_K
+            a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
             if MXFP4:
                 scale_rows = (w_scale_ptr + expert.to(tl.int64) * w_scale_stride
                               + cols[None, :].to(tl.int64) * (INTER // 32))
-                acc = mxfp4_acc(acc, a_ptr + rows[:, None] * a_stride, row_mask[:, None], w_rows, scale_rows, k0,
-                                col_mask[None, :], INTER, BLOCK_K, EVEN_K, DOT_UPCAST, MXFP4_FORM)
+                acc += mxfp4_dot(a, w_rows, scale_rows, k0, col_mask[None, :], INTER, BLOCK_K, EVEN_K, DOT_UPCAST)
             else:
-                kk = k0 + ks
-                k_mask = (kk < INTER) | EVEN_K
-                a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                            other=0.0)
                 w = tl.load(w_rows + kk[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0)
                 acc += dot(a, w, DOT_UPCAST)
-        if SWAPPED:
-            acc = tl.trans(acc)
         if FP8:
             acc *= tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
             acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * w_scale_stride + cols, mask=col_mask, other=0.0)[None, :]
@@ -641,7 +580,7 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
         a, w_gate_up, a_scale if fp8 else a, a if w_scale is None else w_scale, a if bias is None else bias,
         sorted_pairs, block_experts, out, num_pairs, top_k, num_experts, a.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), 0 if w_scale is None else w_scale.stride(0), out.stride(0), num_blocks, num_cols,
-        float(alpha), float(limit), **_options(plan, fp8, a, hidden, mxfp4), HIDDEN=hidden, INTER=inter,
+        float(alpha), float(limit), **_options(plan, fp8, a, hidden), HIDDEN=hidden, INTER=inter,
         EVEN_N=inter % plan.block_n == 0, TMA=tma, MXFP4=mxfp4, BIAS=bias is not None, SWIGLU=swiglu is not None,
         GELU=gelu)
     return out
@@ -672,15 +611,15 @@ def moe_down_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_down: torch
         a, w_down, a_scale if fp8 else a, a if w_scale is None else w_scale, a if bias is None else bias,
         sorted_pairs, block_experts, pair_weights, out, num_pairs, num_experts, a.stride(0), w_down.stride(0),
         w_down.stride(1), 0 if w_scale is None else w_scale.stride(0), out.stride(0), num_blocks, num_cols,
-        **_options(plan, fp8, a, inter, mxfp4), HIDDEN=hidden, INTER=inter, EVEN_N=hidden % plan.block_n == 0,
+        **_options(plan, fp8, a, inter), HIDDEN=hidden, INTER=inter, EVEN_N=hidden % plan.block_n == 0,
         MXFP4=mxfp4, BIAS=bias is not None)
     return out
 
 
-def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int, mxfp4: bool) -> dict:
+def _options(plan: MoEPlan, fp8: bool, a: torch.Tensor, reduced: int) -> dict:
     return dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP8=fp8, DOT_UPCAST=not a.is_cuda,
                 EVEN_K=reduced % plan.block_k == 0, GROUP_M=plan.group_m, num_warps=plan.num_warps,
-                num_stages=plan.num_stages, MXFP4_FORM=plan.mxfp4_form, SWAPPED=mxfp4 and plan.mxfp4_form == 2)
+                num_stages=plan.num_stages)
 
 
 def fit_plan(plan: MoEPlan, dtype: torch.dtype, fp8: bool, mxfp4: bool = False) -> MoEPlan:

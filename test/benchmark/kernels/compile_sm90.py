@@ -16,7 +16,6 @@ Not under TRITON_INTERPRET=1: the interpreter's kernels cannot be compiled.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -40,7 +39,7 @@ from lightllm.kernels.extend_attention import extend_attention_triton, extend_q_
 from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
 from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
-                                        align_by_expert_triton, fused_moe_triton, moe_plans, quantize_experts_fp8)
+                                        align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_triton  # noqa: E402
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
@@ -253,11 +252,10 @@ def call_moe_kernels() -> None:
              ((2 * gpt_oss, gpt_oss // 2), (gpt_oss, gpt_oss // 2), (2 * gpt_oss, gpt_oss // 32), (gpt_oss, gpt_oss // 32))]
     biases = dict(gate_up_bias=torch.zeros(experts, 2 * gpt_oss, dtype=BF16), down_bias=torch.zeros(experts, gpt_oss,
                                                                                                    dtype=BF16))
-    for mxfp4_tokens, form in itertools.product((1, 4096), (0, 1, 2)):  # each MoEPlan.mxfp4_form
-        plans = [p._replace(mxfp4_form=form) for p in moe_plans(4 * mxfp4_tokens, experts, mxfp4=True)]
+    for mxfp4_tokens in (1, 4096):
         fused_moe_triton(torch.randn(mxfp4_tokens, gpt_oss, dtype=BF16), mxfp4[0], mxfp4[1],
                          torch.rand(mxfp4_tokens, 4), torch.randint(0, experts, (mxfp4_tokens, 4), dtype=torch.int32),
-                         mxfp4[2], mxfp4[3], **biases, swiglu=(1.702, 7.0), plan=plans[0], down_plan=plans[1])
+                         mxfp4[2], mxfp4[3], **biases, swiglu=(1.702, 7.0))
     # a prefill's alignment: the ids cut into chunks (counts, runs, placement)
     align_by_expert_triton(torch.randint(0, experts, (1024, top_k), dtype=torch.int32), experts, LARGE_PLAN.block_m)
 

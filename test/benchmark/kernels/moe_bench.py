@@ -2,7 +2,7 @@
 
     python test/benchmark/kernels/moe_bench.py [--shape qwen3-30b-a3b] [--tp 1] [--decode 1,64,256]
         [--prefill 4096] [--fp8 | --mxfp4] [--plan BM,BN,BK,WARPS,STAGES[,GROUP_M] ...] [--groups 0,1,8]
-        [--tune [--tune-rows 64,128|auto] [--tune-cols 64,128,256] [--tune-ks 64,128] [--tune-forms 0,1,2] [--tune-groups 0,8]
+        [--tune [--tune-rows 64,128|auto] [--tune-cols 64,128,256] [--tune-ks 64,128] [--tune-groups 0,8]
         [--tune-tma 0,1] [--tune-warps-stages 4x2,8x3] [--tune-kernels gate/up,down]] [--out-md moe.md]
 
 One MoE layer of the shape (router choices drawn at random: softmax of normal logits, top k, as
@@ -157,8 +157,7 @@ def one_row(layer: Layer, case: str, tokens: int, plans: tuple[MoEPlan, MoEPlan]
 # (--tune-groups: MoEPlan.group_m) and fewer with --tune-rows. Two stages leave room for two
 # programs of the large tiles on an SM (one's epilogue beside the other's loop).
 TUNE_GRID = dict(block_m=(64, 128), block_n=(64, 128, 256), block_k=(64, 128),
-                 warps_stages=((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 5)), group_m=(0,), tma=(False,),
-                 mxfp4_form=(0,))
+                 warps_stages=((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 5)), group_m=(0,), tma=(False,))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, limit: float) -> bool:
@@ -198,8 +197,8 @@ def tune(layer: Layer, tokens: int, grid: dict = TUNE_GRID,
                 continue
             results = []
             plans = dict.fromkeys(  # the down kernel's tiles are per-thread loads whatever the grid's tma
-                MoEPlan(bm, bn, bk, warps, stages, group_m, tma and kernel == "gate/up", form)
-                for bn, bk, (warps, stages), group_m, tma, form in itertools.product(*list(grid.values())[1:]))
+                MoEPlan(bm, bn, bk, warps, stages, group_m, tma and kernel == "gate/up")
+                for bn, bk, (warps, stages), group_m, tma in itertools.product(*list(grid.values())[1:]))
             for plan in plans:
                 try:
                     assert _close(run(plan), want, 1e-2), "differs from the default plan's output"
@@ -257,7 +256,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-rows", default="64,128", help="--tune's row blocks; auto: each size's moe_plans row block")
     parser.add_argument("--tune-cols", default="64,128,256", help="--tune's column blocks")
     parser.add_argument("--tune-ks", default="64,128", help="--tune's K blocks")
-    parser.add_argument("--tune-forms", default="0", help="--tune's MoEPlan.mxfp4_form values (MXFP4 experts)")
     parser.add_argument("--tune-warps-stages", default=None,
                         help="--tune's (warps, stages) pairs, e.g. 4x2,4x3,8x3 (default: TUNE_GRID's seven)")
     parser.add_argument("--tune-tma", default="0", help="--tune's gate/up weight tiles: 0 loads, 1 TMA, 0,1 both")
@@ -289,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         grid = dict(TUNE_GRID, block_n=tuple(int(v) for v in args.tune_cols.split(",")),
                     block_k=tuple(int(v) for v in args.tune_ks.split(",")),
                     group_m=tuple(int(v) for v in args.tune_groups.split(",")),
-                    tma=tuple(bool(int(v)) for v in args.tune_tma.split(",")),
-                    mxfp4_form=tuple(int(v) for v in args.tune_forms.split(",")))
+                    tma=tuple(bool(int(v)) for v in args.tune_tma.split(",")))
         if args.tune_warps_stages:
             grid["warps_stages"] = tuple(tuple(map(int, ws.split("x"))) for ws in args.tune_warps_stages.split(","))
         kernels = tuple(args.tune_kernels.split(","))
