@@ -190,9 +190,28 @@ def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
     return PREFILL_PLAN if per_expert <= PREFILL_PLAN.block_m else LARGE_PLAN
 
 
-# MXFP4 experts take K blocks of at most 64 (two scale groups: each program decodes [32, cols]
-# bytes a step, half the registers of 128) and no TMA (the packed tiles are loaded and decoded).
+# MXFP4 experts (gpt-oss) take plans of their own, no TMA (the packed tiles are loaded and decoded):
+# moe_bench.py --shape gpt-oss-20b --mxfp4 --tune --tune-rows auto on an H200 (2026-12-03, b9a3c6c and
+# 4d8686d, two leases, the same best plans): at a decode step's 16-row blocks the narrow 32-column
+# tiles over K blocks of 128 took the layer from 138.1 to 86.6-86.9 us (gate/up 50.3 against ~84,
+# down 28.8 against ~49); at 64-row blocks (256 tokens) 32 columns for gate/up and 64 for down, K
+# blocks of 64, from 694.6-696.8 to 622.8-629.2 us. The large plans' K blocks are cut to 64 (two
+# scale groups; 128 asks more shared memory than the H200 has at those tiles). The rows tried
+# beside them (K blocks 64-256, 16-128 columns, 4 or 8 warps, 2-3 stages; and two dots over the
+# even and odd K positions, or the weights as wgmma's register operand, in place of one dot over
+# the interleaved tile: 1.1-2.9x slower at every size) are in docs/benchmarks.md.
+MXFP4_DECODE_PLANS = (MoEPlan(16, 32, 128, 4, 3), MoEPlan(16, 32, 128, 4, 3))
 MXFP4_MAX_BLOCK_K = 64
+
+
+def mxfp4_plans(plans: tuple[MoEPlan, MoEPlan]) -> tuple[MoEPlan, MoEPlan]:
+    """moe_plans' (gate/up, down) for MXFP4 experts, from the bf16 ones of the same row block."""
+    gate_up, down = plans
+    if gate_up == DECODE_PLAN:
+        return MXFP4_DECODE_PLANS
+    if gate_up in (MID_PLAN, PREFILL_PLAN):
+        return (MoEPlan(gate_up.block_m, 32, 64, 4, 3), MoEPlan(gate_up.block_m, 64, 64, 4, 3))
+    return tuple(p._replace(block_k=min(p.block_k, MXFP4_MAX_BLOCK_K), tma=False) for p in plans)
 
 
 def moe_plans(num_pairs: int, num_experts: int, fp8: bool = False, mxfp4: bool = False) -> tuple[MoEPlan, MoEPlan]:
@@ -200,9 +219,7 @@ def moe_plans(num_pairs: int, num_experts: int, fp8: bool = False, mxfp4: bool =
     which the alignment fixes."""
     plan = moe_plan(num_pairs, num_experts)
     plans = LARGE_PLANS[fp8] if plan == LARGE_PLAN else (plan, plan)
-    if mxfp4:
-        return tuple(p._replace(block_k=min(p.block_k, MXFP4_MAX_BLOCK_K), tma=False) for p in plans)
-    return plans
+    return mxfp4_plans(plans) if mxfp4 else plans
 
 
 def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:

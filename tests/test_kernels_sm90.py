@@ -43,7 +43,7 @@ def test_every_kernel_compiles_for_sm90():
     # the fused MoE's decode and prefill plans, with bf16 and fp8 experts, fp32 ones with the large plan,
     # and fp8 experts under fp32 activations (K blocks of 32: fp8 tensor cores take none smaller)
     # and MXFP4 experts at gpt-oss's shapes, decode and prefill
-    assert sum("_moe_gate_up_kernel(" in line for line in lines) == 10
-    assert sum("_moe_down_kernel(" in line for line in lines) == 10
-    assert sum("_moe_down_kernel(" in line and "MXFP4=True" in line for line in lines) == 2
+    assert sum("_moe_gate_up_kernel(" in line for line in lines) == 11
+    assert sum("_moe_down_kernel(" in line for line in lines) == 11
+    assert sum("_moe_down_kernel(" in line and "MXFP4=True" in line for line in lines) == 3
     assert sum("_moe_gate_up_kernel(" in line and "FP8=True" in line and "BLOCK_K=32" in line for line in lines) == 1

@@ -252,7 +252,7 @@ def call_moe_kernels() -> None:
              ((2 * gpt_oss, gpt_oss // 2), (gpt_oss, gpt_oss // 2), (2 * gpt_oss, gpt_oss // 32), (gpt_oss, gpt_oss // 32))]
     biases = dict(gate_up_bias=torch.zeros(experts, 2 * gpt_oss, dtype=BF16), down_bias=torch.zeros(experts, gpt_oss,
                                                                                                    dtype=BF16))
-    for mxfp4_tokens in (1, 4096):
+    for mxfp4_tokens in (1, 256, 4096):
         fused_moe_triton(torch.randn(mxfp4_tokens, gpt_oss, dtype=BF16), mxfp4[0], mxfp4[1],
                          torch.rand(mxfp4_tokens, 4), torch.randint(0, experts, (mxfp4_tokens, 4), dtype=torch.int32),
                          mxfp4[2], mxfp4[3], **biases, swiglu=(1.702, 7.0))
