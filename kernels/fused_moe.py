@@ -191,8 +191,8 @@ def moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
 
 
 # MXFP4 experts (gpt-oss) take plans of their own, no TMA (the packed tiles are loaded and decoded):
-# moe_bench.py --shape gpt-oss-20b --mxfp4 --tune --tune-rows auto on an H200 (2026-12-03, b9a3c6c and
-# 4d8686d, two leases, the same best plans): at a decode step's 16-row blocks the narrow 32-column
+# moe_bench.py --shape gpt-oss-20b --mxfp4 --tune --tune-rows auto on an H200 (2026-12-03, f364e28 and
+# f662c0f, two leases, the same best plans): at a decode step's 16-row blocks the narrow 32-column
 # tiles over K blocks of 128 took the layer from 138.1 to 86.6-86.9 us (gate/up 50.3 against ~84,
 # down 28.8 against ~49); at 64-row blocks (256 tokens) 32 columns for gate/up and 64 for down, K
 # blocks of 64, from 694.6-696.8 to 622.8-629.2 us. The large plans' K blocks are cut to 64 (two
