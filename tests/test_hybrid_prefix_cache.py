@@ -89,3 +89,50 @@ def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
     assert s.cache.evict(s.cache.total_tokens) and s.cache.snapshots_used == 0
     assert any(isinstance(op, Offload) for op in s._ops)
     s.cache.check()
+
+
+WIDE = 64  # a snapshot interval past every shared prefix below: only the cuts leave snapshots
+
+
+def test_requests_admitted_together_resume_where_their_shared_prefix_ends(tmp_path):
+    """Three prompts at once sharing 20 tokens (no multiple of the interval inside): the first's
+    first chunk ends at 20 and leaves a snapshot there, the others wait a step and resume from it."""
+    hf_model = make_hybrid("qwen3_5", tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 101, (20,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
+    expected = list(hf_greedy(hf_model, prompts, NEW).values())
+    scheduler = Scheduler(runner.max_total_token_num, 32, runner.req_table.max_reqs,
+                          snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
+    core = EngineCore(scheduler, runner, eos_token_ids=[])
+    tokens, cached = serve(core, prompts, 0)
+    assert tokens == expected
+    assert cached == [0, 20, 20]
+    assert_idle(core)
+    core.scheduler.cache.check()
+
+
+def test_a_prefix_cached_inside_an_interval_is_snapshotted_by_the_next_request_that_shares_it(tmp_path):
+    """One prompt served alone, then a second sharing its first 20 tokens: the second resumes from
+    nothing (no snapshot at 20) but computes those 20 in a chunk of their own and leaves a
+    snapshot there, from which a third resumes."""
+    hf_model = make_hybrid("qwen3_5", tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    gen = torch.Generator().manual_seed(6)
+    prefix = torch.randint(0, 101, (20,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
+    expected = list(hf_greedy(hf_model, prompts, NEW).values())
+    scheduler = Scheduler(runner.max_total_token_num, 32, runner.req_table.max_reqs,
+                          snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
+    core = EngineCore(scheduler, runner, eos_token_ids=[])
+    tokens, cached = [], []
+    for i, prompt in enumerate(prompts):
+        t, c = serve(core, [prompt], i)
+        tokens += t
+        cached += c
+        core.scheduler.cache.check()
+    assert tokens == expected
+    assert cached == [0, 0, 20]
+    assert_idle(core)
+    core.scheduler.cache.check()

@@ -72,7 +72,7 @@ class EngineConfig:
     )
     state_snapshot_interval: int = field(
         default=2048,
-        metadata=flag("models with recurrent state (Qwen3-Next, Qwen3.5): the prefix cache keeps a snapshot of every linear-attention layer's state every this many prompt tokens, and a prompt resumes from the deepest snapshot inside its cached prefix; such a model's prompt chunks end at these boundaries (a request's chunk never crosses one). The default, --chunked_prefill_size's, takes a snapshot at every full chunk of a lone request without cutting any; lower it for shorter shared prefixes (a snapshot every 512 tokens serves a 2000-token system prompt up to 1536), at the price of chunks no longer than it"),
+        metadata=flag("models with recurrent state (Qwen3-Next, Qwen3.5): the prefix cache keeps a snapshot of every linear-attention layer's state every this many prompt tokens, and a prompt resumes from the deepest snapshot inside its cached prefix; such a model's prompt chunks end at these boundaries (a request's chunk never crosses one). The default, --chunked_prefill_size's, takes a snapshot at every full chunk of a lone request without cutting any; a shared prefix that ends between two (a 2000-token system prompt) also gets one at its end, where requests sharing it are seen to part (docs/architecture.md)"),
     )
     state_snapshot_slots: int = field(
         default=64,

@@ -25,9 +25,9 @@ are inside the proof.
 For a model with recurrent state (`snapshot_interval` > 0) a request resumes only where the tree
 holds a snapshot of the state: its match is cut back to the deepest one (`RadixCache.resumable`),
 and its first chunk names the snapshot slot the runner copies into its state slot. Its chunks end
-at multiples of `snapshot_interval` (a chunk never crosses one), and a chunk that ends on one,
-once it joins the cache, leaves a snapshot on its node (taken from the request's state slot
-before the request's next chunk runs).
+at multiples of `snapshot_interval` (a chunk never crosses one) and at its cuts, where a shared
+prefix ends (`_plan_cuts`), and a chunk that ends on one, once it joins the cache, leaves a
+snapshot on its node (taken from the request's state slot before the request's next chunk runs).
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ FREE_LAG_STEPS = 1
 # as a chunk already planned in this step waits a step and takes them from the cache: requests
 # that arrive together with one system prompt compute it once.
 SHARE_PROBE = 16
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def peak_token_usage(tokens_held: np.ndarray, tokens_left: np.ndarray) -> int:
@@ -318,6 +328,8 @@ class Scheduler:
                 if not req.started:
                     if probe is not None and probe in computing:
                         continue  # a chunk of this step computes its next tokens: take them cached next step
+                    if self.snapshot_interval and probe is not None:
+                        self._plan_cuts(req, probe)
                     self._start(req)
                     first_chunks.append(req)
                 if probe is not None:
@@ -422,11 +434,31 @@ class Scheduler:
 
     def _chunk_room(self, req: Req) -> int:
         """Most tokens its next chunk may take: the rest of its prompt, up to the next snapshot
-        boundary for a model with recurrent state."""
+        boundary for a model with recurrent state (a multiple of the interval, or one of its cuts)."""
         if not self.snapshot_interval or self.cache is None or not req.uses_cache:
             return req.prompt_left
         boundary = (req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval
+        boundary = min([boundary, *(c for c in req.snapshot_cuts if c > req.prefilled)])
         return min(req.prompt_left, boundary - req.prefilled)
+
+    def _plan_cuts(self, req: Req, probe: tuple) -> None:
+        """Before a hybrid request's first chunk: the points where a shared prefix ends, where its
+        chunks also end so that they leave snapshots there (`_grow_cache`), each at least
+        snapshot_interval / 8 past the last boundary. Where its cached KV runs past the snapshot
+        it resumes from (a prefix that ended inside an interval, cached whole by an earlier
+        request: the request computes it again and leaves the snapshot the next one resumes
+        from); and where its prompt parts from those of the requests admitted with it that wait
+        to start from the same tokens (SHARE_PROBE: they take the prefix from the cache next)."""
+        gap = max(1, self.snapshot_interval // 8)
+        above = req.node or self.cache.root
+        tail = req.cache_ids[req.prefilled: req.prompt_len - 1]
+        ends = [req.prefilled + self.cache.match(tail, above).length]
+        for other in self.running:
+            if other is not req and not other.started and other.status is ReqStatus.PREFILLING \
+                    and self._probe(other) == probe:
+                ends.append(req.prefilled + common_prefix(tail, other.cache_ids[req.prefilled: other.prompt_len - 1]))
+        req.snapshot_cuts = sorted({end for end in ends
+                                    if end - req.prefilled >= gap and end % self.snapshot_interval >= gap})
 
     def _load_host(self, reqs: list[Req]) -> None:
         """Their locked paths' host-resident nodes come back to the device, root side first, after
@@ -491,10 +523,16 @@ class Scheduler:
             if node is not None:
                 self.cache.lock(node, above=node.parent)
                 req.node = node
-                if self.snapshot_interval and req.prefilled % self.snapshot_interval == 0:
+                if self.snapshot_interval and self._snapshot_point(req):
                     self.cache.snapshot(node, req.req_id)
-            elif duplicated:  # computed twice at once: its own copy stays its own until it ends
+            elif duplicated:  # computed twice (at once, or to leave a snapshot): its own copy stays its own
                 req.grows_cache = False
+                if duplicated == len(tokens) and self.snapshot_interval and self._snapshot_point(req):
+                    self.cache.snapshot(self.cache.take(self.cache.match(tokens, req.node or self.cache.root)),
+                                        req.req_id)
+
+    def _snapshot_point(self, req: Req) -> bool:
+        return req.prefilled % self.snapshot_interval == 0 or req.prefilled in req.snapshot_cuts
 
     def _make_room(self, extra: int = 0) -> None:
         """Evict unreferenced cached tokens until what the plan allocates fits (and `extra` more:
