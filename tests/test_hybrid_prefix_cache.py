@@ -94,21 +94,24 @@ def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
 WIDE = 64  # a snapshot interval past every shared prefix below: only the cuts leave snapshots
 
 
-def test_requests_admitted_together_resume_where_their_shared_prefix_ends(tmp_path):
+@pytest.mark.parametrize("budget", [32, 12])
+def test_requests_admitted_together_resume_where_their_shared_prefix_ends(budget, tmp_path):
     """Three prompts at once sharing 20 tokens (no multiple of the interval inside): the first's
-    first chunk ends at 20 and leaves a snapshot there, the others wait a step and resume from it."""
+    chunks end at 20 (in one chunk, or two with a budget of 12) and leave a snapshot there; the
+    others wait until it is cached and resume from it."""
     hf_model = make_hybrid("qwen3_5", tmp_path)
     runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 101, (20,), generator=gen).tolist()
     prompts = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
     expected = list(hf_greedy(hf_model, prompts, NEW).values())
-    scheduler = Scheduler(runner.max_total_token_num, 32, runner.req_table.max_reqs,
+    scheduler = Scheduler(runner.max_total_token_num, budget, runner.req_table.max_reqs,
                           snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
     core = EngineCore(scheduler, runner, eos_token_ids=[])
     tokens, cached = serve(core, prompts, 0)
     assert tokens == expected
     assert cached == [0, 20, 20]
+    assert not core.scheduler._leaders  # the leader is forgotten once it stops prefilling
     assert_idle(core)
     core.scheduler.cache.check()
 

@@ -208,6 +208,9 @@ class Scheduler:
         self.cache_tiers = (host_cache_tokens, disk_cache_tokens, snapshot_slots if snapshot_interval else 0)
         self.cache = RadixCache(self._ops, *self.cache_tiers) if prefix_cache else None
         self._growing: list[Req] = []  # requests whose chunk in the last plan joins the cache next
+        # A hybrid model's requests whose prompts others admitted with them share up to a cut, by
+        # the probe those others wait on: they start once the leader's chunks reach its cut.
+        self._leaders: dict[tuple, Req] = {}
         self._in_steps: set[int] = set()  # ids of steps planned whose result is not yet in
         self._next_step = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the cache (counter)
@@ -307,6 +310,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._grow_cache()
         self._admit()
+        if self._leaders:
+            self._leaders = {probe: r for probe, r in self._leaders.items() if r.status is ReqStatus.PREFILLING}
         plan = StepPlan(self._next_step)
         prefilling = 0  # prompt tokens of admitted requests still to prefill
         for req in self.running:
@@ -326,7 +331,7 @@ class Scheduler:
                     self._take_cached(req)
                 probe = self._probe(req) if self.cache is not None else None
                 if not req.started:
-                    if probe is not None and probe in computing:
+                    if probe is not None and (probe in computing or self._led(probe)):
                         continue  # a chunk of this step computes its next tokens: take them cached next step
                     if self.snapshot_interval and probe is not None:
                         self._plan_cuts(req, probe)
@@ -459,6 +464,18 @@ class Scheduler:
                 ends.append(req.prefilled + common_prefix(tail, other.cache_ids[req.prefilled: other.prompt_len - 1]))
         req.snapshot_cuts = sorted({end for end in ends
                                     if end - req.prefilled >= gap and end % self.snapshot_interval >= gap})
+        if len(ends) > 1 and req.snapshot_cuts:
+            self._leaders[probe] = req
+
+    def _led(self, probe: tuple) -> bool:
+        """A request leads those that start with `probe`: its chunks up to its last cut are not all
+        in the cache yet (the one that reaches it joins at the next plan)."""
+        leader = self._leaders.get(probe)
+        if leader is not None and leader.status is ReqStatus.PREFILLING and (
+                leader.prefilled < leader.snapshot_cuts[-1] or leader in self._growing):
+            return True
+        self._leaders.pop(probe, None)
+        return False
 
     def _load_host(self, reqs: list[Req]) -> None:
         """Their locked paths' host-resident nodes come back to the device, root side first, after
@@ -774,6 +791,7 @@ class Scheduler:
                 self.speculator.finish(req.req_id)
         self._drafts.clear()
         self.running, self.waiting, self._by_id, self._growing = [], {}, {}, []
+        self._leaders.clear()
         self._waiting_prompt_tokens = 0
         self._in_steps.clear()
         self._ops.clear()
