@@ -3,6 +3,7 @@
 Without Triton the `@triton.jit` kernels are still defined (so the modules import and the
 torch references stay usable) but calling one raises a clear error.
 """
+import collections
 import functools
 import logging
 import time
@@ -127,6 +128,25 @@ class _Direct:
 # value: decode attention's plan in eager steps compiled 0.3-0.6 s while serving on an H200 until
 # those steps took their graph bucket's plan (2026-12-02).
 NEW_SPECIALISATIONS = {"launches": 0, "ms": 0.0, "kernels": []}
+
+# Every kernel Triton compiles in the process, ours and other libraries' (flash-linear-attention's,
+# their autotuners' candidates included), from Triton's post-compile hook: the step trace names
+# those of each launch, where NEW_SPECIALISATIONS sees only ours. The names kept are the last 256.
+COMPILES: dict = {"count": 0, "kernels": collections.deque(maxlen=256)}
+
+
+def count_compile(*, fn=None, **_) -> None:
+    """Triton's jit_post_compile_hook (keywords key, repr, fn, compile, is_manual_warmup,
+    already_compiled): one more compilation of `fn`. Returns None: Triton goes on as without it."""
+    COMPILES["count"] += 1
+    COMPILES["kernels"].append(getattr(fn, "name", "?"))
+
+
+def count_compiles() -> None:
+    """Install count_compile, where Triton has the hook (3.4 on) and nothing else holds it."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None) if HAS_TRITON else None
+    if runtime is not None and getattr(runtime, "jit_post_compile_hook", count_compile) is None:
+        runtime.jit_post_compile_hook = count_compile
 
 
 class _FastKernel:

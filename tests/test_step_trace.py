@@ -114,6 +114,38 @@ def test_a_step_names_the_triton_kernels_it_met_first(tmp_path, monkeypatch):
     assert "Steps that compiled (or loaded) a Triton kernel: step 7 300.0 ms: _extend_kernel, _rms_norm_kernel" in text
 
 
+def test_a_step_names_every_kernel_triton_compiled_during_its_launch(tmp_path, monkeypatch):
+    """Triton's post-compile hook (installed by the trace where Triton has one) counts compilations
+    of any library's kernels, autotuning's candidates included: the step during whose launch they
+    happened records their count and names, the summary names the step."""
+    import types
+
+    import torch
+
+    from lightllm.engine.step_trace import StepTrace
+    from lightllm.kernels import _triton
+
+    if getattr(getattr(_triton.triton, "knobs", None), "runtime", None) is not None:
+        monkeypatch.setattr(_triton.triton.knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setitem(_triton.COMPILES, "count", 0)
+    trace = StepTrace(str(tmp_path / "trace.jsonl"), torch.device("cpu"))
+    if getattr(getattr(_triton.triton, "knobs", None), "runtime", None) is not None:
+        assert _triton.triton.knobs.runtime.jit_post_compile_hook is _triton.count_compile
+    record = trace.begin()
+    for name in ("chunk_fwd_kernel_o", "chunk_fwd_kernel_o", "l2norm_fwd_kernel"):  # as Triton calls its hook
+        _triton.count_compile(key=(), repr=name, fn=types.SimpleNamespace(name=name), compile={},
+                              is_manual_warmup=False, already_compiled=False)
+    trace.end(record, 40, decodes=1, chunk_tokens=5339, chunks=53, graph=False, decode_context=5, chunk_context=109722)
+    trace.end(trace.begin(), 41, decodes=18, chunk_tokens=5082, chunks=45, graph=False, decode_context=90,
+              chunk_context=94601)
+    trace.close()
+    first, second = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert first["compiles"] == 3 and first["compiled"] == ["chunk_fwd_kernel_o", "l2norm_fwd_kernel"]
+    assert "compiles" not in second
+    text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
+    assert "compiled kernels (any library's): step 40 (" in text and "3: chunk_fwd_kernel_o, l2norm_fwd_kernel" in text
+
+
 def test_summary_splits_idle_by_the_step_that_waited():
     steps = [
         {"step": 1, "decodes": 0, "chunk_tokens": 3000, "chunks": 4, "graph": False, "launch_ms": 20, "start_ms": 0, "end_ms": 50},

@@ -15,7 +15,10 @@ below `launch_ms`, the thread was held up without running (a lock, the GIL, a bl
 call, the scheduler); `gc_ms` is the time Python's garbage collector ran during the launch.
 `new_kernels` and `new_kernel_ms` are the launches in it whose Triton specialisation was new to
 the process and their host time (Triton compiling, or loading from its cache; kernels/_triton.py,
-CUDA only), and where there are any, `new_kernel_names`, their kernels. Eager steps on CUDA also
+CUDA only), and where there are any, `new_kernel_names`, their kernels. `compiles` counts every
+kernel Triton compiled during the launch, ours and other libraries' (flash-linear-attention's and
+their autotuners' candidates: Triton's post-compile hook, where Triton has one), with `compiled`,
+their distinct names; absent where there were none. Eager steps on CUDA also
 carry the caching allocator's counts so far: `device_allocs`, the blocks it had to take from the
 driver (cudaMalloc), and `alloc_retries`, the allocations it could only serve after freeing its
 cached blocks (cudaFree, which waits for the device). A step whose plan carried ops (releases, the
@@ -44,7 +47,7 @@ import time
 
 import torch
 
-from lightllm.kernels._triton import NEW_SPECIALISATIONS
+from lightllm.kernels._triton import COMPILES, NEW_SPECIALISATIONS, count_compiles
 
 FLUSH_EVERY = 64  # steps between writes: the events of a step in flight are not ready yet
 
@@ -65,6 +68,7 @@ class StepTrace:
         self._gc_ms, self._gc_start = 0.0, None
         self.collections = 0  # steps in flight the engine collected (an empty sync plan) since the last launch
         gc.callbacks.append(self._on_gc)
+        count_compiles()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -84,6 +88,7 @@ class StepTrace:
         """Call before the step's first device work; returns the record `end` completes."""
         return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
                 "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
+                "compiles_start": COMPILES["count"],
                 "start": self._mark()}
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
@@ -108,6 +113,9 @@ class StepTrace:
                       launched_ms=round((now - self._t0) * 1000, 3), end=self._mark())
         if record["new_kernels"]:
             record["new_kernel_names"] = NEW_SPECIALISATIONS["kernels"][-record["new_kernels"]:]
+        compiled = COMPILES["count"] - record.pop("compiles_start")
+        if compiled:  # every library's kernels, autotuning's candidates included
+            record.update(compiles=compiled, compiled=sorted(set(list(COMPILES["kernels"])[-compiled:])))
         if self.cuda and not graph:  # a dict of every allocator statistic: eager steps only, a few of them
             stats = torch.cuda.memory_stats(self.device)
             record.update(device_allocs=stats.get("num_device_alloc", 0),

@@ -60,6 +60,7 @@ def kind(step: dict) -> str:
 def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     groups: dict[str, dict] = {}
     found = []  # (step, ms, kernel names) of the steps with new Triton specialisations
+    libraries = []  # (step, launch ms, compilations, kernel names) of the steps that compiled any Triton kernel
     idle = long_idle = 0.0
     previous_end = None
     for step in steps:
@@ -80,6 +81,8 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
             g["new_kernel_ms"].append(step["new_kernel_ms"])
             if step["new_kernels"]:  # names since 2026-12-02
                 found.append((step["step"], step["new_kernel_ms"], step.get("new_kernel_names", [])))
+        if step.get("compiles"):  # every library's compilations, since 2026-12-03
+            libraries.append((step["step"], step["launch_ms"], step["compiles"], step.get("compiled", [])))
         g["decodes"].append(step["decodes"])
         if gap > long_gap_ms:
             long_idle += gap
@@ -90,7 +93,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     wall = steps[-1]["end_ms"] - steps[0]["start_ms"] if steps else 0.0
     busy = sum(sum(g["device_ms"]) for g in groups.values())
     return {"steps": len(steps), "wall_ms": wall, "busy_ms": busy, "idle_ms": idle, "long_idle_ms": long_idle,
-            "groups": groups, "compiles": found}
+            "groups": groups, "compiles": found, "all_compiles": libraries}
 
 
 def table(summary: dict) -> str:
@@ -114,7 +117,7 @@ def table(summary: dict) -> str:
                      f"{mean(g['launch_ms'])} / {max(g['launch_ms']):.1f} | {mean(g['cpu_ms'])} | {gc_ms} | {new} | "
                      f"{mean(g['waited_ms'])} | {g['idle_before_ms'] / 1000:.2f} | "
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
-    return "\n".join(lines + compiles(summary["compiles"]))
+    return "\n".join(lines + compiles(summary["compiles"]) + all_compiles(summary["all_compiles"]))
 
 
 def compiles(found: list[tuple[int, float, list[str]]]) -> list[str]:
@@ -124,6 +127,13 @@ def compiles(found: list[tuple[int, float, list[str]]]) -> list[str]:
     return ["", "Steps that compiled (or loaded) a Triton kernel: "
             + "; ".join(f"step {step} {ms:.1f} ms: {', '.join(names) or '?'}" for step, ms, names in found)]
 
+
+def all_compiles(found: list[tuple[int, float, int, list[str]]]) -> list[str]:
+    """Lines naming the steps during whose launch Triton compiled any kernel (a library's too)."""
+    if not found:
+        return []
+    return ["", "Steps during whose launch Triton compiled kernels (any library's): "
+            + "; ".join(f"step {step} ({ms:.0f} ms launch) {n}: {', '.join(names)}" for step, ms, n, names in found)]
 
 
 def step_floor(step: dict, model: dict) -> tuple[float, float]:
