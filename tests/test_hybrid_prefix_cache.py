@@ -139,3 +139,22 @@ def test_a_prefix_cached_inside_an_interval_is_snapshotted_by_the_next_request_t
     assert cached == [0, 0, 20]
     assert_idle(core)
     core.scheduler.cache.check()
+
+
+def test_a_chats_next_turn_resumes_where_the_last_one_ended(tmp_path):
+    """A request leaves a snapshot of its state at the end of what it cached (its prompt and every
+    token it fed back), so the next turn of the chat, which repeats them, resumes there."""
+    hf_model = make_hybrid("qwen3_5", tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    gen = torch.Generator().manual_seed(7)
+    first = torch.randint(0, 101, (13,), generator=gen).tolist()
+    scheduler = Scheduler(runner.max_total_token_num, 32, runner.req_table.max_reqs,
+                          snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
+    core = EngineCore(scheduler, runner, eos_token_ids=[])
+    answer, cached = serve(core, [first], 0)
+    second = first + answer[0] + torch.randint(0, 101, (5,), generator=gen).tolist()
+    tokens, cached_next = serve(core, [second], 1)
+    assert [answer[0], tokens[0]] == list(hf_greedy(hf_model, [first, second], NEW).values())
+    assert cached == [0] and cached_next == [len(first) + NEW - 1]  # its last token was never fed back
+    assert_idle(core)
+    core.scheduler.cache.check()

@@ -265,12 +265,19 @@ class RadixCache:
         self._maybe_evictable(new)
         return found.length, new
 
-    def snapshot(self, node: Node, req_id: int) -> bool:
+    @property
+    def free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    def snapshot(self, node: Node, req_id: int, evict: bool = True) -> bool:
         """Keep running request `req_id`'s state, whose tokens end where `node` ends, as `node`'s
-        snapshot; False where it has one already or no slot can be had."""
+        snapshot; False where it has one already or no slot can be had (with `evict` False, only
+        a free one: the least recently used idle snapshot keeps its slot)."""
         if node.snapshot >= 0 or not self.snapshot_slots:
             return False
         if not self._free_snapshots:
+            if not evict:
+                return False
             idle = [n for n in self._snapshot_nodes.values() if not n.ref]
             if not idle:
                 return False

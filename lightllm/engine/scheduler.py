@@ -27,7 +27,8 @@ holds a snapshot of the state: its match is cut back to the deepest one (`RadixC
 and its first chunk names the snapshot slot the runner copies into its state slot. Its chunks end
 at multiples of `snapshot_interval` (a chunk never crosses one) and at its cuts, where a shared
 prefix ends (`_plan_cuts`), and a chunk that ends on one, once it joins the cache, leaves a
-snapshot on its node (taken from the request's state slot before the request's next chunk runs).
+snapshot on its node (taken from the request's state slot before the request's next chunk runs);
+so does a request that ends, at the end of what it cached, where a slot is free.
 """
 
 from __future__ import annotations
@@ -267,8 +268,13 @@ class Scheduler:
                 if req.decode_steps > len(fed):
                     raise RuntimeError(f"{req} ends with a decode in flight: its tokens are not all known")
                 tokens = req.cache_ids[start: req.prefilled] + fed[: req.decode_steps]
-                duplicated, _ = self.cache.insert(node or self.cache.root, tokens, req.req_id, start)
+                duplicated, new = self.cache.insert(node or self.cache.root, tokens, req.req_id, start)
                 end = start + duplicated
+                if self.snapshot_interval and self.cache.free_snapshots and (new is not None or duplicated == len(tokens)):
+                    # its state is that after every token it cached: a chat's next turn resumes there
+                    # (a free slot only: ended requests do not push out the snapshots of shared prefixes)
+                    self.cache.snapshot(new or self.cache.take(self.cache.match(tokens, node or self.cache.root)),
+                                        req.req_id, evict=False)
             self._ops.append(Release(req.req_id, start, end))
         if node is not None:
             self.cache.unlock(node)
