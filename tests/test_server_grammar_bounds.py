@@ -32,11 +32,11 @@ def tools(count: int, parameters: dict | None = None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    # What is asserted here is statuses, messages and timings, none of which a smaller chunk budget
-    # changes; it cuts the start-up's profile step (the largest step: a full chunk beside a full
-    # batch of decodes) from ~20 s to a few on 2 cores.
+    # What is asserted here is statuses, messages and timings of a request or two at a time, none
+    # of which a smaller chunk budget or batch changes; they cut the start-up's profile step (the
+    # largest step: a full chunk beside a full batch of decodes) from ~20 s to about one on 2 cores.
     args = ["--model_dir", str(default_model_dir), "--grammar_compile_timeout", str(BOUND),
-            "--chunked_prefill_size", str(SMALL_CHUNK)]
+            "--chunked_prefill_size", str(SMALL_CHUNK), "--running_max_req_size", "8"]
     server = start_server(args, tmp_path_factory.mktemp("grammar_bounds") / "server.log")
     server.wait_for_structured_output()  # the first test times the event loop
     yield server

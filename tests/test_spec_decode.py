@@ -297,10 +297,11 @@ def test_server_streams_the_same_tokens_and_reports_drafts(default_server, defau
     from server_utils import sse_events, start_server
 
     config = {"method": "draft_model", "num_speculative_tokens": 6, "model": str(default_model_dir)}
-    # The prompt is one chunk at either budget; 256 (not 2048) cuts the start-up's profile step, a
-    # full chunk beside a full batch of decodes, from ~20 s to a few on 2 cores.
+    # One request at a time, its prompt one chunk at either budget: 256 tokens and 8 rows (not 2048
+    # and 128) cut the start-up's profile step, a full chunk beside a full batch of decodes, from
+    # ~20 s to about one on 2 cores.
     server = start_server(["--model_dir", str(default_model_dir), "--speculative_config", json.dumps(config),
-                           "--chunked_prefill_size", "256"], tmp_path / "server.log")
+                           "--chunked_prefill_size", "256", "--running_max_req_size", "8"], tmp_path / "server.log")
     try:
         assert server.post("/info", b"").status_code == 405
         import requests
