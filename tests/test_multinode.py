@@ -29,7 +29,7 @@ from lightllm.server.node import POLL_INTERVAL, watch
 from lightllm.tools.bench_model import write_bench_model
 from lightllm.utils.dist import LAYOUT_KEY, LIVENESS_TIMEOUT, RUN_KEY, NodeLayout, Rendezvous
 from lightllm.utils.net import free_port
-from server_utils import Server, start_server
+from server_utils import Server, start_server, wait_exited
 from seeds import fresh_rng  # noqa: E402
 from helpers.models import RUNNER_SETTINGS, runner_config
 
@@ -93,7 +93,7 @@ def test_two_nodes_give_the_tokens_of_one_and_node1_follows_node0_out(tiny_dir, 
         stopped = time.monotonic()
         node1.proc.wait(timeout=FOLLOW_SECONDS)
         assert time.monotonic() - stopped < FOLLOW_SECONDS
-        _, alive = psutil.wait_procs(node1_family, timeout=FOLLOW_SECONDS)
+        _, alive = wait_exited(node1_family, timeout=FOLLOW_SECONDS)
         assert not alive
         assert "node 0's router hung up" in node1.log_text()
     finally:
@@ -125,7 +125,7 @@ def test_a_missing_node_ends_start_up_with_a_clear_message(tiny_dir, tmp_path):
         assert "node 1 did not join within 3 s (--dist_timeout)" in lonely0.log_text()
         assert f"node 0 did not answer at {missing0} within 2 s (--dist_timeout)" in lonely1.log_text()
         assert len(seen) >= 3  # main, router, detokenizer (and rank 0's worker)
-        _, alive = psutil.wait_procs(seen, timeout=10)
+        _, alive = wait_exited(seen, timeout=10)
         assert not alive
     finally:
         lonely0.stop()

@@ -25,8 +25,9 @@ LOGPROB_ATOL = 2e-3  # fp32 both; our attention sums in another order than trans
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
+    # a chunk budget of the longest prompt accepted: the start's profile step is 256 prompt tokens, not 2048
     with LLM(default_model_dir, max_total_token_num=4096, max_req_input_len=256, max_req_total_len=512,
-             running_max_req_size=8) as llm:
+             running_max_req_size=8, chunked_prefill_size=256) as llm:
         yield llm
 
 

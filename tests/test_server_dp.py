@@ -5,12 +5,11 @@ worker dies ends the server cleanly: every open request gets its error, no proce
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import requests
 import pytest
 
 from lightllm.tools.bench_model import write_bench_model
-from server_utils import sse_events, start_server
+from server_utils import sse_events, start_server, wait_exited
 
 PROMPTS = [f"request number {i} asks about the weather in city {i}" for i in range(8)]
 LONG = {"max_new_tokens": 2500, "ignore_eos": True}
@@ -95,5 +94,5 @@ def test_a_dead_replica_ends_the_server_with_every_request_answered(dp2_server):
         assert last["finished"] and last["finish_reason"] == "error", last
     assert len(replies) == 1 and replies[0].status_code == 500
     assert server.proc.wait(timeout=60) == 1
-    gone, alive = psutil.wait_procs(family, timeout=15)
+    gone, alive = wait_exited(family, timeout=15)
     assert not alive and server.socket_dirs() == []

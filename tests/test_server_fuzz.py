@@ -25,6 +25,7 @@ import concurrent.futures
 import itertools
 import json
 import logging
+import multiprocessing
 import random
 import time
 
@@ -34,6 +35,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.core import NOT_SET
 
 from lightllm.server.httpserver.json_text import MAX_JSON_DEPTH
 
@@ -102,6 +104,40 @@ def generate_cases(operation, mode: GenerationMode) -> list:
     return cases
 
 
+# Generating is Python in this process, while the server sits idle: two processes (forked, so that
+# they hold the schema's operations already) generate the cases of half the operations each. What
+# comes back is each case's data, from which this process makes the same case again.
+GENERATORS = 2
+CASE_FIELDS = ("method", "path_parameters", "headers", "cookies", "query", "body", "media_type",
+               "multipart_content_types")
+_operations: list = []  # what the forked generators read
+
+
+def generated_fields(index: int, mode: GenerationMode) -> list[dict]:
+    """In a generator process: the fields of the cases of operation `index` in `mode`."""
+    fields = []
+    for case in generate_cases(_operations[index], mode):
+        values = {name: getattr(case, name) for name in CASE_FIELDS}
+        values["headers"] = dict(values["headers"] or {})
+        if values["body"] is NOT_SET:
+            del values["body"]
+        fields.append(values)
+    return fields
+
+
+def generate_all(operations: list) -> list:
+    """Every operation's cases: POSITIVE, and for a POST also NEGATIVE (as generate_cases makes them)."""
+    jobs = [(index, mode) for index, operation in enumerate(operations)
+            for mode in [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * (operation.method.upper() == "POST")]
+    _operations[:] = operations
+    try:
+        with concurrent.futures.ProcessPoolExecutor(GENERATORS, mp_context=multiprocessing.get_context("fork")) as pool:
+            made = list(pool.map(generated_fields, *zip(*jobs)))
+    finally:
+        _operations.clear()
+    return [operations[index].Case(**values) for (index, _), cases in zip(jobs, made) for values in cases]
+
+
 def send(case, url: str) -> tuple:
     start = time.monotonic()
     response = case.call(base_url=url, timeout=REQUEST_TIMEOUT)
@@ -133,10 +169,7 @@ def test_generated_requests_get_no_5xx(server):
     assert {"POST /generate", "POST /generate_stream", "POST /v1/completions", "POST /v1/chat/completions",
             "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
             "GET /health", "GET /info", "GET /metrics", "GET /v1/models"} <= routes
-    cases = []
-    for operation in operations:
-        modes = [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * (operation.method.upper() == "POST")
-        cases += [case for mode in modes for case in generate_cases(operation, mode)]
+    cases = generate_all(operations)
     random.shuffle(cases)  # every route in flight beside every other
     tally, start = Tally(), time.monotonic()
     send_all(cases, server.url, tally)

@@ -25,7 +25,7 @@ from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import RouterHeartbeat
 from lightllm.server.router.manager import RouterManager
 from lightllm.tools.bench_model import write_bench_model
-from server_utils import sse_events, start_server
+from server_utils import sse_events, start_server, wait_exited
 
 LONG = {"max_new_tokens": 2500, "ignore_eos": True}  # far longer than any of these tests waits
 OPENAI_LONG = {"prompt": "whole", "max_tokens": 2500, "ignore_eos": True}
@@ -174,7 +174,7 @@ def test_a_killed_worker_ends_every_open_request_with_an_error(tiny_dir, tmp_pat
     log = server.log_text()  # the log names the dead worker and what the server did about it
     assert f"model worker rank 0 (pid {worker.pid}) exited with code -9" in log
     assert "the router process" in log and "shutting the server down" in log
-    gone, alive = psutil.wait_procs(family, timeout=10)
+    gone, alive = wait_exited(family, timeout=10)
     assert not alive and not socket_dir.exists()
     server.stop()
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from lightllm.server.config import ServerConfig
 from lightllm.tools.bench_model import TOKENIZER_FILES, write_bench_model
 from lightllm.tools.default_model import ensure_default_model
-from server_utils import Server, sse_events, start_server
+from server_utils import Server, sse_events, start_server, wait_exited
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_killed_main_process_takes_its_children_along(tiny_dir, tmp_path):
     assert len(server.model_workers()) == 1
     server.proc.send_signal(signal.SIGKILL)  # no chance to clean up: the children must notice alone
     server.proc.wait(timeout=10)
-    gone, alive = psutil.wait_procs(family[1:], timeout=20)
+    gone, alive = wait_exited(family[1:], timeout=20)
     assert not alive, f"orphans: {alive}"
     server.stop()
 
@@ -258,7 +258,7 @@ def test_sigterm_to_the_process_group_drains_as_sigterm_to_the_main_process_does
             error = reply.json()["error"]
             assert (error["type"] if i % 2 else reply.json()["error_type"]) == "unavailable"
     assert server.proc.wait(timeout=60) == 0
-    gone, alive = psutil.wait_procs(family, timeout=10)
+    gone, alive = wait_exited(family, timeout=10)
     assert not alive, f"left behind: {alive}"
     assert not socket_dir.exists()
     log = server.log_text()
@@ -280,7 +280,7 @@ def test_a_second_sigterm_stops_at_once(tiny_dir, tmp_path):
         last = list(events)[-1]
     assert unavailable_event(last) and last["error"] == "the server is shutting down"
     assert server.proc.wait(timeout=60) == 0
-    gone, alive = psutil.wait_procs(family, timeout=10)
+    gone, alive = wait_exited(family, timeout=10)
     assert not alive, f"left behind: {alive}"
     server.stop()
 
@@ -337,7 +337,7 @@ def test_sigterm_to_the_process_group_during_start_up_stops_cleanly(tiny_dir, tm
     socket_dirs = server.socket_dirs()
     os.killpg(server.proc.pid, signal.SIGTERM)
     assert server.proc.wait(timeout=60) == 0, server.log_text()[-3000:]
-    gone, alive = psutil.wait_procs(family, timeout=10)
+    gone, alive = wait_exited(family, timeout=10)
     assert not alive, f"left behind: {alive}"
     assert not any(d.exists() for d in socket_dirs) and not server.socket_dirs()
     assert "Traceback" not in server.log_text(), server.log_text()[-3000:]
