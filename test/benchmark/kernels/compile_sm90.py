@@ -9,13 +9,16 @@ this is the check that the GPU path at least builds. Each kernel is compiled wit
 types of a real call (the Python wrappers are called with bench-8b's head shapes and a few tokens,
 and each launch is captured instead of run) and the constexprs that call chose, DOT_UPCAST and PDL
 (with Triton's launch_pdl option) set as on an H100. Prints one line a launch (OK or FAIL with
-the compiler's message); exits 1 on any FAIL.
+the compiler's message), in launch order, compiled by `--jobs` processes at once (every core by
+default); exits 1 on any FAIL.
 Not under TRITON_INTERPRET=1: the interpreter's kernels cannot be compiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import sys
 
@@ -267,24 +270,40 @@ def compile_for_sm90(kernel, types: dict, constexprs: dict, options: dict, attrs
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
+_LAUNCHES: list[tuple] = []  # what the forked compiling processes read
+
+
+def check_one(index: int) -> str:
+    """Compile launch `index` of _LAUNCHES: its line, OK or FAIL with the compiler's message."""
+    kernel, types, constexprs, options, attrs = _LAUNCHES[index]
+    shown = ", ".join(f"{k}={v}" for k, v in {**constexprs, **options}.items())
+    try:
+        compiled = compile_for_sm90(kernel, types, constexprs, options, attrs)
+        assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+        shared = compiled.metadata.shared
+        assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
+        # a kernel that may start before the one ahead has finished must wait for it before it reads
+        assert not options.get("launch_pdl") or "griddepcontrol.wait" in compiled.asm["ptx"], \
+            "launched with PDL but never waits (grid_dependency_wait) for the kernel ahead"
+        return f"OK   {kernel.fn.__name__}({shown})"
+    except Exception as exc:  # the compiler's own errors, shown per kernel
+        return f"FAIL {kernel.fn.__name__}({shown}): {type(exc).__name__}: {exc}"
+
+
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    failed = 0
-    for kernel, types, constexprs, options, attrs in captured_launches():
-        shown = ", ".join(f"{k}={v}" for k, v in {**constexprs, **options}.items())
-        try:
-            compiled = compile_for_sm90(kernel, types, constexprs, options, attrs)
-            assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
-            shared = compiled.metadata.shared
-            assert shared <= H100_SHARED_BYTES, f"{shared} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
-            # a kernel that may start before the one ahead has finished must wait for it before it reads
-            assert not options.get("launch_pdl") or "griddepcontrol.wait" in compiled.asm["ptx"], \
-                "launched with PDL but never waits (grid_dependency_wait) for the kernel ahead"
-            print(f"OK   {kernel.fn.__name__}({shown})", flush=True)
-        except Exception as exc:  # the compiler's own errors, shown per kernel
-            failed += 1
-            print(f"FAIL {kernel.fn.__name__}({shown}): {type(exc).__name__}: {exc}", flush=True)
-    return 1 if failed else 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="processes compiling at once (forked; each compile is Python and ptxas)")
+    args = parser.parse_args()
+    _LAUNCHES[:] = captured_launches()
+    if args.jobs > 1:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            lines = list(pool.map(check_one, range(len(_LAUNCHES))))
+    else:
+        lines = [check_one(i) for i in range(len(_LAUNCHES))]
+    for line in lines:
+        print(line, flush=True)
+    return 1 if any(line.startswith("FAIL") for line in lines) else 0
 
 
 if __name__ == "__main__":
