@@ -19,9 +19,9 @@ from lightllm.engine.scheduler import Scheduler
 INTERVAL, CHUNK, NEW = 8, 7, 6
 
 
-def hybrid_engine(runner) -> EngineCore:
-    scheduler = Scheduler(runner.max_total_token_num, CHUNK, runner.req_table.max_reqs,
-                          snapshot_interval=INTERVAL, snapshot_slots=runner.info["state_snapshot_slots"])
+def hybrid_engine(runner, interval: int = INTERVAL, budget: int = CHUNK) -> EngineCore:
+    scheduler = Scheduler(runner.max_total_token_num, budget, runner.req_table.max_reqs,
+                          snapshot_interval=interval, snapshot_slots=runner.info["state_snapshot_slots"])
     return EngineCore(scheduler, runner, eos_token_ids=[])
 
 
@@ -94,20 +94,28 @@ def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
 WIDE = 64  # a snapshot interval past every shared prefix below: only the cuts leave snapshots
 
 
+def wide_engine(tmp_path, budget: int):
+    """A tiny Qwen3.5 and an engine on it with snapshots every WIDE tokens and 3 slots."""
+    hf_model = make_hybrid("qwen3_5", tmp_path)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    return hf_model, hybrid_engine(runner, WIDE, budget)
+
+
+def three_sharing_20(tmp_path, seed: int, budget: int):
+    """wide_engine's engine, three prompts sharing their first 20 tokens, transformers' greedy tokens."""
+    hf_model, core = wide_engine(tmp_path, budget)
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 101, (20,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
+    return core, prompts, list(hf_greedy(hf_model, prompts, NEW).values())
+
+
 @pytest.mark.parametrize("budget", [32, 12])
 def test_requests_admitted_together_resume_where_their_shared_prefix_ends(budget, tmp_path):
     """Three prompts at once sharing 20 tokens (no multiple of the interval inside): the first's
     chunks end at 20 (in one chunk, or two with a budget of 12) and leave a snapshot there; the
     others wait until it is cached and resume from it."""
-    hf_model = make_hybrid("qwen3_5", tmp_path)
-    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
-    gen = torch.Generator().manual_seed(5)
-    prefix = torch.randint(0, 101, (20,), generator=gen).tolist()
-    prompts = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
-    expected = list(hf_greedy(hf_model, prompts, NEW).values())
-    scheduler = Scheduler(runner.max_total_token_num, budget, runner.req_table.max_reqs,
-                          snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
-    core = EngineCore(scheduler, runner, eos_token_ids=[])
+    core, prompts, expected = three_sharing_20(tmp_path, 5, budget)
     tokens, cached = serve(core, prompts, 0)
     assert tokens == expected
     assert cached == [0, 20, 20]
@@ -120,15 +128,7 @@ def test_a_prefix_cached_inside_an_interval_is_snapshotted_by_the_next_request_t
     """One prompt served alone, then a second sharing its first 20 tokens: the second resumes from
     nothing (no snapshot at 20) but computes those 20 in a chunk of their own and leaves a
     snapshot there, from which a third resumes."""
-    hf_model = make_hybrid("qwen3_5", tmp_path)
-    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
-    gen = torch.Generator().manual_seed(6)
-    prefix = torch.randint(0, 101, (20,), generator=gen).tolist()
-    prompts = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
-    expected = list(hf_greedy(hf_model, prompts, NEW).values())
-    scheduler = Scheduler(runner.max_total_token_num, 32, runner.req_table.max_reqs,
-                          snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
-    core = EngineCore(scheduler, runner, eos_token_ids=[])
+    core, prompts, expected = three_sharing_20(tmp_path, 6, 32)
     tokens, cached = [], []
     for i, prompt in enumerate(prompts):
         t, c = serve(core, [prompt], i)
@@ -144,13 +144,9 @@ def test_a_prefix_cached_inside_an_interval_is_snapshotted_by_the_next_request_t
 def test_a_chats_next_turn_resumes_where_the_last_one_ended(tmp_path):
     """A request leaves a snapshot of its state at the end of what it cached (its prompt and every
     token it fed back), so the next turn of the chat, which repeats them, resumes there."""
-    hf_model = make_hybrid("qwen3_5", tmp_path)
-    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    hf_model, core = wide_engine(tmp_path, 32)
     gen = torch.Generator().manual_seed(7)
     first = torch.randint(0, 101, (13,), generator=gen).tolist()
-    scheduler = Scheduler(runner.max_total_token_num, 32, runner.req_table.max_reqs,
-                          snapshot_interval=WIDE, snapshot_slots=runner.info["state_snapshot_slots"])
-    core = EngineCore(scheduler, runner, eos_token_ids=[])
     answer, cached = serve(core, [first], 0)
     second = first + answer[0] + torch.randint(0, 101, (5,), generator=gen).tolist()
     tokens, cached_next = serve(core, [second], 1)
