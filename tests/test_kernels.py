@@ -1086,3 +1086,41 @@ def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank, rows,
         sent = torch.zeros(programs, world, dtype=torch.int64, device=DEVICE)
         sent[:launched, rank] = epoch
         assert torch.equal(flags[peer].view(programs, world), sent)
+
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NAME_CHECK = """
+import sys
+sys.path[:0] = sys.argv[1:]
+import lightllm.kernels as ours
+assert ours.rms_norm_ref.__module__ == "lightllm.kernels.rms_norm", ours.rms_norm_ref.__module__
+try:
+    import kernels
+except ModuleNotFoundError as e:
+    print("missing", e.name)
+else:
+    print("found", kernels.__file__)
+if len(sys.argv) == 2:  # no stand-in on the path: transformers >= 5.25 imports PyPI's `kernels` here
+    from transformers.activations import ACT2FN
+"""
+
+
+@pytest.mark.parametrize("other", [True, False])
+def test_the_checkout_root_on_sys_path_leaves_the_name_kernels_to_the_pypi_package(tmp_path, other):
+    """`python -m` from the checkout puts its root on sys.path, where kernels/ looks like a top-level package
+    `kernels`: an import of that name (transformers imports PyPI's `kernels`) gets the package of that name found
+    further on the path, or none, never this folder, which stays `lightllm.kernels`."""
+    import subprocess
+    import sys
+
+    other_kernels = tmp_path / "kernels" / "__init__.py"
+    other_kernels.parent.mkdir()
+    other_kernels.write_text("")
+    run = subprocess.run([sys.executable, "-c", _NAME_CHECK, _ROOT, *([str(tmp_path)] if other else [])],
+                         cwd=_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = run.stdout.splitlines()[0]
+    assert os.path.join(_ROOT, "kernels") not in found
+    if other:
+        assert found == f"found {other_kernels}"
