@@ -41,11 +41,12 @@ else:
     from .rotary_kv import rotary_kv_ref, rotary_kv_triton
     # Gated DeltaNet (the hybrid models): the varlen forms (host bounds, states in and out) are the math the
     # chunks' references (states in a pool, bounds on the device) run
-    from .causal_conv1d import (causal_conv1d_chunks_ref, causal_conv1d_chunks_triton, causal_conv1d_step_ref,
-                                causal_conv1d_step_triton)
+    from .causal_conv1d import (causal_conv1d_chunks_ref, causal_conv1d_chunks_triton, causal_conv1d_runs_ref,
+                                causal_conv1d_runs_triton, causal_conv1d_step_ref, causal_conv1d_step_triton)
     from .causal_conv1d import causal_conv1d_varlen_ref as causal_conv1d_varlen
     from .gated_delta_rule import gated_delta_rule_varlen_ref as gated_delta_rule_varlen
-    from .gated_delta_rule import (gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref, gated_delta_rule_step_ref,
+    from .gated_delta_rule import (gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref,
+                                   gated_delta_rule_runs_ref, gated_delta_rule_runs_triton, gated_delta_rule_step_ref,
                                    gated_delta_rule_step_triton, require_fla)
     from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
@@ -78,6 +79,8 @@ else:
     causal_conv1d_step = _by_device(causal_conv1d_step_ref, causal_conv1d_step_triton)
     gated_delta_rule_step = _by_device(gated_delta_rule_step_ref, gated_delta_rule_step_triton)
     causal_conv1d_chunks = _by_device(causal_conv1d_chunks_ref, causal_conv1d_chunks_triton)
+    causal_conv1d_runs = _by_device(causal_conv1d_runs_ref, causal_conv1d_runs_triton)
+    gated_delta_rule_runs = _by_device(gated_delta_rule_runs_ref, gated_delta_rule_runs_triton)
     # fla's kernels on CUDA
     gated_delta_rule_chunks = _by_device(gated_delta_rule_chunks_ref, gated_delta_rule_chunks_fla)
     lora_shrink = _by_device(lora_shrink_ref, lora_shrink_triton)
@@ -87,6 +90,7 @@ else:
         "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
         "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
         "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
-        "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step", "require_fla",
+        "causal_conv1d_runs", "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step",
+        "gated_delta_rule_runs", "require_fla",
         "lora_shrink", "lora_expand_", "lora_segments",
     ]

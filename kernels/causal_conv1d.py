@@ -10,9 +10,14 @@ continues where the last one stopped.
   updated in place (a program per chunk and 128 channels, looping over the chunk's tokens).
 - `causal_conv1d_step_ref` / `_triton`: one token for each of B requests, their states in a pool
   by row, updated in place.
+- `causal_conv1d_runs_ref` / `_triton`: a run of tokens for each of N requests (a verify step's,
+  bounds on the device), the pool read only or, for the tokens each request kept, updated (the
+  chunks kernel over the runs).
 
 The `_ref` functions are the CPU path and the oracle.
 """
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -119,15 +124,15 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: tor
 
 @fast_launch
 @triton.jit
-def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, cu_ptr, states_ptr, rows_ptr, fresh_ptr, out_ptr, channels,
-                                 x_stride, out_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                 BLOCK_C: tl.constexpr):
-    """One (chunk, block of channels): its tokens in blocks of BLOCK_T, each input before the chunk's
-    start read from its state (zeros when fresh), then its last WIDTH - 1 inputs as the new state.
-    States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
+def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, lo_ptr, hi_ptr, states_ptr, rows_ptr, fresh_ptr, out_ptr,
+                                 channels, x_stride, out_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_C: tl.constexpr, UPDATE: tl.constexpr):
+    """One (chunk, block of channels): its tokens [lo, hi) in blocks of BLOCK_T, each input before the
+    chunk's start read from its state (zeros when fresh), then (UPDATE) its last WIDTH - 1 inputs as
+    the new state. States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
     seq = tl.program_id(0)
-    lo = tl.load(cu_ptr + seq)
-    hi = tl.load(cu_ptr + seq + 1)
+    lo = tl.load(lo_ptr + seq)
+    hi = tl.load(hi_ptr + seq)
     if hi <= lo:  # a padding chunk: no state
         return
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -151,6 +156,8 @@ def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, cu_ptr, states_ptr, rows_ptr
         out = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + t[:, None].to(tl.int64) * out_stride + c[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mask)
+    if not UPDATE:
+        return
     tl.debug_barrier()  # every read of the old state above comes before the new state's stores
     for j in tl.static_range(WIDTH - 1):
         # new state j is input hi - (WIDTH - 1) + j: the chunk's, or (a chunk shorter than the state)
@@ -169,5 +176,42 @@ def causal_conv1d_chunks_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlen
     channels, width = weight.shape
     block_c = min(next_power_of_2(channels), 128)
     _causal_conv1d_chunks_kernel[(rows.shape[0], cdiv(channels, block_c))](
-        x, weight, cu_seqlens, states, rows, fresh.view(torch.uint8), out, channels, x.stride(0), out.stride(0),
-        WIDTH=width, BLOCK_T=64, BLOCK_C=block_c)
+        x, weight, cu_seqlens, cu_seqlens[1:], states, rows, fresh.view(torch.uint8), out, channels, x.stride(0),
+        out.stride(0), WIDTH=width, BLOCK_T=64, BLOCK_C=block_c, UPDATE=True)
+
+
+def causal_conv1d_runs_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, rows: torch.Tensor,
+                           starts: torch.Tensor, lengths: torch.Tensor, update: bool) -> torch.Tensor:
+    """A run of tokens for each of N requests (a verify step's decode tokens, or the ones each kept):
+    x [T, C], request i's run is tokens [starts[i], starts[i] + lengths[i]) after its state
+    states[rows[i]] ([S, C, K-1]). Returns out [T, C] (zeros at tokens in no run); `update`: each run
+    leaves its last K - 1 inputs as its state (a commit), else the pool is only read (a verify: the
+    drafts may yet be rejected). A row of -1 reads and writes nothing."""
+    out = torch.zeros_like(x)
+    runs = [(i, a, n) for i, (r, a, n) in enumerate(zip(rows.tolist(), starts.tolist(), lengths.tolist()))
+            if r >= 0 and n > 0]
+    if not runs:
+        return out
+    tokens = torch.tensor([a + j for _, a, n in runs for j in range(n)], device=x.device)
+    held = rows[torch.tensor([i for i, _, _ in runs], device=x.device)]
+    out[tokens], new = causal_conv1d_varlen_ref(x[tokens], weight, [0, *itertools.accumulate(n for _, _, n in runs)],
+                                                states[held])
+    if update:
+        states[held] = new.to(states.dtype)
+    return out
+
+
+def causal_conv1d_runs_triton(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, rows: torch.Tensor,
+                              starts: torch.Tensor, lengths: torch.Tensor, update: bool) -> torch.Tensor:
+    """The chunks kernel over [starts, starts + lengths), every state read: no host read."""
+    assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1
+    channels, width = weight.shape
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out
+    ends = starts + torch.where(rows >= 0, lengths, 0)  # a row of -1 runs no token
+    block_c = min(next_power_of_2(channels), 128)
+    _causal_conv1d_chunks_kernel[(rows.shape[0], cdiv(channels, block_c))](
+        x, weight, starts, ends, states, rows, torch.zeros_like(rows, dtype=torch.uint8), out, channels, x.stride(0),
+        out.stride(0), WIDTH=width, BLOCK_T=16, BLOCK_C=block_c, UPDATE=update)
+    return out

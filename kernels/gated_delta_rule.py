@@ -17,10 +17,15 @@ output reads it with the scaled, L2-normalised query: o = S^T q. Three forms wit
   initial states from the pool and scatters the final ones back.
 - `gated_delta_rule_step_ref` / `_triton`: one token for each of B requests, their states updated
   in place in a pool by row; the decode path.
+- `gated_delta_rule_runs_ref` / `_triton`: a run of tokens for each of N requests (a verify step's,
+  bounds on the device), token after token as the step form, the pool read only or, for the
+  tokens each request kept, updated (the commit after acceptance).
 
 Key heads fewer than value heads are shared by consecutive value heads (GQA-style). The `_ref`
 functions are the CPU path and the oracle.
 """
+import itertools
+
 import torch
 
 from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
@@ -203,6 +208,89 @@ def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                         dk ** -0.5, DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v)
     return out
 
+
+
+def gated_delta_rule_runs_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                              states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                              update: bool) -> torch.Tensor:
+    """A run of tokens for each of N requests (a verify step's decode tokens, or the ones each kept):
+    q, k [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv]; request i's run is tokens [starts[i],
+    starts[i] + lengths[i]) from states[rows[i]] ([S, Hv, dk, dv] fp32). Returns o [T, Hv, dv] (zeros
+    at tokens in no run); `update`: each run leaves its final state in the pool (a commit), else the
+    pool is only read (a verify: the drafts may yet be rejected). A row of -1 reads and writes nothing."""
+    out = torch.zeros_like(v)
+    runs = [(i, a, n) for i, (r, a, n) in enumerate(zip(rows.tolist(), starts.tolist(), lengths.tolist()))
+            if r >= 0 and n > 0]
+    if not runs:
+        return out
+    tokens = torch.tensor([a + j for _, a, n in runs for j in range(n)], device=v.device)
+    held = rows[torch.tensor([i for i, _, _ in runs], device=v.device)]
+    out[tokens], final = gated_delta_rule_varlen_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens],
+                                                     [0, *itertools.accumulate(n for _, _, n in runs)], states[held])
+    if update:
+        states[held] = final
+    return out
+
+
+@fast_launch
+@triton.jit
+def _gated_delta_rule_runs_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, rows_ptr, starts_ptr, lengths_ptr,
+                                  o_ptr, q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride,
+                                  g_stride, beta_stride, o_stride, o_head_stride, num_heads, group, scale,
+                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                  UPDATE: tl.constexpr):
+    """One (request, value head, block of value dims): the step kernel's update token after token
+    over the request's run, its state's columns [DK, BLOCK_V] in registers throughout, stored back
+    at the end when UPDATE. States [S, H, DK, DV] contiguous."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = dk < DK, dv < DV
+    key_head = head // group
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    if row < 0:  # padding: no state, and the output's zeros stay
+        return
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    length = tl.load(lengths_ptr + b).to(tl.int64)
+    s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
+    mask = k_mask[:, None] & v_mask[None, :]
+    s = tl.load(s_ptrs, mask=mask, other=0.0)
+    for j in range(0, length):
+        t = start + j
+        q = tl.load(q_ptr + t * q_stride + key_head * q_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * k_stride + key_head * k_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        v = tl.load(v_ptr + t * v_stride + head * v_head_stride + dv, mask=v_mask, other=0.0).to(tl.float32)
+        s = s * tl.exp(tl.load(g_ptr + t * g_stride + head).to(tl.float32))
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * tl.load(beta_ptr + t * beta_stride + head).to(tl.float32)
+        s = s + k[:, None] * delta[None, :]
+        out = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * o_stride + head * o_head_stride + dv, out.to(o_ptr.dtype.element_ty), mask=v_mask)
+    if UPDATE:
+        tl.store(s_ptrs, s, mask=mask)
+
+
+def gated_delta_rule_runs_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                                 lengths: torch.Tensor, update: bool) -> torch.Tensor:
+    """A program per (request, value head, 32 value dims), looping over the run: no host read."""
+    assert states.is_contiguous() and states.dtype == torch.float32
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
+    num_heads, dv = v.shape[1:]
+    dk = q.shape[-1]
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if rows.shape[0] == 0:
+        return out
+    block_v = min(next_power_of_2(dv), 32)  # as the step kernel's: the state tile stays in registers
+    grid = (rows.shape[0], num_heads, cdiv(dv, block_v))
+    _gated_delta_rule_runs_kernel[grid](q, k, v, g, beta, states, rows, starts, lengths, out, q.stride(0), q.stride(1),
+                                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+                                        beta.stride(0), out.stride(0), out.stride(1), num_heads,
+                                        num_heads // q.shape[1], dk ** -0.5, DK=dk, DV=dv,
+                                        BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v, UPDATE=update)
+    return out
 
 # ---- the chunked form on CUDA: flash-linear-attention's chunk_gated_delta_rule over the step's tokens ----
 

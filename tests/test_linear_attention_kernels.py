@@ -242,3 +242,96 @@ def test_causal_conv1d_chunks_triton_equals_reference(lengths, decodes, dtype):
     torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[dtype])
     assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
     assert torch.equal(pools[1][-1], pool[-1]) and torch.equal(pools[0][-1], pool[-1])  # padding chunks: no state
+
+
+
+# ---- a verify step's runs (and the commit of the tokens each request kept) ----
+
+# (pool row, first token, length) a request: runs with gaps between them (a commit keeps a prefix of
+# each request's tokens), one of no tokens, and a padding row (-1)
+RUNS = [(3, 0, 3), (-1, 3, 2), (0, 5, 1), (5, 8, 0), (1, 9, 4)]
+RUN_TOKENS = 14
+
+
+def runs_tensors(device=DEVICE):
+    return tuple(torch.tensor([run[i] for run in RUNS], device=device) for i in range(3))
+
+
+def delta_stepped(q, k, v, g, beta, pool):
+    """The oracle: the decode step's reference token after token over each run, on `pool` in place."""
+    out = torch.zeros_like(v)
+    for row, first, length in RUNS:
+        for t in range(first, first + length):
+            if row >= 0:
+                out[t: t + 1] = gated_delta_rule_step(q[t: t + 1], k[t: t + 1], v[t: t + 1], g[t: t + 1],
+                                                      beta[t: t + 1], pool, torch.tensor([row]))
+    return out
+
+
+def conv_stepped(x, weight, pool):
+    out = torch.zeros_like(x)
+    for row, first, length in RUNS:
+        for t in range(first, first + length):
+            if row >= 0:
+                out[t: t + 1] = causal_conv1d_step(x[t: t + 1], weight, pool, torch.tensor([row]))
+    return out
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_runs_references_equal_the_decode_step_token_after_token(update):
+    """A verify reads each request's state through its run and leaves the pool as it was; a commit
+    leaves the state after the run's last token, as that many decode steps would."""
+    from lightllm.kernels.causal_conv1d import causal_conv1d_runs_ref
+    from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_ref
+
+    gen = torch.Generator().manual_seed(int(update))
+    rows, starts, lengths = runs_tensors("cpu")
+    q, k, v, g, beta = delta_inputs(gen, RUN_TOKENS, 2, 4, 16, 8)
+    pool = torch.randn(6, 4, 16, 8, generator=gen) * 0.3
+    stepped_pool, states = pool.clone(), pool.clone()
+    expected = delta_stepped(q, k, v, g, beta, stepped_pool)
+    torch.testing.assert_close(gated_delta_rule_runs_ref(q, k, v, g, beta, states, rows, starts, lengths, update),
+                               expected, **TOL)
+    torch.testing.assert_close(states, stepped_pool if update else pool, **TOL)
+    x, weight = torch.randn(RUN_TOKENS, 12, generator=gen), torch.randn(12, 4, generator=gen)
+    conv_pool = torch.randn(6, 12, 3, generator=gen)
+    stepped_pool, states = conv_pool.clone(), conv_pool.clone()
+    expected = conv_stepped(x, weight, stepped_pool)
+    torch.testing.assert_close(causal_conv1d_runs_ref(x, weight, states, rows, starts, lengths, update), expected,
+                               **TOL)
+    torch.testing.assert_close(states, stepped_pool if update else conv_pool, **TOL)
+
+
+@pytest.mark.parametrize("update", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runs_triton_equal_reference(dtype, update):
+    from lightllm.kernels.causal_conv1d import causal_conv1d_runs_ref, causal_conv1d_runs_triton
+    from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_ref, gated_delta_rule_runs_triton
+
+    gen = torch.Generator().manual_seed(7 + int(update))
+    runs = runs_tensors()
+    q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, RUN_TOKENS, 1, 2, 32, 48))  # dv 48: two blocks
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    pool = torch.randn(6, 2, 32, 48, generator=gen).to(DEVICE) * 0.3
+    outs, pools = [], []
+    for impl in (gated_delta_rule_runs_ref, gated_delta_rule_runs_triton):
+        pools.append(pool.clone())
+        outs.append(impl(q, k, v, g, beta, pools[-1], *runs, update))
+    torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[dtype])
+    torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[torch.float32])
+    assert (outs[1][[3, 4, 6, 7, 8, 13]] == 0).all()  # tokens of padding and of no run
+    if not update:
+        assert torch.equal(pools[1], pool)
+    channels = 300  # two channel blocks
+    x = torch.randn(RUN_TOKENS, channels, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(channels, 4, generator=gen).to(DEVICE, dtype)
+    conv_pool = torch.randn(6, channels, 3, generator=gen).to(DEVICE, dtype)
+    outs, pools = [], []
+    for impl in (causal_conv1d_runs_ref, causal_conv1d_runs_triton):
+        pools.append(conv_pool.clone())
+        outs.append(impl(x, weight, pools[-1], *runs, update))
+    torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[dtype])
+    assert torch.equal(pools[1], pools[0])  # a shift: the same values moved
+    assert (outs[1][[3, 4, 6, 7, 8, 13]] == 0).all()
+    if not update:
+        assert torch.equal(pools[1], conv_pool)

@@ -339,15 +339,13 @@ class ModelRunner:
     def _commit_verified(self, runs: list[tuple[RunningReq, int]], last_kept: dict[int, int]) -> None:
         """The linear layers' states of a verify step's decoding requests advance over the tokens each
         kept: from its first decode token to `last_kept[row]` (its last accepted one), or its one token."""
-        rows, index, bounds, first = [], [], [0], 0
+        rows, starts, lengths, first = [], [], [], 0
         for r, n in runs:
-            end = last_kept.get(r.row, first) + 1
             rows.append(r.row)
-            index += range(first, end)
-            bounds.append(len(index))
+            starts.append(first)
+            lengths.append(last_kept.get(r.row, first) + 1 - first)
             first += n
-        up = torch.tensor(rows + index).to(self.device, non_blocking=True)
-        self.model.commit_verified(up[: len(rows)], up[len(rows):], bounds)
+        self.model.commit_verified(*torch.tensor([rows, starts, lengths]).to(self.device, non_blocking=True))
 
     def _submit(self, plan: StepPlan) -> Future:
         """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""

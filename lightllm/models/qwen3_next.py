@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from lightllm.common.state_pool import StatePool, VerifyStash
 from lightllm.common.token_table import TokenTable
-from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_step, causal_conv1d_varlen, gated_delta_rule_chunks,
-                              gated_delta_rule_step, gated_delta_rule_varlen, require_fla, rotary_kv_)
+from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_runs, causal_conv1d_step, gated_delta_rule_chunks,
+                              gated_delta_rule_runs, gated_delta_rule_step, require_fla, rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -120,10 +120,11 @@ class Sequences:
     chunk_rows: torch.Tensor | None = None
     chunk_starts: torch.Tensor | None = None  # [C] bool: the chunk starts its request
     chunk_bounds: torch.Tensor | None = None  # [C+1] int32
-    # a step that verifies drafts: each decoding request's run of tokens (bounds among the decode
-    # tokens, on the host) and its row; None: one token a request, its state updated in place
-    verify_bounds: list[int] | None = None
+    # a step that verifies drafts: each decoding request's row and run of tokens (its first among the
+    # decode tokens and its length, on the device); None: one token a request, its state updated in place
     verify_rows: torch.Tensor | None = None
+    verify_starts: torch.Tensor | None = None
+    verify_lengths: torch.Tensor | None = None
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> Sequences:
@@ -131,8 +132,10 @@ class Sequences:
         rows = None if not n else torch.where(batch.decode_seq_lens > 1, batch.decode_rows, -1).long()
         seqs = cls(n, rows)
         if batch.decode_runs is not None:
-            seqs.verify_bounds = [0, *itertools.accumulate(batch.decode_runs)]
-            seqs.verify_rows = rows[torch.tensor(seqs.verify_bounds[:-1]).to(rows.device, non_blocking=True)]
+            starts = [0, *itertools.accumulate(batch.decode_runs)][:-1]
+            runs = torch.tensor(starts + list(batch.decode_runs)).to(rows.device, non_blocking=True)
+            seqs.verify_starts, seqs.verify_lengths = runs.view(2, -1)
+            seqs.verify_rows = rows[seqs.verify_starts]
         if not batch.has_chunks:
             return seqs
         cu = batch.ext_cu_q
@@ -185,7 +188,7 @@ class GatedDeltaNet:
         mixed, z, b, a = self.in_proj(h).split([self.conv_channels, vd, vh, vh], dim=-1)
         tokens = mixed.shape[0]
         g, beta = self.neg_a * F.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
-        if seqs.verify_bounds is not None:  # the recurrence's inputs, for the commit of the accepted tokens
+        if seqs.verify_rows is not None:  # the recurrence's inputs, for the commit of the accepted tokens
             n = seqs.num_decodes
             for kept, now in zip(stash, (mixed, g, beta)):
                 kept[:n] = now[:n]
@@ -199,21 +202,21 @@ class GatedDeltaNet:
         q, k, v = conv.split([kd, kd, self.v_heads * self.dv], dim=-1)
         return q.view(tokens, -1, self.dk), k.view(tokens, -1, self.dk), v.view(tokens, self.v_heads, self.dv)
 
-    def commit(self, stash: tuple[torch.Tensor, ...], index: torch.Tensor, bounds: list[int], rows: torch.Tensor,
+    def commit(self, stash: tuple[torch.Tensor, ...], rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                conv_states: torch.Tensor, states: torch.Tensor) -> None:
-        """Advance the states of `rows` over their accepted tokens, stash rows `index` (request i's
-        are index[bounds[i]:bounds[i + 1]]), from the states the verify pass read."""
-        mixed, g, beta = (kept[index] for kept in stash)
-        conv, conv_states[rows] = causal_conv1d_varlen(mixed, self.conv_weight, bounds, conv_states[rows])
+        """Advance the states of `rows` over the tokens each kept, stash rows [starts[i], starts[i] +
+        lengths[i]), from the states the verify pass read."""
+        mixed, g, beta = stash
+        conv = causal_conv1d_runs(mixed, self.conv_weight, conv_states, rows, starts, lengths, update=True)
         _, k, v = self._heads(conv)
-        _, states[rows] = gated_delta_rule_varlen(k, k, v, g, beta, bounds, states[rows])  # outputs unused
+        gated_delta_rule_runs(k, k, v, g, beta, states, rows, starts, lengths, update=True)  # outputs unused
 
     def _conv(self, mixed: torch.Tensor, seqs: Sequences, conv_states: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(mixed)
         n = seqs.num_decodes
-        if seqs.verify_bounds is not None:  # read, not moved: the commit moves it past the accepted tokens
-            out[:n], _ = causal_conv1d_varlen(mixed[:n], self.conv_weight, seqs.verify_bounds,
-                                              conv_states[seqs.verify_rows])
+        if seqs.verify_rows is not None:  # read, not moved: the commit moves it past the accepted tokens
+            out[:n] = causal_conv1d_runs(mixed[:n], self.conv_weight, conv_states, seqs.verify_rows,
+                                         seqs.verify_starts, seqs.verify_lengths, update=False)
         elif n:
             out[:n] = causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows)
         if seqs.chunk_rows is not None:  # after the decodes, whose rows a padded step's chunks may overlap
@@ -224,9 +227,9 @@ class GatedDeltaNet:
     def _delta_rule(self, q, k, v, g, beta, seqs: Sequences, states: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(v)
         n = seqs.num_decodes
-        if seqs.verify_bounds is not None:
-            out[:n], _ = gated_delta_rule_varlen(q[:n], k[:n], v[:n], g[:n], beta[:n], seqs.verify_bounds,
-                                                 states[seqs.verify_rows])
+        if seqs.verify_rows is not None:
+            out[:n] = gated_delta_rule_runs(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.verify_rows,
+                                            seqs.verify_starts, seqs.verify_lengths, update=False)
         elif n:
             out[:n] = gated_delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.decode_rows)
         if seqs.chunk_rows is not None:
@@ -390,12 +393,12 @@ class HybridModel:
                                         device) if verify_tokens else None
         return self.state_pool
 
-    def commit_verified(self, rows: torch.Tensor, index: torch.Tensor, bounds: list[int]) -> None:
+    def commit_verified(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
         """After a verify step: each verifying request's (`rows`) linear-layer states advance over the
-        tokens it keeps, the stash's rows `index` (request i's: index[bounds[i]:bounds[i + 1]])."""
+        tokens it keeps, the stash's rows [starts[i], starts[i] + lengths[i]) (all on the device)."""
         pool, stash = self.state_pool, self.verify_stash
         for i, delta in enumerate(self._deltas):
-            delta.commit((stash.mixed[i], stash.g[i], stash.beta[i]), index, bounds, rows, pool.conv[i],
+            delta.commit((stash.mixed[i], stash.g[i], stash.beta[i]), rows, starts, lengths, pool.conv[i],
                          pool.recurrent[i])
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
@@ -415,7 +418,7 @@ class HybridModel:
     def _layers(self, batch: ForwardBatch, kv: TokenTable) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.embed(batch.input_ids), None
         rope, seqs = self.rotary(batch.positions), Sequences.of(batch)
-        stash = self.verify_stash if seqs.verify_bounds is not None else None
+        stash = self.verify_stash if seqs.verify_rows is not None else None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, rope, kv, self.state_pool, seqs, stash)
         return x, residual
