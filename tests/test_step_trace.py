@@ -2,6 +2,7 @@
 and the summary script's accounting of busy and idle time."""
 
 import gc
+import inspect
 import json
 import time
 
@@ -201,3 +202,33 @@ def test_floor_table_prices_each_step_by_its_weights_kv_and_flops(tiny_model):
     assert step_trace.step_floor(prefill, model)[0] > step_trace.step_floor(decode, model)[0]
     text = step_trace.floor_table([decode, prefill], model)
     assert "| decode only, <= 8 decodes | 1 |" in text and "| with chunks | 1 |" in text and "| all | 2 |" in text
+
+
+def test_a_step_names_the_lines_at_which_its_launch_waited_for_the_device(tmp_path, monkeypatch):
+    """Torch's sync debug mode (on CUDA, during each launch) warns at every host wait on the device:
+    the step records the lines, once each time, the summary counts them by line; a warning between
+    launches, or of another kind, is left to Python's own handling."""
+    import warnings
+
+    import torch
+
+    from lightllm.engine.step_trace import SYNC_MESSAGE, StepTrace
+
+    others = []  # what Python's own handling got
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *_: others.append(str(message)))
+    trace = StepTrace(str(tmp_path / "trace.jsonl"), torch.device("cpu"))
+    line = inspect.currentframe().f_lineno
+    waited = lambda: warnings.warn(SYNC_MESSAGE)  # noqa: E731 (the line every wait below is at)
+    record = trace.begin()
+    waited(), waited()
+    trace.end(record, 3, decodes=0, chunk_tokens=6, chunks=1, graph=True, decode_context=0, chunk_context=6)
+    waited()  # no launch under way
+    record = trace.begin()
+    warnings.warn("something else")
+    trace.end(record, 4, decodes=8, chunk_tokens=0, chunks=0, graph=True, decode_context=80, chunk_context=0)
+    trace.close()
+    assert others == [SYNC_MESSAGE, "something else"]
+    first, second = [json.loads(text) for text in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert first["syncs"] == [f"tests/test_step_trace.py:{line + 1}"] * 2 and "syncs" not in second
+    text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
+    assert f"launches waited for the device: tests/test_step_trace.py:{line + 1} 2 times in 1 steps" in text

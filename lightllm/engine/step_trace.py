@@ -23,8 +23,11 @@ carry the caching allocator's counts so far: `device_allocs`, the blocks it had 
 driver (cudaMalloc), and `alloc_retries`, the allocations it could only serve after freeing its
 cached blocks (cudaFree, which waits for the device). A step whose plan carried ops (releases, the
 prefix cache's inserts, evictions, and its tiers' offloads and loads) has `ops` and `ops_ms`, the
-host time they took before its launch began. `sync` marks a step whose result the engine waited
-for before planning the next (a step with drafts, or run without overlap); `collected` counts the
+host time they took before its launch began. `syncs` names the lines (`folder/file.py:line`, once
+each time) at which the launch waited for the device (a blocking copy, a read of a device value),
+as torch's sync debug mode reports them on CUDA during the launch; absent where there were none.
+`sync` marks a step whose result the engine waited for before planning the next (a step with
+drafts, or run without overlap); `collected` counts the
 times the engine collected the step in flight just before this one (speculative decoding does
 before a step it expects to have drafts).
 
@@ -43,13 +46,17 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
+import warnings
 
 import torch
 
 from lightllm.kernels._triton import COMPILES, NEW_SPECIALISATIONS, count_compiles
 
 FLUSH_EVERY = 64  # steps between writes: the events of a step in flight are not ready yet
+# torch's warning for each host wait on the device while torch.cuda.set_sync_debug_mode("warn") is on
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 
 class StepTrace:
@@ -69,6 +76,16 @@ class StepTrace:
         self.collections = 0  # steps in flight the engine collected (an empty sync plan) since the last launch
         gc.callbacks.append(self._on_gc)
         count_compiles()
+        # the lines at which a launch waited for the device (None: no launch under way)
+        self._syncs: list[str] | None = None
+        warnings.filterwarnings("always", message=SYNC_MESSAGE)  # each time, not once a line
+        self._showwarning, warnings.showwarning = warnings.showwarning, self._on_warning
+
+    def _on_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if self._syncs is not None and SYNC_MESSAGE in str(message):
+            self._syncs.append(f"{os.path.basename(os.path.dirname(filename))}/{os.path.basename(filename)}:{lineno}")
+            return
+        self._showwarning(message, category, filename, lineno, file, line)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -86,6 +103,9 @@ class StepTrace:
 
     def begin(self) -> dict:
         """Call before the step's first device work; returns the record `end` completes."""
+        self._syncs = []
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
         return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
                 "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
                 "compiles_start": COMPILES["count"],
@@ -95,6 +115,11 @@ class StepTrace:
             decode_context: int, chunk_context: int, drafts: int = 0, sync: bool = False, ops: int = 0,
             ops_ms: float = 0.0) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        if self._syncs:
+            record["syncs"] = self._syncs
+        self._syncs = None
         if drafts:
             record["drafts"] = drafts
         if sync:
@@ -157,5 +182,7 @@ class StepTrace:
             return
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        if warnings.showwarning == self._on_warning:
+            warnings.showwarning = self._showwarning
         self.flush(wait=True)
         self.file.close()

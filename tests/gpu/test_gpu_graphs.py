@@ -8,6 +8,8 @@ the same GPU and weights (a tiny random Llama, GQA and llama3 rope, fp32).
 Decode speed with and without graphs: test/benchmark/engine/profile_step.py (--no-cuda-graph).
 """
 
+import json
+
 import pytest
 import torch
 from helpers.models import GPU_SIZES, LLAMA3_ROPE, hf_greedy, make_gpu_model, make_runner, random_prompts
@@ -63,3 +65,25 @@ def test_graph_decode_equals_eager_and_transformers_as_the_batch_changes_size(tm
                  zip(hf_greedy(hf_model.to("cuda"), prompts, longest).values(), SCHEDULE)]
     assert graph_tokens == eager_tokens
     assert graph_tokens == reference
+
+
+def test_a_launch_never_waits_for_the_device(tmp_path):
+    """A step's launch must not wait for the device (it would stall behind the step in flight): under
+    the step trace's watch (torch's sync debug mode), prefill, mixed and decode steps, from graphs and
+    eager, record no host wait."""
+    make_gpu_model("llama_gqa_llama3_rope", tmp_path, rope_parameters={**LLAMA3_ROPE,
+                                                                         "original_max_position_embeddings": 64})
+    trace = tmp_path / "trace.jsonl"
+    runner = make_runner(tmp_path, tokens=8192, device="cuda", max_req_total_len=512, running_max_req_size=16,
+                         step_trace=str(trace))
+    params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
+    prompts = random_prompts(2, [40, 300, 9, 130], vocab=GPU_SIZES["vocab_size"])
+    run_step(runner, prompts=[(0, prompts[0], params)])
+    for i in range(1, len(prompts)):
+        run_step(runner, list(range(i)), prompts=[(i, prompts[i], params)])
+        run_step(runner, list(range(i + 1)))
+    runner._trace.flush(wait=True)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(steps) == 2 * len(prompts) - 1
+    assert any(s["graph"] and s["chunks"] for s in steps) and any(s["graph"] and not s["chunks"] for s in steps)
+    assert {s["step"]: s["syncs"] for s in steps if "syncs" in s} == {}

@@ -61,6 +61,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     groups: dict[str, dict] = {}
     found = []  # (step, ms, kernel names) of the steps with new Triton specialisations
     libraries = []  # (step, launch ms, compilations, kernel names) of the steps that compiled any Triton kernel
+    waits: dict[str, dict] = {}  # a line where launches waited for the device: its waits, steps, step kinds
     idle = long_idle = 0.0
     previous_end = None
     for step in steps:
@@ -83,6 +84,11 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
                 found.append((step["step"], step["new_kernel_ms"], step.get("new_kernel_names", [])))
         if step.get("compiles"):  # every library's compilations, since 2026-12-03
             libraries.append((step["step"], step["launch_ms"], step["compiles"], step.get("compiled", [])))
+        for site in step.get("syncs", []):  # since 2026-12-03
+            w = waits.setdefault(site, {"waits": 0, "steps": set(), "kinds": set()})
+            w["waits"] += 1
+            w["steps"].add(step["step"])
+            w["kinds"].add(kind(step))
         g["decodes"].append(step["decodes"])
         if gap > long_gap_ms:
             long_idle += gap
@@ -93,7 +99,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     wall = steps[-1]["end_ms"] - steps[0]["start_ms"] if steps else 0.0
     busy = sum(sum(g["device_ms"]) for g in groups.values())
     return {"steps": len(steps), "wall_ms": wall, "busy_ms": busy, "idle_ms": idle, "long_idle_ms": long_idle,
-            "groups": groups, "compiles": found, "all_compiles": libraries}
+            "groups": groups, "compiles": found, "all_compiles": libraries, "waits": waits}
 
 
 def table(summary: dict) -> str:
@@ -117,7 +123,8 @@ def table(summary: dict) -> str:
                      f"{mean(g['launch_ms'])} / {max(g['launch_ms']):.1f} | {mean(g['cpu_ms'])} | {gc_ms} | {new} | "
                      f"{mean(g['waited_ms'])} | {g['idle_before_ms'] / 1000:.2f} | "
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
-    return "\n".join(lines + compiles(summary["compiles"]) + all_compiles(summary["all_compiles"]))
+    return "\n".join(lines + compiles(summary["compiles"]) + all_compiles(summary["all_compiles"])
+                     + host_waits(summary.get("waits", {})))
 
 
 def compiles(found: list[tuple[int, float, list[str]]]) -> list[str]:
@@ -134,6 +141,15 @@ def all_compiles(found: list[tuple[int, float, int, list[str]]]) -> list[str]:
         return []
     return ["", "Steps during whose launch Triton compiled kernels (any library's): "
             + "; ".join(f"step {step} ({ms:.0f} ms launch) {n}: {', '.join(names)}" for step, ms, n, names in found)]
+
+
+def host_waits(waits: dict[str, dict]) -> list[str]:
+    """Lines naming where launches waited for the device (torch's sync debug mode, CUDA traces)."""
+    if not waits:
+        return []
+    return ["", "Lines at which launches waited for the device: "
+            + "; ".join(f"{site} {w['waits']} times in {len(w['steps'])} steps ({', '.join(sorted(w['kinds']))})"
+                        for site, w in sorted(waits.items(), key=lambda kv: -kv[1]["waits"]))]
 
 
 def step_floor(step: dict, model: dict) -> tuple[float, float]:
