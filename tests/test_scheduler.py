@@ -256,3 +256,40 @@ def test_requests_arriving_together_compute_a_shared_prefix_once():
     outs = core.drain()
     assert len(outs) == 12
     assert scheduler.prefix_hit_tokens == 3 * len(system)  # the first computes it; three take it
+
+
+def test_a_shared_prefix_is_cut_where_it_ends_and_its_followers_start_the_next_step():
+    """Requests admitted together, four system prompts of 40 tokens with four 6-token questions each,
+    the prompts' leaders arriving first and a step budget of 64: each leader's chunks end where its
+    prompt parts from its followers' (one cut, though two questions start with the leader's first
+    tokens, as tokens merging across a prompt's end do), so that they take all 40 tokens from the
+    cache, and they start the step after the leader's chunk reaching the cut, before any prompt not
+    yet cached starts (the budget does not take them all)."""
+    runner = FakeRunner(10_000, 0.0, random.Random(0))
+    plans = []
+    step = runner.step
+    runner.step = lambda plan: plans.append(plan) or step(plan)
+    scheduler = Scheduler(10_000, 64, 16)
+    core = EngineCore(scheduler, runner, eos_token_ids=[EOS])
+    systems = [list(range(1000 * g, 1000 * g + 40)) for g in range(4)]
+    # request 4f + g: group g's; leaders 0-3; follower f's question starts with f - 1 of its leader's tokens
+    prompts = {4 * f + g: systems[g] + [10 * g + 5] * max(0, f - 1) + [10 * g + f + 5] * (6 - max(0, f - 1))
+               for f in range(4) for g in range(4)}
+    for i in sorted(prompts):
+        core.add(GenerateReq(i, prompts[i], SamplingParams(max_new_tokens=3)))
+    assert len(core.drain()) == 3 * len(prompts)
+    first = {}  # req id -> step of its first chunk
+    reaches_cut = {}  # leader -> step of its chunk that ends at 40
+    for n, plan in enumerate(plans):
+        for chunk in plan.chunks:
+            end = chunk.start + len(chunk.token_ids)
+            assert not chunk.start < 40 < end, (n, chunk.req_id, chunk.start, end)  # never across a cut
+            first.setdefault(chunk.req_id, n)
+            if end == 40:
+                reaches_cut[chunk.req_id] = n
+            if chunk.req_id >= 4 and chunk.first:
+                assert chunk.start == 40  # a follower computes none of its prompt's 40 tokens
+    assert scheduler.prefix_hit_tokens == 12 * 40
+    assert sorted(reaches_cut) == [0, 1, 2, 3]
+    for g in range(4):
+        assert {first[4 * f + g] for f in range(1, 4)} == {reaches_cut[g] + 1}, (g, first, reaches_cut)

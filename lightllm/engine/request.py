@@ -141,7 +141,7 @@ class Req:
         # KV are the cache's slots, the rest its own. None without the cache (or nothing cached).
         self.node = None
         self.grows_cache = True  # each chunk goes into the cache; off once one duplicated cached tokens
-        self.snapshot_cuts: list[int] = []  # a hybrid model's prompt: where a shared prefix ends (a chunk ends there)
+        self.cuts: list[int] = []  # where a prefix it shares with others ends in its prompt (a chunk ends there)
         self.output_ids: list[int] = []  # tokens received back
         # Speculative decoding: the controller's state of it (spec.controller.RequestSpec), where
         # its last verified run started in output_ids and how many drafts it accepted, and the

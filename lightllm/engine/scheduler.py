@@ -329,7 +329,7 @@ class Scheduler:
         budget = self.step_budget(prefilling)
         first_chunks = []
         computing = set()  # what the chunks planned so far start with: (position, SHARE_PROBE tokens)
-        for req in self.running:
+        for req in self._chunk_order(budget, prefilling):
             if budget == 0:
                 break
             if req.status is ReqStatus.PREFILLING:
@@ -339,7 +339,7 @@ class Scheduler:
                 if not req.started:
                     if probe is not None and (probe in computing or self._led(probe)):
                         continue  # a chunk of this step computes its next tokens: take them cached next step
-                    if self.snapshot_interval and probe is not None:
+                    if probe is not None:
                         self._plan_cuts(req, probe)
                     self._start(req)
                     first_chunks.append(req)
@@ -425,6 +425,23 @@ class Scheduler:
             return self.burst_chunk_budget
         return self.chunk_budget
 
+    def _chunk_order(self, budget: int, prefilling: int) -> list[Req]:
+        """The order in which the step's budget goes to the admitted requests' prompts: admission
+        order, except that when it cannot take them all, the requests about to start with at least
+        half of their prompt cached (a shared prefix's followers once their leader has cached it,
+        a chat's next turn) go before those about to start from (mostly) nothing: a few tokens each
+        bring their first tokens a step or more sooner. A request passed over this way has its
+        turn back once it has waited AGING_STEPS steps."""
+        if self.cache is None or budget >= prefilling:
+            return self.running
+        if self._leaders:  # followers take their leader's prefix now, not in the loop: it decides their turn
+            for req in self.running:
+                if req.status is ReqStatus.PREFILLING and not req.started:
+                    self._take_cached(req)
+        aged = self._next_step - AGING_STEPS
+        return sorted(self.running, key=lambda r: r.status is ReqStatus.PREFILLING and not r.started
+                      and 2 * r.prefilled < r.prompt_len and r.arrival_step > aged)
+
     def _take_cached(self, req: Req) -> None:
         """Before its first chunk: take whatever more of its prompt is cached by now (requests
         admitted with it may have computed it)."""
@@ -444,33 +461,41 @@ class Scheduler:
         return self.cache.resumable(self.cache.match(tokens, above), above)
 
     def _chunk_room(self, req: Req) -> int:
-        """Most tokens its next chunk may take: the rest of its prompt, up to the next snapshot
-        boundary for a model with recurrent state (a multiple of the interval, or one of its cuts)."""
-        if not self.snapshot_interval or self.cache is None or not req.uses_cache:
+        """Most tokens its next chunk may take: the rest of its prompt, up to its next cut, and for
+        a model with recurrent state up to the next multiple of the snapshot interval."""
+        if self.cache is None or not req.uses_cache:
             return req.prompt_left
-        boundary = (req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval
-        boundary = min([boundary, *(c for c in req.snapshot_cuts if c > req.prefilled)])
-        return min(req.prompt_left, boundary - req.prefilled)
+        ends = [c for c in req.cuts if c > req.prefilled]
+        if self.snapshot_interval:
+            ends.append((req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval)
+        return min([req.prompt_left, *(end - req.prefilled for end in ends)])
 
     def _plan_cuts(self, req: Req, probe: tuple) -> None:
-        """Before a hybrid request's first chunk: the points where a shared prefix ends, where its
-        chunks also end so that they leave snapshots there (`_grow_cache`), each at least
-        snapshot_interval / 8 past the last boundary. Where its cached KV runs past the snapshot
-        it resumes from (a prefix that ended inside an interval, cached whole by an earlier
-        request: the request computes it again and leaves the snapshot the next one resumes
-        from); and where its prompt parts from those of the requests admitted with it that wait
-        to start from the same tokens (SHARE_PROBE: they take the prefix from the cache next)."""
-        gap = max(1, self.snapshot_interval // 8)
+        """Before a request's first chunk: the points where its prompt parts from those of the
+        requests admitted with it that wait to start from the same tokens (SHARE_PROBE), where its
+        chunks end, so that the prefix they share joins the cache whole and they start from all of
+        it, the next step (it leads them: `_led`); not one token of it is computed twice (ends closer
+        than SHARE_PROBE, as prompts whose tokens merge across the prefix's end have, make one). A hybrid
+        model's chunks leave snapshots at the cuts (`_grow_cache`), each at least snapshot_interval
+        / 8 past the last boundary, and cut also where its cached KV runs past the snapshot it
+        resumes from (a prefix that ended inside an interval, cached whole by an earlier request:
+        the request computes it again and leaves the snapshot the next one resumes from)."""
         above = req.node or self.cache.root
         tail = req.cache_ids[req.prefilled: req.prompt_len - 1]
-        ends = [req.prefilled + self.cache.match(tail, above).length]
+        ends = [req.prefilled + self.cache.match(tail, above).length] if self.snapshot_interval else []
+        shared = False
         for other in self.running:
             if other is not req and not other.started and other.status is ReqStatus.PREFILLING \
                     and self._probe(other) == probe:
                 ends.append(req.prefilled + common_prefix(tail, other.cache_ids[req.prefilled: other.prompt_len - 1]))
-        req.snapshot_cuts = sorted({end for end in ends
-                                    if end - req.prefilled >= gap and end % self.snapshot_interval >= gap})
-        if len(ends) > 1 and req.snapshot_cuts:
+                shared = True
+        gap = max(1, self.snapshot_interval // 8) if self.snapshot_interval else SHARE_PROBE
+        req.cuts = []
+        for end in sorted(set(ends)):  # of ends closer than `gap`, the first (its followers compute the rest)
+            if end - req.prefilled >= gap and (not self.snapshot_interval or end % self.snapshot_interval >= gap) \
+                    and (not req.cuts or end - req.cuts[-1] >= gap):
+                req.cuts.append(end)
+        if shared and req.cuts:
             self._leaders[probe] = req
 
     def _led(self, probe: tuple) -> bool:
@@ -478,7 +503,7 @@ class Scheduler:
         in the cache yet (the one that reaches it joins at the next plan)."""
         leader = self._leaders.get(probe)
         if leader is not None and leader.status is ReqStatus.PREFILLING and (
-                leader.prefilled < leader.snapshot_cuts[-1] or leader in self._growing):
+                leader.prefilled < leader.cuts[-1] or leader in self._growing):
             return True
         self._leaders.pop(probe, None)
         return False
@@ -555,7 +580,7 @@ class Scheduler:
                                         req.req_id)
 
     def _snapshot_point(self, req: Req) -> bool:
-        return req.prefilled % self.snapshot_interval == 0 or req.prefilled in req.snapshot_cuts
+        return req.prefilled % self.snapshot_interval == 0 or req.prefilled in req.cuts
 
     def _make_room(self, extra: int = 0) -> None:
         """Evict unreferenced cached tokens until what the plan allocates fits (and `extra` more:

@@ -1,6 +1,8 @@
 """Simulated-GPU serving benchmark: the real router loop on the CPU against an H100 cost model.
 
     python test/benchmark/simulator/sim_serving.py --num-prompts 1000 [--request-rate R] [--result-json F]
+    python test/benchmark/simulator/sim_serving.py --prefix-groups 8 --prefix-group-size 8 --prefix-len 2000 \
+        --question-len 128 --output-len 64 --server-args "--max_req_input_len 4096 [--disable_prefix_cache]"
 
 The router loop and its scheduler run in this process, unchanged, over inproc ZeroMQ sockets; the
 model workers are a stand-in (`sim_device.SimDevice`) whose steps take, in wall time, what
@@ -42,7 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import b
 
 from benchmark.serving.benchmark_serving import json_safe  # noqa: E402
 from benchmark.lib.serving_metrics import RequestResult, fail_if_short, format_summary, line, summarize  # noqa: E402
-from benchmark.lib.sharegpt import SampledRequest, load_sharegpt_requests, read_requests  # noqa: E402
+from benchmark.lib.prefix_workloads import (SharedPrefixSpec, TokenStream, message_texts,  # noqa: E402
+                                            shared_prefix_requests)
+from benchmark.lib.sharegpt import (SampledRequest, find_dataset, load_records, load_sharegpt_requests,  # noqa: E402
+                                    read_requests)
 from benchmark.simulator.sim_cost import H100CostModel, fit_fp8  # noqa: E402
 from benchmark.simulator.sim_device import SimDevice  # noqa: E402
 
@@ -256,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eager-host-scale", type=float, default=1.0,
         help="scale the host launch time of steps with prefill chunks (0: launched as cheaply as a decode graph)")
     add("--no-progress", action="store_true", help="no progress bar")
+    prefix = parser.add_argument_group("--prefix-groups G: G groups of requests sharing a system prompt (ShareGPT "
+                                       "text, shuffled together, as benchmark_serving's shared-prefix workload) "
+                                       "instead of ShareGPT's conversations")
+    prefix.add_argument("--prefix-groups", type=int, default=0, help="groups (system prompts); 0: ShareGPT requests")
+    prefix.add_argument("--prefix-group-size", type=int, default=SharedPrefixSpec.group_size, help="requests per group")
+    prefix.add_argument("--prefix-len", type=int, default=SharedPrefixSpec.prefix_len, help="tokens of a system prompt")
+    prefix.add_argument("--question-len", type=int, default=SharedPrefixSpec.question_len, help="tokens of a question")
+    prefix.add_argument("--output-len", type=int, default=SharedPrefixSpec.output_len, help="output tokens a request")
     return parser
 
 
@@ -263,6 +276,12 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     if args.requests:
         requests = read_requests(args.requests)[: args.num_prompts]
+    elif args.prefix_groups:
+        spec = SharedPrefixSpec(args.prefix_groups, args.prefix_group_size, args.prefix_len, args.question_len,
+                                args.output_len)
+        rng = random.Random(args.seed)
+        stream = TokenStream(message_texts(load_records(find_dataset(args.dataset))), tokenizer, rng)
+        _, requests = shared_prefix_requests(stream, tokenizer, spec, rng)
     else:
         requests = load_sharegpt_requests(tokenizer, args.num_prompts, args.seed, args.dataset)
     config = sim_config(args.server_args)
