@@ -232,3 +232,26 @@ def test_a_step_names_the_lines_at_which_its_launch_waited_for_the_device(tmp_pa
     assert first["syncs"] == [f"tests/test_step_trace.py:{line + 1}"] * 2 and "syncs" not in second
     text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
     assert f"launches waited for the device: tests/test_step_trace.py:{line + 1} 2 times in 1 steps" in text
+
+
+def test_a_step_counts_the_pinned_host_memory_its_launch_took_from_the_driver(tmp_path, monkeypatch):
+    """torch's pinned allocator grows its pool with cudaHostAlloc (which may wait for the device):
+    a CUDA trace records the blocks a launch took and the time in those calls, from the allocator's
+    counters, on the step whose launch took them; the summary names it."""
+    import torch
+
+    from lightllm.engine.step_trace import StepTrace
+
+    counters = {"num_host_alloc": 5, "host_alloc_time.total": 800.0}  # microseconds, as torch counts
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(counters), raising=False)
+    trace = StepTrace(str(tmp_path / "trace.jsonl"), torch.device("cpu"))
+    trace._pinned = True  # as on CUDA
+    record = trace.begin()
+    counters.update({"num_host_alloc": 7, "host_alloc_time.total": 3300.0})  # two blocks in this launch
+    trace.end(record, 5, decodes=3, chunk_tokens=900, chunks=2, graph=False, decode_context=30, chunk_context=900)
+    trace.end(trace.begin(), 6, decodes=5, chunk_tokens=0, chunks=0, graph=True, decode_context=50, chunk_context=0)
+    trace.close()
+    first, second = [json.loads(text) for text in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert (first["pinned_allocs"], first["pinned_alloc_ms"]) == (2, 2.5) and "pinned_allocs" not in second
+    text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
+    assert "took pinned host memory from the driver: 1, 2 blocks, 2.5 ms" in text

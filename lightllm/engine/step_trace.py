@@ -21,15 +21,17 @@ their autotuners' candidates: Triton's post-compile hook, where Triton has one),
 their distinct names; absent where there were none. Eager steps on CUDA also
 carry the caching allocator's counts so far: `device_allocs`, the blocks it had to take from the
 driver (cudaMalloc), and `alloc_retries`, the allocations it could only serve after freeing its
-cached blocks (cudaFree, which waits for the device). A step whose plan carried ops (releases, the
-prefix cache's inserts, evictions, and its tiers' offloads and loads) has `ops` and `ops_ms`, the
-host time they took before its launch began. `syncs` names the lines (`folder/file.py:line`, once
-each time) at which the launch waited for the device (a blocking copy, a read of a device value),
-as torch's sync debug mode reports them on CUDA during the launch; absent where there were none.
-`sync` marks a step whose result the engine waited for before planning the next (a step with
-drafts, or run without overlap); `collected` counts the
-times the engine collected the step in flight just before this one (speculative decoding does
-before a step it expects to have drafts).
+cached blocks (cudaFree, which waits for the device). On CUDA a launch that took page-locked host
+memory from the driver (torch's pinned allocator grows its pool: cudaHostAlloc, which may wait for
+the device) has `pinned_allocs`, the blocks, and `pinned_alloc_ms`, the time in those calls. A
+step whose plan carried ops (releases, the prefix cache's inserts, evictions, and its tiers'
+offloads and loads) has `ops` and `ops_ms`, the host time they took before its launch began.
+`syncs` names the lines (`folder/file.py:line`, once each time) at which the launch waited for
+the device (a blocking copy, a read of a device value), as torch's sync debug mode reports them
+on CUDA during the launch; absent where there were none. `sync` marks a step whose result the
+engine waited for before planning the next (a step with drafts, or run without overlap);
+`collected` counts the times the engine collected the step in flight just before this one
+(speculative decoding does before a step it expects to have drafts).
 
 `start_ms` and `end_ms` (the device's) and `launched_ms` (the host's clock when it had launched
 the step) are on one clock per process, ms since the trace began: the device's marks count from
@@ -76,6 +78,7 @@ class StepTrace:
         self.collections = 0  # steps in flight the engine collected (an empty sync plan) since the last launch
         gc.callbacks.append(self._on_gc)
         count_compiles()
+        self._pinned = self.cuda and hasattr(torch.cuda, "host_memory_stats")  # torch's pinned allocator's counts
         # the lines at which a launch waited for the device (None: no launch under way)
         self._syncs: list[str] | None = None
         warnings.filterwarnings("always", message=SYNC_MESSAGE)  # each time, not once a line
@@ -108,8 +111,15 @@ class StepTrace:
             torch.cuda.set_sync_debug_mode("warn")
         return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
                 "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
-                "compiles_start": COMPILES["count"],
+                "compiles_start": COMPILES["count"], "pinned_start": self._pinned_counts(),
                 "start": self._mark()}
+
+    def _pinned_counts(self) -> tuple[int, float]:
+        """(blocks torch's pinned allocator has taken from the driver, ms in those calls) so far."""
+        if not self._pinned:
+            return 0, 0.0
+        stats = torch.cuda.host_memory_stats()
+        return stats.get("num_host_alloc", 0), stats.get("host_alloc_time.total", 0) / 1000.0
 
     def end(self, record: dict, step_id: int, decodes: int, chunk_tokens: int, chunks: int, graph: bool,
             decode_context: int, chunk_context: int, drafts: int = 0, sync: bool = False, ops: int = 0,
@@ -138,6 +148,9 @@ class StepTrace:
                       launched_ms=round((now - self._t0) * 1000, 3), end=self._mark())
         if record["new_kernels"]:
             record["new_kernel_names"] = NEW_SPECIALISATIONS["kernels"][-record["new_kernels"]:]
+        (allocs, alloc_ms), (allocs_before, alloc_ms_before) = self._pinned_counts(), record.pop("pinned_start")
+        if allocs > allocs_before:
+            record.update(pinned_allocs=allocs - allocs_before, pinned_alloc_ms=round(alloc_ms - alloc_ms_before, 3))
         compiled = COMPILES["count"] - record.pop("compiles_start")
         if compiled:  # every library's kernels, autotuning's candidates included
             record.update(compiles=compiled, compiled=sorted(set(list(COMPILES["kernels"])[-compiled:])))

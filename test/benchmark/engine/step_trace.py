@@ -62,6 +62,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     found = []  # (step, ms, kernel names) of the steps with new Triton specialisations
     libraries = []  # (step, launch ms, compilations, kernel names) of the steps that compiled any Triton kernel
     waits: dict[str, dict] = {}  # a line where launches waited for the device: its waits, steps, step kinds
+    pinned = []  # (step, kind, blocks, ms) of the launches that took pinned host memory from the driver
     idle = long_idle = 0.0
     previous_end = None
     for step in steps:
@@ -84,6 +85,8 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
                 found.append((step["step"], step["new_kernel_ms"], step.get("new_kernel_names", [])))
         if step.get("compiles"):  # every library's compilations, since 2026-12-03
             libraries.append((step["step"], step["launch_ms"], step["compiles"], step.get("compiled", [])))
+        if step.get("pinned_allocs"):  # since 2026-12-03
+            pinned.append((step["step"], kind(step), step["pinned_allocs"], step["pinned_alloc_ms"]))
         for site in step.get("syncs", []):  # since 2026-12-03
             w = waits.setdefault(site, {"waits": 0, "steps": set(), "kinds": set()})
             w["waits"] += 1
@@ -99,7 +102,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     wall = steps[-1]["end_ms"] - steps[0]["start_ms"] if steps else 0.0
     busy = sum(sum(g["device_ms"]) for g in groups.values())
     return {"steps": len(steps), "wall_ms": wall, "busy_ms": busy, "idle_ms": idle, "long_idle_ms": long_idle,
-            "groups": groups, "compiles": found, "all_compiles": libraries, "waits": waits}
+            "groups": groups, "compiles": found, "all_compiles": libraries, "waits": waits, "pinned": pinned}
 
 
 def table(summary: dict) -> str:
@@ -124,7 +127,7 @@ def table(summary: dict) -> str:
                      f"{mean(g['waited_ms'])} | {g['idle_before_ms'] / 1000:.2f} | "
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
     return "\n".join(lines + compiles(summary["compiles"]) + all_compiles(summary["all_compiles"])
-                     + host_waits(summary.get("waits", {})))
+                     + host_waits(summary.get("waits", {})) + pinned_allocs(summary.get("pinned", [])))
 
 
 def compiles(found: list[tuple[int, float, list[str]]]) -> list[str]:
@@ -150,6 +153,15 @@ def host_waits(waits: dict[str, dict]) -> list[str]:
     return ["", "Lines at which launches waited for the device: "
             + "; ".join(f"{site} {w['waits']} times in {len(w['steps'])} steps ({', '.join(sorted(w['kinds']))})"
                         for site, w in sorted(waits.items(), key=lambda kv: -kv[1]["waits"]))]
+
+
+def pinned_allocs(pinned: list[tuple[int, str, int, float]]) -> list[str]:
+    """A line naming the launches that took page-locked host memory from the driver (CUDA traces)."""
+    if not pinned:
+        return []
+    return ["", f"Launches that took pinned host memory from the driver: {len(pinned)}, "
+            f"{sum(n for _, _, n, _ in pinned)} blocks, {sum(ms for *_, ms in pinned):.1f} ms in those calls; "
+            + "; ".join(f"step {step} ({kind}) {n} in {ms:.1f} ms" for step, kind, n, ms in pinned[:20])]
 
 
 def step_floor(step: dict, model: dict) -> tuple[float, float]:
