@@ -436,7 +436,7 @@ class Scheduler:
             return self.running
         if self._leaders:  # followers take their leader's prefix now, not in the loop: it decides their turn
             for req in self.running:
-                if req.status is ReqStatus.PREFILLING and not req.started:
+                if req.status is ReqStatus.PREFILLING and not req.started and self._probe(req) in self._leaders:
                     self._take_cached(req)
         aged = self._next_step - AGING_STEPS
         return sorted(self.running, key=lambda r: r.status is ReqStatus.PREFILLING and not r.started
