@@ -6,26 +6,30 @@ and `<op>_triton` (same signature). The public `<op>` runs Triton on CUDA tensor
 reference on anything else.
 """
 
-if __name__ == "kernels":
-    # This folder was found as the top-level `kernels`: the checkout's root is on sys.path (`python -m` run
-    # from it, PYTHONPATH=.) and something asked for the PyPI package of that name (transformers >= 5.25
-    # imports it). Hand the name to that package, found on the rest of the path; this folder is
-    # `lightllm.kernels` only.
-    import importlib.machinery as _machinery
-    import importlib.util as _util
-    import os as _os
-    import sys as _sys
 
-    _checkout = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
-    _spec = _machinery.PathFinder.find_spec(
-        "kernels", [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _checkout])
-    if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (the checkout's kernels/ folder is lightllm.kernels)",
-                                  name="kernels")
-    _pypi = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _pypi  # what the import statement returns: the loaded module in sys.modules
-    _spec.loader.exec_module(_pypi)
-else:
+def _hand_over_the_name() -> bool:
+    """Imported as the top-level `kernels` (the checkout's root on sys.path: `python -m` run from it,
+    PYTHONPATH=.), where something asked for the PyPI package of that name (transformers >= 5.25
+    imports it): put that package, found on the rest of the path, in this module's place; True if
+    there is one. Where there is none this folder goes on under that name, as it always has (its
+    version, none, tells transformers it is not that package)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.realpath(p or os.curdir) != checkout])
+    if spec is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what the import statement returns: the module in sys.modules at its end
+    spec.loader.exec_module(module)
+    return True
+
+
+if __name__ != "kernels" or not _hand_over_the_name():
     import functools
     from typing import Callable
 

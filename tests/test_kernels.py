@@ -1089,38 +1089,51 @@ def test_one_shot_add_rms_norm_as_one_rank_of_two_matches_ref(dtype, rank, rows,
 
 
 
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NAME_CHECK = """
-import sys
-sys.path[:0] = sys.argv[1:]
+import importlib.machinery, importlib.metadata, sys
+case, root = sys.argv[1:3]
+sys.path[:0] = sys.argv[2:]  # the checkout's root first, as `python -m` from it puts it; then any stand-in
+if case == "none":  # no other package of that name on the path: hide any from the lookup past the root
+    find = importlib.machinery.PathFinder.find_spec
+    importlib.machinery.PathFinder.find_spec = classmethod(
+        lambda cls, name, path=None, target=None: None if name == "kernels" and path is not None
+        else find(name, path, target))
 import lightllm.kernels as ours
 assert ours.rms_norm_ref.__module__ == "lightllm.kernels.rms_norm", ours.rms_norm_ref.__module__
-try:
-    import kernels
-except ModuleNotFoundError as e:
-    print("missing", e.name)
-else:
-    print("found", kernels.__file__)
-if len(sys.argv) == 2:  # no stand-in on the path: transformers >= 5.25 imports PyPI's `kernels` here
+import kernels
+print(kernels.__file__)
+if case == "installed":  # transformers >= 5.25 imports PyPI's `kernels` here, where it is installed
     from transformers.activations import ACT2FN
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        print("not installed")
 """
 
 
-@pytest.mark.parametrize("other", [True, False])
-def test_the_checkout_root_on_sys_path_leaves_the_name_kernels_to_the_pypi_package(tmp_path, other):
+@pytest.mark.parametrize("case", ["stand-in", "none", "installed"])
+def test_the_checkout_root_on_sys_path_leaves_the_name_kernels_to_the_pypi_package(tmp_path, case):
     """`python -m` from the checkout puts its root on sys.path, where kernels/ looks like a top-level package
     `kernels`: an import of that name (transformers imports PyPI's `kernels`) gets the package of that name found
-    further on the path, or none, never this folder, which stays `lightllm.kernels`."""
+    further on the path (a stand-in; or PyPI's, where installed, and transformers' models import), and only where
+    there is none this folder (as it always did), which stays `lightllm.kernels` throughout."""
     import subprocess
     import sys
 
-    other_kernels = tmp_path / "kernels" / "__init__.py"
-    other_kernels.parent.mkdir()
-    other_kernels.write_text("")
-    run = subprocess.run([sys.executable, "-c", _NAME_CHECK, _ROOT, *([str(tmp_path)] if other else [])],
-                         cwd=_ROOT, capture_output=True, text=True, timeout=120)
+    stand_in = tmp_path / "kernels" / "__init__.py"
+    stand_in.parent.mkdir()
+    stand_in.write_text("")
+    paths = [_ROOT, *([str(tmp_path)] if case == "stand-in" else [])]
+    run = subprocess.run([sys.executable, "-c", _NAME_CHECK, case, *paths], cwd=_ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    found = run.stdout.splitlines()[0]
-    assert os.path.join(_ROOT, "kernels") not in found
-    if other:
-        assert found == f"found {other_kernels}"
+    found, *rest = run.stdout.splitlines()
+    ours = os.path.join(_ROOT, "kernels", "__init__.py")
+    if case == "stand-in":
+        assert found == str(stand_in)
+    elif case == "none":
+        assert found == ours
+    else:
+        assert found != ours or rest == ["not installed"], (found, rest)
