@@ -36,14 +36,15 @@ from triton.compiler import ASTSource  # noqa: E402
 from lightllm.kernels import _triton  # noqa: E402
 from lightllm.kernels.allreduce_norm import one_shot_add_rms_norm_triton  # noqa: E402
 from lightllm.kernels.apply_penalties import apply_penalties_triton  # noqa: E402
-from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_triton, causal_conv1d_step_triton  # noqa: E402
+from lightllm.kernels.causal_conv1d import (causal_conv1d_chunks_triton, causal_conv1d_runs_triton,  # noqa: E402
+                                            causal_conv1d_step_triton)
 from lightllm.kernels.decode_attention import decode_attention_triton  # noqa: E402
 from lightllm.kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
 from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
-from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_triton  # noqa: E402
+from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_triton, gated_delta_rule_step_triton  # noqa: E402
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
 from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
@@ -207,9 +208,10 @@ def call_lora_kernels() -> None:
 
 
 def call_linear_attention_kernels() -> None:
-    """Gated DeltaNet at the qwen3.5-27b's shapes (16 key heads and 48 value heads of 128, the conv
-    over 10240 channels) in bf16, and at the GPU tests' tiny fp32 ones (16 and 8 dimensions). (The
-    chunked delta rule is flash-linear-attention's, not ours: not compiled here.)"""
+    """Gated DeltaNet (decode steps, prompt chunks, a verify step's runs and their commit) at the
+    qwen3.5-27b's shapes (16 key heads and 48 value heads of 128, the conv over 10240 channels) in
+    bf16, and at the GPU tests' tiny fp32 ones (16 and 8 dimensions). (The chunked delta rule is
+    flash-linear-attention's, not ours: not compiled here.)"""
     tokens = 4
     for dtype, k_heads, v_heads, dk, dv in ((BF16, 16, 48, 128, 128), (torch.float32, 2, 4, 16, 8)):
         q, k = (torch.randn(tokens, k_heads, dk, dtype=dtype) for _ in range(2))
@@ -223,6 +225,10 @@ def call_linear_attention_kernels() -> None:
         conv_states = torch.zeros(3, channels, 3, dtype=dtype)
         causal_conv1d_step_triton(x[:2], weight, conv_states, rows)
         causal_conv1d_chunks_triton(x, weight, cu, conv_states, rows, fresh, torch.empty_like(x))
+        starts, lengths = torch.tensor([0, 3]), torch.tensor([3, 1])  # a verify step's runs, then a commit's
+        for update in (False, True):
+            gated_delta_rule_runs_triton(q, k, v, g, beta, states, rows, starts, lengths, update)
+            causal_conv1d_runs_triton(x, weight, conv_states, rows, starts, lengths, update)
 
 
 def call_moe_kernels() -> None:
