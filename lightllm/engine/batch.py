@@ -4,6 +4,7 @@ asynchronous way back (`download`, `LaunchedStep`)."""
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from itertools import compress
 
@@ -115,8 +116,9 @@ def upload(ints: dict[str, list[int]], floats: dict[str, list[float]], device: t
     alignment of its pointer arguments: a view at an odd int64 offset (the random draw's `steps`
     after an odd number of rows) made a new kernel while serving, 0.3-0.6 s on an H200 host."""
     flat_ints, flat_floats = _padded(ints, INTS_A_BOUNDARY), _padded(floats, FLOATS_A_BOUNDARY)
-    host = torch.cat([torch.tensor(flat_ints, dtype=torch.int64),
-                      torch.tensor(flat_floats, dtype=torch.float32).view(torch.int64)])
+    packed = array.array("q", flat_ints)
+    packed.frombytes(array.array("f", flat_floats).tobytes())  # a multiple of 4 floats: whole int64 slots
+    host = int64_tensor(packed)
     if device.type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
@@ -126,6 +128,13 @@ def upload(ints: dict[str, list[int]], floats: dict[str, list[float]], device: t
 
 
 INTS_A_BOUNDARY, FLOATS_A_BOUNDARY = 2, 4  # int64s and float32s in 16 bytes
+
+
+def int64_tensor(values: list[int] | array.array) -> torch.Tensor:
+    """A host int64 tensor of `values` through array.array: a quarter of torch.tensor's time on a
+    list (26 against 92 us for 1,500 ints on the CPU machine), which a synchronous step waits for."""
+    packed = values if isinstance(values, array.array) else array.array("q", values)
+    return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
 
 
 def _padded(lists: dict[str, list], per_boundary: int) -> list:

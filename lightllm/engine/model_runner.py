@@ -34,7 +34,7 @@ from lightllm.common.host_pool import HostKVPool
 from lightllm.common.req_table import OutOfRowsError, ReqTable
 from lightllm.common.state_pool import StatePool
 from lightllm.common.token_table import OutOfTokensError, TokenTable
-from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, step_lists, upload
+from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, int64_tensor, step_lists, upload
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import snapshot_slots, state_slots, token_budget
@@ -325,7 +325,7 @@ class ModelRunner:
                 r.seq_len -= rejected
                 r.sampling.generated -= rejected
         n, m = len(fix_rows), len(free_rows)
-        index = torch.tensor(fix_rows + fix_index + free_rows + free_positions).to(self.device, non_blocking=True)
+        index = int64_tensor(fix_rows + fix_index + free_rows + free_positions).to(self.device, non_blocking=True)
         self.last_token[index[:n]] = launched.device_tokens[index[n: 2 * n]]
         if m:
             self.token_table.free(self.req_table.req_to_token[index[2 * n: 2 * n + m], index[2 * n + m:]])
