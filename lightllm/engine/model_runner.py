@@ -345,7 +345,8 @@ class ModelRunner:
             starts.append(first)
             lengths.append(last_kept.get(r.row, first) + 1 - first)
             first += n
-        self.model.commit_verified(*torch.tensor([rows, starts, lengths]).to(self.device, non_blocking=True))
+        up = int64_tensor(rows + starts + lengths).to(self.device, non_blocking=True)
+        self.model.commit_verified(*up.view(3, -1), first)
 
     def _submit(self, plan: StepPlan) -> Future:
         """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""

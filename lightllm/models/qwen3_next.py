@@ -393,13 +393,14 @@ class HybridModel:
                                         device) if verify_tokens else None
         return self.state_pool
 
-    def commit_verified(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
-        """After a verify step: each verifying request's (`rows`) linear-layer states advance over the
-        tokens it keeps, the stash's rows [starts[i], starts[i] + lengths[i]) (all on the device)."""
+    def commit_verified(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, tokens: int) -> None:
+        """After a verify step of `tokens` decode tokens: each verifying request's (`rows`) linear-layer
+        states advance over the tokens it keeps, the stash's rows [starts[i], starts[i] + lengths[i])
+        (all on the device; the kernels' outputs span the step's rows of the stash only)."""
         pool, stash = self.state_pool, self.verify_stash
         for i, delta in enumerate(self._deltas):
-            delta.commit((stash.mixed[i], stash.g[i], stash.beta[i]), rows, starts, lengths, pool.conv[i],
-                         pool.recurrent[i])
+            delta.commit((stash.mixed[i][:tokens], stash.g[i][:tokens], stash.beta[i][:tokens]), rows, starts,
+                         lengths, pool.conv[i], pool.recurrent[i])
 
     def forward(self, batch: ForwardBatch, kv: TokenTable) -> torch.Tensor:
         """fp32 logits [S, vocab] of the tokens at batch.logit_index (all tokens when None)."""
