@@ -180,6 +180,20 @@ def causal_conv1d_chunks_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlen
         out.stride(0), WIDTH=width, BLOCK_T=64, BLOCK_C=block_c, UPDATE=True)
 
 
+def packed_runs(rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """The runs' references' host view of N requests' runs (request i's: tokens [starts[i],
+    starts[i] + lengths[i]) on row rows[i]): (their tokens in order, the rows of the runs with any,
+    their packed bounds), leaving out rows of -1 and empty runs; None where no run is left."""
+    runs = [(i, a, n) for i, (r, a, n) in enumerate(zip(rows.tolist(), starts.tolist(), lengths.tolist()))
+            if r >= 0 and n > 0]
+    if not runs:
+        return None
+    tokens = torch.tensor([a + j for _, a, n in runs for j in range(n)], device=rows.device)
+    held = rows[torch.tensor([i for i, _, _ in runs], device=rows.device)]
+    return tokens, held, [0, *itertools.accumulate(n for _, _, n in runs)]
+
+
 def causal_conv1d_runs_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, rows: torch.Tensor,
                            starts: torch.Tensor, lengths: torch.Tensor, update: bool) -> torch.Tensor:
     """A run of tokens for each of N requests (a verify step's decode tokens, or the ones each kept):
@@ -188,14 +202,11 @@ def causal_conv1d_runs_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.
     leaves its last K - 1 inputs as its state (a commit), else the pool is only read (a verify: the
     drafts may yet be rejected). A row of -1 reads and writes nothing."""
     out = torch.zeros_like(x)
-    runs = [(i, a, n) for i, (r, a, n) in enumerate(zip(rows.tolist(), starts.tolist(), lengths.tolist()))
-            if r >= 0 and n > 0]
-    if not runs:
+    packed = packed_runs(rows, starts, lengths)
+    if packed is None:
         return out
-    tokens = torch.tensor([a + j for _, a, n in runs for j in range(n)], device=x.device)
-    held = rows[torch.tensor([i for i, _, _ in runs], device=x.device)]
-    out[tokens], new = causal_conv1d_varlen_ref(x[tokens], weight, [0, *itertools.accumulate(n for _, _, n in runs)],
-                                                states[held])
+    tokens, held, bounds = packed
+    out[tokens], new = causal_conv1d_varlen_ref(x[tokens], weight, bounds, states[held])
     if update:
         states[held] = new.to(states.dtype)
     return out

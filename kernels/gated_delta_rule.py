@@ -24,11 +24,10 @@ output reads it with the scaled, L2-normalised query: o = S^T q. Three forms wit
 Key heads fewer than value heads are shared by consecutive value heads (GQA-style). The `_ref`
 functions are the CPU path and the oracle.
 """
-import itertools
-
 import torch
 
 from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
+from .causal_conv1d import packed_runs
 
 CHUNK = 64
 
@@ -171,24 +170,35 @@ def _gated_delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_p
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_mask, v_mask = dk < DK, dv < DV
     key_head = head // group
-    q = tl.load(q_ptr + b * q_stride + key_head * q_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * k_stride + key_head * k_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    v = tl.load(v_ptr + b * v_stride + head * v_head_stride + dv, mask=v_mask, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + b * g_stride + head).to(tl.float32))
-    beta = tl.load(beta_ptr + b * beta_stride + head).to(tl.float32)
     row = tl.load(rows_ptr + b).to(tl.int64)
     if row < 0:  # padding: no state, and the output's zeros stay
         return
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
-    s = tl.load(s_ptrs, mask=mask, other=0.0) * decay
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
+    s = _delta_rule_token(tl.load(s_ptrs, mask=mask, other=0.0), b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+                          q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride, g_stride,
+                          beta_stride, o_stride, o_head_stride, head, key_head, scale, dk, dv, k_mask, v_mask)
     tl.store(s_ptrs, s, mask=mask)
+
+
+@triton.jit
+def _delta_rule_token(s, t, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, q_stride, q_head_stride, k_stride,
+                      k_head_stride, v_stride, v_head_stride, g_stride, beta_stride, o_stride, o_head_stride, head,
+                      key_head, scale, dk, dv, k_mask, v_mask):
+    """Token t of one value head on its state's columns s [BLOCK_K, BLOCK_V]: the decay, the delta
+    rule's correction along the L2-normalised key, the output's columns read with the scaled,
+    L2-normalised query and stored; returns the new s."""
+    q = tl.load(q_ptr + t * q_stride + key_head * q_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + t * k_stride + key_head * k_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + t * v_stride + head * v_head_stride + dv, mask=v_mask, other=0.0).to(tl.float32)
+    s = s * tl.exp(tl.load(g_ptr + t * g_stride + head).to(tl.float32))
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * tl.load(beta_ptr + t * beta_stride + head).to(tl.float32)
+    s = s + k[:, None] * delta[None, :]
     out = tl.sum(s * q[:, None], axis=0)
-    tl.store(o_ptr + b * o_stride + head * o_head_stride + dv, out.to(o_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(o_ptr + t * o_stride + head * o_head_stride + dv, out.to(o_ptr.dtype.element_ty), mask=v_mask)
+    return s
 
 
 def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -219,14 +229,12 @@ def gated_delta_rule_runs_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     at tokens in no run); `update`: each run leaves its final state in the pool (a commit), else the
     pool is only read (a verify: the drafts may yet be rejected). A row of -1 reads and writes nothing."""
     out = torch.zeros_like(v)
-    runs = [(i, a, n) for i, (r, a, n) in enumerate(zip(rows.tolist(), starts.tolist(), lengths.tolist()))
-            if r >= 0 and n > 0]
-    if not runs:
+    packed = packed_runs(rows, starts, lengths)
+    if packed is None:
         return out
-    tokens = torch.tensor([a + j for _, a, n in runs for j in range(n)], device=v.device)
-    held = rows[torch.tensor([i for i, _, _ in runs], device=v.device)]
-    out[tokens], final = gated_delta_rule_varlen_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens],
-                                                     [0, *itertools.accumulate(n for _, _, n in runs)], states[held])
+    tokens, held, bounds = packed
+    out[tokens], final = gated_delta_rule_varlen_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], bounds,
+                                                     states[held])
     if update:
         states[held] = final
     return out
@@ -257,17 +265,9 @@ def _gated_delta_rule_runs_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_p
     mask = k_mask[:, None] & v_mask[None, :]
     s = tl.load(s_ptrs, mask=mask, other=0.0)
     for j in range(0, length):
-        t = start + j
-        q = tl.load(q_ptr + t * q_stride + key_head * q_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * k_stride + key_head * k_head_stride + dk, mask=k_mask, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        v = tl.load(v_ptr + t * v_stride + head * v_head_stride + dv, mask=v_mask, other=0.0).to(tl.float32)
-        s = s * tl.exp(tl.load(g_ptr + t * g_stride + head).to(tl.float32))
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * tl.load(beta_ptr + t * beta_stride + head).to(tl.float32)
-        s = s + k[:, None] * delta[None, :]
-        out = tl.sum(s * q[:, None], axis=0)
-        tl.store(o_ptr + t * o_stride + head * o_head_stride + dv, out.to(o_ptr.dtype.element_ty), mask=v_mask)
+        s = _delta_rule_token(s, start + j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, q_stride, q_head_stride,
+                              k_stride, k_head_stride, v_stride, v_head_stride, g_stride, beta_stride, o_stride,
+                              o_head_stride, head, key_head, scale, dk, dv, k_mask, v_mask)
     if UPDATE:
         tl.store(s_ptrs, s, mask=mask)
 
