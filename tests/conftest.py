@@ -125,9 +125,9 @@ def tool_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(tool_server):
     """OpenAI's client on the tool server (test_server_messages overrides it with Anthropic's)."""
-    import openai
+    from server_utils import openai_client
 
-    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(tool_server.url)
 
 
 @pytest.fixture(scope="module")

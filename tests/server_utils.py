@@ -217,3 +217,17 @@ def preset_server(tmp_path_factory, preset: str, args: tuple[str, ...] = ()):
     server = start_server(["--model_dir", str(model_dir), *args], tmp_path_factory.mktemp("server") / "server.log")
     yield model_dir, server
     assert server.stop() == 0
+
+
+def openai_client(url: str, timeout: float = 120):
+    """An OpenAI client for a test server, without retries (a 5xx must fail the test), whose idle
+    connections expire before the server's keep-alive timeout (5 s) closes them: with both at 5 s
+    a request sent on a connection the server was closing found it gone."""
+    import openai
+    from openai._base_client import DEFAULT_CONNECTION_LIMITS
+
+    default = DEFAULT_CONNECTION_LIMITS
+    limits = type(default)(max_connections=default.max_connections,
+                           max_keepalive_connections=default.max_keepalive_connections, keepalive_expiry=2.0)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout,
+                         http_client=openai.DefaultHttpxClient(limits=limits))

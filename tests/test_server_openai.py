@@ -2,6 +2,7 @@
 Relies on transformers' Llama modeling code, greedy `generate` and the tokenizer's chat template as the oracle."""
 
 import openai
+from server_utils import openai_client
 import pytest
 import requests
 import torch
@@ -16,7 +17,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def client(default_server):
-    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(default_server.url)
 
 
 @pytest.fixture(scope="module")

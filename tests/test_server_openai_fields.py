@@ -8,6 +8,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from server_utils import openai_client
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,7 +25,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
 
 @pytest.fixture(scope="module")
 def client(default_server):
-    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(default_server.url)
 
 
 @pytest.fixture(scope="module")
