@@ -334,7 +334,7 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor,
                                 chunk_fn=None) -> None:
     """`gated_delta_rule_chunks_ref` on CUDA through flash-linear-attention (its value heads sharing
-    key heads as ours do; L2 norms in its kernel): the initial states gathered from the pool (zeros
+    key heads as ours do; the L2 norms before it): the initial states gathered from the pool (zeros
     where a chunk starts its request), one call over all of the step's tokens, the outputs kept for
     the chunks' rows only, the final states of the non-empty chunks scattered back; all on the
     device, no host read. chunk_fn: a stand-in with chunk_gated_delta_rule's signature (tests)."""
@@ -344,8 +344,12 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     lone = states.new_zeros((1, *states.shape[1:]))
     initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
     initial = torch.cat([lone, initial, lone, lone])  # the lead, the chunks, the tail, the empty sequence
+    # The L2 norms here, not in fla's kernel: its norm kernel autotunes per bucket of 65,536 rows of
+    # tokens x key heads, so the first step to reach each bucket (5,339 tokens at qwen3.5-27b's 16 key
+    # heads) spent about 10 s benchmarking configurations before it launched (H200 step trace).
+    q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
     o, final = chunk_fn(q[None], k[None], v[None], g[None], beta[None], scale=dk ** -0.5, initial_state=initial,
-                        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds,
+                        output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=bounds,
                         chunk_indices=index)
     at = torch.arange(tokens, device=v.device)
     inside = (at >= cu_seqlens[0]) & (at < cu_seqlens[-1])

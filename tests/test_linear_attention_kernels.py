@@ -174,8 +174,12 @@ CHUNK_CASES = [((1, 2, 16, 37, 0, 0), 3), ((17, 5, 1), 0), ((50,), 2)]
 def varlen_standing_in_for_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                cu_seqlens, chunk_indices):
     """fla's chunk_gated_delta_rule as the wrapper calls it ([1, T, ...] inputs, packed sequences from
-    their initial states), run by our reference: the wrapper's gather, call and scatter under test."""
-    assert scale == k.shape[-1] ** -0.5 and use_qk_l2norm_in_kernel and output_final_state
+    their initial states), run by our reference: the wrapper's gather, call and scatter under test.
+    The wrapper normalises q and k itself (fla's in-kernel norm autotunes per bucket of step sizes):
+    fla without the flag takes them as they come, so they must arrive with unit rows."""
+    assert scale == k.shape[-1] ** -0.5 and not use_qk_l2norm_in_kernel and output_final_state
+    for x in (q, k):
+        torch.testing.assert_close(x.float().norm(dim=-1), torch.ones_like(x[..., 0], dtype=torch.float32), atol=1e-3, rtol=0)
     assert_fla_blocks(cu_seqlens.tolist(), chunk_indices.tolist())
     out, final = gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu_seqlens.tolist(), initial_state)
     return out[None], final

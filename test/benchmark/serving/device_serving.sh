@@ -38,6 +38,7 @@
 # messages cut to the workloads' 4000 characters). Everything stays within BUDGET_S (570 s) of
 # the start; logs go to $OUT/device_serving.tar.gz (from $WORK, default /tmp/device_serving, emptied first; a repeated
 # item's folder is NAME-2, NAME-3, ...), the table to $OUT/summary.md and, last, to stdout.
+# SERVER_ARGS="--flag value ..." go to every server of the call, after its variant's flags.
 # `dry` prints the commands; MODEL=DIR NO_WHEELS=1 BUDGET_S=... run the plumbing elsewhere
 # (CPU: MODEL=a tiny model, N=8; SHARED_PREFIX/MULTI_TURN=benchmark_serving flags shrink those).
 set -euo pipefail
@@ -174,6 +175,7 @@ flags_of() {  # flags_of VARIANT: sets path, tree and extra (the server's flags)
     new-fp8-kv8) extra="--quantization fp8 --kv_cache_dtype fp8_e4m3" ;;
     *) echo "unknown variant: $1" >&2; exit 2 ;;
   esac
+  extra+=" ${SERVER_ARGS:-}"  # flags every server of the call takes (paths included: no commas to split)
 }
 
 serve() {  # serve VARIANT:N[@RATE]
