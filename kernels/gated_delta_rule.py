@@ -30,6 +30,7 @@ from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
 from .causal_conv1d import packed_runs
 
 CHUNK = 64
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a pool's recurrent states (the math is fp32)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -86,16 +87,16 @@ def gated_delta_rule_chunks_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """A step's prompt chunks with their states in a pool (the prefill and extend path): q, k
     [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv] over all of the step's tokens; chunk i is tokens
     [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device), starts from states[rows[i]] ([S, Hv, dk,
-    dv] fp32), or from zeros where fresh[i] (a request's first chunk), and leaves its final state
-    there. Writes out's ([T, Hv, dv]) rows of the chunks only: the rows before them (decodes) keep
+    dv], fp32 or narrower: read into fp32, stored rounded), or from zeros where fresh[i] (a
+    request's first chunk), and leaves its final state there. Writes out's ([T, Hv, dv]) rows of the chunks only: the rows before them (decodes) keep
     what they hold. Empty chunks (a padded step's padding) read and write no state."""
     bounds = cu_seqlens.tolist()
     lo, hi = bounds[0], bounds[-1]
-    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
+    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows].float())
     out[lo:hi], final = gated_delta_rule_varlen_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
                                                     [b - lo for b in bounds], initial)
     filled = cu_seqlens[1:] > cu_seqlens[:-1]
-    states[rows[filled]] = final[filled]
+    states[rows[filled]] = final[filled].to(states.dtype)
 
 
 class BlockLayout:
@@ -145,14 +146,15 @@ def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                               states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """One token each of B requests: q, k [B, Hk, dk], v [B, Hv, dv], g and beta [B, Hv]; states
-    [S, Hv, dk, dv] fp32, rows [B] each request's state, updated in place. Returns o [B, Hv, dv].
+    [S, Hv, dk, dv] (fp32 or narrower: the update runs in fp32, the state is stored rounded), rows
+    [B] each request's state, updated in place. Returns o [B, Hv, dv].
     A row of -1 (a padded step's padding) reads and writes no state; its output is zeros."""
     q, k = _prepare(q, k, v.shape[1])
     live = rows >= 0
-    s = states[rows.clamp(min=0)] * g.float().exp()[..., None, None]
+    s = states[rows.clamp(min=0)].float() * g.float().exp()[..., None, None]
     delta = (v.float() - (s * k[..., None]).sum(-2)) * beta.float()[..., None]
     s = s + k[..., None] * delta[..., None, :]
-    states[rows[live]] = s[live]
+    states[rows[live]] = s[live].to(states.dtype)
     return torch.where(live[:, None, None], (s * q[..., None]).sum(-2), 0).to(v.dtype)
 
 
@@ -175,10 +177,11 @@ def _gated_delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_p
         return
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
-    s = _delta_rule_token(tl.load(s_ptrs, mask=mask, other=0.0), b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-                          q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride, g_stride,
-                          beta_stride, o_stride, o_head_stride, head, key_head, scale, dk, dv, k_mask, v_mask)
-    tl.store(s_ptrs, s, mask=mask)
+    s = _delta_rule_token(tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32), b, q_ptr, k_ptr, v_ptr, g_ptr,
+                          beta_ptr, o_ptr, q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride,
+                          g_stride, beta_stride, o_stride, o_head_stride, head, key_head, scale, dk, dv, k_mask,
+                          v_mask)
+    tl.store(s_ptrs, s.to(states_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -203,7 +206,7 @@ def _delta_rule_token(s, t, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, q_strid
 
 def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    assert states.is_contiguous() and states.dtype == torch.float32
+    assert states.is_contiguous() and states.dtype in STATE_DTYPES
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     batch, num_heads, dv = v.shape
     dk = q.shape[-1]
@@ -225,8 +228,8 @@ def gated_delta_rule_runs_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               update: bool) -> torch.Tensor:
     """A run of tokens for each of N requests (a verify step's decode tokens, or the ones each kept):
     q, k [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv]; request i's run is tokens [starts[i],
-    starts[i] + lengths[i]) from states[rows[i]] ([S, Hv, dk, dv] fp32). Returns o [T, Hv, dv] (zeros
-    at tokens in no run); `update`: each run leaves its final state in the pool (a commit), else the
+    starts[i] + lengths[i]) from states[rows[i]] ([S, Hv, dk, dv], fp32 or narrower, as the step's).
+    Returns o [T, Hv, dv] (zeros at tokens in no run); `update`: each run leaves its final state in the pool (a commit), else the
     pool is only read (a verify: the drafts may yet be rejected). A row of -1 reads and writes nothing."""
     out = torch.zeros_like(v)
     packed = packed_runs(rows, starts, lengths)
@@ -234,9 +237,9 @@ def gated_delta_rule_runs_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
     tokens, held, bounds = packed
     out[tokens], final = gated_delta_rule_varlen_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], bounds,
-                                                     states[held])
+                                                     states[held].float())
     if update:
-        states[held] = final
+        states[held] = final.to(states.dtype)
     return out
 
 
@@ -263,20 +266,20 @@ def _gated_delta_rule_runs_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_p
     length = tl.load(lengths_ptr + b).to(tl.int64)
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
-    s = tl.load(s_ptrs, mask=mask, other=0.0)
+    s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
     for j in range(0, length):
         s = _delta_rule_token(s, start + j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, q_stride, q_head_stride,
                               k_stride, k_head_stride, v_stride, v_head_stride, g_stride, beta_stride, o_stride,
                               o_head_stride, head, key_head, scale, dk, dv, k_mask, v_mask)
     if UPDATE:
-        tl.store(s_ptrs, s, mask=mask)
+        tl.store(s_ptrs, s.to(states_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_delta_rule_runs_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
                                  lengths: torch.Tensor, update: bool) -> torch.Tensor:
     """A program per (request, value head, 32 value dims), looping over the run: no host read."""
-    assert states.is_contiguous() and states.dtype == torch.float32
+    assert states.is_contiguous() and states.dtype in STATE_DTYPES
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     num_heads, dv = v.shape[1:]
     dk = q.shape[-1]
@@ -342,7 +345,7 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     tokens, dk = v.shape[0], k.shape[-1]
     bounds, index = fla_sequences(cu_seqlens, tokens)
     lone = states.new_zeros((1, *states.shape[1:]))
-    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])
+    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])  # fla reads it into fp32, whatever its dtype
     initial = torch.cat([lone, initial, lone, lone])  # the lead, the chunks, the tail, the empty sequence
     # The L2 norms here, not in fla's kernel: its norm kernel autotunes per bucket of 65,536 rows of
     # tokens x key heads, so the first step to reach each bucket (5,339 tokens at qwen3.5-27b's 16 key
@@ -355,4 +358,4 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     inside = (at >= cu_seqlens[0]) & (at < cu_seqlens[-1])
     out.copy_(torch.where(inside.view(-1, 1, 1), o[0].to(out.dtype), out))
     filled = (cu_seqlens[1:] > cu_seqlens[:-1]).view(-1, 1, 1, 1)  # padding chunks (empty) share one row
-    states[rows] = torch.where(filled, final[1:-2], states[rows])
+    states[rows] = torch.where(filled, final[1:-2].to(states.dtype), states[rows])

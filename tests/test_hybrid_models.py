@@ -97,6 +97,29 @@ def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_pat
     assert_idle(core)
 
 
+@pytest.mark.parametrize("flag,config_dtype,expected", [("bfloat16", None, torch.bfloat16),
+                                                         ("auto", "bfloat16", torch.bfloat16),
+                                                         ("auto", None, torch.float32)])
+def test_the_recurrent_states_take_the_asked_dtype_and_are_counted_at_its_size(flag, config_dtype, expected,
+                                                                                tmp_path):
+    """--mamba_ssm_cache_dtype (auto: the checkpoint's mamba_ssm_dtype, else fp32): the recurrent
+    states' pool and the snapshots' in that dtype (the conv states in the model's), each request's
+    slot counted at that size (test_hybrid_prefix_cache.py serves tokens from a bf16 pool)."""
+    import json
+
+    make_hybrid("qwen3_5", tmp_path)
+    if config_dtype:
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "mamba_ssm_dtype": config_dtype}))
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4,
+                         mamba_ssm_cache_dtype=flag)
+    pool = runner.state_pool
+    assert {t.dtype for t in pool.recurrent + runner.snapshot_pool.recurrent} == {expected}
+    assert {t.dtype for t in pool.conv + runner.snapshot_pool.conv} == {torch.float32}
+    recurrent = 3 * 4 * 16 * 8  # three linear layers' states, 4 heads of 16 x 8
+    assert pool.slot_bytes() == runner.model.state_slot_bytes(0, expected) == SLOT_BYTES - recurrent * (4 - expected.itemsize)
+
+
 def test_tp2_matches_tp1(tmp_path):
     """Two gloo ranks (each half of the key/value heads of the linear layers, of the attention heads,
     of every expert and of the shared expert) give one rank's logits over run_schedule's steps:
@@ -123,8 +146,9 @@ def test_tp2_matches_tp1(tmp_path):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=d.name)
 
 
-@pytest.mark.parametrize("preset,state_mib,kv_kib", [("qwen3.5-27b", 146.8, 64), ("qwen3.5-35b-a3b", 61.4, 20)])
-def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default_model_dir, tmp_path):
+@pytest.mark.parametrize("preset,state_mib,bf16_state_mib,kv_kib", [("qwen3.5-27b", 146.8, 74.8, 64),
+                                                                     ("qwen3.5-35b-a3b", 61.4, 31.4, 20)])
+def test_bench_presets_shapes_and_state_bytes(preset, state_mib, bf16_state_mib, kv_kib, default_model_dir, tmp_path):
     """Each preset reads as its family (written as the published checkpoints are: the text model of
     a ConditionalGeneration), the 27B's model (on the meta device) asks for exactly the text
     model's tensors, of exactly the shapes, that transformers' model of that config holds, at tp 1
@@ -158,6 +182,7 @@ def test_bench_presets_shapes_and_state_bytes(preset, state_mib, kv_kib, default
     model = HybridModel(cfg, MetaWeights(), TPGroup(1, 2), 256, torch.device("meta"))
     model.dtype = torch.bfloat16
     assert round(model.state_slot_bytes() * 2 / 2**20, 1) == state_mib  # tp 2: half of the heads a rank
+    assert round(model.state_slot_bytes(0, torch.bfloat16) * 2 / 2**20, 1) == bf16_state_mib
 
 
 def test_the_engine_serves_a_recurrent_state_with_snapshots_and_drafts_on_the_runners_rows():

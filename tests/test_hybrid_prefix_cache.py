@@ -36,10 +36,12 @@ def serve(core, prompts: list[list[int]], first_id: int, new: int = NEW) -> tupl
     return [[o.token_id for o in got[i]] for i in ids], [got[i][0].cached_tokens for i in ids]
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_a_shared_prefix_resumes_from_its_snapshot_and_equals_transformers(name, tmp_path):
+# qwen3_5 also with its recurrent states stored in bf16 (--mamba_ssm_cache_dtype): rounded once a token
+@pytest.mark.parametrize("name,state_dtype", [("qwen3_next", "auto"), ("qwen3_5", "auto"), ("qwen3_5", "bfloat16")])
+def test_a_shared_prefix_resumes_from_its_snapshot_and_equals_transformers(name, state_dtype, tmp_path):
     hf_model = make_hybrid(name, tmp_path)
-    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3)
+    runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=4, state_snapshot_slots=3,
+                         mamba_ssm_cache_dtype=state_dtype)
     assert runner.info["state_snapshot_slots"] == 3 and runner.snapshot_pool.slot_bytes() == runner.state_pool.slot_bytes()
     gen = torch.Generator().manual_seed(3)
     base = torch.randint(0, 101, (30,), generator=gen).tolist()

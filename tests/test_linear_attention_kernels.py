@@ -115,22 +115,48 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEP_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# the pool's recurrent states (--mamba_ssm_cache_dtype): fp32, or bf16 (computed in fp32, stored rounded)
+STATE_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype,state_dtype", STATE_CASES)
 @pytest.mark.parametrize("k_heads,v_heads,dk,dv", [(2, 4, 16, 8), (1, 1, 32, 48)])  # dv 48: two value blocks
-def test_gated_delta_rule_step_triton_equals_reference(dtype, k_heads, v_heads, dk, dv):
+def test_gated_delta_rule_step_triton_equals_reference(dtype, state_dtype, k_heads, v_heads, dk, dv):
     from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
 
     gen = torch.Generator().manual_seed(dk + dv)
     q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, 3, k_heads, v_heads, dk, dv))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    states = torch.randn(5, v_heads, dk, dv, generator=gen).to(DEVICE) * 0.3
+    states = (torch.randn(5, v_heads, dk, dv, generator=gen) * 0.3).to(DEVICE, state_dtype)
     rows = torch.tensor([4, -1, 2], device=DEVICE)  # -1: a padded step's padding
     expected_states = states.clone()
     expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
     got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows)
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
     assert (got[1] == 0).all() and torch.equal(expected_states[[0, 1, 3]], states[[0, 1, 3]])  # padding: no state
-    torch.testing.assert_close(states, expected_states, **STEP_TOL[torch.float32])
+    assert states.dtype == state_dtype
+    torch.testing.assert_close(states, expected_states, **STEP_TOL[state_dtype])
+
+
+def test_a_bf16_state_pool_stays_near_the_fp32_one():
+    """A bf16 pool is the fp32 one rounded once a token: decoding 64 tokens from it stays within a
+    few bf16 roundings of the fp32 pool's outputs and states, and it is stored as bf16."""
+    from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_ref
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g, beta = delta_inputs(gen, 64, 2, 4, 16, 8)
+    g = g / 8  # slow decay: the state remembers long enough for rounding to add up
+    pool = torch.randn(2, 4, 16, 8, generator=gen) * 0.3
+    pools = [pool, pool.to(torch.bfloat16)]
+    outs = [[], []]
+    rows = torch.tensor([1])
+    for t in range(64):
+        for out, pool in zip(outs, pools):
+            out.append(gated_delta_rule_step_ref(q[t: t + 1], k[t: t + 1], v[t: t + 1], g[t: t + 1], beta[t: t + 1],
+                                                 pool, rows))
+    torch.testing.assert_close(torch.cat(outs[1]), torch.cat(outs[0]), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(pools[1].float(), pools[0], atol=3e-2, rtol=3e-2)
+    assert pools[1].dtype == torch.bfloat16 and not torch.equal(pools[1].float(), pools[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -307,8 +333,8 @@ def test_runs_references_equal_the_decode_step_token_after_token(update):
 
 
 @pytest.mark.parametrize("update", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_runs_triton_equal_reference(dtype, update):
+@pytest.mark.parametrize("dtype,state_dtype", STATE_CASES)
+def test_runs_triton_equal_reference(dtype, state_dtype, update):
     from lightllm.kernels.causal_conv1d import causal_conv1d_runs_ref, causal_conv1d_runs_triton
     from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_ref, gated_delta_rule_runs_triton
 
@@ -316,13 +342,14 @@ def test_runs_triton_equal_reference(dtype, update):
     runs = runs_tensors()
     q, k, v, g, beta = (x.to(DEVICE) for x in delta_inputs(gen, RUN_TOKENS, 1, 2, 32, 48))  # dv 48: two blocks
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    pool = torch.randn(6, 2, 32, 48, generator=gen).to(DEVICE) * 0.3
+    pool = (torch.randn(6, 2, 32, 48, generator=gen) * 0.3).to(DEVICE, state_dtype)
     outs, pools = [], []
     for impl in (gated_delta_rule_runs_ref, gated_delta_rule_runs_triton):
         pools.append(pool.clone())
         outs.append(impl(q, k, v, g, beta, pools[-1], *runs, update))
     torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[dtype])
-    torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[torch.float32])
+    assert pools[1].dtype == state_dtype
+    torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[state_dtype])
     assert (outs[1][[3, 4, 6, 7, 8, 13]] == 0).all()  # tokens of padding and of no run
     if not update:
         assert torch.equal(pools[1], pool)

@@ -2,7 +2,8 @@
 
 Each Gated DeltaNet layer keeps, per running request, its causal convolution's last inputs
 [conv_dim, kernel - 1] (the model's dtype) and its recurrent state [v_heads, k_dim, v_dim]
-(fp32, as the delta rule accumulates it). Slot i belongs to request row i (ReqTable), so a
+(fp32, as the delta rule accumulates it, unless --mamba_ssm_cache_dtype asks for less; the
+kernels compute in fp32 whatever the pool holds). Slot i belongs to request row i (ReqTable), so a
 request that holds a row holds its state: the scheduler's row limit is the state's admission
 limit, and the pool is allocated once at start, before the KV budget is measured, so that its
 memory is counted as in use there. A request's first chunk starts from zeros (the model does not
@@ -31,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 class StatePool:
     def __init__(self, slots: int, num_layers: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, recurrent_dtype: torch.dtype = torch.float32):
         self.slots = slots
         self.conv = [torch.zeros((slots, *conv_shape), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.recurrent = [torch.zeros((slots, *recurrent_shape), dtype=torch.float32, device=device)
+        self.recurrent = [torch.zeros((slots, *recurrent_shape), dtype=recurrent_dtype, device=device)
                           for _ in range(num_layers)]
         logger.info("state pool: %d slots x %d linear-attention layers, %.2f MiB a request, %.2f GiB",
                     slots, num_layers, self.slot_bytes() / 2**20, self.nbytes() / 2**30)
@@ -43,7 +44,7 @@ class StatePool:
         """A pool of `slots` slots of this one's shapes, on its device."""
         conv, recurrent = self.conv[0], self.recurrent[0]
         return StatePool(slots, len(self.conv), tuple(conv.shape[1:]), tuple(recurrent.shape[1:]), conv.dtype,
-                         conv.device)
+                         conv.device, recurrent.dtype)
 
     def copy_slot(self, slot: int, source: StatePool, source_slot: int) -> None:
         """Slot `slot` takes `source`'s slot `source_slot` (every layer's conv and recurrent state)."""

@@ -78,6 +78,10 @@ class EngineConfig:
         default=64,
         metadata=flag("models with recurrent state: snapshots the prefix cache can hold, allocated at start beside the states of the running requests and counted as used before the KV budget is measured (at most half of the memory left then); one is a request's whole state (146.8 MiB for qwen3.5-27b in bf16 at tp 1); the least recently used one no running request needs makes room. 0: the prefix cache is off for such a model"),
     )
+    mamba_ssm_cache_dtype: str = field(
+        default="auto",
+        metadata=flag("models with recurrent state: the dtype of the linear-attention layers' recurrent states in their pool. auto: the checkpoint's mamba_ssm_dtype where its config names one, else float32 (as the delta rule accumulates them); bfloat16 halves a request's state (qwen3.5-27b: 146.8 to 74.8 MiB), so about twice the requests run at once and a decode step moves half the state bytes, at the cost of rounding each state once a step (vLLM's default where the checkpoint names no dtype)", choices=("auto", "float32", "bfloat16", "float16")),
+    )
     host_kv_cache_gb: float = field(
         default=0.0,
         metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),

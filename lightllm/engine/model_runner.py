@@ -48,7 +48,7 @@ from lightllm.engine.spec.draft_runner import DraftRunner
 from lightllm.engine.spec.eagle3_runner import Eagle3Runner
 from lightllm.engine.spec.mtp_runner import MtpRunner
 from lightllm.engine.step_trace import StepTrace
-from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype
+from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype, resolve_state_dtype
 from lightllm.models.lora import LoraAdapters, module_shapes
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
@@ -111,8 +111,9 @@ class ModelRunner:
         spec = SpeculativeConfig.parse(config.speculative_config)
         # a verify step's decode tokens a request row at most, whose recurrence inputs the stash keeps
         verify_tokens = 1 + spec.num_speculative_tokens if spec is not None and cfg.linear_attn else 0
+        self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, cfg.linear_attn)
         if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
-            slot_bytes = self.model.state_slot_bytes(verify_tokens)
+            slot_bytes = self.model.state_slot_bytes(verify_tokens, self.state_dtype)
             running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         self.drafter = self._load_drafter(config, dtype, running + 1)  # weights in use before the budget is sized
@@ -122,7 +123,7 @@ class ModelRunner:
         self.last_token = torch.zeros(running + 1, dtype=torch.int64, device=self.device)
         # The hybrid models' recurrent states, a slot per request row (and the padding row), taken
         # before the KV budget is measured so that it counts them as in use
-        self.state_pool = self.model.new_state_pool(running + 1, (running + 1) * verify_tokens) \
+        self.state_pool = self.model.new_state_pool(running + 1, (running + 1) * verify_tokens, self.state_dtype) \
             if cfg.linear_attn else None
         # ... and the prefix cache's snapshots of them, slots named by the radix tree (also counted)
         self.snapshot_pool = self._new_snapshot_pool(config)

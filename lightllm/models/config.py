@@ -130,6 +130,7 @@ class LinearAttnConfig:
     grouped_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head
     weight_prefix: str = "model"  # "model.language_model" in the multimodal checkpoints
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (`mtp.*`; models/mtp.py)
+    ssm_dtype: str | None = None  # the checkpoint's `mamba_ssm_dtype`: the recurrent state's dtype it asks for
 
     @property
     def conv_dim(self) -> int:
@@ -381,7 +382,8 @@ def _linear_attn(cfg: dict, arch: str, num_layers: int, head_dim: int) -> Linear
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), rotary_dim=int(head_dim * factor),
         grouped_projections=arch == "Qwen3NextForCausalLM",
         weight_prefix="model.language_model" if arch in _MULTIMODAL else "model",
-        mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0))
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0),
+        ssm_dtype=cfg.get("mamba_ssm_dtype"))
 
 
 def _text_config(cfg: dict, arch: str) -> dict:
@@ -524,3 +526,19 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.devi
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ModelConfigError("--kv_cache_dtype fp8_e4m3 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
     return torch.float8_e4m3fn
+
+
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_state_dtype(mamba_ssm_cache_dtype: str, linear_attn: LinearAttnConfig | None) -> torch.dtype:
+    """The dtype of the hybrid models' recurrent states in their pool (`--mamba_ssm_cache_dtype`):
+    auto takes the checkpoint's `mamba_ssm_dtype`, else float32 (the delta rule accumulates in fp32;
+    a bf16 pool halves a request's state and the bytes a decode step moves, at the cost of rounding
+    the state once a step)."""
+    name = mamba_ssm_cache_dtype
+    if name == "auto":
+        name = (linear_attn.ssm_dtype if linear_attn else None) or "float32"
+    if name not in STATE_DTYPES:
+        raise ModelConfigError(f"mamba_ssm_cache_dtype must be auto or one of {', '.join(STATE_DTYPES)}, got {name!r}")
+    return STATE_DTYPES[name]

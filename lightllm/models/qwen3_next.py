@@ -373,22 +373,24 @@ class HybridModel:
     def _deltas(self) -> list[GatedDeltaNet]:
         return [layer.mixer for layer in self.layers if layer.linear]
 
-    def state_slot_bytes(self, verify_tokens: int = 0) -> int:
-        """One request's state over every linear layer: conv (the model's dtype) and recurrent (fp32),
-        and the verify stash of `verify_tokens` tokens a request row (VerifyStash)."""
+    def state_slot_bytes(self, verify_tokens: int = 0, state_dtype: torch.dtype = torch.float32) -> int:
+        """One request's state over every linear layer: conv (the model's dtype) and recurrent
+        (`state_dtype`), and the verify stash of `verify_tokens` tokens a request row (VerifyStash)."""
         deltas = self._deltas
         first, kernel = deltas[0], self.config.linear_attn.conv_kernel
-        per_layer = first.conv_channels * (kernel - 1) * self.dtype.itemsize + first.v_heads * first.dk * first.dv * 4
+        per_layer = (first.conv_channels * (kernel - 1) * self.dtype.itemsize
+                     + first.v_heads * first.dk * first.dv * state_dtype.itemsize)
         stash = VerifyStash.token_bytes(len(deltas), first.conv_channels, first.v_heads, self.dtype)
         return len(deltas) * per_layer + verify_tokens * stash
 
-    def new_state_pool(self, slots: int, verify_tokens: int = 0) -> StatePool:
-        """The linear layers' states for `slots` request rows, kept by the model for its forwards, and
-        a verify stash of `verify_tokens` tokens (0: none, no drafts are verified)."""
+    def new_state_pool(self, slots: int, verify_tokens: int = 0, state_dtype: torch.dtype = torch.float32) -> StatePool:
+        """The linear layers' states for `slots` request rows (the recurrent ones in `state_dtype`),
+        kept by the model for its forwards, and a verify stash of `verify_tokens` tokens (0: none, no
+        drafts are verified)."""
         deltas = self._deltas
         first, device = deltas[0], self.embed.weight.device
         self.state_pool = StatePool(slots, len(deltas), (first.conv_channels, self.config.linear_attn.conv_kernel - 1),
-                                    (first.v_heads, first.dk, first.dv), self.dtype, device)
+                                    (first.v_heads, first.dk, first.dv), self.dtype, device, state_dtype)
         self.verify_stash = VerifyStash(verify_tokens, len(deltas), first.conv_channels, first.v_heads, self.dtype,
                                         device) if verify_tokens else None
         return self.state_pool
