@@ -41,7 +41,8 @@ if __name__ != "kernels" or not _hand_over_the_name():
     from .lora import lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref, lora_shrink_triton
     from .greedy_sample import greedy_sample_ref, greedy_sample_triton
     from .random_uniform import random_uniform_ref, random_uniform_triton
-    from .rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+    from .rms_norm import (add_rms_norm_ref, add_rms_norm_triton, gated_rms_norm_ref, gated_rms_norm_triton,
+                           rms_norm_ref, rms_norm_triton)
     from .rotary_kv import rotary_kv_ref, rotary_kv_triton
     # Gated DeltaNet (the hybrid models): the varlen forms (host bounds, states in and out) are the math the
     # chunks' references (states in a pool, bounds on the device) run
@@ -69,6 +70,7 @@ if __name__ != "kernels" or not _hand_over_the_name():
 
     rms_norm = _by_device(rms_norm_ref, rms_norm_triton)
     add_rms_norm = _by_device(add_rms_norm_ref, add_rms_norm_triton)
+    gated_rms_norm = _by_device(gated_rms_norm_ref, gated_rms_norm_triton)
     rotary_kv_ = _by_device(rotary_kv_ref, rotary_kv_triton)
     extend_attention = _by_device(extend_attention_ref, extend_attention_triton)
     decode_attention = _by_device(decode_attention_ref, decode_attention_triton)
@@ -91,7 +93,7 @@ if __name__ != "kernels" or not _hand_over_the_name():
     lora_expand_ = _by_device(lora_expand_ref, lora_expand_triton)
 
     __all__ = [
-        "rms_norm", "add_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
+        "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
         "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
         "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
         "causal_conv1d_runs", "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step",

@@ -103,3 +103,52 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     """add_rms_norm_ref's result; x may also be fp32 partial sums [PARTS, T, H] of a projection
     split over K (RowParallelLinear.split_sum), the sum rounded to the residual's dtype first."""
     return _launch_rms_norm(x, residual, weight, eps, fp8_out)
+
+
+# ---- gated RMSNorm (the hybrid models' linear layers): weight * rms_norm(x) * silu(gate), per head ----
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [T, H, D] (gate may be a strided view); weight [D]: weight * rms_norm(x) * silu(gate)
+    over each head's D, normalised in fp32, rounded as Qwen3-Next's torch norm rounds: the normalised
+    value to x's dtype, times the weight (in their common dtype), times silu(gate) in fp32, to x's dtype."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+@fast_launch
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, y_ptr, heads, dim, x_stride, x_head_stride, gate_stride,
+                           gate_head_stride, y_stride, y_head_stride, eps, ROUND_WEIGHTED: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token: every head's row [BLOCK_H, BLOCK_D] in one tile, one read of x and the gate and one
+    write (the torch form is about ten passes over the step's [T, H, D] in fp32)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < heads) & (d[None, :] < dim)
+    x = tl.load(x_ptr + t * x_stride + h[:, None] * x_head_stride + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+    normed = (x * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weighted = tl.load(weight_ptr + d, mask=d < dim, other=0.0).to(tl.float32)[None, :] * normed
+    if ROUND_WEIGHTED:  # weight * normed in x's dtype (the weight no wider than x), as the reference
+        weighted = weighted.to(x_ptr.dtype.element_ty).to(tl.float32)
+    g = tl.load(gate_ptr + t * gate_stride + h[:, None] * gate_head_stride + d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    y = weighted * (g * tl.sigmoid(g))
+    tl.store(y_ptr + t * y_stride + h[:, None] * y_head_stride + d[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    assert x.stride(-1) == 1 and gate.stride(-1) == 1 and x.shape == gate.shape
+    tokens, heads, dim = x.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return y
+    block_h, block_d = next_power_of_2(heads), next_power_of_2(dim)
+    _gated_rms_norm_kernel[(tokens,)](x, gate, weight, y, heads, dim, x.stride(0), x.stride(1), gate.stride(0),
+                                      gate.stride(1), y.stride(0), y.stride(1), eps,
+                                      ROUND_WEIGHTED=torch.promote_types(weight.dtype, x.dtype) == x.dtype
+                                      and x.dtype != torch.float32,
+                                      BLOCK_H=block_h, BLOCK_D=block_d, num_warps=norm_warps(block_h * block_d))
+    return y

@@ -21,19 +21,22 @@ from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.controller import Speculator
 from lightllm.kernels.causal_conv1d import causal_conv1d_runs_triton
 from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_triton
+from lightllm.kernels.rms_norm import gated_rms_norm_triton
 from lightllm.models import qwen3_next
 
 K = 4
 SPEC = f'{{"method": "ngram", "num_speculative_tokens": {K}}}'
 
 
-# "triton": the verify and commit kernels (the CUDA path) in the model, under Triton's interpreter here
+# "triton": the verify and commit kernels and the gated norm (the CUDA path) in the model, under Triton's
+# interpreter here
 @pytest.mark.parametrize("name,kernels", [("qwen3_next", "reference"), ("qwen3_5", "reference"),
                                           ("qwen3_5", "triton")])
 def test_drafts_right_and_wrong_leave_the_state_at_the_last_accepted_token(name, kernels, tmp_path, monkeypatch):
     if kernels == "triton":
         monkeypatch.setattr(qwen3_next, "causal_conv1d_runs", causal_conv1d_runs_triton)
         monkeypatch.setattr(qwen3_next, "gated_delta_rule_runs", gated_delta_rule_runs_triton)
+        monkeypatch.setattr(qwen3_next, "gated_rms_norm", gated_rms_norm_triton)
     hf_model = make_hybrid(name, tmp_path)
     runner = make_runner(tmp_path, tokens=256, max_req_total_len=64, running_max_req_size=3, speculative_config=SPEC)
     prompt = [5, 7, 9, 11, 13, 5, 7, 9]

@@ -22,7 +22,8 @@ from lightllm.kernels.fp8_linear import (FP8_MAX, NUM_COUNTERS, SMALL_M_MAX, fp8
                                          quantize_fp8_rows_triton, quantize_fp8_weight)
 from lightllm.kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
 from lightllm.kernels.random_uniform import random_uniform_ref, random_uniform_triton
-from lightllm.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from lightllm.kernels.rms_norm import (add_rms_norm_ref, add_rms_norm_triton, gated_rms_norm_ref, gated_rms_norm_triton,
+                                      rms_norm_ref, rms_norm_triton)
 from lightllm.kernels.rotary_kv import rotary_kv_ref, rotary_kv_triton
 from lightllm.kernels.silu_and_mul import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref,
                                            silu_and_mul_triton)
@@ -86,6 +87,34 @@ def test_add_rms_norm_triton_matches_ref(dtype):
     actual = add_rms_norm_triton(x, residual_triton, weight, 1e-6)
     assert_close(residual_triton, residual, TOL[dtype])
     assert_close(actual, expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dim,weight_dtype", [(3, 8, None), (6, 128, None), (4, 16, torch.float32)])
+def test_gated_rms_norm_triton_matches_ref(dtype, heads, dim, weight_dtype):
+    """Every head of a token in one program (3 and 6: a tile of padded heads), the gate a strided
+    view (a slice of the linear layer's projection, as the model passes it), the weight in x's
+    dtype (rounded with it) or in fp32 (not)."""
+    x = randn(5, heads, dim, dtype=dtype)
+    projection = randn(5, 3 * heads * dim, dtype=dtype)
+    gate = projection[:, heads * dim: 2 * heads * dim].view(5, heads, dim)
+    weight = randn(dim, dtype=weight_dtype or dtype)
+    assert not gate.is_contiguous()
+    expected = gated_rms_norm_ref(x, gate, weight, 1e-6)
+    actual = gated_rms_norm_triton(x, gate, weight, 1e-6)
+    assert actual.dtype == expected.dtype == dtype
+    assert_close(actual, expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_ref_matches_transformers(dtype):
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    norm = Qwen3NextRMSNormGated(16, eps=1e-6).to(DEVICE, dtype)
+    norm.weight.data.copy_(randn(16))
+    x, gate = randn(7, 16, dtype=dtype), randn(7, 16, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(gated_rms_norm_ref(x, gate, norm.weight, 1e-6), norm(x, gate))
 
 
 @pytest.mark.parametrize("parts", [2, 3])

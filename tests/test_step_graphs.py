@@ -164,6 +164,24 @@ def test_every_layout_warms_up_on_padding_alone(tmp_path):
         assert set(v["q_blocks"].view(2, -1)[0].tolist()) == {-1}
 
 
+def test_each_graph_is_replayed_once_after_capture_on_its_own_padding():
+    """Capture ends by replaying every graph once (its first launch uploads it, which serving steps
+    must not pay), each right after its own padding-only metadata is written."""
+    from lightllm.engine.cuda_graph import first_replays
+
+    events = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            events.append(("replay", self.name))
+
+    first_replays([(lambda n=n: events.append(("pad", n)), Graph(n)) for n in ("mixed 64", "decode 8", "decode 1")])
+    assert events == [(kind, n) for n in ("mixed 64", "decode 8", "decode 1") for kind in ("pad", "replay")]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels on CUDA only")
 def test_eager_steps_compile_no_decode_attention_after_capture(tmp_path):
     """On the GPU: after the graphs are captured, eager steps whose decodes differ in count and

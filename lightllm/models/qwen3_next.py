@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from lightllm.common.state_pool import StatePool, VerifyStash
 from lightllm.common.token_table import TokenTable
 from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_runs, causal_conv1d_step, gated_delta_rule_chunks,
-                              gated_delta_rule_runs, gated_delta_rule_step, require_fla, rotary_kv_)
+                              gated_delta_rule_runs, gated_delta_rule_step, gated_rms_norm, require_fla, rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -142,13 +142,6 @@ class Sequences:
         starts = batch.ext_kv_lens == cu[1:] - cu[:-1]
         seqs.chunk_rows, seqs.chunk_starts, seqs.chunk_bounds = batch.ext_rows.long(), starts, cu
         return seqs
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rms_norm(x) * silu(gate), over each head's last dimension (the weight not zero-centred)."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet:

@@ -48,7 +48,7 @@ from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_triton, gate
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
 from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
-from lightllm.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from lightllm.kernels.rms_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton  # noqa: E402
 from lightllm.kernels.rotary_kv import rotary_kv_triton  # noqa: E402
 from lightllm.kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 
@@ -229,6 +229,8 @@ def call_linear_attention_kernels() -> None:
         for update in (False, True):
             gated_delta_rule_runs_triton(q, k, v, g, beta, states, rows, starts, lengths, update)
             causal_conv1d_runs_triton(x, weight, conv_states, rows, starts, lengths, update)
+        z = torch.randn(tokens, 2 * v_heads * dv, dtype=dtype)[:, :v_heads * dv].view(tokens, v_heads, dv)
+        gated_rms_norm_triton(v, z, torch.randn(dv, dtype=dtype), 1e-6)  # the linear layers' gated norm
 
 
 def call_moe_kernels() -> None:
