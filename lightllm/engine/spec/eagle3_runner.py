@@ -36,7 +36,7 @@ import time
 import torch
 
 from lightllm.engine.batch import RunningReq, upload
-from lightllm.engine.cuda_graph import decode_buckets, graph_memory_bytes
+from lightllm.engine.cuda_graph import decode_buckets, first_replays, graph_memory_bytes
 from lightllm.engine.plan import DraftRequest
 from lightllm.engine.spec.draft_runner import DraftRunner, draft_batch, draft_lists
 from lightllm.models import ForwardBatch, LlamaModel, ModelConfig, load_eagle3, read_eagle3_config
@@ -212,6 +212,7 @@ class HeadGraphs:
                     self.hidden[:bucket].copy_(hidden)
                 self.graphs[bucket] = graph
             torch.cuda.current_stream().wait_stream(stream)
+            first_replays([(lambda: None, graph) for graph in self.graphs.values()])  # metadata: padding still
             torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs of the EAGLE-3 head's chained steps in %.1f s", len(self.graphs),
                     time.perf_counter() - started)
