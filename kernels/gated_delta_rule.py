@@ -297,6 +297,36 @@ def gated_delta_rule_runs_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 # ---- the chunked form on CUDA: flash-linear-attention's chunk_gated_delta_rule over the step's tokens ----
 
+def l2norm_heads_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (a strided view allowed): each head's row L2-normalised in fp32, in x's dtype."""
+    return l2norm(x.float()).to(x.dtype)
+
+
+@fast_launch
+@triton.jit
+def _l2norm_heads_kernel(x_ptr, y_ptr, heads, dim, x_stride, x_head_stride, y_stride, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """One token, all its heads: one read, one write (the torch form is seven passes in fp32)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < heads) & (d[None, :] < dim)
+    x = tl.load(x_ptr + t * x_stride + h[:, None] * x_head_stride + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    tl.store(y_ptr + t * y_stride + h[:, None] * dim + d[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def l2norm_heads_triton(x: torch.Tensor) -> torch.Tensor:
+    assert x.stride(-1) == 1
+    tokens, heads, dim = x.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if tokens:
+        block_h, block_d = next_power_of_2(heads), next_power_of_2(dim)
+        _l2norm_heads_kernel[(tokens,)](x, y, heads, dim, x.stride(0), x.stride(1), y.stride(0), BLOCK_H=block_h,
+                                        BLOCK_D=block_d, num_warps=min(max(block_h * block_d // 512, 1), 16))
+    return y
+
+
 def _fla_chunk_gated_delta_rule():
     """Imported on first use, on CUDA only: the CPU path (and CI) never needs the library."""
     try:
@@ -349,8 +379,10 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     initial = torch.cat([lone, initial, lone, lone])  # the lead, the chunks, the tail, the empty sequence
     # The L2 norms here, not in fla's kernel: its norm kernel autotunes per bucket of 65,536 rows of
     # tokens x key heads, so the first step to reach each bucket (5,339 tokens at qwen3.5-27b's 16 key
-    # heads) spent about 10 s benchmarking configurations before it launched (H200 step trace).
-    q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
+    # heads) spent about 10 s benchmarking configurations before it launched (H200 step trace). In fp32,
+    # rounded to their dtype, as fla's kernel does.
+    norm = l2norm_heads_triton if q.is_cuda else l2norm_heads_ref
+    q, k = norm(q), norm(k)
     o, final = chunk_fn(q[None], k[None], v[None], g[None], beta[None], scale=dk ** -0.5, initial_state=initial,
                         output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=bounds,
                         chunk_indices=index)

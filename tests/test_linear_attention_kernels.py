@@ -243,6 +243,22 @@ def test_gated_delta_rule_chunks_fla_wrapper_equals_reference(lengths, decodes):
     assert torch.equal(pools[1][-1], pool[-1])  # the padding chunks' row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,dim", [(3, 16), (16, 128)])
+def test_l2norm_heads_triton_equals_reference(dtype, heads, dim):
+    """The CUDA path's q/k norms before fla: each head's row unit length, in fp32, from a strided
+    view (q and k are slices of the conv's output), one program a token over its heads."""
+    from lightllm.kernels.gated_delta_rule import l2norm_heads_ref, l2norm_heads_triton
+
+    gen = torch.Generator().manual_seed(heads)
+    conv = (torch.randn(7, 3 * heads * dim, generator=gen) * 3).to(DEVICE, dtype)
+    k = conv[:, heads * dim: 2 * heads * dim].view(7, heads, dim)
+    got, expected = l2norm_heads_triton(k), l2norm_heads_ref(k)
+    assert got.dtype == dtype and got.is_contiguous() and not k.is_contiguous()
+    torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
+    torch.testing.assert_close(got.float().norm(dim=-1), torch.ones(7, heads, device=DEVICE), atol=1e-2, rtol=0)
+
+
 def test_stand_in_takes_fla_arguments():
     """The stand-in's keywords are ones fla 0.6's chunk_gated_delta_rule takes (where fla is installed)."""
     fla = pytest.importorskip("fla.ops.gated_delta_rule")

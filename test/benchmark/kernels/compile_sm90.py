@@ -44,7 +44,8 @@ from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_tri
                                          small_m_plan)
 from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
-from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_triton, gated_delta_rule_step_triton  # noqa: E402
+from lightllm.kernels.gated_delta_rule import (gated_delta_rule_runs_triton, gated_delta_rule_step_triton,  # noqa: E402
+                                               l2norm_heads_triton)
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
 from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
@@ -231,6 +232,7 @@ def call_linear_attention_kernels() -> None:
             causal_conv1d_runs_triton(x, weight, conv_states, rows, starts, lengths, update)
         z = torch.randn(tokens, 2 * v_heads * dv, dtype=dtype)[:, :v_heads * dv].view(tokens, v_heads, dv)
         gated_rms_norm_triton(v, z, torch.randn(dv, dtype=dtype), 1e-6)  # the linear layers' gated norm
+        l2norm_heads_triton(x[:, k_heads * dk: 2 * k_heads * dk].view(tokens, k_heads, dk))  # k's norm before fla
 
 
 def call_moe_kernels() -> None:
