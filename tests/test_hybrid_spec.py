@@ -29,22 +29,39 @@ SPEC = f'{{"method": "ngram", "num_speculative_tokens": {K}}}'
 
 
 # "triton": the verify and commit kernels and the gated norm (the CUDA path) in the model, under Triton's
-# interpreter here
+# interpreter here; "graph": 8 request rows, so a verify step's rows (1 + K) fit a decode bucket and run
+# padded as its verify graph replays them (eager on the CPU), runs found on the device among padding
 @pytest.mark.parametrize("name,kernels", [("qwen3_next", "reference"), ("qwen3_5", "reference"),
-                                          ("qwen3_5", "triton")])
+                                          ("qwen3_5", "triton"), ("qwen3_next", "graph")])
 def test_drafts_right_and_wrong_leave_the_state_at_the_last_accepted_token(name, kernels, tmp_path, monkeypatch):
     if kernels == "triton":
         monkeypatch.setattr(qwen3_next, "causal_conv1d_runs", causal_conv1d_runs_triton)
         monkeypatch.setattr(qwen3_next, "gated_delta_rule_runs", gated_delta_rule_runs_triton)
         monkeypatch.setattr(qwen3_next, "gated_rms_norm", gated_rms_norm_triton)
     hf_model = make_hybrid(name, tmp_path)
-    runner = make_runner(tmp_path, tokens=256, max_req_total_len=64, running_max_req_size=3, speculative_config=SPEC)
+    runner = make_runner(tmp_path, tokens=256, max_req_total_len=64, running_max_req_size=8 if kernels == "graph" else 3,
+                         speculative_config=SPEC)
+    padded_verifies = []
+    run = runner.graphs.run
+    monkeypatch.setattr(runner.graphs, "run", lambda meta, n, *args: padded_verifies.append(args[-1] and n < meta.shape[1])
+                        or run(meta, n, *args))
     prompt = [5, 7, 9, 11, 13, 5, 7, 9]
     truth = plain_run(runner, prompt, 24, SamplingParams())
     assert truth == hf_greedy(hf_model, [prompt], 24)[0]
     rng = random.Random(0)
     for wrong in (0.0, 0.4, 1.0):
         assert drafted_run(runner, prompt, 24, SamplingParams(), truth, wrong, rng) == truth
+    assert any(padded_verifies) == (kernels == "graph")
+
+
+def test_verify_runs_are_found_on_the_device_among_padding():
+    """A padded verify step's rows: a request with 3 tokens, one with 1, one with 2, then padding
+    (-1): one run a request, at its first row, of its length; nothing at the other rows."""
+    import torch
+
+    rows, starts, lengths = qwen3_next.verify_runs(torch.tensor([5, 5, 5, 2, 7, 7, -1, -1]))
+    assert rows.tolist() == [5, -1, -1, 2, 7, -1, -1, -1] and starts.tolist() == list(range(8))
+    assert lengths.tolist() == [3, 0, 0, 1, 2, 0, 0, 0]
 
 
 def test_a_verify_beside_plain_decodes_and_a_chunk(tmp_path):

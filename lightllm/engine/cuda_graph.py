@@ -136,9 +136,10 @@ class MixedLayout:
 
 class StepGraphs:
     def __init__(self, model: LlamaModel, token_table: TokenTable, req_table: ReqTable, max_batch: int,
-                 max_tokens: int, capture: bool, forward=None):
+                 max_tokens: int, capture: bool, forward=None, verify: bool = False):
         """forward: what the graphs run, model.forward's signature (None: model.forward; one that
-        also stores an EAGLE-3 head's features, which the graphs then store too)."""
+        also stores an EAGLE-3 head's features, which the graphs then store too). verify: a model
+        with recurrent state that verifies drafts: each decode bucket also as a verify step."""
         if req_table.padding_row is None:
             raise ValueError("padded steps need the request table's padding row")
         self.model, self.token_table = model, token_table
@@ -161,6 +162,8 @@ class StepGraphs:
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode buckets without LoRA (model.lora set)
+        self.verify = verify
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode buckets verifying drafts (verify set)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all()
@@ -188,24 +191,28 @@ class StepGraphs:
         return (input_ids + [0] * pad + positions + [0] * pad + rows + [self.padding_row] * pad
                 + seq_lens + [1] * pad + lora_slots + [-1] * pad)
 
-    def run(self, meta: torch.Tensor, n: int, max_seqlen: int, lora: bool = True) -> torch.Tensor:
+    def run(self, meta: torch.Tensor, n: int, max_seqlen: int, lora: bool = True, verify: bool = False
+            ) -> torch.Tensor:
         """fp32 logits [n, vocab] of the real rows; meta is [META_ROWS, bucket] on the device.
         A captured bucket's logits live in the static buffer until the next step. lora False: no
-        row has a LoRA adapter (the LoRA kernels are left out)."""
+        row has a LoRA adapter (the LoRA kernels are left out). verify: the rows verify drafts on a
+        model with recurrent state (ForwardBatch.decode_verify: its own graphs)."""
         bucket = meta.shape[1]
         self.meta[:, :bucket].copy_(meta)
-        graph = (self.graphs if lora or self.model.lora is None else self.base_graphs).get(bucket)
+        family = self.verify_graphs if verify else (self.graphs if lora or self.model.lora is None
+                                                    else self.base_graphs)
+        graph = family.get(bucket)
         if graph is None:
-            return self._forward(bucket, max_seqlen, lora)[:n]
+            return self._forward(bucket, max_seqlen, lora, verify)[:n]
         graph.replay()
         return self.logits[:n]
 
-    def _forward(self, bucket: int, max_seqlen: int, lora: bool = True) -> torch.Tensor:
+    def _forward(self, bucket: int, max_seqlen: int, lora: bool = True, verify: bool = False) -> torch.Tensor:
         input_ids, positions, rows, seq_lens, lora_slots = self.meta[:, :bucket]
         slots = self.req_to_token[rows, positions].long()  # the runner wrote them before the step
         batch = ForwardBatch(input_ids, positions, slots, self.req_to_token, decode_rows=rows.int(),
                              decode_seq_lens=seq_lens.int(), decode_max_seqlen=max_seqlen,
-                             lora_slots=lora_slots if lora else None)
+                             lora_slots=lora_slots if lora else None, decode_verify=verify)
         return self.forward(batch, self.token_table)
 
     # ---- mixed steps ----
@@ -284,6 +291,9 @@ class StepGraphs:
         if self.model.lora is not None:
             forwards += [(self.base_graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen, False))
                          for b in self.buckets]
+        if self.verify:
+            forwards += [(self.verify_graphs, b, b, lambda: None,
+                          lambda b=b: self._forward(b, self.max_seqlen, verify=True)) for b in self.buckets]
         forwards.sort(key=lambda f: -f[1])
         with torch.cuda.device(device):
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -302,8 +312,9 @@ class StepGraphs:
             first_replays([(pad_only, family[key]) for family, key, _, pad_only, _ in forwards])
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d decode CUDA graphs (batch %s; %d more without LoRA) and %d mixed-step graphs "
-                    "(tokens %s) in %.1f s, %.2f GiB; their first replays took %.1f s", len(self.graphs),
-                    ",".join(map(str, self.buckets)), len(self.base_graphs), len(self.mixed_graphs),
+        logger.info("captured %d decode CUDA graphs (batch %s; %d more without LoRA, %d more verifying drafts) and "
+                    "%d mixed-step graphs (tokens %s) in %.1f s, %.2f GiB; their first replays took %.1f s",
+                    len(self.graphs), ",".join(map(str, self.buckets)), len(self.base_graphs),
+                    len(self.verify_graphs), len(self.mixed_graphs),
                     ",".join(str(m.tokens) for m in self.mixed), captured - start, used / 2**30,
                     time.perf_counter() - captured)

@@ -169,7 +169,8 @@ class ModelRunner:
         self.info["disk_kv_cache_tokens"] = 0 if self.disk_pool is None else self.disk_pool.capacity
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
-                                     config.graph_max_tokens, capture, forward=self.target_forward)
+                                     config.graph_max_tokens, capture, forward=self.target_forward,
+                                     verify=verify_tokens > 0)
             if self.drafter is not None:
                 self.drafter.make_graphs(self.req_table, running, capture)
         if self.device.type == "cuda":
@@ -384,8 +385,7 @@ class ModelRunner:
         decodes = DecodeRows.build(plan.decodes, plan.drafts, self.reqs)
         chunks = [(self.reqs[c.req_id], c) for c in plan.chunks]
         sampled = decodes.reqs + [r for r, c in chunks if c.last]
-        graphed_decode = (self.graphs is not None and not chunks and len(decodes) <= self.graphs.buckets[-1]
-                          and not self._hybrid_verify(plan))
+        graphed_decode = self.graphs is not None and not chunks and len(decodes) <= self.graphs.buckets[-1]
         t, layout = self._upload_step(plan, decodes, chunks, sampled, graphed_decode)
         grammar = None if self._grammars is None else grammar_masks([r.sampling for r in sampled],
                                                                    self.config.vocab_size, self.device)
@@ -395,12 +395,11 @@ class ModelRunner:
         lora = self.loras is not None and (any(r.lora_slot >= 0 for r, _ in decodes.runs)
                                            or any(r.lora_slot >= 0 for r, _ in chunks))  # no pass without slots
         if graphed_decode:
-            logits = self._graph_forward(t, len(decodes), slots, max_seqlen, lora)
+            logits = self._graph_forward(t, len(decodes), slots, max_seqlen, lora, self._hybrid_verify(plan))
         elif layout is not None:  # a mixed step's graph runs its LoRA kernels whatever its rows
             logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
-            runs = [n for _, n in decodes.runs] if decodes.verifies and self.state_pool is not None else None
-            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen, lora, runs)
+            logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen, lora, self._hybrid_verify(plan))
         launched = self._sample(plan, t, logits, grammar, chunks, sampled, decodes)
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),
@@ -529,12 +528,12 @@ class ModelRunner:
                 "sample_rows": rows}
 
     def _graph_forward(self, t: dict[str, torch.Tensor], n: int, slots: torch.Tensor, max_seqlen: int,
-                       lora: bool) -> torch.Tensor:
+                       lora: bool, verify: bool = False) -> torch.Tensor:
         meta = t["meta"].view(META_ROWS, -1)  # input_ids, positions, rows, seq_lens, LoRA slots
         rows, positions = meta[2, :n], meta[1, :n]
         self._fill_last_tokens(meta[0, :n], rows)
         self.req_to_token_write(rows, positions, slots)
-        return self.graphs.run(meta, n, max_seqlen, lora)
+        return self.graphs.run(meta, n, max_seqlen, lora, verify)
 
     def _mixed_layout(self, plan: StepPlan, chunks, lists: dict) -> MixedLayout | None:
         """The graph bucket of a step with chunks, or None to run it eagerly (too large, too many
@@ -545,7 +544,8 @@ class ModelRunner:
                                         len(lists["sample_rows"]))
 
     def _hybrid_verify(self, plan: StepPlan) -> bool:
-        """A step verifying drafts on a model with recurrent state: eager, its runs are host lists."""
+        """A step verifying drafts on a model with recurrent state: its linear layers read the states
+        and stash the recurrence inputs (decode steps from their own graphs; with chunks, eager)."""
         return bool(plan.num_drafts) and self.state_pool is not None
 
     def _mixed_meta(self, lists: dict, num_decodes: int, layout: MixedLayout) -> dict[str, list[int]]:
@@ -560,9 +560,9 @@ class ModelRunner:
         return self.graphs.run_mixed(t["meta"], layout, num_sampled, max_seqlen)
 
     def _forward(self, t: dict[str, torch.Tensor], decodes: bool, chunks: bool, slots: torch.Tensor,
-                 max_seqlen: int, lora: bool, runs: list[int] | None = None) -> torch.Tensor:
+                 max_seqlen: int, lora: bool, verify: bool = False) -> torch.Tensor:
         """lora False: no row of the step has a LoRA adapter (the model launches no LoRA kernel).
-        runs: each decoding request's tokens, for a model with recurrent state verifying drafts."""
+        verify: a model with recurrent state verifies drafts (ForwardBatch.decode_verify)."""
         self.req_to_token_write(t["token_rows"], t["positions"], slots)
         decode_ids = t["decode_ids"].clone()
         self._fill_last_tokens(decode_ids, t["decode_rows"])
@@ -576,7 +576,7 @@ class ModelRunner:
                       ext_q_blocks=t["ext_q_blocks"].int().view(2, -1)) if chunks else {}
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
                              logit_index=t["logit_index"], lora_slots=t["lora_slots"] if lora else None,
-                             decode_runs=runs, **decode, **extend)
+                             decode_verify=verify, **decode, **extend)
         return self.target_forward(batch, self.token_table)
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

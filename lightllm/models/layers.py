@@ -46,9 +46,9 @@ class ForwardBatch:
     ext_q_blocks: torch.Tensor | None = None  # [2, NB] int32, extend attention's block table
     logit_index: torch.Tensor | None = None  # [S] int64 rows whose logits are wanted; None: all
     lora_slots: torch.Tensor | None = None  # [T] int64, each token's LoRA adapter slot (-1: none); None: no adapter
-    # host: tokens of each decoding request in turn where some verify drafts (None: one each); the
-    # linear-attention layers verify such a run without moving its request's state
-    decode_runs: list[int] | None = None
+    # the decode rows verify drafts: each request's consecutive rows (its token and its drafts) are one
+    # run, which the linear-attention layers verify without moving its request's state
+    decode_verify: bool = False
     # layers whose input hidden states (the residual stream entering them) of all T tokens the
     # forward returns beside the logits, concatenated in this order (an EAGLE-3 head's features)
     aux_layers: tuple[int, ...] = ()

@@ -18,7 +18,6 @@ layers and kernels serve them unchanged:
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -131,17 +130,29 @@ class Sequences:
         n = batch.num_decodes
         rows = None if not n else torch.where(batch.decode_seq_lens > 1, batch.decode_rows, -1).long()
         seqs = cls(n, rows)
-        if batch.decode_runs is not None:
-            starts = [0, *itertools.accumulate(batch.decode_runs)][:-1]
-            runs = torch.tensor(starts + list(batch.decode_runs)).to(rows.device, non_blocking=True)
-            seqs.verify_starts, seqs.verify_lengths = runs.view(2, -1)
-            seqs.verify_rows = rows[seqs.verify_starts]
+        if batch.decode_verify and n:
+            seqs.verify_rows, seqs.verify_starts, seqs.verify_lengths = verify_runs(rows)
         if not batch.has_chunks:
             return seqs
         cu = batch.ext_cu_q
         starts = batch.ext_kv_lens == cu[1:] - cu[:-1]
         seqs.chunk_rows, seqs.chunk_starts, seqs.chunk_bounds = batch.ext_rows.long(), starts, cu
         return seqs
+
+
+def verify_runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify step's runs from its decode rows [B] (each request's token and drafts on consecutive
+    rows of its request row, padding -1), on the device and in fixed sizes (a CUDA graph replays
+    them): for each position, the request row of the run that starts there, its first token and its
+    length; positions inside a run (and padding) get row -1 and length 0, which the runs kernels skip."""
+    at = torch.arange(rows.shape[0], device=rows.device)
+    first = torch.ones_like(rows, dtype=torch.bool)
+    first[1:] = rows[1:] != rows[:-1]
+    # the next run's first position after each position: a suffix minimum over the starts
+    starts_at = torch.where(first, at, rows.shape[0])
+    next_start = torch.cat([starts_at[1:].flip(0).cummin(0).values.flip(0), at.new_full((1,), rows.shape[0])])
+    lengths = torch.where(first & (rows >= 0), next_start - at, 0)
+    return torch.where(lengths > 0, rows, -1), at, lengths
 
 
 class GatedDeltaNet:
