@@ -62,6 +62,7 @@ class Eagle3Head:
         self.mlp = GatedMLP(weights, tp, layer, f"{prefix}.mlp")
         self.norm = norm("norm.weight")
         self.fc_in = 3 * cfg.target_hidden_size
+        self.hidden_size = hidden  # of its layer: the hidden states a chained step takes and gives
         start, count = split_even(self.fc_in, tp, "3 x target_hidden_size")
         self.fc = RowParallelLinear(weights, tp, "fc", hidden, self.fc_in, start, count, False)
         self.fc_slice = slice(start, start + count)  # this rank's features of fc's input

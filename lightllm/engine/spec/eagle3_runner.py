@@ -157,7 +157,7 @@ class HeadGraphs:
         self.head, self.kv, self.req_to_token = head, kv, req_table.req_to_token
         self.padding_row, self.max_seqlen = req_table.padding_row, req_table.max_req_total_len
         self.buckets = decode_buckets(max_batch)
-        largest, hidden, device = self.buckets[-1], head.config.layer.hidden_size, kv.device
+        largest, hidden, device = self.buckets[-1], head.hidden_size, kv.device
         self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest],
                                  device=device)
         self.features = torch.zeros(largest, hidden, dtype=head.dtype, device=device)

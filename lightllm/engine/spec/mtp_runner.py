@@ -7,14 +7,16 @@ row per target slot and one for the padding rows' scratch slot, counted in each 
 budget as the head's are). Rows, KV and chains are the EAGLE-3 head's: the row at p pairs the
 feature at p with the token at p + 1 and predicts p + 2; the MTP layer's K/V go to a token table of
 its own with one row per target slot and k_max scratch rows per request row; a proposal catches up
-on the rows its KV lacks, then k - 1 chained steps feed the layer's own output hidden state. Its
-vocabulary is the target's. The hybrid targets run eagerly, and so do its steps.
+on the rows its KV lacks, then k - 1 chained steps feed the layer's own output hidden state, replayed
+from the head's decode graphs as an EAGLE-3 head's are (HeadGraphs; the catch-up runs eagerly). Its
+vocabulary is the target's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightllm.engine.cuda_graph import graph_memory_bytes
 from lightllm.engine.spec.eagle3_runner import Eagle3Runner
 from lightllm.models import ModelConfig
 from lightllm.models.mtp import load_mtp
@@ -40,8 +42,7 @@ class MtpRunner(Eagle3Runner):
         return forward
 
     def graph_bytes(self, max_batch: int, target_graph_tokens: int, itemsize: int) -> int:
-        return 0  # no graphs of its own (make_graphs)
-
-    def make_graphs(self, req_table, max_batch: int, capture: bool) -> None:
-        """None: its steps run eagerly, as its target's do."""
-        self.graphs = None
+        """The chained steps' graphs (the target's graphs store one hidden state a token, in place)."""
+        cfg = self.config
+        return graph_memory_bytes(max_batch, max_batch, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                                  itemsize)
