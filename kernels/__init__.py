@@ -52,7 +52,7 @@ if __name__ != "kernels" or not _hand_over_the_name():
     from .gated_delta_rule import gated_delta_rule_varlen_ref as gated_delta_rule_varlen
     from .gated_delta_rule import (gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref,
                                    gated_delta_rule_runs_ref, gated_delta_rule_runs_triton, gated_delta_rule_step_ref,
-                                   gated_delta_rule_step_triton, require_fla)
+                                   gated_delta_rule_step_triton, linear_gates_ref, linear_gates_triton, require_fla)
     from .silu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -71,6 +71,7 @@ if __name__ != "kernels" or not _hand_over_the_name():
     rms_norm = _by_device(rms_norm_ref, rms_norm_triton)
     add_rms_norm = _by_device(add_rms_norm_ref, add_rms_norm_triton)
     gated_rms_norm = _by_device(gated_rms_norm_ref, gated_rms_norm_triton)
+    linear_gates = _by_device(linear_gates_ref, linear_gates_triton)
     rotary_kv_ = _by_device(rotary_kv_ref, rotary_kv_triton)
     extend_attention = _by_device(extend_attention_ref, extend_attention_triton)
     decode_attention = _by_device(decode_attention_ref, decode_attention_triton)
@@ -97,6 +98,6 @@ if __name__ != "kernels" or not _hand_over_the_name():
         "silu_and_mul", "gelu_tanh_and_mul", "apply_penalties_", "random_uniform", "greedy_sample", "fp8_linear",
         "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
         "causal_conv1d_runs", "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step",
-        "gated_delta_rule_runs", "require_fla",
+        "gated_delta_rule_runs", "linear_gates", "require_fla",
         "lora_shrink", "lora_expand_", "lora_segments",
     ]

@@ -44,6 +44,42 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.
     return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
 
 
+def linear_gates_ref(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's per-token, per-value-head gates from its projections a, b [T, Hv] (strided
+    views allowed): the log decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (neg_a = -exp(A_log),
+    dt_bias fp32 [Hv]) and the write strength beta = sigmoid(b) in b's dtype."""
+    return neg_a * torch.nn.functional.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+@fast_launch
+@triton.jit
+def _linear_gates_kernel(a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, a_stride, b_stride, g_stride,
+                         beta_stride, BLOCK_H: tl.constexpr):
+    """One token's heads: both gates in one launch (the torch form is six)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    mask = h < heads
+    x = tl.load(a_ptr + t * a_stride + h, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + h, mask=mask,
+                                                                                           other=0.0)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+    tl.store(g_ptr + t * g_stride + h, tl.load(neg_a_ptr + h, mask=mask, other=0.0) * softplus, mask=mask)
+    b = tl.load(b_ptr + t * b_stride + h, mask=mask, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + t * beta_stride + h, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+def linear_gates_triton(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    assert a.stride(-1) == b.stride(-1) == 1 and neg_a.dtype == dt_bias.dtype == torch.float32
+    tokens, heads = a.shape
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty(tokens, heads, dtype=b.dtype, device=b.device)
+    if tokens:
+        _linear_gates_kernel[(tokens,)](a, b, neg_a, dt_bias, g, beta, heads, a.stride(0), b.stride(0), g.stride(0),
+                                        beta.stride(0), BLOCK_H=next_power_of_2(heads), num_warps=1)
+    return g, beta
+
+
 def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, cu_seqlens: list[int], states: torch.Tensor
                                 ) -> tuple[torch.Tensor, torch.Tensor]:

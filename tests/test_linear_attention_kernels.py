@@ -259,6 +259,25 @@ def test_l2norm_heads_triton_equals_reference(dtype, heads, dim):
     torch.testing.assert_close(got.float().norm(dim=-1), torch.ones(7, heads, device=DEVICE), atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [3, 48])
+def test_linear_gates_triton_equals_reference(dtype, heads):
+    """The decay and write strength of every token and value head in one launch, from strided slices
+    of the projection (a: past softplus's threshold too), g in fp32 and beta in b's dtype."""
+    from lightllm.kernels.gated_delta_rule import linear_gates_ref, linear_gates_triton
+
+    gen = torch.Generator().manual_seed(heads)
+    projection = (torch.randn(6, 4 * heads, generator=gen) * 8).to(DEVICE, dtype)
+    b, a = projection[:, heads: 2 * heads], projection[:, 3 * heads:]
+    neg_a = -torch.rand(heads, generator=gen).exp().to(DEVICE)
+    dt_bias = torch.randn(heads, generator=gen).to(DEVICE) + torch.linspace(-30, 30, heads).to(DEVICE)
+    (g, beta), (expected_g, expected_beta) = linear_gates_triton(a, b, neg_a, dt_bias), linear_gates_ref(a, b, neg_a,
+                                                                                                       dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g, expected_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta, expected_beta, **STEP_TOL[dtype])
+
+
 def test_stand_in_takes_fla_arguments():
     """The stand-in's keywords are ones fla 0.6's chunk_gated_delta_rule takes (where fla is installed)."""
     fla = pytest.importorskip("fla.ops.gated_delta_rule")

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from lightllm.common.state_pool import StatePool, VerifyStash
 from lightllm.common.token_table import TokenTable
 from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_runs, causal_conv1d_step, gated_delta_rule_chunks,
-                              gated_delta_rule_runs, gated_delta_rule_step, gated_rms_norm, require_fla, rotary_kv_)
+                              gated_delta_rule_runs, gated_delta_rule_step, gated_rms_norm, linear_gates, require_fla,
+                              rotary_kv_)
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -191,7 +192,7 @@ class GatedDeltaNet:
         vd, vh = self.v_heads * self.dv, self.v_heads
         mixed, z, b, a = self.in_proj(h).split([self.conv_channels, vd, vh, vh], dim=-1)
         tokens = mixed.shape[0]
-        g, beta = self.neg_a * F.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
+        g, beta = linear_gates(a, b, self.neg_a, self.dt_bias)
         if seqs.verify_rows is not None:  # the recurrence's inputs, for the commit of the accepted tokens
             n = seqs.num_decodes
             for kept, now in zip(stash, (mixed, g, beta)):

@@ -45,7 +45,7 @@ from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_tri
 from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm.kernels.gated_delta_rule import (gated_delta_rule_runs_triton, gated_delta_rule_step_triton,  # noqa: E402
-                                               l2norm_heads_triton)
+                                               l2norm_heads_triton, linear_gates_triton)
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
 from lightllm.kernels.random_uniform import random_uniform_triton  # noqa: E402
@@ -233,6 +233,8 @@ def call_linear_attention_kernels() -> None:
         z = torch.randn(tokens, 2 * v_heads * dv, dtype=dtype)[:, :v_heads * dv].view(tokens, v_heads, dv)
         gated_rms_norm_triton(v, z, torch.randn(dv, dtype=dtype), 1e-6)  # the linear layers' gated norm
         l2norm_heads_triton(x[:, k_heads * dk: 2 * k_heads * dk].view(tokens, k_heads, dk))  # k's norm before fla
+        ab = torch.randn(tokens, 2 * v_heads, dtype=dtype)
+        linear_gates_triton(ab[:, v_heads:], ab[:, :v_heads], -torch.rand(v_heads), torch.randn(v_heads))
 
 
 def call_moe_kernels() -> None:
