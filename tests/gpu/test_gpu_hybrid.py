@@ -94,7 +94,8 @@ def test_fla_delta_rule_replays_from_a_cuda_graph_with_new_bounds():
     states, out = pool.clone(), torch.zeros_like(v)
 
     def call():
-        gated_delta_rule_chunks_fla(q, k, v, g, beta, *static, states, out)
+        cu, rows, fresh = static
+        gated_delta_rule_chunks_fla(q, k, v, g, beta, cu, states, rows, fresh, out)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
