@@ -72,13 +72,15 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
 
 
 def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
-                           rows: torch.Tensor) -> torch.Tensor:
-    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C].
+                           rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, C], weight [C, K], states [S, C, K-1] updated in place at rows [B]. Returns [B, C]
+    (written into `out` if given).
     A row of -1 (a padded step's padding) reads and writes no state; its output is zeros."""
     live = rows >= 0
     seq = torch.cat([states[rows.clamp(min=0)].to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
     states[rows[live]] = seq[live, :, 1:].to(states.dtype)
-    return torch.where(live[:, None], F.silu((seq.to(weight.dtype) * weight).sum(-1)), 0).to(x.dtype)
+    y = torch.where(live[:, None], F.silu((seq.to(weight.dtype) * weight).sum(-1)), 0).to(x.dtype)
+    return y if out is None else out.copy_(y)
 
 
 @fast_launch
@@ -92,7 +94,9 @@ def _causal_conv1d_step_kernel(x_ptr, weight_ptr, states_ptr, rows_ptr, out_ptr,
     j = tl.arange(0, BLOCK_W)[None, :]
     c_mask = (c < channels)[:, None]
     row = tl.load(rows_ptr + b).to(tl.int64)
-    if row < 0:  # padding: no state, and the output's zeros stay
+    if row < 0:  # padding: no state, zeros out
+        tl.store(out_ptr + b * out_stride + c, tl.zeros([BLOCK_C], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=c < channels)
         return
     state = states_ptr + row * channels * (WIDTH - 1) + c[:, None] * (WIDTH - 1)
     x = tl.load(x_ptr + b * x_stride + c, mask=c < channels, other=0.0)[:, None]
@@ -108,11 +112,12 @@ def _causal_conv1d_step_kernel(x_ptr, weight_ptr, states_ptr, rows_ptr, out_ptr,
 
 
 def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
-                              rows: torch.Tensor) -> torch.Tensor:
+                              rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1
     batch, channels = x.shape
     width = weight.shape[1]
-    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # a padding row's (row -1) output
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == x.shape and out.stride(-1) == 1
     if batch == 0:
         return out
     block_c = min(next_power_of_2(channels), 256)

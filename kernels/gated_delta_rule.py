@@ -24,6 +24,8 @@ output reads it with the scaled, L2-normalised query: o = S^T q. Three forms wit
 Key heads fewer than value heads are shared by consecutive value heads (GQA-style). The `_ref`
 functions are the CPU path and the oracle.
 """
+from typing import NamedTuple
+
 import torch
 
 from ._triton import cdiv, fast_launch, next_power_of_2, tl, triton
@@ -119,13 +121,14 @@ def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def gated_delta_rule_chunks_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                                 cu_seqlens: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor,
-                                out: torch.Tensor) -> None:
+                                out: torch.Tensor, plan=None) -> None:
     """A step's prompt chunks with their states in a pool (the prefill and extend path): q, k
     [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv] over all of the step's tokens; chunk i is tokens
     [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device), starts from states[rows[i]] ([S, Hv, dk,
     dv], fp32 or narrower: read into fp32, stored rounded), or from zeros where fresh[i] (a
     request's first chunk), and leaves its final state there. Writes out's ([T, Hv, dv]) rows of the chunks only: the rows before them (decodes) keep
-    what they hold. Empty chunks (a padded step's padding) read and write no state."""
+    what they hold. Empty chunks (a padded step's padding) read and write no state. `plan`: the CUDA
+    path's per-step `fla_plan`, not needed here."""
     bounds = cu_seqlens.tolist()
     lo, hi = bounds[0], bounds[-1]
     initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows].float())
@@ -180,10 +183,10 @@ def gated_delta_rule_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                              states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                              states: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token each of B requests: q, k [B, Hk, dk], v [B, Hv, dv], g and beta [B, Hv]; states
     [S, Hv, dk, dv] (fp32 or narrower: the update runs in fp32, the state is stored rounded), rows
-    [B] each request's state, updated in place. Returns o [B, Hv, dv].
+    [B] each request's state, updated in place. Returns o [B, Hv, dv] (written into `out` if given).
     A row of -1 (a padded step's padding) reads and writes no state; its output is zeros."""
     q, k = _prepare(q, k, v.shape[1])
     live = rows >= 0
@@ -191,7 +194,8 @@ def gated_delta_rule_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     delta = (v.float() - (s * k[..., None]).sum(-2)) * beta.float()[..., None]
     s = s + k[..., None] * delta[..., None, :]
     states[rows[live]] = s[live].to(states.dtype)
-    return torch.where(live[:, None, None], (s * q[..., None]).sum(-2), 0).to(v.dtype)
+    o = torch.where(live[:, None, None], (s * q[..., None]).sum(-2), 0).to(v.dtype)
+    return o if out is None else out.copy_(o)
 
 
 @fast_launch
@@ -209,7 +213,9 @@ def _gated_delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_p
     k_mask, v_mask = dk < DK, dv < DV
     key_head = head // group
     row = tl.load(rows_ptr + b).to(tl.int64)
-    if row < 0:  # padding: no state, and the output's zeros stay
+    if row < 0:  # padding: no state, zeros out
+        tl.store(o_ptr + b * o_stride + head * o_head_stride + dv, tl.zeros([BLOCK_V], tl.float32).to(
+            o_ptr.dtype.element_ty), mask=v_mask)
         return
     s_ptrs = states_ptr + (row * num_heads + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
@@ -241,12 +247,14 @@ def _delta_rule_token(s, t, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, q_strid
 
 
 def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                 beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                                 beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
     assert states.is_contiguous() and states.dtype in STATE_DTYPES
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     batch, num_heads, dv = v.shape
     dk = q.shape[-1]
-    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # a padding row's (row -1) output
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+    assert out.shape == v.shape and out.stride(-1) == 1
     if batch == 0:
         return out
     block_v = min(next_power_of_2(dv), 32)  # a program's state tile [dk, 32] stays in registers
@@ -398,18 +406,37 @@ def fla_sequences(cu_seqlens: torch.Tensor, tokens: int, chunk: int = CHUNK) -> 
     return bounds, torch.stack([seq, index], 1)
 
 
+class FlaPlan(NamedTuple):
+    """What every linear layer of a step derives alike from its chunks' bounds, made once a step
+    (about twenty small kernels a layer otherwise): fla's packed sequences (`fla_sequences`), which
+    of the step's tokens belong to a chunk ([T, 1, 1] bool) and which chunks hold any ([C, 1, 1, 1])."""
+    bounds: torch.Tensor
+    index: torch.Tensor
+    inside: torch.Tensor
+    filled: torch.Tensor
+
+
+def fla_plan(cu_seqlens: torch.Tensor, tokens: int) -> FlaPlan:
+    bounds, index = fla_sequences(cu_seqlens, tokens)
+    at = torch.arange(tokens, device=cu_seqlens.device)
+    inside = (at >= cu_seqlens[0]) & (at < cu_seqlens[-1])
+    filled = cu_seqlens[1:] > cu_seqlens[:-1]  # padding chunks (empty) share one row
+    return FlaPlan(bounds, index, inside.view(-1, 1, 1), filled.view(-1, 1, 1, 1))
+
+
 def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
                                 rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor,
-                                chunk_fn=None) -> None:
+                                chunk_fn=None, plan: FlaPlan | None = None) -> None:
     """`gated_delta_rule_chunks_ref` on CUDA through flash-linear-attention (its value heads sharing
     key heads as ours do; the L2 norms before it): the initial states gathered from the pool (zeros
     where a chunk starts its request), one call over all of the step's tokens, the outputs kept for
     the chunks' rows only, the final states of the non-empty chunks scattered back; all on the
-    device, no host read. chunk_fn: a stand-in with chunk_gated_delta_rule's signature (tests)."""
+    device, no host read. chunk_fn: a stand-in with chunk_gated_delta_rule's signature (tests);
+    plan: `fla_plan(cu_seqlens, T)`, made here if absent (the model makes it once a step)."""
     chunk_fn = chunk_fn or _fla_chunk_gated_delta_rule()
     tokens, dk = v.shape[0], k.shape[-1]
-    bounds, index = fla_sequences(cu_seqlens, tokens)
+    plan = plan or fla_plan(cu_seqlens, tokens)
     lone = states.new_zeros((1, *states.shape[1:]))
     initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])  # fla reads it into fp32, whatever its dtype
     initial = torch.cat([lone, initial, lone, lone])  # the lead, the chunks, the tail, the empty sequence
@@ -420,10 +447,7 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     norm = l2norm_heads_triton if q.is_cuda else l2norm_heads_ref
     q, k = norm(q), norm(k)
     o, final = chunk_fn(q[None], k[None], v[None], g[None], beta[None], scale=dk ** -0.5, initial_state=initial,
-                        output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=bounds,
-                        chunk_indices=index)
-    at = torch.arange(tokens, device=v.device)
-    inside = (at >= cu_seqlens[0]) & (at < cu_seqlens[-1])
-    out.copy_(torch.where(inside.view(-1, 1, 1), o[0].to(out.dtype), out))
-    filled = (cu_seqlens[1:] > cu_seqlens[:-1]).view(-1, 1, 1, 1)  # padding chunks (empty) share one row
-    states[rows] = torch.where(filled, final[1:-2].to(states.dtype), states[rows])
+                        output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=plan.bounds,
+                        chunk_indices=plan.index)
+    out.copy_(torch.where(plan.inside, o[0].to(out.dtype), out))
+    states[rows] = torch.where(plan.filled, final[1:-2].to(states.dtype), states[rows])

@@ -131,7 +131,9 @@ def test_gated_delta_rule_step_triton_equals_reference(dtype, state_dtype, k_hea
     rows = torch.tensor([4, -1, 2], device=DEVICE)  # -1: a padded step's padding
     expected_states = states.clone()
     expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
-    got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows)
+    out = torch.full_like(v, 7.0)  # the caller's buffer, as the model passes it: every row written, padding's zeros
+    got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows, out=out)
+    assert got is out
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
     assert (got[1] == 0).all() and torch.equal(expected_states[[0, 1, 3]], states[[0, 1, 3]])  # padding: no state
     assert states.dtype == state_dtype
@@ -172,7 +174,9 @@ def test_causal_conv1d_step_triton_equals_reference(dtype, channels):
     before = states.clone()
     expected_states = states.clone()
     expected = causal_conv1d_step_ref(x, weight, expected_states, rows)
-    got = causal_conv1d_step_triton(x, weight, states, rows)
+    out = torch.full_like(x, 7.0)  # the caller's buffer, as the model passes it: every row written, padding's zeros
+    got = causal_conv1d_step_triton(x, weight, states, rows, out=out)
+    assert got is out
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
     assert torch.equal(states, expected_states)  # a shift: the same values moved
     assert (got[1] == 0).all() and torch.equal(states[[0, 2, 3]], before[[0, 2, 3]])  # padding: no state
@@ -225,22 +229,25 @@ def test_gated_delta_rule_chunks_fla_wrapper_equals_reference(lengths, decodes):
     same signature: fla's kernels do not run in Triton's interpreter; the GPU tests compare the real
     one): states gathered from the pool (zeros where a chunk starts its request), outputs written
     for the chunks' rows only, final states back to the chunks' rows, padding chunks' row untouched."""
-    from lightllm.kernels.gated_delta_rule import gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref
+    from lightllm.kernels.gated_delta_rule import fla_plan, gated_delta_rule_chunks_fla, gated_delta_rule_chunks_ref
 
     gen = torch.Generator().manual_seed(sum(lengths) + decodes)
     cu, rows, fresh, tokens = step_chunks(gen, lengths, decodes, pool_rows=8)
     q, k, v, g, beta = delta_inputs(gen, tokens + 2, 1, 2, 16, 24)  # 2 padding tokens after the chunks
     pool = torch.randn(8, 2, 16, 24, generator=gen) * 0.3
     outs, pools = [], []
-    for impl in (gated_delta_rule_chunks_ref, partial(gated_delta_rule_chunks_fla, chunk_fn=varlen_standing_in_for_fla)):
+    fla = partial(gated_delta_rule_chunks_fla, chunk_fn=varlen_standing_in_for_fla)
+    # the plan made inside, and made once beforehand as the model makes it for all of a step's layers
+    for impl in (gated_delta_rule_chunks_ref, fla, partial(fla, plan=fla_plan(cu, tokens + 2))):
         out, states = torch.full_like(v, 7.0), pool.clone()  # decode rows before the chunks, padding after: kept
         impl(q, k, v, g, beta, cu, states, rows, fresh, out)
         outs.append(out)
         pools.append(states)
-    torch.testing.assert_close(outs[1], outs[0], **STEP_TOL[torch.float32])
-    torch.testing.assert_close(pools[1], pools[0], **STEP_TOL[torch.float32])
-    assert (outs[1][:decodes] == 7).all() and (outs[1][tokens:] == 7).all()
-    assert torch.equal(pools[1][-1], pool[-1])  # the padding chunks' row
+    for out, states in zip(outs[1:], pools[1:]):
+        torch.testing.assert_close(out, outs[0], **STEP_TOL[torch.float32])
+        torch.testing.assert_close(states, pools[0], **STEP_TOL[torch.float32])
+        assert (out[:decodes] == 7).all() and (out[tokens:] == 7).all()
+        assert torch.equal(states[-1], pool[-1])  # the padding chunks' row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

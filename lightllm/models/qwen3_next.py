@@ -28,6 +28,7 @@ from lightllm.common.token_table import TokenTable
 from lightllm.kernels import (causal_conv1d_chunks, causal_conv1d_runs, causal_conv1d_step, gated_delta_rule_chunks,
                               gated_delta_rule_runs, gated_delta_rule_step, gated_rms_norm, linear_gates, require_fla,
                               rotary_kv_)
+from lightllm.kernels.gated_delta_rule import FlaPlan, fla_plan
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -125,6 +126,13 @@ class Sequences:
     verify_rows: torch.Tensor | None = None
     verify_starts: torch.Tensor | None = None
     verify_lengths: torch.Tensor | None = None
+    chunk_plan: FlaPlan | None = None  # the CUDA path's, made by the first linear layer, shared by the rest
+
+    def plan_for(self, tokens: torch.Tensor) -> FlaPlan | None:
+        """The chunks' `fla_plan` over the step's `tokens` on CUDA (None on the CPU, whose reference needs none)."""
+        if self.chunk_plan is None and tokens.is_cuda:
+            self.chunk_plan = fla_plan(self.chunk_bounds, tokens.shape[0])
+        return self.chunk_plan
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> Sequences:
@@ -223,7 +231,7 @@ class GatedDeltaNet:
             out[:n] = causal_conv1d_runs(mixed[:n], self.conv_weight, conv_states, seqs.verify_rows,
                                          seqs.verify_starts, seqs.verify_lengths, update=False)
         elif n:
-            out[:n] = causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows)
+            causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows, out=out[:n])
         if seqs.chunk_rows is not None:  # after the decodes, whose rows a padded step's chunks may overlap
             causal_conv1d_chunks(mixed, self.conv_weight, seqs.chunk_bounds, conv_states, seqs.chunk_rows,
                                  seqs.chunk_starts, out)
@@ -236,10 +244,10 @@ class GatedDeltaNet:
             out[:n] = gated_delta_rule_runs(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.verify_rows,
                                             seqs.verify_starts, seqs.verify_lengths, update=False)
         elif n:
-            out[:n] = gated_delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.decode_rows)
+            gated_delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states, seqs.decode_rows, out=out[:n])
         if seqs.chunk_rows is not None:
             gated_delta_rule_chunks(q, k, v, g, beta, seqs.chunk_bounds, states, seqs.chunk_rows, seqs.chunk_starts,
-                                    out)
+                                    out, plan=seqs.plan_for(v))
         return out
 
 
