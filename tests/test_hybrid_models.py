@@ -82,7 +82,7 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe_fused", "qwen3_5_vl"])
 def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_path, monkeypatch):
     hf_model = make_hybrid(name, tmp_path)
-    room = 3.5 * SLOT_BYTES / memory.STATE_MEMORY_SHARE  # 3 slots: 2 rows and the padding row
+    room = 3.5 * SLOT_BYTES * 2  # half of it for states (--mamba_full_memory_ratio 1): 3 slots, 2 rows and the padding row
     monkeypatch.setattr(memory, "memory_info", lambda device: (int(room), int(room)))
     runner = make_runner(tmp_path, tokens=512, max_req_total_len=96, running_max_req_size=8, mem_fraction=1.0)
     pool, cfg = runner.state_pool, runner.config
@@ -95,6 +95,29 @@ def test_chunked_prefill_carries_the_state_and_equals_transformers(name, tmp_pat
     core = engine(runner, chunk=7, prefix_cache=False)
     assert Client(core).run(workload, SamplingParams(max_new_tokens=NEW)) == expected
     assert_idle(core)
+
+
+@pytest.mark.parametrize("ratio,rows", [(1.0, 3), (3.0, 5), (1 / 7, 0)])
+def test_the_state_rows_take_the_asked_share_of_the_memory_left(ratio, rows, tmp_path, monkeypatch):
+    """--mamba_full_memory_ratio r: the running requests' states take r / (1 + r) of the memory left
+    (8.25 slots' worth here: 4 at r = 1, 6 at r = 3, 1 at r = 1/7, each less the padding row's), the
+    rest goes to the snapshots and the KV cache; a share too small for one request is refused at start."""
+    from lightllm.engine.config import EngineConfig
+
+    make_hybrid("qwen3_5", tmp_path)
+    room = 8 * SLOT_BYTES + SLOT_BYTES // 4
+    monkeypatch.setattr(memory, "memory_info", lambda device: (int(room), int(room)))
+    settings = dict(tokens=256, max_req_total_len=64, running_max_req_size=8, mem_fraction=1.0,
+                    mamba_full_memory_ratio=ratio)
+    if not rows:
+        with pytest.raises(ValueError, match="no memory left for the recurrent state"):
+            make_runner(tmp_path, **settings)
+        return
+    runner = make_runner(tmp_path, **settings)
+    assert runner.req_table.max_reqs == runner.info["running_max_req_size"] == rows
+    assert runner.state_pool.slots == rows + 1
+    with pytest.raises(ValueError, match="mamba_full_memory_ratio"):
+        EngineConfig(model_dir=str(tmp_path), mamba_full_memory_ratio=0).check()
 
 
 @pytest.mark.parametrize("flag,config_dtype,expected", [("bfloat16", None, torch.bfloat16),

@@ -82,6 +82,10 @@ class EngineConfig:
         default="auto",
         metadata=flag("models with recurrent state: the dtype of the linear-attention layers' recurrent states in their pool. auto: the checkpoint's mamba_ssm_dtype where its config names one, else float32 (as the delta rule accumulates them); bfloat16 halves a request's state (qwen3.5-27b: 146.8 to 74.8 MiB), so about twice the requests run at once and a decode step moves half the state bytes, at the cost of rounding each state once a step (vLLM's default where the checkpoint names no dtype)", choices=("auto", "float32", "bfloat16", "float16")),
     )
+    mamba_full_memory_ratio: float = field(
+        default=1.0,
+        metadata=flag("models with recurrent state: the memory left after loading is split between the running requests' states (one slot each, a hard cap on how many run at once) and the rest (state snapshots, then the KV cache), this many to one (SGLang's flag of the name). The default, 1, gives them half; where requests are short the KV cache is left partly unused while the state slots cap the batch (qwen3.5-27b, ShareGPT at once, bf16 states: 525 rows, at most 201,580 of 486,099 KV tokens in use, docs/benchmarks.md), and a larger ratio runs more at once: about a slot's bytes over a request's KV bytes (qwen3.5-27b: 74.8 MiB over 64 KiB a token, about 1,200 tokens) divided by its tokens (prompt and output)"),
+    )
     host_kv_cache_gb: float = field(
         default=0.0,
         metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
@@ -197,6 +201,8 @@ class EngineConfig:
             raise ValueError("--burst_chunked_prefill_size must be 0 (off) or at least --chunked_prefill_size")
         if self.state_snapshot_interval < 1 or self.state_snapshot_slots < 0:
             raise ValueError("--state_snapshot_interval must be at least 1 and --state_snapshot_slots at least 0")
+        if not self.mamba_full_memory_ratio > 0:
+            raise ValueError("--mamba_full_memory_ratio must be above 0")
         if self.host_kv_cache_gb < 0:
             raise ValueError("--host_kv_cache_gb must be 0 (off) or more")
         if self.disk_kv_cache_dir and (self.host_kv_cache_gb <= 0 or self.disk_kv_cache_gb <= 0):

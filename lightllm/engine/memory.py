@@ -145,22 +145,25 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-# The hybrid models' recurrent states take at most this share of the memory that --mem_fraction
-# leaves beside what is in use after loading; the KV budget is measured after they are allocated.
+# The prefix cache's state snapshots take at most this share of the memory left beside the states
+# of the running requests; the KV budget is measured after both are allocated.
 STATE_MEMORY_SHARE = 0.5
 
 
-def state_slots(slot_bytes: int, wanted: int, device: torch.device, mem_fraction: float) -> int:
+def state_slots(slot_bytes: int, wanted: int, device: torch.device, mem_fraction: float, ratio: float = 1.0) -> int:
     """Request rows (each with its recurrent state, `slot_bytes`) to allocate: `wanted`, or fewer
-    where their states would take more than STATE_MEMORY_SHARE of the memory left."""
+    where their states would take more than ratio / (1 + ratio) of the memory left
+    (--mamba_full_memory_ratio: the states' share against the rest's)."""
     total, free = memory_info(device)
-    room = (total * mem_fraction - (total - free)) * STATE_MEMORY_SHARE
+    share = ratio / (1 + ratio)
+    room = (total * mem_fraction - (total - free)) * share
     fits = int(room // slot_bytes) - 1  # one slot more serves the padding row
     if fits < 1:
         raise ValueError(f"no memory left for the recurrent state of one request ({slot_bytes / 2**20:.1f} MiB)")
     if fits < wanted:
         logger.warning("running requests capped at %d (of --running_max_req_size %d): their recurrent states, "
-                       "%.1f MiB each, take %g of the memory left", fits, wanted, slot_bytes / 2**20, STATE_MEMORY_SHARE)
+                       "%.1f MiB each, take %.3g of the memory left (--mamba_full_memory_ratio %g)", fits, wanted,
+                       slot_bytes / 2**20, share, ratio)
     return min(wanted, fits)
 
 

@@ -114,7 +114,8 @@ class ModelRunner:
         self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, cfg.linear_attn)
         if cfg.linear_attn:  # as many request rows as there are recurrent states that fit
             slot_bytes = self.model.state_slot_bytes(verify_tokens, self.state_dtype)
-            running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction), self.device)
+            running = self.tp.min_int(state_slots(slot_bytes, running, self.device, config.mem_fraction,
+                                                  config.mamba_full_memory_ratio), self.device)
         self.req_table = ReqTable(running, self.max_req_total_len, self.device, padding_row=cuda_graph)
         self.drafter = self._load_drafter(config, dtype, running + 1)  # weights in use before the budget is sized
         # An EAGLE-3 head's target forward, which also stores the head's features (target_forward)
