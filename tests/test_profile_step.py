@@ -71,6 +71,38 @@ def test_an_eager_mixed_steps_gemms_are_labelled_across_its_memsets():
                                                            "GEMM lm_head"]
 
 
+def test_a_hybrid_layers_kernels_are_labelled_by_their_place():
+    """Qwen3.5's decode: a linear layer's in_proj (before its gates and conv) and out_proj (after the
+    gated norm), then an attention layer's and the MLPs' as for the dense families."""
+    names = ["_rms_norm_kernel", "nvjet_in", "_linear_gates_kernel", "_causal_conv1d_step_kernel",
+             "_gated_delta_rule_step_kernel", "_gated_rms_norm_kernel", "nvjet_out", "_rms_norm_kernel", "nvjet_gu",
+             "_silu_and_mul_kernel", "nvjet_down", "_rms_norm_kernel", "nvjet_qkv", "_rms_norm_kernel",
+             "_rotary_kv_kernel", "_decode_split_kernel", "sigmoid_mul", "nvjet_o", "_rms_norm_kernel", "nvjet_lm"]
+    labels = [g for g, _, _ in profile_step.label_kernels([(n, i, i + 1) for i, n in enumerate(names)], 1)]
+    assert [g for g in labels if g.startswith("GEMM")] == ["GEMM in_proj", "GEMM out_proj", "GEMM gate_up",
+                                                           "GEMM down", "GEMM qkv", "GEMM o", "GEMM lm_head"]
+    assert {"linear gates", "causal conv", "delta rule step (states)", "gated norm"} <= set(labels)
+
+
+def test_a_hybrid_models_projections_are_its_checkpoints(tmp_path):
+    """projection_params counts what a hybrid checkpoint holds: every 2-D projection of its layers
+    (linear layers' in/out projections, gated attention's doubled q, the MLPs), the embedding and
+    LM head apart; and its KV bytes come from the attention layers only."""
+    from safetensors import safe_open
+
+    from lightllm.models import read_config
+    from lightllm.tools.bench_model import write_bench_model
+    from benchmark.engine.static_benchmark import kv_bytes_per_token, projection_params
+
+    model = write_bench_model(tmp_path / "tiny", "tiny-qwen3.5", seed=0)
+    cfg = read_config(model)
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        held = sum(f.get_slice(name).get_shape()[0] * f.get_slice(name).get_shape()[1] for name in f.keys()
+                   if ".layers." in name and name.endswith("proj.weight") or "in_proj_" in name)
+    assert projection_params(cfg) == held
+    assert kv_bytes_per_token(cfg, 2) == 2 * (cfg.num_layers - len(cfg.linear_attn.layers)) * cfg.num_kv_heads * cfg.head_dim * 2
+
+
 def test_fp8_weight_bytes_count_projections_at_one_byte(tmp_path):
     import dataclasses
 

@@ -55,7 +55,12 @@ from lightllm.engine.plan import StepPlan  # noqa: E402
 logger = logging.getLogger("profile_step")
 
 GEMM_NAMES = ("qkv", "o", "gate_up", "down")
-TRITON_GROUPS = {  # kernel name fragment -> group
+TRITON_GROUPS = {  # kernel name fragment -> group, the first that matches
+    # the hybrid models' linear layers (fla's kernels: the prompt chunks' delta rule)
+    "_gated_delta_rule_step": "delta rule step (states)", "_gated_delta_rule_runs": "delta rule runs (verify)",
+    "_causal_conv1d": "causal conv", "_gated_rms_norm": "gated norm", "_linear_gates": "linear gates",
+    "_l2norm_heads": "q/k l2 norm", "chunk_": "fla chunk kernels", "solve_tril": "fla chunk kernels",
+    "recompute_w_u": "fla chunk kernels",
     "_decode_split": "attention (decode)", "_extend": "attention (extend)",
     "_rms_norm": "rms norm (+ residual)", "_rotary_kv": "rotary + kv write", "_silu": "silu*mul",
     "_quantize_rows": "fp8 input quantisation",
@@ -97,7 +102,8 @@ def device_kernels(prof) -> list[tuple[str, float, float]]:
 def label_kernels(kernels: list[tuple[str, float, float]], num_layers: int) -> list[tuple[str, float, float]]:
     """Group names; a projection GEMM is named by the kernels around it, as the layer orders
     them: norm -> qkv -> rotary, attention -> o, norm -> gate_up -> silu, silu -> down, and the
-    last norm -> LM head (whichever cuBLAS kernel serves each)."""
+    last norm -> LM head (whichever cuBLAS kernel serves each); a hybrid model's linear layers
+    in_proj -> gates and conv, gated norm -> out_proj."""
     groups = [None if is_gemm(name) else group_of(name) for name, _, _ in kernels]
     named = [g if g and not g.startswith(SKIPPED_NEIGHBOURS) else None for g in groups]
     labelled = []
@@ -105,15 +111,22 @@ def label_kernels(kernels: list[tuple[str, float, float]], num_layers: int) -> l
         if groups[i] is not None:
             labelled.append((groups[i], start, end))
             continue
-        before = next((g for g in reversed(named[:i]) if g), "")
+        # the nearest named kernels each side; a gated attention's output gate (elementwise) sits between
+        # its attention and o, its q/k norms between qkv and the rotary
+        before = next((g for g in reversed(named[:i]) if g and g != "other elementwise"), "")
         after = next((g for g in named[i + 1:] if g), "")
+        after_norms = next((g for g in named[i + 1:] if g and not g.startswith("rms norm")), "")
         if before.startswith("attention"):
             which = "o"
         elif before.startswith("silu"):
             which = "down"
+        elif before.startswith("gated norm"):
+            which = "out_proj"
         elif after.startswith("silu"):
             which = "gate_up"
-        elif after.startswith("rotary"):
+        elif after.startswith(("linear gates", "causal conv")):
+            which = "in_proj"
+        elif after.startswith("rotary") or after_norms.startswith("rotary"):
             which = "qkv"
         else:
             which = "lm_head"
@@ -182,8 +195,13 @@ def gemm_table(runner: ModelRunner, batch: int, bandwidth: float, iters: int) ->
         return linear.weight if hasattr(linear, "weight") else linear.weight_t.t()
 
     mlp = {"gate_up": out_in(layer.mlp.gate_up), "down": out_in(layer.mlp.down)} if hasattr(layer.mlp, "gate_up") else {}
-    weights = {"qkv": out_in(layer.attn.qkv), "o": out_in(layer.attn.o), **mlp,  # experts: moe_bench.py times them
-               "lm_head": out_in(runner.model.lm_head)}
+    layers = runner.model.layers
+    full = next((getattr(lay, "attn", None) or lay.mixer for lay in layers if not getattr(lay, "linear", False)), None)
+    linear = next((lay.mixer for lay in layers if getattr(lay, "linear", False)), None)  # a hybrid's Gated DeltaNet
+    mixers = {"qkv": out_in(full.qkv), "o": out_in(full.o)} if full is not None else {}
+    if linear is not None:
+        mixers.update({"in_proj": out_in(linear.in_proj), "out_proj": out_in(linear.out)})
+    weights = {**mixers, **mlp, "lm_head": out_in(runner.model.lm_head)}  # experts: moe_bench.py times them
     lines = [f"#### Projection GEMMs alone, M = {batch}", "",
              "| weight | shape | F.linear us | GB/s | of copy | x @ W^T (stored [in, out]) us | GB/s | of copy |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -252,7 +270,10 @@ def decode_section(runner: ModelRunner, bench: Bench, batch: int, context: int, 
     step = lambda: run_step(runner, ids)  # noqa: E731
     times = [timed(runner.device, step) for _ in range(args.warmup + args.iters)][args.warmup:]
     step_ms = 1000 * statistics.median(times)
-    floor_ms = 1000 * (weight_bytes(cfg, itemsize) + batch * context * kv_bytes_per_token(cfg, runner.kv_dtype.itemsize)) / bandwidth
+    # a hybrid model's requests also read and write their recurrent and conv states once a step
+    state = 2 * runner.state_pool.slot_bytes() if runner.state_pool is not None else 0
+    floor_ms = 1000 * (weight_bytes(cfg, itemsize) + batch * (context * kv_bytes_per_token(cfg, runner.kv_dtype.itemsize)
+                                                             + state)) / bandwidth
     replay = replay_ms(runner, batch, args.iters) if runner.device.type == "cuda" else None
     host = [f"Host, {args.host_steps} engine steps one in flight (cProfile, own time):", ""]
     host += host_profile(lambda: runner.step(StepPlan(next(_plan_ids), list(ids))), args.host_steps, args.top)
@@ -365,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quantization", choices=("fp8",), default=None, help="the server's --quantization (no GEMM tables: "
         "test/benchmark/kernels/fp8_gemm_bench.py times those)")
     add("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto", help="the server's --kv_cache_dtype")
+    add("--mamba-ssm-cache-dtype", default="auto", help="the server's --mamba_ssm_cache_dtype (hybrid models)")
     add("--dtype", default="bfloat16")
     add("--device", default=None)
     add("--max-total-token-num", type=int, default=300000, help="KV budget: 256 x 1024 decode context and the eager steps fit, room is left for the GEMM timings")
@@ -412,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(model_dir=str(args.model), max_total_token_num=args.max_total_token_num,
                           max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                           data_type=args.dtype, load_format=args.load_format, disable_cuda_graph=args.no_cuda_graph,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                          mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     runner = ModelRunner(config, device=args.device, check_budget=False)  # a given budget is taken as given
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"

@@ -108,12 +108,20 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
 
 
 def projection_params(cfg) -> int:
-    """Parameters of every layer's q/k/v, o, gate/up and down projections (`cfg`: a lightllm
-    ModelConfig): a token's projections cost two FLOPs each."""
+    """Parameters of every layer's projections (`cfg`: a lightllm ModelConfig): q/k/v and o, or a
+    hybrid model's Gated DeltaNet in/out projections on its linear layers and the gated attention's
+    doubled q (its output gate) on the others, then gate/up and down; a token's projections cost two
+    FLOPs each. Dense MLPs only: an MoE's experts are timed by kernels/moe_bench.py."""
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attention = cfg.hidden_size * (q_out + 2 * kv_out) + q_out * cfg.hidden_size
+    lin = getattr(cfg, "linear_attn", None)
+    gated = 2 if lin else 1
+    attention = cfg.hidden_size * (gated * q_out + 2 * kv_out) + q_out * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * (attention + mlp)
+    if not lin:
+        return cfg.num_layers * (attention + mlp)
+    kd, vd = lin.num_k_heads * lin.k_head_dim, lin.num_v_heads * lin.v_head_dim
+    linear = cfg.hidden_size * (2 * kd + 2 * vd + 2 * lin.num_v_heads) + vd * cfg.hidden_size
+    return len(lin.layers) * linear + (cfg.num_layers - len(lin.layers)) * attention + cfg.num_layers * mlp
 
 
 def weight_bytes(cfg, itemsize: int) -> int:
@@ -126,7 +134,8 @@ def weight_bytes(cfg, itemsize: int) -> int:
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    """K and V of a token over the layers that keep them (a hybrid model's attention layers only)."""
+    return 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 class Bench:
