@@ -44,9 +44,9 @@ def test_a_shared_prefix_resumes_from_its_snapshot_and_equals_transformers(name,
                          mamba_ssm_cache_dtype=state_dtype)
     assert runner.info["state_snapshot_slots"] == 3 and runner.snapshot_pool.slot_bytes() == runner.state_pool.slot_bytes()
     gen = torch.Generator().manual_seed(3)
-    base = torch.randint(0, 101, (30,), generator=gen).tolist()
+    base = torch.randint(0, 101, (40,), generator=gen).tolist()
     tails = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 4, 12)]
-    # 30 tokens, then two at once sharing 21 and 17 of them (snapshots at 8, 16, 24: resume at 16),
+    # 40 tokens, then two at once sharing 21 and 17 of them (snapshots at 8, 16, 24, 32: resume at 16),
     # then one sharing 27 (resume at 24) after the others ended
     workload = [[base], [base[:21] + tails[0], base[:17] + tails[1]], [base[:27] + tails[2]]]
     expected = hf_greedy(hf_model, [p for group in workload for p in group], NEW)
@@ -66,7 +66,8 @@ def test_a_shared_prefix_resumes_from_its_snapshot_and_equals_transformers(name,
 
 
 def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
-    """A hybrid request's chunks never cross a multiple of the interval; a chunk ending on one
+    """A hybrid request's chunks do not cross a multiple of the interval, but for the prompt's last
+    one where the step takes the whole rest (16 + 14 here, a step sooner); a chunk ending on one
     leaves a snapshot on its node once it joins the cache; an offloaded node drops its snapshot."""
     from lightllm.common.radix_cache import Offload, Snapshot
     from lightllm.engine.request import Req
@@ -79,8 +80,8 @@ def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
         lengths += [(c.start, len(c.token_ids)) for c in plan.chunks]
         taken.append([type(op) for op in plan.ops].count(Snapshot))
         s.cache.check()
-    assert lengths == [(0, 8), (8, 8), (16, 8), (24, 6)]
-    assert taken == [0, 1, 1, 0] and s.cache.snapshots_used == 2  # at 24 none: both slots' nodes are in use
+    assert lengths == [(0, 8), (8, 8), (16, 14)]
+    assert taken == [0, 1, 1, 0] and s.cache.snapshots_used == 2
     s.abort(0)
     s.add(Req(GenerateReq(1, list(range(50, 70)), SamplingParams(max_new_tokens=1)), frozenset()))
     s.schedule()
@@ -91,6 +92,27 @@ def test_chunks_end_at_snapshot_boundaries_and_snapshots_stay_on_device():
     assert s.cache.evict(s.cache.total_tokens) and s.cache.snapshots_used == 0
     assert any(isinstance(op, Offload) for op in s._ops)
     s.cache.check()
+
+
+def test_a_shared_prefixs_followers_take_their_questions_in_one_chunk():
+    """Followers resume where their shared prefix ends (20), just before a snapshot boundary (24):
+    each takes the rest of its prompt in one chunk (one step to its first token) and leaves no
+    snapshot of its own there; the leader still cuts at 20 and leaves the one they resume from."""
+    from lightllm.common.radix_cache import Snapshot
+    from lightllm.engine.request import Req
+
+    s = Scheduler(1000, 32, 4, snapshot_interval=INTERVAL * 3, snapshot_slots=4)
+    prefix = list(range(100, 120))
+    for i, tail in enumerate((list(range(9)), list(range(20, 25)), list(range(40, 47)))):
+        s.add(Req(GenerateReq(i, prefix + tail, SamplingParams(max_new_tokens=1)), frozenset()))
+    chunks, snapshots = [], 0
+    for _ in range(4):
+        plan = s.schedule()
+        chunks += [(c.req_id, c.start, len(c.token_ids)) for c in plan.chunks]
+        snapshots += [type(op) for op in plan.ops].count(Snapshot)
+        s.cache.check()
+    assert chunks == [(0, 0, 20), (0, 20, 9), (1, 20, 5), (2, 20, 7)]
+    assert snapshots == 1 and s.cache.snapshots_used == 1  # the prefix's, at 20
 
 
 WIDE = 64  # a snapshot interval past every shared prefix below: only the cuts leave snapshots

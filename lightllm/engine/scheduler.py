@@ -345,7 +345,7 @@ class Scheduler:
                     first_chunks.append(req)
                 if probe is not None:
                     computing.add(probe)
-                plan.chunks.append(self._chunk(req, min(budget, self._chunk_room(req))))
+                plan.chunks.append(self._chunk(req, min(budget, self._chunk_room(req, budget))))
                 budget -= len(plan.chunks[-1].token_ids)
                 if self.cache is not None and req.grows_cache:
                     self._growing.append(req)
@@ -460,14 +460,20 @@ class Scheduler:
         above = above or self.cache.root
         return self.cache.resumable(self.cache.match(tokens, above), above)
 
-    def _chunk_room(self, req: Req) -> int:
+    def _chunk_room(self, req: Req, budget: int) -> int:
         """Most tokens its next chunk may take: the rest of its prompt, up to its next cut, and for
-        a model with recurrent state up to the next multiple of the snapshot interval."""
+        a model with recurrent state up to the next multiple of the snapshot interval, unless that
+        is the prompt's last one and the step's `budget` takes the whole rest: a request's chunks
+        run one a step, so such a cut would cost it a step for a snapshot that only a prompt
+        sharing its tokens past the boundary could use (a shared prefix's followers, resuming just
+        before one, each paid a step and a snapshot slot there)."""
         if self.cache is None or not req.uses_cache:
             return req.prompt_left
         ends = [c for c in req.cuts if c > req.prefilled]
         if self.snapshot_interval:
-            ends.append((req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval)
+            boundary = (req.prefilled // self.snapshot_interval + 1) * self.snapshot_interval
+            if req.prompt_left > budget or req.prompt_len - boundary >= self.snapshot_interval:
+                ends.append(boundary)
         return min([req.prompt_left, *(end - req.prefilled for end in ends)])
 
     def _plan_cuts(self, req: Req, probe: tuple) -> None:
