@@ -165,6 +165,28 @@ def test_a_prefix_cached_inside_an_interval_is_snapshotted_by_the_next_request_t
     core.scheduler.cache.check()
 
 
+def test_a_group_whose_prompts_begin_like_a_cached_one_still_shares_its_prefix(tmp_path):
+    """A prompt served alone, then three at once sharing 20 tokens of their own whose first 3 are
+    the first prompt's too (a chat template's header, say): the leader resumes from nothing and
+    computes those 3 again, its copy of them gives way to the cache's (Adopt) and the rest of its
+    chunk joins the cache below them with a snapshot at 20, so the two others resume there. Every
+    token is transformers' and no slot is left over (with the leader's copy kept instead, its
+    chunk never joined the cache and both others computed all 20 again)."""
+    hf_model, core = wide_engine(tmp_path, 32)
+    gen = torch.Generator().manual_seed(8)
+    header = torch.randint(0, 101, (3,), generator=gen).tolist()
+    alone = header + torch.randint(0, 101, (12,), generator=gen).tolist()
+    prefix = header + torch.randint(0, 101, (17,), generator=gen).tolist()
+    group = [prefix + torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 5, 7)]
+    expected = list(hf_greedy(hf_model, [alone] + group, NEW).values())
+    tokens, cached = serve(core, [alone], 0)
+    more, more_cached = serve(core, group, 1)
+    assert tokens + more == expected
+    assert cached + more_cached == [0, 0, 20, 20]
+    assert_idle(core)
+    core.scheduler.cache.check()
+
+
 def test_a_chats_next_turn_resumes_where_the_last_one_ended(tmp_path):
     """A request leaves a snapshot of its state at the end of what it cached (its prompt and every
     token it fed back), so the next turn of the chat, which repeats them, resumes there."""

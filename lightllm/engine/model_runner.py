@@ -38,8 +38,8 @@ from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download
 from lightllm.engine.config import EngineConfig
 from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
 from lightllm.engine.memory import snapshot_slots, state_slots, token_budget
-from lightllm.engine.plan import (DraftRequest, DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora, Offload, Release,
-                                  Reset, Snapshot, Spill, Split, StepPlan, StepResult)
+from lightllm.engine.plan import (Adopt, DraftRequest, DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora,
+                                  Offload, Release, Reset, Snapshot, Spill, Split, StepPlan, StepResult)
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.sampling import SamplingBatch, SamplingState, chunk_prompt_logprobs, grammar_masks, host_lists, sample
 from lightllm.engine.scheduler import burst_budget
@@ -618,6 +618,13 @@ class ModelRunner:
                                  f"{r.seq_len} ({r.prefix_len} from the cache)")
             to_free.append(table[r.row, op.start: end])
             self._free_row(r)
+        elif isinstance(op, Adopt):
+            r = self.reqs[op.req_id]
+            slots = torch.cat([self.nodes[n] for n in op.node_ids])
+            if not r.prefix_len <= op.start < op.end <= r.seq_len or slots.numel() != op.end - op.start:
+                raise ValueError(f"{op} of a request with {r.seq_len} tokens ({r.prefix_len} from the cache)")
+            to_free.append(table[r.row, op.start: op.end].clone())
+            table[r.row, op.start: op.end] = slots
         elif isinstance(op, Insert):
             r = self.reqs[op.req_id]
             if not 0 <= op.start < op.end <= r.seq_len or op.node_id in self.nodes:

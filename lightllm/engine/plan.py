@@ -56,6 +56,19 @@ class Release:
 
 
 @dataclass
+class Adopt:
+    """A running request computed positions [start, end) again that prefix-cache nodes already
+    hold (with another request at once, or to leave a snapshot there): its row takes the nodes'
+    slots for them (`node_ids`, top down, their slots end to end) and its own go back, so that the
+    rest of its prompt can join the cache below those nodes."""
+
+    req_id: int
+    start: int
+    end: int
+    node_ids: tuple[int, ...]
+
+
+@dataclass
 class Reset:
     """Drop every request and node (after a failed step: start again from an empty cache)."""
 
@@ -95,7 +108,8 @@ class DropLora:
     lora_id: int
 
 
-OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill, LoadLora, DropLora, Snapshot)
+OPS = (Release, Insert, Split, Evict, Reset, LoadGrammar, DropGrammar, Offload, Load, Spill, LoadLora, DropLora, Snapshot,
+       Adopt)
 
 
 @dataclass

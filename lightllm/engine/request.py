@@ -140,7 +140,6 @@ class Req:
         # The deepest prefix-cache node it holds a reference on: positions [0, node.depth) of its
         # KV are the cache's slots, the rest its own. None without the cache (or nothing cached).
         self.node = None
-        self.grows_cache = True  # each chunk goes into the cache; off once one duplicated cached tokens
         self.cuts: list[int] = []  # where a prefix it shares with others ends in its prompt (a chunk ends there)
         self.output_ids: list[int] = []  # tokens received back
         # Speculative decoding: the controller's state of it (spec.controller.RequestSpec), where

@@ -25,10 +25,11 @@ are inside the proof.
 For a model with recurrent state (`snapshot_interval` > 0) a request resumes only where the tree
 holds a snapshot of the state: its match is cut back to the deepest one (`RadixCache.resumable`),
 and its first chunk names the snapshot slot the runner copies into its state slot. Its chunks end
-at multiples of `snapshot_interval` (a chunk never crosses one) and at its cuts, where a shared
-prefix ends (`_plan_cuts`), and a chunk that ends on one, once it joins the cache, leaves a
-snapshot on its node (taken from the request's state slot before the request's next chunk runs);
-so does a request that ends, at the end of what it cached, where a slot is free.
+at multiples of `snapshot_interval` (but for the prompt's last one, where the step takes the rest)
+and at its cuts, where a shared prefix ends (`_plan_cuts`), and a chunk that ends on one, once it
+joins the cache, leaves a snapshot on its node (taken from the request's state slot before the
+request's next chunk runs); so does a request that ends, at the end of what it cached, where a
+slot is free.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
-from lightllm.engine.plan import (Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset, StepPlan,
+from lightllm.engine.plan import (Adopt, Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset, StepPlan,
                                   StepResult)
 from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
@@ -148,10 +149,10 @@ class Attribution:
         return out
 
 
-def cache_path(node) -> list:
-    """(node, its length) from `node` up to the root (excluded)."""
+def cache_path(node, above=None) -> list:
+    """(node, its length) from `node` up to the root, or to `above` (either excluded)."""
     out = []
-    while node is not None and node.parent is not None:
+    while node is not None and node.parent is not None and node is not above:
         out.append((node, len(node.key)))
         node = node.parent
     return out
@@ -347,7 +348,7 @@ class Scheduler:
                     computing.add(probe)
                 plan.chunks.append(self._chunk(req, min(budget, self._chunk_room(req, budget))))
                 budget -= len(plan.chunks[-1].token_ids)
-                if self.cache is not None and req.grows_cache:
+                if self.cache is not None:
                     self._growing.append(req)
         if self.speculator is not None:
             plan.drafts = self._plan_drafts(plan)
@@ -565,25 +566,32 @@ class Scheduler:
 
     def _grow_cache(self) -> None:
         """The chunks of the last plan go into the cache (their KV is computed before any later
-        step reads it), so that later requests with the same prefix skip them."""
+        step reads it), so that later requests with the same prefix skip them. A chunk that begins
+        with tokens the cache holds by now (computed at once with another request, or again by a
+        hybrid request that resumed from an earlier snapshot: a prefix cut there to leave one, a
+        prompt whose first tokens match another's) gives its copy of them up for the cache's
+        (`Adopt`) and the rest joins below them."""
         growing, self._growing = self._growing, []
         for req in growing:
-            if req.status is ReqStatus.FINISHED or not req.grows_cache:
+            if req.status is ReqStatus.FINISHED:
                 continue  # an ended request was cached whole
-            start = req.shared
+            start, above = req.shared, req.node or self.cache.root
             tokens = req.cache_ids[start: req.prefilled]
-            duplicated, node = self.cache.insert(req.node or self.cache.root, tokens, req.req_id, start,
-                                                 after_match=False)
+            duplicated, node = self.cache.insert(above, tokens, req.req_id, start, after_match=False)
+            if duplicated:
+                held = self.cache.take(self.cache.match(tokens[:duplicated], above))
+                self.cache.lock(held, above=above)
+                ids = tuple(n.node_id for n, _ in reversed(cache_path(held, above)))
+                self._ops.append(Adopt(req.req_id, start, start + duplicated, ids))
+                req.node = held
+                if duplicated < len(tokens):
+                    _, node = self.cache.insert(held, tokens[duplicated:], req.req_id, start + duplicated,
+                                                after_match=False)
             if node is not None:
                 self.cache.lock(node, above=node.parent)
                 req.node = node
-                if self.snapshot_interval and self._snapshot_point(req):
-                    self.cache.snapshot(node, req.req_id)
-            elif duplicated:  # computed twice (at once, or to leave a snapshot): its own copy stays its own
-                req.grows_cache = False
-                if duplicated == len(tokens) and self.snapshot_interval and self._snapshot_point(req):
-                    self.cache.snapshot(self.cache.take(self.cache.match(tokens, req.node or self.cache.root)),
-                                        req.req_id)
+            if self.snapshot_interval and self._snapshot_point(req):
+                self.cache.snapshot(req.node, req.req_id)
 
     def _snapshot_point(self, req: Req) -> bool:
         return req.prefilled % self.snapshot_interval == 0 or req.prefilled in req.cuts

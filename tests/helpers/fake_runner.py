@@ -2,7 +2,7 @@
 
 import random
 
-from lightllm.engine.plan import Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
+from lightllm.engine.plan import Adopt, Evict, Insert, Release, Reset, SampledToken, Split, StepPlan, StepResult
 
 EOS = 2
 
@@ -38,6 +38,10 @@ class FakeRunner:
                 seq, own = self.seq.pop(op.req_id), self.own.pop(op.req_id)
                 freed = set(range(op.start, seq if op.end < 0 else op.end))
                 assert freed <= own and own - freed == set(), (op, sorted(own - freed)[:5])
+            elif isinstance(op, Adopt):  # its own slots go back, the nodes' take their place
+                given = set(range(op.start, op.end))
+                assert given <= self.own[op.req_id] and sum(self.nodes[n] for n in op.node_ids) == len(given), op
+                self.own[op.req_id] -= given
             elif isinstance(op, Insert):
                 taken = set(range(op.start, op.end))
                 assert taken <= self.own[op.req_id] and op.node_id not in self.nodes, op
