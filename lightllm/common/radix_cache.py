@@ -238,13 +238,10 @@ class RadixCache:
 
     # ---- changes (each one appends the runner's op) ----
 
-    def insert(self, node: Node, tokens: list[int], req_id: int, start: int,
-               after_match: bool = True) -> tuple[int, Node | None]:
+    def insert(self, node: Node, tokens: list[int], req_id: int, start: int) -> tuple[int, Node | None]:
         """Cache `tokens`, whose KV request `req_id` holds at positions start.. of its row, below
         `node` (which ends at position `start`). Returns (tokens already cached, which the
-        request's copy duplicates; the new node for the rest, or None). With `after_match`
-        False, nothing is inserted unless nothing matched (the request's row then stays one
-        cached prefix followed by its own slots)."""
+        request's copy duplicates; the new node for the rest, or None)."""
         assert node.depth == start, (node, start)
         found = self.match(tokens, node)
         top = self._top_host(found, node)
@@ -254,7 +251,7 @@ class RadixCache:
             self._remove(top)
             self._maybe_evictable(top.parent)
             found = self.match(tokens, node)
-        if found.length == len(tokens) or (found.length and not after_match):
+        if found.length == len(tokens):
             return found.length, None
         parent = self.take(found)
         new = Node(next(self._ids), tokens[found.length:], parent, next(self._clock))

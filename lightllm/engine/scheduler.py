@@ -577,18 +577,14 @@ class Scheduler:
                 continue  # an ended request was cached whole
             start, above = req.shared, req.node or self.cache.root
             tokens = req.cache_ids[start: req.prefilled]
-            duplicated, node = self.cache.insert(above, tokens, req.req_id, start, after_match=False)
-            if duplicated:
-                held = self.cache.take(self.cache.match(tokens[:duplicated], above))
-                self.cache.lock(held, above=above)
+            duplicated, node = self.cache.insert(above, tokens, req.req_id, start)
+            if duplicated:  # the path down to what matched, which the new node (if any) hangs from
+                held = node.parent if node is not None else self.cache.take(self.cache.match(tokens, above))
                 ids = tuple(n.node_id for n, _ in reversed(cache_path(held, above)))
                 self._ops.append(Adopt(req.req_id, start, start + duplicated, ids))
-                req.node = held
-                if duplicated < len(tokens):
-                    _, node = self.cache.insert(held, tokens[duplicated:], req.req_id, start + duplicated,
-                                                after_match=False)
+                node = node if node is not None else held
             if node is not None:
-                self.cache.lock(node, above=node.parent)
+                self.cache.lock(node, above=above)
                 req.node = node
             if self.snapshot_interval and self._snapshot_point(req):
                 self.cache.snapshot(req.node, req.req_id)
