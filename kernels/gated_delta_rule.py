@@ -246,9 +246,15 @@ def _delta_rule_token(s, t, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, q_strid
     return s
 
 
+def step_launch(dv: int, launch: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(value dims a program takes, its warps) for the decode step: `launch` where given (a
+    benchmark's sweep), else 32 dims on 4 warps (a state tile [dk, 32] in registers)."""
+    return launch or (min(next_power_of_2(dv), 32), 4)
+
+
 def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None, launch: tuple[int, int] | None = None) -> torch.Tensor:
     assert states.is_contiguous() and states.dtype in STATE_DTYPES
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     batch, num_heads, dv = v.shape
@@ -257,12 +263,13 @@ def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     assert out.shape == v.shape and out.stride(-1) == 1
     if batch == 0:
         return out
-    block_v = min(next_power_of_2(dv), 32)  # a program's state tile [dk, 32] stays in registers
+    block_v, num_warps = step_launch(dv, launch)
     grid = (batch, num_heads, cdiv(dv, block_v))
     _gated_delta_rule_step_kernel[grid](q, k, v, g, beta, states, rows, out, q.stride(0), q.stride(1), k.stride(0),
                                         k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
                                         out.stride(0), out.stride(1), num_heads, num_heads // q.shape[1],
-                                        dk ** -0.5, DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v)
+                                        dk ** -0.5, DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v,
+                                        num_warps=num_warps)
     return out
 
 
@@ -330,13 +337,13 @@ def gated_delta_rule_runs_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     if rows.shape[0] == 0:
         return out
-    block_v = min(next_power_of_2(dv), 32)  # as the step kernel's: the state tile stays in registers
+    block_v, num_warps = step_launch(dv)  # as the step kernel's: the state tile stays in registers
     grid = (rows.shape[0], num_heads, cdiv(dv, block_v))
     _gated_delta_rule_runs_kernel[grid](q, k, v, g, beta, states, rows, starts, lengths, out, q.stride(0), q.stride(1),
                                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                                         beta.stride(0), out.stride(0), out.stride(1), num_heads,
                                         num_heads // q.shape[1], dk ** -0.5, DK=dk, DV=dv,
-                                        BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v, UPDATE=update)
+                                        BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v, UPDATE=update, num_warps=num_warps)
     return out
 
 # ---- the chunked form on CUDA: flash-linear-attention's chunk_gated_delta_rule over the step's tokens ----

@@ -119,9 +119,13 @@ STEP_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol
 STATE_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("dtype,state_dtype", STATE_CASES)
+@pytest.mark.parametrize("dtype,state_dtype,launch", [*((d, s, None) for d, s in STATE_CASES),
+                                                       (torch.float32, torch.bfloat16, (16, 1)),
+                                                       (torch.float32, torch.float32, (64, 2))])
 @pytest.mark.parametrize("k_heads,v_heads,dk,dv", [(2, 4, 16, 8), (1, 1, 32, 48)])  # dv 48: two value blocks
-def test_gated_delta_rule_step_triton_equals_reference(dtype, state_dtype, k_heads, v_heads, dk, dv):
+def test_gated_delta_rule_step_triton_equals_reference(dtype, state_dtype, launch, k_heads, v_heads, dk, dv):
+    """The decode step, at its default launch and at others (value dims a program takes x warps:
+    more blocks than dims, fewer, one program for all of them)."""
     from lightllm.kernels.gated_delta_rule import gated_delta_rule_step_ref, gated_delta_rule_step_triton
 
     gen = torch.Generator().manual_seed(dk + dv)
@@ -132,7 +136,7 @@ def test_gated_delta_rule_step_triton_equals_reference(dtype, state_dtype, k_hea
     expected_states = states.clone()
     expected = gated_delta_rule_step_ref(q, k, v, g, beta, expected_states, rows)
     out = torch.full_like(v, 7.0)  # the caller's buffer, as the model passes it: every row written, padding's zeros
-    got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows, out=out)
+    got = gated_delta_rule_step_triton(q, k, v, g, beta, states, rows, out=out, launch=launch)
     assert got is out
     torch.testing.assert_close(got, expected, **STEP_TOL[dtype])
     assert (got[1] == 0).all() and torch.equal(expected_states[[0, 1, 3]], states[[0, 1, 3]])  # padding: no state
