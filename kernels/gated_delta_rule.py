@@ -419,7 +419,7 @@ def fla_sequences(cu_seqlens: torch.Tensor, tokens: int, chunk: int = CHUNK) -> 
 class FlaPlan(NamedTuple):
     """What every linear layer of a step derives alike from its chunks' bounds, made once a step
     (about twenty small kernels a layer otherwise): fla's packed sequences (`fla_sequences`), which
-    of the step's tokens belong to a chunk ([T, 1, 1] bool) and which chunks hold any ([C, 1, 1, 1])."""
+    of the step's tokens belong to a chunk ([T, 1, 1] bool) and which chunks hold any ([C] bool)."""
     bounds: torch.Tensor
     index: torch.Tensor
     inside: torch.Tensor
@@ -431,7 +431,83 @@ def fla_plan(cu_seqlens: torch.Tensor, tokens: int) -> FlaPlan:
     at = torch.arange(tokens, device=cu_seqlens.device)
     inside = (at >= cu_seqlens[0]) & (at < cu_seqlens[-1])
     filled = cu_seqlens[1:] > cu_seqlens[:-1]  # padding chunks (empty) share one row
-    return FlaPlan(bounds, index, inside.view(-1, 1, 1), filled.view(-1, 1, 1, 1))
+    return FlaPlan(bounds, index, inside.view(-1, 1, 1), filled)
+
+
+STATE_BLOCK = 4096  # elements of a state a program of the two below moves (a qwen3.5-27b state: 192 of them)
+
+
+def chunk_states_in_ref(states: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor, filled: torch.Tensor,
+                        initial: torch.Tensor) -> None:
+    """The initial states of fla's packed sequences ([C + 3, Hv, dk, dv], states' dtype): the lead
+    (row 0: the decode tokens), the step's C chunks, the tail and the empty last sequence. A filled
+    chunk's is its row of the pool, or zeros where `fresh` (a request's first chunk); the lead's,
+    the tail's and the empty one's are zeros; an empty chunk's (a padded step's padding) is left as
+    it was: its sequence has no tokens and its final state is dropped, so nothing reads it."""
+    initial[0], initial[-2:] = 0, 0
+    chunks = initial[1:-2]
+    chunks.copy_(torch.where((filled & ~fresh).view(-1, 1, 1, 1), states[rows],
+                             torch.where(filled.view(-1, 1, 1, 1), 0, chunks)))
+
+
+@fast_launch
+@triton.jit
+def _chunk_states_in_kernel(states_ptr, rows_ptr, fresh_ptr, filled_ptr, initial_ptr, chunks, size,
+                            BLOCK: tl.constexpr):
+    """One block of one initial state: a padding chunk's is not touched, so that a padded step
+    moves the states of its real chunks only."""
+    i = tl.program_id(0)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    real = (i >= 1) & (i <= chunks)
+    c = tl.minimum(tl.maximum(i - 1, 0), chunks - 1)
+    empty = tl.load(filled_ptr + c).to(tl.int32) == 0
+    if real & empty:
+        return
+    keep = (real & (tl.load(fresh_ptr + c).to(tl.int32) == 0)).to(tl.int32)
+    row = tl.load(rows_ptr + c).to(tl.int64)
+    x = tl.load(states_ptr + row * size + offs, mask=mask & (offs * 0 + keep != 0), other=0.0)
+    tl.store(initial_ptr + i.to(tl.int64) * size + offs, x, mask=mask)
+
+
+def chunk_states_in_triton(states: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor, filled: torch.Tensor,
+                           initial: torch.Tensor) -> None:
+    assert states.is_contiguous() and initial.is_contiguous() and initial.dtype == states.dtype
+    size = states[0].numel()
+    if rows.shape[0] == 0:  # the lead, the tail and the empty sequence only
+        initial.zero_()
+        return
+    _chunk_states_in_kernel[(initial.shape[0], cdiv(size, STATE_BLOCK))](states, rows, fresh.view(torch.uint8),
+                                                                         filled.view(torch.uint8), initial,
+                                                                         rows.shape[0], size, BLOCK=STATE_BLOCK)
+
+
+def chunk_states_out_ref(final: torch.Tensor, rows: torch.Tensor, filled: torch.Tensor, states: torch.Tensor) -> None:
+    """Each filled chunk's final state (fla's final[1 + i], fp32) back to its row, rounded to the
+    pool's dtype; an empty chunk's row is not touched (padding chunks share one)."""
+    states[rows[filled]] = final[1:-2][filled].to(states.dtype)
+
+
+@fast_launch
+@triton.jit
+def _chunk_states_out_kernel(final_ptr, rows_ptr, filled_ptr, states_ptr, size, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    if tl.load(filled_ptr + c).to(tl.int32) == 0:
+        return
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    row = tl.load(rows_ptr + c).to(tl.int64)
+    x = tl.load(final_ptr + (c + 1).to(tl.int64) * size + offs, mask=mask)
+    tl.store(states_ptr + row * size + offs, x.to(states_ptr.dtype.element_ty), mask=mask)
+
+
+def chunk_states_out_triton(final: torch.Tensor, rows: torch.Tensor, filled: torch.Tensor,
+                            states: torch.Tensor) -> None:
+    assert states.is_contiguous() and final.is_contiguous()
+    size = states[0].numel()
+    _chunk_states_out_kernel[(rows.shape[0], cdiv(size, STATE_BLOCK))](final, rows, filled.view(torch.uint8),
+                                                                       states, size, BLOCK=STATE_BLOCK)
+
 
 
 def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -447,9 +523,13 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     chunk_fn = chunk_fn or _fla_chunk_gated_delta_rule()
     tokens, dk = v.shape[0], k.shape[-1]
     plan = plan or fla_plan(cu_seqlens, tokens)
-    lone = states.new_zeros((1, *states.shape[1:]))
-    initial = torch.where(fresh.view(-1, 1, 1, 1), 0, states[rows])  # fla reads it into fp32, whatever its dtype
-    initial = torch.cat([lone, initial, lone, lone])  # the lead, the chunks, the tail, the empty sequence
+    # The lead, the chunks, the tail, the empty sequence: a padded step moves its real chunks' states
+    # only (the torch form gathered, selected and scattered all MAX_GRAPH_CHUNKS rows, about 30 ms of a
+    # qwen3.5-27b mixed step on an H200). fla reads them into fp32, whatever their dtype.
+    initial = states.new_empty((rows.shape[0] + 3, *states.shape[1:]))
+    moves_in, moves_out = (chunk_states_in_triton, chunk_states_out_triton) if q.is_cuda else \
+        (chunk_states_in_ref, chunk_states_out_ref)
+    moves_in(states, rows, fresh, plan.filled, initial)
     # The L2 norms here, not in fla's kernel: its norm kernel autotunes per bucket of 65,536 rows of
     # tokens x key heads, so the first step to reach each bucket (5,339 tokens at qwen3.5-27b's 16 key
     # heads) spent about 10 s benchmarking configurations before it launched (H200 step trace). In fp32,
@@ -459,5 +539,5 @@ def gated_delta_rule_chunks_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     o, final = chunk_fn(q[None], k[None], v[None], g[None], beta[None], scale=dk ** -0.5, initial_state=initial,
                         output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=plan.bounds,
                         chunk_indices=plan.index)
-    out.copy_(torch.where(plan.inside, o[0].to(out.dtype), out))
-    states[rows] = torch.where(plan.filled, final[1:-2].to(states.dtype), states[rows])
+    torch.where(plan.inside, o[0].to(out.dtype), out, out=out)
+    moves_out(final, rows, plan.filled, states)

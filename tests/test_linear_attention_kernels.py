@@ -254,6 +254,36 @@ def test_gated_delta_rule_chunks_fla_wrapper_equals_reference(lengths, decodes):
         assert torch.equal(states[-1], pool[-1])  # the padding chunks' row
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_states_in_and_out_triton_equal_references(state_dtype):
+    """The fla path's states into its packed sequences and back: filled chunks' rows (zeros where
+    fresh), zeros for the lead, tail and empty sequences, and a padding chunk's initial state and
+    pool row never touched (a padded step moves its real chunks' states only)."""
+    from lightllm.kernels.gated_delta_rule import (STATE_BLOCK, chunk_states_in_ref, chunk_states_in_triton,
+                                                   chunk_states_out_ref, chunk_states_out_triton)
+
+    gen = torch.Generator().manual_seed(7)
+    pool = (torch.randn(9, 2, 8, STATE_BLOCK // 8 + 3, generator=gen)).to(DEVICE, state_dtype)  # two blocks a state
+    rows = torch.tensor([3, 8, 5, 8, 1], device=DEVICE)  # row 8: the padding chunks'
+    fresh = torch.tensor([False, False, True, False, False], device=DEVICE)
+    filled = torch.tensor([True, False, True, False, True], device=DEVICE)
+    sentinel = torch.full((8, *pool.shape[1:]), 7.0, dtype=state_dtype, device=DEVICE)
+    got, want = sentinel.clone(), sentinel.clone()
+    chunk_states_in_triton(pool, rows, fresh, filled, got)
+    chunk_states_in_ref(pool, rows, fresh, filled, want)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], pool[3]) and torch.equal(got[5], pool[1]) and (got[3] == 0).all()
+    assert (got[[0, 6, 7]] == 0).all() and (got[[2, 4]] == 7).all()
+    final = torch.randn(8, *pool.shape[1:], generator=gen).to(DEVICE)
+    got_pool, want_pool = pool.clone(), pool.clone()
+    chunk_states_out_triton(final, rows, filled, got_pool)
+    chunk_states_out_ref(final, rows, filled, want_pool)
+    torch.testing.assert_close(got_pool, want_pool, **STEP_TOL[state_dtype])  # the interpreter may round otherwise
+    torch.testing.assert_close(got_pool[5], final[3].to(state_dtype), **STEP_TOL[state_dtype])
+    assert torch.equal(got_pool[8], pool[8])
+    assert torch.equal(got_pool[[0, 2, 4, 6, 7]], pool[[0, 2, 4, 6, 7]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,dim", [(3, 16), (16, 128)])
 def test_l2norm_heads_triton_equals_reference(dtype, heads, dim):
