@@ -44,7 +44,8 @@ from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_tri
                                          small_m_plan)
 from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
-from lightllm.kernels.gated_delta_rule import (gated_delta_rule_runs_triton, gated_delta_rule_step_triton,  # noqa: E402
+from lightllm.kernels.gated_delta_rule import (chunk_states_in_triton, chunk_states_out_triton,  # noqa: E402
+                                               gated_delta_rule_runs_triton, gated_delta_rule_step_triton,
                                                l2norm_heads_triton, linear_gates_triton)
 from lightllm.kernels.greedy_sample import greedy_sample_triton  # noqa: E402
 from lightllm.kernels.lora import lora_expand_triton, lora_segments, lora_shrink_triton  # noqa: E402
@@ -221,6 +222,10 @@ def call_linear_attention_kernels() -> None:
         states, rows = torch.zeros(3, v_heads, dk, dv), torch.tensor([0, 1])
         gated_delta_rule_step_triton(q[:2], k[:2], v[:2], g[:2], beta[:2], states, rows)
         cu, fresh = torch.tensor([2, 3, 4], dtype=torch.int32), torch.tensor([True, False])
+        for pool in (states, states.to(BF16)):  # the fla path's states in and out, fp32 and bf16 pools
+            filled, initial = torch.tensor([True, False]), torch.empty(5, *pool.shape[1:], dtype=pool.dtype)
+            chunk_states_in_triton(pool, rows, fresh, filled, initial)
+            chunk_states_out_triton(torch.zeros(5, *pool.shape[1:]), rows, filled, pool)
         channels = 2 * k_heads * dk + v_heads * dv
         x, weight = torch.randn(tokens, channels, dtype=dtype), torch.randn(channels, 4, dtype=dtype)
         conv_states = torch.zeros(3, channels, 3, dtype=dtype)
