@@ -47,12 +47,13 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: 
 
 
 def causal_conv1d_chunks_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
-                             rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
+                             rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor, plan=None) -> None:
     """A step's prompt chunks with their states in a pool: x [T, C] all of the step's tokens, chunk
     i is tokens [cu_seqlens[i], cu_seqlens[i+1]) ([N+1] on the device) after states[rows[i]] ([S, C,
     K-1]), or after zeros where fresh[i], and leaves its last K - 1 inputs there. Writes out's rows
     of the chunks only (the decodes' rows before them keep theirs). Empty chunks (a padded step's
-    padding) read and write no state."""
+    padding) read and write no state. `plan`: the CUDA path's per-step `fla_plan` (its blocks of
+    tokens), not needed here."""
     bounds = cu_seqlens.tolist()
     lo, hi = bounds[0], bounds[-1]
     initial = torch.where(fresh.view(-1, 1, 1), 0, states[rows])
@@ -127,14 +128,60 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, states: tor
     return out
 
 
+@triton.jit
+def _conv_block(x_ptr, weight_ptr, state, keep, out_ptr, x_stride, out_stride, lo, hi, start, c, c_mask,
+                WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tokens [start, start + BLOCK_T) of a chunk [lo, hi) on channels c: each input before lo read
+    from the chunk's old state (`state`: its channels' entries; zeros where not `keep`), silu(conv)
+    stored to out."""
+    t = start + tl.arange(0, BLOCK_T)
+    mask = (t < hi)[:, None] & c_mask[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        src = t - (WIDTH - 1) + j  # the input this weight meets: the chunk's, or its state's (src < lo)
+        from_x = (src >= lo)[:, None]
+        xs = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + c[None, :], mask=mask & from_x, other=0.0)
+        held = tl.load(state[None, :] + (src - lo + WIDTH - 1)[:, None], mask=mask & ~from_x & keep[None, :],
+                       other=0.0)
+        w = tl.load(weight_ptr + c * WIDTH + j, mask=c_mask, other=0.0).to(tl.float32)
+        acc += (xs.to(tl.float32) + held.to(tl.float32)) * w[None, :]
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + t[:, None].to(tl.int64) * out_stride + c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@fast_launch
+@triton.jit
+def _causal_conv1d_blocks_kernel(x_ptr, weight_ptr, bounds_ptr, index_ptr, states_ptr, rows_ptr, fresh_ptr, out_ptr,
+                                 chunks, channels, x_stride, out_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_C: tl.constexpr):
+    """One (block of BLOCK_T tokens of one chunk, block of channels), from fla's packed sequences
+    (`fla_plan`: sequence 0 the decode tokens, 1..chunks the chunks, then the tail and an empty one,
+    whose blocks return at once): the conv's outputs only; the states move in a second launch,
+    after every block has read them."""
+    seq = tl.load(index_ptr + 2 * tl.program_id(0))
+    if (seq < 1) | (seq > chunks):
+        return
+    lo = tl.load(bounds_ptr + seq)
+    hi = tl.load(bounds_ptr + seq + 1)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < channels
+    row = tl.load(rows_ptr + seq - 1).to(tl.int64)
+    keep = tl.load(fresh_ptr + seq - 1 + c * 0) == 0
+    state = states_ptr + row * channels * (WIDTH - 1) + c * (WIDTH - 1)
+    start = lo + tl.load(index_ptr + 2 * tl.program_id(0) + 1) * BLOCK_T
+    _conv_block(x_ptr, weight_ptr, state, keep, out_ptr, x_stride, out_stride, lo, hi, start, c, c_mask, WIDTH,
+                BLOCK_T, BLOCK_C)
+
+
 @fast_launch
 @triton.jit
 def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, lo_ptr, hi_ptr, states_ptr, rows_ptr, fresh_ptr, out_ptr,
                                  channels, x_stride, out_stride, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                 BLOCK_C: tl.constexpr, UPDATE: tl.constexpr):
-    """One (chunk, block of channels): its tokens [lo, hi) in blocks of BLOCK_T, each input before the
-    chunk's start read from its state (zeros when fresh), then (UPDATE) its last WIDTH - 1 inputs as
-    the new state. States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
+                                 BLOCK_C: tl.constexpr, UPDATE: tl.constexpr, CONV: tl.constexpr):
+    """One (chunk, block of channels): (CONV) its tokens [lo, hi) in blocks of BLOCK_T, each input
+    before the chunk's start read from its state (zeros when fresh), then (UPDATE) its last WIDTH - 1
+    inputs as the new state. States [S, C, WIDTH - 1] and weight [C, WIDTH] contiguous."""
     seq = tl.program_id(0)
     lo = tl.load(lo_ptr + seq)
     hi = tl.load(hi_ptr + seq)
@@ -146,21 +193,10 @@ def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, lo_ptr, hi_ptr, states_ptr, 
     # the state is read only for a chunk that continues its request (a vector: the interpreter masks with arrays)
     keep = tl.load(fresh_ptr + seq + c * 0) == 0
     state = states_ptr + row * channels * (WIDTH - 1) + c * (WIDTH - 1)
-    for start in range(lo, hi, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)
-        mask = (t < hi)[:, None] & c_mask[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(WIDTH):
-            src = t - (WIDTH - 1) + j  # the input this weight meets: the chunk's, or its state's (src < lo)
-            from_x = (src >= lo)[:, None]
-            xs = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + c[None, :], mask=mask & from_x, other=0.0)
-            held = tl.load(state[None, :] + (src - lo + WIDTH - 1)[:, None], mask=mask & ~from_x & keep[None, :],
-                           other=0.0)
-            w = tl.load(weight_ptr + c * WIDTH + j, mask=c_mask, other=0.0).to(tl.float32)
-            acc += (xs.to(tl.float32) + held.to(tl.float32)) * w[None, :]
-        out = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + t[:, None].to(tl.int64) * out_stride + c[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    if CONV:
+        for start in range(lo, hi, BLOCK_T):
+            _conv_block(x_ptr, weight_ptr, state, keep, out_ptr, x_stride, out_stride, lo, hi, start, c, c_mask,
+                        WIDTH, BLOCK_T, BLOCK_C)
     if not UPDATE:
         return
     tl.debug_barrier()  # every read of the old state above comes before the new state's stores
@@ -174,15 +210,25 @@ def _causal_conv1d_chunks_kernel(x_ptr, weight_ptr, lo_ptr, hi_ptr, states_ptr, 
 
 
 def causal_conv1d_chunks_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor,
-                                rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor) -> None:
-    """A program per (chunk, 128 channels), looping over the chunk's tokens: no host read, and the
-    grid fixed by the chunk count (a padding chunk's programs return at once)."""
+                                rows: torch.Tensor, fresh: torch.Tensor, out: torch.Tensor, plan=None) -> None:
+    """Two launches, no host read, grids fixed by the step's token and chunk counts: the conv, a
+    program per (block of 64 tokens of a chunk, 128 channels) over `plan`'s blocks (fla_plan's,
+    made here if absent; the model makes it once a step), so a long chunk's tokens spread over the
+    device rather than queue in one program each; then the new states, a program per (chunk, 128
+    channels). A padding chunk's programs return at once."""
     assert states.is_contiguous() and weight.is_contiguous() and x.stride(-1) == out.stride(-1) == 1
+    from .gated_delta_rule import CHUNK, fla_plan  # its packed sequences' blocks: CHUNK tokens each
+
+    plan = plan or fla_plan(cu_seqlens, x.shape[0])
     channels, width = weight.shape
     block_c = min(next_power_of_2(channels), 128)
+    fresh = fresh.view(torch.uint8)
+    _causal_conv1d_blocks_kernel[(plan.index.shape[0], cdiv(channels, block_c))](
+        x, weight, plan.bounds, plan.index, states, rows, fresh, out, rows.shape[0], channels, x.stride(0),
+        out.stride(0), WIDTH=width, BLOCK_T=CHUNK, BLOCK_C=block_c)
     _causal_conv1d_chunks_kernel[(rows.shape[0], cdiv(channels, block_c))](
-        x, weight, cu_seqlens, cu_seqlens[1:], states, rows, fresh.view(torch.uint8), out, channels, x.stride(0),
-        out.stride(0), WIDTH=width, BLOCK_T=64, BLOCK_C=block_c, UPDATE=True)
+        x, weight, cu_seqlens, cu_seqlens[1:], states, rows, fresh, out, channels, x.stride(0), out.stride(0),
+        WIDTH=width, BLOCK_T=CHUNK, BLOCK_C=block_c, UPDATE=True, CONV=False)
 
 
 def packed_runs(rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
@@ -229,5 +275,5 @@ def causal_conv1d_runs_triton(x: torch.Tensor, weight: torch.Tensor, states: tor
     block_c = min(next_power_of_2(channels), 128)
     _causal_conv1d_chunks_kernel[(rows.shape[0], cdiv(channels, block_c))](
         x, weight, starts, ends, states, rows, torch.zeros_like(rows, dtype=torch.uint8), out, channels, x.stride(0),
-        out.stride(0), WIDTH=width, BLOCK_T=16, BLOCK_C=block_c, UPDATE=update)
+        out.stride(0), WIDTH=width, BLOCK_T=16, BLOCK_C=block_c, UPDATE=update, CONV=True)
     return out

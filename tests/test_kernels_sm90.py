@@ -23,8 +23,8 @@ KERNELS = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel
            "_moe_gate_up_kernel", "_moe_down_kernel", "_align_kernel", "_align_count_kernel", "_align_runs_kernel",
            "_align_place_kernel", "_one_shot_add_rms_norm_kernel", "_shrink_kernel", "_expand_kernel",
            "_gated_delta_rule_step_kernel", "_causal_conv1d_step_kernel", "_causal_conv1d_chunks_kernel",
-           "_gated_delta_rule_runs_kernel", "_gated_rms_norm_kernel",
-           "_l2norm_heads_kernel", "_linear_gates_kernel"}
+           "_gated_delta_rule_runs_kernel", "_gated_rms_norm_kernel", "_causal_conv1d_blocks_kernel",
+           "_chunk_states_in_kernel", "_chunk_states_out_kernel", "_l2norm_heads_kernel", "_linear_gates_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():

@@ -234,7 +234,7 @@ class GatedDeltaNet:
             causal_conv1d_step(mixed[:n], self.conv_weight, conv_states, seqs.decode_rows, out=out[:n])
         if seqs.chunk_rows is not None:  # after the decodes, whose rows a padded step's chunks may overlap
             causal_conv1d_chunks(mixed, self.conv_weight, seqs.chunk_bounds, conv_states, seqs.chunk_rows,
-                                 seqs.chunk_starts, out)
+                                 seqs.chunk_starts, out, plan=seqs.plan_for(mixed))
         return out
 
     def _delta_rule(self, q, k, v, g, beta, seqs: Sequences, states: torch.Tensor) -> torch.Tensor:
