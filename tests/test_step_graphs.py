@@ -153,6 +153,7 @@ def test_every_layout_warms_up_on_padding_alone(tmp_path):
     every block slot padding, so the warm-up touches nothing but the scratch slot."""
     make_model("llama_gqa_llama3_rope", tmp_path)
     graphs = make_runner(tmp_path).graphs
+    assert graphs.chunk_tiers == (MAX_GRAPH_CHUNKS,)  # no recurrent state: one chunk tier
     for layout in graphs.mixed:
         graphs._pad_only(layout)
         v = layout.views(graphs.mixed_meta)

@@ -9,7 +9,9 @@ the KV cache:
   without them (for steps where no row has an adapter: `run(lora=False)`), in the same pool (the
   two take the same activations, so the second costs capture time and the graphs' own nodes);
 - mixed steps (decodes beside prompt chunks, or chunks alone): the smallest token bucket >= the
-  step's tokens (`mixed_buckets`), with up to MAX_GRAPH_CHUNKS chunks. Larger steps, steps with
+  step's tokens (`mixed_buckets`), with up to MAX_GRAPH_CHUNKS chunks (a model with recurrent
+  state also captures each bucket with FEW_GRAPH_CHUNKS chunk slots, for the steps that hold that
+  few: every chunk slot costs its linear layers a state read and written). Larger steps, steps with
   more chunks and steps that want prompt logprobs run eagerly: a step of more than
   `max_tokens` tokens takes longer on the device than its eager launch takes on the host.
 
@@ -68,6 +70,11 @@ MIXED_STEPS = ((1024, 64), (4096, 128), (16384, 512))
 # prompts (a few hundred tokens each) by the dozen. Each chunk costs a logit row and an extend-
 # attention block slot that leaves at once when unused.
 MAX_GRAPH_CHUNKS = 64
+# A hybrid model's second chunk tier: fla's kernels read an initial state and write a final one for
+# every chunk slot, empty or not (a padding slot of qwen3.5-27b: 1.5 MiB read, 3 MiB written in each
+# of 48 layers), so a step of a few chunks (the steady state's arrivals, a shared prefix's
+# followers) replays a bucket with this many slots instead of 64.
+FEW_GRAPH_CHUNKS = 8
 MIXED_TOKEN_ROWS = 4  # input_ids, positions, token rows, LoRA slots (then decode attention's rows and seq lens, `decodes` each)
 
 
@@ -115,10 +122,11 @@ class MixedLayout:
     blocks: int  # extend attention's block slots
     logit_rows: int
     decodes: int  # decode attention's rows: the most decodes a step of `tokens` can hold
+    chunks: int = MAX_GRAPH_CHUNKS  # chunk slots
 
     @property
     def sizes(self) -> dict[str, int]:
-        c = MAX_GRAPH_CHUNKS
+        c = self.chunks
         return {"tokens": MIXED_TOKEN_ROWS * self.tokens, "decodes": 2 * self.decodes, "ext_rows": c,
                 "ext_cu_q": c + 1, "ext_kv_lens": c, "q_blocks": 2 * self.blocks, "logit_index": self.logit_rows}
 
@@ -136,10 +144,13 @@ class MixedLayout:
 
 class StepGraphs:
     def __init__(self, model: LlamaModel, token_table: TokenTable, req_table: ReqTable, max_batch: int,
-                 max_tokens: int, capture: bool, forward=None, verify: bool = False):
+                 max_tokens: int, capture: bool, forward=None, verify: bool = False,
+                 chunk_tiers: tuple[int, ...] = (MAX_GRAPH_CHUNKS,)):
         """forward: what the graphs run, model.forward's signature (None: model.forward; one that
         also stores an EAGLE-3 head's features, which the graphs then store too). verify: a model
-        with recurrent state that verifies drafts: each decode bucket also as a verify step."""
+        with recurrent state that verifies drafts: each decode bucket also as a verify step.
+        chunk_tiers: the chunk slots mixed buckets are captured with, ascending (each bucket once
+        a tier; a step takes the fewest slots that hold its chunks)."""
         if req_table.padding_row is None:
             raise ValueError("padded steps need the request table's padding row")
         self.model, self.token_table = model, token_table
@@ -148,30 +159,34 @@ class StepGraphs:
         self.padding_row = req_table.padding_row
         self.max_seqlen = req_table.max_req_total_len
         self.buckets = decode_buckets(max_batch)
-        self.mixed = [self._layout(n, max_batch) for n in mixed_buckets(max_tokens)]
-        self.mixed_tokens = [m.tokens for m in self.mixed]  # bisected every step with chunks
+        self.chunk_tiers = tuple(sorted(chunk_tiers))
+        assert self.chunk_tiers[-1] == MAX_GRAPH_CHUNKS, chunk_tiers  # graph_memory_bytes sizes for it
+        # the layouts of each tier, by tokens (bisected every step with chunks); self.mixed: all of them
+        self.tiers = {c: [self._layout(n, max_batch, c) for n in mixed_buckets(max_tokens)] for c in self.chunk_tiers}
+        self.mixed_tokens = [m.tokens for m in self.tiers[MAX_GRAPH_CHUNKS]]
+        self.mixed = [m for c in self.chunk_tiers for m in self.tiers[c]]
         self.max_tokens = max_tokens
         self.req_to_token[self.padding_row, 0] = token_table.scratch_slot
         device = token_table.device
         largest = self.buckets[-1]
         self.meta = torch.tensor([[0] * largest, [0] * largest, [self.padding_row] * largest, [1] * largest,
                                   [-1] * largest], device=device)
-        self.mixed_meta = torch.zeros(self.mixed[-1].size, dtype=torch.int64, device=device)
-        logit_rows = max(largest, self.mixed[-1].logit_rows)  # the static logits only graphs write
+        self.mixed_meta = torch.zeros(max(m.size for m in self.mixed), dtype=torch.int64, device=device)
+        logit_rows = max(largest, max(m.logit_rows for m in self.mixed))  # the static logits only graphs write
         self.logits = torch.empty(logit_rows if capture else 0, model.config.vocab_size, dtype=torch.float32,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode buckets without LoRA (model.lora set)
         self.verify = verify
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode buckets verifying drafts (verify set)
-        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[MixedLayout, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all()
 
-    def _layout(self, tokens: int, max_batch: int) -> MixedLayout:
+    def _layout(self, tokens: int, max_batch: int, chunks: int) -> MixedLayout:
         head_dim = self.model.config.head_dim
-        return MixedLayout(tokens, max_q_blocks(tokens, MAX_GRAPH_CHUNKS, head_dim),
-                           min(tokens, max_batch + MAX_GRAPH_CHUNKS), min(tokens, max_batch))
+        return MixedLayout(tokens, max_q_blocks(tokens, chunks, head_dim), min(tokens, max_batch + chunks),
+                           min(tokens, max_batch), chunks)
 
     # ---- decode steps ----
 
@@ -222,7 +237,8 @@ class StepGraphs:
         which `decodes` decode rows, sampling `logit_rows` rows; None: eager."""
         if tokens > self.max_tokens or chunks > MAX_GRAPH_CHUNKS:
             return None
-        layout = self.mixed[bisect.bisect_left(self.mixed_tokens, tokens)]
+        tier = self.chunk_tiers[bisect.bisect_left(self.chunk_tiers, chunks)]
+        layout = self.tiers[tier][bisect.bisect_left(self.mixed_tokens, tokens)]
         return layout if decodes <= layout.decodes and logit_rows <= layout.logit_rows else None
 
     def pad_mixed(self, lists: dict[str, list[int]], num_decodes: int, layout: MixedLayout) -> list[int]:
@@ -232,7 +248,7 @@ class StepGraphs:
         pad_row, n = self.padding_row, len(lists["positions"])
         pad, undecoded = layout.tokens - n, layout.decodes - num_decodes
         cu_q = lists["ext_cu_q"]
-        chunk_pad = MAX_GRAPH_CHUNKS - len(lists["ext_rows"])
+        chunk_pad = layout.chunks - len(lists["ext_rows"])
         return (lists["decode_ids"] + lists["chunk_ids"] + [0] * pad
                 + lists["positions"] + [0] * pad
                 + lists["token_rows"] + [pad_row] * pad
@@ -256,7 +272,7 @@ class StepGraphs:
     def run_mixed(self, meta: torch.Tensor, layout: MixedLayout, n: int, max_seqlen: int) -> torch.Tensor:
         """fp32 logits [n, vocab] of the first n logit rows; meta is the flat layout on the device."""
         self.mixed_meta[: layout.size].copy_(meta)
-        graph = self.mixed_graphs.get(layout.tokens)
+        graph = self.mixed_graphs.get(layout)
         if graph is None:
             return self._mixed_forward(layout, max_seqlen)[:n]
         graph.replay()
@@ -283,22 +299,22 @@ class StepGraphs:
         nothing but the scratch slot."""
         device = self.token_table.device
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        # (family, key, logit rows, padding-only metadata for the warm-up, forward)
-        forwards = [(self.mixed_graphs, m.tokens, m.logit_rows, lambda m=m: self._pad_only(m),
-                     lambda m=m: self._mixed_forward(m, self.max_seqlen)) for m in self.mixed]
-        forwards += [(self.graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen))
+        # (family, key, logit rows, padding-only metadata for the warm-up, forward, (tokens, chunk slots))
+        forwards = [(self.mixed_graphs, m, m.logit_rows, lambda m=m: self._pad_only(m),
+                     lambda m=m: self._mixed_forward(m, self.max_seqlen), (m.tokens, m.chunks)) for m in self.mixed]
+        forwards += [(self.graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen), (b, 0))
                      for b in self.buckets]
         if self.model.lora is not None:
-            forwards += [(self.base_graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen, False))
-                         for b in self.buckets]
+            forwards += [(self.base_graphs, b, b, lambda: None, lambda b=b: self._forward(b, self.max_seqlen, False),
+                          (b, 0)) for b in self.buckets]
         if self.verify:
             forwards += [(self.verify_graphs, b, b, lambda: None,
-                          lambda b=b: self._forward(b, self.max_seqlen, verify=True)) for b in self.buckets]
-        forwards.sort(key=lambda f: -f[1])
+                          lambda b=b: self._forward(b, self.max_seqlen, verify=True), (b, 0)) for b in self.buckets]
+        forwards.sort(key=lambda f: f[5], reverse=True)
         with torch.cuda.device(device):
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            for family, key, rows, pad_only, forward in forwards:
+            for family, key, rows, pad_only, forward, _ in forwards:
                 with torch.cuda.stream(stream):
                     pad_only()
                     forward()  # compiles kernels, creates NCCL communicators
@@ -309,12 +325,12 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             captured = time.perf_counter()
-            first_replays([(pad_only, family[key]) for family, key, _, pad_only, _ in forwards])
+            first_replays([(pad_only, family[key]) for family, key, _, pad_only, _, _ in forwards])
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d decode CUDA graphs (batch %s; %d more without LoRA, %d more verifying drafts) and "
-                    "%d mixed-step graphs (tokens %s) in %.1f s, %.2f GiB; their first replays took %.1f s",
-                    len(self.graphs), ",".join(map(str, self.buckets)), len(self.base_graphs),
-                    len(self.verify_graphs), len(self.mixed_graphs),
-                    ",".join(str(m.tokens) for m in self.mixed), captured - start, used / 2**30,
+                    "%d mixed-step graphs (tokens %s; chunk slots %s) in %.1f s, %.2f GiB; their first replays "
+                    "took %.1f s", len(self.graphs), ",".join(map(str, self.buckets)), len(self.base_graphs),
+                    len(self.verify_graphs), len(self.mixed_graphs), ",".join(map(str, self.mixed_tokens)),
+                    ",".join(map(str, self.chunk_tiers)), captured - start, used / 2**30,
                     time.perf_counter() - captured)

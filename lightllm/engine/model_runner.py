@@ -36,7 +36,8 @@ from lightllm.common.state_pool import StatePool
 from lightllm.common.token_table import OutOfTokensError, TokenTable
 from lightllm.engine.batch import DecodeRows, LaunchedStep, RunningReq, download, int64_tensor, step_lists, upload
 from lightllm.engine.config import EngineConfig
-from lightllm.engine.cuda_graph import META_ROWS, MIXED_TOKEN_ROWS, MixedLayout, StepGraphs, graph_memory_bytes
+from lightllm.engine.cuda_graph import (FEW_GRAPH_CHUNKS, MAX_GRAPH_CHUNKS, META_ROWS, MIXED_TOKEN_ROWS, MixedLayout,
+                                        StepGraphs, graph_memory_bytes)
 from lightllm.engine.memory import snapshot_slots, state_slots, token_budget
 from lightllm.engine.plan import (Adopt, DraftRequest, DropGrammar, DropLora, Evict, Insert, Load, LoadGrammar, LoadLora,
                                   Offload, Release, Reset, Snapshot, Spill, Split, StepPlan, StepResult)
@@ -171,7 +172,8 @@ class ModelRunner:
         if cuda_graph:
             self.graphs = StepGraphs(self.model, self.token_table, self.req_table, running,
                                      config.graph_max_tokens, capture, forward=self.target_forward,
-                                     verify=verify_tokens > 0)
+                                     verify=verify_tokens > 0, chunk_tiers=(FEW_GRAPH_CHUNKS, MAX_GRAPH_CHUNKS)
+                                     if self.state_pool is not None else (MAX_GRAPH_CHUNKS,))
             if self.drafter is not None:
                 self.drafter.make_graphs(self.req_table, running, capture)
         if self.device.type == "cuda":

@@ -99,7 +99,7 @@ def test_a_buckets_first_serving_replay_is_no_slower_than_its_next(tmp_path):
                                                                          "original_max_position_embeddings": 64})
     graphs = make_runner(tmp_path, tokens=8192, device="cuda", max_req_total_len=512, running_max_req_size=16).graphs
     for graph, pad_only in [(graphs.graphs[graphs.buckets[-1]], lambda: None),
-                            (graphs.mixed_graphs[graphs.mixed[-1].tokens], lambda: graphs._pad_only(graphs.mixed[-1]))]:
+                            (graphs.mixed_graphs[graphs.mixed[-1]], lambda: graphs._pad_only(graphs.mixed[-1]))]:
         launches = []
         for _ in range(3):
             pad_only()
