@@ -257,7 +257,8 @@ def step_launch(dv: int, launch: tuple[int, int] | None = None) -> tuple[int, in
 
 def gated_delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, states: torch.Tensor, rows: torch.Tensor,
-                                 out: torch.Tensor | None = None, launch: tuple[int, int] | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None,
+                                 launch: tuple[int, int] | None = None) -> torch.Tensor:
     assert states.is_contiguous() and states.dtype in STATE_DTYPES
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     batch, num_heads, dv = v.shape
@@ -346,7 +347,8 @@ def gated_delta_rule_runs_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                                         beta.stride(0), out.stride(0), out.stride(1), num_heads,
                                         num_heads // q.shape[1], dk ** -0.5, DK=dk, DV=dv,
-                                        BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v, UPDATE=update, num_warps=num_warps)
+                                        BLOCK_K=next_power_of_2(dk), BLOCK_V=block_v, UPDATE=update,
+                                        num_warps=num_warps)
     return out
 
 # ---- the chunked form on CUDA: flash-linear-attention's chunk_gated_delta_rule over the step's tokens ----

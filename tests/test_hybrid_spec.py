@@ -19,7 +19,8 @@ from lightllm.engine.request import SamplingParams
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.controller import Speculator
-from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_triton, causal_conv1d_runs_triton, causal_conv1d_step_triton
+from lightllm.kernels.causal_conv1d import (causal_conv1d_chunks_triton, causal_conv1d_runs_triton,
+                                            causal_conv1d_step_triton)
 from lightllm.kernels.gated_delta_rule import gated_delta_rule_runs_triton, gated_delta_rule_step_triton, linear_gates_triton
 from lightllm.kernels.rms_norm import gated_rms_norm_triton
 from lightllm.models import qwen3_next
@@ -29,8 +30,8 @@ SPEC = f'{{"method": "ngram", "num_speculative_tokens": {K}}}'
 
 
 # "triton": the decode, verify and commit kernels, the prompt's conv, the gates and the gated norm (the CUDA path) in
-# the model, under Triton's interpreter here; "graph": 8 request rows, so a verify step's rows (1 + K) fit a decode bucket and run
-# padded as its verify graph replays them (eager on the CPU), runs found on the device among padding
+# the model, under Triton's interpreter here; "graph": 8 request rows, so a verify step's rows (1 + K) fit a decode
+# bucket and run padded as its verify graph replays them (eager on the CPU), runs found on the device among padding
 @pytest.mark.parametrize("name,kernels", [("qwen3_next", "reference"), ("qwen3_5", "reference"),
                                           ("qwen3_5", "triton"), ("qwen3_next", "graph")])
 def test_drafts_right_and_wrong_leave_the_state_at_the_last_accepted_token(name, kernels, tmp_path, monkeypatch):

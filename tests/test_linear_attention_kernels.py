@@ -326,7 +326,7 @@ def test_stand_in_takes_fla_arguments():
     assert set(inspect.signature(varlen_standing_in_for_fla).parameters) <= set(accepted)
 
 
-@pytest.mark.parametrize("lengths,decodes", CHUNK_CASES + [((1, 70, 64, 0), 2), ((200,), 1)])  # chunks of 2 and 4 blocks
+@pytest.mark.parametrize("lengths,decodes", CHUNK_CASES + [((1, 70, 64, 0), 2), ((200,), 1)])  # 2 and 4 blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_conv1d_chunks_triton_equals_reference(lengths, decodes, dtype):
     from lightllm.kernels.causal_conv1d import causal_conv1d_chunks_ref, causal_conv1d_chunks_triton
