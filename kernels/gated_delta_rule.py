@@ -400,14 +400,16 @@ def require_fla() -> None:
 
 def fla_sequences(cu_seqlens: torch.Tensor, tokens: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's chunks as flash-linear-attention's packed sequences, built on the device: bounds
-    [0, cu_seqlens..., tokens, tokens] (a lead sequence over the decode tokens, the chunks, a tail
-    over the padding tokens, an empty last one) and the fixed-size block index [(sequence, block)]
+    [lo, cu_seqlens..., hi, hi] with lo and hi the chunks' first and end token (an empty lead, the
+    chunks, an empty tail and an empty last one: the decode tokens before the chunks and a padded
+    step's padding tokens after them are in no sequence, so fla's kernels never touch them; as a
+    lead sequence the decodes of a burst's step, hundreds of tokens, cost fla their blocks' work and
+    a chain of them longer than most chunks') and the fixed-size block index [(sequence, block)]
     of cdiv(tokens, chunk) + the sequences' count rows, the real blocks first, the rest pointing at
-    the empty sequence (whose blocks fla's kernels skip). Fixed sizes and no host read keep a padded
-    step's call capturable in a CUDA graph."""
+    the empty last sequence (whose blocks fla's kernels skip). Fixed sizes and no host read keep a
+    padded step's call capturable in a CUDA graph."""
     cu = cu_seqlens.long()
-    ends = cu.new_full((1,), tokens)
-    bounds = torch.cat([cu.new_zeros(1), cu, ends, ends])
+    bounds = torch.cat([cu[:1], cu, cu[-1:], cu[-1:]])
     blocks = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
     offsets = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)])
     slots = torch.arange(cdiv(tokens, chunk) + blocks.shape[0], device=cu.device)

@@ -214,16 +214,23 @@ def varlen_standing_in_for_fla(q, k, v, g, beta, scale, initial_state, output_fi
     assert scale == k.shape[-1] ** -0.5 and not use_qk_l2norm_in_kernel and output_final_state
     for x in (q, k):
         torch.testing.assert_close(x.float().norm(dim=-1), torch.ones_like(x[..., 0], dtype=torch.float32), atol=1e-3, rtol=0)
-    assert_fla_blocks(cu_seqlens.tolist(), chunk_indices.tolist())
-    out, final = gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu_seqlens.tolist(), initial_state)
-    return out[None], final
+    bounds = cu_seqlens.tolist()
+    assert_fla_blocks(bounds, chunk_indices.tolist())
+    lo, hi = bounds[0], bounds[-1]
+    out, final = gated_delta_rule_varlen(q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi],
+                                         [b - lo for b in bounds], initial_state)
+    whole = torch.full_like(v[0], float("nan"))  # fla leaves the tokens of no sequence as its empty output held
+    whole[lo:hi] = out
+    return whole[None], final
 
 
 def assert_fla_blocks(bounds, index, chunk=64):
     """Every (sequence, block) of the packed sequences once, in order, then rows on the last (empty)
-    sequence's block 0, which fla's kernels skip."""
+    sequence's block 0, which fla's kernels skip. The lead, the tail and the last sequence are empty:
+    the decode tokens and the padding are in none."""
     real = [[s, b] for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])) for b in range(-(-(hi - lo) // chunk))]
-    assert bounds[-1] == bounds[-2] and index[: len(real)] == real and len(index) > len(real)
+    assert bounds[0] == bounds[1] and bounds[-1] == bounds[-2] == bounds[-3]
+    assert index[: len(real)] == real and len(index) > len(real)
     assert all(row == [len(bounds) - 2, 0] for row in index[len(real):])
 
 
