@@ -82,6 +82,11 @@ def test_a_hybrid_layers_kernels_are_labelled_by_their_place():
     assert [g for g in labels if g.startswith("GEMM")] == ["GEMM in_proj", "GEMM out_proj", "GEMM gate_up",
                                                            "GEMM down", "GEMM qkv", "GEMM o", "GEMM lm_head"]
     assert {"linear gates", "causal conv", "delta rule step (states)", "gated norm"} <= set(labels)
+    # a prompt chunk's: the state movers around fla's kernels are theirs, not fla's
+    groups = [profile_step.group_of(n) for n in ("_chunk_states_in_kernel", "chunk_fwd_kernel_o",
+                                                 "_chunk_states_out_kernel", "_causal_conv1d_blocks_kernel")]
+    assert groups == ["chunk states in/out (fla path)", "fla chunk kernels", "chunk states in/out (fla path)",
+                      "causal conv"]
 
 
 def test_a_hybrid_models_projections_are_its_checkpoints(tmp_path):

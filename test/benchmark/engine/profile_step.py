@@ -59,8 +59,8 @@ TRITON_GROUPS = {  # kernel name fragment -> group, the first that matches
     # the hybrid models' linear layers (fla's kernels: the prompt chunks' delta rule)
     "_gated_delta_rule_step": "delta rule step (states)", "_gated_delta_rule_runs": "delta rule runs (verify)",
     "_causal_conv1d": "causal conv", "_gated_rms_norm": "gated norm", "_linear_gates": "linear gates",
-    "_l2norm_heads": "q/k l2 norm", "chunk_": "fla chunk kernels", "solve_tril": "fla chunk kernels",
-    "recompute_w_u": "fla chunk kernels",
+    "_l2norm_heads": "q/k l2 norm", "_chunk_states": "chunk states in/out (fla path)",
+    "chunk_": "fla chunk kernels", "solve_tril": "fla chunk kernels", "recompute_w_u": "fla chunk kernels",
     "_decode_split": "attention (decode)", "_extend": "attention (extend)",
     "_rms_norm": "rms norm (+ residual)", "_rotary_kv": "rotary + kv write", "_silu": "silu*mul",
     "_quantize_rows": "fp8 input quantisation",
