@@ -131,7 +131,7 @@ def test_hybrid_graphs_equal_eager_and_transformers(tmp_path, monkeypatch):
         runs[graphs] = run(runner, plans)
         assert runner.stats()["tokens_used"] == 0
         del runner
-    assert [m for m, _ in replays] == ["run_mixed"] * 3 + ["run"] * DECODE_STEPS
+    assert [m for m, *_ in replays] == ["run_mixed"] * 3 + ["run"] * DECODE_STEPS
     (eager_tokens, eager_states), (graph_tokens, graph_states) = runs[False], runs[True]
     assert graph_tokens == eager_tokens
     for eager, graphed in zip(eager_states, graph_states):
