@@ -2,9 +2,12 @@
 decodes, EOS and aborts, with one step in flight or none (hypothesis drives the mixes)."""
 
 import itertools
+import logging
 import random
+import re
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from helpers.fake_runner import EOS, FakeRunner
 from hypothesis import strategies as st
@@ -15,6 +18,8 @@ from lightllm.engine.scheduler import AGING_STEPS, BURST_BACKLOG_STEPS, POLICIES
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.controller import Speculator
+from lightllm.server.io_struct import RouterStats
+from lightllm.server.router.stats import ThroughputLog
 from seeds import fresh_rng  # noqa: E402
 
 
@@ -256,6 +261,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once():
     outs = core.drain()
     assert len(outs) == 12
     assert scheduler.prefix_hit_tokens == 3 * len(system)  # the first computes it; three take it
+    assert scheduler.prompt_computed_tokens == 4 * (len(system) + 5) - 3 * len(system)
 
 
 def test_a_shared_prefix_is_cut_where_it_ends_and_its_followers_start_the_next_step():
@@ -293,3 +299,25 @@ def test_a_shared_prefix_is_cut_where_it_ends_and_its_followers_start_the_next_s
     assert sorted(reaches_cut) == [0, 1, 2, 3]
     for g in range(4):
         assert {first[4 * f + g] for f in range(1, 4)} == {reaches_cut[g] + 1}, (g, first, reaches_cut)
+
+
+def test_the_throughput_log_rates_the_prompt_tokens_computed_not_those_arrived(caplog):
+    """The router's log gives prompt tokens a second from the scheduler's counter of tokens put in
+    chunks: a window in which prompts only arrived, or were taken from the cache, logs none."""
+    log = ThroughputLog(interval=0.0)
+    rates = []
+
+    def window(generated: int, computed_counter: int) -> None:
+        log.count(generated_tokens=generated)
+        with caplog.at_level(logging.INFO, logger="lightllm.server.router.stats"):
+            caplog.clear()
+            log.maybe_log(RouterStats(0, 0, 0, 1000, prompt_computed_tokens=computed_counter))
+        prompt, generation = re.search(r"prompt ([\d.]+) tok/s, generation ([\d.]+) tok/s", caplog.text).groups()
+        rates.append((float(prompt), float(generation)))
+
+    window(10, 500)  # 500 prompt tokens computed beside 10 generated
+    window(5, 500)  # none computed since
+    window(0, 800)
+    assert rates[0][0] == pytest.approx(50 * rates[0][1], rel=1e-6)
+    assert rates[1][0] == 0.0 and rates[1][1] > 0
+    assert rates[2][0] > 0 and rates[2][1] == 0.0

@@ -215,6 +215,7 @@ class Scheduler:
         self._leaders: dict[tuple, Req] = {}
         self._in_steps: set[int] = set()  # ids of steps planned whose result is not yet in
         self._next_step = 0
+        self.prompt_computed_tokens = 0  # prompt tokens put in a step's chunks (counter)
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the cache (counter)
         self.prefix_hit_tokens = 0  # of which found cached (counter)
         self.prefix_host_hit_tokens = 0  # of those, loaded back from the host or disk tier (counter)
@@ -553,6 +554,7 @@ class Scheduler:
     def _chunk(self, req: Req, n: int) -> Chunk:
         start = req.prefilled
         req.prefilled += n
+        self.prompt_computed_tokens += n
         last = req.prefilled == req.prompt_len
         chunk = Chunk(req.req_id, req.prompt_ids[start: start + n], start, last,
                       req.sampling if start == req.cached else None)

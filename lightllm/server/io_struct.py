@@ -82,6 +82,7 @@ class RouterStats:
     prefix_queried_tokens: int = 0  # counters since start: prompt tokens looked up in the cache
     prefix_hit_tokens: int = 0  # ... and found there
     replica: int = 0  # which engine (--dp) reports
+    prompt_computed_tokens: int = 0  # counter: prompt tokens computed in steps (cache hits are not)
     prefix_host_tokens: int = 0  # tokens the prefix cache's host tier holds
     prefix_host_hit_tokens: int = 0  # counter: of prefix_hit_tokens, those loaded back from the host (or disk) tier
     prefix_disk_hit_tokens: int = 0  # counter: of those, from the disk tier

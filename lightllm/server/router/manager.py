@@ -92,13 +92,14 @@ class RouterManager:
         self._wait_for_work()
         self._receive()
         self._heartbeat.step_started()
+        computed = self.core.scheduler.prompt_computed_tokens
         outs = self.core.step()
         self._heartbeat.turned()
         if outs:
             self._to_detokenizer.send_pyobj(BatchTokenOut(outs))
             self._stats_dirty = True
-            if self._throughput is not None:
-                self._throughput.count(prompt_tokens=0, generated_tokens=len(outs))
+        if self._throughput is not None and (outs or self.core.scheduler.prompt_computed_tokens != computed):
+            self._throughput.count(generated_tokens=len(outs))  # a prompt's chunks keep the window open too
         self._publish_stats()
 
     @property
@@ -136,7 +137,7 @@ class RouterManager:
                 if refused:
                     self._to_detokenizer.send_pyobj(BatchTokenOut(refused))
                 if self._throughput is not None:
-                    self._throughput.count(prompt_tokens=len(msg.prompt_ids), generated_tokens=0)
+                    self._throughput.count(generated_tokens=0)  # opens the window: prefill follows
             elif isinstance(msg, AbortReq):
                 if self.core.abort(msg.req_id):
                     self._to_detokenizer.send_pyobj(msg)
@@ -167,7 +168,7 @@ class RouterManager:
         scheduler = self.core.scheduler
         stats = RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
                             self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
-                            scheduler.prefix_hit_tokens, self.replica)
+                            scheduler.prefix_hit_tokens, self.replica, scheduler.prompt_computed_tokens)
         if scheduler.cache is not None:
             stats.prefix_host_tokens = scheduler.cache.host_tokens
             stats.prefix_host_hit_tokens = scheduler.prefix_host_hit_tokens

@@ -14,14 +14,16 @@ class ThroughputLog:
     def __init__(self, interval: float):
         self._interval = interval
         self._window_start: float | None = None  # None: nothing happened since the last log
-        self._prompt_tokens = 0
         self._generated_tokens = 0
-        self._prefix = (0, 0)  # (queried, hit) prompt tokens at the last log
+        # Counters at the last log: prompt tokens computed, and those looked up in and found in the
+        # prefix cache. The prompt rate is what the steps computed, not what arrived.
+        self._prompt = 0
+        self._prefix = (0, 0)
 
-    def count(self, prompt_tokens: int, generated_tokens: int) -> None:
+    def count(self, generated_tokens: int) -> None:
+        """Activity (a request arrived, or a step gave tokens): it opens a window if none is open."""
         if self._window_start is None:
             self._window_start = time.monotonic()
-        self._prompt_tokens += prompt_tokens
         self._generated_tokens += generated_tokens
 
     def seconds_until_due(self) -> float | None:
@@ -36,11 +38,13 @@ class ThroughputLog:
         elapsed = time.monotonic() - self._window_start
         queried = stats.prefix_queried_tokens - self._prefix[0]
         hits = stats.prefix_hit_tokens - self._prefix[1]
+        computed = stats.prompt_computed_tokens - self._prompt
         self._prefix = (stats.prefix_queried_tokens, stats.prefix_hit_tokens)
+        self._prompt = stats.prompt_computed_tokens
         logger.info(
             "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV tokens %d/%d (%.1f%%), "
             "prefix cache %d tokens, hit rate %.1f%%",
-            self._prompt_tokens / elapsed,
+            computed / elapsed,
             self._generated_tokens / elapsed,
             stats.running_reqs,
             stats.waiting_reqs,
@@ -50,4 +54,4 @@ class ThroughputLog:
             stats.prefix_cached_tokens,
             100.0 * hits / queried if queried else 0.0,
         )
-        self._window_start, self._prompt_tokens, self._generated_tokens = None, 0, 0
+        self._window_start, self._generated_tokens = None, 0
