@@ -140,3 +140,43 @@ def test_the_tp_profile_groups_kernels_with_the_all_reduce_apart():
     assert sum(groups.values()) == len(names)
     table = allreduce_bench.group_table([{"mode": "symmetric", "batch": 1, **row}])
     assert "| GEMM o | 1 |" in table and f"| all kernels | {len(names)} |" in table
+
+
+def test_the_roofline_prices_a_step_from_its_shape(tmp_path):
+    """step_work's GEMMs read the projections' weights once (projection_params) and do two FLOPs a
+    weight a token; a group's floor is the larger of its bytes at the bandwidth and its FLOPs at peak,
+    and its 'of peak' is that floor over its time."""
+    from lightllm.models import read_config
+    from lightllm.tools.bench_model import write_bench_model
+    from benchmark.engine.static_benchmark import projection_params
+
+    cfg = read_config(write_bench_model(tmp_path / "tiny", "tiny", seed=0))
+    one = profile_step.step_work(cfg, 2, 2, [10], [])
+    many = profile_step.step_work(cfg, 2, 2, [10] * 3, [(0, 5), (4, 8)])
+    gemms = ("GEMM qkv", "GEMM o", "GEMM gate_up", "GEMM down")
+    tokens = 3 + 5 + 8
+    assert sum(many[g][1] for g in gemms) == 2 * tokens * projection_params(cfg)
+    weights = projection_params(cfg) * 2
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    activations = cfg.num_layers * ((h + q + 2 * kv) + (q + h) + (h + 2 * i) + (i + h)) * 2  # one token in and out
+    assert sum(one[g][0] for g in gemms) == weights + activations
+    assert many["GEMM lm_head"][1] == 2 * 5 * cfg.hidden_size * cfg.vocab_size  # a logit row a request
+    assert "attention (extend)" not in one and many["attention (decode)"][1] == 3 * one["attention (decode)"][1]
+    # prompt (4 cached, 8 new) attends to more keys than (0, 8): the causal pairs
+    kv_heads = cfg.num_heads * cfg.head_dim * 4.0 * cfg.num_layers
+    assert many["attention (extend)"][1] == kv_heads * (5 * (0 + 3) + 8 * (4 + 4.5))
+    roof = profile_step.Roofline(bandwidth=1e9, peak=1e12)
+    qkv_bytes, qkv_flops = one["GEMM qkv"]
+    floor_us, bound = roof.floor_us(qkv_bytes, qkv_flops)
+    assert bound == "memory" and floor_us == 1e6 * qkv_bytes / 1e9
+    # one step of two kernels: the qkv GEMM took twice its floor, a copy has no floor (all of it lost)
+    kernels = [("_rms_norm_kernel", 0.0, 1.0), ("nvjet_qkv", 1.0, 1.0 + 2 * floor_us), ("_rotary_kv_kernel", 0.0, 1.0),
+               ("Memcpy DtoD", 0.0, 5.0)]
+    lines = profile_step.kernel_table(kernels, 1, 1.0, "t", 1, one, roof, "decode 1 x 10")
+    qkv_row = next(line for line in lines if line.startswith("| GEMM qkv |"))
+    assert qkv_row.endswith("| 50% | memory |"), qkv_row
+    (step, _, _, floor_ms, losses), = roof.rows
+    assert step == "decode 1 x 10" and losses[0][1] in ("GEMM qkv", "copies")
+    assert abs(floor_ms - (floor_us + roof.floor_us(*one["rms norm (+ residual)"])[0]
+                           + roof.floor_us(*one["rotary + kv write"])[0]) / 1000) < 1e-9
+    assert "| decode 1 x 10 |" in "\n".join(profile_step.roofline_table(roof))

@@ -38,6 +38,7 @@ import pstats
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ from lightllm.engine.plan import StepPlan  # noqa: E402
 logger = logging.getLogger("profile_step")
 
 GEMM_NAMES = ("qkv", "o", "gate_up", "down")
+DECODE_CONTEXT = 256  # cached tokens of the mixed steps' decode rows when they join
 TRITON_GROUPS = {  # kernel name fragment -> group, the first that matches
     # the hybrid models' linear layers (fla's kernels: the prompt chunks' delta rule)
     "_gated_delta_rule_step": "delta rule step (states)", "_gated_delta_rule_runs": "delta rule runs (verify)",
@@ -162,21 +164,93 @@ def profile_steps(fn, steps: int, started=None):
     return prof
 
 
-def kernel_table(kernels, steps: int, step_ms: float, title: str, num_layers: int) -> list[str]:
+@dataclass
+class Roofline:
+    """What bounds a kernel group: bandwidth (bytes/s, the measured copy rate) and dense peak FLOP/s."""
+    bandwidth: float
+    peak: float
+    rows: list = field(default_factory=list)  # (step, step ms, kernel ms, floor ms, losses) of each step tabled
+
+    def floor_us(self, nbytes: float, flops: float) -> tuple[float, str]:
+        memory, compute = nbytes / self.bandwidth, flops / self.peak
+        return 1e6 * max(memory, compute), ("memory" if memory >= compute else "compute")
+
+
+def step_work(cfg, itemsize: int, kv_itemsize: int, decode_contexts: list[int],
+              prompts: list[tuple[int, int]]) -> dict[str, tuple[float, float]] | None:
+    """(bytes, FLOPs) each kernel group of a dense model's step must move and compute, at the least:
+    decodes at `decode_contexts` cached tokens, `prompts` as (cached tokens, new tokens), one logit row
+    each. Weights are read once a step; activations once in and once out of each kernel; attention
+    reads each K/V row once a request (FLOPs 4 a head dimension a key, causal within a chunk). None
+    for an MoE or hybrid model (their own benchmarks price those: moe_bench.py, delta_rule_bench.py)."""
+    if getattr(cfg, "moe", None) is not None or getattr(cfg, "linear_attn", None) is not None:
+        return None
+    layers, hidden, inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    tokens = len(decode_contexts) + sum(n for _, n in prompts)
+    weight_itemsize = 1 if getattr(cfg, "quantization", None) == "fp8" else itemsize
+
+    def gemm(k: int, n: int, m: int, times: int, weight: int = weight_itemsize) -> tuple[float, float]:
+        return times * (k * n * weight + m * (k + n) * itemsize), times * 2.0 * m * k * n
+
+    work = {"GEMM qkv": gemm(hidden, q_out + 2 * kv_out, tokens, layers), "GEMM o": gemm(q_out, hidden, tokens, layers),
+            "GEMM gate_up": gemm(hidden, 2 * inter, tokens, layers), "GEMM down": gemm(inter, hidden, tokens, layers),
+            "GEMM lm_head": gemm(hidden, cfg.vocab_size, len(decode_contexts) + len(prompts), 1, itemsize),
+            # the add-and-norm reads x and the residual and writes both; a layer has two, the model one more
+            "rms norm (+ residual)": ((2 * layers + 1) * 4 * tokens * hidden * itemsize, 0.0),
+            # q, k and v in; q out, k and v into the cache
+            "rotary + kv write": (layers * tokens * ((2 * q_out + 2 * kv_out) * itemsize + 2 * kv_out * kv_itemsize), 0.0),
+            "silu*mul": (layers * tokens * 3 * inter * itemsize, 0.0)}
+    kv_row = 2 * kv_out * kv_itemsize
+    if decode_contexts:
+        keys = sum(decode_contexts)
+        work["attention (decode)"] = (layers * (keys * kv_row + len(decode_contexts) * 2 * q_out * itemsize),
+                                      layers * 4.0 * q_out * keys)
+    if prompts:
+        pairs = sum(n * (cached + (n + 1) / 2) for cached, n in prompts)
+        work["attention (extend)"] = (layers * sum((cached + n) * kv_row + n * 2 * q_out * itemsize
+                                                   for cached, n in prompts), layers * 4.0 * q_out * pairs)
+    return work
+
+
+def kernel_table(kernels, steps: int, step_ms: float, title: str, num_layers: int,
+                 work: dict[str, tuple[float, float]] | None = None, roofline: Roofline | None = None,
+                 step: str | None = None) -> list[str]:
+    """The step's kernels by group; with `work` (step_work) and a `roofline`, each group's floor and its
+    fraction of the bound's peak, and the step's row in `roofline.rows` (under `step`)."""
     labelled = label_kernels(kernels, num_layers)
     groups: dict[str, list[float]] = {}
     for label, start, end in labelled:
         groups.setdefault(label, []).append(end - start)
     kernel_us = sum(sum(v) for v in groups.values()) / steps
     busy = busy_us(labelled) / steps
+    priced = work is not None and roofline is not None
     lines = [f"#### {title}", "",
              f"{len(labelled) / steps:.0f} device activities a step, {kernel_us / 1000:.3f} ms of kernels, "
              f"busy {busy / 1000:.3f} ms of a {step_ms:.3f} ms step: gaps {max(0.0, step_ms - busy / 1000):.3f} ms "
              f"({100 * max(0.0, 1 - busy / 1000 / step_ms):.1f}%)", "",
-             "| group | calls a step | ms a step | share of kernel time |", "| --- | ---: | ---: | ---: |"]
+             "| group | calls a step | ms a step | share of kernel time |" + (" floor ms | of peak | bound |" if priced else ""),
+             "| --- | ---: | ---: | ---: |" + (" ---: | ---: | --- |" if priced else "")]
+    floor_total, losses = 0.0, []
     for label, times in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"| {label} | {len(times) / steps:.0f} | {sum(times) / steps / 1000:.3f} | "
-                     f"{100 * sum(times) / steps / kernel_us:.1f}% |")
+        ms = sum(times) / steps / 1000
+        row = f"| {label} | {len(times) / steps:.0f} | {ms:.3f} | {100 * sum(times) / steps / kernel_us:.1f}% |"
+        if priced:
+            if label in work:
+                floor_us, bound = roofline.floor_us(*work[label])
+                floor_total += floor_us / 1000
+                losses.append((ms - floor_us / 1000, label))
+                share = f"{100 * floor_us / 1000 / ms:.0f}%" if ms > 0 else "-"
+                row += f" {floor_us / 1000:.3f} | {share} | {bound} |"
+            else:  # sampler, copies, elementwise glue: no floor of their own, all of it a loss
+                losses.append((ms, label))
+                row += " - | - | - |"
+        lines.append(row)
+    if priced:
+        lines += ["", f"Floor: {floor_total:.3f} ms of kernels at {roofline.bandwidth / 1e9:.0f} GB/s and "
+                      f"{roofline.peak / 1e12:.0f} TFLOP/s, {100 * floor_total / step_ms:.0f}% of the step"]
+        roofline.rows.append((step or title, step_ms, kernel_us / 1000, floor_total,
+                              sorted(losses, reverse=True)[:3]))
     names: dict[str, list[float]] = {}
     for name, start, end in kernels:
         names.setdefault(name, []).append(end - start)
@@ -290,8 +364,12 @@ def decode_section(runner: ModelRunner, bench: Bench, batch: int, context: int, 
     lines.append("")
     if runner.device.type == "cuda":
         prof = profile_steps(step, args.profile_steps)
+        # the rows' context by now: the timed steps, the host's and the in-flight ones decoded a token each
+        cached = context + args.warmup + 2 * args.iters + args.host_steps + 2
+        work = step_work(cfg, itemsize, runner.kv_dtype.itemsize, [cached] * batch, [])
         lines += kernel_table(device_kernels(prof), args.profile_steps, step_ms,
-                              f"Kernels of the engine step (graph replay + sampler), batch {batch}", cfg.num_layers)
+                              f"Kernels of the engine step (graph replay + sampler), batch {batch}", cfg.num_layers,
+                              work, args.roofline, f"decode {batch} x {context}")
     if runner.device.type == "cuda" and runner.graphs is not None:
         graphs, bucket = runner.graphs, runner.graphs.bucket(batch)
         forward = lambda: graphs._forward(bucket, graphs.max_seqlen)  # noqa: E731  eager, same kernels
@@ -335,25 +413,33 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
     how = "eager" if runner.graphs is None else f"replayed from a CUDA graph up to {runner.graphs.max_tokens} tokens"
     lines = [f"### Steps with prompt chunks ({how})", "",
              "| step | wall ms | host launch ms | device busy ms | busy share |", "| --- | ---: | ---: | ---: | ---: |"]
-    # the mixed step's decodes and its prompts each take a request row: fewer decodes where there are fewer
-    num_decodes = min(args.mixed_decodes, runner.req_table.free_count - args.mixed_prompts)
-    if num_decodes < args.mixed_decodes:
-        logger.info("mixed step: %d decodes, not %d: --running-max-req-size leaves %d request rows", num_decodes,
-                    args.mixed_decodes, runner.req_table.free_count)
-    decodes = bench.new_reqs(num_decodes, 256)
+    # the mixed steps' decodes and their prompts each take a request row: fewer decodes where there are fewer
+    count = max(len(args.mixed_decodes), len(args.mixed_chunk), len(args.mixed_prompts))
+    def nth(values: list[int], i: int) -> int:  # a list of one applies to every mixed step
+        return values[i] if len(values) > 1 else values[0]
+    mixes = [(nth(args.mixed_decodes, i), nth(args.mixed_prompts, i), nth(args.mixed_chunk, i)) for i in range(count)]
+    rows = runner.req_table.free_count - max(prompts for _, prompts, _ in mixes)
+    if max(d for d, _, _ in mixes) > rows:
+        logger.info("mixed steps: at most %d decodes: --running-max-req-size leaves %d request rows", rows,
+                    runner.req_table.free_count)
+    decodes = bench.new_reqs(min(rows, max(d for d, _, _ in mixes)), DECODE_CONTEXT)
     for start in range(0, len(decodes), 32):
         run_step(runner, prompts=decodes[start: start + 32])
     ids = [r[0] for r in decodes]
-    num_prompts, length = args.mixed_prompts, args.mixed_chunk // args.mixed_prompts
-    mixed = f"mixed: {num_decodes} decodes + {num_prompts} x {length}"
-    shapes = {"prefill 1 x 128": lambda: ([], bench.new_reqs(1, 128)),
-              mixed: lambda: (ids, bench.new_reqs(num_prompts, length))}
-    host, kernels = [], []
-    for label, make in shapes.items():
-        def one(make=make):
-            dec, prompts = make()
+    shapes = {"prefill 1 x 128": ([], 1, 128)}
+    for wanted, num_prompts, chunk in mixes:
+        dec = ids[:min(wanted, rows)]
+        shapes[f"mixed: {len(dec)} decodes + {num_prompts} x {chunk // num_prompts}"] = (dec, num_prompts,
+                                                                                         chunk // num_prompts)
+    host, kernels, steps_run = [], [], {i: 0 for i in ids}  # each decode row's tokens decoded here
+    cfg = runner.config
+    for label, (dec, num_prompts, length) in shapes.items():
+        def one(dec=dec, num_prompts=num_prompts, length=length):
+            prompts = bench.new_reqs(num_prompts, length)
             run_step(runner, dec, prompts)
             runner.free([p[0] for p in prompts])
+            for i in dec:
+                steps_run[i] += 1
         for _ in range(args.warmup):
             one()
         with LaunchTimer(runner) as launches:
@@ -361,11 +447,13 @@ def eager_section(runner: ModelRunner, bench: Bench, args) -> list[str]:
         launch_ms = 1000 * statistics.median(launches.seconds)
         busy = None
         if runner.device.type == "cuda":
+            contexts = [DECODE_CONTEXT + steps_run[i] + args.profile_steps // 2 for i in dec]
             prof = profile_steps(one, args.profile_steps)
             busy = busy_us(device_kernels(prof)) / args.profile_steps / 1000
-            if label == mixed:  # where the mixed step's device time goes
-                kernels = kernel_table(device_kernels(prof), args.profile_steps, wall, f"Kernels of the {label} step",
-                                       runner.config.num_layers)
+            work = step_work(cfg, runner.model.dtype.itemsize, runner.kv_dtype.itemsize, contexts,
+                             [(0, length)] * num_prompts)
+            kernels += kernel_table(device_kernels(prof), args.profile_steps, wall, f"Kernels of the {label} step",
+                                    cfg.num_layers, work, args.roofline, label.removeprefix("mixed: "))
         cells = f"{busy:.3f} | {100 * busy / wall:.0f}%" if busy is not None else "- | -"
         lines.append(f"| {label} | {wall:.3f} | {launch_ms:.3f} | {cells} |")
         host.append((label, one))
@@ -395,9 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batches", type=int_list, default=[1, 256])
     add("--gemm-m", type=int_list, default=[1, 256, 4096], help="M of the projection GEMMs timed alone")
     add("--context", type=int, default=1024)
-    add("--mixed-decodes", type=int, default=64)
-    add("--mixed-chunk", type=int, default=512, help="the mixed step's prompt tokens")
-    add("--mixed-prompts", type=int, default=1, help="the prompts they are cut into (a burst's step holds dozens)")
+    add("--mixed-decodes", type=int_list, default=[64], help="decodes of each mixed step (at 256 cached tokens); "
+        "these three lists, zipped, give the mixed steps (a list of one applies to each)")
+    add("--mixed-chunk", type=int_list, default=[512], help="each mixed step's prompt tokens")
+    add("--mixed-prompts", type=int_list, default=[1], help="the prompts they are cut into (a burst's step holds dozens)")
+    add("--peak-tflops", type=float, default=989.0, help="dense peak of the dtype, for the roofline (H100 / H200 SXM bf16)")
     add("--warmup", type=int, default=3)
     add("--iters", type=int, default=20)
     add("--profile-steps", type=int, default=5)
@@ -442,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"## Step profile: {name}, {args.model.name}, {args.dtype}{', fp8 projections' if args.quantization else ''}{', fp8 KV cache' if args.kv_cache_dtype != 'auto' else ''}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
              f"Triton launches: {args.triton_launch}{', no PDL' if args.no_pdl else ''}", ""]
     bench = Bench(runner, seed=0)
+    args.roofline = Roofline(bandwidth, args.peak_tflops * 1e12)
     print("\n".join(lines), flush=True)
     for section in [lambda b=b: decode_section(runner, bench, b, args.context, bandwidth, args) for b in args.batches] + [
             lambda: eager_section(runner, bench, args)] + [
@@ -452,7 +543,24 @@ def main(argv: list[str] | None = None) -> int:
         lines += part
         if args.out_md:
             args.out_md.write_text("\n".join(lines) + "\n")
+    if args.roofline.rows:
+        part = roofline_table(args.roofline)
+        print("\n".join(part), flush=True)
+        lines += part
+        if args.out_md:
+            args.out_md.write_text("\n".join(lines) + "\n")
     return 0
+
+
+def roofline_table(roofline: Roofline) -> list[str]:
+    """Every tabled step against its floor, with the groups that lose the most time over theirs."""
+    lines = [f"### Roofline ({roofline.bandwidth / 1e9:.0f} GB/s copy, {roofline.peak / 1e12:.0f} TFLOP/s)", "",
+             "| step | step ms | kernels ms | floor ms | floor / step | largest losses (ms over the floor) |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for step, step_ms, kernel_ms, floor_ms, losses in roofline.rows:
+        worst = ", ".join(f"{label} {loss:.3f}" for loss, label in losses)
+        lines.append(f"| {step} | {step_ms:.3f} | {kernel_ms:.3f} | {floor_ms:.3f} | {floor_ms / step_ms:.2f} | {worst} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
