@@ -33,6 +33,7 @@ def extend_block_m(head_dim: int) -> int:
 
 
 MAX_ACC_ELEMENTS = 128 * 256
+SPLIT_DIAGONAL = True
 
 
 def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -145,7 +146,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_M: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
-                   SINKS: tl.constexpr):
+                   SINKS: tl.constexpr, SPLIT: tl.constexpr):
     """One program: BLOCK_M queries of one request's chunk and one query head: part `program % parts`
     of the table's block `program // parts` of TABLE_M queries (parts = TABLE_M // BLOCK_M)."""
     program, head = tl.program_id(0), tl.program_id(1)
@@ -181,6 +182,16 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_
     kv_start = 0
     if WINDOW > 0:
         kv_start = tl.maximum(kv_len - q_len + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    elif SPLIT:
+        # Key blocks that end at or before the block's first query position are seen whole by every
+        # row (and lie inside every chunk's kv_len): no causal mask, no bounds on their loads.
+        seen = (kv_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        for first in range(0, seen, BLOCK_N):
+            cols = first + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, cols >= 0, True,
+                                            kv_head, dims, dim_mask, k_slot_stride, k_head_stride, v_slot_stride,
+                                            v_head_stride, qk_scale, DOT_UPCAST, SOFTCAP, False)
+        kv_start = seen
     for first in range(kv_start, kv_end, BLOCK_N):
         cols = first + tl.arange(0, BLOCK_N)
         col_mask = cols < kv_end
@@ -202,14 +213,18 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             req_to_token: torch.Tensor, req_rows: torch.Tensor, cu_q: torch.Tensor,
                             kv_lens: torch.Tensor, q_blocks: torch.Tensor, sm_scale: float,
                             out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None,
+                            launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """`launch`: (BLOCK_M, BLOCK_N, stages, warps) instead of extend_launch's (BLOCK_M dividing
+    extend_block_m's; test/benchmark/kernels/tune_extend_attention.py times the settings)."""
     _, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == req_to_token.stride(-1) == out.stride(-1) == 1
     assert q_blocks.is_contiguous() and q_blocks.shape[0] == 2
     block_d = next_power_of_2(head_dim)
     table_m = extend_block_m(head_dim)
-    block_m, block_n, stages, warps = extend_launch(head_dim, q.dtype, k_cache.dtype, shared_memory_limit(q.device))
+    block_m, block_n, stages, warps = launch or extend_launch(head_dim, q.dtype, k_cache.dtype,
+                                                              shared_memory_limit(q.device))
     num_blocks = q_blocks.shape[1]
     _extend_kernel[(num_blocks * (table_m // block_m), num_q_heads)](
         q, k_cache, v_cache, out, out if sinks is None else sinks, req_to_token, req_rows, cu_q, kv_lens, q_blocks,
@@ -218,6 +233,6 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, TABLE_M=table_m, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
-        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, num_warps=warps,
+        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, SPLIT=SPLIT_DIAGONAL, num_warps=warps,
         num_stages=stages)
     return out
