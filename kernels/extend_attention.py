@@ -33,17 +33,25 @@ def extend_block_m(head_dim: int) -> int:
 
 
 MAX_ACC_ELEMENTS = 128 * 256
-SPLIT_DIAGONAL = True
+# Key blocks wholly before a query block's first position run unmasked when there are at least this
+# many such keys; fewer take the masked loop alone (a second pipelined loop's set-up costs more than
+# the masks it saves there: tune_extend_attention.py)
+SPLIT_FROM_KEYS = 256
 
 
 def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                   limit: int | None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, stages, warps) of a launch: 128 or 64 queries by 64 keys over two stages,
-    at most MAX_ACC_ELEMENTS outputs a program, shrunk where their tiles would take more shared
-    memory than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64 queries by 32 keys).
-    BLOCK_M divides extend_block_m's block."""
+    """(BLOCK_M, BLOCK_N, stages, warps) of a launch: heads of up to 128 dimensions 64 queries by 64
+    keys over three stages in 4 warps (H200, bf16, 32 x 128-dim query heads: 1.13-1.38x faster than
+    128 queries over two stages in 8 warps on prompts of 128 to 8192 tokens, tune_extend_attention.py,
+    docs/benchmarks.md); wider heads 128 or 64 queries by 64 keys over two stages, at most
+    MAX_ACC_ELEMENTS outputs a program. Each is shrunk where its tiles would take more shared memory
+    than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64 queries by 32 keys). BLOCK_M
+    divides extend_block_m's block."""
     block_m = extend_block_m(head_dim)
     block_d = next_power_of_2(head_dim)
+    if block_d <= 128:
+        return (*fit_attention_launch(64, 64, 3, block_d, q_dtype.itemsize, kv_dtype.itemsize, limit, 16), 4)
     # the fp32 output tile in registers: at most 128 a thread of 8 warps (128 x 256; 64 x 512, not 128 x 512)
     block_m = min(block_m, MAX_ACC_ELEMENTS // block_d)
     fitted = fit_attention_launch(block_m, 64, 2, block_d, q_dtype.itemsize, kv_dtype.itemsize, limit, 16)
@@ -146,7 +154,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_M: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, AS_F16: tl.constexpr,
-                   SINKS: tl.constexpr, SPLIT: tl.constexpr):
+                   SINKS: tl.constexpr, SPLIT_FROM: tl.constexpr):
     """One program: BLOCK_M queries of one request's chunk and one query head: part `program % parts`
     of the table's block `program // parts` of TABLE_M queries (parts = TABLE_M // BLOCK_M)."""
     program, head = tl.program_id(0), tl.program_id(1)
@@ -182,10 +190,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, req_to_token_ptr, req_
     kv_start = 0
     if WINDOW > 0:
         kv_start = tl.maximum(kv_len - q_len + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-    elif SPLIT:
+    else:
         # Key blocks that end at or before the block's first query position are seen whole by every
         # row (and lie inside every chunk's kv_len): no causal mask, no bounds on their loads.
         seen = (kv_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        seen = tl.where(seen < SPLIT_FROM, 0, seen)
         for first in range(0, seen, BLOCK_N):
             cols = first + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = attend_kv_block(q, m_i, l_i, acc, k_ptr, v_ptr, token_row, cols, cols >= 0, True,
@@ -233,6 +242,6 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, TABLE_M=table_m, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
-        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, SPLIT=SPLIT_DIAGONAL, num_warps=warps,
+        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, SPLIT_FROM=SPLIT_FROM_KEYS, num_warps=warps,
         num_stages=stages)
     return out

@@ -487,9 +487,10 @@ def test_decode_attention_ref_matches_per_request_loop(num_q_heads, num_kv_heads
 
 # ---------------------------------------------------------------- extend attention
 # (new tokens, tokens cached before them) per request: fresh prompts, chunks after a cached
-# prefix, decodes (one new token, with and without a prefix), and chunks spanning two query
-# blocks and several key blocks.
-CHUNKS = [(7, 0), (1, 90), (33, 40), (1, 0), (70, 0), (66, 100)]
+# prefix, decodes (one new token, with and without a prefix), chunks spanning two query blocks
+# and several key blocks, and one whose first query sees SPLIT_FROM_KEYS keys or more (the
+# unmasked key blocks' loop).
+CHUNKS = [(7, 0), (1, 90), (33, 40), (1, 0), (70, 0), (66, 100), (40, 300)]
 
 
 def extend_batch(chunks, num_q_heads, num_kv_heads, head_dim, dtype, first_row=0, block_slots=None):
@@ -590,10 +591,10 @@ def test_every_attention_launch_fits_an_h200s_shared_memory(head_dim, h200_share
             if name == "_extend_kernel":
                 assert kw["TABLE_M"] == extend_block_m(head_dim) and kw["TABLE_M"] % kw["BLOCK_M"] == 0
                 assert kw["BLOCK_M"] * kw["BLOCK_D"] <= 128 * 256  # the output tile's registers
-                assert kw["num_warps"] == (8 if kw["TABLE_M"] == 128 else 4)
+                assert kw["num_warps"] == (8 if kw["TABLE_M"] == 128 and kw["BLOCK_D"] > 128 else 4)
                 assert grid[0] == 4 * kw["TABLE_M"] // kw["BLOCK_M"]  # each table block's every part
     if head_dim == 128:
-        assert extend_launch(128, bf16, bf16, H200_SHARED_BYTES) == (128, 64, 2, 8)
+        assert extend_launch(128, bf16, bf16, H200_SHARED_BYTES) == (64, 64, 3, 4)
         for launch in (decode_module.WHOLE_LAUNCH, decode_module.SPLIT_LAUNCH, decode_module.FEW_LAUNCH):
             assert decode_module.fit_decode_launch(launch, 16, 128, bf16, bf16, H200_SHARED_BYTES) == launch
 
