@@ -42,9 +42,9 @@ SPLIT_FROM_KEYS = 256
 def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                   limit: int | None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, stages, warps) of a launch: heads of up to 128 dimensions 64 queries by 64
-    keys over three stages in 4 warps (H200, bf16, 32 x 128-dim query heads: 1.13-1.38x faster than
-    128 queries over two stages in 8 warps on prompts of 128 to 8192 tokens, tune_extend_attention.py,
-    docs/benchmarks.md); wider heads 128 or 64 queries by 64 keys over two stages, at most
+    keys over three stages in 4 warps (H200, bench-8b, in the engine's prefill steps with the split
+    below: 1.28x faster than 128 queries over two stages in 8 warps on one 8192-token prompt, 1.18x on
+    8 x 1024, 1.03x on 64 x 128; docs/benchmarks.md); wider heads 128 or 64 queries by 64 keys over two stages, at most
     MAX_ACC_ELEMENTS outputs a program. Each is shrunk where its tiles would take more shared memory
     than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64 queries by 32 keys). BLOCK_M
     divides extend_block_m's block."""
