@@ -138,7 +138,9 @@ def prefill_logits(model_dir, prompts, dtype="float32", **settings) -> torch.Ten
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_runner, "sample", lambda x, batch: seen.append(x.float().cpu()) or real_sample(x, batch))
         runner = gpu_runner(model_dir, dtype, **settings)
+        seen.clear()  # a CUDA runner's start-up samples a random row once (ModelRunner._warm_sampler)
         run_step(runner, prompts=[(i, p, SamplingParams()) for i, p in enumerate(prompts)])
+    assert len(seen) == 1 and seen[0].shape[0] == len(prompts), [tuple(x.shape) for x in seen]
     return seen[0]
 
 
