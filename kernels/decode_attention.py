@@ -31,12 +31,14 @@ from ._triton import (attend_kv_block, cdiv, fast_launch, fit_attention_launch, 
 
 MAX_SPLITS = 32
 WAVES = 4  # programs to aim for, per SM
-# (keys per inner step, warps, pipeline stages) of a launch: with one split per request (large
-# batches) small programs keep more of them in flight per SM; split requests (small batches) do
-# better with wider blocks. Measured on an H100 with tune_decode_attention.py (2026-11-23, 6bfa73e),
-# 8B heads, context 1024: batch 256 at 0.96 of the KV stream's copy-speed floor (0.82 with the old
-# single setting 64/4/2), batch 64 at 0.89 (0.61).
-WHOLE_LAUNCH = (64, 2, 2)
+# (keys per inner step, warps, pipeline stages) of a launch. One split per request (large batches):
+# 128 keys over three stages in 4 warps; on an H200 (tune_decode_attention.py, 8B heads, 2026-12-04,
+# 76414e0) 0.94-1.01 of the KV stream's copy-speed floor at 256 and 512 requests of 512 and 1024
+# keys, against 0.87-0.91 for the H100's 64 / 2 / 2 (2026-11-23, 6bfa73e: 0.96 there at batch 256);
+# in bench-8b's decode step of 512 x 512 (profile_step.py, same lease) 283.6 against 312.6 us a
+# layer, the step one in flight 21.76 against 22.54 ms. Split requests (small batches) take wider
+# blocks over two stages (H100, batch 64 at 0.89 of the floor against 0.61 for 64 / 4 / 2).
+WHOLE_LAUNCH = (128, 4, 3)
 SPLIT_LAUNCH = (128, 4, 2)
 # Split requests also take at least this many keys a chunk. Up to FEW_REQUESTS requests, whose
 # step waits on a chain of latencies rather than on the KV stream, narrow blocks over 8 warps and
