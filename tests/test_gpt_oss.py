@@ -43,14 +43,21 @@ def write_mxfp4_checkpoint(hf_model, out_dir, seed=0):
     (out_dir / "config.json").write_text(json.dumps(config))
 
 
-def test_mxfp4_checkpoint_matches_transformers(tmp_path, captured_logits):
-    """Through the references; the Triton kernels' MXFP4 path is tests/test_gpt_oss_moe.py's."""
+@pytest.mark.parametrize("experts", ["packed", "dequantized"])
+def test_mxfp4_checkpoint_matches_transformers(tmp_path, captured_logits, experts):
+    """Through the references; the Triton kernels' MXFP4 path is tests/test_gpt_oss_moe.py's. Packed
+    (the default), the experts stay as the checkpoint holds them; dequantized (--mxfp4_experts), they
+    are widened at load to the model's dtype, in the dense experts' layout."""
     hf_model = make_model("gpt_oss", tmp_path)
     write_mxfp4_checkpoint(hf_model, tmp_path)
     assert read_config(tmp_path).moe.mxfp4
-    runner = make_runner(tmp_path)
+    runner = make_runner(tmp_path, mxfp4_experts=experts)
     mlp = runner.model.layers[0].mlp
-    assert mlp.experts[0].dtype == torch.uint8 and mlp.experts[0].shape == (4, 64, 32)  # [E, 2I, H / 2]: packed
+    if experts == "packed":
+        assert mlp.experts[0].dtype == torch.uint8 and mlp.experts[0].shape == (4, 64, 32)  # [E, 2I, H / 2]
+    else:
+        assert [(w.dtype, tuple(w.shape)) for w in mlp.experts] == [(torch.float32, (4, 64, 64)),  # [E, 2I, H]
+                                                                      (torch.float32, (4, 64, 32))]  # [E, H, I]
     steps = run_schedule(runner, random_prompts(5))
     assert_logits_match_hf(hf_model, captured_logits, steps)
 

@@ -120,6 +120,10 @@ class EngineConfig:
         default=None,
         metadata=flag("fp8: store the four projections of every layer in fp8 (e4m3, one scale per output row, quantised at load) and quantise their inputs per token: half the weight bytes a decode step reads and fp8 tensor cores for prefill (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference). The embedding, the LM head, norms and the KV cache stay in --data_type. See docs/benchmarks.md for throughput and accuracy", choices=("fp8",)),
     )
+    mxfp4_experts: str = field(
+        default="packed",
+        metadata=flag("MXFP4 checkpoints (gpt-oss): packed keeps the experts as the checkpoint holds them, half a byte a weight, widened inside the fused MoE kernel (gpt-oss-120b fits one H200 so); dequantized widens them at load to --data_type (four times the memory: gpt-oss-20b's experts take about 38 GB in bf16), or to fp8 with --quantization fp8, and runs the dense fused MoE kernels", choices=("packed", "dequantized")),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=flag("auto: the KV cache in --data_type; fp8_e4m3: one byte a value (K and V rounded to e4m3, no scale: values past +-448 saturate), so twice the tokens in the same memory and half the bytes decode attention reads (Hopper/Ada GPUs: compute capability 8.9 or above; the CPU runs the torch reference)", choices=("auto", "fp8_e4m3")),

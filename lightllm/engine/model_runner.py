@@ -98,7 +98,8 @@ class ModelRunner:
         self.tp = init_tp(tp_rank, config.tp, config.nccl_port, self.device,
                           config.dist_init_addr if config.nnodes > 1 else None,
                           fused_norms=config.quantization != "fp8")
-        self.config = cfg = replace(read_config(config.model_dir), quantization=config.quantization)
+        self.config = cfg = replace(read_config(config.model_dir), quantization=config.quantization,
+                                    mxfp4_experts=config.mxfp4_experts)
         self.max_req_total_len = config.max_req_total_len
         if self.max_req_total_len > cfg.max_position_embeddings:
             logger.warning("max_req_total_len %d exceeds the model's max_position_embeddings %d",

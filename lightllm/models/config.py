@@ -160,6 +160,7 @@ class ModelConfig:
     # generation_config.json's SAMPLING_FIELDS, as written there (the HTTP side checks their ranges)
     sampling_defaults: dict = field(default_factory=dict)
     quantization: str | None = None  # the server's --quantization: how the layers store their projections
+    mxfp4_experts: str = "packed"  # the server's --mxfp4_experts: MXFP4 experts packed or widened at load
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
     # Per layer: how many positions a query sees, its own included (transformers' sliding window);
     # 0 for a global layer. Empty: every layer is global.

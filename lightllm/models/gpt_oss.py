@@ -2,7 +2,8 @@
 (attention sinks, YaRN rotary, alternating sliding-window and full layers, q/k/v and o biases) and
 here its mixture of experts: a router with a bias, experts stored as fused tensors with biases, the
 clamped SwiGLU, and the checkpoint's MXFP4 experts kept packed (fused_moe widens them as it loads
-them: 120b's experts take 60.9 GB where bf16 would take 229).
+them: 120b's experts take 60.9 GB where bf16 would take 229), or with --mxfp4_experts dequantized
+widened once at load for the dense experts' kernels.
 
 Checkpoint layout: `mlp.router.{weight,bias}`; `mlp.experts.gate_up_proj` [E, H, 2I] (gate and up
 interleaved along 2I, as fused_moe's rows) and `down_proj` [E, I, H], or in MXFP4
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.kernels.fused_moe import MXFP4_GROUP
+from lightllm.kernels.fused_moe import MXFP4_GROUP, dequantize_mxfp4
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
@@ -35,11 +36,15 @@ class GptOssMoE(SparseMoE):
         self.router = weights.get(f"{prefix}.router.weight", (moe.num_experts, hidden))
         self.router_bias = weights.get(f"{prefix}.router.bias", (moe.num_experts,))
         experts = f"{prefix}.experts"
-        if moe.mxfp4:
+        if moe.mxfp4 and cfg.mxfp4_experts == "packed":
             self.experts = _mxfp4_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start,
                                           count)
         else:
-            dense = _dense_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start, count)
+            if moe.mxfp4:  # --mxfp4_experts dequantized: widened once here, in the router's dtype
+                packed = _mxfp4_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start, count)
+                dense = _dequantized_experts(*packed, self.router.dtype)
+            else:
+                dense = _dense_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start, count)
             self.experts = _fp8_experts(*dense) if cfg.quantization == "fp8" else dense
         down_bias = weights.get(f"{experts}.down_proj_bias", (moe.num_experts, hidden))
         self.expert_options = dict(
@@ -77,3 +82,17 @@ def _mxfp4_experts(weights, name: str, experts: int, hidden: int, inter: int, st
                               **packed)
     return (gate_up.view(experts, 2 * count, hidden // 2), down.view(experts, hidden, count // 2), gate_up_scales,
             down_scales)
+
+
+def _dequantized_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor,
+                         down_scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """_mxfp4_experts' packed tensors widened to `dtype` in _dense_experts' layout ([E, 2 count, H],
+    [E, H, count]), one expert at a time so that the float32 decode stays one expert's size."""
+    out = []
+    for blocks, scales in ((gate_up, gate_up_scales), (down, down_scales)):
+        experts, rows, half = blocks.shape
+        wide = torch.empty(experts, rows, 2 * half, dtype=dtype, device=blocks.device)
+        for e in range(experts):
+            wide[e] = dequantize_mxfp4(blocks[e], scales[e], dtype)
+        out.append(wide)
+    return out[0], out[1]

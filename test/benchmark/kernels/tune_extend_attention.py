@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         if sdpa is not None:
             print(line("torch SDPA (flash), contiguous", ms_of(sdpa), 0.0))
         results = []
-        for bm, bn, stages, warps, split in itertools.product(*(map(int, a.split(",")) for a in (
-                args.block_m, args.block_n, args.stages, args.warps, args.split_from))):
+        also = tuple(map(int, args.also.split(",")))
+        grid = list(itertools.product(*(map(int, a.split(",")) for a in (
+            args.block_m, args.block_n, args.stages, args.warps, args.split_from))))
+        for bm, bn, stages, warps, split in grid + ([also] if also not in grid else []):
             ea.SPLIT_FROM_KEYS = split
             try:
                 run = lambda: ea.extend_attention_triton(*call, launch=(bm, bn, stages, warps))  # noqa: E731
@@ -138,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 ea.SPLIT_FROM_KEYS = shipped_split
             failed += diff > 2e-2
             results.append((ms, f"{bm}, {bn}, {stages}, {warps}, {split}", diff))
-        also = ", ".join(args.also.split(","))
-        for ms, setting, diff in sorted(results)[:args.top] + [r for r in results if r[1] == also]:
-            print(line(setting if setting != also else f"{setting} (--also)", ms, diff))
+        named = ", ".join(map(str, also))
+        for ms, setting, diff in sorted(results)[:args.top] + [r for r in results if r[1] == named]:
+            print(line(setting if setting != named else f"{setting} (--also)", ms, diff))
     return 1 if failed else 0
 
 
