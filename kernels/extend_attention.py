@@ -43,11 +43,11 @@ def extend_launch(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                   limit: int | None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, stages, warps) of a launch: heads of up to 128 dimensions 64 queries by 64
     keys over three stages in 4 warps (H200, bench-8b, in the engine's prefill steps with the split
-    below: 1.28x faster than 128 queries over two stages in 8 warps on one 8192-token prompt, 1.18x on
-    8 x 1024, 1.03x on 64 x 128; docs/benchmarks.md); wider heads 128 or 64 queries by 64 keys over two stages, at most
-    MAX_ACC_ELEMENTS outputs a program. Each is shrunk where its tiles would take more shared memory
-    than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64 queries by 32 keys). BLOCK_M
-    divides extend_block_m's block."""
+    below: 1.28x faster than 128 queries over two stages in 8 warps on one 8192-token prompt, 1.18x
+    on 8 x 1024, 1.03x on 64 x 128; docs/benchmarks.md); wider heads 128 or 64 queries by 64 keys
+    over two stages, at most MAX_ACC_ELEMENTS outputs a program. Each is shrunk where its tiles
+    would take more shared memory than `limit` (shared_memory_limit; Gemma 4's 512-dim heads: 64
+    queries by 32 keys). BLOCK_M divides extend_block_m's block."""
     block_m = extend_block_m(head_dim)
     block_d = next_power_of_2(head_dim)
     if block_d <= 128:
@@ -242,6 +242,6 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=block_d, TABLE_M=table_m, BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=not q.is_cuda, WINDOW=window,
-        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None, SPLIT_FROM=SPLIT_FROM_KEYS, num_warps=warps,
-        num_stages=stages)
+        SOFTCAP=float(softcap), AS_F16=fp8_dot_dtype(q, k_cache) != q.dtype, SINKS=sinks is not None,
+        SPLIT_FROM=SPLIT_FROM_KEYS, num_warps=warps, num_stages=stages)
     return out

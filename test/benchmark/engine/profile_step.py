@@ -199,7 +199,8 @@ def step_work(cfg, itemsize: int, kv_itemsize: int, decode_contexts: list[int],
             # the add-and-norm reads x and the residual and writes both; a layer has two, the model one more
             "rms norm (+ residual)": ((2 * layers + 1) * 4 * tokens * hidden * itemsize, 0.0),
             # q, k and v in; q out, k and v into the cache
-            "rotary + kv write": (layers * tokens * ((2 * q_out + 2 * kv_out) * itemsize + 2 * kv_out * kv_itemsize), 0.0),
+            "rotary + kv write": (layers * tokens * ((2 * q_out + 2 * kv_out) * itemsize
+                                                      + 2 * kv_out * kv_itemsize), 0.0),
             "silu*mul": (layers * tokens * 3 * inter * itemsize, 0.0)}
     kv_row = 2 * kv_out * kv_itemsize
     if decode_contexts:
@@ -229,7 +230,8 @@ def kernel_table(kernels, steps: int, step_ms: float, title: str, num_layers: in
              f"{len(labelled) / steps:.0f} device activities a step, {kernel_us / 1000:.3f} ms of kernels, "
              f"busy {busy / 1000:.3f} ms of a {step_ms:.3f} ms step: gaps {max(0.0, step_ms - busy / 1000):.3f} ms "
              f"({100 * max(0.0, 1 - busy / 1000 / step_ms):.1f}%)", "",
-             "| group | calls a step | ms a step | share of kernel time |" + (" floor ms | of peak | bound |" if priced else ""),
+             "| group | calls a step | ms a step | share of kernel time |"
+             + (" floor ms | of peak | bound |" if priced else ""),
              "| --- | ---: | ---: | ---: |" + (" ---: | ---: | --- |" if priced else "")]
     floor_total, losses = 0.0, []
     for label, times in sorted(groups.items(), key=lambda kv: -sum(kv[1])):

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device("cuda")
     shipped_split = ea.SPLIT_FROM_KEYS
-    print(f"shipped: launch {ea.extend_launch(HEAD_DIM, torch.bfloat16, torch.bfloat16, ea.shared_memory_limit(device))},"
+    shipped_launch = ea.extend_launch(HEAD_DIM, torch.bfloat16, torch.bfloat16, ea.shared_memory_limit(device))
+    print(f"shipped: launch {shipped_launch},"
           f" split from {shipped_split} keys; ms a call over {args.iters} calls\n")
     print("| case | setting (BLOCK_M, BLOCK_N, stages, warps, split from) | ms | TFLOP/s | of peak | max abs diff |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
