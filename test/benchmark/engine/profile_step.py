@@ -477,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
         "test/benchmark/kernels/fp8_gemm_bench.py times those)")
     add("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto", help="the server's --kv_cache_dtype")
     add("--mamba-ssm-cache-dtype", default="auto", help="the server's --mamba_ssm_cache_dtype (hybrid models)")
+    add("--mxfp4-experts", choices=("packed", "dequantized"), default="packed",
+        help="the server's --mxfp4_experts (gpt-oss)")
     add("--dtype", default="bfloat16")
     add("--device", default=None)
     add("--max-total-token-num", type=int, default=300000, help="KV budget: 256 x 1024 decode context and the eager steps fit, room is left for the GEMM timings")
@@ -527,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_req_total_len=args.max_req_total_len, running_max_req_size=args.running_max_req_size,
                           data_type=args.dtype, load_format=args.load_format, disable_cuda_graph=args.no_cuda_graph,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                          mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                          mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, mxfp4_experts=args.mxfp4_experts)
     runner = ModelRunner(config, device=args.device, check_budget=False)  # a given budget is taken as given
     bandwidth = copy_bandwidth(runner.device, 1 << 30 if runner.device.type == "cuda" else 1 << 24)
     name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
