@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, dot, fast_launch, next_power_of_2, tl, triton, use_descriptor_allocator
-from .fp8_linear import fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
+from .fp8_linear import FP8, fp8_linear_ref, quantize_fp8_rows_triton, quantize_fp8_weight
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +79,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
     scale = torch.exp2(scales.float() - 127).repeat_interleave(MXFP4_GROUP, dim=-1)
     return (values * scale).to(dtype)
+
+
+# fp4's largest value (6) times 2^6 is e4m3's 384, within its 448: a row's largest scale group lands there
+MXFP4_FP8_SHIFT = 6
+
+
+def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dequantize_mxfp4's arguments -> (fp8 [..., N, K], fp32 scales [..., N]) holding the same values:
+    each row's scale is a power of two, 2^(its largest scale group's exponent - MXFP4_FP8_SHIFT), so
+    every fp4 value (at most two significant bits) times its group's power of two lands on an e4m3
+    value. Exact for every group less than 15 binades below its row's largest; values of groups
+    further below round to e4m3's subnormals (2^-9 apart), as quantize_fp8_weight rounds any row.
+    quantize_fp8_weight's scales (largest |w| to 448) would round most values instead."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    top = scales.amax(dim=-1, keepdim=True).float()
+    shift = torch.exp2(scales.float() - top + MXFP4_FP8_SHIFT).repeat_interleave(MXFP4_GROUP, dim=-1)
+    return (values * shift).to(FP8), torch.exp2(top.squeeze(-1) - 127 - MXFP4_FP8_SHIFT)
 
 
 def _expert_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int,

@@ -62,6 +62,19 @@ def test_mxfp4_checkpoint_matches_transformers(tmp_path, captured_logits, expert
     assert_logits_match_hf(hf_model, captured_logits, steps)
 
 
+def test_mxfp4_experts_in_fp8_are_the_checkpoint_values(tmp_path):
+    """--mxfp4_experts dequantized --quantization fp8: the experts re-encoded in fp8 with per-row
+    scales hold exactly the values that the dequantized experts widen to."""
+    write_mxfp4_checkpoint(make_model("gpt_oss", tmp_path), tmp_path)
+    wide = make_runner(tmp_path, mxfp4_experts="dequantized").model.layers
+    narrow = make_runner(tmp_path, mxfp4_experts="dequantized", quantization="fp8").model.layers
+    for layer, fp8_layer in zip(wide, narrow):
+        gate_up, down, gate_up_scale, down_scale = fp8_layer.mlp.experts
+        assert gate_up.dtype == down.dtype == torch.float8_e4m3fn
+        assert torch.equal(gate_up.float() * gate_up_scale[..., None], layer.mlp.experts[0])
+        assert torch.equal(down.float() * down_scale[..., None], layer.mlp.experts[1])
+
+
 def test_chunked_prefill_and_prefix_cache_equal_transformers(tmp_path):
     """Prompts past the sliding window (8) and generations far past it; chunks under, at and over it."""
     hf_model = make_model("gpt_oss", tmp_path)

@@ -10,7 +10,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from lightllm.kernels._triton import tl, triton
-from lightllm.kernels.fused_moe import DECODE_PLAN, dequantize_mxfp4, fused_moe_ref, fused_moe_triton, load_mxfp4_tile
+from lightllm.kernels.fp8_linear import FP8, quantize_fp8_weight
+from lightllm.kernels.fused_moe import (DECODE_PLAN, dequantize_mxfp4, fused_moe_ref, fused_moe_triton, load_mxfp4_tile,
+                                        mxfp4_to_fp8)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER, EXPERTS = 64, 96, 4  # multiples of MXFP4's 32-value groups; INTER no multiple of the blocks
@@ -81,6 +83,22 @@ def test_mxfp4_dequantisation_is_transformers(dtype):
     # transformers reads the checkpoint's [E, rows, K / 32, 16] and returns [E, K, rows]
     theirs = convert_moe_packed_tensors(blocks.view(EXPERTS, 2 * INTER, HIDDEN // 32, 16), scales, dtype=dtype)
     assert ours.dtype == dtype and torch.equal(ours, theirs.transpose(1, 2))
+
+
+@pytest.mark.parametrize("spread", [0, 3, 14])
+def test_mxfp4_in_fp8_holds_the_same_values(spread):
+    """--mxfp4_experts dequantized with --quantization fp8: every value of a row whose scale groups lie
+    within 14 binades of its largest is kept exactly; the rows' largest-|w|-to-448 scales would not."""
+    blocks, _ = mxfp4(2 * INTER, HIDDEN)
+    scales = torch.randint(110, 111 + spread, blocks.shape[:-1][:2] + (HIDDEN // 32,), dtype=torch.uint8,
+                           device=DEVICE)
+    scales[..., 0] = 110 + spread  # each row's spread reached
+    exact = dequantize_mxfp4(blocks, scales, torch.float32)
+    values, row_scales = mxfp4_to_fp8(blocks, scales)
+    assert values.dtype == FP8 and row_scales.shape == exact.shape[:-1]
+    assert torch.equal(values.float() * row_scales[..., None], exact)
+    q, amax_scales = quantize_fp8_weight(exact.flatten(0, 1))
+    assert not torch.equal(q.float() * amax_scales.T, exact.flatten(0, 1))
 
 
 def test_reference_with_biases_and_swiglu_is_transformers_experts():

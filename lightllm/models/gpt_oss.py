@@ -3,7 +3,8 @@
 here its mixture of experts: a router with a bias, experts stored as fused tensors with biases, the
 clamped SwiGLU, and the checkpoint's MXFP4 experts kept packed (fused_moe widens them as it loads
 them: 120b's experts take 60.9 GB where bf16 would take 229), or with --mxfp4_experts dequantized
-widened once at load for the dense experts' kernels.
+widened once at load for the dense experts' kernels (with --quantization fp8 re-encoded in fp8,
+the same values: mxfp4_to_fp8).
 
 Checkpoint layout: `mlp.router.{weight,bias}`; `mlp.experts.gate_up_proj` [E, H, 2I] (gate and up
 interleaved along 2I, as fused_moe's rows) and `down_proj` [E, I, H], or in MXFP4
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.kernels.fused_moe import MXFP4_GROUP, dequantize_mxfp4
+from lightllm.kernels.fp8_linear import FP8
+from lightllm.kernels.fused_moe import MXFP4_GROUP, dequantize_mxfp4, mxfp4_to_fp8
 from lightllm.utils.dist import TPGroup
 
 from .config import ModelConfig, ModelConfigError
 from .layers import split_even
-from .moe import SparseMoE, _fp8_experts
+from .moe import SparseMoE, _fp8_experts, check_fp8_device
 
 
 class GptOssMoE(SparseMoE):
@@ -40,12 +42,13 @@ class GptOssMoE(SparseMoE):
             self.experts = _mxfp4_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start,
                                           count)
         else:
-            if moe.mxfp4:  # --mxfp4_experts dequantized: widened once here, in the router's dtype
+            fp8 = cfg.quantization == "fp8"
+            if moe.mxfp4:  # --mxfp4_experts dequantized: widened once here, to fp8 or the router's dtype
                 packed = _mxfp4_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start, count)
-                dense = _dequantized_experts(*packed, self.router.dtype)
+                self.experts = _mxfp4_fp8_experts(*packed) if fp8 else _dequantized_experts(*packed, self.router.dtype)
             else:
                 dense = _dense_experts(weights, experts, moe.num_experts, hidden, moe.intermediate_size, start, count)
-            self.experts = _fp8_experts(*dense) if cfg.quantization == "fp8" else dense
+                self.experts = _fp8_experts(*dense) if fp8 else dense
         down_bias = weights.get(f"{experts}.down_proj_bias", (moe.num_experts, hidden))
         self.expert_options = dict(
             gate_up_bias=weights.get(f"{experts}.gate_up_proj_bias", (moe.num_experts, 2 * moe.intermediate_size), 1,
@@ -82,6 +85,23 @@ def _mxfp4_experts(weights, name: str, experts: int, hidden: int, inter: int, st
                               **packed)
     return (gate_up.view(experts, 2 * count, hidden // 2), down.view(experts, hidden, count // 2), gate_up_scales,
             down_scales)
+
+
+def _mxfp4_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor,
+                       down_scales: torch.Tensor) -> tuple:
+    """_mxfp4_experts' packed tensors re-encoded in fp8 with the same values (mxfp4_to_fp8, one expert at
+    a time): _fp8_experts' (gate/up, down, their scales [E, rows])."""
+    check_fp8_device(gate_up)
+    out = []
+    for blocks, scales in ((gate_up, gate_up_scales), (down, down_scales)):
+        experts, rows, half = blocks.shape
+        values = torch.empty(experts, rows, 2 * half, dtype=FP8, device=blocks.device)
+        row_scales = torch.empty(experts, rows, dtype=torch.float32, device=blocks.device)
+        for e in range(experts):
+            values[e], row_scales[e] = mxfp4_to_fp8(blocks[e], scales[e])
+        out.append((values, row_scales))
+    (gate_up_fp8, gate_up_scale), (down_fp8, down_scale) = out
+    return gate_up_fp8, down_fp8, gate_up_scale, down_scale
 
 
 def _dequantized_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor,

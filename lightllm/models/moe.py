@@ -70,9 +70,13 @@ class SparseMoE:
         return self.tp.all_reduce(out) if self.reduce_output else out
 
 
+def check_fp8_device(weight: torch.Tensor) -> None:
+    if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9):
+        raise ModelConfigError("--quantization fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
+
+
 def _fp8_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple:
     """(gate/up fp8, down fp8, gate/up scales, down scales): fused_moe's arguments after the routing."""
-    if w_gate_up.is_cuda and torch.cuda.get_device_capability(w_gate_up.device) < (8, 9):
-        raise ModelConfigError("--quantization fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper)")
+    check_fp8_device(w_gate_up)
     (gate_up, gate_up_scale), (down, down_scale) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
     return gate_up, down, gate_up_scale, down_scale

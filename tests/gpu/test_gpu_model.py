@@ -27,6 +27,10 @@ batch through ModelRunner and decode greedily (CUDA graphs), and run through the
   can move a value across an fp8 rounding boundary (up to 6%), so fp32 closeness cannot hold.
 - The fp8 KV cache: greedy tokens at least 0.9 the CPU's (tests/test_fp8_kv_cache.py holds the
   CPU to transformers with the same rounding); a K value may cross an e4m3 boundary likewise.
+- gpt-oss with MXFP4 experts (a checkpoint as published): widened at load, its bf16 prefill logits
+  are no further from the CPU's fp32 than 1.5x the packed kernels' distance (or BF16_LOGIT_TOL),
+  and its greedy tokens agree with the packed ones' (BF16_AGREEMENT); re-encoded in fp8, as the
+  fp8 bound above.
 """
 
 import pytest
@@ -209,3 +213,41 @@ def test_fp8_kv_cache_greedy_tokens_near_the_cpu(case):
     gpu = runner_tokens(model_dir, prompts, kv_cache_dtype="fp8_e4m3")
     cpu = runner_tokens(model_dir, prompts, device="cpu", kv_cache_dtype="fp8_e4m3")
     assert agreement(gpu, cpu) >= 0.9
+
+
+@pytest.fixture(scope="module")
+def mxfp4_case(tmp_path_factory):
+    """gpt-oss's case with its experts replaced by random MXFP4 ones, as a published checkpoint holds them."""
+    from test_gpt_oss import write_mxfp4_checkpoint
+
+    model_dir = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    write_mxfp4_checkpoint(make_gpu_model("gpt_oss", model_dir, **CASES["gpt_oss"]), model_dir)
+    return model_dir, random_prompts(1, PROMPT_LENS, vocab=GPU_SIZES["vocab_size"])
+
+
+def test_mxfp4_experts_widened_at_load_near_the_packed_kernels(mxfp4_case):
+    """--mxfp4_experts dequantized (the dense experts' kernels) against the packed MXFP4 kernels, each
+    through its runner's CUDA graphs: bf16 prefill logits no further from the CPU's fp32 than the
+    packed ones' (or BF16_LOGIT_TOL), the same top tokens, and greedy decoding that agrees."""
+    model_dir, prompts = mxfp4_case
+    exact = prefill_logits(model_dir, prompts, device="cpu")
+    packed = prefill_logits(model_dir, prompts, "bfloat16")
+    wide = prefill_logits(model_dir, prompts, "bfloat16", mxfp4_experts="dequantized")
+    bound = max(BF16_LOGIT_TOL, 1.5 * distance(packed, exact))
+    assert distance(wide, exact) <= bound and same_top(wide, exact), (distance(wide, exact), bound)
+    tokens = {form: runner_tokens(model_dir, prompts, "bfloat16", mxfp4_experts=form)
+              for form in ("packed", "dequantized")}
+    assert agreement(tokens["dequantized"], tokens["packed"]) >= BF16_AGREEMENT
+
+
+def test_mxfp4_experts_in_fp8_cost_the_gpu_no_more_than_the_cpu(mxfp4_case):
+    """--mxfp4_experts dequantized --quantization fp8 (the experts re-encoded in fp8 with the same
+    values): as test_fp8_prefill_costs_the_gpu_no_more_than_the_cpu, against the experts widened in
+    --data_type."""
+    model_dir, prompts = mxfp4_case
+    logits = {(device, q): prefill_logits(model_dir, prompts, device=device, quantization=q,
+                                          mxfp4_experts="dequantized")
+              for device in ("cuda", "cpu") for q in ("fp8", None)}
+    gpu_err, cpu_err = (distance(logits[(device, "fp8")], logits[(device, None)]) for device in ("cuda", "cpu"))
+    assert gpu_err <= 1.5 * cpu_err + 0.01, (gpu_err, cpu_err)
+    assert same_top(logits[("cuda", "fp8")], logits[("cpu", "fp8")])
