@@ -122,7 +122,7 @@ class EngineConfig:
     )
     mxfp4_experts: str = field(
         default="packed",
-        metadata=flag("MXFP4 checkpoints (gpt-oss): packed keeps the experts as the checkpoint holds them, half a byte a weight, widened inside the fused MoE kernel (gpt-oss-120b fits one H200 so); dequantized widens them at load to --data_type (four times the memory: gpt-oss-20b's experts take about 38 GB in bf16), or with --quantization fp8 to fp8 holding the same values (power-of-two row scales), and runs the dense fused MoE kernels: faster where it fits (gpt-oss-20b on an H200: 41.7 req/s in bf16, 51.8 in fp8, against 26.9 packed; docs/benchmarks.md)", choices=("packed", "dequantized")),
+        metadata=flag("MXFP4 checkpoints (gpt-oss): packed keeps the experts as the checkpoint holds them, half a byte a weight, widened inside the fused MoE kernel (gpt-oss-120b fits one H200 so); dequantized widens them at load to --data_type (four times the memory: gpt-oss-20b's experts take about 38 GB in bf16), or with --quantization fp8 to fp8 holding the same values (power-of-two row scales), and runs the dense fused MoE kernels: faster where it fits (gpt-oss-20b, 1000 requests at once, one H200, 2026-12-04, 2901a43: 41.7 req/s in bf16, 51.8 in fp8, against 26.9 packed; docs/benchmarks.md)", choices=("packed", "dequantized")),
     )
     kv_cache_dtype: str = field(
         default="auto",
