@@ -72,11 +72,16 @@ FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0
 MXFP4_GROUP = 32  # values along K that share one scale
 
 
+def fp4_values(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N, K / 2] -> the fp4 values, unscaled, float32 [..., N, K]."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    return torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks uint8 [..., N, K / 2] (value 2i in byte i's low nibble, 2i + 1 in its high one) and
     scales uint8 [..., N, K / 32] -> [..., N, K] in dtype."""
-    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    values = fp4_values(blocks)
     scale = torch.exp2(scales.float() - 127).repeat_interleave(MXFP4_GROUP, dim=-1)
     return (values * scale).to(dtype)
 
@@ -92,8 +97,7 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     value. Exact for every group less than 15 binades below its row's largest; values of groups
     further below round to e4m3's subnormals (2^-9 apart), as quantize_fp8_weight rounds any row.
     quantize_fp8_weight's scales (largest |w| to 448) would round most values instead."""
-    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    values = fp4_values(blocks)
     top = scales.amax(dim=-1, keepdim=True).float()
     shift = torch.exp2(scales.float() - top + MXFP4_FP8_SHIFT).repeat_interleave(MXFP4_GROUP, dim=-1)
     return (values * shift).to(FP8), torch.exp2(top.squeeze(-1) - 127 - MXFP4_FP8_SHIFT)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.kernels.fp8_linear import FP8
 from lightllm.kernels.fused_moe import MXFP4_GROUP, dequantize_mxfp4, mxfp4_to_fp8
 from lightllm.utils.dist import TPGroup
 
@@ -87,32 +86,32 @@ def _mxfp4_experts(weights, name: str, experts: int, hidden: int, inter: int, st
             down_scales)
 
 
+def _each_expert(blocks: torch.Tensor, scales: torch.Tensor, widen) -> list[torch.Tensor]:
+    """widen(blocks[e], scales[e]) (a tuple of tensors) for every expert e, into tensors allocated once:
+    the float32 decode inside stays one expert's size."""
+    first = widen(blocks[0], scales[0])
+    outs = [torch.empty((blocks.shape[0], *t.shape), dtype=t.dtype, device=t.device) for t in first]
+    for e in range(blocks.shape[0]):
+        for out, t in zip(outs, first if e == 0 else widen(blocks[e], scales[e])):
+            out[e] = t
+    return outs
+
+
 def _mxfp4_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor,
                        down_scales: torch.Tensor) -> tuple:
-    """_mxfp4_experts' packed tensors re-encoded in fp8 with the same values (mxfp4_to_fp8, one expert at
-    a time): _fp8_experts' (gate/up, down, their scales [E, rows])."""
+    """_mxfp4_experts' packed tensors re-encoded in fp8 with the same values (mxfp4_to_fp8):
+    _fp8_experts' (gate/up, down, their scales [E, rows])."""
     check_fp8_device(gate_up)
-    out = []
-    for blocks, scales in ((gate_up, gate_up_scales), (down, down_scales)):
-        experts, rows, half = blocks.shape
-        values = torch.empty(experts, rows, 2 * half, dtype=FP8, device=blocks.device)
-        row_scales = torch.empty(experts, rows, dtype=torch.float32, device=blocks.device)
-        for e in range(experts):
-            values[e], row_scales[e] = mxfp4_to_fp8(blocks[e], scales[e])
-        out.append((values, row_scales))
-    (gate_up_fp8, gate_up_scale), (down_fp8, down_scale) = out
+    (gate_up_fp8, gate_up_scale), (down_fp8, down_scale) = (
+        _each_expert(blocks, scales, mxfp4_to_fp8)
+        for blocks, scales in ((gate_up, gate_up_scales), (down, down_scales)))
     return gate_up_fp8, down_fp8, gate_up_scale, down_scale
 
 
 def _dequantized_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor,
                          down_scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """_mxfp4_experts' packed tensors widened to `dtype` in _dense_experts' layout ([E, 2 count, H],
-    [E, H, count]), one expert at a time so that the float32 decode stays one expert's size."""
-    out = []
-    for blocks, scales in ((gate_up, gate_up_scales), (down, down_scales)):
-        experts, rows, half = blocks.shape
-        wide = torch.empty(experts, rows, 2 * half, dtype=dtype, device=blocks.device)
-        for e in range(experts):
-            wide[e] = dequantize_mxfp4(blocks[e], scales[e], dtype)
-        out.append(wide)
-    return out[0], out[1]
+    [E, H, count])."""
+    (wide_gate_up,), (wide_down,) = (_each_expert(blocks, scales, lambda b, s: (dequantize_mxfp4(b, s, dtype),))
+                                     for blocks, scales in ((gate_up, gate_up_scales), (down, down_scales)))
+    return wide_gate_up, wide_down
