@@ -194,8 +194,15 @@ class MoEPlan(NamedTuple):
 DECODE_PLAN = MoEPlan(16, 64, 128, 4, 3, group_m=1)
 MID_PLAN = MoEPlan(32, 64, 128, 4, 3, group_m=1)
 PREFILL_PLAN = MoEPlan(64, 128, 64, 8, 3, group_m=1)
+# fp8 experts take K blocks of 128 bytes from prefill-sized groups on, and the large plans' down kernel
+# 128 columns in four warps: moe_bench.py --shape gpt-oss-20b --fp8 --tune --tune-rows auto (H200,
+# 2026-12-04, 00cc996) took the layer at 256 tokens from 341.6 to 246.7 us (PREFILL_PLAN's K blocks of
+# 64 before), and the down kernel's best at 1024, 2048 and 8192 tokens was (64, 128, 128, 4, 3): the
+# layer 453.2 -> 432.1, 755.7 -> 740.3 and 2623.0 -> 2565.5 us with the gate/up change above it
+# (moe_gate_up_triton: no TMA where the K blocks do not divide H).
+FP8_PREFILL_PLAN = MoEPlan(64, 64, 128, 4, 3, group_m=8)
 LARGE_PLANS = {False: (MoEPlan(128, 128, 64, 8, 4, group_m=1, tma=True), MoEPlan(128, 256, 64, 8, 3, group_m=1)),
-               True: (MoEPlan(64, 64, 128, 4, 3, group_m=8, tma=True), MoEPlan(64, 256, 128, 8, 5, group_m=8))}
+               True: (MoEPlan(64, 64, 128, 4, 3, group_m=8, tma=True), MoEPlan(64, 128, 128, 4, 3, group_m=8))}
 LARGE_PLAN = LARGE_PLANS[False][0]
 
 
@@ -240,7 +247,10 @@ def moe_plans(num_pairs: int, num_experts: int, fp8: bool = False, mxfp4: bool =
     """(gate/up plan, down plan) for T * K pairs over E experts; the two share the row block,
     which the alignment fixes."""
     plan = moe_plan(num_pairs, num_experts)
-    plans = LARGE_PLANS[fp8] if plan == LARGE_PLAN else (plan, plan)
+    if plan == LARGE_PLAN:
+        plans = LARGE_PLANS[fp8]
+    else:
+        plans = (FP8_PREFILL_PLAN,) * 2 if fp8 and plan == PREFILL_PLAN else (plan, plan)
     return mxfp4_plans(plans) if mxfp4 else plans
 
 
@@ -610,7 +620,11 @@ def moe_gate_up_triton(a: torch.Tensor, a_scale: torch.Tensor | None, w_gate_up:
     num_pairs = a.shape[0] * top_k
     out = torch.empty(num_pairs, inter, dtype=out_dtype, device=a.device)
     fp8 = w_scale is not None and not mxfp4
-    tma = bool(plan.tma) and not mxfp4 and 2 * plan.block_n <= TMA_MAX_BOX and descriptor_fits(w_gate_up)
+    # TMA where the K blocks divide H: gpt-oss's H = 2880 in fp8's 128-byte K blocks leaves a ragged last
+    # tile, and loads took its gate/up from 259.5 to 246.9 us at 1024 tokens and 495.7 to 430.9 at 2048
+    # (3% slower at 8192; moe_bench.py --shape gpt-oss-20b --fp8 --tune, H200, 2026-12-04, 00cc996).
+    tma = (bool(plan.tma) and not mxfp4 and hidden % plan.block_k == 0 and 2 * plan.block_n <= TMA_MAX_BOX
+           and descriptor_fits(w_gate_up))
     if tma:
         use_descriptor_allocator(w_gate_up.device)
     num_blocks, num_cols = block_experts.shape[0], cdiv(inter, plan.block_n)

@@ -188,7 +188,7 @@ def test_fit_plan_keeps_fp8_k_blocks_of_at_least_32():
     multiply fp8 tiles whatever x's dtype, and fp8 tensor cores take no K block under 32 (an H100
     refused to compile MoEPlan(32, 32, 32, 4, 2) halved to 16 with fp32 activations)."""
     plans = [fused_moe_module.DECODE_PLAN, fused_moe_module.MID_PLAN, fused_moe_module.PREFILL_PLAN,
-             *fused_moe_module.LARGE_PLANS[False], *fused_moe_module.LARGE_PLANS[True], MoEPlan(32, 32, 32, 4, 2)]
+             fused_moe_module.FP8_PREFILL_PLAN, *fused_moe_module.LARGE_PLANS[False], *fused_moe_module.LARGE_PLANS[True], MoEPlan(32, 32, 32, 4, 2)]
     for plan in plans:
         for dtype in (torch.float32, torch.bfloat16):
             assert fused_moe_module.fit_plan(plan, dtype, fp8=True) == plan

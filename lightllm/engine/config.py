@@ -19,7 +19,11 @@ MIN_NODE_TOKEN_CHARS = 16
 # 25 ms). Each rank computes 1/tp of a step, so its device time falls with tp while the launch
 # stays: at tp 2, a burst's 3072-token steps (1024 decodes and a 2048-token chunk) left the GPUs
 # 65-80% busy when eager, 92-100% from graphs (two H100s, 2026-11-27, 69e7f75; docs/multi_gpu.md).
-GRAPH_TOKENS_A_RANK = 2048
+# A model of many small kernels is launch-bound past that even at tp 1: gpt-oss-20b's eager 2304-token
+# step launched in 33.8 ms for 32.8 of device time, and graphs up to 3072 tokens (a full chunk beside
+# a full batch) took its 1000-request burst from 49.53 to 55.18 req/s, bench-8b's from 43.98 to 44.15
+# (one H200, 2026-12-04, 00cc996; docs/benchmarks.md).
+GRAPH_TOKENS_A_RANK = 3072
 DEFAULT_MAX_LORAS = 4
 # --running_max_req_size when absent (see its help)
 GPU_RUNNING = 1024

@@ -42,7 +42,7 @@ from lightllm.kernels.decode_attention import decode_attention_triton  # noqa: E
 from lightllm.kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
-from lightllm.kernels.fused_moe import (DECODE_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
+from lightllm.kernels.fused_moe import (DECODE_PLAN, FP8_PREFILL_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
                                         align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
 from lightllm.kernels.gated_delta_rule import (chunk_states_in_triton, chunk_states_out_triton,  # noqa: E402
                                                gated_delta_rule_runs_triton, gated_delta_rule_step_triton,
@@ -254,7 +254,7 @@ def call_moe_kernels() -> None:
     w_gate_up8, gate_up_scale, w_down8, down_scale = fp8_experts
     for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[False]):
         fused_moe_triton(x, w_gate_up, w_down, weights, ids, plan=plan, down_plan=down_plan)
-    for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (PREFILL_PLAN, PREFILL_PLAN), LARGE_PLANS[True]):
+    for plan, down_plan in ((DECODE_PLAN, DECODE_PLAN), (FP8_PREFILL_PLAN, FP8_PREFILL_PLAN), LARGE_PLANS[True]):
         fused_moe_triton(x, w_gate_up8, w_down8, weights, ids, gate_up_scale, down_scale, plan=plan,
                          down_plan=down_plan)
     # fp32 experts (the GPU tests' tiny models) with the plan a large step picks: their tiles must fit
