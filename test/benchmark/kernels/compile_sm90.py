@@ -42,8 +42,9 @@ from lightllm.kernels.decode_attention import decode_attention_triton  # noqa: E
 from lightllm.kernels.extend_attention import extend_attention_triton, extend_q_blocks  # noqa: E402
 from lightllm.kernels.fp8_linear import (fp8_gemm_small_m, quantize_fp8_rows_triton, quantize_fp8_weight,  # noqa: E402
                                          small_m_plan)
-from lightllm.kernels.fused_moe import (DECODE_PLAN, FP8_PREFILL_PLAN, LARGE_PLAN, LARGE_PLANS, PREFILL_PLAN, MoEPlan,  # noqa: E402
-                                        align_by_expert_triton, fused_moe_triton, quantize_experts_fp8)
+from lightllm.kernels.fused_moe import (DECODE_PLAN, FP8_PREFILL_PLAN, LARGE_PLAN, LARGE_PLANS,  # noqa: E402
+                                        PREFILL_PLAN, MoEPlan, align_by_expert_triton, fused_moe_triton,
+                                        quantize_experts_fp8)
 from lightllm.kernels.gated_delta_rule import (chunk_states_in_triton, chunk_states_out_triton,  # noqa: E402
                                                gated_delta_rule_runs_triton, gated_delta_rule_step_triton,
                                                l2norm_heads_triton, linear_gates_triton)
