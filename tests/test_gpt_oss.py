@@ -5,6 +5,7 @@ tokens past the window; bench_model's presets ask for a published checkpoint's t
 checkpoint's logits, its Triton path and tp 2 are tests/test_model_vs_hf.py's and tests/test_tp.py's
 cases."""
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from test_model_families import NEW, prompts
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from lightllm.engine.request import SamplingParams
-from lightllm.models import read_config
+from lightllm.models import read_config, resolve_mxfp4_experts
 
 
 def write_mxfp4_checkpoint(hf_model, out_dir, seed=0):
@@ -73,6 +74,27 @@ def test_mxfp4_experts_in_fp8_are_the_checkpoint_values(tmp_path):
         assert gate_up.dtype == down.dtype == torch.float8_e4m3fn
         assert torch.equal(gate_up.float() * gate_up_scale[..., None], layer.mlp.experts[0])
         assert torch.equal(down.float() * down_scale[..., None], layer.mlp.experts[1])
+
+
+def test_auto_widens_mxfp4_experts_where_half_the_gpu_holds_them(tmp_path):
+    """--mxfp4_experts auto: widened where the widened experts (fp8 under --quantization fp8, else the
+    model's dtype; this rank's share) take at most half of the GPU memory the server may use, packed
+    past that and on the CPU, as given when named, and a model of no MXFP4 experts keeps the flag."""
+    write_mxfp4_checkpoint(make_model("gpt_oss", tmp_path), tmp_path)
+    cfg = read_config(tmp_path)
+    moe = cfg.moe
+    weights = len(moe.layers) * moe.num_experts * 3 * moe.intermediate_size * cfg.hidden_size
+    bf16, fp8 = cfg, dataclasses.replace(cfg, quantization="fp8")
+    assert resolve_mxfp4_experts("auto", bf16, torch.bfloat16, 4 * weights) == "dequantized"
+    assert resolve_mxfp4_experts("auto", bf16, torch.bfloat16, 4 * weights - 1) == "packed"
+    assert resolve_mxfp4_experts("auto", fp8, torch.bfloat16, 2 * weights) == "dequantized"
+    assert resolve_mxfp4_experts("auto", bf16, torch.bfloat16, 2 * weights, tp=2) == "dequantized"
+    assert resolve_mxfp4_experts("auto", bf16, torch.bfloat16, None) == "packed"
+    assert resolve_mxfp4_experts("dequantized", bf16, torch.bfloat16, None) == "dequantized"
+    assert resolve_mxfp4_experts("packed", bf16, torch.bfloat16, 4 * weights) == "packed"
+    assert resolve_mxfp4_experts("auto", dataclasses.replace(cfg, moe=None), torch.bfloat16, 4 * weights) == "auto"
+    runner = make_runner(tmp_path)  # the default on the CPU: packed, and said so
+    assert runner.model.layers[0].mlp.experts[0].dtype == torch.uint8 and runner.info["mxfp4_experts"] == "packed"
 
 
 def test_chunked_prefill_and_prefix_cache_equal_transformers(tmp_path):

@@ -49,7 +49,8 @@ from lightllm.engine.spec.draft_runner import DraftRunner
 from lightllm.engine.spec.eagle3_runner import Eagle3Runner
 from lightllm.engine.spec.mtp_runner import MtpRunner
 from lightllm.engine.step_trace import StepTrace
-from lightllm.models import ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype, resolve_state_dtype
+from lightllm.models import (ForwardBatch, load_model, read_config, resolve_dtype, resolve_kv_dtype,
+                             resolve_mxfp4_experts, resolve_state_dtype)
 from lightllm.models.lora import LoraAdapters, module_shapes
 from lightllm.utils.dist import init_tp
 from lightllm.utils.process import return_free_heap
@@ -98,13 +99,18 @@ class ModelRunner:
         self.tp = init_tp(tp_rank, config.tp, config.nccl_port, self.device,
                           config.dist_init_addr if config.nnodes > 1 else None,
                           fused_norms=config.quantization != "fp8")
-        self.config = cfg = replace(read_config(config.model_dir), quantization=config.quantization,
-                                    mxfp4_experts=config.mxfp4_experts)
+        cfg = replace(read_config(config.model_dir), quantization=config.quantization)
+        dtype = resolve_dtype(config.data_type, cfg, self.device)
+        gpu_bytes = (torch.cuda.get_device_properties(self.device).total_memory * config.mem_fraction
+                     if self.device.type == "cuda" else None)
+        experts = resolve_mxfp4_experts(config.mxfp4_experts, cfg, dtype, gpu_bytes, config.tp)
+        if experts != config.mxfp4_experts:
+            logger.info("--mxfp4_experts %s: %s", config.mxfp4_experts, experts)
+        self.config = cfg = replace(cfg, mxfp4_experts=experts)
         self.max_req_total_len = config.max_req_total_len
         if self.max_req_total_len > cfg.max_position_embeddings:
             logger.warning("max_req_total_len %d exceeds the model's max_position_embeddings %d",
                            self.max_req_total_len, cfg.max_position_embeddings)
-        dtype = resolve_dtype(config.data_type, cfg, self.device)
         self.model = load_model(cfg, dtype=dtype, device=self.device, tp=self.tp,
                                 max_positions=self.max_req_total_len, load_format=config.load_format)
         self.loras = self._load_loras(config, dtype)  # before the KV budget is sized: its slots take memory
@@ -147,7 +153,7 @@ class ModelRunner:
         self._steps_since_trim = 0  # CPU: launched steps since the heap's free pages went back
         burst = burst_budget(config.burst_chunked_prefill_size, config.chunked_prefill_size, self.device.type)
         self.info = {"architecture": cfg.architecture, "dtype": str(dtype).removeprefix("torch."),
-                     "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
+                     "mxfp4_experts": experts, "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
                      "max_position_embeddings": cfg.max_position_embeddings, "model_dir": str(config.model_dir),
                      "sampling_defaults": list(cfg.sampling_defaults.items()),  # pairs: the wire is flat
                      "burst_chunked_prefill_size": burst, "recurrent_state": cfg.linear_attn is not None,

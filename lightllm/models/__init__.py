@@ -10,7 +10,7 @@ import torch
 from lightllm.utils.dist import TPGroup
 
 from .config import (HYBRID_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Eagle3Config, ModelConfig, ModelConfigError,
-                     read_config, read_eagle3_config, resolve_dtype, resolve_kv_dtype,
+                     read_config, read_eagle3_config, resolve_dtype, resolve_kv_dtype, resolve_mxfp4_experts,
                      resolve_state_dtype)
 from .layers import ForwardBatch
 from .eagle3 import Eagle3Head, load_eagle3
@@ -42,5 +42,6 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tp
 
 
 __all__ = ["ModelConfig", "ModelConfigError", "WeightLoadError", "ForwardBatch", "LlamaModel",
-           "read_config", "resolve_dtype", "resolve_kv_dtype", "resolve_state_dtype", "load_model", "SUPPORTED_ARCHITECTURES",
+           "read_config", "resolve_dtype", "resolve_kv_dtype", "resolve_mxfp4_experts", "resolve_state_dtype",
+           "load_model", "SUPPORTED_ARCHITECTURES",
            "Eagle3Config", "Eagle3Head", "read_eagle3_config", "load_eagle3"]

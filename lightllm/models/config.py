@@ -160,7 +160,7 @@ class ModelConfig:
     # generation_config.json's SAMPLING_FIELDS, as written there (the HTTP side checks their ranges)
     sampling_defaults: dict = field(default_factory=dict)
     quantization: str | None = None  # the server's --quantization: how the layers store their projections
-    mxfp4_experts: str = "packed"  # the server's --mxfp4_experts: MXFP4 experts packed or widened at load
+    mxfp4_experts: str = "packed"  # the server's --mxfp4_experts, resolved: MXFP4 experts packed or widened at load
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
     # Per layer: how many positions a query sees, its own included (transformers' sliding window);
     # 0 for a global layer. Empty: every layer is global.
@@ -515,6 +515,21 @@ def resolve_dtype(data_type: str, config: ModelConfig, device: torch.device) -> 
         raise ModelConfigError(f"unsupported data type {data_type!r}; supported: auto, "
                                f"{', '.join(_DTYPES)}")
     return _DTYPES[data_type]
+
+
+def resolve_mxfp4_experts(choice: str, config: ModelConfig, dtype: torch.dtype, gpu_bytes: float | None,
+                          tp: int = 1) -> str:
+    """--mxfp4_experts: packed or dequantized as given; auto (the default) widens an MXFP4
+    checkpoint's experts at load on a GPU where this rank's share of them, widened (to fp8 under
+    --quantization fp8, else to `dtype`), takes at most half of `gpu_bytes` (the memory the server
+    may use on it), and keeps them packed elsewhere (gpt-oss-120b on one H200; gpu_bytes None: the
+    CPU). A model without MXFP4 experts keeps `choice`: there is nothing to widen."""
+    moe = config.moe
+    if choice != "auto" or moe is None or not moe.mxfp4:
+        return choice
+    width = 1 if config.quantization == "fp8" else dtype.itemsize
+    widened = len(moe.layers) * moe.num_experts * 3 * moe.intermediate_size * config.hidden_size * width / tp
+    return "dequantized" if gpu_bytes is not None and widened <= gpu_bytes / 2 else "packed"
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

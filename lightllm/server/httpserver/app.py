@@ -263,7 +263,7 @@ async def info(request: Request) -> JSONResponse:
             "dtype": model.get("dtype"),
             "quantization": config.quantization,
             "kv_cache_dtype": config.kv_cache_dtype,
-            "mxfp4_experts": config.mxfp4_experts,
+            "mxfp4_experts": model.get("mxfp4_experts", config.mxfp4_experts),
             "vocab_size": model.get("vocab_size"),
             "max_position_embeddings": model.get("max_position_embeddings"),
             "max_total_token_num": state.limits.max_total_token_num,
