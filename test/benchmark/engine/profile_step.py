@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         "test/benchmark/kernels/fp8_gemm_bench.py times those)")
     add("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto", help="the server's --kv_cache_dtype")
     add("--mamba-ssm-cache-dtype", default="auto", help="the server's --mamba_ssm_cache_dtype (hybrid models)")
-    add("--mxfp4-experts", choices=("packed", "dequantized"), default="packed",
+    add("--mxfp4-experts", choices=("auto", "packed", "dequantized"), default="auto",
         help="the server's --mxfp4_experts (gpt-oss)")
     add("--dtype", default="bfloat16")
     add("--device", default=None)
