@@ -9,6 +9,10 @@
 # naming adapter i mod (COUNT + 1), the last share on the base model; one request at a time
 # (single_request.py, 256 tokens) on each, with and without an adapter. Before each burst the
 # server answers single_request.py, so the burst does not pay the kernels' first compiles.
+# PEER=vllm: the same two bursts on vLLM instead (installed in /tmp/vsite by ../shared/peers'
+# vllm_device.sh; its defaults, --enable-lora --lora-modules NAME=DIR ... --max-loras COUNT
+# --max-lora-rank RANK for the second), through /v1/completions with each request's adapter as
+# its `model`; vLLM serves no /generate_stream, so no one-at-a-time rows.
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b,
 # .gpu/requests-N.json. Results: $OUT/lora.md (the table), $OUT/*.json (benchmark_serving's).
 set -euo pipefail
@@ -43,15 +47,33 @@ burst() {  # burst NAME [CLIENT-FLAGS...]: the N saved requests at once
     --result-json "$OUT/burst-$name.json" "$@" > "$WORK/burst-$name.log" 2>&1 || echo "burst $name failed"
 }
 
-serve base
-single base
-burst base
-stop_server
-serve lora --lora_modules "${modules[@]}" --max_loras "$COUNT" --max_lora_rank "$RANK"
-single lora-0 --adapter lora-0
-burst lora --lora-adapters "$adapters"
-single lora-server-base
-stop_server
+serve_vllm() {  # serve_vllm NAME VLLM-FLAGS...: vLLM on port 8000, once /health answers
+  local name=$1; shift
+  (cd /tmp && exec env PYTHONPATH=/tmp/vsite setsid python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --load-format dummy --dtype bfloat16 --max-model-len 8192 --host 127.0.0.1 --port 8000 "$@") \
+    > "$WORK/$name-server.log" 2>&1 &
+  SERVER=$!
+  wait_healthy 8000 $((SECONDS + 420)) "$WORK/$name-server.log"
+}
+
+if [[ ${PEER:-} == vllm ]]; then
+  serve_vllm vllm-base
+  burst vllm-base --api completions
+  stop_server
+  serve_vllm vllm-lora --enable-lora --lora-modules "${modules[@]}" --max-loras "$COUNT" --max-lora-rank "$RANK"
+  burst vllm-lora --api completions --lora-adapters "$adapters"
+  stop_server
+else
+  serve base
+  single base
+  burst base
+  stop_server
+  serve lora --lora_modules "${modules[@]}" --max_loras "$COUNT" --max_lora_rank "$RANK"
+  single lora-0 --adapter lora-0
+  burst lora --lora-adapters "$adapters"
+  single lora-server-base
+  stop_server
+fi
 
 python3 - "$OUT" "$COUNT" "$RANK" "$N" > "$OUT/lora.md" <<'PY'
 import json, re, sys
@@ -64,20 +86,25 @@ def tpot(name):
     path = out / f"single-{name}.md"
     rows = re.findall(r"\| median \| [\d.]+ \| ([\d.]+) \|", path.read_text()) if path.exists() else []
     return float(rows[0]) if rows else None
-base, lora = burst("base"), burst("lora")
 print(f"{count} adapters of rank {rank}, {n} requests at once (request i: adapter i mod {int(count) + 1})\n")
 print("| server | req/s | output tok/s | median / P99 TTFT ms | median / P99 TPOT ms | failed |")
 print("| --- | ---: | ---: | ---: | ---: | ---: |")
-for name, row in (("base model only", base), ("with the adapters", lora)):
-    if row:
-        print(f"| {name} | {row['request_throughput']:.2f} | {row['output_throughput']:.0f} | "
-              f"{row.get('median_ttft_ms', 0):.0f} / {row.get('p99_ttft_ms', 0):.0f} | "
-              f"{row.get('median_tpot_ms', 0):.2f} / {row.get('p99_tpot_ms', 0):.2f} | {row['failed']} |")
-if base and lora:
-    print(f"\nthroughput with the adapters / base only: {lora['request_throughput'] / base['request_throughput']:.3f}x")
+ratios = []
+for server, prefix in (("ours", ""), ("vLLM", "vllm-")):
+    base, lora = burst(prefix + "base"), burst(prefix + "lora")
+    for name, row in (("base model only", base), ("with the adapters", lora)):
+        if row:
+            print(f"| {server}, {name} | {row['request_throughput']:.2f} | {row['output_throughput']:.0f} | "
+                  f"{row.get('median_ttft_ms', 0):.0f} / {row.get('p99_ttft_ms', 0):.0f} | "
+                  f"{row.get('median_tpot_ms', 0):.2f} / {row.get('p99_tpot_ms', 0):.2f} | {row['failed']} |")
+    if base and lora:
+        ratios.append(f"{server}: throughput with the adapters / base only: "
+                      f"{lora['request_throughput'] / base['request_throughput']:.3f}x")
+print("\n" + "\n".join(ratios))
 one = {name: tpot(name) for name in ("base", "lora-0", "lora-server-base")}
-print(f"\none request at a time, median TPOT ms: base server {one['base']}, adapter lora-0 {one['lora-0']}, "
-      f"LoRA server without an adapter {one['lora-server-base']}")
+if any(one.values()):
+    print(f"\none request at a time, median TPOT ms: base server {one['base']}, adapter lora-0 {one['lora-0']}, "
+          f"LoRA server without an adapter {one['lora-server-base']}")
 if one["base"] and one["lora-0"]:
     print(f"TPOT with an adapter / base server: {one['lora-0'] / one['base']:.3f}x")
 PY
