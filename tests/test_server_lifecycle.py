@@ -322,6 +322,33 @@ def test_the_main_process_stop_waits_for_a_child_start_too(monkeypatch):
     assert started and api_server.stop_asked()
 
 
+STOP_INSIDE_A_DEL = """
+import os, signal
+from lightllm.server import api_server
+api_server.catch_stop_signals()
+
+class Collected:
+    def __del__(self):  # as the garbage collector runs one while the tokenizer loads
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10_000):  # the handler runs between two of these bytecodes
+            pass
+
+Collected()
+print("stop asked:", api_server.stop_asked())
+"""
+
+
+def test_a_stop_inside_a_del_is_recorded_and_prints_no_traceback():
+    """SIGTERM while the garbage collector runs a __del__: Python cannot raise the handler's
+    SystemExit there. The stop is recorded for the next step of the start to see, and the log shows
+    no traceback for it."""
+    done = subprocess.run([sys.executable, "-c", STOP_INSIDE_A_DEL], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr
+    assert "stop asked: True" in done.stdout
+    assert "Traceback" not in done.stderr and "SystemExit" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("stage", ["children importing", "model worker loading"])
 def test_sigterm_to_the_process_group_during_start_up_stops_cleanly(tiny_dir, tmp_path, stage):
     """A stop in the first seconds (a supervisor that gives up, a container stopped at once) reaches

@@ -219,8 +219,9 @@ _stop_signals: list[int] = []  # SIGTERM / SIGINT received before uvicorn handle
 @deferred_while_starting
 def stop_when_asked(signum, frame) -> None:
     """SIGTERM or SIGINT before the server serves: unwind (the `finally` blocks stop the children),
-    exit status 0. SystemExit raised inside a __del__ (the garbage collector runs during the
-    tokenizer's load) is only printed: `stop_asked` is checked between the steps of the start too."""
+    exit status 0. SystemExit raised inside a __del__ or a weakref callback (the garbage collector
+    runs during the tokenizer's load) is dropped (drop_the_stops_exit): `stop_asked` is checked
+    between the steps of the start too."""
     _stop_signals.append(signum)
     sys.exit(0)
 
@@ -229,12 +230,25 @@ def stop_asked() -> bool:
     return bool(_stop_signals)
 
 
+def drop_the_stops_exit(unraisable) -> None:
+    """sys.unraisablehook: the stop's SystemExit where Python cannot raise it (a __del__) is not an
+    error to print as one; anything else goes to the default hook."""
+    if issubclass(unraisable.exc_type, SystemExit) and stop_asked():
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def catch_stop_signals() -> None:
+    sys.unraisablehook = drop_the_stops_exit
+    for signum in GROUP_SIGNALS:
+        signal.signal(signum, stop_when_asked)
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging(config.log_level)
     dump_stacks_on_signal()
-    for signum in GROUP_SIGNALS:
-        signal.signal(signum, stop_when_asked)
+    catch_stop_signals()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; children inherit it
     if config.node_rank > 0:  # no HTTP: only model workers
         from lightllm.server.node import serve_node
