@@ -3,6 +3,7 @@ promises: per scenario, plain steps and steps with drafts, their period split in
 work and the host's, and the parts."""
 
 import re
+from types import SimpleNamespace
 
 from benchmark.engine import spec_host_time
 
@@ -24,3 +25,13 @@ def test_spec_host_time_reports_steps_with_drafts(tmp_path):
         period, forward, sampler, host = (float(match.group(i)) for i in (2, 3, 4, 5))
         assert forward > 0 and host > 0 and abs(period - forward - sampler - host) < 0.01
     assert "| scheduler._plan_drafts |" in text and "cProfile" in text
+
+
+def test_spec_host_time_drafts_with_a_host_source_when_asked():
+    """`--method suffix` (or ngram) times the source itself, not the controlled draft's oracle."""
+    from lightllm.engine.spec.drafts import NgramDraft, SuffixDraft
+
+    runner = SimpleNamespace(config=SimpleNamespace(vocab_size=512))
+    for method, kind in (("suffix", SuffixDraft), ("ngram", NgramDraft)):
+        spec = spec_host_time.pinned_speculator(runner, None, 0.8, 4, 8, method)
+        assert isinstance(spec.source, kind) and spec.k_max == 4 and spec.guard is None

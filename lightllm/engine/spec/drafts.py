@@ -185,13 +185,18 @@ class SuffixDraft:
 
     def _longest_matches(self, own: _Sequence) -> list[_Occurrence]:
         """The visible occurrences of the longest suffix that has any, most recent first."""
-        tokens = own.tokens
+        tokens, size = own.tokens, len(own.tokens)
+        depth = min(self.max_depth, size)  # the longest match there can be
         for n in reversed(self.key_lengths):
-            if n > len(tokens):
+            if n > size:
                 continue
-            scored = [(self._match_length(tokens, seq, end, n), seq, end)
-                      for seq, end in reversed(self._index.get(tuple(tokens[-n:]), ()))
-                      if seq is own or seq.pooled]
+            entries = [(seq, end) for seq, end in reversed(self._index.get(tuple(tokens[-n:]), ()))
+                       if seq is own or seq.pooled]
+            rest = tokens[size - depth: size - n]
+            deepest = [(seq, end) for seq, end in entries if end >= depth and seq.tokens[end - depth: end - n] == rest]
+            if deepest:  # a request that repeats itself or others: no need to measure the others
+                return deepest
+            scored = [(self._match_length(tokens, seq, end, n), seq, end) for seq, end in entries]
             if scored:
                 longest = max(length for length, _, _ in scored)
                 return [(seq, end) for length, seq, end in scored if length == longest]
@@ -205,35 +210,36 @@ class SuffixDraft:
         return length
 
     def _walk(self, own: _Sequence, matches: list[_Occurrence], k: int) -> list[int]:
-        """Greedy path down the continuations of `matches`; ties go to the most recent occurrence."""
+        """Greedy path down the continuations of `matches`; ties go to the most recent occurrence.
+
+        Each occurrence's continuation is known before the walk: a finished sequence's next tokens
+        (fewer at its end), and for the request's own occurrences the tokens after it read on into
+        the drafts, which while it is on the path are its own continuation again: the tokens from
+        it to the end, repeated. Equal continuations are counted together, in order of first sight."""
+        weights: dict[tuple[int, ...], int] = {}
+        for seq, end in matches:
+            cont = seq.tokens[end: end + k]
+            if seq is own and len(cont) < k:  # the whole rest of its tokens: repeated
+                cont = (cont * (k // len(cont) + 1))[:k]
+            cont = tuple(cont)
+            weights[cont] = weights.get(cont, 0) + 1
+        alive = list(weights.items())
         drafts: list[int] = []
-        alive = matches
+        needed = self.min_token_prob * len(matches)
         while len(drafts) < k:
-            followers = [(occurrence, self._token_after(own, occurrence, drafts)) for occurrence in alive]
+            depth = len(drafts)
             counts: dict[int, int] = {}  # in order of first sight, i.e. most recent first
-            for _, token in followers:
-                if token is not None:
-                    counts[token] = counts.get(token, 0) + 1
+            for cont, weight in alive:
+                if len(cont) > depth:
+                    counts[cont[depth]] = counts.get(cont[depth], 0) + weight
             if not counts:
                 break
             token, count = max(counts.items(), key=lambda item: item[1])
-            if count < self.min_token_prob * len(matches):
+            if count < needed:
                 break
             drafts.append(token)
-            alive = [occurrence for occurrence, follower in followers if follower == token]
+            alive = [(cont, weight) for cont, weight in alive if len(cont) > depth and cont[depth] == token]
         return drafts
-
-    @staticmethod
-    def _token_after(own: _Sequence, occurrence: _Occurrence, drafts: list[int]) -> int | None:
-        """The token that occurrence puts after the drafts so far; None past a finished sequence's end.
-        The request's own occurrences read on into the drafts, so its loops repeat (see copy_forward)."""
-        seq, end = occurrence
-        position = end + len(drafts)
-        if position < len(seq.tokens):
-            return seq.tokens[position]
-        if seq is own:
-            return drafts[position - len(seq.tokens)]
-        return None
 
     def finish(self, req_id: int) -> None:
         sequence = self._live.pop(req_id, None)

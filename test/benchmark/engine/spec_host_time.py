@@ -10,6 +10,7 @@ inline on the CPU) and the rest (the host's). Times are the thread's CPU time
 barely move; the wall time of the step is shown beside it:
 
     python test/benchmark/engine/spec_host_time.py --device cpu --out-md spec_host.md
+    python test/benchmark/engine/spec_host_time.py --device cpu --scenarios 64x4 --method suffix
     python test/benchmark/engine/spec_host_time.py --model DIR --load-format dummy_echo --dtype bfloat16 \
         --device cuda --clock wall --running-max-req-size 512
 
@@ -22,7 +23,8 @@ BATCH requests, runs them plainly to get the target's greedy continuation (the o
 benchmarks' controlled draft, test/benchmark/lib/controlled_draft.py, at --alpha), then times
 --steps engine steps of the same requests without speculation and with it, the controller's
 step costs pinned flat so that every request gets its K drafts a step (its probes of plain
-steps still run: they are counted apart). `--wire` passes plans and results through the form
+steps still run: they are counted apart). `--method ngram` or `suffix` drafts with that host
+source instead, from the model's own outputs (its proposals cost what they cost). `--wire` passes plans and results through the form
 they cross to the model workers in (plan.py's to/from wire; rpyc's transport is left out).
 
 Reported per step kind: the period (one `EngineCore.step` to the next; wall and --clock),
@@ -164,9 +166,14 @@ def greedy_outputs(runner: ModelRunner, reqs: list[GenerateReq]) -> dict[int, li
     return outputs
 
 
-def pinned_speculator(runner: ModelRunner, oracle: Path, alpha: float, k: int, batch: int) -> Speculator:
-    """The controlled draft at `alpha`, every step's cost the same: drafts always pay."""
-    config = SpeculativeConfig(DRAFT, num_speculative_tokens=k, options={"oracle": str(oracle), "alpha": alpha})
+def pinned_speculator(runner: ModelRunner, oracle: Path, alpha: float, k: int, batch: int,
+                      method: str = "controlled") -> Speculator:
+    """The controlled draft at `alpha` (or a host source, `method` ngram or suffix), every step's
+    cost the same: drafts always pay."""
+    if method == "controlled":
+        config = SpeculativeConfig(DRAFT, num_speculative_tokens=k, options={"oracle": str(oracle), "alpha": alpha})
+    else:
+        config = SpeculativeConfig(method, num_speculative_tokens=k)
     spec = Speculator(config, runner.config.vocab_size, batch * (k + 1))
     for drafted in (False, True):
         for tokens in (1, batch, batch * (k + 1)):
@@ -268,16 +275,19 @@ def scenario(args, model: Path, batch: int, k: int) -> list[str]:
         oracle = Path(tmp) / "oracle.jsonl"
         write_oracle(oracle, [(msg.prompt_ids, outputs[msg.req_id]) for msg in reqs])
         runs = {"plain": measure(runner, reqs, None, args),
-                f"spec k={k}": measure(runner, reqs, pinned_speculator(runner, oracle, args.alpha, k, batch), args)}
+                f"spec k={k}": measure(runner, reqs, pinned_speculator(runner, oracle, args.alpha, k, batch,
+                                                                         args.method), args)}
     rows = step_kinds(runs)
-    lines = [f"### Batch {batch}, up to {k} drafts, alpha {args.alpha}", "", *tables(rows, args.clock)]
+    source = f"alpha {args.alpha}" if args.method == "controlled" else args.method
+    lines = [f"### Batch {batch}, up to {k} drafts, {source}", "", *tables(rows, args.clock)]
     for label, (_, profile) in runs.items():
         lines += ["", f"cProfile, {args.profile_steps} steps, {label} (own time):", "", "```",
                   *profile.strip().splitlines()[:args.top + 12], "```"]
     lines.append("")
     if args.out_json:
         with open(args.out_json, "a") as out:
-            out.write(json.dumps({"batch": batch, "k": k, "alpha": args.alpha, "rows": rows}) + "\n")
+            out.write(json.dumps({"batch": batch, "k": k, "method": args.method, "alpha": args.alpha,
+                                  "rows": rows}) + "\n")
     return lines
 
 
@@ -319,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default="float32")
     add("--device", default=None)
     add("--scenarios", type=scenarios, default=[(1, 8), (64, 4)], help="BATCHxK,...: requests and most drafts each")
+    add("--method", choices=("controlled", "ngram", "suffix"), default="controlled",
+        help="the draft source: the controlled draft at --alpha, or a host source on the model's own outputs")
     add("--alpha", type=float, default=0.8)
     add("--prompt-len", type=int, default=32)
     add("--new-tokens", type=int, default=1024, help="each request's output (enough for the steps timed)")
