@@ -42,12 +42,15 @@ def load_drafts(tree: Path | None):
 def start(source, workload: str, requests: int, pool: int, seed: int = 1) -> None:
     rng = random.Random(seed)
     cycles = [[rng.randrange(32000) for _ in range(n)] for n in (3, 7, 11, 20)]
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(32000) for _ in range(n)]
+
     for i in range(pool):
-        source.start(10**6 + i, [rng.randrange(32000) for _ in range(100)] + (rng.choice(cycles) * 30)[:rng.randrange(50, 200)])
+        source.start(10**6 + i, tokens(100) + (rng.choice(cycles) * 30)[:rng.randrange(50, 200)])
         source.finish(10**6 + i)
     for i in range(requests):
-        cycle = rng.choice(cycles) if workload == "shared" else [rng.randrange(32000) for _ in range(rng.choice((3, 7, 20)))]
-        source.start(i, [rng.randrange(32000) for _ in range(200)] + (cycle * 30)[:rng.randrange(50, 150)])
+        cycle = rng.choice(cycles) if workload == "shared" else tokens(rng.choice((3, 7, 20)))
+        source.start(i, tokens(200) + (cycle * 30)[:rng.randrange(50, 150)])
 
 
 def measure(drafts, method: str, workload: str, args) -> dict[str, float]:

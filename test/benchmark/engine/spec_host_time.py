@@ -24,8 +24,9 @@ benchmarks' controlled draft, test/benchmark/lib/controlled_draft.py, at --alpha
 --steps engine steps of the same requests without speculation and with it, the controller's
 step costs pinned flat so that every request gets its K drafts a step (its probes of plain
 steps still run: they are counted apart). `--method ngram` or `suffix` drafts with that host
-source instead, from the model's own outputs (its proposals cost what they cost). `--wire` passes plans and results through the form
-they cross to the model workers in (plan.py's to/from wire; rpyc's transport is left out).
+source instead, from the model's own outputs (its proposals cost what they cost). `--wire`
+passes plans and results through the form they cross to the model workers in (plan.py's to/from
+wire; rpyc's transport is left out).
 
 Reported per step kind: the period (one `EngineCore.step` to the next; wall and --clock),
 forward + sampler, host = period - forward - sampler, tokens emitted, host per token; the parts
