@@ -22,7 +22,8 @@ It speculates only where the expected tokens per second of the step beat plain d
   as it is: there is no batch-size threshold at which speculation switches off, only a rate that
   stops paying, and a wrong estimate costs the steps it takes the measurements to correct it.
   While it does not speculate, a step with drafts every SPEC_PROBE_EVERY steps where acceptance
-  is high enough to matter; plain steps are measured in the guard's held-off epochs, steady.
+  is high enough to matter (a draft model's first at once: only verification measures it); plain
+  steps are measured in the guard's held-off epochs, steady.
 - The run-level guard (`RunGuard`). The per-step rates rest on a cost model, and a model can be
   wrong where the run is not (a step with drafts is synchronous: the host's turnaround that overlap
   hides for plain steps, prefill steps with drafts, a plain period measured after a synchronous
@@ -410,7 +411,10 @@ class Speculator:
         self.speculating = False  # the last plan had drafts
         self.guard: RunGuard | None = RunGuard()  # None: the per-step choice alone decides
         self._plain_steps = 0  # steps without drafts since the last step with drafts
-        self._probe_gap = SPEC_PROBE_EVERY  # plain steps before the next probe
+        # Plain steps before the next probe. A draft model's first is due at once: only verification
+        # measures its acceptance, and the step costs interpolated between a batch's decodes and a
+        # prefill can leave its prior short of paying for good on a machine where prefill is dear.
+        self._probe_gap = SPEC_PROBE_EVERY if self.shadows else 0
         self._probe = False  # the last allocation is a probe (the rates did not call for it)
         self._shadow_turn = 0  # where the next step's shadow proposals start among those due
         # A draft model's proposal calls (device time, not part of the step's cost curve): their
@@ -466,7 +470,7 @@ class Speculator:
         (its catch-up on long prompts), and a probe tried every step would cost each step's overlap."""
         self._plain_steps = 0
         if self._probe:
-            self._probe_gap, self._probe = min(2 * self._probe_gap, SPEC_PROBE_MAX_GAP), False
+            self._probe_gap, self._probe = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP), False
         many = getattr(self.source, "propose_many", None)
         if many is not None and not self.shadows:  # a draft model: time the call
             started = time.perf_counter()
