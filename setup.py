@@ -25,8 +25,8 @@ setup(
         # Not in requirements.txt: where it is installed, transformers runs fla's kernels in place of
         # its own torch code for Qwen3-Next/Qwen3.5 (the tests' oracle), and they do not run on a CPU.
         "cuda": ["fla-core>=0.6.0,<0.7"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "openai>=1.40", "anthropic>=0.40", "schemathesis>=4.0,<5",
-                 "peft>=0.17"]
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis>=6.100", "openai>=1.40",
+                 "anthropic>=0.40", "schemathesis>=4.0,<5", "peft>=0.17"]
     },
     license="Apache-2.0",
 )

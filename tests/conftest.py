@@ -14,6 +14,14 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Under pytest-xdist (the README's command runs two test processes) each process takes its
+    # share of the cores: two OpenMP teams of two threads on two cores stall each other, a
+    # descheduled thread holding up its whole op. Subprocesses the tests start inherit the share.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if _workers > 1:
+        _threads = max(1, (os.cpu_count() or 1) // _workers)
+        torch.set_num_threads(_threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
 def _fix_interpreter_scalar_index() -> None:
