@@ -54,7 +54,8 @@ def test_drafts_right_and_wrong_leave_the_state_at_the_last_accepted_token(name,
     truth = plain_run(runner, prompt, 24, SamplingParams())
     assert truth == hf_greedy(hf_model, [prompt], 24)[0]
     rng = random.Random(0)
-    for wrong in (0.0, 0.4, 1.0):
+    # under the interpreter (two minutes for all three) drafts partly wrong only: both outcomes in one run
+    for wrong in (0.4,) if kernels == "triton" else (0.0, 0.4, 1.0):
         assert drafted_run(runner, prompt, 24, SamplingParams(), truth, wrong, rng) == truth
     assert any(padded_verifies) == (kernels == "graph")
 
