@@ -10,7 +10,7 @@ from helpers.models import Client, assert_idle, engine, hf_greedy, make_model, m
 from lightllm.engine.plan import Chunk, DraftRequest, StepPlan
 from lightllm.engine.request import SamplingParams
 from lightllm.engine.spec.config import SpeculativeConfig
-from lightllm.engine.spec.controller import Speculator
+from lightllm.engine.spec.controller import SPEC_PROBE_EVERY, Speculator
 from lightllm.engine.spec.drafts import ModelDraft
 
 
@@ -169,7 +169,7 @@ def test_the_controller_counts_the_draft_models_steps(step_ms, expected):
     spec = Speculator(SpeculativeConfig("draft_model", model="/x", num_speculative_tokens=8), 101, 8,
                       drafter=lambda asks: [])
     spec.guard = None  # the per-step choice alone
-    spec._probe_gap = 64  # tried before (its calls are timed below): no first probe due
+    spec._probe_gap = SPEC_PROBE_EVERY  # tried before (its calls are timed below): no first probe due
     spec.measured(False, 1, 0.004)
     spec.measured(False, 300, 0.030)
     spec.measured(True, 9, 0.0044)
@@ -184,7 +184,6 @@ def test_probes_that_bring_nothing_come_ever_further_apart():
     first at once (only verification measures a draft model's acceptance), then SPEC_PROBE_EVERY
     steps apart, then twice as far each time, empty calls (catch-up only) included: each would cost
     the step's overlap and a synchronous verify step."""
-    from lightllm.engine.spec.controller import SPEC_PROBE_EVERY
 
     spec = Speculator(SpeculativeConfig("draft_model", model="/x"), 101, 8, drafter=lambda asks: [((), 0)] * len(asks))
     spec.measured(False, 1, 0.004)
