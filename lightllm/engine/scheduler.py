@@ -404,12 +404,12 @@ class Scheduler:
         outputs = len(plan.sampled)
         counts = spec.allocate(alphas, limits, plan.num_tokens, outputs)
         if counts is None:
-            spec.planned(False, len(plan.decodes))
+            spec.planned(False, len(plan.decodes), plan.num_tokens)
             return {}
         drafts = spec.propose({req.req_id: k for req, k in zip(candidates, counts) if k})
         while drafts and not self._drafts_fit(drafts):
             drafts = {i: d[: len(d) // 2] for i, d in drafts.items() if len(d) > 1}
-        spec.planned(bool(drafts), len(plan.decodes))
+        spec.planned(bool(drafts), len(plan.decodes), plan.num_tokens)
         return drafts
 
     def _drafts_fit(self, drafts: dict[int, list[int]]) -> bool:

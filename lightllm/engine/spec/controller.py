@@ -109,6 +109,7 @@ LOAD_CHANGE = 2.0
 LOAD_RATE = 0.1
 LOAD_FLOOR = 2.0
 MAX_INTERVAL_SECONDS = 1.0  # a longer time between two steps counts as this (a stall is not a rate)
+MIN_DECODE_SHARE = 0.25  # of a step's time, at least this much is its decodes' (the prompts' is an estimate)
 
 
 @dataclass
@@ -258,6 +259,10 @@ class Window:
     def rate(self) -> float:
         return self.x / self.y if self.y > 0 else 0.0
 
+    def describe(self) -> str:
+        return (f"{self.steps} steps, {self.drafted} with drafts, {self.seconds * 1e3:.1f} ms, {self.x} tokens, "
+                f"{self.rate:.1f}/s a request")
+
     @property
     def variance(self) -> float:
         """The rate's relative variance (its relative standard error, squared)."""
@@ -302,20 +307,28 @@ class RunGuard:
         self._length = 0  # the time this epoch runs at least, in plain steps
         self._unmeasured = 0  # the time before its window, in plain steps
         self._plain_period = 0.0  # the mean time of a step in the last held-off window
-        self._last = (0.0, 0, False)  # the last step: (its time, decoding requests, had drafts)
+        self._last = (0.0, 0, False, 0.0)  # the last step: (its time, decoding requests, had drafts, prompt time)
+        self._prompt_before = 0.0  # the prompt time of the step before it
 
-    def step(self, drafted: bool, decoding: int) -> None:
-        """A step was planned with `decoding` decodes (and drafts or not): the one before it ran
-        from its start to now, and the tokens that came meanwhile are its epoch's."""
+    def step(self, drafted: bool, decoding: int, prompt_seconds: float = 0.0) -> None:
+        """A step was planned with `decoding` decodes (and drafts or not; `prompt_seconds`: what its
+        prompt tokens cost a plain step, by the measured costs): the one before it ran from its
+        start to now, and the tokens that came meanwhile are its epoch's."""
         now = self.clock()
-        then, requests, had_drafts = self._last
-        self._last = (now, decoding, drafted)
+        then, requests, had_drafts, prompt = self._last
+        self._last, before = (now, decoding, drafted, prompt_seconds), self._prompt_before
+        self._prompt_before = prompt
         tokens, self.tokens = self.tokens, 0
         if requests:
             seconds = min(now - then, MAX_INTERVAL_SECONDS)
             self._seconds += seconds
             if self._steps > SETTLE_STEPS and self._in_plain_steps(self._seconds) > self._unmeasured:
-                self._window.add(tokens, requests, seconds, had_drafts)
+                # The rate is of decoding: the time a plain step would spend on prompt tokens is left
+                # out, or the side whose window fell on a wave of prompts looks several times slower.
+                # A plain step's period is that of the step before it (in flight meanwhile), a
+                # synchronous one's its own.
+                prompt = prompt if had_drafts else before
+                self._window.add(tokens, requests, max(seconds - prompt, MIN_DECODE_SHARE * seconds), had_drafts)
         if not decoding:
             return
         self.load = decoding if not self.load else self.load + LOAD_RATE * (decoding - self.load)
@@ -375,11 +388,13 @@ class RunGuard:
         # at info when the verdict changes (an operator's news), else at debug: with no drafts in the
         # allowed epochs a verdict comes every RUN_STEPS plain steps
         logger.log(logging.INFO if changed else logging.DEBUG,
-                   "speculation %s: %.3fx the rate held off, next exploration in %d plain steps' time",
-                   "allowed" if wins else "held off", ratio, RUN_STEPS << self.backoff)
+                   "speculation %s: %.3fx the rate held off (allowed: %s; held off: %s; %.1f decoding), next "
+                   "exploration in %d plain steps' time", "allowed" if wins else "held off", ratio,
+                   allowed.describe(), held.describe(), self.load, RUN_STEPS << self.backoff)
 
     def _load_changed(self, decoding: int) -> None:
         """The last verdict was at another load: measure both sides again, the winner's first."""
+        logger.debug("load changed: %d decoding, %.1f at the verdict", decoding, self._verdict_load)
         self._rates.clear()
         self.load = self._verdict_load = decoding  # the new load, not the average's way to it
         self.backoff = self._displaced = 0
@@ -514,13 +529,23 @@ class Speculator:
         """The period of the last planned step (its proposal call's time left out: DraftCost has it)."""
         self.costs.measured(drafted, tokens, max(seconds - self._last_call_seconds, 1e-6) if drafted else seconds)
 
-    def planned(self, drafted: bool, decoding: int = 0) -> None:
-        """The step just planned, with `decoding` decodes, had drafts or not."""
+    def planned(self, drafted: bool, decoding: int = 0, tokens: int = 0) -> None:
+        """The step just planned, with `decoding` decodes and `tokens` tokens before drafts, had
+        drafts or not."""
         self.speculating = drafted
         self._last_call_seconds, self._call_seconds = (self._call_seconds if drafted else 0.0), 0.0
         self._plain_steps = 0 if drafted else self._plain_steps + 1
         if self.guard is not None:
-            self.guard.step(drafted, decoding)
+            self.guard.step(drafted, decoding, self._prompt_seconds(decoding, tokens))
+
+    def _prompt_seconds(self, decoding: int, tokens: int) -> float:
+        """What a step's prompt tokens add to a plain step of its decodes alone, where plain steps
+        near both sizes were measured (else 0): two interpolations, only for steps with prompts."""
+        costs = self.costs
+        if tokens <= decoding or not decoding or not (costs.known_near(tokens) and costs.known_near(decoding)):
+            return 0.0
+        with_prompts, alone = costs.plain(np.array([tokens, decoding], dtype=np.float64))
+        return max(0.0, float(with_prompts - alone))
 
     def allocate(self, alphas: list[float], limits: list[int], tokens: int, outputs: int) -> list[int] | None:
         """Drafts per candidate (alphas, most drafts each may take) for a step of `tokens`
