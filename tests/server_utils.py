@@ -187,11 +187,12 @@ class StreamArrivals:
         return [(b - a, b) for a, b in zip(self.arrivals, self.arrivals[1:])]
 
 
-def slow_schema() -> dict:
-    """Forty patterned strings: several seconds to compile against a 49152-token vocabulary (one
-    thread; 20 of them take about 1 s). A random tag keeps it out of any cache."""
+def slow_schema(strings: int = 40) -> dict:
+    """Patterned strings: 40 take several seconds to compile against a 49152-token vocabulary (one
+    thread; 20 about 1 s, 80 about 17 s on a 2-core CPU). A random tag keeps it out of any cache."""
     tag = random.randrange(10**6)
-    properties = {f"p{i}_{tag}": {"type": "string", "pattern": f"[a-z]{{1,{i + 3}}}x[0-9]{{2,7}}"} for i in range(40)}
+    properties = {f"p{i}_{tag}": {"type": "string", "pattern": f"[a-z]{{1,{i + 3}}}x[0-9]{{2,7}}"}
+                  for i in range(strings)}
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
