@@ -169,7 +169,7 @@ def wave_rate(spec_speed: float, prefill_speed: float, guarded: bool | None, see
     return run.tokens / run.seconds
 
 
-@pytest.mark.parametrize(("spec_speed", "prefill_speed", "bound"), [(1.0, 0.3, 0.995), (1.3, 0.8, 0.97)])
+@pytest.mark.parametrize(("spec_speed", "prefill_speed", "bound"), [(1.0, 0.3, 0.995), (1.3, 0.8, 0.96)])
 def test_guard_holds_off_speculation_that_loses_where_prompts_come_in_waves(spec_speed, prefill_speed, bound):
     """Waves of prompts (equal outputs): drafts gain nothing or 1.3x where steps only decode and lose
     where they prefill, 0.51x or 0.91x of plain's rate over the run without the guard. A window that
