@@ -9,7 +9,8 @@
 #   eagle3:LOADS:FORMATS     an EAGLE-3 head of bench-8b's layer shape over its whole vocabulary (its
 #                            config written here) against off, per load format as draft
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b, .gpu/requests-1000.json.
-# Results: $OUT/<part>.md and .json; a part's failure does not stop the others.
+# Results: $OUT/<part>.md and .json, the guard's verdicts in $OUT/verdicts-N.log; a part's failure does not
+# stop the others.
 # TOTAL_S: the seconds a controlled or methods part may take (default 520).
 #   bash test/benchmark/serving/spec_device.sh controlled:batch1@12,conc64@128:0,0.8 methods:conc64@128:ngram,suffix
 set -u
@@ -24,9 +25,11 @@ export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1
 # SWEEP_ARGS: more spec_sweep.py flags for every part (e.g. --warmup-requests 64)
 SWEEP=(python3 test/benchmark/serving/spec_sweep.py --model .gpu/bench-8b --output-len 256 --num-prompts 128 ${SWEEP_ARGS:-})
 n=0
+mark=$(mktemp)
 for part in "$@"; do
   IFS=: read -r kind loads what <<<"$part"
   n=$((n + 1))
+  touch "$mark"
   case $kind in
     controlled)
       off=(--requests .gpu/requests-1000.json --out-dir .gpu/spec)
@@ -92,6 +95,8 @@ PY
       ;;
     *) echo "unknown part $part" ;;
   esac
+  # the run-level guard's verdicts in this part's servers (docs/architecture.md, "The run-level guard")
+  find .gpu -name 'server-*.log' -newer "$mark" -exec grep -H "spec.controller" {} + > "$OUT/verdicts-$n.log" 2>/dev/null
   echo "== $part done at $SECONDS s"
 done
 cat "$OUT"/*.md 2>/dev/null
