@@ -482,17 +482,24 @@ class Speculator:
     def propose(self, wants: dict[int, int]) -> dict[int, list[int]]:
         """Drafts for each request (req id -> most drafts), in one call where the source batches them.
         A call counts as the probe it may be, drafts or none: a draft model's can come back empty
-        (its catch-up on long prompts), and a probe tried every step would cost each step's overlap."""
+        (its catch-up on long prompts), and a probe tried every step would cost each step's overlap.
+        Only until a draft model's first drafts are verified, a call that brought none because it
+        caught up on prompts is no probe: else a first probe that only caught up left the next one
+        64 steps away, past a short request's end, and the draft was never tried."""
         self._plain_steps = 0
-        if self._probe:
-            self._probe_gap, self._probe = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP), False
+        probe, self._probe = self._probe, False
+        if probe and self.shadows:
+            self._probe_gap = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP)
         many = getattr(self.source, "propose_many", None)
         if many is not None and not self.shadows:  # a draft model: time the call
             started = time.perf_counter()
             drafts = many(wants)
             self._call_seconds = time.perf_counter() - started
-            if self.source.last_catch_up <= 2 * sum(k + 1 for k in wants.values()):  # steady state
+            steady = self.source.last_catch_up <= 2 * sum(k + 1 for k in wants.values())
+            if steady:
                 self.draft_cost.add(max(wants.values()), self._call_seconds)
+            if probe and (drafts or self.num_drafts or steady):
+                self._probe_gap = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP)
             return drafts
         if many is not None:
             return many(wants)
