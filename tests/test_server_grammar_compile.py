@@ -72,8 +72,8 @@ def test_a_grammar_over_the_bound_gets_400_while_a_stream_keeps_its_pace(server)
     arrivals = stream.arrivals
     server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
     sent = time.monotonic()
-    reply = server.post("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 8,
-                                                                    "grammar": {"type": "json", "value": slow_schema(80)}}})
+    grammar = {"type": "json", "value": slow_schema(80)}
+    reply = server.post("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 8, "grammar": grammar}})
     answered = time.monotonic()
     assert reply.status_code == 400, reply.text
     assert reply.json()["error_type"] == "validation"

@@ -96,7 +96,8 @@ PY
     *) echo "unknown part $part" ;;
   esac
   # the run-level guard's verdicts in this part's servers (docs/architecture.md, "The run-level guard")
-  find .gpu -name 'server-*.log' -newer "$mark" -exec grep -H "spec.controller" {} + > "$OUT/verdicts-$n.log" 2>/dev/null
+  find .gpu -name 'server-*.log' -newer "$mark" -exec grep -H "spec.controller" {} + \
+    > "$OUT/verdicts-$n.log" 2>/dev/null
   echo "== $part done at $SECONDS s"
 done
 cat "$OUT"/*.md 2>/dev/null
