@@ -489,7 +489,7 @@ class Speculator:
         self._plain_steps = 0
         probe, self._probe = self._probe, False
         if probe and self.shadows:
-            self._probe_gap = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP)
+            self._back_off_probes()
         many = getattr(self.source, "propose_many", None)
         if many is not None and not self.shadows:  # a draft model: time the call
             started = time.perf_counter()
@@ -499,12 +499,15 @@ class Speculator:
             if steady:
                 self.draft_cost.add(max(wants.values()), self._call_seconds)
             if probe and (drafts or self.num_drafts or steady):
-                self._probe_gap = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP)
+                self._back_off_probes()
             return drafts
         if many is not None:
             return many(wants)
         proposals = ((req_id, self.source.propose(req_id, k)) for req_id, k in wants.items())
         return {req_id: drafts[: wants[req_id]] for req_id, drafts in proposals if drafts}
+
+    def _back_off_probes(self) -> None:
+        self._probe_gap = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP)
 
     def limit(self, spec: RequestSpec) -> int:
         """Most drafts the request's source may propose next: its shadow's length, or k_max without shadows."""
