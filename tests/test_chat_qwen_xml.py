@@ -132,8 +132,7 @@ def test_the_template_chooses_the_format():
 def test_forced_grammar_takes_exactly_the_calls_it_should(default_model_dir):
     from lightllm.engine.grammar import Grammars
     from lightllm.frontend.errors import RequestError
-    from lightllm.server.httpserver.openai_params import (FunctionDef,
-                                                          forced_call_grammar)
+    from lightllm.server.httpserver.openai_params import FunctionDef, check_parameters, forced_call_grammar
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -160,8 +159,8 @@ def test_forced_grammar_takes_exactly_the_calls_it_should(default_model_dir):
     no_arguments = "<tool_call>\n<function=other>\n\n</function>\n</tool_call>"  # xgrammar's layout of none
     assert accepts(two, parallel) and accepts(no_arguments, parallel)
     unusable = FunctionDef(name="unusable", parameters={"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}})
-    with pytest.raises(RequestError, match="function 'unusable'"):  # a 400 that names it
-        forced_call_grammar(XML, [unusable], "unusable", parallel=False)
+    with pytest.raises(RequestError, match="function 'unusable'"):  # a 400 that names it, before any parse
+        check_parameters(unusable)
     assert AnswerParser(None, XML.new_parser()).parse(no_arguments).calls[0].arguments == "{}"
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightllm.engine.grammar import (CACHE_SIZE, GrammarError, Grammars, Matcher, allocate_bitmask, apply_bitmask_,
-                                     apply_bitmask_reference_, check_grammar)
+                                     apply_bitmask_reference_, check_spec, json_arguments,
+                                     json_schema_ebnf, parse_grammar)
 from lightllm.engine.model_runner import GRAMMAR_NICENESS
 from lightllm.engine.plan import LoadGrammar
 
@@ -41,16 +42,46 @@ BAD = [("yaml", "a: 1", "unknown grammar kind"),
 
 
 @pytest.mark.parametrize("kind,spec", GOOD)
-def test_check_grammar_accepts(kind, spec):
-    check_grammar(kind, spec)
+def test_parse_grammar_accepts(kind, spec):
+    check_spec(kind, spec)
+    parse_grammar(kind, spec)
 
 
 @pytest.mark.parametrize("kind,spec,hint", BAD)
-def test_check_grammar_rejects_with_a_one_line_message(kind, spec, hint):
+def test_parse_grammar_rejects_with_a_one_line_message(kind, spec, hint):
     with pytest.raises(GrammarError, match=re.escape(hint)) as err:
-        check_grammar(kind, spec)
+        parse_grammar(kind, spec)
     message = str(err.value)
     assert "\n" not in message and not message.startswith("[")  # xgrammar's "[time] file.cc:line:" is cut
+
+
+@pytest.mark.parametrize("kind,spec,hint", BAD[:8])
+def test_the_cheap_check_refuses_what_it_can_without_xgrammar(kind, spec, hint):
+    """A server checks every request with `check_spec` (the xgrammar parse runs with the compile):
+    the kind, the JSON and a schema's structure are refused there already."""
+    with pytest.raises(GrammarError, match=re.escape(hint)):
+        check_spec(kind, spec)
+
+
+def test_a_forced_calls_arguments_are_parsed_with_its_tag():
+    """A forced call's structural tag carries each function's schema (`json_arguments`), not its
+    EBNF: the cheap check leaves it be, and the parse writes in the grammar json_schema_ebnf gives
+    (the same grammar as a tag made with it), naming the function whose schema xgrammar refuses."""
+    def tag(content: dict) -> str:
+        return json.dumps({"type": "structural_tag",
+                           "format": {"type": "tag", "begin": "<call>", "content": content, "end": "</call>"}})
+
+    separators = (",", ":")
+    ours = tag(json_arguments("f", SCHEMA, separators))
+    check_spec("structural_tag", ours)
+    made = tag({"type": "grammar", "grammar": json_schema_ebnf(SCHEMA, separators)})
+    assert str(parse_grammar("structural_tag", ours)) == str(parse_grammar("structural_tag", made))
+    refused = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(ab"}}}
+    check_spec("structural_tag", tag(json_arguments("g", refused, separators)))
+    with pytest.raises(GrammarError, match="function 'g': its parameters cannot be used"):
+        parse_grammar("structural_tag", tag(json_arguments("g", refused, separators)))
+    with pytest.raises(GrammarError, match="'separators'"):
+        parse_grammar("structural_tag", tag({"type": "json_arguments", "function": "h", "json_schema": SCHEMA}))
 
 
 @pytest.fixture(scope="module", autouse=True)

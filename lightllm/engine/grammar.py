@@ -25,8 +25,9 @@ square, 800 $refs 13.5 MiB), but it takes a core, so the thread runs at a lower 
 building its view of the tokenizer (TokenizerInfo), a second or more of Python, which slowed every
 running step 2-3x at a server's first grammar; a server does it as it starts, in the background
 (`ModelRunner.prepare_grammars`). The offline LLM sends no compiled form: its runner compiles.
-`check_grammar` needs no tokenizer. xgrammar is imported inside functions: the offline LLM and the
-GPU tests never import it unless a request needs it.
+`parse_grammar` needs no tokenizer. xgrammar and torch are imported inside functions: the offline LLM
+and the GPU tests never import xgrammar unless a request needs it, and the compiler child, which runs
+`parse_grammar` and the compile under its bounds, imports no torch.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ import logging
 import re
 import zlib
 from collections import OrderedDict
-
-import torch
+from typing import TYPE_CHECKING
 
 from lightllm.engine.json_schema import SchemaError, check_json_schema
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
+JSON_ARGUMENTS = "json_arguments"  # our structural-tag content of a function's arguments (`json_arguments`)
 CACHE_SIZE = 64  # compiled grammars kept per model runner (least recently used dropped first)
 CACHE_BYTES = 32 << 20  # and their size at most, as xgrammar's JSON of them measures it: about what one takes in
 # memory read back (a 700-$ref chain: 10.9 MB of JSON, 0.95 MB packed, 10-12 MB of RSS each). A grammar
@@ -73,23 +77,36 @@ def _one_line(error: Exception) -> str:
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
 
 
-def _build(kind: str, spec: str, separators: tuple[str, str] = ONE_LINE):
-    """The xgrammar.Grammar of (kind, spec); raises GrammarError when the user's spec is wrong.
-    `separators`: a json_schema's, between items and after keys (json.dumps')."""
+def check_spec(kind: str, spec: str):
+    """What can be checked of (kind, spec) without xgrammar, cheaply enough for every request: the
+    kind, a JSON spec's syntax, a schema's structure (json_schema.py). Returns the parsed JSON of a
+    json_schema or structural_tag (None for the others); raises GrammarError."""
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
     if kind == "json_object" and spec:
         raise GrammarError("a json_object grammar takes no spec (any JSON object is allowed)")
-    if kind in ("json_schema", "structural_tag"):
+    if kind not in ("json_schema", "structural_tag"):
+        return None
+    try:
+        parsed = json.loads(spec)
+    except (ValueError, RecursionError) as e:
+        raise GrammarError(f"{kind} is not valid JSON: {e}") from None
+    if kind == "json_schema":  # xgrammar reads a remote $ref as no constraint at all
         try:
-            parsed = json.loads(spec)
-        except (ValueError, RecursionError) as e:
-            raise GrammarError(f"{kind} is not valid JSON: {e}") from None
-        if kind == "json_schema":  # xgrammar reads a remote $ref as no constraint at all
-            try:
-                check_json_schema(parsed)
-            except SchemaError as e:
-                raise GrammarError(str(e)) from None
+            check_json_schema(parsed)
+        except SchemaError as e:
+            raise GrammarError(str(e)) from None
+    return parsed
+
+
+def parse_grammar(kind: str, spec: str, separators: tuple[str, str] = ONE_LINE):
+    """The xgrammar.Grammar of (kind, spec); raises GrammarError when the user's spec is wrong.
+    `separators`: a json_schema's, between items and after keys (json.dumps'). Its cost grows
+    faster than the spec (a chain of 1,700 $refs, 59 KB: 5.4 s on a 2-core CPU), so a server runs
+    it in the compiler child, within the compile's bounds (grammar_worker.py)."""
+    parsed = check_spec(kind, spec)
+    if kind == "structural_tag":
+        spec = _with_arguments_grammars(parsed, spec)
     import xgrammar
 
     parse = {"json_object": lambda _: _json_schema(_ANY_OBJECT),
@@ -101,6 +118,39 @@ def _build(kind: str, spec: str, separators: tuple[str, str] = ONE_LINE):
         return parse(spec)
     except (RuntimeError, ValueError) as e:  # xgrammar's parse errors (InvalidJSONError is one too)
         raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
+
+
+def json_arguments(function: str, schema: dict, separators: tuple[str, str]) -> dict:
+    """A structural tag's content for a function's arguments: JSON of `schema` with `separators`,
+    as `json_schema_ebnf` writes it; `parse_grammar` writes the EBNF in, so that a forced call's
+    schemas are parsed where the compile runs (and within its bounds), not where the tag is made."""
+    return {"type": JSON_ARGUMENTS, "function": function, "json_schema": schema, "separators": list(separators)}
+
+
+def _with_arguments_grammars(tag, spec: str) -> str:
+    """`spec` (a structural tag, parsed: `tag`) with each `json_arguments` content replaced by
+    xgrammar's grammar content of its EBNF."""
+    stack, found = [tag], False
+    while stack:  # not recursion: a client's tag may nest deeper than Python's stack
+        node = stack.pop()
+        if isinstance(node, dict) and node.get("type") == JSON_ARGUMENTS:
+            name, schema, separators = node.get("function"), node.get("json_schema"), node.get("separators")
+            if not (isinstance(schema, dict) and isinstance(separators, list) and len(separators) == 2
+                    and all(isinstance(s, str) for s in separators)):
+                raise GrammarError(f"a {JSON_ARGUMENTS} content needs a 'json_schema' object and two 'separators'")
+            try:
+                ebnf = json_schema_ebnf(schema, tuple(separators))
+            except GrammarError as e:
+                raise GrammarError(f"function {str(name)[:64]!r}: its parameters cannot be used for a forced call: "
+                                   f"{e}") from None
+            node.clear()
+            node.update(type="grammar", grammar=ebnf)
+            found = True
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return json.dumps(tag) if found else spec
 
 
 def _json_schema(spec: str, separators: tuple[str, str] = ONE_LINE):
@@ -118,15 +168,7 @@ def json_schema_ebnf(schema: dict, separators: tuple[str, str] = ONE_LINE) -> st
     """A JSON schema as xgrammar's EBNF, one line with no free whitespace (`separators`: json.dumps'
     meaning; (",", ":") is compact JSON), for use inside a structural tag; GrammarError when
     xgrammar cannot use it."""
-    return str(_build("json_schema", json.dumps(schema), separators))
-
-
-def check_grammar(kind: str, spec: str) -> None:
-    """Raise GrammarError (one-line message) unless `kind` is known and `spec` parses as one.
-
-    No tokenizer needed: a few milliseconds, once xgrammar is imported (about 1.5 s, on first use).
-    """
-    _build(kind, spec)
+    return str(parse_grammar("json_schema", json.dumps(schema), separators))
 
 
 class Matcher:
@@ -202,7 +244,7 @@ class Grammars:
             if serialized:
                 compiled, size = self._deserialize(serialized)
             else:
-                compiled = self.compiler.compile_grammar(_build(kind, spec))
+                compiled = self.compiler.compile_grammar(parse_grammar(kind, spec))
                 size = len(compiled.serialize_json())
             entry = self._compiled[key] = (compiled, len(spec) + size)
             self._compiled_bytes += entry[1]
@@ -218,7 +260,7 @@ class Grammars:
     def serialize(self, kind: str, spec: str) -> bytes:
         """Compile (kind, spec) (uncached: the caller keeps the result) into its packed form, which
         a Grammars of the same model reads back with `compile(kind, spec, serialized)`."""
-        return pack(self.compiler.compile_grammar(_build(kind, spec)).serialize_json())
+        return pack(self.compiler.compile_grammar(parse_grammar(kind, spec)).serialize_json())
 
     def _deserialize(self, serialized: bytes) -> tuple[object, int]:
         """The compiled grammar of a packed form, and the length of its JSON (what the cache counts)."""
@@ -242,6 +284,8 @@ def pack(serialized: str) -> bytes:
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     """int32 [batch, ceil(vocab_size / 32)] on the CPU, every token allowed (xgrammar's layout)."""
+    import torch
+
     return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
@@ -263,6 +307,8 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tens
 
 def apply_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Plain-torch `apply_bitmask_`: unpack each int32 word into its 32 bits, lowest bit first."""
+    import torch
+
     vocab = logits.shape[-1]
     rows = torch.arange(logits.shape[0]) if rows is None else rows
     rows = rows.to(logits.device)

@@ -55,7 +55,7 @@ async def off_loop(fn, *args):
 
 async def sampling_of(body, *defaults: dict) -> SamplingParams:
     """body.sampling(*defaults) (an OpenAI body takes the model's sampling defaults): off the event
-    loop where it reads a grammar (xgrammar's check can take a while), inline otherwise: a hop to
+    loop where it reads a grammar (its JSON parsed and its structure walked), inline otherwise: a hop to
     a thread costs more than the rest, and under a burst the thread waits for the busy event
     loop's GIL (prompt_encoder.py)."""
     return await off_loop(body.sampling, *defaults) if body.reads_grammar else body.sampling(*defaults)

@@ -7,10 +7,14 @@ or its RSS grows past COMPILE_MEMORY_BYTES, and then started again: the core and
 back at once. The child sends back xgrammar's serialized form, packed (zlib), refused when longer than
 MAX_COMPILED_BYTES, the bound that keeps the model runner's read of it short (engine/grammar.py).
 
+The child parses each grammar too (engine.grammar.parse_grammar): a parse's cost grows faster than
+its spec (a 59 KB chain of 1,700 $refs took 5.4 s of a 2-core CPU), so it runs under the same bounds
+as the compile, not in this process, where it held a thread and a core, twice, outside them.
+
 The child is kept small (about 100 MB, against 465 MB when it loaded the tokenizer and all of
 xgrammar): this process turns the tokenizer into xgrammar's view of it once (TokenizerInfo, as
-JSON) and each grammar into EBNF (the parse check_grammar runs already), and the child imports
-only xgrammar's compiler, without the torch that xgrammar's package imports.
+JSON), and the child imports only xgrammar's compiler and grammar, without the torch that
+xgrammar's package imports.
 
 `CompileWorker` is driven from one thread of the HTTP process (grammar_cache.py); its calls block.
 """
@@ -24,7 +28,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,18 +84,6 @@ def tokenizer_info_json(tokenizer, vocab_size: int, stop_token_ids: list[int]) -
     return info.serialize_json()
 
 
-def grammar_ebnf(kind: str, grammar: str) -> str:
-    """The EBNF of a structured-output grammar, which the child compiles to what (kind, grammar)
-    compiles to; RequestError (400) when the grammar cannot be used."""
-    # The parse that engine.grammar.check_grammar runs (it has no public form that returns it).
-    from lightllm.engine.grammar import GrammarError, _build
-
-    try:
-        return str(_build(kind, grammar))
-    except GrammarError as exc:
-        raise RequestError(f"the {kind.replace('_', ' ')} cannot be used for structured output: {exc}") from None
-
-
 def import_compiler():
     """xgrammar's Grammar, GrammarCompiler and TokenizerInfo, without running its package's
     __init__: that imports torch (for its token-mask kernels and its tests), about 230 MB of this
@@ -105,27 +96,29 @@ def import_compiler():
     from xgrammar.grammar import Grammar
     from xgrammar.tokenizer_info import TokenizerInfo
 
-    return Grammar, GrammarCompiler, TokenizerInfo
+    sys.modules["xgrammar"].Grammar = Grammar  # what engine.grammar.parse_grammar reads
+    return GrammarCompiler, TokenizerInfo
 
 
 def serve(spec: CompilerSpec, conn) -> None:
-    """The child's entry: build the compiler, say ready, then answer each grammar's EBNF with
+    """The child's entry: build the compiler, say ready, then answer each (kind, grammar) with
     ("ok", serialized) or ("error", message) until the pipe closes."""
     init_child_process(spec.parent_pid, spec.log_level)
     os.setpriority(os.PRIO_PROCESS, 0, COMPILER_NICENESS)
-    grammar_class, compiler_class, info_class = import_compiler()
+    compiler_class, info_class = import_compiler()
+    from lightllm.engine.grammar import pack, parse_grammar
     # our LRU is the cache (grammar_cache.py): xgrammar's own would keep a second copy of each grammar
     compiler = compiler_class(info_class.deserialize_json(spec.tokenizer_info), max_threads=1, cache_enabled=False)
     conn.send(("ready", ""))
     while True:
         try:
-            ebnf = conn.recv()
+            kind, grammar = conn.recv()
         except EOFError:
             return
         try:
-            serialized = checked_size(compiler.compile_grammar(grammar_class.from_ebnf(ebnf)).serialize_json())
-            reply = ("ok", zlib.compress(serialized.encode(), 1))  # engine.grammar.pack, without its torch
-        except Exception as exc:  # xgrammar refusing the grammar (RuntimeError), or its size
+            serialized = checked_size(compiler.compile_grammar(parse_grammar(kind, grammar)).serialize_json())
+            reply = ("ok", pack(serialized))
+        except Exception as exc:  # the grammar refused (GrammarError), xgrammar's compile's error, or its size
             reply = ("error", str(exc))
         serialized = None
         return_free_heap()  # before the answer: the parent reads the RSS it leaves
@@ -187,10 +180,9 @@ class CompileWorker:
     def compile(self, kind: str, grammar: str, deadline: Callable[[], float]) -> bytes:
         """The compiled grammar, packed (engine/grammar.py's `pack`); CompileStopped when the compile was killed, past
         `deadline()` (a time.monotonic value, read as the compile goes) or its memory bound;
-        RequestError when xgrammar refuses the grammar."""
-        ebnf = grammar_ebnf(kind, grammar)
+        RequestError when the grammar is refused (its parse, its compile or its size)."""
         self.start()
-        self._conn.send(ebnf)
+        self._conn.send((kind, grammar))
         while not self._conn.poll(POLL_S):
             over_memory = self._rss() > self._ready_rss + COMPILE_MEMORY_BYTES
             if over_memory or time.monotonic() > deadline():

@@ -407,33 +407,16 @@ def check_parameters(function: FunctionDef) -> None:
                            f"{exc}") from None
 
 
-def arguments_grammar(function: FunctionDef, separators: tuple[str, str]) -> str:
-    """The EBNF of a function's arguments (its parameters' schema, JSON with `separators`); a schema
-    xgrammar cannot use is a 400."""
-    from lightllm.engine.grammar import GrammarError, json_schema_ebnf  # xgrammar: only when asked for
-
-    try:
-        return json_schema_ebnf(function.parameters or EMPTY_PARAMETERS, separators)
-    except GrammarError as exc:
-        message = f"function {function.name!r}: its parameters cannot be used for a forced call: {exc}"
-        raise RequestError(message) from None
-
-
 def arguments_format(call_format, function: FunctionDef) -> dict:
-    """A function's arguments as a structural tag's content: our JSON grammar of its schema, or the
-    schema in xgrammar's style of the format (its XML forms)."""
-    if call_format.arguments_style == "json":
-        return {"type": "grammar", "grammar": arguments_grammar(function, call_format.arguments_separators)}
-    from lightllm.engine.grammar import GrammarError, check_grammar
+    """A function's arguments as a structural tag's content: our JSON grammar of its schema (written
+    in where the tag is parsed: engine.grammar.json_arguments), or the schema in xgrammar's style of
+    the format (its XML forms). Its schema's structure is checked already (`check_parameters`)."""
+    from lightllm.engine.grammar import json_arguments
 
-    content = {"type": "json_schema", "json_schema": function.parameters or EMPTY_PARAMETERS,
-               "style": call_format.arguments_style}
-    try:  # here, so that the error names the function
-        check_grammar("structural_tag", json.dumps({"type": "structural_tag", "format": content}))
-    except GrammarError as exc:
-        raise RequestError(f"function {function.name!r}: its parameters cannot be used for a forced call: {exc}") \
-            from None
-    return content
+    parameters = function.parameters or EMPTY_PARAMETERS
+    if call_format.arguments_style == "json":
+        return json_arguments(function.name, parameters, call_format.arguments_separators)
+    return {"type": "json_schema", "json_schema": parameters, "style": call_format.arguments_style}
 
 
 def forced_call_grammar(call_format, tools: list[FunctionDef], choice: str, parallel: bool,

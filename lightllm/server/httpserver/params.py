@@ -56,14 +56,16 @@ def json_grammar(value: dict | str, where: str) -> tuple[str, str]:
 
 
 def checked_grammar(kind: str, spec: str) -> str:
-    """`spec`, once xgrammar has read it; a bad one, or a client's longer than MAX_GRAMMAR_BYTES, is a 400."""
-    from lightllm.engine.grammar import GrammarError, check_grammar  # xgrammar: only when asked for
+    """`spec`, checked as far as it cheaply can be (engine.grammar.check_spec); a bad one, or a client's
+    longer than MAX_GRAMMAR_BYTES, is a 400. xgrammar's parse, whose cost grows faster than the spec,
+    runs with the compile, within its bounds (grammar_worker.py); what it refuses is a 400 then."""
+    from lightllm.engine.grammar import GrammarError, check_spec
 
     if kind != "structural_tag" and len(spec.encode()) > MAX_GRAMMAR_BYTES:  # a structural tag is ours
         raise RequestError(f"the {kind.replace('_', ' ')} takes {len(spec.encode())} bytes, more than the "
                            f"{MAX_GRAMMAR_BYTES} a grammar for structured output may")
     try:
-        check_grammar(kind, spec)
+        check_spec(kind, spec)
     except GrammarError as exc:
         raise RequestError(f"the {kind.replace('_', ' ')} cannot be used for structured output: {exc}") from None
     return spec
