@@ -82,6 +82,12 @@ def test_a_forced_calls_arguments_are_parsed_with_its_tag():
         parse_grammar("structural_tag", tag(json_arguments("g", refused, separators)))
     with pytest.raises(GrammarError, match="'separators'"):
         parse_grammar("structural_tag", tag({"type": "json_arguments", "function": "h", "json_schema": SCHEMA}))
+    # xgrammar reads a remote $ref as no constraint: refused in a tag's schemas too, by the cheap check
+    remote = {"properties": {"a": {"$ref": "https://example.com/s.json"}}}
+    with pytest.raises(GrammarError, match="function 'r': .*/properties/a"):
+        check_spec("structural_tag", tag(json_arguments("r", remote, separators)))
+    with pytest.raises(GrammarError, match="json_schema content of the structural tag: .*/properties/a"):
+        check_spec("structural_tag", tag({"type": "json_schema", "json_schema": remote}))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -91,12 +91,35 @@ def check_spec(kind: str, spec: str):
         parsed = json.loads(spec)
     except (ValueError, RecursionError) as e:
         raise GrammarError(f"{kind} is not valid JSON: {e}") from None
-    if kind == "json_schema":  # xgrammar reads a remote $ref as no constraint at all
+    schemas = [("", parsed)] if kind == "json_schema" else [  # a structural tag's schema contents
+        (_schema_owner(node), node["json_schema"]) for node in _objects(parsed)
+        if node.get("type") in ("json_schema", JSON_ARGUMENTS) and "json_schema" in node]
+    for owner, schema in schemas:  # xgrammar reads a remote $ref as no constraint at all
         try:
-            check_json_schema(parsed)
+            check_json_schema(schema)
         except SchemaError as e:
-            raise GrammarError(str(e)) from None
+            raise GrammarError(f"{owner}{e}") from None
     return parsed
+
+
+def _objects(tree):
+    """Every object (dict) in parsed JSON, each before what it holds (not recursion: a client's JSON
+    may nest deeper than Python's stack). What a caller changes in one is what is walked below it."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _schema_owner(content: dict) -> str:
+    """How an error names a structural tag's schema content: its function's, for ours."""
+    if content.get("type") == JSON_ARGUMENTS:
+        return f"function {str(content.get('function'))[:64]!r}: its parameters cannot be used for a forced call: "
+    return "a json_schema content of the structural tag: "
 
 
 def parse_grammar(kind: str, spec: str, separators: tuple[str, str] = ONE_LINE):
@@ -130,26 +153,21 @@ def json_arguments(function: str, schema: dict, separators: tuple[str, str]) -> 
 def _with_arguments_grammars(tag, spec: str) -> str:
     """`spec` (a structural tag, parsed: `tag`) with each `json_arguments` content replaced by
     xgrammar's grammar content of its EBNF."""
-    stack, found = [tag], False
-    while stack:  # not recursion: a client's tag may nest deeper than Python's stack
-        node = stack.pop()
-        if isinstance(node, dict) and node.get("type") == JSON_ARGUMENTS:
-            name, schema, separators = node.get("function"), node.get("json_schema"), node.get("separators")
-            if not (isinstance(schema, dict) and isinstance(separators, list) and len(separators) == 2
-                    and all(isinstance(s, str) for s in separators)):
-                raise GrammarError(f"a {JSON_ARGUMENTS} content needs a 'json_schema' object and two 'separators'")
-            try:
-                ebnf = json_schema_ebnf(schema, tuple(separators))
-            except GrammarError as e:
-                raise GrammarError(f"function {str(name)[:64]!r}: its parameters cannot be used for a forced call: "
-                                   f"{e}") from None
-            node.clear()
-            node.update(type="grammar", grammar=ebnf)
-            found = True
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+    found = False
+    for node in _objects(tag):
+        if node.get("type") != JSON_ARGUMENTS:
+            continue
+        schema, separators = node.get("json_schema"), node.get("separators")
+        if not (isinstance(schema, dict) and isinstance(separators, list) and len(separators) == 2
+                and all(isinstance(s, str) for s in separators)):
+            raise GrammarError(f"a {JSON_ARGUMENTS} content needs a 'json_schema' object and two 'separators'")
+        try:
+            ebnf = json_schema_ebnf(schema, tuple(separators))
+        except GrammarError as e:
+            raise GrammarError(f"{_schema_owner(node)}{e}") from None
+        node.clear()
+        node.update(type="grammar", grammar=ebnf)
+        found = True
     return json.dumps(tag) if found else spec
 
 
