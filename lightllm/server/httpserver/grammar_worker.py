@@ -85,9 +85,10 @@ def tokenizer_info_json(tokenizer, vocab_size: int, stop_token_ids: list[int]) -
 
 
 def import_compiler():
-    """xgrammar's Grammar, GrammarCompiler and TokenizerInfo, without running its package's
-    __init__: that imports torch (for its token-mask kernels and its tests), about 230 MB of this
-    process's RSS, and the compiler needs none of it."""
+    """xgrammar's GrammarCompiler and TokenizerInfo, and its Grammar as the package's attribute (what
+    engine.grammar.parse_grammar reads), without running the package's __init__: that imports torch
+    (for its token-mask kernels and its tests), about 230 MB of this process's RSS, and the compiler
+    needs none of it."""
     sys.modules["torch"] = None  # `import torch` raises ImportError: tvm_ffi and transformers go on without it
     os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # transformers would say so in the log
     sys.modules["xgrammar"] = importlib.util.module_from_spec(importlib.util.find_spec("xgrammar"))
