@@ -193,6 +193,19 @@ def test_a_string_with_a_length_bound_takes_what_json_loads_takes(grammars, toke
     assert (all(matcher.accept(token) for token in ids) and matcher.terminated) == json_string_in_bounds(text)
 
 
+SURROGATE = b"\xed\xa0\x80"  # U+D800 written as UTF-8 would write it: bytes no UTF-8 decoder takes
+
+
+@pytest.mark.parametrize("schema", [BOUNDED, {"type": "string"}, {"type": "object"}])
+def test_a_json_string_takes_no_surrogate(grammars, schema):
+    """xgrammar's strings, bounded or not, took a surrogate's three bytes as one character: a forced
+    call's 12-character city decoded to 14, three U+FFFD (grammar._json_schema excludes them)."""
+    start = '{"a' if schema["type"] == "object" else '"a'
+    matcher = grammars.matcher("json_schema", json.dumps(schema))._matcher
+    assert matcher.accept_string(start) and not matcher.accept_string(SURROGATE)
+    assert matcher.accept_string("🤖".encode()) and matcher.accept_string('"')
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_json_object_output_is_an_object(grammars, tokenizer, closing_bias, seed):
     assert isinstance(json.loads(decode(grammars, tokenizer, closing_bias, "json_object", "", seed)), dict)

@@ -62,9 +62,14 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is f
 # as this rule, which admits raw control characters (a tab, \x01), invalid in JSON, and no escape.
 # `_json_schema` rewrites it to one JSON character, as in xgrammar's unbounded strings: an escape
 # counts once, as maxLength counts the decoded string. Once xgrammar writes it right, nothing matches.
+# Both its rule and its unbounded strings' class of characters (_UNBOUNDED_STRING_CLASS) also admit
+# a surrogate (U+D800-U+DFFF) written as three bytes, which is not UTF-8: a random model's byte tokens
+# gave a 12-character city that decoded to 14 (three U+FFFD for one surrogate). Both exclude them here.
 _BOUNDED_STRING_CHARACTER = re.compile(r"^(\S+ ::= )" + re.escape(r'(([^\"\\\r\n]))') + "$", re.MULTILINE)
-_JSON_STRING_CHARACTER = (r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) '
+_JSON_STRING_CHARACTER = (r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" [\"\\/bfnrt]) '
                           r'| ("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))')
+_UNBOUNDED_STRING_CLASS = r'[^\0-\x1f\"\\\r\n]'
+_UNBOUNDED_STRING_CLASS_UTF8 = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 class GrammarError(ValueError):
@@ -172,14 +177,17 @@ def _with_arguments_grammars(tag, spec: str) -> str:
 
 
 def _json_schema(spec: str, separators: tuple[str, str] = ONE_LINE):
-    """xgrammar's grammar of a JSON schema, its strings with a length bound held to JSON's characters."""
+    """xgrammar's grammar of a JSON schema, its strings held to JSON's characters in UTF-8 (those with
+    a length bound: to JSON's characters at all)."""
     import xgrammar
 
     # No free whitespace, which a small model can emit until max_new_tokens: one line, the
     # separators' spaces only.
     grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False, separators=separators)
     ebnf, bounded = _BOUNDED_STRING_CHARACTER.subn(lambda m: m[1] + _JSON_STRING_CHARACTER, str(grammar))
-    return xgrammar.Grammar.from_ebnf(ebnf) if bounded else grammar
+    unbounded = _UNBOUNDED_STRING_CLASS in ebnf
+    ebnf = ebnf.replace(_UNBOUNDED_STRING_CLASS, _UNBOUNDED_STRING_CLASS_UTF8)
+    return xgrammar.Grammar.from_ebnf(ebnf) if bounded or unbounded else grammar
 
 
 def json_schema_ebnf(schema: dict, separators: tuple[str, str] = ONE_LINE) -> str:
