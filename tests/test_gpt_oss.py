@@ -1,22 +1,20 @@
 """gpt-oss (tiny, random, fp32) against transformers: a checkpoint with MXFP4 experts (packed blocks
 and scales, kept packed in memory) gives the logits of transformers' model holding those experts
-dequantised; the engine core with chunked prefill and the prefix cache gives transformers' greedy
-tokens past the window; bench_model's presets ask for a published checkpoint's tensors. The dense
-checkpoint's logits, its Triton path and tp 2 are tests/test_model_vs_hf.py's and tests/test_tp.py's
-cases."""
+dequantised; bench_model's presets ask for a published checkpoint's tensors. Greedy tokens past the
+window through the engine with chunked prefill and the prefix cache are tests/test_model_families.py's
+case, the dense checkpoint's logits, its Triton path and tp 2 tests/test_model_vs_hf.py's and
+tests/test_tp.py's."""
 
 import dataclasses
 import json
 
 import pytest
 import torch
-from helpers.models import (Client, assert_idle, assert_logits_match_hf, engine, hf_greedy, make_model, make_runner,
-                            random_prompts, run_schedule)
+from helpers.models import assert_logits_match_hf, make_model, make_runner, random_prompts, run_schedule
 from safetensors.torch import save_file
-from test_model_families import NEW, prompts
+from test_model_families import MetaWeights
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from lightllm.engine.request import SamplingParams
 from lightllm.models import read_config, resolve_mxfp4_experts
 
 
@@ -97,35 +95,6 @@ def test_auto_widens_mxfp4_experts_where_half_the_gpu_holds_them(tmp_path):
     assert runner.model.layers[0].mlp.experts[0].dtype == torch.uint8 and runner.info["mxfp4_experts"] == "packed"
 
 
-def test_chunked_prefill_and_prefix_cache_equal_transformers(tmp_path):
-    """Prompts past the sliding window (8) and generations far past it; chunks under, at and over it."""
-    hf_model = make_model("gpt_oss", tmp_path)
-    runner = make_runner(tmp_path, tokens=1024, max_req_total_len=96)
-    workload = prompts()
-    expected = list(hf_greedy(hf_model, workload, NEW).values())
-    greedy = SamplingParams(max_new_tokens=NEW)
-    for chunk, prefix_cache in ((5, True), (8, False), (64, True)):
-        core = engine(runner, chunk=chunk, prefix_cache=prefix_cache)
-        client = Client(core)
-        got = client.run(workload, greedy, staggered=True) + client.run(workload, greedy)
-        assert (core.scheduler.prefix_hit_tokens > 0) == prefix_cache
-        assert got == expected + expected, (chunk, prefix_cache)
-        assert_idle(core)
-
-
-class MetaWeights:
-    """A weight source that makes no data: records (full shape, dtype) of what the layers ask for."""
-
-    def __init__(self):
-        self.asked: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-
-    def get(self, name, shape, dim=0, start=0, length=None, dtype=None):
-        self.asked[name] = (tuple(shape), dtype or torch.bfloat16)
-        part = list(shape)
-        part[dim] = shape[dim] - start if length is None else length
-        return torch.empty(part, dtype=dtype or torch.bfloat16, device="meta")
-
-
 def mxfp4_names(dense: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """transformers' dense expert tensors [E, in, out] replaced by the published checkpoints' MXFP4
     blocks [E, out, in / 32, 16] and scales [E, out, in / 32]."""
@@ -163,7 +132,7 @@ def test_bench_presets_ask_for_the_published_mxfp4_checkpoint(preset, layers, ex
     for rank in (0, 1):
         weights = MetaWeights()
         LlamaModel(cfg, weights, TPGroup(rank, 2), 256, torch.device("meta"))
-        assert {name: shape for name, (shape, _) in weights.asked.items()} == expected
+        assert weights.shapes() == expected
     total = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in weights.asked.values())
     assert round(total / 1e9, 1) == gigabytes
 

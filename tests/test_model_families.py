@@ -1,8 +1,8 @@
-"""Qwen3, Gemma 2 and Gemma 3 (tiny, random, fp32) through the engine core and a real model
-runner: prompts longer than the sliding window (16), generations well past it, chunked prefill
+"""Qwen3, Gemma 2, 3 and 4 and gpt-oss (tiny, random, fp32) through the engine core and a real model
+runner: prompts longer than the sliding window (16; gpt-oss's 8), generations well past it, chunked prefill
 with chunks under, at and over the window, and the prefix cache on and off (later prompts find
 a 40-token system prompt cached) all give transformers' greedy tokens.
-Relies on transformers' Qwen3, Gemma2 and Gemma3 modeling code (eager attention with its
+Relies on transformers' modeling code of each (eager attention with its
 sliding-window mask) and its greedy `generate` as the oracle."""
 
 import pytest
@@ -23,14 +23,17 @@ def prompts() -> list[list[int]]:
     return [system + tokens(10 + i, 3 + 4 * i) for i in range(3)] + [tokens(2, 45), tokens(3, 5)]
 
 
-@pytest.mark.parametrize("name", ["qwen3_head_dim_24", "gemma2_window_16", "gemma3_window_16", "gemma4"])
-def test_chunked_prefill_and_prefix_cache_equal_transformers(name, tmp_path):
+@pytest.mark.parametrize("name,chunks", [("qwen3_head_dim_24", (7, 16, 64)), ("gemma2_window_16", (7, 16, 64)),
+                                         ("gemma3_window_16", (7, 16, 64)), ("gemma4", (7, 16, 64)),
+                                         ("gpt_oss", (5, 8, 64))])
+def test_chunked_prefill_and_prefix_cache_equal_transformers(name, chunks, tmp_path):
+    """Chunks under, at and over the model's sliding window (gpt-oss's is 8, the others' 16)."""
     hf_model = make_model(name, tmp_path)
     runner = make_runner(tmp_path, tokens=1024, max_req_total_len=96)
     workload = prompts()
     expected = list(hf_greedy(hf_model, workload, NEW).values())
     greedy = SamplingParams(max_new_tokens=NEW)
-    for chunk, prefix_cache in ((7, True), (16, False), (64, True)):
+    for chunk, prefix_cache in zip(chunks, (True, False, True)):
         core = engine(runner, chunk=chunk, prefix_cache=prefix_cache)
         client = Client(core)
         # staggered: later prompts find the system prompt cached; then all at once, all cached
@@ -41,16 +44,19 @@ def test_chunked_prefill_and_prefix_cache_equal_transformers(name, tmp_path):
 
 
 class MetaWeights:
-    """A weight source that makes no data: records what the layers ask for, as (name, full shape)."""
+    """A weight source that makes no data: records what the layers ask for, as (full shape, dtype)."""
 
     def __init__(self):
-        self.asked: dict[str, tuple[int, ...]] = {}
+        self.asked: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
-    def get(self, name, shape, dim=0, start=0, length=None):
-        self.asked[name] = tuple(shape)
+    def get(self, name, shape, dim=0, start=0, length=None, dtype=None):
+        self.asked[name] = (tuple(shape), dtype or torch.bfloat16)
         part = list(shape)
         part[dim] = shape[dim] - start if length is None else length
-        return torch.empty(part, device="meta")
+        return torch.empty(part, dtype=dtype or torch.bfloat16, device="meta")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (shape, _) in self.asked.items()}
 
 
 @pytest.mark.parametrize("preset,shape", [("qwen3-8b", (36, 4096, 32, 8, 12288, 128)),
@@ -83,4 +89,4 @@ def test_bench_presets_load_with_the_checkpoint_names_and_shapes(preset, shape, 
     for rank in (0, 1):
         weights = MetaWeights()
         LlamaModel(cfg, weights, TPGroup(rank, 2), 256, torch.device("meta"))
-        assert weights.asked == expected
+        assert weights.shapes() == expected
