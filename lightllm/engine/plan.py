@@ -4,12 +4,17 @@ The scheduler writes a `StepPlan`; every rank's model runner first applies its `
 (requests that ended, prefix-cache changes), then turns it into tensors and runs one forward
 over all of it (decodes first, then prefill chunks). A worker's `step(plan)` launches the
 plan and answers with the `StepResult` of the step before it (one step always in flight), or of
-this step when `plan.sync` is set. rpyc carries them as plain tuples (`to_wire`/`*_from_wire`).
+this step when `plan.sync` is set. rpyc carries them as plain tuples (`to_wire`/`*_from_wire`),
+whose runs of numbers (req ids, prompt tokens, drafts, sampled tokens and their logprobs) are
+packed into bytes: rpyc's serializer takes bytes whole but a tuple item by item.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import sys
+from array import array
 from dataclasses import dataclass, field
 
 from lightllm.common.radix_cache import (Evict, Insert, Load, Offload, Snapshot, Spill,  # the prefix cache's ops,
@@ -185,37 +190,82 @@ def sampling_from_wire(values: tuple | None) -> SamplingParams | None:
     return SamplingParams(**params)
 
 
+# A tuple of numbers crosses rpyc item by item, bytes whole: a step's runs of numbers go packed,
+# little-endian (a remote worker's machine may differ from node 0's). Measured (2026-12-05, 2-core
+# CPU, test/benchmark/engine/wire_cost.py) as tuples, then packed: a round trip of 64 decodes with 4
+# drafts each (192 tokens back) 3.0-3.3 ms, 0.7; of 256 decodes 3.2-3.5, 0.5-0.65; of 64 decodes
+# beside a 2,048-token chunk 7.2-7.6, 0.9-1.0.
+_SWAP = sys.byteorder != "little"
+
+
+def _packed(values: array) -> bytes:
+    if _SWAP:
+        values.byteswap()
+    return values.tobytes()
+
+
+def _unpacked(values: array, data: bytes) -> list:
+    values.frombytes(data)
+    if _SWAP:
+        values.byteswap()
+    return values.tolist()
+
+
+def pack_ints(values) -> bytes:
+    return _packed(array("q", values))
+
+
+def unpack_ints(data: bytes) -> list[int]:
+    return _unpacked(array("q"), data)
+
+
+def pack_floats(values) -> bytes:
+    return _packed(array("d", values))
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    return _unpacked(array("d"), data)
+
+
 def plan_to_wire(plan: StepPlan) -> tuple:
-    chunks = tuple((c.req_id, tuple(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix, c.next_id,
-                    c.lora, c.snapshot) for c in plan.chunks)
+    chunks = tuple((c.req_id, pack_ints(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix,
+                    c.next_id, c.lora, c.snapshot) for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
-    drafts = tuple((r, tuple(d)) for r, d in plan.drafts.items())
-    return plan.step_id, tuple(plan.decodes), chunks, ops, plan.sync, drafts
+    drafts = (pack_ints(plan.drafts), pack_ints(map(len, plan.drafts.values())),
+              pack_ints(itertools.chain.from_iterable(plan.drafts.values())))
+    return plan.step_id, pack_ints(plan.decodes), chunks, ops, plan.sync, drafts
 
 
 def plan_from_wire(wire: tuple) -> StepPlan:
-    step_id, decodes, chunks, ops, sync, drafts = wire
-    return StepPlan(step_id, list(decodes),
-                    [Chunk(r, list(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora, snapshot)
+    step_id, decodes, chunks, ops, sync, (draft_ids, draft_lengths, draft_tokens) = wire
+    tokens, drafts, end = unpack_ints(draft_tokens), {}, 0
+    for req_id, length in zip(unpack_ints(draft_ids), unpack_ints(draft_lengths)):
+        drafts[req_id], end = tokens[end: end + length], end + length
+    return StepPlan(step_id, unpack_ints(decodes),
+                    [Chunk(r, unpack_ints(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora, snapshot)
                      for r, t, s, last, p, prefix, next_id, lora, snapshot in chunks],
-                    [OPS[op[0]](*op[1:]) for op in ops], sync, {r: list(d) for r, d in drafts})
+                    [OPS[op[0]](*op[1:]) for op in ops], sync, drafts)
 
 
 def result_to_wire(result: StepResult | None) -> tuple | None:
     if result is None:
         return None
-    # Three fields unless top or prompt logprobs were asked for: rpyc copies tuples of up to four
-    # items on a fast path (measured on H100: a 512-token result read 2-3.6x slower as 5-tuples).
-    return result.step_id, tuple((t.req_id, t.token_id, t.logprob) if t.top is None and t.prompt is None
-                                 else (t.req_id, t.token_id, t.logprob, t.top, t.prompt)
-                                 for t in result.tokens), result.error, tuple(result.grammars)
+    tokens = result.tokens
+    # top and prompt logprobs, for the few tokens whose requests asked: (index, top, prompt)
+    extras = tuple((i, t.top, t.prompt) for i, t in enumerate(tokens) if t.top is not None or t.prompt is not None)
+    columns = (pack_ints([t.req_id for t in tokens]), pack_ints([t.token_id for t in tokens]),
+               pack_floats([t.logprob for t in tokens]), extras)
+    return result.step_id, columns, result.error, tuple(result.grammars)
 
 
 def result_from_wire(wire: tuple | None) -> StepResult | None:
     if wire is None:
         return None
-    step_id, tokens, error, grammars = wire
-    return StepResult(step_id, [SampledToken(*t) for t in tokens], error, list(grammars))
+    step_id, (req_ids, token_ids, logprobs, extras), error, grammars = wire
+    tokens = list(map(SampledToken, unpack_ints(req_ids), unpack_ints(token_ids), unpack_floats(logprobs)))
+    for i, top, prompt in extras:
+        tokens[i].top, tokens[i].prompt = top, prompt
+    return StepResult(step_id, tokens, error, list(grammars))
 
 
 @dataclass(frozen=True)
@@ -231,8 +281,8 @@ class DraftRequest:
 
 
 def drafts_to_wire(asks: list[DraftRequest]) -> tuple:
-    return tuple((a.req_id, a.start, tuple(a.tokens), a.k) for a in asks)
+    return tuple((a.req_id, a.start, pack_ints(a.tokens), a.k) for a in asks)
 
 
 def drafts_from_wire(wire: tuple) -> list[DraftRequest]:
-    return [DraftRequest(req_id, start, tuple(tokens), k) for req_id, start, tokens, k in wire]
+    return [DraftRequest(req_id, start, tuple(unpack_ints(tokens)), k) for req_id, start, tokens, k in wire]
