@@ -15,18 +15,35 @@ import operator
 from dataclasses import dataclass, field
 
 
-def pickled_by_fields(cls):
-    """Pickle instances of dataclass `cls` as its constructor's arguments in field order, not as a
-    dict of them: the messages sent for every token (TokenOut, TextOut) cross two sockets each,
-    and this halves their bytes and the time to load them (the HTTP process's largest cost when
-    it is behind its streams)."""
-    fields = operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
+def pickled_as_columns(item_cls, leading: int):
+    """Pickle a dataclass of one field, `items: list[item_cls]`, as columns of the items' first
+    `leading` fields, plus (index, the other fields) for each item whose other fields are not all
+    at their defaults: the messages sent for every token (TokenOut, TextOut) cross two sockets,
+    and an object a token (even pickled as its constructor's arguments) took twice the time to
+    dump (2026-12-05, 2-core CPU: 215 tokens 0.42 ms, as columns 0.19; loading 0.19, 0.15)."""
+    fields = dataclasses.fields(item_cls)
+    head = operator.attrgetter(*(f.name for f in fields[:leading]))
+    tail = operator.attrgetter(*(f.name for f in fields[leading:]))
+    defaults = tuple(f.default for f in fields[leading:])
 
-    def __reduce__(self):
-        return cls, fields(self)
+    def decorate(cls):
+        def __reduce__(self):
+            items = self.items
+            columns = tuple(zip(*map(head, items))) if items else ((),) * leading
+            extras = [(i, rest) for i, rest in enumerate(map(tail, items)) if rest != defaults]
+            return _from_columns, (cls, item_cls, columns, extras)
 
-    cls.__reduce__ = __reduce__
-    return cls
+        cls.__reduce__ = __reduce__
+        return cls
+
+    return decorate
+
+
+def _from_columns(cls, item_cls, columns: tuple, extras: list):
+    items = list(map(item_cls, *columns))
+    for i, rest in extras:
+        items[i] = item_cls(*(column[i] for column in columns), *rest)
+    return cls(items)
 
 
 # Below this temperature every path samples greedily (the HTTP routes and the offline LLM alike):
@@ -96,7 +113,6 @@ class GenerateReq:
     lora_id: int = 0  # the LoRA adapter it runs under (the engine's id of it; 0: the base model)
 
 
-@pickled_by_fields
 @dataclass
 class TokenOut:
     req_id: int

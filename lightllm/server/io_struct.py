@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lightllm.engine.request import FinishReason, TokenOut, pickled_by_fields
+from lightllm.engine.request import FinishReason, TokenOut, pickled_as_columns
 
 
 @dataclass
@@ -41,12 +41,12 @@ class LoraUnload:
     lora_id: int
 
 
+@pickled_as_columns(TokenOut, 3)  # req_id, token_id, logprob
 @dataclass
 class BatchTokenOut:
     items: list[TokenOut]
 
 
-@pickled_by_fields
 @dataclass
 class TextOut:
     req_id: int
@@ -67,6 +67,7 @@ class TextOut:
     prompt_logprobs: list[tuple[float, list[tuple[int, str, float]]]] | None = None
 
 
+@pickled_as_columns(TextOut, 6)  # req_id .. count_output_tokens
 @dataclass
 class BatchTextOut:
     items: list[TextOut]
