@@ -3,6 +3,7 @@ schema that takes longer gets 400 while a running stream keeps its pace, and str
 still follows its schema."""
 
 import json
+import statistics
 import time
 
 import pytest
@@ -51,12 +52,16 @@ def test_a_first_grammar_loads_while_a_stream_keeps_its_pace(server):
     answered = time.monotonic()
     assert reply.status_code == 200, reply.text
     stream.close()
+    before = [gap for gap, b in stream.gaps()[1:] if b <= sent]  # the first gap is the prompt's
     during = [gap for gap, b in stream.gaps() if b > sent]
     # Built at this request, as it was, the stream lost 0.6-1.3 s in gaps over 0.1 s here (2-core CPU;
-    # the tiny model's tokens come every 5-10 ms), the longest 0.3-0.4 s; now none of 0.05 s. The
-    # bound leaves a loaded machine a few stalls of its own.
-    stalled = sum(gap for gap in during if gap > 0.1)
-    assert stalled < 0.3, (stalled, sorted(during)[-5:], answered - sent)
+    # the tiny model's tokens come every 5-10 ms), the longest 0.3-0.4 s; now none of 0.05 s. A stall
+    # is a gap over 0.1 s and over 4x the stream's pace before the request: a machine loaded by other
+    # jobs (the suite's other worker) slowed every token to 0.18 s, the request's 19 s all through.
+    # The bound leaves it a few stalls of its own.
+    threshold = max(0.1, 4 * statistics.median(before))
+    stalled = sum(gap for gap in during if gap > threshold)
+    assert stalled < 0.3, (stalled, threshold, sorted(during)[-5:], answered - sent)
 
 
 def test_structured_output_follows_its_schema(server):
