@@ -1,5 +1,6 @@
 # Shell pieces shared by the one-call device scripts (serving/device_serving.sh, serving/multi_gpu.sh);
 # source it. The caller sets ROOT, DRY, END (SECONDS at which its budget ends) and SERVER (empty).
+# What the calls carry and the GPU machine lacks (.whl/, .gpu/) is made by test/benchmark/prepare_device.py.
 
 do_or_say() { if ((DRY)); then echo "+ $*"; else "$@"; fi; }
 left() { echo $((END - SECONDS - 10)); }
