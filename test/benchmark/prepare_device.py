@@ -44,7 +44,6 @@ logger = logging.getLogger("prepare_device")
 WHEELS = ("pyzmq", "rpyc", "plumbum", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
           "typing-inspection", "uvicorn", "h11", "opentelemetry-api", "swagger-ui-bundle", "prometheus-client",
           "httptools", "fla-core")
-UNPINNED = {"fla-core": "fla-core>=0.6.0,<0.7"}  # not installed on a CPU machine: setup.py's range
 PYTHON = "3.12"  # the GPU image's
 # pip matches a wheel's manylinux tag exactly: every glibc the image's (2.39) can run
 PLATFORMS = ("manylinux2014_x86_64", "manylinux1_x86_64",
@@ -59,13 +58,20 @@ def normalized(name: str) -> str:
 
 
 def requirement(name: str) -> str:
-    """`name==version` as installed in this environment, else its range in UNPINNED."""
+    """`name==version` as installed in this environment, else the range setup.py gives it (an extra's
+    package, such as flash-linear-attention, not installed on a CPU machine)."""
     try:
         return f"{name}=={importlib.metadata.version(name)}"
     except importlib.metadata.PackageNotFoundError:
-        if name in UNPINNED:
-            return UNPINNED[name]
-        raise SystemExit(f"{name} is not installed here: run from the checkout's virtual environment") from None
+        pass
+    try:
+        declared = importlib.metadata.requires("lightllm") or []
+    except importlib.metadata.PackageNotFoundError:
+        declared = []
+    for spec in (line.split(";")[0].strip() for line in declared):
+        if normalized(re.split(r"[<>=!~ \[]", spec, maxsplit=1)[0]) == normalized(name):
+            return spec
+    raise SystemExit(f"{name} is not installed here: run from the checkout's virtual environment")
 
 
 def wheel_files(folder: Path, name: str) -> list[Path]:
