@@ -6,6 +6,7 @@ keeping their own per-token and per-proposal costs independent of the request's 
 
 import random
 import time
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -252,7 +253,25 @@ def test_suffix_pool_bound_and_eviction():
     draft.start(500, first[:3])
     assert draft.propose(500, 4) == []  # forgotten
     pooled = {id(seq) for seq in draft._pool}
-    assert all(id(seq) in pooled or seq is draft._live[500] for entries in draft._index.values() for seq, _ in entries)
+    assert all(id(seq) in pooled or seq is draft._live[500]
+               for key in draft._index for seq, _ in draft._occurrences(key))
+
+
+def test_suffix_index_memory_a_cached_token():
+    """The pool's index at its bound holds well under 1 KB a cached token where most n-grams are new
+    (random tokens, the ladder's five keys a token): with an n-gram tuple and a deque a key it held 3.5 KB."""
+    rng = random.Random(4)
+    draft = SuffixDraft(max_cached_tokens=30_000)
+    tracemalloc.start()
+    try:
+        for req_id in range(150):
+            draft.start(req_id, [rng.randrange(32_000) for _ in range(300)])
+            draft.finish(req_id)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert draft.cached_tokens == 30_000
+    assert held / draft.cached_tokens < 800, f"{held / draft.cached_tokens:.0f} bytes a cached token"
 
 
 def test_suffix_bad_options():

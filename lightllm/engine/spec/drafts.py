@@ -13,7 +13,10 @@ NgramDraft (prompt lookup)
     after its latest occurrence. The n-grams that end the tokens enter the dict only when the next
     token arrives, so the dict never holds the current suffix itself and one lookup finds the latest
     *earlier* occurrence. Appending a token enters max_n - min_n + 1 keys; a proposal looks up at most
-    that many keys and copies k tokens. Memory is that many keys a token, freed on `finish`.
+    that many keys and copies k tokens. Memory is that many keys a token, freed on `finish`; the keys
+    are the n-grams' hashes (about 0.35 KB a token at 2..5-grams, 0.48 KB with the n-grams as
+    tuples), and two n-grams of one hash, about one lookup in 10^13 at a million keys, cost a draft
+    that verification rejects.
 
 SuffixDraft (suffix decoding: Oliaro et al., 2024)
     One index shared by all requests maps an n-gram to its most recent occurrences, a bounded deque
@@ -30,6 +33,11 @@ SuffixDraft (suffix decoding: Oliaro et al., 2024)
     output), kept whole in least-recently-finished order up to max_cached_tokens. Evicting a
     sequence removes its entries from the index, O(ladder steps * max_occurrences) a token, which
     is amortized over the token's insertion; so the index never outgrows the tokens it describes.
+    Its keys are the n-grams' hashes, and an n-gram seen once (most of the longer ones) holds its one
+    occurrence without a deque: about 0.6 KB a cached token where most n-grams are new (3.5 KB with a
+    deque a key, 1.1 KB with the n-grams as tuples). Two n-grams of one hash share a key: a match
+    found through it continues another n-gram, a draft that verification rejects, never a wrong
+    token; with 64-bit hashes that is about one lookup in 10^13 at the default bound.
 
 ModelDraft (a draft model, an EAGLE-3 head, or the target's MTP layer)
     The workers run the draft model (spec/draft_runner.py) or the head (spec/eagle3_runner.py, mtp_runner.py);
@@ -88,7 +96,8 @@ def copy_forward(tokens: list[int], start: int, k: int) -> list[int]:
 @dataclass
 class _NgramState:
     tokens: list[int] = field(default_factory=list)
-    next_position: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index after its latest earlier occurrence
+    # hash of an n-gram -> index after its latest earlier occurrence
+    next_position: dict[int, int] = field(default_factory=dict)
 
 
 class NgramDraft:
@@ -114,13 +123,13 @@ class NgramDraft:
     def _index_suffix(self, state: _NgramState) -> None:
         tokens, end = state.tokens, len(state.tokens)
         for n in range(self.min_n, min(self.max_n, end) + 1):
-            state.next_position[tuple(tokens[end - n:])] = end
+            state.next_position[hash(tuple(tokens[end - n:]))] = end
 
     def propose(self, req_id: int, k: int) -> list[int]:
         state = self._requests[req_id]
         tokens = state.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            start = state.next_position.get(tuple(tokens[-n:]))
+            start = state.next_position.get(hash(tuple(tokens[-n:])))
             if start is not None:
                 return copy_forward(tokens, start, k)
         return []
@@ -151,7 +160,8 @@ class SuffixDraft:
         self.max_depth, self.max_occurrences = max_depth, max_occurrences
         self.min_token_prob, self.max_cached_tokens = min_token_prob, max_cached_tokens
         self.key_lengths = _doubling(min_match_len, max_depth)
-        self._index: dict[tuple[int, ...], deque[_Occurrence]] = {}
+        # hash of an n-gram -> its one occurrence, or a deque of them (oldest first) once there are two
+        self._index: dict[int, _Occurrence | deque[_Occurrence]] = {}
         self._live: dict[int, _Sequence] = {}
         self._pool: deque[_Sequence] = deque()  # oldest finished first
         self.cached_tokens = 0  # tokens of the pooled sequences
@@ -169,14 +179,23 @@ class SuffixDraft:
 
     def _index_suffix(self, sequence: _Sequence) -> None:
         tokens, end = sequence.tokens, len(sequence.tokens)
+        index, occurrence = self._index, (sequence, end)  # one tuple for every ladder step
         for n in self.key_lengths:
             if n > end:
                 break
-            key = tuple(tokens[end - n:])
-            entries = self._index.get(key)
+            key = hash(tuple(tokens[end - n:]))
+            entries = index.get(key)
             if entries is None:
-                entries = self._index[key] = deque(maxlen=self.max_occurrences)
-            entries.append((sequence, end))
+                index[key] = occurrence
+            elif type(entries) is tuple:
+                index[key] = deque((entries, occurrence), maxlen=self.max_occurrences)
+            else:
+                entries.append(occurrence)
+
+    def _occurrences(self, key: int) -> Sequence[_Occurrence]:
+        """The occurrences under `key`, oldest first."""
+        entries = self._index.get(key, ())
+        return (entries,) if type(entries) is tuple and entries else entries
 
     def propose(self, req_id: int, k: int) -> list[int]:
         own = self._live[req_id]
@@ -190,7 +209,7 @@ class SuffixDraft:
         for n in reversed(self.key_lengths):
             if n > size:
                 continue
-            entries = [(seq, end) for seq, end in reversed(self._index.get(tuple(tokens[-n:]), ()))
+            entries = [(seq, end) for seq, end in reversed(self._occurrences(hash(tuple(tokens[-n:]))))
                        if seq is own or seq.pooled]
             rest = tokens[size - depth: size - n]
             deepest = [(seq, end) for seq, end in entries if end >= depth and seq.tokens[end - depth: end - n] == rest]
@@ -255,19 +274,18 @@ class SuffixDraft:
         sequence.pooled = False
         self.cached_tokens -= len(sequence.tokens)
         for key in self._keys_of(sequence):
-            entries = self._index.get(key)
-            if entries is None:
-                continue
-            kept = deque((entry for entry in entries if entry[0] is not sequence), maxlen=self.max_occurrences)
-            if kept:
-                self._index[key] = kept
+            kept = [entry for entry in self._occurrences(key) if entry[0] is not sequence]
+            if not kept:
+                self._index.pop(key, None)
+            elif len(kept) == 1:
+                self._index[key] = kept[0]
             else:
-                del self._index[key]
+                self._index[key] = deque(kept, maxlen=self.max_occurrences)
 
-    def _keys_of(self, sequence: _Sequence) -> set[tuple[int, ...]]:
+    def _keys_of(self, sequence: _Sequence) -> set[int]:
         """Every key _index_suffix entered for the sequence: the ladder n-grams followed by a token."""
         tokens = sequence.tokens
-        return {tuple(tokens[end - n:end]) for end in range(1, len(tokens)) for n in self.key_lengths if n <= end}
+        return {hash(tuple(tokens[end - n:end])) for end in range(1, len(tokens)) for n in self.key_lengths if n <= end}
 
 
 # Tokens a proposal call catches the draft model up on at most, over all its requests (unless the
