@@ -86,7 +86,23 @@ def prompt(rng: random.Random) -> str:
 
 def generate_params(rng: random.Random) -> dict:
     sampled = rng.random() < 0.5
-    return {"max_new_tokens": rng.randint(1, 24), "do_sample": sampled, "temperature": 0.8, "seed": rng.randint(0, 99)}
+    params = {"max_new_tokens": rng.randint(1, 24), "do_sample": sampled, "temperature": 0.8,
+              "seed": rng.randint(0, 99)}
+    adapter = pick_adapter(rng)
+    return params if adapter is None else {**params, "adapter_id": adapter}
+
+
+ADAPTERS: dict[str, str] = {}  # --loras: name -> directory of the adapters the server serves
+
+
+def pick_adapter(rng: random.Random) -> str | None:
+    """With --loras, one of the adapters for half of the requests; None: the base model."""
+    return rng.choice(sorted(ADAPTERS)) if ADAPTERS and rng.random() < 0.5 else None
+
+
+def with_model(body: dict, rng: random.Random) -> dict:
+    adapter = pick_adapter(rng)
+    return body if adapter is None else {**body, "model": adapter}
 
 
 # ---- the requests: each returns (outcome, detail) ----
@@ -114,7 +130,8 @@ async def streamed(session, url, rng) -> tuple[str, str]:
 
 
 async def chat_streamed(session, url, rng) -> tuple[str, str]:
-    body = {"messages": [{"role": "user", "content": prompt(rng)}], "max_tokens": rng.randint(1, 24), "stream": True}
+    body = with_model({"messages": [{"role": "user", "content": prompt(rng)}], "max_tokens": rng.randint(1, 24),
+                       "stream": True}, rng)
     async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
         if reply.status != 200:
             return "unexpected", f"{reply.status} {await reply.text()}"
@@ -129,7 +146,8 @@ async def chat_streamed(session, url, rng) -> tuple[str, str]:
 
 
 async def completion(session, url, rng) -> tuple[str, str]:
-    body = {"prompt": prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0.0, 1.0])}
+    body = with_model({"prompt": prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0.0, 1.0])},
+                      rng)
     async with session.post(f"{url}/v1/completions", json=body) as reply:
         data = await reply.json(content_type=None)
         return ("ok", "") if reply.status == 200 and data.get("choices") else ("unexpected", f"{reply.status} {data}")
@@ -174,6 +192,23 @@ async def aborted_whole(session, url, rng) -> tuple[str, str]:
         return "aborted", ""
 
 
+async def lora_round_trip(session, url, rng) -> tuple[str, str]:
+    """Load one of the adapters' directories under a name of its own, generate with it, unload it:
+    each step must answer 200, and the name must be gone after (404)."""
+    name = f"soak-{rng.getrandbits(48):x}"
+    path = ADAPTERS[rng.choice(sorted(ADAPTERS))]
+    steps = [("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, 200),
+             ("/v1/completions", {"model": name, "prompt": prompt(rng), "max_tokens": rng.randint(1, 8)}, 200),
+             ("/v1/unload_lora_adapter", {"lora_name": name}, 200),
+             ("/v1/completions", {"model": name, "prompt": "x", "max_tokens": 1}, 404)]
+    for route, body, status in steps:
+        async with session.post(f"{url}{route}", json=body) as reply:
+            text = await reply.text()
+            if reply.status != status:
+                return "unexpected", f"{route} {name}: {reply.status} (wanted {status}) {text[:200]}"
+    return "ok", ""
+
+
 MIX = {  # kind: (request, weight)
     "generate": (whole, 4),
     "generate_stream": (streamed, 4),
@@ -193,12 +228,35 @@ def on_raw_socket(request, receive_timeout_s: float):
 
 
 def request_mix(with_hostile: bool, receive_timeout_s: float) -> dict:
-    """kind: (request(session, url, rng), weight); hostile kinds only with --hostile."""
+    """kind: (request(session, url, rng), weight); hostile kinds only with --hostile, the adapters'
+    round trip only with --loras."""
+    mix = dict(MIX)
+    if ADAPTERS:
+        mix["lora_round_trip"] = (lora_round_trip, 1)
     if not with_hostile:
-        return dict(MIX)
+        return mix
     sockets = {kind: (on_raw_socket(request, receive_timeout_s), weight)
                for kind, (request, weight) in hostile.SOCKET_MIX.items()}
-    return {**MIX, **hostile.HTTP_MIX, **sockets}
+    return {**mix, **hostile.HTTP_MIX, **sockets}
+
+
+def write_adapters(count: int, out: Path, model_dir: str | None) -> list[str]:
+    """--loras: `count` random rank-8 adapters for the server's model (the default one when
+    --model_dir is not given) in `out`; the server flags that serve them with half as many slots."""
+    import torch
+
+    from lightllm.models import read_config
+    from lightllm.models.lora import module_shapes
+    from lightllm.tools.bench_lora import write_adapter
+    from lightllm.tools.default_model import ensure_default_model
+
+    model = Path(model_dir) if model_dir else ensure_default_model()
+    cfg = read_config(model)
+    for i in range(count):
+        ADAPTERS[f"soak-lora-{i}"] = str(write_adapter(out / f"lora-{i}", module_shapes(cfg), 8,
+                                                       torch.float32, seed=i))
+    return ["--lora_modules", *(f"{name}={path}" for name, path in ADAPTERS.items()),
+            "--max_loras", str(max(1, count // 2)), "--max_lora_rank", "8"]
 
 
 async def client(url: str, seed: int, deadline: float, outcomes: Outcomes, mix: dict) -> None:
@@ -446,13 +504,20 @@ def main() -> int:
     parser.add_argument("--request_receive_timeout", type=float, default=5.0,
                         help="seconds: given to a server this script starts; with --url, the server's own value")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loras", type=int, default=0,
+                        help="serve this many random adapters (a server this script starts) and send requests to them")
     parser.add_argument("--report", help="also write the report to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.url:
+        if args.loras:
+            parser.error("--loras needs a server this script starts (no --url)")
         return 0 if run(args) else 1
     port = free_port()
-    server_args = args.server_args.split()
+    server_args = args.server_args.split()  # a JSON value without spaces stays whole
+    if args.loras:
+        model_dir = server_args[server_args.index("--model_dir") + 1] if "--model_dir" in server_args else None
+        server_args += write_adapters(args.loras, Path(tempfile.mkdtemp(prefix="soak-loras-")), model_dir)
     if "--request_receive_timeout" not in server_args:
         server_args += ["--request_receive_timeout", str(args.request_receive_timeout)]
     server = start_server(server_args, Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
