@@ -4,6 +4,7 @@
 #                            outputs are taken from .gpu/spec when it holds them (--off-from), else run
 #   methods:LOADS:METHODS    ngram/suffix against off on ShareGPT (bench-8b, dummy weights)
 #   trace:LOAD:ALPHA         one controlled setting with --step_trace, the trace summarised
+#   mtrace:LOAD:METHOD       one ngram or suffix setting on ShareGPT (as methods) with --step_trace, summarised
 #   draft:LOADS:FORMATS      draft_model (bench-1b drafting for bench-8b, written here) against off on
 #                            ShareGPT, per load format: dummy_echo (every draft accepted), dummy (none)
 #   eagle3:LOADS:FORMATS     an EAGLE-3 head of bench-8b's layer shape over its whole vocabulary (its
@@ -24,6 +25,33 @@ export PYTHONPATH=$ROOT:$ROOT/test:/tmp/site HF_HUB_OFFLINE=1
 [[ -f .gpu/COMMIT ]] && export LIGHTLLM_COMMIT=$(cat .gpu/COMMIT)
 # SWEEP_ARGS: more spec_sweep.py flags for every part (e.g. --warmup-requests 64)
 SWEEP=(python3 test/benchmark/serving/spec_sweep.py --model .gpu/bench-8b --output-len 256 --num-prompts 128 ${SWEEP_ARGS:-})
+summarize_trace() {  # summarize_trace STEPS.jsonl NAME: step_trace.py's report and the steps by kind, in $OUT
+  python3 test/benchmark/engine/step_trace.py "$1" > "$OUT/$2.txt" 2>&1
+  gzip -c "$1" > "$OUT/steps-$2.jsonl.gz"
+  python3 - "$1" >> "$OUT/$2.txt" <<'PY'
+import json, sys, statistics
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+for row, after in zip(rows, rows[1:]):
+    row["device"], row["period"] = row["end_ms"] - row["start_ms"], after["start_ms"] - row["start_ms"]
+def size(r):
+    d = r.get("decodes", 0)
+    return "prefill" if r.get("chunk_tokens") else ("1" if d <= 1 else "2-31" if d < 32 else "32+")
+groups = {}
+for r in rows[:-1]:
+    groups.setdefault((size(r), bool(r.get("drafts"))), []).append(r)
+span = rows[-1]["end_ms"] - rows[0]["start_ms"]
+busy = sum(r["end_ms"] - r["start_ms"] for r in rows)
+print(f"{len(rows)} steps over {span:.0f} ms, the device busy {busy / span:.1%}")
+print("| decodes | drafts | steps | decodes | drafts | accepted | device ms | start to start ms | launch ms | sync | "
+      "after a collection | ms of the run |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+for (kind, drafted), steps in sorted(groups.items()):
+    mean = lambda key: statistics.mean(float(r.get(key, 0)) for r in steps)
+    print(f"| {kind} | {drafted} | {len(steps)} | {mean('decodes'):.1f} | {mean('drafts'):.1f} | "
+          f"{mean('accepted'):.1f} | {mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} | "
+          f"{mean('sync'):.0%} | {mean('collected'):.0%} | {sum(r['period'] for r in steps):.0f} |")
+PY
+}
 n=0
 mark=$(mktemp)
 for part in "$@"; do
@@ -67,32 +95,12 @@ PY
       "${SWEEP[@]}" --server-args "--load_format dummy_echo --data_type bfloat16 --step_trace /tmp/steps-$n.jsonl" \
         --off-from .gpu/spec --out-dir ".gpu/trace-$n" --loads "$loads" --alphas "$what" \
         --out-md "$OUT/trace-$n.md" --total-timeout "${TOTAL_S:-300}"
-      python3 test/benchmark/engine/step_trace.py "/tmp/steps-$n.jsonl" > "$OUT/trace-$n.txt" 2>&1
-      gzip -c "/tmp/steps-$n.jsonl" > "$OUT/steps-$n.jsonl.gz"
-      python3 - "/tmp/steps-$n.jsonl" >> "$OUT/trace-$n.txt" <<'PY'
-import json, sys, statistics
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-for row, after in zip(rows, rows[1:]):
-    row["device"], row["period"] = row["end_ms"] - row["start_ms"], after["start_ms"] - row["start_ms"]
-def size(r):
-    d = r.get("decodes", 0)
-    return "prefill" if r.get("chunk_tokens") else ("1" if d <= 1 else "2-31" if d < 32 else "32+")
-groups = {}
-for r in rows[:-1]:
-    groups.setdefault((size(r), bool(r.get("drafts"))), []).append(r)
-span = rows[-1]["end_ms"] - rows[0]["start_ms"]
-busy = sum(r["end_ms"] - r["start_ms"] for r in rows)
-print(f"{len(rows)} steps over {span:.0f} ms, the device busy {busy / span:.1%}")
-print("| decodes | drafts | steps | decodes | drafts | accepted | device ms | start to start ms | launch ms | sync | "
-      "after a collection | ms of the run |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-for (kind, drafted), steps in sorted(groups.items()):
-    mean = lambda key: statistics.mean(float(r.get(key, 0)) for r in steps)
-    print(f"| {kind} | {drafted} | {len(steps)} | {mean('decodes'):.1f} | {mean('drafts'):.1f} | "
-          f"{mean('accepted'):.1f} | {mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} | "
-          f"{mean('sync'):.0%} | {mean('collected'):.0%} | {sum(r['period'] for r in steps):.0f} |")
-PY
-      ;;
+      summarize_trace "/tmp/steps-$n.jsonl" "trace-$n" ;;
+    mtrace)
+      "${SWEEP[@]}" --server-args "--load_format dummy --data_type bfloat16" --requests .gpu/requests-1000.json \
+        --spec-server-args "--step_trace /tmp/steps-$n.jsonl" --out-dir ".gpu/mtrace-$n" --loads "$loads" --alphas "" \
+        --methods "$what" --out-md "$OUT/mtrace-$n.md" --total-timeout "${TOTAL_S:-300}"
+      summarize_trace "/tmp/steps-$n.jsonl" "mtrace-$n" ;;
     *) echo "unknown part $part" ;;
   esac
   # the run-level guard's verdicts in this part's servers (docs/architecture.md, "The run-level guard")
