@@ -88,3 +88,29 @@ def test_slow_clients_accept_408_or_close_and_fail_on_silence_or_200(monkeypatch
         assert asyncio.run(slow_client_against(b"", request))[0] == ("rejected", "")
         assert asyncio.run(slow_client_against(b"HTTP/1.1 200 OK\r\n\r\n", request))[0][0] == "unexpected"
         assert asyncio.run(slow_client_against(None, request))[0][0] == "unexpected"
+
+
+def test_soak_adapters_are_ones_the_server_accepts(tmp_path, monkeypatch):
+    """--loras: the adapters written for the model pass the server's own check (names, shapes, rank),
+    the flags serve them on half as many slots, and only then does the mix hold the load-and-unload
+    round trip."""
+    from lightllm.common.lora_files import read_adapter
+    from lightllm.models import read_config
+    from lightllm.models.lora import module_shapes
+    from lightllm.tools.bench_model import write_bench_model
+
+    monkeypatch.setattr(soak, "ADAPTERS", {})
+    assert "lora_round_trip" not in soak.request_mix(False, 5.0)
+    model_dir = write_bench_model(tmp_path / "tiny", "tiny")
+    flags = soak.write_adapters(4, tmp_path / "loras", str(model_dir))
+    assert flags[flags.index("--max_loras") + 1] == "2"
+    served = flags[flags.index("--lora_modules") + 1: flags.index("--max_loras")]
+    assert served == [f"{name}={path}" for name, path in soak.ADAPTERS.items()] and len(served) == 4
+    shapes = module_shapes(read_config(model_dir))
+    for path in soak.ADAPTERS.values():
+        spec = read_adapter(path, shapes, int(flags[flags.index("--max_lora_rank") + 1]))
+        assert set(spec.modules) == set(shapes)
+    assert "lora_round_trip" in soak.request_mix(False, 5.0) and "lora_round_trip" in soak.request_mix(True, 5.0)
+    rng = fresh_rng()
+    picked = [soak.pick_adapter(rng) for _ in range(200)]
+    assert {p for p in picked if p} == set(soak.ADAPTERS) and 60 < picked.count(None) < 140

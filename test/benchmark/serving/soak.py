@@ -515,19 +515,20 @@ def main() -> int:
         return 0 if run(args) else 1
     port = free_port()
     server_args = args.server_args.split()  # a JSON value without spaces stays whole
-    if args.loras:
-        model_dir = server_args[server_args.index("--model_dir") + 1] if "--model_dir" in server_args else None
-        server_args += write_adapters(args.loras, Path(tempfile.mkdtemp(prefix="soak-loras-")), model_dir)
-    if "--request_receive_timeout" not in server_args:
-        server_args += ["--request_receive_timeout", str(args.request_receive_timeout)]
-    server = start_server(server_args, Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
-                          timeout=600, port=port)
-    args.url = server.url
-    try:
-        args.pid = server.proc.pid
-        passed = run(args)
-    finally:
-        clean_stop = stop_server(server)
+    with tempfile.TemporaryDirectory(prefix="soak-loras-") as adapters:
+        if args.loras:
+            model_dir = server_args[server_args.index("--model_dir") + 1] if "--model_dir" in server_args else None
+            server_args += write_adapters(args.loras, Path(adapters), model_dir)
+        if "--request_receive_timeout" not in server_args:
+            server_args += ["--request_receive_timeout", str(args.request_receive_timeout)]
+        server = start_server(server_args, Path(tempfile.gettempdir()) / f"soak-server-{port}.log",
+                              timeout=600, port=port)
+        args.url = server.url
+        try:
+            args.pid = server.proc.pid
+            passed = run(args)
+        finally:
+            clean_stop = stop_server(server)
     print(f"server stopped with SIGTERM: {'exit 0, no socket directory left' if clean_stop else 'NOT clean'}")
     return 0 if passed and clean_stop else 1
 
