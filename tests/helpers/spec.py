@@ -36,9 +36,14 @@ class OracleDraft:
 def speculating_engine(runner, chunk, method, overlap=True, prefix_cache=True, **config):
     """An engine core on `runner` whose controller speculates whenever drafts are accepted."""
     core = engine(runner, chunk, overlap=overlap, prefix_cache=prefix_cache)
-    spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=5, **config), runner.config.vocab_size,
-                      runner.req_table.max_reqs * 6)
-    spec.measured(False, 1, 0.01)  # a flat step cost: drafts always pay while they are accepted
+    max_rows = runner.req_table.max_reqs * 6
+    spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=5, **config), runner.config.vocab_size, max_rows)
+    # Every step the same cost, pinned (the steps' own periods are not measured): drafts always pay
+    # while they are accepted, however slow a loaded machine makes one step against another.
+    for drafted in (False, True):
+        for tokens in (1, 4, 16, 64, 256, max(max_rows, 1024)):
+            spec.measured(drafted, tokens, 0.01)
+    spec.measured = lambda *args: None
     spec.guard = None  # and no epochs held off: what is under test is verification
     spec.global_alpha = 0.9
     core.scheduler.speculator = spec
