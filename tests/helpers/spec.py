@@ -2,6 +2,7 @@
 
 import random
 
+from benchmark.engine.spec_host_time import pin_step_costs
 from helpers.models import engine
 
 from lightllm.engine.spec.config import SpeculativeConfig
@@ -38,12 +39,7 @@ def speculating_engine(runner, chunk, method, overlap=True, prefix_cache=True, *
     core = engine(runner, chunk, overlap=overlap, prefix_cache=prefix_cache)
     max_rows = runner.req_table.max_reqs * 6
     spec = Speculator(SpeculativeConfig(method, num_speculative_tokens=5, **config), runner.config.vocab_size, max_rows)
-    # Every step the same cost, pinned (the steps' own periods are not measured): drafts always pay
-    # while they are accepted, however slow a loaded machine makes one step against another.
-    for drafted in (False, True):
-        for tokens in (1, 4, 16, 64, 256, max(max_rows, 1024)):
-            spec.measured(drafted, tokens, 0.01)
-    spec.measured = lambda *args: None
+    pin_step_costs(spec, (1, 4, 16, 64, 256, max(max_rows, 1024)))  # drafts pay while they are accepted
     spec.guard = None  # and no epochs held off: what is under test is verification
     spec.global_alpha = 0.9
     core.scheduler.speculator = spec

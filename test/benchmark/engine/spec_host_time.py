@@ -167,6 +167,16 @@ def greedy_outputs(runner: ModelRunner, reqs: list[GenerateReq]) -> dict[int, li
     return outputs
 
 
+def pin_step_costs(spec: Speculator, sizes, seconds: float = 0.01) -> None:
+    """Every step of `sizes` tokens, with drafts or without, costs `seconds`, and no step's own
+    period is measured after: drafts pay whenever they are accepted, however a loaded machine
+    times one step against another."""
+    for drafted in (False, True):
+        for tokens in sizes:
+            spec.measured(drafted, tokens, seconds)
+    spec.measured = lambda *args: None
+
+
 def pinned_speculator(runner: ModelRunner, oracle: Path, alpha: float, k: int, batch: int,
                       method: str = "controlled") -> Speculator:
     """The controlled draft at `alpha` (or a host source, `method` ngram or suffix), every step's
@@ -176,10 +186,7 @@ def pinned_speculator(runner: ModelRunner, oracle: Path, alpha: float, k: int, b
     else:
         config = SpeculativeConfig(method, num_speculative_tokens=k)
     spec = Speculator(config, runner.config.vocab_size, batch * (k + 1))
-    for drafted in (False, True):
-        for tokens in (1, batch, batch * (k + 1)):
-            spec.measured(drafted, tokens, 0.01)
-    spec.measured = lambda *args: None
+    pin_step_costs(spec, (1, batch, batch * (k + 1)))
     spec.guard = None  # steps with drafts throughout: no epochs held off
     return spec
 
