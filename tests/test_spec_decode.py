@@ -231,6 +231,51 @@ def test_greedy_with_drafts_equals_transformers(tmp_path, chunk, overlap):
     assert_idle(core)
 
 
+def test_the_step_in_flight_is_collected_only_for_a_step_with_drafts(tmp_path):
+    """Before a step that would speculate the engine collects the step in flight (drafts continue
+    the latest tokens), a wait the overlap would have hidden. The choice is made on the step the
+    plan will make, prompt chunks included: here a step with a chunk has no measured cost near its
+    size, so it runs plain, and collecting the chunk before it would be a bubble for nothing."""
+    from helpers.models import GenerateReq, assert_idle, hf_greedy, random_prompts
+
+    from lightllm.engine.spec.controller import StepCosts
+
+    hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
+    runner = make_runner(tmp_path, tokens=1024, max_req_total_len=160)
+    prompts = random_prompts(5, lengths=(5, 9, 7, 60, 61, 62))
+    expected = hf_greedy(hf_model, prompts, 40)
+    OracleDraft.ORACLE = {tuple(p): expected[i] for i, p in enumerate(prompts)}
+    core = speculating_engine(runner, 16, "helpers.spec:OracleDraft")  # a long prompt: 4 chunks
+    spec = core.scheduler.speculator
+    spec.costs = StepCosts()
+    for drafted in (False, True):
+        for tokens in (1, 2, 4):  # steps of the decodes alone are known; nothing near one with a chunk
+            spec.costs.measured(drafted, tokens, 0.01)
+    seen = {"collections": 0, "for nothing": 0, "drafted": 0}
+    run = core._run
+
+    def counting(plan):
+        if plan.step_id >= 0:
+            seen["collections"] += core._flushed
+            seen["for nothing"] += core._flushed and not plan.drafts
+            seen["drafted"] += bool(plan.drafts)
+        return run(plan)
+
+    core._run = counting
+    got = {}
+    for i, prompt in enumerate(prompts):  # the long prompts arrive while the short ones decode
+        core.add(GenerateReq(i, prompt, SamplingParams(max_new_tokens=40)))
+        for _ in range(6 if i >= 2 else 0):
+            for out in core.step():
+                got.setdefault(out.req_id, []).append(out.token_id)
+    for out in core.drain():
+        got.setdefault(out.req_id, []).append(out.token_id)
+    assert got == expected
+    assert seen["drafted"] and seen["collections"], seen
+    assert seen["for nothing"] == 0, seen
+    assert_idle(core)
+
+
 PASSAGE = ("The lighthouse keeper rang the bell at noon, counted the boats in the harbour, wrote their names "
            "in the blue ledger and climbed the stairs again to polish the great lamp before dusk.")
 

@@ -387,7 +387,17 @@ class Scheduler:
         candidates = [r for r in reqs if spec.limit(r.spec) and r.spec.measured and self._draftable_later(r)]
         alphas = [r.spec.alpha(spec.global_alpha) for r in candidates]
         limits = [min(spec.limit(r.spec), self._draftable_later(r)) for r in candidates]
-        return self.speculator.allocate(alphas, limits, len(reqs), len(reqs)) is not None
+        tokens = len(reqs) + self._next_prompt_tokens()
+        return self.speculator.allocate(alphas, limits, tokens, len(reqs)) is not None
+
+    def _next_prompt_tokens(self) -> int:
+        """The prompt tokens the next step is expected to prefill: those of the admitted requests
+        and, while a slot is free, of the waiting ones, up to the step's budget. The decision to
+        collect the step in flight for drafts is taken on the step the plan will make: chunks make
+        it larger, and the choice on its size may be a plain step (a collection for nothing)."""
+        prefilling = sum(r.prompt_left for r in self.running if r.status is ReqStatus.PREFILLING)
+        waiting = self._waiting_prompt_tokens if len(self.running) < self.max_running else 0
+        return min(self.step_budget(prefilling), prefilling + waiting)
 
     def _draftable_later(self, req: Req) -> int:
         """`_draftable` once its step in flight is back (one token more, maybe)."""
