@@ -4,7 +4,7 @@
 #                            outputs are taken from .gpu/spec when it holds them (--off-from), else run
 #   methods:LOADS:METHODS    ngram/suffix against off on ShareGPT (bench-8b, dummy weights)
 #   trace:LOAD:ALPHA         one controlled setting with --step_trace, the trace summarised
-#   mtrace:LOAD:METHOD       one ngram or suffix setting on ShareGPT (as methods) with --step_trace, summarised
+#   mtrace:LOAD:METHOD       one ngram or suffix setting on ShareGPT (as methods), off's and its step traces summarised
 #   draft:LOADS:FORMATS      draft_model (bench-1b drafting for bench-8b, written here) against off on
 #                            ShareGPT, per load format: dummy_echo (every draft accepted), dummy (none)
 #   eagle3:LOADS:FORMATS     an EAGLE-3 head of bench-8b's layer shape over its whole vocabulary (its
@@ -97,10 +97,13 @@ PY
         --out-md "$OUT/trace-$n.md" --total-timeout "${TOTAL_S:-300}"
       summarize_trace "/tmp/steps-$n.jsonl" "trace-$n" ;;
     mtrace)
-      "${SWEEP[@]}" --server-args "--load_format dummy --data_type bfloat16" --requests .gpu/requests-1000.json \
-        --spec-server-args "--step_trace /tmp/steps-$n.jsonl" --out-dir ".gpu/mtrace-$n" --loads "$loads" --alphas "" \
+      "${SWEEP[@]}" --server-args "--load_format dummy --data_type bfloat16 --step_trace /tmp/steps-$n-{setting}.jsonl" \
+        --requests .gpu/requests-1000.json --out-dir ".gpu/mtrace-$n" --loads "$loads" --alphas "" \
         --methods "$what" --out-md "$OUT/mtrace-$n.md" --total-timeout "${TOTAL_S:-300}"
-      summarize_trace "/tmp/steps-$n.jsonl" "mtrace-$n" ;;
+      for steps in /tmp/steps-$n-*.jsonl; do
+        name=${steps#/tmp/steps-}
+        summarize_trace "$steps" "mtrace-${name%.jsonl}"
+      done ;;
     *) echo "unknown part $part" ;;
   esac
   # the run-level guard's verdicts in this part's servers (docs/architecture.md, "The run-level guard")

@@ -237,8 +237,8 @@ def start_server(args, setting: Setting, oracle: Path, budget: Budget, work) -> 
     from lightllm.utils.process import die_with_parent
 
     path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH")]))
-    server_args = ["--model_dir", str(args.model), "--host", "127.0.0.1", *shlex.split(args.server_args),
-                   *setting.flags(args, oracle), *(shlex.split(args.spec_server_args) if setting.method else [])]
+    own = shlex.split(args.server_args.replace("{setting}", slug(setting.name)))
+    server_args = ["--model_dir", str(args.model), "--host", "127.0.0.1", *own, *setting.flags(args, oracle)]
     server = ServerProcess(server_args, args.out_dir / f"server-{slug(setting.name)}.log", own_session=True,
                            cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=path),
                            preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--workload", choices=("controlled", "copy"), default="controlled", help="see above")
     add("--model", type=Path, default=None, help="model directory (default: the default model)")
-    add("--server-args", default="", help="flags for every server, one string")
-    add("--spec-server-args", default="", help="more flags for the servers with speculation on (e.g. --step_trace F)")
+    add("--server-args", default="", help="flags for every server, one string; {setting} in it is the setting's "
+        "name (e.g. --step_trace /tmp/steps-{setting}.jsonl: a trace of each)")
     add("--loads", type=parse_loads, default=None,
         help="comma-separated (see above); default batch1@16,conc8,conc32,conc64,conc256 (copy: batch1,conc8)")
     add("--alphas", type=parse_alphas, default=parse_alphas("0,0.3,0.6,0.8,0.9"), help="controlled draft's alphas")
