@@ -274,6 +274,66 @@ def test_suffix_index_memory_a_cached_token():
     assert held / draft.cached_tokens < 800, f"{held / draft.cached_tokens:.0f} bytes a cached token"
 
 
+def index_content(draft, names):
+    """The index as {key: sorted (sequence's name, position)}: what it holds, whatever the order."""
+    return {key: sorted((names[id(seq)], end) for seq, end in draft._occurrences(key)) for key in draft._index}
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["start", "extend", "finish", "catch_up"]), st.integers(0, 5),
+                              st.lists(st.integers(0, 3), max_size=30)), max_size=40),
+       index_a_step=st.integers(1, 40), max_cached_tokens=st.sampled_from([20, 10_000]))
+def test_suffix_prompt_backlog_indexes_what_an_eager_index_holds(ops, index_a_step, max_cached_tokens):
+    """Prompts indexed a share a step (catch_up) hold, once the backlog is done, what indexing them
+    at their start holds: the same occurrences under every key, sequences evicted on the way (still
+    in the backlog or not) leaving none; no call indexes more than its share."""
+    eager = SuffixDraft(max_occurrences=10_000, max_cached_tokens=max_cached_tokens)
+    lazy = SuffixDraft(max_occurrences=10_000, max_cached_tokens=max_cached_tokens, index_a_step=index_a_step)
+    names, live, next_id = [{}, {}], set(), 0
+    for op, pick, tokens in ops:
+        target = sorted(live)[pick % len(live)] if live else None
+        if op == "start":
+            for draft, named in zip((eager, lazy), names):
+                draft.start(next_id, tokens)
+                named[id(draft._live[next_id])] = next_id
+            live.add(next_id)
+            next_id += 1
+        elif op == "extend" and target is not None:
+            eager.extend(target, tokens)
+            lazy.extend(target, tokens)
+        elif op == "finish" and target is not None:
+            eager.finish(target)
+            lazy.finish(target)
+            live.discard(target)
+        elif op == "catch_up":
+            assert lazy.catch_up() <= index_a_step
+    while lazy._backlog:
+        assert 0 < lazy.catch_up() <= index_a_step
+    assert lazy.cached_tokens == eager.cached_tokens
+    assert index_content(lazy, names[1]) == index_content(eager, names[0])
+
+
+def test_the_served_suffix_source_indexes_prompts_a_share_a_step():
+    """A wave of prompts costs the step they start in nothing: their tokens enter the index
+    PROMPT_INDEX_TOKENS_A_STEP a step, and a request proposes from its prompt once it is in."""
+    from lightllm.engine.spec.drafts import PROMPT_INDEX_TOKENS_A_STEP
+
+    draft = make_draft_source(SpeculativeConfig("suffix", num_speculative_tokens=4), vocab_size=50_000)
+    rng = random.Random(5)
+    block = rng.sample(range(40_000, 41_000), 20)
+    prompts = [[rng.randrange(30_000) for _ in range(700)] + block + [rng.randrange(30_000) for _ in range(5)] + block[:5]
+               for _ in range(3)]
+    for req_id, prompt in enumerate(prompts):
+        draft.start(req_id, prompt)
+    assert draft._index == {} and draft.propose(2, 4) == []
+    steps = 0
+    while draft._backlog:
+        assert draft.catch_up() == min(PROMPT_INDEX_TOKENS_A_STEP, sum(map(len, prompts)) - steps * PROMPT_INDEX_TOKENS_A_STEP)
+        steps += 1
+    assert steps == -(-sum(map(len, prompts)) // PROMPT_INDEX_TOKENS_A_STEP)
+    assert draft.propose(2, 4) == block[5:9]  # its own prompt's earlier block
+
+
 def test_suffix_bad_options():
     with pytest.raises(ValueError, match="min_match_len"):
         SuffixDraft(min_match_len=30, max_depth=24)

@@ -38,6 +38,9 @@ SuffixDraft (suffix decoding: Oliaro et al., 2024)
     deque a key, 1.1 KB with the n-grams as tuples). Two n-grams of one hash share a key: a match
     found through it continues another n-gram, a draft that verification rejects, never a wrong
     token; with 64-bit hashes that is about one lookup in 10^13 at the default bound.
+    Served, a prompt is not indexed as it starts but from a backlog, PROMPT_INDEX_TOKENS_A_STEP
+    tokens a step (`catch_up`), so that a wave of prompts does not hold the router for many steps'
+    time at once; a request's tokens that come while it waits there join it.
 
 ModelDraft (a draft model, an EAGLE-3 head, or the target's MTP layer)
     The workers run the draft model (spec/draft_runner.py) or the head (spec/eagle3_runner.py, mtp_runner.py);
@@ -75,7 +78,7 @@ def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None,
     if config.method == "ngram":
         return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
-        return SuffixDraft(**config.options)
+        return SuffixDraft(**{"index_a_step": PROMPT_INDEX_TOKENS_A_STEP, **config.options})
     if config.method in ("draft_model", "eagle3", "mtp"):  # the workers run the draft model or the head alike
         if drafter is None:
             raise ValueError(f"the {config.method} method needs workers that run the draft model")
@@ -142,6 +145,14 @@ class NgramDraft:
 class _Sequence:
     tokens: list[int]
     pooled: bool = False  # finished and in the pool: visible to every request
+    indexed: int = 0  # the positions whose n-grams before them are in the index: 0 .. indexed - 1
+
+
+# Prompt tokens the served suffix source indexes a step (SuffixDraft's index_a_step): at about
+# 2-3 us a token, a wave of 64 prompts of 400 tokens indexed at their admission holds the router
+# for 50-80 ms, a stall of several steps; spread over the steps after it, 1024 a step cost 2-3 ms
+# of the host's time, which the step on the device hides.
+PROMPT_INDEX_TOKENS_A_STEP = 1024
 
 
 _Occurrence = tuple[_Sequence, int]  # (sequence, index of the token after the n-gram)
@@ -152,45 +163,71 @@ class SuffixDraft:
     in its own tokens and in recently finished requests (see the module docstring)."""
 
     def __init__(self, *, max_depth: int = 24, min_match_len: int = 2, max_occurrences: int = 64,
-                 min_token_prob: float = 0.1, max_cached_tokens: int = 200_000):
+                 min_token_prob: float = 0.1, max_cached_tokens: int = 200_000, index_a_step: int = 0):
+        """index_a_step: 0, a prompt is indexed as it starts; n > 0, prompts wait in a backlog,
+        oldest first, and each `catch_up` (once a step) indexes up to n of their tokens: a request
+        proposes from its prompt once it is indexed."""
         if not 1 <= min_match_len <= max_depth:
             raise ValueError(f"suffix draft: need 1 <= min_match_len <= max_depth, got {min_match_len}, {max_depth}")
-        if max_occurrences < 1 or max_cached_tokens < 0 or not 0 <= min_token_prob <= 1:
-            raise ValueError("suffix draft: max_occurrences >= 1, max_cached_tokens >= 0, min_token_prob in [0, 1]")
-        self.max_depth, self.max_occurrences = max_depth, max_occurrences
+        if max_occurrences < 1 or max_cached_tokens < 0 or not 0 <= min_token_prob <= 1 or index_a_step < 0:
+            raise ValueError("suffix draft: max_occurrences >= 1, max_cached_tokens >= 0, min_token_prob in [0, 1], "
+                             "index_a_step >= 0")
+        self.max_depth, self.max_occurrences, self.index_a_step = max_depth, max_occurrences, index_a_step
         self.min_token_prob, self.max_cached_tokens = min_token_prob, max_cached_tokens
         self.key_lengths = _doubling(min_match_len, max_depth)
         # hash of an n-gram -> its one occurrence, or a deque of them (oldest first) once there are two
         self._index: dict[int, _Occurrence | deque[_Occurrence]] = {}
         self._live: dict[int, _Sequence] = {}
         self._pool: deque[_Sequence] = deque()  # oldest finished first
+        self._backlog: deque[_Sequence] = deque()  # sequences not yet indexed to their end, oldest first
         self.cached_tokens = 0  # tokens of the pooled sequences
 
     def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
         assert req_id not in self._live, f"request {req_id} started twice"
-        self._live[req_id] = _Sequence([])
-        self.extend(req_id, prompt_ids)
+        sequence = self._live[req_id] = _Sequence(list(prompt_ids))
+        if self.index_a_step:
+            if prompt_ids:
+                self._backlog.append(sequence)
+        else:
+            self._index_to(sequence, len(sequence.tokens))
 
     def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
         sequence = self._live[req_id]
-        for token in token_ids:
-            self._index_suffix(sequence)  # as in NgramDraft: the current suffix is never its own match
-            sequence.tokens.append(token)
+        behind = sequence.indexed < len(sequence.tokens)  # in the backlog: it indexes these too
+        sequence.tokens.extend(token_ids)
+        if not behind:
+            self._index_to(sequence, len(sequence.tokens))
 
-    def _index_suffix(self, sequence: _Sequence) -> None:
-        tokens, end = sequence.tokens, len(sequence.tokens)
-        index, occurrence = self._index, (sequence, end)  # one tuple for every ladder step
-        for n in self.key_lengths:
-            if n > end:
-                break
-            key = hash(tuple(tokens[end - n:]))
-            entries = index.get(key)
-            if entries is None:
-                index[key] = occurrence
-            elif type(entries) is tuple:
-                index[key] = deque((entries, occurrence), maxlen=self.max_occurrences)
-            else:
-                entries.append(occurrence)
+    def catch_up(self) -> int:
+        """Index up to index_a_step tokens of the backlog; the tokens indexed."""
+        budget = self.index_a_step
+        while budget > 0 and self._backlog:
+            sequence = self._backlog[0]
+            stop = min(len(sequence.tokens), sequence.indexed + budget)
+            budget -= stop - sequence.indexed
+            self._index_to(sequence, stop)
+            if stop == len(sequence.tokens):
+                self._backlog.popleft()
+        return self.index_a_step - budget
+
+    def _index_to(self, sequence: _Sequence, stop: int) -> None:
+        """Enter the n-grams before each position up to `stop` (as in NgramDraft, those before the end
+        enter with the next token: the current suffix is never its own match)."""
+        tokens, index, lengths = sequence.tokens, self._index, self.key_lengths
+        for end in range(sequence.indexed, stop):
+            occurrence = (sequence, end)  # one tuple for every ladder step
+            for n in lengths:
+                if n > end:
+                    break
+                key = hash(tuple(tokens[end - n:end]))
+                entries = index.get(key)
+                if entries is None:
+                    index[key] = occurrence
+                elif type(entries) is tuple:
+                    index[key] = deque((entries, occurrence), maxlen=self.max_occurrences)
+                else:
+                    entries.append(occurrence)
+        sequence.indexed = stop
 
     def _occurrences(self, key: int) -> Sequence[_Occurrence]:
         """The occurrences under `key`, oldest first."""
@@ -272,6 +309,8 @@ class SuffixDraft:
 
     def _evict(self, sequence: _Sequence) -> None:
         sequence.pooled = False
+        if sequence.indexed < len(sequence.tokens):
+            self._backlog.remove(sequence)
         self.cached_tokens -= len(sequence.tokens)
         for key in self._keys_of(sequence):
             kept = [entry for entry in self._occurrences(key) if entry[0] is not sequence]
@@ -283,9 +322,10 @@ class SuffixDraft:
                 self._index[key] = deque(kept, maxlen=self.max_occurrences)
 
     def _keys_of(self, sequence: _Sequence) -> set[int]:
-        """Every key _index_suffix entered for the sequence: the ladder n-grams followed by a token."""
+        """Every key _index_to entered for the sequence: the ladder n-grams before its indexed positions."""
         tokens = sequence.tokens
-        return {hash(tuple(tokens[end - n:end])) for end in range(1, len(tokens)) for n in self.key_lengths if n <= end}
+        return {hash(tuple(tokens[end - n:end])) for end in range(1, sequence.indexed) for n in self.key_lengths
+                if n <= end}
 
 
 # Tokens a proposal call catches the draft model up on at most, over all its requests (unless the
