@@ -283,54 +283,65 @@ def index_content(draft, names):
 @given(ops=st.lists(st.tuples(st.sampled_from(["start", "extend", "finish", "catch_up"]), st.integers(0, 5),
                               st.lists(st.integers(0, 3), max_size=30)), max_size=40),
        index_a_step=st.integers(1, 40), max_cached_tokens=st.sampled_from([20, 10_000]))
-def test_suffix_prompt_backlog_indexes_what_an_eager_index_holds(ops, index_a_step, max_cached_tokens):
+def test_prompt_backlog_indexes_what_an_eager_index_holds(ops, index_a_step, max_cached_tokens):
     """Prompts indexed a share a step (catch_up) hold, once the backlog is done, what indexing them
-    at their start holds: the same occurrences under every key, sequences evicted on the way (still
-    in the backlog or not) leaving none; no call indexes more than its share."""
-    eager = SuffixDraft(max_occurrences=10_000, max_cached_tokens=max_cached_tokens)
-    lazy = SuffixDraft(max_occurrences=10_000, max_cached_tokens=max_cached_tokens, index_a_step=index_a_step)
+    at their start holds: prompt lookup's positions exactly, and the suffix index the same
+    occurrences under every key, sequences evicted on the way (in the backlog or not) leaving
+    none; no call indexes more than its share."""
+    suffix = [SuffixDraft(max_occurrences=10_000, max_cached_tokens=max_cached_tokens, **extra)
+              for extra in ({}, {"index_a_step": index_a_step})]
+    ngram = [NgramDraft(2, 4), NgramDraft(2, 4, index_a_step)]
     names, live, next_id = [{}, {}], set(), 0
     for op, pick, tokens in ops:
         target = sorted(live)[pick % len(live)] if live else None
         if op == "start":
-            for draft, named in zip((eager, lazy), names):
+            for draft, named in zip(suffix, names):
                 draft.start(next_id, tokens)
                 named[id(draft._live[next_id])] = next_id
+            for draft in ngram:
+                draft.start(next_id, tokens)
             live.add(next_id)
             next_id += 1
         elif op == "extend" and target is not None:
-            eager.extend(target, tokens)
-            lazy.extend(target, tokens)
+            for draft in suffix + ngram:
+                draft.extend(target, tokens)
         elif op == "finish" and target is not None:
-            eager.finish(target)
-            lazy.finish(target)
+            state = ngram[1]._requests[target]
+            for draft in suffix + ngram:
+                draft.finish(target)
+            assert state not in ngram[1]._backlog._sequences  # its tokens are no one's now
             live.discard(target)
         elif op == "catch_up":
-            assert lazy.catch_up() <= index_a_step
-    while lazy._backlog:
-        assert 0 < lazy.catch_up() <= index_a_step
-    assert lazy.cached_tokens == eager.cached_tokens
-    assert index_content(lazy, names[1]) == index_content(eager, names[0])
+            assert suffix[1].catch_up() <= index_a_step and ngram[1].catch_up() <= index_a_step
+    for draft in (suffix[1], ngram[1]):
+        while draft._backlog:
+            assert 0 < draft.catch_up() <= index_a_step
+    assert suffix[1].cached_tokens == suffix[0].cached_tokens
+    assert index_content(suffix[1], names[1]) == index_content(suffix[0], names[0])
+    for req_id in live:
+        assert ngram[1]._requests[req_id].next_position == ngram[0]._requests[req_id].next_position
+        assert ngram[1].propose(req_id, 4) == ngram[0].propose(req_id, 4)
 
 
-def test_the_served_suffix_source_indexes_prompts_a_share_a_step():
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_the_served_sources_index_prompts_a_share_a_step(method):
     """A wave of prompts costs the step they start in nothing: their tokens enter the index
     PROMPT_INDEX_TOKENS_A_STEP a step, and a request proposes from its prompt once it is in."""
     from lightllm.engine.spec.drafts import PROMPT_INDEX_TOKENS_A_STEP
 
-    draft = make_draft_source(SpeculativeConfig("suffix", num_speculative_tokens=4), vocab_size=50_000)
+    draft = make_draft_source(SpeculativeConfig(method, num_speculative_tokens=4), vocab_size=50_000)
     rng = random.Random(5)
     block = rng.sample(range(40_000, 41_000), 20)
     prompts = [[rng.randrange(30_000) for _ in range(700)] + block + [rng.randrange(30_000) for _ in range(5)] + block[:5]
                for _ in range(3)]
     for req_id, prompt in enumerate(prompts):
         draft.start(req_id, prompt)
-    assert draft._index == {} and draft.propose(2, 4) == []
-    steps = 0
+    assert draft.propose(2, 4) == []
+    total, steps = sum(map(len, prompts)), 0
     while draft._backlog:
-        assert draft.catch_up() == min(PROMPT_INDEX_TOKENS_A_STEP, sum(map(len, prompts)) - steps * PROMPT_INDEX_TOKENS_A_STEP)
+        assert draft.catch_up() == min(PROMPT_INDEX_TOKENS_A_STEP, total - steps * PROMPT_INDEX_TOKENS_A_STEP)
         steps += 1
-    assert steps == -(-sum(map(len, prompts)) // PROMPT_INDEX_TOKENS_A_STEP)
+    assert steps == -(-total // PROMPT_INDEX_TOKENS_A_STEP)
     assert draft.propose(2, 4) == block[5:9]  # its own prompt's earlier block
 
 

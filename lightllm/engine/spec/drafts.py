@@ -38,9 +38,10 @@ SuffixDraft (suffix decoding: Oliaro et al., 2024)
     deque a key, 1.1 KB with the n-grams as tuples). Two n-grams of one hash share a key: a match
     found through it continues another n-gram, a draft that verification rejects, never a wrong
     token; with 64-bit hashes that is about one lookup in 10^13 at the default bound.
-    Served, a prompt is not indexed as it starts but from a backlog, PROMPT_INDEX_TOKENS_A_STEP
-    tokens a step (`catch_up`), so that a wave of prompts does not hold the router for many steps'
-    time at once; a request's tokens that come while it waits there join it.
+
+Served, both index a prompt not as it starts but from a backlog, PROMPT_INDEX_TOKENS_A_STEP tokens
+a step (`catch_up`), so that a wave of prompts does not hold the router for many steps' time at
+once; a request's tokens that come while it waits there join it, and it proposes from what is in.
 
 ModelDraft (a draft model, an EAGLE-3 head, or the target's MTP layer)
     The workers run the draft model (spec/draft_runner.py) or the head (spec/eagle3_runner.py, mtp_runner.py);
@@ -76,7 +77,7 @@ def make_draft_source(config: SpeculativeConfig, vocab_size: int, drafter=None,
     most tokens one call catches its KV up on (the largest prompt step the KV budget was sized
     beside; 0: CATCH_UP_TOKENS)."""
     if config.method == "ngram":
-        return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max, PROMPT_INDEX_TOKENS_A_STEP)
     if config.method == "suffix":
         return SuffixDraft(**{"index_a_step": PROMPT_INDEX_TOKENS_A_STEP, **config.options})
     if config.method in ("draft_model", "eagle3", "mtp"):  # the workers run the draft model or the head alike
@@ -96,37 +97,94 @@ def copy_forward(tokens: list[int], start: int, k: int) -> list[int]:
     return [tokens[start + j % period] for j in range(k)]
 
 
-@dataclass
+# Prompt tokens a served host source (NgramDraft, SuffixDraft) indexes a step, its `index_a_step`:
+# at about 2-3 us a token, a wave of 64 prompts of 400 tokens indexed at their admission holds the
+# router for 50-80 ms, a stall of several steps; spread over the steps after it, 1024 a step cost
+# 2-3 ms of the host's time, which the step on the device hides.
+PROMPT_INDEX_TOKENS_A_STEP = 1024
+
+
+class _Backlog:
+    """A source's sequences (each with `tokens` and `indexed`, the positions in its index) not yet
+    indexed to their end, oldest first: `catch_up`, once a step, indexes up to `share` of their
+    tokens. share 0: there is no backlog, a sequence is indexed as its tokens come."""
+
+    def __init__(self, share: int, index_to):
+        if share < 0:
+            raise ValueError(f"index_a_step must be >= 0, got {share}")
+        self.share, self._index_to, self._sequences = share, index_to, deque()
+
+    def start(self, sequence) -> None:
+        """A new sequence with its prompt: into the backlog (or indexed now, without one)."""
+        if not self.share:
+            self._index_to(sequence, len(sequence.tokens))
+        elif sequence.tokens:
+            self._sequences.append(sequence)
+
+    def extend(self, sequence, token_ids: Sequence[int]) -> None:
+        """Tokens that came: indexed now, unless the sequence waits in the backlog (it takes them too)."""
+        behind = sequence.indexed < len(sequence.tokens)
+        sequence.tokens.extend(token_ids)
+        if not behind:
+            self._index_to(sequence, len(sequence.tokens))
+
+    def drop(self, sequence) -> None:
+        if sequence.indexed < len(sequence.tokens):
+            self._sequences.remove(sequence)
+
+    def __bool__(self) -> bool:
+        return bool(self._sequences)
+
+    def catch_up(self) -> int:
+        """Index up to `share` tokens of the backlog; the tokens indexed."""
+        budget = self.share
+        while budget > 0 and self._sequences:
+            sequence = self._sequences[0]
+            stop = min(len(sequence.tokens), sequence.indexed + budget)
+            budget -= stop - sequence.indexed
+            self._index_to(sequence, stop)
+            if stop == len(sequence.tokens):
+                self._sequences.popleft()
+        return self.share - budget
+
+
+@dataclass(eq=False)
 class _NgramState:
     tokens: list[int] = field(default_factory=list)
     # hash of an n-gram -> index after its latest earlier occurrence
     next_position: dict[int, int] = field(default_factory=dict)
+    indexed: int = 0  # the positions whose n-grams before them are in next_position: 0 .. indexed - 1
 
 
 class NgramDraft:
     """Prompt lookup: continue the longest n-gram ending the request from where it last occurred."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 5):
+    def __init__(self, min_n: int = 2, max_n: int = 5, index_a_step: int = 0):
+        """index_a_step: 0, a prompt is indexed as it starts; n > 0, prompts wait in a backlog that
+        each `catch_up` (once a step) indexes n tokens of, oldest first."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram draft: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self._requests: dict[int, _NgramState] = {}
+        self._backlog = _Backlog(index_a_step, self._index_to)
+        self.catch_up = self._backlog.catch_up
 
     def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
         assert req_id not in self._requests, f"request {req_id} started twice"
-        self._requests[req_id] = _NgramState()
-        self.extend(req_id, prompt_ids)
+        self._requests[req_id] = state = _NgramState(list(prompt_ids))
+        self._backlog.start(state)
 
     def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
-        state = self._requests[req_id]
-        for token in token_ids:
-            self._index_suffix(state)  # the suffix's n-grams become earlier occurrences, followed by `token`
-            state.tokens.append(token)
+        self._backlog.extend(self._requests[req_id], token_ids)
 
-    def _index_suffix(self, state: _NgramState) -> None:
-        tokens, end = state.tokens, len(state.tokens)
-        for n in range(self.min_n, min(self.max_n, end) + 1):
-            state.next_position[hash(tuple(tokens[end - n:]))] = end
+    def _index_to(self, state: _NgramState, stop: int) -> None:
+        """Enter the n-grams before each position up to `stop`: the n-grams ending the tokens enter
+        only with the token after them, as earlier occurrences followed by it."""
+        tokens, positions = state.tokens, state.next_position
+        for end in range(state.indexed, stop):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                positions[hash(tuple(tokens[end - n:end]))] = end
+        state.indexed = stop
 
     def propose(self, req_id: int, k: int) -> list[int]:
         state = self._requests[req_id]
@@ -138,7 +196,9 @@ class NgramDraft:
         return []
 
     def finish(self, req_id: int) -> None:
-        self._requests.pop(req_id, None)  # a request may be finished twice (abort after its end)
+        state = self._requests.pop(req_id, None)  # a request may be finished twice (abort after its end)
+        if state is not None:
+            self._backlog.drop(state)
 
 
 @dataclass(eq=False)  # identity: the index tells sequences apart by object
@@ -147,12 +207,6 @@ class _Sequence:
     pooled: bool = False  # finished and in the pool: visible to every request
     indexed: int = 0  # the positions whose n-grams before them are in the index: 0 .. indexed - 1
 
-
-# Prompt tokens the served suffix source indexes a step (SuffixDraft's index_a_step): at about
-# 2-3 us a token, a wave of 64 prompts of 400 tokens indexed at their admission holds the router
-# for 50-80 ms, a stall of several steps; spread over the steps after it, 1024 a step cost 2-3 ms
-# of the host's time, which the step on the device hides.
-PROMPT_INDEX_TOKENS_A_STEP = 1024
 
 
 _Occurrence = tuple[_Sequence, int]  # (sequence, index of the token after the n-gram)
@@ -169,46 +223,26 @@ class SuffixDraft:
         proposes from its prompt once it is indexed."""
         if not 1 <= min_match_len <= max_depth:
             raise ValueError(f"suffix draft: need 1 <= min_match_len <= max_depth, got {min_match_len}, {max_depth}")
-        if max_occurrences < 1 or max_cached_tokens < 0 or not 0 <= min_token_prob <= 1 or index_a_step < 0:
-            raise ValueError("suffix draft: max_occurrences >= 1, max_cached_tokens >= 0, min_token_prob in [0, 1], "
-                             "index_a_step >= 0")
-        self.max_depth, self.max_occurrences, self.index_a_step = max_depth, max_occurrences, index_a_step
+        if max_occurrences < 1 or max_cached_tokens < 0 or not 0 <= min_token_prob <= 1:
+            raise ValueError("suffix draft: max_occurrences >= 1, max_cached_tokens >= 0, min_token_prob in [0, 1]")
+        self.max_depth, self.max_occurrences = max_depth, max_occurrences
         self.min_token_prob, self.max_cached_tokens = min_token_prob, max_cached_tokens
         self.key_lengths = _doubling(min_match_len, max_depth)
         # hash of an n-gram -> its one occurrence, or a deque of them (oldest first) once there are two
         self._index: dict[int, _Occurrence | deque[_Occurrence]] = {}
         self._live: dict[int, _Sequence] = {}
         self._pool: deque[_Sequence] = deque()  # oldest finished first
-        self._backlog: deque[_Sequence] = deque()  # sequences not yet indexed to their end, oldest first
+        self._backlog = _Backlog(index_a_step, self._index_to)
+        self.catch_up = self._backlog.catch_up
         self.cached_tokens = 0  # tokens of the pooled sequences
 
     def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
         assert req_id not in self._live, f"request {req_id} started twice"
-        sequence = self._live[req_id] = _Sequence(list(prompt_ids))
-        if self.index_a_step:
-            if prompt_ids:
-                self._backlog.append(sequence)
-        else:
-            self._index_to(sequence, len(sequence.tokens))
+        self._live[req_id] = sequence = _Sequence(list(prompt_ids))
+        self._backlog.start(sequence)
 
     def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
-        sequence = self._live[req_id]
-        behind = sequence.indexed < len(sequence.tokens)  # in the backlog: it indexes these too
-        sequence.tokens.extend(token_ids)
-        if not behind:
-            self._index_to(sequence, len(sequence.tokens))
-
-    def catch_up(self) -> int:
-        """Index up to index_a_step tokens of the backlog; the tokens indexed."""
-        budget = self.index_a_step
-        while budget > 0 and self._backlog:
-            sequence = self._backlog[0]
-            stop = min(len(sequence.tokens), sequence.indexed + budget)
-            budget -= stop - sequence.indexed
-            self._index_to(sequence, stop)
-            if stop == len(sequence.tokens):
-                self._backlog.popleft()
-        return self.index_a_step - budget
+        self._backlog.extend(self._live[req_id], token_ids)
 
     def _index_to(self, sequence: _Sequence, stop: int) -> None:
         """Enter the n-grams before each position up to `stop` (as in NgramDraft, those before the end
@@ -309,8 +343,7 @@ class SuffixDraft:
 
     def _evict(self, sequence: _Sequence) -> None:
         sequence.pooled = False
-        if sequence.indexed < len(sequence.tokens):
-            self._backlog.remove(sequence)
+        self._backlog.drop(sequence)
         self.cached_tokens -= len(sequence.tokens)
         for key in self._keys_of(sequence):
             kept = [entry for entry in self._occurrences(key) if entry[0] is not sequence]
