@@ -282,12 +282,12 @@ def index_content(draft, names):
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["start", "extend", "finish", "catch_up"]), st.integers(0, 5),
                               st.lists(st.integers(0, 3), max_size=30)), max_size=40),
-       index_a_step=st.integers(1, 40), max_cached_tokens=st.sampled_from([20, 10_000]))
+       index_a_step=st.integers(1, 40), max_cached_tokens=st.sampled_from([20, 200, 10_000]))
 def test_prompt_backlog_indexes_what_an_eager_index_holds(ops, index_a_step, max_cached_tokens):
-    """Prompts indexed a share a step (catch_up) hold, once the backlog is done, what indexing them
-    at their start holds: prompt lookup's positions exactly, and the suffix index the same
-    occurrences under every key, sequences evicted on the way (in the backlog or not) leaving
-    none; no call indexes more than its share."""
+    """Prompts indexed and evicted sequences' entries removed a share a step (catch_up) hold, once
+    the backlogs are done, what doing both at once holds: prompt lookup's positions exactly, and
+    the suffix index the same occurrences under every key, sequences evicted on the way (in the
+    backlog or not) leaving none; no call does more than its share."""
     suffix = [SuffixDraft(max_occurrences=10_000, max_cached_tokens=max_cached_tokens, **extra)
               for extra in ({}, {"index_a_step": index_a_step})]
     ngram = [NgramDraft(2, 4), NgramDraft(2, 4, index_a_step)]
@@ -314,8 +314,10 @@ def test_prompt_backlog_indexes_what_an_eager_index_holds(ops, index_a_step, max
         elif op == "catch_up":
             assert suffix[1].catch_up() <= index_a_step and ngram[1].catch_up() <= index_a_step
     for draft in (suffix[1], ngram[1]):
-        while draft._backlog:
-            assert 0 < draft.catch_up() <= index_a_step
+        while done := draft.catch_up():
+            assert done <= index_a_step
+        assert not draft._backlog
+    assert not suffix[1]._evicted
     assert suffix[1].cached_tokens == suffix[0].cached_tokens
     assert index_content(suffix[1], names[1]) == index_content(suffix[0], names[0])
     for req_id in live:
@@ -343,6 +345,38 @@ def test_the_served_sources_index_prompts_a_share_a_step(method):
         steps += 1
     assert steps == -(-total // PROMPT_INDEX_TOKENS_A_STEP)
     assert draft.propose(2, 4) == block[5:9]  # its own prompt's earlier block
+
+
+def test_suffix_evicted_entries_leave_a_share_a_step():
+    """An evicted sequence is invisible at once; its entries leave the index a share a step, or all at
+    once when those waiting reach half the bound."""
+    rng = random.Random(6)
+    draft = SuffixDraft(max_cached_tokens=3_000, index_a_step=500)
+    sequences = [rng.sample(range(10_000 * i, 10_000 * (i + 1)), 1_000) for i in range(5)]  # no token shared
+
+    def entries_of(sequence):
+        return sum(seq.tokens == sequence for key in draft._index for seq, _ in draft._occurrences(key))
+
+    for req_id, tokens in enumerate(sequences[:4]):
+        draft.start(req_id, tokens)
+        while draft.catch_up():
+            pass
+        draft.finish(req_id)  # the fourth puts the pool over its bound: the first is evicted
+    assert draft.cached_tokens == 3_000 and entries_of(sequences[0]) > 0
+    draft.start(10, sequences[0][:5])
+    assert draft.propose(10, 4) == []  # invisible while its entries wait
+    assert draft.catch_up() == 500 and entries_of(sequences[0]) > 0
+    assert draft.catch_up() == 500 and entries_of(sequences[0]) == 0
+    assert draft.catch_up() == 5  # then request 10's prompt
+    draft.start(11, rng.sample(range(100_000, 110_000), 2_000))
+    draft.start(4, sequences[4])
+    while draft.catch_up():
+        pass
+    draft.finish(4)  # evicts the second, its entries to leave a share a step
+    assert entries_of(sequences[1]) > 0
+    draft.finish(11)  # evicts the third and fourth: those waiting pass half the bound with the third
+    assert entries_of(sequences[1]) == entries_of(sequences[2]) == 0 and entries_of(sequences[3]) > 0
+    assert [seq.tokens for seq in draft._evicted] == [sequences[3]]
 
 
 def test_suffix_bad_options():

@@ -135,9 +135,9 @@ class _Backlog:
     def __bool__(self) -> bool:
         return bool(self._sequences)
 
-    def catch_up(self) -> int:
-        """Index up to `share` tokens of the backlog; the tokens indexed."""
-        budget = self.share
+    def catch_up(self, budget: int | None = None) -> int:
+        """Index up to `budget` (default `share`) tokens of the backlog; the tokens indexed."""
+        budget = start = self.share if budget is None else budget
         while budget > 0 and self._sequences:
             sequence = self._sequences[0]
             stop = min(len(sequence.tokens), sequence.indexed + budget)
@@ -145,7 +145,7 @@ class _Backlog:
             self._index_to(sequence, stop)
             if stop == len(sequence.tokens):
                 self._sequences.popleft()
-        return self.share - budget
+        return start - budget
 
 
 @dataclass(eq=False)
@@ -206,6 +206,7 @@ class _Sequence:
     tokens: list[int]
     pooled: bool = False  # finished and in the pool: visible to every request
     indexed: int = 0  # the positions whose n-grams before them are in the index: 0 .. indexed - 1
+    removed: int = 0  # evicted: the positions whose entries are out of the index again: 0 .. removed - 1
 
 
 
@@ -218,9 +219,10 @@ class SuffixDraft:
 
     def __init__(self, *, max_depth: int = 24, min_match_len: int = 2, max_occurrences: int = 64,
                  min_token_prob: float = 0.1, max_cached_tokens: int = 200_000, index_a_step: int = 0):
-        """index_a_step: 0, a prompt is indexed as it starts; n > 0, prompts wait in a backlog,
-        oldest first, and each `catch_up` (once a step) indexes up to n of their tokens: a request
-        proposes from its prompt once it is indexed."""
+        """index_a_step: 0, a prompt is indexed as it starts and an evicted sequence's entries leave
+        the index at once; n > 0, prompts wait in a backlog, oldest first, and so do evicted
+        sequences' entries (the sequences are invisible meanwhile), each `catch_up` (once a step)
+        doing n tokens' worth of both: a request proposes from its prompt once it is indexed."""
         if not 1 <= min_match_len <= max_depth:
             raise ValueError(f"suffix draft: need 1 <= min_match_len <= max_depth, got {min_match_len}, {max_depth}")
         if max_occurrences < 1 or max_cached_tokens < 0 or not 0 <= min_token_prob <= 1:
@@ -233,7 +235,8 @@ class SuffixDraft:
         self._live: dict[int, _Sequence] = {}
         self._pool: deque[_Sequence] = deque()  # oldest finished first
         self._backlog = _Backlog(index_a_step, self._index_to)
-        self.catch_up = self._backlog.catch_up
+        self._evicted: deque[_Sequence] = deque()  # whose entries are still to remove, oldest first
+        self._evicted_tokens = 0  # their entries' positions still in the index
         self.cached_tokens = 0  # tokens of the pooled sequences
 
     def start(self, req_id: int, prompt_ids: Sequence[int]) -> None:
@@ -243,6 +246,14 @@ class SuffixDraft:
 
     def extend(self, req_id: int, token_ids: Sequence[int]) -> None:
         self._backlog.extend(self._live[req_id], token_ids)
+
+    def catch_up(self) -> int:
+        """Up to index_a_step tokens' worth of removing evicted sequences' entries, then of indexing
+        prompts; the tokens done."""
+        budget = share = self._backlog.share
+        while budget > 0 and self._evicted:
+            budget -= self._remove_some(budget)
+        return share - budget + self._backlog.catch_up(budget)
 
     def _index_to(self, sequence: _Sequence, stop: int) -> None:
         """Enter the n-grams before each position up to `stop` (as in NgramDraft, those before the end
@@ -342,23 +353,44 @@ class SuffixDraft:
             self._evict(self._pool.popleft())
 
     def _evict(self, sequence: _Sequence) -> None:
+        """Out of the pool and invisible at once; its entries leave the index now without a backlog,
+        else a share a step, unless those waiting to leave reach half the bound's worth."""
         sequence.pooled = False
         self._backlog.drop(sequence)
         self.cached_tokens -= len(sequence.tokens)
-        for key in self._keys_of(sequence):
-            kept = [entry for entry in self._occurrences(key) if entry[0] is not sequence]
-            if not kept:
-                self._index.pop(key, None)
-            elif len(kept) == 1:
-                self._index[key] = kept[0]
-            else:
-                self._index[key] = deque(kept, maxlen=self.max_occurrences)
+        self._evicted.append(sequence)
+        self._evicted_tokens += sequence.indexed
+        if not self._backlog.share or self._evicted_tokens > self.max_cached_tokens // 2:
+            while self._evicted:
+                self._remove_some(self._evicted_tokens)
 
-    def _keys_of(self, sequence: _Sequence) -> set[int]:
-        """Every key _index_to entered for the sequence: the ladder n-grams before its indexed positions."""
-        tokens = sequence.tokens
-        return {hash(tuple(tokens[end - n:end])) for end in range(1, sequence.indexed) for n in self.key_lengths
+    def _remove_some(self, budget: int) -> int:
+        """Remove up to `budget` positions' entries of the oldest evicted sequence; the positions done."""
+        sequence = self._evicted[0]
+        tokens, index, start = sequence.tokens, self._index, sequence.removed
+        stop = min(sequence.indexed, start + budget)
+        keys = {hash(tuple(tokens[end - n:end])) for end in range(max(start, 1), stop) for n in self.key_lengths
                 if n <= end}
+        for key in keys:  # every key _index_to entered for these positions
+            entries = index.get(key)
+            if entries is None:
+                continue
+            if type(entries) is tuple:  # one occurrence (most longer n-grams)
+                if entries[0] is sequence:
+                    del index[key]
+                continue
+            kept = [entry for entry in entries if entry[0] is not sequence]
+            if not kept:
+                del index[key]
+            elif len(kept) == 1:
+                index[key] = kept[0]
+            elif len(kept) < len(entries):
+                index[key] = deque(kept, maxlen=self.max_occurrences)
+        sequence.removed = stop
+        self._evicted_tokens -= stop - start
+        if stop == sequence.indexed:
+            self._evicted.popleft()
+        return stop - start
 
 
 # Tokens a proposal call catches the draft model up on at most, over all its requests (unless the
