@@ -68,8 +68,9 @@ SPEC_PROBE_ALPHA = 0.5
 SPEC_PROBE_MAX_GAP = 4096
 EXACT_BINS = 32  # step periods are kept per token count up to here, then in bins 1/8 apart
 # Shadow proposals a step makes at most (the rest wait for a later step): a proposal costs the
-# host 5-10 us, which at 256 requests a step came to 15% of an H200's throughput with every one.
-SHADOW_PROPOSALS_A_STEP = 32
+# host 5-20 us, which at 256 requests a step came to 15% of an H200's throughput with every one,
+# and 32 a step (0.5 ms) part of the 3% suffix drafts lost at 64 in flight on an H100.
+SHADOW_PROPOSALS_A_STEP = 16
 # Before any step with drafts is measured, one is assumed to cost this much more than a plain step
 # of as many tokens (its host time is not hidden): drafts must promise that much to be tried.
 UNMEASURED_SPEC_EXTRA = 0.25

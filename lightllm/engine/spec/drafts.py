@@ -97,11 +97,12 @@ def copy_forward(tokens: list[int], start: int, k: int) -> list[int]:
     return [tokens[start + j % period] for j in range(k)]
 
 
-# Prompt tokens a served host source (NgramDraft, SuffixDraft) indexes a step, its `index_a_step`:
-# at about 2-3 us a token, a wave of 64 prompts of 400 tokens indexed at their admission holds the
-# router for 50-80 ms, a stall of several steps; spread over the steps after it, 1024 a step cost
-# 2-3 ms of the host's time, which the step on the device hides.
-PROMPT_INDEX_TOKENS_A_STEP = 1024
+# Tokens a served host source (NgramDraft, SuffixDraft) indexes (or, suffix, removes) a step, its
+# `index_a_step`: at about 2-3 us a token, a wave of 64 prompts of 400 tokens indexed at their
+# admission held the router for 50-80 ms, a stall of several steps. Spread over the steps after it,
+# 256 a step cost about 0.6 ms of the host's time, which the step on the device hides (1024, 2-3 ms,
+# did not always: the host's work for a step of 64 decodes is most of a 7 ms step already).
+PROMPT_INDEX_TOKENS_A_STEP = 256
 
 
 class _Backlog:
