@@ -433,7 +433,7 @@ class Speculator:
         self._probe_gap = SPEC_PROBE_EVERY if self.shadows else 0
         self._probe = False  # the last allocation is a probe (the rates did not call for it)
         self._shadow_turn = 0  # where the next step's shadow proposals start among those due
-        self._index_prompts = getattr(self.source, "catch_up", None)  # a source's prompt backlog, a share a step
+        self._catch_up = getattr(self.source, "catch_up", None)  # a host source's backlog, a share a step
         # A draft model's proposal calls (device time, not part of the step's cost curve): their
         # model, and the seconds of the call the last plan made and of the one just made
         self.draft_cost = DraftCost()
@@ -470,10 +470,10 @@ class Speculator:
 
     def shadow_drafts(self, reqs: list[tuple[int, RequestSpec]]) -> None:
         """Once a step: new shadow drafts for requests whose last ones are used up, at most
-        SHADOW_PROPOSALS_A_STEP a step, taken in turns across steps; before them the source indexes
-        its share of the prompts waiting (SuffixDraft's index_a_step)."""
-        if self._index_prompts is not None:
-            self._index_prompts()
+        SHADOW_PROPOSALS_A_STEP a step, taken in turns across steps; before them the source does its
+        share of the work waiting (prompts to index, evicted entries to remove: index_a_step)."""
+        if self._catch_up is not None:
+            self._catch_up()
         if not self.shadows:
             return
         empty = [(req_id, spec) for req_id, spec in reqs if not spec.shadow]

@@ -42,6 +42,8 @@ SuffixDraft (suffix decoding: Oliaro et al., 2024)
 Served, both index a prompt not as it starts but from a backlog, PROMPT_INDEX_TOKENS_A_STEP tokens
 a step (`catch_up`), so that a wave of prompts does not hold the router for many steps' time at
 once; a request's tokens that come while it waits there join it, and it proposes from what is in.
+An evicted suffix sequence is invisible at once, and its entries leave the index from the same
+budget.
 
 ModelDraft (a draft model, an EAGLE-3 head, or the target's MTP layer)
     The workers run the draft model (spec/draft_runner.py) or the head (spec/eagle3_runner.py, mtp_runner.py);
@@ -208,7 +210,6 @@ class _Sequence:
     pooled: bool = False  # finished and in the pool: visible to every request
     indexed: int = 0  # the positions whose n-grams before them are in the index: 0 .. indexed - 1
     removed: int = 0  # evicted: the positions whose entries are out of the index again: 0 .. removed - 1
-
 
 
 _Occurrence = tuple[_Sequence, int]  # (sequence, index of the token after the n-gram)
