@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightllm.engine.plan import Chunk, StepPlan
-from lightllm.engine.request import SamplingParams
+from lightllm.engine.request import GenerateReq, SamplingParams
 from lightllm.engine.scheduler import peak_token_usage, peak_with_drafts
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.controller import Speculator
@@ -236,7 +236,7 @@ def test_the_step_in_flight_is_collected_only_for_a_step_with_drafts(tmp_path):
     the latest tokens), a wait the overlap would have hidden. The choice is made on the step the
     plan will make, prompt chunks included: here a step with a chunk has no measured cost near its
     size, so it runs plain, and collecting the chunk before it would be a bubble for nothing."""
-    from helpers.models import GenerateReq, assert_idle, hf_greedy, random_prompts
+    from helpers.models import assert_idle, hf_greedy, random_prompts
 
     from lightllm.engine.spec.controller import StepCosts
 
