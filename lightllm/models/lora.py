@@ -13,6 +13,14 @@ places each part's B in its own rank columns, so one shrink and one expand serve
 parts. Tensor parallel cuts as the layers do: a column-parallel layer keeps all of A and its
 rows of B, a row-parallel layer its columns of A and all of B (its output is a partial sum,
 added before the layer's all-reduce).
+
+A step of up to BESIDE_ROWS rows computes its adapters' share beside the base GEMM: `start` queues
+the shrink and expand into a zeroed fp32 delta on the pool's second CUDA stream before the caller
+queues the GEMM, and `finish` waits for it and adds it to the GEMM's output, so that the two LoRA
+launches of a projection group run while the GEMM does and one add stays in the step's path (in a
+CUDA graph the two streams are two branches). The delta holds exactly what the in-place expand
+adds (its fp32 sum, rounded once into the output). Larger steps, compute-bound and with a delta of
+up to a gigabyte at the MLP's width, take the in-place path (`__call__`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,11 @@ from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
 
-__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes"]
+__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "lora_delta", "module_shapes"]
+
+# The most rows a step's adapters are computed beside the base GEMM for (a delta of at most
+# BESIDE_ROWS x the widest projection in fp32: 29 MB at bench-8b's gate/up).
+BESIDE_ROWS = 256
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -47,6 +59,20 @@ class LoraAdapter:
 
     spec: AdapterSpec
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
+               stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """x's rows' adapter share, [T, out] fp32 (zero in rows of no adapter). With a stream (CUDA) it is
+    queued there after what the current stream holds so far, and runs beside what that stream takes
+    next: the current stream must wait for `stream` before it reads the delta."""
+    delta = torch.empty(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)  # the current stream's
+    if stream is None:
+        return lora_expand_(delta.zero_(), lora_shrink(x, a, seg), b, seg)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        lora_expand_(delta.zero_(), lora_shrink(x, a, seg), b, seg)
+    return delta
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -84,10 +110,27 @@ class LoraTarget:
             row += count
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (x's base output) plus the adapters' share, in place."""
         seg = self.pool.segments
         if seg is None:  # no row of the step has an adapter
             return y
         return lora_expand_(y, lora_shrink(x, self.a, seg), self.b, seg)
+
+    def start(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Call before queueing x's base GEMM: a small step's adapter share, begun beside it (None:
+        no adapter row, or a step `finish` adds to in place)."""
+        seg = self.pool.segments
+        if seg is None or x.shape[0] > BESIDE_ROWS:
+            return None
+        return lora_delta(x, self.a, self.b, seg, self.pool.stream)
+
+    def finish(self, delta: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (x's base output) plus the adapters' share, in place: `start`'s delta, or computed now."""
+        if delta is None:
+            return self(x, y)
+        if self.pool.stream is not None:
+            torch.cuda.current_stream(y.device).wait_stream(self.pool.stream)
+        return y.add_(delta)
 
 
 def _projections(layer) -> list:
@@ -107,6 +150,9 @@ class LoraSlots:
         if not model.serves_lora:  # its forward would never group a step's rows: adapters silently unused
             raise ValueError(f"LoRA adapters are not served for {type(model).__name__} yet (--max_loras 0)")
         self.num_slots = num_slots
+        # where small steps' adapter shares run beside the base GEMMs (LoraTarget.start); created here,
+        # not while a CUDA graph is captured
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.targets = []
         for layer in model.layers:
             for linear in _projections(layer):
