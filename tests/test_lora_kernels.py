@@ -119,39 +119,34 @@ def test_row_blocks_find_their_slot(case):
         torch.testing.assert_close(got, expected, **FP32_TOL)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="streams and CUDA graphs need a GPU")
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_share_computed_beside_the_gemm_equals_the_in_place_one(dtype, graph):
-    """models/lora.py's `lora_delta` (small steps: the share in fp32 on a second stream, added to the
-    GEMM's output once it is there) gives bit for bit what the in-place expand gives, rows of no
-    adapter untouched; on a GPU also inside a CUDA graph, the two streams its two branches."""
-    from lightllm.models.lora import lora_delta
+def test_a_shrink_beside_the_gemm_gives_the_in_place_result(dtype, graph):
+    """models/lora.py's `shrink_beside` (the shrink on a second stream while the base GEMM runs, the
+    expand after both) gives bit for bit what the shrink and expand after the GEMM give, rows of no
+    adapter untouched; also inside a CUDA graph, the two streams its two branches."""
+    from lightllm.models.lora import shrink_beside
 
-    if graph and DEVICE == "cpu":
-        pytest.skip("CUDA graphs need a GPU")
     slots, x, a, b, y = mixed_batch(37, 3, 8, 64, 40, dtype)
     w = torch.randn(40, 64, device=DEVICE).to(dtype)
     seg = lora_segments(slots, 3)
-    expand, shrink = (lora_expand_triton, lora_shrink_triton) if DEVICE == "cuda" else (lora_expand_ref, lora_shrink_ref)
-    expected = expand(x @ w.T, shrink(x, a, seg), b, seg)
-    stream = torch.cuda.Stream() if DEVICE == "cuda" else None
+    expected = lora_expand_triton(x @ w.T, lora_shrink_triton(x, a, seg), b, seg)
+    stream = torch.cuda.Stream()
 
     def beside():
-        delta = lora_delta(x, a, b, seg, stream)
-        y.copy_(x @ w.T)  # the base GEMM, queued after the delta's work
-        if stream is not None:
-            torch.cuda.current_stream().wait_stream(stream)
-        return y.add_(delta)
+        s = shrink_beside(x, a, seg, stream)
+        torch.matmul(x, w.T, out=y)  # the base GEMM, queued after the shrink
+        torch.cuda.current_stream().wait_stream(stream)
+        lora_expand_triton(y, s, b, seg)
 
+    beside()  # eager, and the warm-up of a capture: Triton compiles outside it
     if graph:
-        beside()  # warm-up: Triton compiles outside the capture
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             beside()
         y.zero_()
         captured.replay()
-        torch.cuda.synchronize()
-    else:
-        beside()
+    torch.cuda.synchronize()
     assert torch.equal(y, expected)
     assert torch.equal(y[slots < 0], (x @ w.T)[slots < 0])

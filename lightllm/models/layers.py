@@ -126,8 +126,8 @@ class ColumnParallelLinear:
         if self.fp8 is None:
             if self.lora is None:
                 return F.linear(x, self.weight, self.bias)
-            delta = self.lora.start(x)  # before the GEMM: it runs beside it
-            return self.lora.finish(delta, x, F.linear(x, self.weight, self.bias))
+            s = self.lora.start(x)  # the adapters' shrink, queued before the GEMM: it runs beside it
+            return self.lora.finish(s, F.linear(x, self.weight, self.bias))
         return _add_bias(self.fp8(x), self.bias)
 
 
@@ -189,7 +189,7 @@ class RowParallelLinear:
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        delta = self.lora.start(x) if self.lora is not None else None  # before the GEMM: it runs beside it
+        s = self.lora.start(x) if self.lora is not None else None  # the adapters' shrink, beside the GEMM
         if (self.split_sum and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLIT_SUM_ROWS and x.is_contiguous()
                 and x.dtype == self.weight_t.dtype == torch.bfloat16):
             rows, k = x.shape
@@ -197,11 +197,11 @@ class RowParallelLinear:
             y = torch.bmm(x.view(rows, parts, k // parts).transpose(0, 1),
                           self.weight_t.view(parts, k // parts, -1), out_dtype=torch.float32)
             if self.lora is not None:
-                self.lora.finish(delta, x, y[0])  # the adapter's share, added to the first partial sum in place
+                self.lora.finish(s, y[0])  # the adapter's share, added to the first partial sum in place
             return y
         y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
         if self.lora is not None:
-            y = self.lora.finish(delta, x, y)
+            y = self.lora.finish(s, y)
         if not self.reduce_output:
             return y
         return _add_bias(self.tp.all_reduce(y), self.bias)

@@ -14,13 +14,12 @@ parts. Tensor parallel cuts as the layers do: a column-parallel layer keeps all 
 rows of B, a row-parallel layer its columns of A and all of B (its output is a partial sum,
 added before the layer's all-reduce).
 
-A step of up to BESIDE_ROWS rows computes its adapters' share beside the base GEMM: `start` queues
-the shrink and expand into a zeroed fp32 delta on the pool's second CUDA stream before the caller
-queues the GEMM, and `finish` waits for it and adds it to the GEMM's output, so that the two LoRA
-launches of a projection group run while the GEMM does and one add stays in the step's path (in a
-CUDA graph the two streams are two branches). The delta holds exactly what the in-place expand
-adds (its fp32 sum, rounded once into the output). Larger steps, compute-bound and with a delta of
-up to a gigabyte at the MLP's width, take the in-place path (`__call__`).
+Each projection group's shrink runs beside its base GEMM: `start` queues it on the pool's second
+CUDA stream before the caller queues the GEMM (it reads only x), and `finish` has the expand, which
+adds to the GEMM's output in place, wait for both; in a CUDA graph the two streams are two
+branches. A decode step then has one LoRA launch a projection group in its path instead of two.
+(Computing the expand beside the GEMM too, into a zeroed fp32 delta added afterwards, took as much
+off at one row and added 50-100% to the LoRA work at 16-256 rows: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -36,11 +35,7 @@ from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
 
-__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "lora_delta", "module_shapes"]
-
-# The most rows a step's adapters are computed beside the base GEMM for (a delta of at most
-# BESIDE_ROWS x the widest projection in fp32: 29 MB at bench-8b's gate/up).
-BESIDE_ROWS = 256
+__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", "shrink_beside"]
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -61,18 +56,18 @@ class LoraAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
-               stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """x's rows' adapter share, [T, out] fp32 (zero in rows of no adapter). With a stream (CUDA) it is
-    queued there after what the current stream holds so far, and runs beside what that stream takes
-    next: the current stream must wait for `stream` before it reads the delta."""
-    delta = torch.empty(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)  # the current stream's
+def shrink_beside(x: torch.Tensor, a: torch.Tensor, seg: Segments, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """lora_shrink(x, a, seg); with a stream (CUDA), queued there after what the current stream holds
+    so far, to run beside what that stream takes next: the current stream must wait for `stream`
+    before it reads the result."""
     if stream is None:
-        return lora_expand_(delta.zero_(), lora_shrink(x, a, seg), b, seg)
-    stream.wait_stream(torch.cuda.current_stream(x.device))
+        return lora_shrink(x, a, seg)
+    current = torch.cuda.current_stream(x.device)
+    stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        lora_expand_(delta.zero_(), lora_shrink(x, a, seg), b, seg)
-    return delta
+        s = lora_shrink(x, a, seg)
+    s.record_stream(current)  # its memory is not handed out again before the current stream's reads end
+    return s
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -109,28 +104,19 @@ class LoraTarget:
                 self.b[slot, row: row + count, first: first + r] = b[start: start + count]
             row += count
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (x's base output) plus the adapters' share, in place."""
-        seg = self.pool.segments
-        if seg is None:  # no row of the step has an adapter
-            return y
-        return lora_expand_(y, lora_shrink(x, self.a, seg), self.b, seg)
-
     def start(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Call before queueing x's base GEMM: a small step's adapter share, begun beside it (None:
-        no adapter row, or a step `finish` adds to in place)."""
+        """Call before queueing x's base GEMM: the shrink, begun beside it (None: no row of the step
+        has an adapter)."""
         seg = self.pool.segments
-        if seg is None or x.shape[0] > BESIDE_ROWS:
-            return None
-        return lora_delta(x, self.a, self.b, seg, self.pool.stream)
+        return None if seg is None else shrink_beside(x, self.a, seg, self.pool.stream)
 
-    def finish(self, delta: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (x's base output) plus the adapters' share, in place: `start`'s delta, or computed now."""
-        if delta is None:
-            return self(x, y)
+    def finish(self, s: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        """y (x's base output) plus the adapters' share, in place, from `start`'s shrink."""
+        if s is None:
+            return y
         if self.pool.stream is not None:
             torch.cuda.current_stream(y.device).wait_stream(self.pool.stream)
-        return y.add_(delta)
+        return lora_expand_(y, s, self.b, self.pool.segments)
 
 
 def _projections(layer) -> list:
@@ -150,7 +136,7 @@ class LoraSlots:
         if not model.serves_lora:  # its forward would never group a step's rows: adapters silently unused
             raise ValueError(f"LoRA adapters are not served for {type(model).__name__} yet (--max_loras 0)")
         self.num_slots = num_slots
-        # where small steps' adapter shares run beside the base GEMMs (LoraTarget.start); created here,
+        # where the shrinks run beside the base GEMMs (LoraTarget.start); created here,
         # not while a CUDA graph is captured
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.targets = []

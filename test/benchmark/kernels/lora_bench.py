@@ -12,10 +12,9 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   over the measured copy bandwidth;
 - base: the same projections' base GEMMs (cuBLAS, bf16) in the same kind of graph, so that
   `LoRA / base` is the share the adapters add to those GEMMs;
-- in turn, beside: the base GEMMs with the LoRA work, each group's shrink and expand after its GEMM
-  (in place, as steps of more than BESIDE_ROWS rows run), or beside it (models/lora.py's
-  `lora_delta` on a second stream, then one add, as smaller steps run); "added" is what each adds to
-  the base GEMMs' time.
+- in turn, beside: the base GEMMs with the LoRA work, each group's shrink and expand after its GEMM,
+  or its shrink beside it (models/lora.py's `shrink_beside`, on a second stream, as the model runs
+  it) and its expand after both; "added" is what each adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
 SPLIT_K, SHRINK_PROGRAMS) for one more pass, to time another launch plan of the same kernels beside
 the shipped one (repeat it for several). Each step is first checked against the torch reference.
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import b
 from benchmark.engine.static_benchmark import copy_bandwidth, graph_call_us  # noqa: E402
 
 from lightllm.kernels import lora as lora_kernels  # noqa: E402
-from lightllm.models.lora import BESIDE_ROWS, lora_delta  # noqa: E402
+from lightllm.models.lora import shrink_beside  # noqa: E402
 
 logger = logging.getLogger("lora_bench")
 
@@ -106,22 +105,21 @@ class Step:
     def beside(self, stream: torch.cuda.Stream) -> None:
         seg = lora_kernels.lora_segments(self.slots, self.num_slots)
         for x, y, a, b, w in self.work:
-            delta = lora_delta(x, a, b, seg, stream)
+            s = shrink_beside(x, a, seg, stream)
             torch.matmul(x, w.T, out=y)
             torch.cuda.current_stream().wait_stream(stream)
-            y.add_(delta)
+            lora_kernels.lora_expand_triton(y, s, b, seg)
 
     def check(self, stream: torch.cuda.Stream) -> float:
-        """Relative distance of the kernels' y from the torch reference's, over the first group, in
-        place and (as `beside` computes it) through a delta on `stream`: the larger."""
+        """Relative distance of the kernels' y from the torch reference's, over the first group, the
+        shrink after the expand's y is written and (as `beside` runs it) on `stream`: the larger."""
         x, y, a, b, _ = self.work[0]
         seg = lora_kernels.lora_segments(self.slots, self.num_slots)
         got = lora_kernels.lora_expand_triton(y.zero_(), lora_kernels.lora_shrink_triton(x, a, seg), b, seg).float()
-        delta = lora_delta(x, a, b, seg, stream)
+        s = shrink_beside(x, a, seg, stream)
         torch.cuda.current_stream().wait_stream(stream)
-        beside = y.zero_().add_(delta).float()
-        s = lora_kernels.lora_shrink_ref(x, a, seg)
-        want = lora_kernels.lora_expand_ref(torch.zeros_like(y), s, b, seg).float()
+        beside = lora_kernels.lora_expand_triton(y.zero_(), s, b, seg).float()
+        want = lora_kernels.lora_expand_ref(torch.zeros_like(y), lora_kernels.lora_shrink_ref(x, a, seg), b, seg).float()
         return max(float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside))
 
 
@@ -139,12 +137,12 @@ def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
                 raise RuntimeError(f"{variant or 'shipped'} at {tokens} tokens: off the reference by {err:.4f}")
             lora_us, base_us = graph_call_us(step.lora, calls=2), graph_call_us(step.base, calls=2)
             turn_us = graph_call_us(step.in_turn, calls=2)
-            beside = (f"{graph_call_us(lambda: step.beside(stream), calls=2) - base_us:.1f}"
-                      if tokens <= BESIDE_ROWS else "")
+            beside_us = graph_call_us(lambda: step.beside(stream), calls=2)
             floor_us = step.floor_bytes / bandwidth * 1e6
             name = ",".join(f"{k}={v}" for k, v in variant.items()) or "shipped"
             rows.append(f"| {name} | {tokens} | {lora_us:.1f} | {floor_us:.1f} | {100 * floor_us / lora_us:.1f} | "
-                        f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | {beside} | {err:.4f} |")
+                        f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | {beside_us - base_us:.1f} | "
+                        f"{err:.4f} |")
             del step
             torch.cuda.empty_cache()
         return rows
