@@ -14,10 +14,11 @@ parts. Tensor parallel cuts as the layers do: a column-parallel layer keeps all 
 rows of B, a row-parallel layer its columns of A and all of B (its output is a partial sum,
 added before the layer's all-reduce).
 
-Each projection group's shrink runs beside its base GEMM: `start` queues it on the pool's second
+In a step of up to BESIDE_ROWS rows each projection group's shrink runs beside its base GEMM: `start` queues it on the pool's second
 CUDA stream before the caller queues the GEMM (it reads only x), and `finish` has the expand, which
 adds to the GEMM's output in place, wait for both; in a CUDA graph the two streams are two
 branches. A decode step then has one LoRA launch a projection group in its path instead of two.
+In larger steps the GEMM is compute-bound and a shrink beside it slows it down: both run in turn.
 (Computing the expand beside the GEMM too, into a zeroed fp32 delta added afterwards, took as much
 off at one row and added 50-100% to the LoRA work at 16-256 rows: docs/benchmarks.md.)
 """
@@ -36,6 +37,12 @@ from lightllm.kernels.lora import Segments
 from .config import ModelConfig
 
 __all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", "shrink_beside"]
+
+# The most rows of a step whose shrinks run beside the base GEMMs. H100, bench-8b, 16 slots of rank
+# 16, a step's GEMMs and LoRA work in one CUDA graph (lora_bench.py, 2026-12-06): the LoRA work
+# added 641 / 844 / 1,567 / 1,620 us beside against 1,068 / 1,248 / 2,170 / 2,044 in turn at
+# 1 / 4 / 16 / 64 rows, and 2,455 against 2,375 at 256, 10,940 against 8,141 at 2,048.
+BESIDE_ROWS = 64
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -108,13 +115,15 @@ class LoraTarget:
         """Call before queueing x's base GEMM: the shrink, begun beside it (None: no row of the step
         has an adapter)."""
         seg = self.pool.segments
-        return None if seg is None else shrink_beside(x, self.a, seg, self.pool.stream)
+        if seg is None:
+            return None
+        return shrink_beside(x, self.a, seg, self.pool.stream if x.shape[0] <= BESIDE_ROWS else None)
 
     def finish(self, s: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
         """y (x's base output) plus the adapters' share, in place, from `start`'s shrink."""
         if s is None:
             return y
-        if self.pool.stream is not None:
+        if self.pool.stream is not None and y.shape[0] <= BESIDE_ROWS:
             torch.cuda.current_stream(y.device).wait_stream(self.pool.stream)
         return lora_expand_(y, s, self.b, self.pool.segments)
 
