@@ -14,13 +14,14 @@ parts. Tensor parallel cuts as the layers do: a column-parallel layer keeps all 
 rows of B, a row-parallel layer its columns of A and all of B (its output is a partial sum,
 added before the layer's all-reduce).
 
-In a step of up to BESIDE_ROWS rows each projection group's shrink runs beside its base GEMM: `start` queues it on the pool's second
-CUDA stream before the caller queues the GEMM (it reads only x), and `finish` has the expand, which
-adds to the GEMM's output in place, wait for both; in a CUDA graph the two streams are two
-branches. A decode step then has one LoRA launch a projection group in its path instead of two.
-In larger steps the GEMM is compute-bound and a shrink beside it slows it down: both run in turn.
+In a step of up to BESIDE_ROWS rows each projection group's shrink runs beside its base GEMM:
+`start` queues it on the pool's second CUDA stream before the caller queues the GEMM (it reads only
+x), and `finish` has the expand, which adds to the GEMM's output in place, wait for both; in a
+CUDA graph the two streams are two branches. A decode step then has one LoRA launch a projection
+group in its path instead of two. In larger steps the GEMM is compute-bound and a shrink beside it
+slows it down: both run in turn.
 (Computing the expand beside the GEMM too, into a zeroed fp32 delta added afterwards, took as much
-off at one row and added 50-100% to the LoRA work at 16-256 rows: docs/benchmarks.md.)
+off at one row and cost 44% and 104% more than in turn at 64 and 256 rows: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class LoraAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def shrink_beside(x: torch.Tensor, a: torch.Tensor, seg: Segments, stream: torch.cuda.Stream | None) -> torch.Tensor:
+def shrink_beside(x: torch.Tensor, a: torch.Tensor, seg: Segments,
+                  stream: torch.cuda.Stream | None) -> torch.Tensor:
     """lora_shrink(x, a, seg); with a stream (CUDA), queued there after what the current stream holds
     so far, to run beside what that stream takes next: the current stream must wait for `stream`
     before it reads the result."""

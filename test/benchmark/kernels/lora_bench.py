@@ -14,7 +14,8 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   `LoRA / base` is the share the adapters add to those GEMMs;
 - in turn, beside: the base GEMMs with the LoRA work, each group's shrink and expand after its GEMM,
   or its shrink beside it (models/lora.py's `shrink_beside`, on a second stream, as the model runs
-  it) and its expand after both; "added" is what each adds to the base GEMMs' time.
+  steps of up to its BESIDE_ROWS rows; timed here at every size) and its expand after both;
+  "added" is what each adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
 SPLIT_K, SHRINK_PROGRAMS) for one more pass, to time another launch plan of the same kernels beside
 the shipped one (repeat it for several). Each step is first checked against the torch reference.
@@ -111,15 +112,16 @@ class Step:
             lora_kernels.lora_expand_triton(y, s, b, seg)
 
     def check(self, stream: torch.cuda.Stream) -> float:
-        """Relative distance of the kernels' y from the torch reference's, over the first group, the
-        shrink after the expand's y is written and (as `beside` runs it) on `stream`: the larger."""
+        """Relative distance of the kernels' y from the torch reference's, over the first group, with
+        the shrink in turn and (as `beside` runs it) on `stream`: the larger."""
         x, y, a, b, _ = self.work[0]
         seg = lora_kernels.lora_segments(self.slots, self.num_slots)
         got = lora_kernels.lora_expand_triton(y.zero_(), lora_kernels.lora_shrink_triton(x, a, seg), b, seg).float()
         s = shrink_beside(x, a, seg, stream)
         torch.cuda.current_stream().wait_stream(stream)
         beside = lora_kernels.lora_expand_triton(y.zero_(), s, b, seg).float()
-        want = lora_kernels.lora_expand_ref(torch.zeros_like(y), lora_kernels.lora_shrink_ref(x, a, seg), b, seg).float()
+        s = lora_kernels.lora_shrink_ref(x, a, seg)
+        want = lora_kernels.lora_expand_ref(torch.zeros_like(y), s, b, seg).float()
         return max(float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside))
 
 
@@ -141,8 +143,8 @@ def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
             floor_us = step.floor_bytes / bandwidth * 1e6
             name = ",".join(f"{k}={v}" for k, v in variant.items()) or "shipped"
             rows.append(f"| {name} | {tokens} | {lora_us:.1f} | {floor_us:.1f} | {100 * floor_us / lora_us:.1f} | "
-                        f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | {beside_us - base_us:.1f} | "
-                        f"{err:.4f} |")
+                        f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | "
+                        f"{beside_us - base_us:.1f} | {err:.4f} |")
             del step
             torch.cuda.empty_cache()
         return rows
