@@ -19,7 +19,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: boo
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     fp8_out: bool = False):
+                     fp8_out: bool = False, extra: torch.Tensor | None = None):
+    """rms_norm(residual + x), residual updated in place. extra: fp32 [T, H] added to x first, the
+    sum rounded to x's dtype (a row-parallel projection's LoRA share: RowParallelLinear.defer_lora_sum)."""
+    if extra is not None:
+        x = (x.float() + extra).to(x.dtype)
     residual.add_(x)
     return rms_norm_ref(residual, weight, eps, fp8_out)
 
@@ -47,12 +51,14 @@ def _add_and_normalise(x, x_ptr, residual_ptr, residual_ptrs, weight_ptr, cols, 
 
 @fast_launch
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, x_stride, residual_stride, y_stride,
-                     part_stride, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, extra_ptr, hidden, x_stride, residual_stride,
+                     y_stride, part_stride, extra_stride, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr,
+                     FP8_OUT: tl.constexpr, PARTS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+                     SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 0: x holds PARTS fp32 partial sums of each row (a projection split over K,
     add_rms_norm_triton's `x` [PARTS, T, H]), added up here and rounded to the residual's dtype as
-    the projection's own output would have been; the residual's dtype then stands for x's."""
+    the projection's own output would have been; the residual's dtype then stands for x's.
+    HAS_EXTRA: an fp32 row added to x's before that rounding (with or without PARTS)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -61,11 +67,14 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
         x = tl.zeros([BLOCK], tl.float32)
         for part in tl.static_range(PARTS):
             x += tl.load(x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0)
-        x = x.to(residual_ptr.dtype.element_ty).to(tl.float32)
         dtype_ptr = residual_ptr  # x's rounding: the projection's output dtype
     else:
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         dtype_ptr = x_ptr
+    if HAS_EXTRA:
+        x += tl.load(extra_ptr + row * extra_stride + cols, mask=mask, other=0.0)
+    if PARTS > 0 or HAS_EXTRA:
+        x = x.to(dtype_ptr.dtype.element_ty).to(tl.float32)
     y = _add_and_normalise(x, dtype_ptr, residual_ptr, residual_ptr + row * residual_stride + cols, weight_ptr, cols,
                            mask, hidden, eps, HAS_RESIDUAL)
     if FP8_OUT:  # as quantize_fp8_rows of y rounded to x's dtype (never with PARTS)
@@ -76,10 +85,12 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, scale_ptr, hidden, 
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     fp8_out: bool):
+                     fp8_out: bool, extra: torch.Tensor | None = None):
     assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
     parts = x.shape[0] if x.dim() == 3 else 0  # fp32 partial sums [PARTS, T, H] of a split projection
     assert not parts or (residual is not None and x.dtype == torch.float32 and not fp8_out)
+    assert extra is None or (residual is not None and extra.dtype == torch.float32 and extra.stride(-1) == 1
+                             and not fp8_out)
     tokens, hidden = x.shape[-2:]
     dtype = residual.dtype if parts else x.dtype
     y = torch.empty(tokens, hidden, dtype=FP8 if fp8_out else dtype, device=x.device)
@@ -87,10 +98,11 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     block = next_power_of_2(hidden)
     has_residual = residual is not None
     residual = residual if has_residual else x  # unused pointer when there is no residual
-    _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, hidden, x.stride(-2), residual.stride(0), y.stride(0),
-                                x.stride(0) if parts else 0, eps, FP8_MAX, MIN_SCALE, HAS_RESIDUAL=has_residual,
-                                FP8_OUT=fp8_out, PARTS=parts, BLOCK=block, SOFT_ROUND=not x.is_cuda,
-                                num_warps=norm_warps(block), **pdl(x))
+    _rms_norm_kernel[(tokens,)](x, residual, weight, y, scale, x if extra is None else extra, hidden, x.stride(-2),
+                                residual.stride(0), y.stride(0), x.stride(0) if parts else 0,
+                                0 if extra is None else extra.stride(0), eps, FP8_MAX, MIN_SCALE,
+                                HAS_RESIDUAL=has_residual, FP8_OUT=fp8_out, PARTS=parts, HAS_EXTRA=extra is not None,
+                                BLOCK=block, SOFT_ROUND=not x.is_cuda, num_warps=norm_warps(block), **pdl(x))
     return (y, scale) if fp8_out else y
 
 
@@ -99,10 +111,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: 
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        fp8_out: bool = False):
+                        fp8_out: bool = False, extra: torch.Tensor | None = None):
     """add_rms_norm_ref's result; x may also be fp32 partial sums [PARTS, T, H] of a projection
-    split over K (RowParallelLinear.split_sum), the sum rounded to the residual's dtype first."""
-    return _launch_rms_norm(x, residual, weight, eps, fp8_out)
+    split over K (RowParallelLinear.split_sum), the sum (with `extra`) rounded to the residual's
+    dtype first."""
+    return _launch_rms_norm(x, residual, weight, eps, fp8_out, extra)
 
 
 # ---- gated RMSNorm (the hybrid models' linear layers): weight * rms_norm(x) * silu(gate), per head ----

@@ -140,6 +140,37 @@ def test_add_rms_norm_adds_a_split_projections_partial_sums(parts):
     _assert_close_to_either(add_rms_norm_triton(partials[..., picked, :], residual[picked], weight, 1e-6), outputs)
 
 
+@pytest.mark.parametrize("parts", [0, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_adds_an_extra_fp32_share(dtype, parts):
+    """`extra` (a row-parallel projection's LoRA share, RowParallelLinear.defer_lora_sum): fp32 rows
+    added to x, or to its partial sums' total, before the rounding to the projection's dtype, as the
+    expand would have added them to the projection's output; then add_rms_norm. bf16: the
+    interpreter rounds toward zero, so either rounding (as for the partial sums)."""
+    if parts and dtype == torch.float32:
+        pytest.skip("partial sums come from bf16 projections")
+    weight, residual = randn(96, dtype=dtype), randn(7, 96, dtype=dtype)
+    x = randn(parts, 7, 96) if parts else randn(7, 96, dtype=dtype)
+    extra = randn(7, 96)
+    residual_triton = residual.clone()
+    actual = add_rms_norm_triton(x, residual_triton, weight, 1e-6, extra=extra)
+    total = (x.sum(0) if parts else x.float()) + extra
+    if dtype == torch.float32:
+        after = residual.clone()
+        expected = add_rms_norm_ref(x, after, weight, 1e-6, extra=extra)
+        assert_close(actual, expected, TOL[dtype])
+        assert_close(residual_triton, after, TOL[dtype])
+        assert_close(expected, add_rms_norm_ref(total, residual.clone(), weight, 1e-6), TOL[dtype])
+        return
+    outputs, residuals = _split_norm_references(total[None], residual, weight)
+    _assert_close_to_either(residual_triton, residuals)
+    _assert_close_to_either(actual, outputs)
+    if not parts:  # the reference with `extra` rounds to nearest
+        after = residual.clone()
+        assert torch.equal(add_rms_norm_ref(x, after, weight, 1e-6, extra=extra), outputs[0])
+        assert torch.equal(after, residuals[0])
+
+
 def _split_norm_references(partials, residual, weight):
     """add_rms_norm_ref's (outputs, residuals) after the partials' fp32 sum is rounded to bf16 to
     nearest, and toward zero (its low 16 bits cut)."""

@@ -164,6 +164,9 @@ class RowParallelLinear:
         # > 1 (`defer_split_sum`): small bf16 steps on a GPU return SPLIT_SUM_PARTS fp32 partial
         # sums over slices of K, which the RMSNorm that takes the output adds up.
         self.split_sum = 0
+        # Set (`defer_lora_sum`): the RMSNorm that takes the output, which adds the LoRA adapters'
+        # share of a small step (LoraTarget.share_beside) with its residual.
+        self.lora_norm: RMSNorm | None = None
 
     def defer_reduce(self, norm: RMSNorm) -> bool:
         """Leave the all-reduce to `norm`, the next to take this output; False (and nothing
@@ -188,23 +191,44 @@ class RowParallelLinear:
         self.split_sum = SPLIT_SUM_PARTS
         return True
 
+    def defer_lora_sum(self, norm: RMSNorm) -> bool:
+        """tp 1: in a step of up to BESIDE_ROWS rows (models/lora.py) with adapter rows, the adapters'
+        share is computed beside the GEMM on a second stream into an fp32 [T, out] that `norm` adds
+        to this output with its residual (add_rms_norm's `extra`), so that no LoRA launch waits for
+        the GEMM. False (nothing changed) with a bias, tp > 1 or a `norm` with fp8 output."""
+        if self.bias is not None or self.tp.world_size > 1 or norm.fp8_out:
+            return False
+        self.lora_norm = norm
+        return True
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.lora.start(x) if self.lora is not None else None  # the adapters' shrink, beside the GEMM
+        share = self.lora.share_beside(x) if self.lora is not None and self.lora_norm is not None else None
+        s = self.lora.start(x) if self.lora is not None and share is None else None  # the shrink, beside the GEMM
         if (self.split_sum and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLIT_SUM_ROWS and x.is_contiguous()
                 and x.dtype == self.weight_t.dtype == torch.bfloat16):
             rows, k = x.shape
             parts = self.split_sum
             y = torch.bmm(x.view(rows, parts, k // parts).transpose(0, 1),
                           self.weight_t.view(parts, k // parts, -1), out_dtype=torch.float32)
-            if self.lora is not None:
+            if share is not None:
+                self._hand_over(share)
+            elif self.lora is not None:
                 self.lora.finish(s, y[0])  # the adapter's share, added to the first partial sum in place
             return y
         y = x @ self.weight_t if self.fp8 is None else self.fp8(x)
-        if self.lora is not None:
+        if share is not None:
+            self._hand_over(share)
+        elif self.lora is not None:
             y = self.lora.finish(s, y)
         if not self.reduce_output:
             return y
         return _add_bias(self.tp.all_reduce(y), self.bias)
+
+
+    def _hand_over(self, share: torch.Tensor) -> None:
+        """The LoRA share to the norm that takes this output next, once its stream is joined."""
+        self.lora.join()
+        self.lora_norm.lora_share = share
 
 
 def vocab_shard(weights, tp: TPGroup, name: str, vocab: int, hidden: int) -> torch.Tensor:
@@ -265,6 +289,9 @@ class RMSNorm:
         # Set where x comes unreduced from a row-parallel projection (`RowParallelLinear.reduce_output`
         # off): the norm all-reduces it first, in the same kernel where TPGroup.reduce_add_rms_norm can.
         self.reduce: TPGroup | None = None
+        # The LoRA adapters' share of the projection this norm takes next (RowParallelLinear.defer_lora_sum):
+        # fp32 [T, H], added to x with the residual by the next call, which takes it.
+        self.lora_share: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
         """(norm(residual + x), residual + x); residual is updated in place. None: x starts the stream.
@@ -276,6 +303,9 @@ class RMSNorm:
             x = self.reduce.all_reduce(x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.fp8_out), x
+        share, self.lora_share = self.lora_share, None
+        if share is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out, extra=share), residual
         return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out), residual
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,17 +46,24 @@ class DecoderLayer:
             self.mlp_out_norm = norm("post_feedforward_layernorm")
         else:
             self.post_norm = norm("post_attention_layernorm", mlp_fp8)
-            self.attn.o.defer_reduce(self.post_norm)  # tp > 1: the all-reduce fused with the norm's add
+            # tp > 1: the all-reduce fused with the norm's add; tp 1: the norm adds a small step's LoRA share
+            self.attn.o.defer_reduce(self.post_norm) or self.attn.o.defer_lora_sum(self.post_norm)
 
-    def defer_mlp_reduce(self, next_norm: RMSNorm) -> None:
+    def defer_mlp_reduce(self, next_norm: RMSNorm, last: bool) -> None:
         """tp > 1: the MLP's or the experts' all-reduce left to the norm that takes their output
         next (the next layer's input norm, or the final one), fused with its residual add; tp 1:
         the sum of a dense MLP's down projection's slices of K, in small bf16 steps
-        (defer_split_sum). Not with sandwich norms (their output norm needs the sum alone)."""
+        (defer_split_sum), and but for the `last` layer (whose output the model indexes before its
+        norm) a small step's LoRA share (defer_lora_sum). Not with sandwich norms (their output norm
+        needs the sum alone)."""
         if self.mlp_out_norm is not None:
             return
         if isinstance(self.mlp, GatedMLP):
-            self.mlp.down.defer_reduce(next_norm) or self.mlp.down.defer_split_sum(next_norm)
+            down = self.mlp.down
+            if not down.defer_reduce(next_norm):
+                down.defer_split_sum(next_norm)
+                if not last:
+                    down.defer_lora_sum(next_norm)
         else:
             self.mlp.defer_reduce(next_norm)
 
@@ -89,7 +96,7 @@ class LlamaModel:
         self.layers = [DecoderLayer(weights, tp, cfg, i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset)
         for layer, next_norm in zip(self.layers, [later.input_norm for later in self.layers[1:]] + [self.norm]):
-            layer.defer_mlp_reduce(next_norm)
+            layer.defer_mlp_reduce(next_norm, last=next_norm is self.norm)
         head = self.embed.weight if cfg.tie_word_embeddings else vocab_shard(
             weights, tp, "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
         self.lm_head = ParallelLMHead(head, tp, cfg.vocab_size, tied=cfg.tie_word_embeddings,

@@ -18,8 +18,10 @@ In a step of up to BESIDE_ROWS rows each projection group's shrink runs beside i
 `start` queues it on the pool's second CUDA stream before the caller queues the GEMM (it reads only
 x), and `finish` has the expand, which adds to the GEMM's output in place, wait for both; in a
 CUDA graph the two streams are two branches. A decode step then has one LoRA launch a projection
-group in its path instead of two. In larger steps the GEMM is compute-bound and a shrink beside it
-slows it down: both run in turn.
+group in its path instead of two. For the o and down projections (tp 1), whose output goes to a
+norm's residual add, `share_beside` queues the expand there too, into an fp32 share that the norm
+adds (RowParallelLinear.defer_lora_sum): none of their LoRA launches waits for the GEMM. In larger
+steps the GEMM is compute-bound and a shrink beside it slows it down: both run in turn.
 (Computing the expand beside the GEMM too, into a zeroed fp32 delta added afterwards, took as much
 off at one row and cost 44% and 104% more than in turn at 64 and 256 rows: docs/benchmarks.md.)
 """
@@ -125,9 +127,31 @@ class LoraTarget:
         """y (x's base output) plus the adapters' share, in place, from `start`'s shrink."""
         if s is None:
             return y
-        if self.pool.stream is not None and y.shape[0] <= BESIDE_ROWS:
-            torch.cuda.current_stream(y.device).wait_stream(self.pool.stream)
+        if y.shape[0] <= BESIDE_ROWS:
+            self.join()
         return lora_expand_(y, s, self.b, self.pool.segments)
+
+    def share_beside(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Call before queueing x's base GEMM, for a projection whose output a norm takes next: in a
+        step of up to BESIDE_ROWS rows, the adapters' share of x's rows, fp32 [T, out] (zero in rows
+        of no adapter), its shrink and expand queued on the second stream, beside the GEMM (`join`
+        before it is read). None: no adapter row, or a larger step (`start` and `finish` then)."""
+        seg = self.pool.segments
+        if seg is None or x.shape[0] > BESIDE_ROWS:
+            return None
+        share = torch.empty(x.shape[0], self.b.shape[1], dtype=torch.float32, device=x.device)  # the current stream's
+        stream = self.pool.stream
+        if stream is None:
+            return lora_expand_(share.zero_(), lora_shrink(x, self.a, seg), self.b, seg)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            lora_expand_(share.zero_(), lora_shrink(x, self.a, seg), self.b, seg)
+        return share
+
+    def join(self) -> None:
+        """The current stream waits for what `start` or `share_beside` queued on the second one."""
+        if self.pool.stream is not None:
+            torch.cuda.current_stream(self.pool.stream.device).wait_stream(self.pool.stream)
 
 
 def _projections(layer) -> list:
