@@ -54,15 +54,17 @@ def test_graphs_and_eager_equal_peft_with_mixed_adapters(tmp_path):
 
 def test_split_down_projection_adds_the_adapter_once(tmp_path):
     """bf16, tp 1: the down projection of a step of few rows returns fp32 partial sums over K for the
-    next norm to add (RowParallelLinear.split_sum) and the adapter's share goes into the first; their
-    sum equals the whole projection's (split_sum off) and x W^T + (x A^T) B^T per row, on rows of
-    slot 0, of slot 1 and of none; a step with no adapter row adds nothing."""
+    next norm to add (RowParallelLinear.split_sum) and hands that norm the adapters' share
+    (defer_lora_sum: computed beside the GEMM); without the hand-over the share goes into the first
+    partial sum, and without the split into the whole output. Each way the sum is x W^T + (x A^T)
+    B^T per row, on rows of slot 0, of slot 1 and of none; a step with no adapter row adds nothing."""
     model_dir = tmp_path / "model"
     make_gpu_model("llama_gqa_llama3_rope", model_dir)
     runner = make_runner(model_dir, tokens=1024, device="cuda", cuda_graph=False, data_type="bfloat16",
                          max_loras=2, max_lora_rank=16)
     down = runner.model.layers[0].mlp.down
-    assert down.split_sum == 2 and down.lora is not None
+    norm = down.lora_norm
+    assert down.split_sum == 2 and down.lora is not None and norm is runner.model.layers[1].input_norm
     torch.manual_seed(0)
     target = down.lora
     target.a.copy_(torch.randn_like(target.a) * 0.05)
@@ -74,14 +76,19 @@ def test_split_down_projection_adds_the_adapter_once(tmp_path):
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             expected[t] += (x[t].float() @ target.a[slot].float().T) @ target.b[slot].float().T
+    tol = dict(atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
     runner.model.lora.prepare(slots)
     split = down(x)
-    assert split.shape[0] == 2 and split.dtype == torch.float32
+    share, norm.lora_share = norm.lora_share, None
+    assert split.shape[0] == 2 and split.dtype == torch.float32 and share.dtype == torch.float32
+    torch.testing.assert_close(split.sum(0), base, **tol)  # the GEMM's alone: the share is the norm's
+    torch.testing.assert_close(split.sum(0) + share, expected, **tol)
+    down.lora_norm = None
+    torch.testing.assert_close(down(x).sum(0), expected, **tol)
     down.split_sum = 0
     whole = down(x)
-    tol = dict(atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
-    torch.testing.assert_close(split.sum(0), expected, **tol)
     torch.testing.assert_close(whole.float(), expected, **tol)
     runner.model.lora.prepare(None)
-    down.split_sum = 2
+    down.split_sum, down.lora_norm = 2, norm
     torch.testing.assert_close(down(x).sum(0), base, **tol)
+    assert norm.lora_share is None
