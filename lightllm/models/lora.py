@@ -39,7 +39,7 @@ from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
 
-__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", "shrink_beside"]
+__all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", "share_beside", "shrink_beside"]
 
 # The most rows of a step whose shrinks run beside the base GEMMs. H100, bench-8b, 16 slots of rank
 # 16, a step's GEMMs and LoRA work in one CUDA graph (lora_bench.py, 2026-12-06): the LoRA work
@@ -79,6 +79,21 @@ def shrink_beside(x: torch.Tensor, a: torch.Tensor, seg: Segments,
         s = lora_shrink(x, a, seg)
     s.record_stream(current)  # its memory is not handed out again before the current stream's reads end
     return s
+
+
+def share_beside(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
+                 stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """The adapters' share of x's rows, fp32 [T, out] (zero in rows of no adapter); with a stream
+    (CUDA), its shrink and expand queued there after what the current stream holds so far, to run
+    beside what that stream takes next: the current stream must wait for `stream` before it reads
+    the share."""
+    share = torch.empty(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)  # the current stream's
+    if stream is None:
+        return lora_expand_(share.zero_(), lora_shrink(x, a, seg), b, seg)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        lora_expand_(share.zero_(), lora_shrink(x, a, seg), b, seg)
+    return share
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -139,14 +154,7 @@ class LoraTarget:
         seg = self.pool.segments
         if seg is None or x.shape[0] > BESIDE_ROWS:
             return None
-        share = torch.empty(x.shape[0], self.b.shape[1], dtype=torch.float32, device=x.device)  # the current stream's
-        stream = self.pool.stream
-        if stream is None:
-            return lora_expand_(share.zero_(), lora_shrink(x, self.a, seg), self.b, seg)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            lora_expand_(share.zero_(), lora_shrink(x, self.a, seg), self.b, seg)
-        return share
+        return share_beside(x, self.a, self.b, seg, self.pool.stream)
 
     def join(self) -> None:
         """The current stream waits for what `start` or `share_beside` queued on the second one."""

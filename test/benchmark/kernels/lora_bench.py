@@ -13,9 +13,11 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
 - base: the same projections' base GEMMs (cuBLAS, bf16) in the same kind of graph, so that
   `LoRA / base` is the share the adapters add to those GEMMs;
 - in turn, beside: the base GEMMs with the LoRA work, each group's shrink and expand after its GEMM,
-  or its shrink beside it (models/lora.py's `shrink_beside`, on a second stream, as the model runs
-  steps of up to its BESIDE_ROWS rows; timed here at every size) and its expand after both;
-  "added" is what each adds to the base GEMMs' time.
+  or as the model runs steps of up to its BESIDE_ROWS rows (timed here at every size): q/k/v's and
+  gate/up's shrink beside the GEMM on a second stream (models/lora.py's `shrink_beside`) and the
+  expand after both; o's and down's shrink and expand both beside it, into an fp32 share
+  (`share_beside`) that the next norm adds in the model (that add is in the norm's own launch and
+  is not timed here); "added" is what each adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
 SPLIT_K, SHRINK_PROGRAMS) for one more pass, to time another launch plan of the same kernels beside
 the shipped one (repeat it for several). Each step is first checked against the torch reference.
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import b
 from benchmark.engine.static_benchmark import copy_bandwidth, graph_call_us  # noqa: E402
 
 from lightllm.kernels import lora as lora_kernels  # noqa: E402
-from lightllm.models.lora import shrink_beside  # noqa: E402
+from lightllm.models.lora import share_beside, shrink_beside  # noqa: E402
 
 logger = logging.getLogger("lora_bench")
 
@@ -105,7 +107,12 @@ class Step:
 
     def beside(self, stream: torch.cuda.Stream) -> None:
         seg = lora_kernels.lora_segments(self.slots, self.num_slots)
-        for x, y, a, b, w in self.work:
+        for i, (x, y, a, b, w) in enumerate(self.work):
+            if i % 4 in (1, 3):  # o, down: the share, for the norm after them
+                share_beside(x, a, b, seg, stream)
+                torch.matmul(x, w.T, out=y)
+                torch.cuda.current_stream().wait_stream(stream)
+                continue
             s = shrink_beside(x, a, seg, stream)
             torch.matmul(x, w.T, out=y)
             torch.cuda.current_stream().wait_stream(stream)

@@ -9,6 +9,7 @@
 # naming adapter i mod (COUNT + 1), the last share on the base model; one request at a time
 # (single_request.py, 256 tokens) on each, with and without an adapter. Before each burst the
 # server answers single_request.py, so the burst does not pay the kernels' first compiles.
+# BURSTS=0: the one-at-a-time rows alone (about half the call's time).
 # PEER=vllm: the same two bursts on vLLM instead (installed in /tmp/vsite by ../shared/peers'
 # vllm_device.sh; its defaults, --enable-lora --lora-modules NAME=DIR ... --max-loras COUNT
 # --max-lora-rank RANK for the second), through /v1/completions with each request's adapter as
@@ -40,8 +41,9 @@ single() {  # single NAME [--adapter A]: one request at a time, 256 tokens, 5 ti
   timeout 120 python3 test/benchmark/serving/single_request.py --max-new-tokens 256 "$@" > "$OUT/single-$name.md" 2>&1 \
     || echo "single $name failed"
 }
-burst() {  # burst NAME [CLIENT-FLAGS...]: the N saved requests at once
+burst() {  # burst NAME [CLIENT-FLAGS...]: the N saved requests at once (none with BURSTS=0)
   local name=$1; shift
+  [[ ${BURSTS:-1} != 0 ]] || return 0
   timeout $(($(left) > 60 ? $(left) : 60)) python3 test/benchmark/serving/benchmark_serving.py --model "$MODEL" \
     --requests "$ROOT/.gpu/requests-$N.json" --num-prompts "$N" --stream --no-progress \
     --result-json "$OUT/burst-$name.json" "$@" > "$WORK/burst-$name.log" 2>&1 || echo "burst $name failed"
