@@ -2,7 +2,8 @@
 GELU's tanh form (Gemma's gelu_pytorch_tanh) in place of silu: gelu_tanh_and_mul.
 
 With `fp8_out` the output is quantised per row for the fp8 down projection (quantize_fp8_rows'
-pair), in the same launch (see rms_norm.py)."""
+pair), in the same launch (see rms_norm.py). `extra` (fp32, x's shape): added to x first, the sum
+rounded to x's dtype (the gate/up projection's LoRA share, as GatedMLP hands it over)."""
 import torch
 import torch.nn.functional as F
 
@@ -10,15 +11,17 @@ from ._triton import cdiv, fast_launch, grid_dependency_wait, next_power_of_2, p
 from .fp8_linear import FP8, FP8_MAX, MIN_SCALE, quantize_fp8_rows_ref, store_quantized_row
 
 
-def silu_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
-    return _gated_ref(x, F.silu, fp8_out)
+def silu_and_mul_ref(x: torch.Tensor, fp8_out: bool = False, extra: torch.Tensor | None = None):
+    return _gated_ref(x, F.silu, fp8_out, extra)
 
 
-def gelu_tanh_and_mul_ref(x: torch.Tensor, fp8_out: bool = False):
-    return _gated_ref(x, lambda gate: F.gelu(gate, approximate="tanh"), fp8_out)
+def gelu_tanh_and_mul_ref(x: torch.Tensor, fp8_out: bool = False, extra: torch.Tensor | None = None):
+    return _gated_ref(x, lambda gate: F.gelu(gate, approximate="tanh"), fp8_out, extra)
 
 
-def _gated_ref(x: torch.Tensor, act, fp8_out: bool):
+def _gated_ref(x: torch.Tensor, act, fp8_out: bool, extra: torch.Tensor | None):
+    if extra is not None:
+        x = (x.float() + extra).to(x.dtype)
     inter = x.shape[-1] // 2
     y = (act(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)
     return quantize_fp8_rows_ref(y) if fp8_out else y
@@ -36,14 +39,18 @@ def _act(gate, GELU: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, GELU: tl.constexpr,
-                         PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, extra_ptr, inter, x_stride, y_stride, extra_stride, BLOCK: tl.constexpr,
+                         GELU: tl.constexpr, HAS_EXTRA: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     grid_dependency_wait(PDL)  # x is the gate/up GEMM's output
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_EXTRA:  # rounded to x's dtype, as an expand adding into x would have left it
+        extra = extra_ptr + row * extra_stride + cols
+        gate = (gate + tl.load(extra, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = (up + tl.load(extra + inter, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + row * y_stride + cols, (_act(gate, GELU) * up).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -62,16 +69,18 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, q_stride,
     store_quantized_row(y, q_ptr, scale_ptr, row, q_stride, cols, mask, fp8_max, min_scale, SOFT_ROUND)
 
 
-def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
-    return _gated_triton(x, fp8_out, gelu=False)
+def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False, extra: torch.Tensor | None = None):
+    return _gated_triton(x, fp8_out, gelu=False, extra=extra)
 
 
-def gelu_tanh_and_mul_triton(x: torch.Tensor, fp8_out: bool = False):
-    return _gated_triton(x, fp8_out, gelu=True)
+def gelu_tanh_and_mul_triton(x: torch.Tensor, fp8_out: bool = False, extra: torch.Tensor | None = None):
+    return _gated_triton(x, fp8_out, gelu=True, extra=extra)
 
 
-def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
+def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool, extra: torch.Tensor | None = None):
     assert x.stride(-1) == 1
+    assert extra is None or (not fp8_out and extra.dtype == torch.float32 and extra.shape == x.shape
+                             and extra.stride(-1) == 1)
     tokens, width = x.shape
     inter = width // 2
     if fp8_out:
@@ -84,6 +93,8 @@ def _gated_triton(x: torch.Tensor, fp8_out: bool, gelu: bool):
         return q, scale
     y = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, y, inter, x.stride(0), y.stride(0), BLOCK=block,
-                                                       GELU=gelu, num_warps=4, **pdl(x))
+    _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, y, x if extra is None else extra, inter, x.stride(0),
+                                                       y.stride(0), 0 if extra is None else extra.stride(0),
+                                                       BLOCK=block, GELU=gelu, HAS_EXTRA=extra is not None,
+                                                       num_warps=4, **pdl(x))
     return y

@@ -274,6 +274,22 @@ def test_silu_and_mul_triton_matches_ref(dtype, inter):
     assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), TOL[dtype])
 
 
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_act_and_mul_adds_an_extra_fp32_share(dtype, gelu):
+    """`extra` (gate/up's LoRA share, GatedMLP): fp32 added to gate and up, each sum rounded to x's
+    dtype as an expand adding into the projection's output would have left it. The kernel against
+    the reference, and the reference against the activation of that rounded sum (bf16 under the
+    interpreter, which rounds toward zero: within the tolerance of one more rounding)."""
+    triton_fn, ref = ((gelu_tanh_and_mul_triton, gelu_tanh_and_mul_ref) if gelu
+                      else (silu_and_mul_triton, silu_and_mul_ref))
+    x, extra = randn(5, 2 * 96, dtype=dtype), randn(5, 2 * 96)
+    expected = ref(x, extra=extra)
+    assert torch.equal(expected, ref((x.float() + extra).to(dtype)))
+    assert not torch.allclose(expected.float(), ref(x).float(), **TOL[dtype])
+    assert_close(triton_fn(x, extra=extra), expected, TOL[dtype])
+
+
 def test_silu_and_mul_ref_is_gated_silu():
     x = randn(3, 20)
     gate, up = x[:, :10], x[:, 10:]

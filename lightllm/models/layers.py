@@ -123,11 +123,15 @@ class ColumnParallelLinear:
         self.lora = None  # models/lora.py's LoraTarget, where LoRA adapters are served
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is None:
+            return self.base(x)
+        s = self.lora.start(x)  # the adapters' shrink, queued before the GEMM: it runs beside it
+        return self.lora.finish(s, self.base(x))
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b, without the LoRA adapters."""
         if self.fp8 is None:
-            if self.lora is None:
-                return F.linear(x, self.weight, self.bias)
-            s = self.lora.start(x)  # the adapters' shrink, queued before the GEMM: it runs beside it
-            return self.lora.finish(s, F.linear(x, self.weight, self.bias))
+            return F.linear(x, self.weight, self.bias)
         return _add_bias(self.fp8(x), self.bias)
 
 
@@ -456,6 +460,14 @@ class GatedMLP:
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def __call__(self, h) -> torch.Tensor:
-        """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
+        """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out). In a small
+        step with LoRA adapter rows, gate/up's share is computed beside its GEMM and added by the
+        activation (its `extra`): no LoRA launch waits for the GEMM."""
         act_and_mul = gelu_tanh_and_mul if self.gelu else silu_and_mul  # looked up here: tests swap the kernels
-        return self.down(act_and_mul(self.gate_up(h), self.down.fp8 is not None))
+        lora = self.gate_up.lora
+        share = lora.share_beside(h) if lora is not None else None
+        if share is None:
+            return self.down(act_and_mul(self.gate_up(h), self.down.fp8 is not None))
+        y = self.gate_up.base(h)
+        lora.join()
+        return self.down(act_and_mul(y, False, extra=share))

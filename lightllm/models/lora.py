@@ -19,8 +19,9 @@ In a step of up to BESIDE_ROWS rows each projection group's shrink runs beside i
 x), and `finish` has the expand, which adds to the GEMM's output in place, wait for both; in a
 CUDA graph the two streams are two branches. A decode step then has one LoRA launch a projection
 group in its path instead of two. For the o and down projections (tp 1), whose output goes to a
-norm's residual add, `share_beside` queues the expand there too, into an fp32 share that the norm
-adds (RowParallelLinear.defer_lora_sum): none of their LoRA launches waits for the GEMM. In larger
+norm's residual add, and gate/up, whose output goes to the activation, `share_beside` queues the
+expand there too, into an fp32 share that the norm or the activation adds (RowParallelLinear.
+defer_lora_sum, GatedMLP): none of their LoRA launches waits for the GEMM. In larger
 steps the GEMM is compute-bound and a shrink beside it slows it down: both run in turn.
 (Computing the expand beside the GEMM too, into a zeroed fp32 delta added afterwards, took as much
 off at one row and cost 44% and 104% more than in turn at 64 and 256 rows: docs/benchmarks.md.)

@@ -123,9 +123,13 @@ def call_every_kernel() -> None:
         rms_norm_triton(x, weight, 1e-5, fp8_out)
         add_rms_norm_triton(x, x.clone(), weight, 1e-5, fp8_out)
     add_rms_norm_triton(torch.randn(2, tokens, HIDDEN), x.clone(), weight, 1e-5)  # a split projection's partial sums
+    share = torch.randn(tokens, HIDDEN)  # a row-parallel projection's LoRA share, alone and with partial sums
+    add_rms_norm_triton(x, x.clone(), weight, 1e-5, extra=share)
+    add_rms_norm_triton(torch.randn(2, tokens, HIDDEN), x.clone(), weight, 1e-5, extra=share)
     for fp8_out in (False, True):
         silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
         gelu_tanh_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), fp8_out)
+    silu_and_mul_triton(torch.randn(tokens, 2 * INTER, dtype=BF16), extra=torch.randn(tokens, 2 * INTER))  # gate/up's
     q8, scale = quantize_fp8_rows_triton(x)
     w8, w_scale = quantize_fp8_weight(torch.randn(1024, HIDDEN))
     for sms in (4, H100_SMS):  # K whole, and split (each column block's last slice adds the slices up)
