@@ -227,6 +227,32 @@ def test_rotary_kv_triton_matches_ref(dtype, num_q_heads, num_kv_heads, head_dim
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_kv_adds_an_extra_fp32_share(dtype):
+    """`extra` (q/k/v's LoRA share in the projection's layout, Attention): added to q, k and v first,
+    each sum rounded to their dtype; q keeps it, the caches take the rotated k and the v with it. The
+    reference equals rotary_kv_ref of those rounded sums; the kernel the reference."""
+    q, k, v = qkv_views(7, 4, 2, 64, dtype)
+    extra = randn(7, (4 + 2 * 2) * 64)
+    cos, sin = random_cos_sin(7, 64)
+    caches = [randn(20, 2, 64, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(20, device=DEVICE)[:7]
+    q_ref, k_cache_ref, v_cache_ref = q.clone(), caches[0].clone(), caches[1].clone()
+    rotary_kv_ref(q_ref, k, v, cos, sin, k_cache_ref, v_cache_ref, slots, extra=extra)
+    shares = [s.view(7, -1, 64) for s in extra.split([256, 128, 128], dim=-1)]
+    q_sum, k_sum, v_sum = ((t.float() + s).to(dtype) for t, s in zip((q, k, v), shares))
+    k_cache_sum, v_cache_sum = caches[0].clone(), caches[1].clone()
+    rotary_kv_ref(q_sum, k_sum, v_sum, cos, sin, k_cache_sum, v_cache_sum, slots)
+    assert torch.equal(q_ref, q_sum) and torch.equal(k_cache_ref, k_cache_sum) and torch.equal(v_cache_ref, v_cache_sum)
+    assert not torch.allclose(v_cache_ref[slots].float(), v.float(), **TOL[dtype])
+    k_before = k.clone()
+    rotary_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, extra=extra)
+    assert_close(q, q_ref, TOL[dtype])
+    assert_close(caches[0], k_cache_ref, TOL[dtype])
+    assert_close(caches[1], v_cache_ref, TOL[dtype])
+    assert torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_kv_into_an_fp8_cache_triton_matches_ref(dtype):
     """--kv_cache_dtype fp8_e4m3: k and v rounded to the nearest e4m3 value, saturating at 448."""
     q, k, v = qkv_views(7, 4, 2, 64, dtype)

@@ -37,7 +37,9 @@ def test_every_kernel_compiles_for_sm90():
     # both KV cache dtypes, and decode attention split (merged by its last chunk; two requests, then four) and whole;
     # a windowed, capped layer; Gemma 4's 512-dim heads (every decode plan over bf16, one over fp8, extend over
     # both), their tiles shrunk to the shared memory (the tool fails a kernel that takes more)
-    assert sum("_rotary_kv_kernel(" in line for line in lines) == 3
+    assert sum("_rotary_kv_kernel(" in line for line in lines) == 4
+    # the LoRA share's variants: the norm alone and after partial sums, the activation, rotary
+    assert sum("HAS_EXTRA=True" in line for line in lines) == 4
     assert sum("_decode_split_kernel(" in line for line in lines) == 11
     assert sum("_extend_kernel(" in line and "HEAD_DIM=512" in line and "BLOCK_M=64" in line for line in lines) == 2
     assert sum("_extend_kernel(" in line and "WINDOW=256" in line for line in lines) == 1

@@ -196,7 +196,7 @@ class RowParallelLinear:
         return True
 
     def defer_lora_sum(self, norm: RMSNorm) -> bool:
-        """tp 1: in a step of up to BESIDE_ROWS rows (models/lora.py) with adapter rows, the adapters'
+        """tp 1: in a step of up to SHARE_ROWS rows (models/lora.py) with adapter rows, the adapters'
         share is computed beside the GEMM on a second stream into an fp32 [T, out] that `norm` adds
         to this output with its residual (add_rms_norm's `extra`), so that no LoRA launch waits for
         the GEMM. False (nothing changed) with a bias, tp > 1 or a `norm` with fp8 output."""
@@ -419,14 +419,22 @@ class Attention:
 
     def __call__(self, h, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out)."""
-        qkv = self.qkv(h)
+        """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out). In a small
+        step with LoRA adapter rows (and no q/k norm between), q/k/v's share is computed beside its
+        GEMM and added by rotary_kv_ (its `extra`): no LoRA launch waits for the GEMM."""
+        lora = self.qkv.lora
+        share = lora.share_beside(h) if lora is not None and self.q_norm is None else None
+        qkv = self.qkv(h) if share is None else self.qkv.base(h)
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
         if self.q_norm is not None:
             q, k = self.q_norm.heads(q), self.k_norm.heads(k)
-        rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
+        if share is not None:
+            lora.join()
+            rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots, extra=share)
+        else:
+            rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,

@@ -18,13 +18,12 @@ In a step of up to BESIDE_ROWS rows each projection group's shrink runs beside i
 `start` queues it on the pool's second CUDA stream before the caller queues the GEMM (it reads only
 x), and `finish` has the expand, which adds to the GEMM's output in place, wait for both; in a
 CUDA graph the two streams are two branches. A decode step then has one LoRA launch a projection
-group in its path instead of two. For the o and down projections (tp 1), whose output goes to a
-norm's residual add, and gate/up, whose output goes to the activation, `share_beside` queues the
-expand there too, into an fp32 share that the norm or the activation adds (RowParallelLinear.
-defer_lora_sum, GatedMLP): none of their LoRA launches waits for the GEMM. In larger
-steps the GEMM is compute-bound and a shrink beside it slows it down: both run in turn.
-(Computing the expand beside the GEMM too, into a zeroed fp32 delta added afterwards, took as much
-off at one row and cost 44% and 104% more than in turn at 64 and 256 rows: docs/benchmarks.md.)
+group in its path instead of two. In a step of up to SHARE_ROWS rows, where the output goes to a
+kernel that can add to it as it reads it (o and down, tp 1: the next norm's residual add;
+gate/up: the activation; q/k/v without q/k norms: rotary_kv_), `share_beside` queues the expand
+beside the GEMM too, into a zeroed fp32 share that kernel adds (RowParallelLinear.defer_lora_sum,
+GatedMLP, Attention): no LoRA launch waits for the GEMM. In larger steps the GEMM is
+compute-bound and a shrink beside it slows it down: both run in turn.
 """
 
 from __future__ import annotations
@@ -47,6 +46,13 @@ __all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", 
 # added 641 / 844 / 1,567 / 1,620 us beside against 1,068 / 1,248 / 2,170 / 2,044 in turn at
 # 1 / 4 / 16 / 64 rows, and 2,455 against 2,375 at 256, 10,940 against 8,141 at 2,048.
 BESIDE_ROWS = 64
+# The most rows of a step whose projections hand their whole share to the kernel that takes their
+# output (`share_beside`). Measured at one row only (H100, e540f75: o's and down's shares took an
+# adapter's cost one at a time from 0.80 to 0.53 ms a token). An estimate above it, from
+# lora_bench.py's fp32-delta form (f1573a3: the same side branch, a memset, shrink and expand, plus
+# one add in the step's path, about 4 us a launch): break-even with the shrink alone beside the
+# GEMM at 16 rows, 0.8 ms a step worse at 64, where the side branch outlasts the small GEMMs.
+SHARE_ROWS = 8
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -149,11 +155,11 @@ class LoraTarget:
 
     def share_beside(self, x: torch.Tensor) -> torch.Tensor | None:
         """Call before queueing x's base GEMM, for a projection whose output a norm takes next: in a
-        step of up to BESIDE_ROWS rows, the adapters' share of x's rows, fp32 [T, out] (zero in rows
+        step of up to SHARE_ROWS rows, the adapters' share of x's rows, fp32 [T, out] (zero in rows
         of no adapter), its shrink and expand queued on the second stream, beside the GEMM (`join`
         before it is read). None: no adapter row, or a larger step (`start` and `finish` then)."""
         seg = self.pool.segments
-        if seg is None or x.shape[0] > BESIDE_ROWS:
+        if seg is None or x.shape[0] > SHARE_ROWS:
             return None
         return share_beside(x, self.a, self.b, seg, self.pool.stream)
 

@@ -144,6 +144,8 @@ def call_every_kernel() -> None:
     for kv_dtype in (BF16, FP8):
         k_cache, v_cache = (torch.zeros(1024, KV_HEADS, HEAD_DIM, dtype=kv_dtype) for _ in range(2))
         rotary_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+        if kv_dtype == BF16:  # with q/k/v's LoRA share
+            rotary_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, extra=torch.randn(qkv.shape))
         # the plans as on the H100 (keys split, then merged: two requests, then four) and as for a large
         # batch (one split, no merge)
         per_wave = decode_module._programs_per_wave

@@ -12,12 +12,13 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   over the measured copy bandwidth;
 - base: the same projections' base GEMMs (cuBLAS, bf16) in the same kind of graph, so that
   `LoRA / base` is the share the adapters add to those GEMMs;
-- in turn, beside: the base GEMMs with the LoRA work, each group's shrink and expand after its GEMM,
-  or as the model runs steps of up to its BESIDE_ROWS rows (timed here at every size): q/k/v's and
-  gate/up's shrink beside the GEMM on a second stream (models/lora.py's `shrink_beside`) and the
-  expand after both; o's and down's shrink and expand both beside it, into an fp32 share
-  (`share_beside`) that the next norm adds in the model (that add is in the norm's own launch and
-  is not timed here); "added" is what each adds to the base GEMMs' time.
+- in turn, shrink beside, share beside: the base GEMMs with the LoRA work, each group's shrink and
+  expand after its GEMM; or its shrink beside the GEMM on a second stream (models/lora.py's
+  `shrink_beside`, as the model runs steps of up to BESIDE_ROWS rows) and its expand after both; or
+  its shrink and expand both beside the GEMM, into an fp32 share (`share_beside`, as the model runs
+  steps of up to SHARE_ROWS rows) that the kernel after the GEMM adds in the model (that add is in
+  that kernel's own launch and is not timed here). Each is timed at every size; "added" is what it
+  adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
 SPLIT_K, SHRINK_PROGRAMS) for one more pass, to time another launch plan of the same kernels beside
 the shipped one (repeat it for several). Each step is first checked against the torch reference.
@@ -105,10 +106,10 @@ class Step:
             torch.matmul(x, w.T, out=y)
             lora_kernels.lora_expand_triton(y, lora_kernels.lora_shrink_triton(x, a, seg), b, seg)
 
-    def beside(self, stream: torch.cuda.Stream) -> None:
+    def beside(self, stream: torch.cuda.Stream, share: bool) -> None:
         seg = lora_kernels.lora_segments(self.slots, self.num_slots)
-        for i, (x, y, a, b, w) in enumerate(self.work):
-            if i % 4 in (1, 3):  # o, down: the share, for the norm after them
+        for x, y, a, b, w in self.work:
+            if share:  # for the kernel after the GEMM to add
                 share_beside(x, a, b, seg, stream)
                 torch.matmul(x, w.T, out=y)
                 torch.cuda.current_stream().wait_stream(stream)
@@ -120,16 +121,18 @@ class Step:
 
     def check(self, stream: torch.cuda.Stream) -> float:
         """Relative distance of the kernels' y from the torch reference's, over the first group, with
-        the shrink in turn and (as `beside` runs it) on `stream`: the larger."""
+        the shrink in turn, beside on `stream`, and the share beside (as `beside` runs them): the largest."""
         x, y, a, b, _ = self.work[0]
         seg = lora_kernels.lora_segments(self.slots, self.num_slots)
         got = lora_kernels.lora_expand_triton(y.zero_(), lora_kernels.lora_shrink_triton(x, a, seg), b, seg).float()
         s = shrink_beside(x, a, seg, stream)
         torch.cuda.current_stream().wait_stream(stream)
         beside = lora_kernels.lora_expand_triton(y.zero_(), s, b, seg).float()
+        share = share_beside(x, a, b, seg, stream)
+        torch.cuda.current_stream().wait_stream(stream)
         s = lora_kernels.lora_shrink_ref(x, a, seg)
         want = lora_kernels.lora_expand_ref(torch.zeros_like(y), s, b, seg).float()
-        return max(float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside))
+        return max(float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside, share))
 
 
 def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
@@ -146,12 +149,13 @@ def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
                 raise RuntimeError(f"{variant or 'shipped'} at {tokens} tokens: off the reference by {err:.4f}")
             lora_us, base_us = graph_call_us(step.lora, calls=2), graph_call_us(step.base, calls=2)
             turn_us = graph_call_us(step.in_turn, calls=2)
-            beside_us = graph_call_us(lambda: step.beside(stream), calls=2)
+            beside_us = graph_call_us(lambda: step.beside(stream, False), calls=2)
+            share_us = graph_call_us(lambda: step.beside(stream, True), calls=2)
             floor_us = step.floor_bytes / bandwidth * 1e6
             name = ",".join(f"{k}={v}" for k, v in variant.items()) or "shipped"
             rows.append(f"| {name} | {tokens} | {lora_us:.1f} | {floor_us:.1f} | {100 * floor_us / lora_us:.1f} | "
                         f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | "
-                        f"{beside_us - base_us:.1f} | {err:.4f} |")
+                        f"{beside_us - base_us:.1f} | {share_us - base_us:.1f} | {err:.4f} |")
             del step
             torch.cuda.empty_cache()
         return rows
@@ -181,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.rank}, base share {args.base_share:.3f}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
              "a step's LoRA work (all layers, one CUDA graph), us",
              "| variant | tokens | LoRA us | floor us | % floor | base GEMMs us | LoRA / base | added in turn us | "
-             "added beside us | rel err |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "added, shrink beside us | added, share beside us | rel err |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for variant in [{}] + args.variant:
         lines += run(args, variant, bandwidth)
     text = "\n".join(lines)
