@@ -228,7 +228,6 @@ class RowParallelLinear:
             return y
         return _add_bias(self.tp.all_reduce(y), self.bias)
 
-
     def _hand_over(self, share: torch.Tensor) -> None:
         """The LoRA share to the norm that takes this output next, once its stream is joined."""
         self.lora.join()

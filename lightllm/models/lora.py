@@ -154,10 +154,11 @@ class LoraTarget:
         return lora_expand_(y, s, self.b, self.pool.segments)
 
     def share_beside(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Call before queueing x's base GEMM, for a projection whose output a norm takes next: in a
-        step of up to SHARE_ROWS rows, the adapters' share of x's rows, fp32 [T, out] (zero in rows
-        of no adapter), its shrink and expand queued on the second stream, beside the GEMM (`join`
-        before it is read). None: no adapter row, or a larger step (`start` and `finish` then)."""
+        """Call before queueing x's base GEMM, for a projection whose output goes next to a kernel
+        that adds the share as it reads it (a norm, the activation, rotary_kv_): in a step of up to
+        SHARE_ROWS rows, the adapters' share of x's rows, fp32 [T, out] (zero in rows of no
+        adapter), its shrink and expand queued on the second stream, beside the GEMM (`join` before
+        it is read). None: no adapter row, or a larger step (`start` and `finish` then)."""
         seg = self.pool.segments
         if seg is None or x.shape[0] > SHARE_ROWS:
             return None
