@@ -47,7 +47,7 @@ __all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", 
 # 1 / 4 / 16 / 64 rows, and 2,455 against 2,375 at 256, 10,940 against 8,141 at 2,048.
 BESIDE_ROWS = 64
 # The most rows of a step whose projections hand their whole share to the kernel that takes their
-# output (`share_beside`). Measured at one row only (H100, e540f75: o's and down's shares took an
+# output (`share_beside`). Measured at one row only (H100, 8e0c0b2: o's and down's shares took an
 # adapter's cost one at a time from 0.80 to 0.53 ms a token). An estimate above it, from
 # lora_bench.py's fp32-delta form (f1573a3: the same side branch, a memset, shrink and expand, plus
 # one add in the step's path, about 4 us a launch): break-even with the shrink alone beside the
