@@ -56,11 +56,12 @@ def test_a_first_grammar_loads_while_a_stream_keeps_its_pace(server):
     during = [gap for gap, b in stream.gaps() if b > sent]
     # Built at this request, as it was, the stream lost 0.6-1.3 s in gaps over 0.1 s here (2-core CPU;
     # the tiny model's tokens come every 5-10 ms), the longest 0.3-0.4 s; now none of 0.05 s. A stall
-    # is a gap over 0.1 s and over 4x the stream's pace, before the request and while it runs: the
+    # is a gap over 0.2 s and over 4x the stream's pace, before the request and while it runs: the
     # compile takes a core, and with the suite's other worker on the other one every token slowed
-    # alike to 0.13-0.18 s for the request's 8 s, a slower pace but no stall. The bound leaves it a
-    # few stalls of its own.
-    threshold = max(0.1, 4 * statistics.median(before), 4 * statistics.median(during))
+    # alike to 0.13-0.18 s for the request's 8 s, a slower pace but no stall; in another full run
+    # (2026-12-06) a few gaps of 0.10-0.12 s among fast ones summed to 0.55 s over a 0.1 s bound.
+    # The bound leaves it a few stalls of its own.
+    threshold = max(0.2, 4 * statistics.median(before), 4 * statistics.median(during))
     stalled = sum(gap for gap in during if gap > threshold)
     assert stalled < 0.3, (stalled, threshold, sorted(during)[-5:], answered - sent)
 
