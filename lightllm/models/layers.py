@@ -307,9 +307,7 @@ class RMSNorm:
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.fp8_out), x
         share, self.lora_share = self.lora_share, None
-        if share is not None:
-            return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out, extra=share), residual
-        return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out), residual
+        return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out, extra=share), residual
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (a strided view of q or k) normalised over each head's D, as a new tensor."""
@@ -429,11 +427,11 @@ class Attention:
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
         if self.q_norm is not None:
             q, k = self.q_norm.heads(q), self.k_norm.heads(k)
-        if share is not None:
+        if share is None:
+            rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
+        else:
             lora.join()
             rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots, extra=share)
-        else:
-            rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,

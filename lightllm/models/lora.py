@@ -28,6 +28,7 @@ compute-bound and a shrink beside it slows it down: both run in turn.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,32 +74,32 @@ class LoraAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+def _beside(stream: torch.cuda.Stream | None, device: torch.device):
+    """Where to queue work that runs beside what the current stream takes next: `stream`, after
+    what the current stream holds so far (the current stream must wait for it before reading the
+    work's results); without a stream (CPU), here and now."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
 def shrink_beside(x: torch.Tensor, a: torch.Tensor, seg: Segments,
                   stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """lora_shrink(x, a, seg); with a stream (CUDA), queued there after what the current stream holds
-    so far, to run beside what that stream takes next: the current stream must wait for `stream`
-    before it reads the result."""
-    if stream is None:
-        return lora_shrink(x, a, seg)
-    current = torch.cuda.current_stream(x.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
+    """lora_shrink(x, a, seg), queued beside what the current stream takes next (`_beside`)."""
+    with _beside(stream, x.device):
         s = lora_shrink(x, a, seg)
-    s.record_stream(current)  # its memory is not handed out again before the current stream's reads end
+    if stream is not None:  # its memory is not handed out again before the current stream's reads end
+        s.record_stream(torch.cuda.current_stream(x.device))
     return s
 
 
 def share_beside(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments,
                  stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """The adapters' share of x's rows, fp32 [T, out] (zero in rows of no adapter); with a stream
-    (CUDA), its shrink and expand queued there after what the current stream holds so far, to run
-    beside what that stream takes next: the current stream must wait for `stream` before it reads
-    the share."""
+    """The adapters' share of x's rows, fp32 [T, out] (zero in rows of no adapter), its shrink and
+    expand queued beside what the current stream takes next (`_beside`)."""
     share = torch.empty(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)  # the current stream's
-    if stream is None:
-        return lora_expand_(share.zero_(), lora_shrink(x, a, seg), b, seg)
-    stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream):
+    with _beside(stream, x.device):
         lora_expand_(share.zero_(), lora_shrink(x, a, seg), b, seg)
     return share
 
