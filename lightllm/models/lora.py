@@ -48,12 +48,10 @@ __all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", 
 # 1 / 4 / 16 / 64 rows, and 2,455 against 2,375 at 256, 10,940 against 8,141 at 2,048.
 BESIDE_ROWS = 64
 # The most rows of a step whose projections hand their whole share to the kernel that takes their
-# output (`share_beside`). Measured at one row only (H100, 8e0c0b2: o's and down's shares took an
-# adapter's cost one at a time from 0.80 to 0.53 ms a token). An estimate above it, from
-# lora_bench.py's fp32-delta form (f1573a3: the same side branch, a memset, shrink and expand, plus
-# one add in the step's path, about 4 us a launch): break-even with the shrink alone beside the
-# GEMM at 16 rows, 0.8 ms a step worse at 64, where the side branch outlasts the small GEMMs.
-SHARE_ROWS = 8
+# output (`share_beside`). H100, bench-8b, 16 slots of rank 16 (lora_bench.py, 42fd056, 2026-12-06):
+# the whole share beside added 125 / 319 / 626 / 1,222 us to the step's base GEMMs at 1 / 2 / 4 / 8
+# rows, the shrink alone beside 641 / 715 / 834 / 1,046 (the side branch outlasts the small GEMMs).
+SHARE_ROWS = 4
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
