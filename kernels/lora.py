@@ -15,8 +15,9 @@ adapter (slot -1) are in no segment: the kernels skip them, and their s rows are
 read.
 
 The kernels' first grid axis runs over the step's row blocks, slot after slot (a slot's rows cut
-into blocks of BLOCK_ROWS; a slot of no rows has none): a program finds its slot in the blocks
-table (one vector compare over the slots' first blocks). Its size is `max_row_blocks`, the most
+into blocks of BLOCK_ROWS, or of LARGE_BLOCK_ROWS in a step of at least LARGE_ROWS rows; a slot of
+no rows has none): a program finds its slot in the blocks table (one vector compare over the
+slots' first blocks). The axis's size is `max_row_blocks`, the most
 blocks any mix of the step's rows over the pool's slots can need, fixed by the step's rows and
 the pool's size, so a CUDA graph replays it with any mix of adapters; the programs past the step's
 real blocks (at most one a used slot's worth, and those of rows of no adapter) leave at once.
@@ -36,6 +37,14 @@ from ._triton import cdiv, dot, fast_launch, grid_dependency_wait, next_power_of
 BLOCK_ROWS = 16
 BLOCK_K = 128
 BLOCK_N = 64
+# Steps of at least LARGE_ROWS rows take row blocks of LARGE_BLOCK_ROWS and expand tiles of
+# LARGE_BLOCK_N columns: fewer, larger programs. H100, bench-8b, 16 slots of rank 16, the LoRA work
+# in turn after the base GEMMs (lora_bench.py, f5302f1, 2026-12-06): blocks of 64 rows and 128
+# columns added 6,070 / 6,906 us at 1,024 / 2,048 rows against 6,638 / 8,266 with 16 and 64, and
+# 4,642 / 6,171 with the shrink beside the GEMM (models/lora.py); at 16-256 rows they lost 10-40%.
+LARGE_ROWS = 1024
+LARGE_BLOCK_ROWS = 64
+LARGE_BLOCK_N = 128
 # The shrink cuts K into slices (of at least SPLIT_K columns) until the step's row blocks times the
 # slices reach SHRINK_PROGRAMS (about two programs an SM on an H100 or H200, 132 SMs): a decode
 # step's one row block would otherwise be one program over all of K.
@@ -45,30 +54,38 @@ SHRINK_PROGRAMS = 256
 
 class Segments(NamedTuple):
     """A step's rows grouped by slot: slot s's rows are rows[starts[s]:starts[s + 1]] ([T] int64; rows
-    of slot -1 come last, past starts[num_slots]), and its row blocks are blocks[s]:blocks[s + 1]
-    (int32 [num_slots + 1] each)."""
+    of slot -1 come last, past starts[num_slots]), and its row blocks of `block_rows` rows are
+    blocks[s]:blocks[s + 1] (int32 [num_slots + 1] each)."""
 
     rows: torch.Tensor
     starts: torch.Tensor
     blocks: torch.Tensor
+    block_rows: int
+
+
+def block_rows(tokens: int) -> int:
+    """The rows of a row block in a step of `tokens` rows."""
+    return LARGE_BLOCK_ROWS if tokens >= LARGE_ROWS else BLOCK_ROWS
 
 
 def lora_segments(slots: torch.Tensor, num_slots: int) -> Segments:
     """Device ops only (no host sync), so that a graph captures it."""
+    rows_per_block = block_rows(slots.shape[0])
     keyed = torch.where(slots < 0, num_slots, slots)
     rows = torch.argsort(keyed, stable=True)
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
     counts.index_add_(0, keyed, torch.ones_like(keyed))
     table = torch.zeros(2, num_slots + 1, dtype=torch.int32, device=slots.device)
     used = counts[:num_slots]
-    table[:, 1:] = torch.stack([used, (used + BLOCK_ROWS - 1) // BLOCK_ROWS]).cumsum(1)
-    return Segments(rows, table[0], table[1])
+    table[:, 1:] = torch.stack([used, (used + rows_per_block - 1) // rows_per_block]).cumsum(1)
+    return Segments(rows, table[0], table[1], rows_per_block)
 
 
 def max_row_blocks(tokens: int, num_slots: int) -> int:
     """The most row blocks `tokens` rows over `num_slots` slots can take: each used slot wastes at
-    most BLOCK_ROWS - 1 rows of its last block, and at most min(tokens, num_slots) slots are used."""
-    return (tokens + min(tokens, num_slots) * (BLOCK_ROWS - 1)) // BLOCK_ROWS
+    most a block's rows less one in its last block, and at most min(tokens, num_slots) slots are used."""
+    rows = block_rows(tokens)
+    return (tokens + min(tokens, num_slots) * (rows - 1)) // rows
 
 
 def shrink_splits(tokens: int, k: int, num_slots: int) -> int:
@@ -185,7 +202,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: Segments, splits: 
     if blocks:
         _shrink_kernel[(blocks, splits)](
             x, a, out, seg.rows, seg.starts, seg.blocks, slots, k, rank, k_slice, x.stride(0), a.stride(0),
-            a.stride(1), out.stride(0), out.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
+            a.stride(1), out.stride(0), out.stride(1), BLOCK_ROWS=seg.block_rows, BLOCK_S=_block_s(slots),
             BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K, DOT_UPCAST=not x.is_cuda, **pdl(x))
     return out
 
@@ -195,9 +212,10 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: S
     tokens, n = y.shape
     slots, _, rank = b.shape
     blocks = max_row_blocks(tokens, slots)
+    block_n = LARGE_BLOCK_N if tokens >= LARGE_ROWS else BLOCK_N
     if blocks:
-        _expand_kernel[(blocks, cdiv(n, BLOCK_N))](
+        _expand_kernel[(blocks, cdiv(n, block_n))](
             y, s, b, seg.rows, seg.starts, seg.blocks, slots, n, rank, s.shape[0], y.stride(0), s.stride(0),
-            s.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_S=_block_s(slots),
-            BLOCK_R=_block_r(rank), BLOCK_N=BLOCK_N, DOT_UPCAST=not y.is_cuda, **pdl(y))
+            s.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=seg.block_rows, BLOCK_S=_block_s(slots),
+            BLOCK_R=_block_r(rank), BLOCK_N=block_n, DOT_UPCAST=not y.is_cuda, **pdl(y))
     return y

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from lightllm.kernels.lora import (BLOCK_ROWS, lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref,
-                                   lora_shrink_triton, max_row_blocks)
+from lightllm.kernels import lora as lora_kernels
+from lightllm.kernels.lora import (BLOCK_ROWS, LARGE_BLOCK_ROWS, block_rows, lora_expand_ref, lora_expand_triton,
+                                   lora_segments, lora_shrink_ref, lora_shrink_triton, max_row_blocks)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,13 +40,14 @@ def per_row(slots, x, a, b, y):
 
 def test_segments_group_rows_by_slot():
     slots = torch.tensor([2, -1, 0, 2, 0, -1, 1], device=DEVICE)
-    rows, starts, blocks = lora_segments(slots, 4)
+    rows, starts, blocks, rows_per_block = lora_segments(slots, 4)
+    assert rows_per_block == BLOCK_ROWS
     assert starts.tolist() == [0, 2, 3, 5, 5]
     assert blocks.tolist() == [0, 1, 2, 3, 3]  # one row block each for slots 0-2, none for slot 3
     assert rows.tolist()[:5] == [2, 4, 6, 0, 3] and sorted(rows.tolist()[5:]) == [1, 5]
 
 
-@pytest.mark.parametrize("tokens,num_slots", [(1, 16), (7, 3), (40, 3), (256, 16), (300, 4)])
+@pytest.mark.parametrize("tokens,num_slots", [(1, 16), (7, 3), (40, 3), (256, 16), (300, 4), (1100, 16)])
 def test_max_row_blocks_bounds_every_mix(tokens, num_slots):
     """The grid fits the blocks of any mix: the worst ones leave each used slot's last block
     nearly empty, and a mix over fewer slots never needs more."""
@@ -54,7 +56,7 @@ def test_max_row_blocks_bounds_every_mix(tokens, num_slots):
         used = torch.randint(1, num_slots + 1, ()).item()
         slots = torch.randint(-1, used, (tokens,))
         assert lora_segments(slots, num_slots).blocks[-1].item() <= grid
-    worst = [s for s in range(min(tokens, num_slots)) for _ in range(BLOCK_ROWS + 1)][:tokens]
+    worst = [s for s in range(min(tokens, num_slots)) for _ in range(block_rows(tokens) + 1)][:tokens]
     slots = torch.tensor(worst + [0] * (tokens - len(worst)))
     assert lora_segments(slots, num_slots).blocks[-1].item() <= grid
 
@@ -103,16 +105,21 @@ UNEVEN = {  # slot of each row, shuffled: a slot of many rows beside slots of on
 }
 
 
+@pytest.mark.parametrize("plan", ["small", "large"])
 @pytest.mark.parametrize("case", list(UNEVEN))
-def test_row_blocks_find_their_slot(case):
+def test_row_blocks_find_their_slot(case, plan, monkeypatch):
     """The grid over the step's row blocks: each block finds its slot (empty slots have no blocks,
-    blocks past the step's leave), on very uneven counts; the shrink's partial sums too."""
+    blocks past the step's leave), on very uneven counts; the shrink's partial sums too. "large":
+    the plan of large steps (blocks of LARGE_BLOCK_ROWS rows, wider expand tiles) at these sizes."""
+    if plan == "large":
+        monkeypatch.setattr(lora_kernels, "LARGE_ROWS", 1)
     slots = torch.tensor(UNEVEN[case], device=DEVICE)
     slots = slots[torch.randperm(len(slots), device=DEVICE)]
     tokens, num_slots, rank, k, n = len(slots), 7, 8, 64, 40
     x, y = torch.randn(tokens, k, device=DEVICE), torch.randn(tokens, n, device=DEVICE)
     a, b = torch.randn(num_slots, rank, k, device=DEVICE), torch.randn(num_slots, n, rank, device=DEVICE)
     seg = lora_segments(slots, num_slots)
+    assert seg.block_rows == (LARGE_BLOCK_ROWS if plan == "large" else BLOCK_ROWS)
     expected = per_row(slots, x, a, b, y)
     for splits in (1, 2):
         got = lora_expand_triton(y.clone(), lora_shrink_triton(x, a, seg, splits), b, seg)

@@ -22,8 +22,10 @@ group in its path instead of two. In a step of up to SHARE_ROWS rows, where the 
 kernel that can add to it as it reads it (o and down, tp 1: the next norm's residual add;
 gate/up: the activation; q/k/v without q/k norms: rotary_kv_), `share_beside` queues the expand
 beside the GEMM too, into a zeroed fp32 share that kernel adds (RowParallelLinear.defer_lora_sum,
-GatedMLP, Attention): no LoRA launch waits for the GEMM. In larger steps the GEMM is
-compute-bound and a shrink beside it slows it down: both run in turn.
+GatedMLP, Attention): no LoRA launch waits for the GEMM. In steps of more rows the GEMM is
+compute-bound and a shrink of small row blocks beside it slows it down: both run in turn, up to
+the steps of at least LARGE_ROWS rows, whose shrink (kernels/lora.py: fewer, larger row blocks)
+runs beside the GEMM again.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
+from lightllm.kernels import lora as lora_kernels
 from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
 from lightllm.kernels.lora import Segments
 
@@ -47,6 +50,13 @@ __all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", 
 # added 641 / 844 / 1,567 / 1,620 us beside against 1,068 / 1,248 / 2,170 / 2,044 in turn at
 # 1 / 4 / 16 / 64 rows, and 2,455 against 2,375 at 256, 10,940 against 8,141 at 2,048.
 BESIDE_ROWS = 64
+
+
+def _shrinks_beside(rows: int) -> bool:
+    """Whether a step of `rows` rows runs its shrinks beside the base GEMMs: up to BESIDE_ROWS, and
+    from kernels/lora.py's LARGE_ROWS on (blocks of 64 rows; H100, lora_bench.py at f5302f1: 4,642 /
+    6,171 us added at 1,024 / 2,048 rows beside, 6,070 / 6,906 in turn)."""
+    return rows <= BESIDE_ROWS or rows >= lora_kernels.LARGE_ROWS
 # The most rows of a step whose projections hand their whole share to the kernel that takes their
 # output (`share_beside`). H100, bench-8b, 16 slots of rank 16 (lora_bench.py, 42fd056, 2026-12-06):
 # the whole share beside added 125 / 319 / 626 / 1,222 us to the step's base GEMMs at 1 / 2 / 4 / 8
@@ -142,13 +152,13 @@ class LoraTarget:
         seg = self.pool.segments
         if seg is None:
             return None
-        return shrink_beside(x, self.a, seg, self.pool.stream if x.shape[0] <= BESIDE_ROWS else None)
+        return shrink_beside(x, self.a, seg, self.pool.stream if _shrinks_beside(x.shape[0]) else None)
 
     def finish(self, s: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
         """y (x's base output) plus the adapters' share, in place, from `start`'s shrink."""
         if s is None:
             return y
-        if y.shape[0] <= BESIDE_ROWS:
+        if _shrinks_beside(y.shape[0]):
             self.join()
         return lora_expand_(y, s, self.b, self.pool.segments)
 

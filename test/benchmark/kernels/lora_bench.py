@@ -20,7 +20,7 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   that kernel's own launch and is not timed here). Each is timed at every size; "added" is what it
   adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
-SPLIT_K, SHRINK_PROGRAMS) for one more pass, to time another launch plan of the same kernels beside
+SPLIT_K, SHRINK_PROGRAMS, LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_BLOCK_N) for one more pass, to time another launch plan of the same kernels beside
 the shipped one (repeat it for several). Each step is first checked against the torch reference.
 CUDA only (the tiny shape is for a CPU check of the script under TRITON_INTERPRET=1).
 """
@@ -44,7 +44,8 @@ logger = logging.getLogger("lora_bench")
 # name -> (layers, hidden, q heads x head dim, kv heads x head dim, intermediate)
 SHAPES = {"bench-8b": (32, 4096, 4096, 1024, 14336), "qwen3-8b": (36, 4096, 4096, 1024, 12288),
           "tiny": (2, 64, 64, 32, 128)}
-TUNABLE = ("BLOCK_ROWS", "BLOCK_K", "BLOCK_N", "SPLIT_K", "SHRINK_PROGRAMS")
+TUNABLE = ("BLOCK_ROWS", "BLOCK_K", "BLOCK_N", "SPLIT_K", "SHRINK_PROGRAMS", "LARGE_ROWS", "LARGE_BLOCK_ROWS",
+           "LARGE_BLOCK_N")
 
 
 def groups(shape: str) -> list[tuple[int, int, int]]:
