@@ -23,9 +23,9 @@ kernel that can add to it as it reads it (o and down, tp 1: the next norm's resi
 gate/up: the activation; q/k/v without q/k norms: rotary_kv_), `share_beside` queues the expand
 beside the GEMM too, into a zeroed fp32 share that kernel adds (RowParallelLinear.defer_lora_sum,
 GatedMLP, Attention): no LoRA launch waits for the GEMM. In steps of more rows the GEMM is
-compute-bound and a shrink of small row blocks beside it slows it down: both run in turn, up to
-the steps of at least LARGE_ROWS rows, whose shrink (kernels/lora.py: fewer, larger row blocks)
-runs beside the GEMM again.
+compute-bound and a shrink of small row blocks beside it slows it down: both run in turn, except
+in steps of LARGE_ROWS to LARGE_BESIDE_ROWS rows, whose shrink (kernels/lora.py: fewer, larger row
+blocks) runs beside the GEMM again.
 """
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ __all__ = ["LoraAdapterError", "LoraAdapters", "load_adapter", "module_shapes", 
 # added 641 / 844 / 1,567 / 1,620 us beside against 1,068 / 1,248 / 2,170 / 2,044 in turn at
 # 1 / 4 / 16 / 64 rows, and 2,455 against 2,375 at 256, 10,940 against 8,141 at 2,048.
 BESIDE_ROWS = 64
+# And from kernels/lora.py's LARGE_ROWS (blocks of 64 rows) to LARGE_BESIDE_ROWS rows. H100, the
+# same bench at 4453380: 5,059 / 6,983 / 6,733 us added beside at 1,024 / 1,536 / 2,048 rows against
+# 6,388 / 7,028 / 7,379 in turn; at 4,096 rows 13,806 beside against 11,129 in turn.
+LARGE_BESIDE_ROWS = 2048
 
 
 def _shrinks_beside(rows: int) -> bool:
-    """Whether a step of `rows` rows runs its shrinks beside the base GEMMs: up to BESIDE_ROWS, and
-    from kernels/lora.py's LARGE_ROWS on (blocks of 64 rows; H100, lora_bench.py at f5302f1: 4,642 /
-    6,171 us added at 1,024 / 2,048 rows beside, 6,070 / 6,906 in turn)."""
-    return rows <= BESIDE_ROWS or rows >= lora_kernels.LARGE_ROWS
+    """Whether a step of `rows` rows runs its shrinks beside the base GEMMs."""
+    return rows <= BESIDE_ROWS or lora_kernels.LARGE_ROWS <= rows <= LARGE_BESIDE_ROWS
 # The most rows of a step whose projections hand their whole share to the kernel that takes their
 # output (`share_beside`). H100, bench-8b, 16 slots of rank 16 (lora_bench.py, 42fd056, 2026-12-06):
 # the whole share beside added 125 / 319 / 626 / 1,222 us to the step's base GEMMs at 1 / 2 / 4 / 8
