@@ -14,7 +14,8 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   `LoRA / base` is the share the adapters add to those GEMMs;
 - in turn, shrink beside, share beside: the base GEMMs with the LoRA work, each group's shrink and
   expand after its GEMM; or its shrink beside the GEMM on a second stream (models/lora.py's
-  `shrink_beside`, as the model runs steps of up to BESIDE_ROWS rows) and its expand after both; or
+  `shrink_beside`, as the model runs steps of up to BESIDE_ROWS rows and of LARGE_ROWS to
+  LARGE_BESIDE_ROWS) and its expand after both; or
   its shrink and expand both beside the GEMM, into an fp32 share (`share_beside`, as the model runs
   steps of up to SHARE_ROWS rows) that the kernel after the GEMM adds in the model (that add is in
   that kernel's own launch and is not timed here). Each is timed at every size; "added" is what it
