@@ -55,10 +55,6 @@ BESIDE_ROWS = 64
 # 6,388 / 7,028 / 7,379 in turn; at 4,096 rows 13,806 beside against 11,129 in turn.
 LARGE_BESIDE_ROWS = 2048
 
-
-def _shrinks_beside(rows: int) -> bool:
-    """Whether a step of `rows` rows runs its shrinks beside the base GEMMs."""
-    return rows <= BESIDE_ROWS or lora_kernels.LARGE_ROWS <= rows <= LARGE_BESIDE_ROWS
 # The most rows of a step whose projections hand their whole share to the kernel that takes their
 # output (`share_beside`). H100, bench-8b, 16 slots of rank 16 (lora_bench.py, 42fd056, 2026-12-06):
 # the whole share beside added 125 / 319 / 626 / 1,222 us to the step's base GEMMs at 1 / 2 / 4 / 8
@@ -66,11 +62,17 @@ def _shrinks_beside(rows: int) -> bool:
 SHARE_ROWS = 4
 
 
+def _shrinks_beside(rows: int) -> bool:
+    """Whether a step of `rows` rows runs its shrinks beside the base GEMMs."""
+    return rows <= BESIDE_ROWS or lora_kernels.LARGE_ROWS <= rows <= LARGE_BESIDE_ROWS
+
+
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of every projection an adapter may adapt."""
     d, h, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    shapes = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
-              "o_proj": (h, cfg.num_heads * d), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    shapes = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h),
+              "v_proj": (cfg.num_kv_heads * d, h), "o_proj": (h, cfg.num_heads * d), "gate_proj": (inter, h),
+              "up_proj": (inter, h), "down_proj": (h, inter)}
     sparse = set(cfg.moe.layers) if cfg.moe is not None else set()
     return {f"model.layers.{i}.{TARGETS[name]}.{name}": shape for i in range(cfg.num_layers)
             for name, shape in shapes.items() if not (TARGETS[name] == "mlp" and i in sparse)}

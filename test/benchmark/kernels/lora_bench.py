@@ -21,9 +21,10 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   that kernel's own launch and is not timed here). Each is timed at every size; "added" is what it
   adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
-SPLIT_K, SHRINK_PROGRAMS, LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_BLOCK_N) for one more pass, to time another launch plan of the same kernels beside
-the shipped one (repeat it for several). Each step is first checked against the torch reference.
-CUDA only (the tiny shape is for a CPU check of the script under TRITON_INTERPRET=1).
+SPLIT_K, SHRINK_PROGRAMS, LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_BLOCK_N) for one more pass, to time
+another launch plan of the same kernels beside the shipped one (repeat it for several). Each step
+is first checked against the torch reference. CUDA only (the tiny shape is for a CPU check of the
+script under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
