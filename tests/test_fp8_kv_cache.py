@@ -52,15 +52,15 @@ class WrittenRows:
         monkeypatch.setattr(layers, "rotary_kv_", self._record_then(layers.rotary_kv_))
 
     def _record_then(self, rotary_kv_):
-        def record(q, k, v, cos, sin, k_cache, v_cache, slots):
+        def record(q, k, v, cos, sin, k_cache, v_cache, slots, extra=None):
             layer = self.layer_of[k_cache.data_ptr()]
             tokens = k.shape[0]
             k_rot, v_out = (torch.empty(tokens, *k.shape[1:], dtype=torch.float32) for _ in "kv")
-            rotary_kv_ref(q.clone(), k, v, cos, sin, k_rot, v_out, torch.arange(tokens))
+            rotary_kv_ref(q.clone(), k, v, cos, sin, k_rot, v_out, torch.arange(tokens), extra)
             real = slots < k_cache.shape[0] - 1
             self.k[layer].append(k_rot.flatten(1)[real])
             self.v[layer].append(v_out.flatten(1)[real])
-            return rotary_kv_(q, k, v, cos, sin, k_cache, v_cache, slots)
+            return rotary_kv_(q, k, v, cos, sin, k_cache, v_cache, slots, extra=extra)
         return record
 
     def ours_for(self, kind: str, layer: int, theirs: torch.Tensor) -> torch.Tensor:

@@ -427,11 +427,9 @@ class Attention:
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
         if self.q_norm is not None:
             q, k = self.q_norm.heads(q), self.k_norm.heads(k)
-        if share is None:
-            rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots)
-        else:
+        if share is not None:
             lora.join()
-            rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots, extra=share)
+        rotary_kv_(q, k, v, *rope, k_cache, v_cache, batch.slots, extra=share)
         return self.o(self._attend(q, batch, k_cache, v_cache).reshape(tokens, -1))
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
