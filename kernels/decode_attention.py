@@ -145,17 +145,19 @@ def _chained(req_rows_ptr, seq_lens_ptr, rows, batch, req_row, seq_len, offsets)
 def _group_size(req_rows_ptr, seq_lens_ptr, row, batch, req_row, seq_len, ROWS: tl.constexpr):
     """The rows this program attends for, from `row` (0: another program has them). Consecutive
     rows of one request one position apart (its last token and its drafts) form groups of up to
-    ROWS rows, cut where (length - 1) % ROWS == 0: each row is in exactly one group, whose keys
-    are then read once for all of its rows. Decided from the rows' own lengths, so a graph's
-    padding rows (all of length 1) stay alone and any mix of decodes and drafts needs no
-    metadata of its own."""
-    previous = _chained(req_rows_ptr, seq_lens_ptr, row - 1, batch, req_row, seq_len, -1)
+    ROWS rows, counted from the request's first row in the step: each row is in exactly one group,
+    whose keys are then read once for all of its rows, and a request's 1 + k rows take
+    ceil((1 + k) / ROWS) groups. Decided from the rows' own lengths, so a graph's padding rows
+    (all of length 1) stay alone and any mix of decodes and drafts needs no metadata of its own."""
+    # 32 rows looked back over: more than a verifying request has (1 + at most 16 drafts,
+    # lightllm/engine/spec/config.py); a longer run would only have some rows attended twice, alike.
+    back = tl.arange(0, 32) + 1
+    before = _chained(req_rows_ptr, seq_lens_ptr, row - back, batch, req_row, seq_len, -back)
+    depth = tl.min(tl.where(before, 32, back - 1))  # the request's rows before this one
     offsets = tl.arange(0, ROWS)
     member = _chained(req_rows_ptr, seq_lens_ptr, row + offsets, batch, req_row, seq_len, offsets)
-    member = member & (offsets < ROWS - (seq_len - 1) % ROWS)  # up to the next cut
     size = tl.min(tl.where(member, ROWS, offsets))  # the first row not in the group
-    leads = ((seq_len - 1) % ROWS == 0) | (previous == 0)
-    return tl.where(leads, size, 0)
+    return tl.where(depth % ROWS == 0, size, 0)
 
 
 @fast_launch
@@ -306,8 +308,7 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr, o_offsets, parts, num_used, h
 def group_rows(group: int) -> int:
     """Rows of one request a program takes by default where the plan keeps one chunk a group
     (large batches): as many as fill the 16-row tile its GROUP query heads leave (the tile tl.dot
-    needs), so a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) or one more
-    times, not 1 + k. H200, Llama-3.1-8B's heads, tune_decode_attention.py (2026-12-02, d7caf92),
+    needs), so a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) times, not 1 + k. H200, Llama-3.1-8B's heads, tune_decode_attention.py (2026-12-02, d7caf92),
     us a call: 64 requests x 5 rows at 1024 keys 154 against 189 a row alone; 256 plain decodes
     272 against 294. Split plans (small batches) keep each row alone: 64 plain decodes at 1024
     keys (two splits) 77.3 alone against 80.9 grouped, 16 x 5 rows 50.3 against 52.0."""

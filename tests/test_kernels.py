@@ -450,8 +450,8 @@ def verify_batch(runs, num_q_heads, num_kv_heads, head_dim, num_slots=800, paddi
             torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
 
 
-# Runs whose groups start at, cross and end at a cut ((length - 1) % rows == 0), single rows
-# between them, and a run of one key.
+# Runs of 1-9 rows at lengths on either side of a multiple of the group size, single rows between
+# them, and a run of one key.
 VERIFY_RUNS = [(5, 5), (1, 1), (8, 3), (100, 9), (300, 2), (33, 1), (1, 4), (297, 8)]
 
 
@@ -490,9 +490,9 @@ def test_decode_attention_group_row_that_sees_no_key_of_a_chunk(monkeypatch):
 @pytest.mark.parametrize("rows", [2, 4, 8])
 def test_decode_attention_groups_cover_each_row_once(rows):
     """_group_size on the device: the groups' sizes, from the rows they lead, cover every row
-    exactly once; a run of 1 + k rows is cut where (length - 1) % rows == 0, so it takes
-    ceil((1 + k) / rows) or one more programs; padding rows (one shared row, length 1) and
-    another request's rows stay alone."""
+    exactly once; a run of 1 + k rows is cut every `rows` rows from its first, so it takes
+    ceil((1 + k) / rows) programs; padding rows (one shared row, length 1) and another request's
+    rows stay alone."""
     args = verify_batch(VERIFY_RUNS, 4, 2, 16, padding=3)
     req_rows, lens = args[4], args[5]
     sizes = torch.zeros(len(lens), dtype=torch.int32, device=DEVICE)
@@ -502,8 +502,8 @@ def test_decode_attention_groups_cover_each_row_once(rows):
         covered[row: row + size] += 1
     assert covered.tolist() == [1] * len(lens)
     first = 0
-    for length, n in VERIFY_RUNS:  # each run's groups: cut at the positions the lengths give
-        cuts = [j for j in range(n) if j == 0 or (length + j - 1) % rows == 0]
+    for length, n in VERIFY_RUNS:  # each run's groups: cut every `rows` rows from its first
+        cuts = list(range(0, n, rows))
         assert [j for j in range(n) if sizes[first + j] > 0] == cuts, (length, n)
         first += n
     assert sizes[first:].tolist() == [1] * 3
