@@ -308,10 +308,13 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, o_ptr, o_offsets, parts, num_used, h
 def group_rows(group: int) -> int:
     """Rows of one request a program takes by default where the plan keeps one chunk a group
     (large batches): as many as fill the 16-row tile its GROUP query heads leave (the tile tl.dot
-    needs), so a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) times, not 1 + k. H200, Llama-3.1-8B's heads, tune_decode_attention.py (2026-12-02, d7caf92),
-    us a call: 64 requests x 5 rows at 1024 keys 154 against 189 a row alone; 256 plain decodes
-    272 against 294. Split plans (small batches) keep each row alone: 64 plain decodes at 1024
-    keys (two splits) 77.3 alone against 80.9 grouped, 16 x 5 rows 50.3 against 52.0."""
+    needs), so a verifying request's 1 + k rows read its keys ceil((1 + k) / rows) times, not
+    1 + k. H200, Llama-3.1-8B's heads, tune_decode_attention.py (2026-12-02, d7caf92), us a call:
+    64 requests x 5 rows at 1024 keys 154 against 189 a row alone; 256 plain decodes 272 against
+    294. Split plans (small batches) keep each row alone: 64 plain decodes at 1024 keys (two
+    splits) 77.3 alone against 80.9 grouped, 16 x 5 rows 50.3 against 52.0. Eight rows (a 32-row
+    tile) took 64 x 5 rows in 101.1 against 106.5 us but 64 plain decodes in 109.5 against 100.5
+    (H100, 2026-12-06, 9d176bf)."""
     return max(1, 16 // next_power_of_2(group))
 
 
