@@ -153,7 +153,7 @@ def _group_size(req_rows_ptr, seq_lens_ptr, row, batch, req_row, seq_len, ROWS: 
     # lightllm/engine/spec/config.py); a longer run would only have some rows attended twice, alike.
     back = tl.arange(0, 32) + 1
     before = _chained(req_rows_ptr, seq_lens_ptr, row - back, batch, req_row, seq_len, -back)
-    depth = tl.min(tl.where(before, 32, back - 1))  # the request's rows before this one
+    depth = tl.sum(before.to(tl.int32))  # the request's rows before this one (they are adjacent)
     offsets = tl.arange(0, ROWS)
     member = _chained(req_rows_ptr, seq_lens_ptr, row + offsets, batch, req_row, seq_len, offsets)
     size = tl.min(tl.where(member, ROWS, offsets))  # the first row not in the group

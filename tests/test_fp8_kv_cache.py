@@ -41,12 +41,13 @@ def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
 
 class WrittenRows:
     """Per layer, every K (after rotary) and V row our runner wrote to its cache, before rounding.
-    Not a padded step's padding rows: they go to the table's scratch slot (its last), and their
+    Not a padded step's padding rows: they go to the table's `scratch_slot`, and their
     values are whatever the step's buffers held (their attention output is never written), NaN at
     times."""
 
     def __init__(self, runner, monkeypatch):
         self.layer_of = {t.data_ptr(): i for i, t in enumerate(runner.token_table.k)}
+        self.scratch_slot = runner.token_table.scratch_slot
         self.k = [[] for _ in self.layer_of]
         self.v = [[] for _ in self.layer_of]
         monkeypatch.setattr(layers, "rotary_kv_", self._record_then(layers.rotary_kv_))
@@ -57,7 +58,7 @@ class WrittenRows:
             tokens = k.shape[0]
             k_rot, v_out = (torch.empty(tokens, *k.shape[1:], dtype=torch.float32) for _ in "kv")
             rotary_kv_ref(q.clone(), k, v, cos, sin, k_rot, v_out, torch.arange(tokens), extra)
-            real = slots < k_cache.shape[0] - 1
+            real = slots != self.scratch_slot
             self.k[layer].append(k_rot.flatten(1)[real])
             self.v[layer].append(v_out.flatten(1)[real])
             return rotary_kv_(q, k, v, cos, sin, k_cache, v_cache, slots, extra=extra)
