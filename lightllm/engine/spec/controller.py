@@ -22,15 +22,18 @@ It speculates only where the expected tokens per second of the step beat plain d
   as it is: there is no batch-size threshold at which speculation switches off, only a rate that
   stops paying, and a wrong estimate costs the steps it takes the measurements to correct it.
   While it does not speculate, a step with drafts every SPEC_PROBE_EVERY steps where acceptance
-  is high enough to matter (a draft model's first at once: only verification measures it); plain
-  steps are measured in the guard's held-off epochs, steady.
+  is high enough to matter, the first at once (before a step with drafts is measured their cost
+  is a guess; a draft model's acceptance only verification measures); plain steps are measured
+  in the guard's held-off epochs, steady.
 - The run-level guard (`RunGuard`). The per-step rates rest on a cost model, and a model can be
   wrong where the run is not (a step with drafts is synchronous: the host's turnaround that overlap
   hides for plain steps, prefill steps with drafts, a plain period measured after a synchronous
   step). So the choice above runs only in epochs where speculation is allowed; other epochs hold
   it off, and the two are compared by what the run realized: tokens emitted per second per
   decoding request. The side that wins (allowed must win by MARGIN) runs in long epochs, the other
-  is tried once after each, and the winner's epochs lengthen while it keeps winning.
+  is tried once after each, and the winner's epochs lengthen while it keeps winning. The windows
+  before the first verdict (the run's start: its first prompts prefilled at once) set neither the
+  spread of later windows nor the plain step's period that epochs are measured in.
 """
 
 from __future__ import annotations
@@ -192,6 +195,11 @@ class StepCosts:
     def measured(self, drafted: bool, tokens: int, seconds: float) -> None:
         (self._spec if drafted else self._plain).add(tokens, seconds)
 
+    @property
+    def spec_measured(self) -> bool:
+        """Some step with drafts was measured: spec(n) is no longer UNMEASURED_SPEC_EXTRA's guess."""
+        return bool(self._spec)
+
     def known_near(self, tokens: int) -> bool:
         """A plain step of between half and twice `tokens` tokens was measured: plain's cost at
         this size is not a guess drawn from steps of another kind (a prefill of thousands)."""
@@ -239,16 +247,18 @@ class Window:
     """Tokens emitted against request-seconds (decoding requests x seconds) over an epoch's
     measured steps: the realized rate, and its relative standard error (a ratio estimator's)."""
 
-    __slots__ = ("steps", "drafted", "seconds", "x", "y", "xx", "xy", "yy")
+    __slots__ = ("steps", "drafted", "seconds", "shortest", "x", "y", "xx", "xy", "yy")
 
     def __init__(self):
         self.steps = self.drafted = 0
         self.seconds = self.x = self.y = self.xx = self.xy = self.yy = 0.0
+        self.shortest = math.inf  # the shortest step's seconds
 
     def add(self, tokens: int, requests: int, seconds: float, drafted: bool) -> None:
         request_seconds = requests * seconds
         self.steps += 1
         self.seconds += seconds
+        self.shortest = min(self.shortest, seconds)
         self.drafted += drafted
         self.x += tokens
         self.y += request_seconds
@@ -359,11 +369,12 @@ class RunGuard:
 
     def _next_epoch(self) -> None:
         w = self._window
-        seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
-        self._spread[self.allowed] = max(self._spread[self.allowed] * SPREAD_DECAY, seen)
+        if self.winner is not None:  # the run's start (its first prompts prefilled at once) is no step's norm
+            seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
+            self._spread[self.allowed] = max(self._spread[self.allowed] * SPREAD_DECAY, seen)
         self._rates[self.allowed] = w
         if not self.allowed and w.steps:
-            self._plain_period = w.seconds / w.steps
+            self._plain_period = w.seconds / w.steps if self.winner is not None else w.shortest
         if self.allowed != self.winner and len(self._rates) == 2:  # an exploration ended
             self._verdict()
             self._start(self.winner, RUN_STEPS << self.backoff)
@@ -595,7 +606,8 @@ class Speculator:
         self._probe = rate[best] <= plain * (1 + margin)
         if not self._probe:
             self._probe_gap = SPEC_PROBE_EVERY
-        elif self._plain_steps < self._probe_gap or (max(alphas) < SPEC_PROBE_ALPHA and self.shadows):
+        elif (self._plain_steps < self._probe_gap and self.costs.spec_measured) or (
+                max(alphas) < SPEC_PROBE_ALPHA and self.shadows):
             return None
         return np.bincount(owner[order[: best + 1]], minlength=len(alphas)).tolist()
 
