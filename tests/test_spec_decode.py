@@ -211,48 +211,6 @@ def test_shadow_drafts_a_step_are_bounded_and_taken_in_turns():
     assert sorted(calls) == list(range(len(reqs)))
 
 
-def test_speculation_resumes_right_after_a_plain_step(tmp_path):
-    """64 requests speculate; every fourth step is held off (one plain step, as beside a prefill
-    where drafts do not pay). A step with drafts costs two plain steps, so they pay only where more
-    than about half the requests draft. The requests that were speculating may draft again at once:
-    their last verified drafts stand in for the shadow proposals (16 a step) they would otherwise
-    wait two or three plain steps for. Greedy output stays transformers'."""
-    from helpers.models import Client, hf_greedy, random_prompts
-
-    from lightllm.engine.spec.controller import SHADOW_PROPOSALS_A_STEP
-
-    hf_model = make_model("llama_gqa_llama3_rope", tmp_path)
-    runner = make_runner(tmp_path, tokens=4096, max_req_total_len=64, running_max_req_size=64)
-    prompts = random_prompts(64, lengths=[3 + i % 7 for i in range(64)])
-    expected = hf_greedy(hf_model, prompts, 52)
-    OracleDraft.ORACLE = {tuple(p): expected[i] for i, p in enumerate(prompts)}
-    core = speculating_engine(runner, 512, "helpers.spec:OracleDraft")
-    spec = core.scheduler.speculator
-    assert len(prompts) > 3 * SHADOW_PROPOSALS_A_STEP
-    sizes = (1, 4, 16, 64, 256, 1024)
-    costs = spec.costs
-    for tokens in sizes:  # a step with drafts costs twice a plain one of as many tokens
-        costs._plain.add(tokens, 0.01)
-        costs._spec.add(tokens, 0.02)
-
-    class EveryFourthHeldOff:
-        allowed, tokens, steps = True, 0, []
-
-        def step(self, drafted, decoding, prompt_seconds=0.0):
-            self.steps.append((self.allowed, drafted, decoding))
-            self.allowed = len(self.steps) % 4 != 3
-
-    guard = spec.guard = EveryFourthHeldOff()
-    got = Client(core).run(prompts, SamplingParams(max_new_tokens=52))
-    assert got == [expected[i] for i in range(len(prompts))]
-    decoding = [(allowed, drafted) for allowed, drafted, n in guard.steps if n == len(prompts)]
-    drafted = [d for _, d in decoding]
-    start = drafted.index(True)  # the first shadow proposals took their steps
-    plain_while_allowed = sum(allowed and not d for allowed, d in decoding[start:])
-    pattern = "".join(("D" if d else ".") if allowed else "h" for allowed, d in decoding)
-    assert pattern.count("h") >= 3 and plain_while_allowed == 0, pattern
-
-
 # ---- the engine: against transformers, and against itself without drafts ----
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

@@ -124,9 +124,6 @@ class RequestSpec:
     rejected: float = 0.0
     shadow: list[int] = field(default_factory=list)
     unshadowed: bool = False  # its source makes no shadow proposals: it may speculate from the start
-    # The drafts its last verification had: what the source proposes it, until a shadow proposal (a
-    # step without drafts, and its turn among those due) says again.
-    verified_drafts: int = 0
 
     def outcome(self, accepted: int, rejected: bool) -> None:
         self.accepted = self.accepted * DECAY + accepted
@@ -502,7 +499,7 @@ class Speculator:
             self._shadow_turn += SHADOW_PROPOSALS_A_STEP
             empty = (empty[start:] + empty[:start])[:SHADOW_PROPOSALS_A_STEP]
         for req_id, spec in empty:
-            spec.shadow, spec.verified_drafts = self.source.propose(req_id, self.k_max), 0
+            spec.shadow = self.source.propose(req_id, self.k_max)
 
     def propose(self, wants: dict[int, int]) -> dict[int, list[int]]:
         """Drafts for each request (req id -> most drafts), in one call where the source batches them.
@@ -535,16 +532,12 @@ class Speculator:
         self._probe_gap = min(max(2 * self._probe_gap, SPEC_PROBE_EVERY), SPEC_PROBE_MAX_GAP)
 
     def limit(self, spec: RequestSpec) -> int:
-        """Most drafts the request's source may propose next: its shadow's length, or k_max without
-        shadows. A request just verified has no shadow (its drafts were proposed, not shadowed): the
-        drafts it verified stand in, or after one step without drafts (a step that prefills beside
-        them, say) the requests that were speculating would wait for shadow proposals, 16 a step, to
-        speculate again: on an H100 at 64 in flight, two or three plain steps after each one."""
-        return (len(spec.shadow) or spec.verified_drafts) if self.shadows else self.k_max
+        """Most drafts the request's source may propose next: its shadow's length, or k_max without shadows."""
+        return len(spec.shadow) if self.shadows else self.k_max
 
     def verified(self, spec: RequestSpec, drafts: int, accepted: int) -> None:
         """A step verified `drafts` drafts of the request and accepted the first `accepted`."""
-        spec.shadow, spec.verified_drafts = [], drafts
+        spec.shadow = []
         self._outcome(spec, accepted, accepted < drafts)
         self.num_drafts += 1
         self.num_draft_tokens += drafts
