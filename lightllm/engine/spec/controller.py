@@ -369,12 +369,14 @@ class RunGuard:
 
     def _next_epoch(self) -> None:
         w = self._window
-        started = self.winner is not None  # before: the run's start (its first prompts prefilled at once)
-        if started:  # the start is no norm for the steps' spread
+        # Before the first verdict the windows are the run's start (its first prompts prefilled at
+        # once): no norm for the steps' spread, nor for a plain step's period (its shortest stands in).
+        started = self.winner is not None
+        if started:
             seen = w.variance * w.steps if w.steps >= MIN_STEPS and w.x > 0 else 0.0
             self._spread[self.allowed] = max(self._spread[self.allowed] * SPREAD_DECAY, seen)
         self._rates[self.allowed] = w
-        if not self.allowed and w.steps:  # nor its mean step a plain step's period: its shortest stands in
+        if not self.allowed and w.steps:
             self._plain_period = w.seconds / w.steps if started else w.shortest
         if self.allowed != self.winner and len(self._rates) == 2:  # an exploration ended
             self._verdict()
