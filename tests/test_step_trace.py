@@ -87,6 +87,12 @@ def test_a_step_says_whether_it_was_sync_and_what_was_collected_before_it(tiny_m
     runner._trace.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(s.get("sync", False), s.get("collected", 0)) for s in lines] == [(True, 0), (False, 0), (False, 1)]
+    # the host's turnaround: the runner was handed each plan before it launched it, and handed each
+    # result back once the device had the step done (the sync one in the same call, the others when
+    # the engine collected them), before it was handed the next plan
+    for s, after in zip(lines, lines[1:] + [None]):
+        assert s["received_ms"] <= s["launched_ms"] - s["launch_ms"] + 1e-3 and s["end_ms"] <= s["returned_ms"]
+        assert after is None or s["returned_ms"] <= after["received_ms"]
 
 
 def test_a_step_names_the_triton_kernels_it_met_first(tmp_path, monkeypatch):
@@ -255,3 +261,34 @@ def test_a_step_counts_the_pinned_host_memory_its_launch_took_from_the_driver(tm
     assert (first["pinned_allocs"], first["pinned_alloc_ms"]) == (2, 2.5) and "pinned_allocs" not in second
     text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
     assert "took pinned host memory from the driver: 1, 2 blocks, 2.5 ms" in text
+
+
+def test_the_engines_lines_put_each_step_between_its_plan_and_its_answer(tiny_model, tmp_path):
+    """PATH.host, the engine's side: each step's parts end in order, and the runner was handed the
+    plan (the device trace's `received_ms`, on the engine's clock through `origin_perf_s`) after the
+    engine planned it and before the workers answered."""
+    from lightllm.engine.build import start_engine
+    from lightllm.engine.request import GenerateReq
+
+    path = tmp_path / "trace.jsonl"
+    config = EngineConfig(model_dir=str(tiny_model), max_total_token_num=2048, max_req_total_len=256,
+                          running_max_req_size=4, data_type="float32", step_trace=str(path))
+    workers, core, _ = start_engine(config)
+    try:
+        for req_id in range(3):
+            core.add(GenerateReq(req_id, list(range(1, 6 + req_id)), SamplingParams(max_new_tokens=5)))
+        core.drain()
+        core.host_trace.close()
+        workers.runner._trace.close()
+    finally:
+        workers.shutdown()
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    host = [json.loads(line) for line in (tmp_path / "trace.jsonl.host").read_text().splitlines()]
+    origin = steps[0]["origin_perf_s"]
+    by_step = {h["step"]: h for h in host}
+    assert len(host) >= len(steps) >= 5 and {s["step"] for s in steps} <= set(by_step)
+    for h in host:
+        assert h["start"] <= h["collected"] <= h["planned"] <= h["called"] <= h["processed"]
+    for s in steps:
+        h = by_step[s["step"]]
+        assert h["planned"] <= origin + s["received_ms"] / 1000 <= h["called"] + 1e-6

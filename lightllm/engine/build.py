@@ -11,7 +11,7 @@ import dataclasses
 import logging
 
 from lightllm.engine.config import EngineConfig
-from lightllm.engine.core import EngineCore, WorkerDied, describe_error
+from lightllm.engine.core import EngineCore, HostTrace, WorkerDied, describe_error
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec.config import SpeculativeConfig
 from lightllm.engine.spec.controller import Speculator
@@ -87,7 +87,8 @@ def build_engine(config: EngineConfig, workers, max_total_token_num: int, model_
                           max_loras=config.lora_slots, lora_ids=tuple(range(1, len(config.lora_modules) + 1)),
                           snapshot_interval=config.state_snapshot_interval if hybrid else 0, snapshot_slots=snapshots)
     return EngineCore(scheduler, workers, model_info["eos_token_ids"], overlap=not config.disable_overlap,
-                      vocab_size=model_info["vocab_size"])
+                      vocab_size=model_info["vocab_size"],
+                      host_trace=HostTrace(f"{config.step_trace}.host") if config.step_trace else None)
 
 
 def start_engine(config: EngineConfig) -> tuple[InProcessWorker | ModelWorkers, EngineCore, dict]:

@@ -8,6 +8,8 @@ The router process and the offline API both run this class; it knows no sockets.
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import time
 
@@ -28,10 +30,43 @@ def describe_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+class HostTrace:
+    """The engine's side of the step trace (`--step_trace PATH` writes it to PATH.host): a JSON line
+    per engine step with the moments its parts ended, in `time.perf_counter()` seconds, one clock
+    for every process of a machine (the device trace's `origin_perf_s` puts them on its own):
+    `turn` (the router's loop began the turn), `start`, `collected` (the step in flight taken back,
+    where the engine did), `planned`, `called` (the workers answered: with a sync step's own tokens,
+    else the previous step's), `processed`, `sent` (the outputs handed to the detokenizer), with
+    the plan's `step` and `sync`."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1 << 16)
+        self._line: dict = {}
+        atexit.register(self.close)
+
+    def mark(self, name: str, value=None) -> None:
+        self._line[name] = round(time.perf_counter(), 6) if value is None else value
+
+    def next(self, unless_open: bool = False) -> None:
+        """End the line of the last turn; the next marks start a new one. `unless_open`: only if it
+        has a step already (the router began this turn's line; an engine without one did not)."""
+        if unless_open and "step" not in self._line:
+            return
+        if self._line:
+            self.file.write(json.dumps(self._line) + "\n")
+        self._line = {}
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.next()
+            self.file.close()
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, workers, eos_token_ids, overlap: bool = True,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, host_trace: HostTrace | None = None):
         self.scheduler = scheduler
+        self.host_trace = host_trace
         self._workers = workers  # ModelWorkers, or anything with step(plan) -> list[StepResult]
         self._eos_token_ids = frozenset(eos_token_ids)
         self._vocab_size = vocab_size
@@ -87,6 +122,8 @@ class EngineCore:
     def step(self) -> list[TokenOut]:
         """Plan and launch one step; return the outputs of the steps that completed."""
         start = time.perf_counter()
+        if self.host_trace is not None:
+            self.host_trace.next(unless_open=True)
         outs = self._measure_and_collect(start)
         collected = time.perf_counter()  # planning (a draft model's proposals too) is in the period
         plan = self.scheduler.schedule()
@@ -96,10 +133,20 @@ class EngineCore:
         plan.sync = not self._overlap or plan.empty or bool(plan.drafts)
         if self.scheduler.speculator is not None:
             self._time(collected if self._flushed else start, plan)
-        return outs + self._run(plan)
-    def _run(self, plan: StepPlan) -> list[TokenOut]:
+        trace = self.host_trace
+        if trace is not None:
+            trace.mark("start", round(start, 6))
+            trace.mark("collected", round(collected, 6))
+            trace.mark("planned")
+            trace.mark("step", plan.step_id)
+            trace.mark("sync", plan.sync)
+        return outs + self._run(plan, trace)
+
+    def _run(self, plan: StepPlan, trace: HostTrace | None = None) -> list[TokenOut]:
         try:
             results = self._workers.step(plan)
+            if trace is not None:
+                trace.mark("called")
         except WorkerDied:
             raise
         except Exception as exc:  # the engine failed: every request gets an error, serving goes on
@@ -107,7 +154,10 @@ class EngineCore:
             self._in_flight = False
             return self.scheduler.fail_all(describe_error(exc))
         self._in_flight = not plan.sync
-        return [out for result in results for out in self.scheduler.process(result)]
+        outs = [out for result in results for out in self.scheduler.process(result)]
+        if trace is not None:
+            trace.mark("processed")
+        return outs
 
     def _measure_and_collect(self, now: float) -> list[TokenOut]:
         """With speculative decoding: measure the last step, and before a step that would

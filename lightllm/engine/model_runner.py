@@ -279,7 +279,7 @@ class ModelRunner:
         if plan.drafts and not plan.sync:
             raise ValueError(f"step {plan.step_id}: a plan with drafts must be sync (the next needs its tokens)")
         try:
-            job = self._submit(plan) if plan.ops or not plan.empty else None
+            job = self._submit(plan, time.perf_counter()) if plan.ops or not plan.empty else None
             done = [] if self._pending is None else [self._settle(self._pending.result())]
             self._pending = None
             if job is not None and (plan.sync or plan.empty):
@@ -287,6 +287,8 @@ class ModelRunner:
                 done += [] if launched is None else [self._settle(launched)]
             elif job is not None:
                 self._pending = job
+            if done and self._trace is not None:
+                self._trace.returned([result.step_id for result in done])
             if job is None and self._trace is not None:  # nothing launched: an idle runner's trace is whole
                 self._trace.collections += bool(done)  # on disk (a stop may end it before atexit runs); with
                 self._trace.flush()  # a result back, the engine collected the step in flight
@@ -360,21 +362,22 @@ class ModelRunner:
         up = int64_tensor(rows + starts + lengths).to(self.device, non_blocking=True)
         self.model.commit_verified(*up.view(3, -1), first)
 
-    def _submit(self, plan: StepPlan) -> Future:
-        """Ops and launch run in order on the device thread (CPU) or here (CUDA)."""
+    def _submit(self, plan: StepPlan, received: float) -> Future:
+        """Ops and launch run in order on the device thread (CPU) or here (CUDA); `received`: when
+        the runner was handed the plan (the step trace's)."""
         if self._device_thread is not None:
-            return self._device_thread.submit(self._apply_and_launch, plan)
+            return self._device_thread.submit(self._apply_and_launch, plan, received)
         future: Future = Future()
-        future.set_result(self._apply_and_launch(plan))
+        future.set_result(self._apply_and_launch(plan, received))
         return future
 
-    def _apply_and_launch(self, plan: StepPlan) -> LaunchedStep | None:
+    def _apply_and_launch(self, plan: StepPlan, received: float) -> LaunchedStep | None:
         started = time.perf_counter()
         self.apply(plan.ops)
         self._ops_ms = (time.perf_counter() - started) * 1000  # the step trace's ops_ms
         if self.device.type == "cpu":
             self._trim_heap(idle=plan.empty and not self.reqs)
-        return None if plan.empty else self._launch(plan)
+        return None if plan.empty else self._launch(plan, received)
 
     def _trim_heap(self, idle: bool) -> None:
         """When idle, and every CPU_TRIM_EVERY_STEPS steps under load (see there)."""
@@ -384,12 +387,12 @@ class ModelRunner:
             self._steps_since_trim = 0
 
     @torch.inference_mode()
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
+    def _launch(self, plan: StepPlan, received: float | None = None) -> LaunchedStep:
         """One step: new requests take rows, the metadata goes up in one copy, one forward over
         every new token (from a graph where a bucket fits), then sampling; the tokens stay on the
         device as the next step's input and start their way back to the host."""
         self._check(plan)
-        traced = self._trace.begin() if self._trace is not None else None
+        traced = self._trace.begin(received) if self._trace is not None else None
         self._record_previous_tokens()
         self._start_requests(plan)
         decodes = DecodeRows.build(plan.decodes, plan.drafts, self.reqs)

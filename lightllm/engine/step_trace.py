@@ -37,7 +37,10 @@ engine waited for before planning the next (a step with drafts, or run without o
 the step) are on one clock per process, ms since the trace began: the device's marks count from
 an event recorded on an idle device at that moment. The first line also carries `origin_unix_s`,
 that moment on the wall clock (time.time()), so that a client's send times can be placed on the
-trace's clock. The device idled before a step by
+trace's clock, and `origin_perf_s`, on `time.perf_counter()`'s, which the engine's own lines
+(PATH.host, `core.HostTrace`) are on. `received_ms` is when the runner was handed the step's plan,
+`returned_ms` when it handed the step's result back (a sync step's in the same call): with the
+next step's `received_ms`, they split the host's turnaround after a sync step. The device idled before a step by
 `start_ms - previous end_ms`: the time between the previous step's end and the moment the host
 had this one launched. A step whose `launched_ms` is past its `start_ms` reached the device
 before its launch was done, so its `end_ms - start_ms` holds up to that much waiting for the
@@ -104,12 +107,14 @@ class StepTrace:
             return event
         return (time.perf_counter() - self._t0) * 1000
 
-    def begin(self) -> dict:
-        """Call before the step's first device work; returns the record `end` completes."""
+    def begin(self, received: float | None = None) -> dict:
+        """Call before the step's first device work, with when the runner was handed the step's plan
+        (perf_counter); returns the record `end` completes."""
         self._syncs = []
         if self.cuda:
             torch.cuda.set_sync_debug_mode("warn")
-        return {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
+        record = {} if received is None else {"received_ms": round((received - self._t0) * 1000, 3)}
+        return record | {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
                 "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
                 "compiles_start": COMPILES["count"], "pinned_start": self._pinned_counts(),
                 "start": self._mark()}
@@ -169,6 +174,13 @@ class StepTrace:
                 record["accepted"] = tokens
                 return
 
+    def returned(self, step_ids: list[int]) -> None:
+        """The results of steps `step_ids` go back to the engine now."""
+        now, ids = round((time.perf_counter() - self._t0) * 1000, 3), set(step_ids)
+        for record in self._pending:
+            if record.get("step") in ids:
+                record["returned_ms"] = now
+
     def flush(self, wait: bool = False) -> None:
         """Write the steps the device has finished (all of them with `wait`)."""
         done = 0
@@ -185,6 +197,7 @@ class StepTrace:
             line.update(start_ms=round(start, 3), end_ms=round(end, 3), launch_ms=round(line["launch_ms"], 3))
             if self._origin_unix is not None:  # the first line written
                 line["origin_unix_s"], self._origin_unix = self._origin_unix, None
+                line["origin_perf_s"] = round(self._t0, 6)
             self.file.write(json.dumps(line) + "\n")
             done += 1
         del self._pending[:done]

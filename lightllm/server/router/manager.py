@@ -89,6 +89,10 @@ class RouterManager:
 
     def run_once(self) -> None:
         """One turn of the loop: wait (only when idle), receive, one engine step, emit."""
+        trace = self.core.host_trace
+        if trace is not None:
+            trace.next()
+            trace.mark("turn")
         self._wait_for_work()
         self._receive()
         self._heartbeat.step_started()
@@ -98,6 +102,11 @@ class RouterManager:
         if outs:
             self._to_detokenizer.send_pyobj(BatchTokenOut(outs))
             self._stats_dirty = True
+        if trace is not None:
+            trace.mark("sent")
+            if self.idle:  # whole on disk while idle: the stop signal ends the process without atexit
+                trace.next()
+                trace.file.flush()
         if self._throughput is not None and (outs or self.core.scheduler.prompt_computed_tokens != computed):
             self._throughput.count(generated_tokens=len(outs))  # a prompt's chunks keep the window open too
         self._publish_stats()
@@ -192,7 +201,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
         sys.exit(1)
     try:
         max_total_token_num, info = load_model(workers, config, replica)
-        core = build_engine(config, workers, max_total_token_num, info)
+        core = build_engine(config.for_replica(replica), workers, max_total_token_num, info)
         manager = RouterManager(config, core, workers.sentinels, heartbeat, replica)
         freeze_startup_heap()
         ready_pipe.send(RouterReady(max_total_token_num, info))

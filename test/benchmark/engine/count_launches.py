@@ -71,9 +71,9 @@ def counting(runner: ModelRunner):
              if callable(getattr(layers, name)) and hasattr(lightllm.kernels, name.rstrip("_") + "_triton")}
     launch, apply = _triton._FastKernel._launch, runner._apply_and_launch
 
-    def counted_apply(plan):  # on the CPU the step runs on the runner's device thread
+    def counted_apply(plan, *args):  # on the CPU the step runs on the runner's device thread
         with counter:
-            return apply(plan)
+            return apply(plan, *args)
 
     try:
         for name in saved:

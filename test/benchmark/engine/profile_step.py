@@ -397,10 +397,10 @@ class LaunchTimer:
     def __enter__(self):
         launch = self.runner._launch
 
-        def timed_launch(plan):
+        def timed_launch(plan, *args):
             start = time.perf_counter()
             try:
-                return launch(plan)
+                return launch(plan, *args)
             finally:
                 self.seconds.append(time.perf_counter() - start)
 

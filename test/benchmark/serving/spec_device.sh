@@ -33,6 +33,10 @@ import json, sys, statistics
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 for row, after in zip(rows, rows[1:]):
     row["device"], row["period"] = row["end_ms"] - row["start_ms"], after["start_ms"] - row["start_ms"]
+    if row.get("sync") and "returned_ms" in row and "received_ms" in after:  # the host's turnaround after it
+        row["back"], row["router"] = row["returned_ms"] - row["end_ms"], after["received_ms"] - row["returned_ms"]
+        row["to_launch"] = after["launched_ms"] - after["launch_ms"] - after["received_ms"]
+        row["next_launch"] = after["launch_ms"]
 def size(r):
     d = r.get("decodes", 0)
     return "prefill" if r.get("chunk_tokens") else ("1" if d <= 1 else "2-31" if d < 32 else "32+")
@@ -43,13 +47,43 @@ span = rows[-1]["end_ms"] - rows[0]["start_ms"]
 busy = sum(r["end_ms"] - r["start_ms"] for r in rows)
 print(f"{len(rows)} steps over {span:.0f} ms, the device busy {busy / span:.1%}")
 print("| decodes | drafts | steps | decodes | drafts | accepted | device ms | start to start ms | launch ms | sync | "
-      "after a collection | ms of the run |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+      "after a collection | ms of the run | then: result back ms | router ms | to the launch ms | next launch ms |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+def part(steps, key):  # a mean over the steps that have it (traces since 2026-12-06)
+    values = [r[key] for r in steps if key in r]
+    return f"{statistics.mean(values):.2f}" if values else "-"
 for (kind, drafted), steps in sorted(groups.items()):
     mean = lambda key: statistics.mean(float(r.get(key, 0)) for r in steps)
     print(f"| {kind} | {drafted} | {len(steps)} | {mean('decodes'):.1f} | {mean('drafts'):.1f} | "
           f"{mean('accepted'):.1f} | {mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} | "
-          f"{mean('sync'):.0%} | {mean('collected'):.0%} | {sum(r['period'] for r in steps):.0f} |")
+          f"{mean('sync'):.0%} | {mean('collected'):.0%} | {sum(r['period'] for r in steps):.0f} | "
+          + " | ".join(part(steps, key) for key in ("back", "router", "to_launch", "next_launch")) + " |")
+# the router's part of the turnaround after a step with drafts, from the engine's lines (PATH.host)
+origin = rows[0].get("origin_perf_s")
+try:
+    host = [json.loads(line) for line in open(sys.argv[1] + ".host") if line.strip()]
+except OSError:
+    host = []
+by_step = {h["step"]: h for h in host if "step" in h}
+nexts = {a["step"]: b for a, b in zip(host, host[1:]) if "step" in a}
+parts = {"result across": [], "processing": [], "outputs sent": [], "loop to the next step": [], "collecting": [],
+         "planning": [], "plan across": []}
+for row, after in zip(rows, rows[1:]):
+    h, n = by_step.get(row["step"]), nexts.get(row["step"])
+    if origin is None or not row.get("drafts") or not row.get("sync") or h is None or n is None or "sent" not in h:
+        continue
+    ms = lambda t: (t - origin) * 1000
+    for name, value in (("result across", ms(h["called"]) - row["returned_ms"]),
+                        ("processing", ms(h["processed"]) - ms(h["called"])),
+                        ("outputs sent", ms(h["sent"]) - ms(h["processed"])),
+                        ("loop to the next step", ms(n["start"]) - ms(h["sent"])),
+                        ("collecting", ms(n["collected"]) - ms(n["start"])),
+                        ("planning", ms(n["planned"]) - ms(n["collected"])),
+                        ("plan across", after.get("received_ms", ms(n["planned"])) - ms(n["planned"]))):
+        parts[name].append(value)
+if parts["processing"]:
+    print(f"\nThe router's part after {len(parts['processing'])} steps with drafts, mean ms: "
+          + ", ".join(f"{name} {statistics.mean(v):.3f}" for name, v in parts.items()))
 PY
 }
 n=0
