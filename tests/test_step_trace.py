@@ -92,6 +92,7 @@ def test_a_step_says_whether_it_was_sync_and_what_was_collected_before_it(tiny_m
     # the engine collected them), before it was handed the next plan
     for s, after in zip(lines, lines[1:] + [None]):
         assert s["received_ms"] <= s["launched_ms"] - s["launch_ms"] + 1e-3 and s["end_ms"] <= s["returned_ms"]
+        assert s["launched_ms"] - s["launch_ms"] <= s["forwarded_ms"] <= s["launched_ms"]
         assert after is None or s["returned_ms"] <= after["received_ms"]
 
 

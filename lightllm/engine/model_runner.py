@@ -413,6 +413,8 @@ class ModelRunner:
             logits = self._mixed_forward(t, layout, len(decodes), len(sampled), slots, max_seqlen)
         else:
             logits = self._forward(t, bool(decodes), bool(chunks), slots, max_seqlen, lora, self._hybrid_verify(plan))
+        if traced is not None:
+            self._trace.forwarded(traced)
         launched = self._sample(plan, t, logits, grammar, chunks, sampled, decodes)
         if traced is not None:
             self._trace.end(traced, plan.step_id, len(plan.decodes), sum(len(c.token_ids) for _, c in chunks),

@@ -37,6 +37,8 @@ for row, after in zip(rows, rows[1:]):
         row["back"], row["router"] = row["returned_ms"] - row["end_ms"], after["received_ms"] - row["returned_ms"]
         row["to_launch"] = after["launched_ms"] - after["launch_ms"] - after["received_ms"]
         row["next_launch"] = after["launch_ms"]
+        if "forwarded_ms" in after:
+            row["to_forward"] = after["forwarded_ms"] - after["received_ms"]
 def size(r):
     d = r.get("decodes", 0)
     return "prefill" if r.get("chunk_tokens") else ("1" if d <= 1 else "2-31" if d < 32 else "32+")
@@ -47,8 +49,9 @@ span = rows[-1]["end_ms"] - rows[0]["start_ms"]
 busy = sum(r["end_ms"] - r["start_ms"] for r in rows)
 print(f"{len(rows)} steps over {span:.0f} ms, the device busy {busy / span:.1%}")
 print("| decodes | drafts | steps | decodes | drafts | accepted | device ms | start to start ms | launch ms | sync | "
-      "after a collection | ms of the run | then: result back ms | router ms | to the launch ms | next launch ms |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+      "after a collection | ms of the run | then: result back ms | router ms | to the launch ms | next launch ms | "
+      "plan to forward ms |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 def part(steps, key):  # a mean over the steps that have it (traces since 2026-12-06)
     values = [r[key] for r in steps if key in r]
     return f"{statistics.mean(values):.2f}" if values else "-"
@@ -57,7 +60,7 @@ for (kind, drafted), steps in sorted(groups.items()):
     print(f"| {kind} | {drafted} | {len(steps)} | {mean('decodes'):.1f} | {mean('drafts'):.1f} | "
           f"{mean('accepted'):.1f} | {mean('device'):.2f} | {mean('period'):.2f} | {mean('launch_ms'):.2f} | "
           f"{mean('sync'):.0%} | {mean('collected'):.0%} | {sum(r['period'] for r in steps):.0f} | "
-          + " | ".join(part(steps, key) for key in ("back", "router", "to_launch", "next_launch")) + " |")
+          + " | ".join(part(steps, key) for key in ("back", "router", "to_launch", "next_launch", "to_forward")) + " |")
 # the router's part of the turnaround after a step with drafts, from the engine's lines (PATH.host)
 origin = rows[0].get("origin_perf_s")
 try:
