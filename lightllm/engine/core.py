@@ -36,8 +36,8 @@ class HostTrace:
     for every process of a machine (the device trace's `origin_perf_s` puts them on its own):
     `turn` (the router's loop began the turn), `start`, `collected` (the step in flight taken back,
     where the engine did), `planned`, `called` (the workers answered: with a sync step's own tokens,
-    else the previous step's), `processed`, `sent` (the outputs handed to the detokenizer), with
-    the plan's `step` and `sync`."""
+    else the previous step's), `processed`, `sent` (the router's turn ended: its outputs sent, or
+    put by for the next step's wait), with the plan's `step` and `sync`."""
 
     def __init__(self, path: str):
         self.file = open(path, "a", buffering=1 << 16)

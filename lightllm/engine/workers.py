@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import rpyc
+from rpyc.core.channel import Channel
 from rpyc.core.stream import SocketStream
 from rpyc.utils.authenticators import AuthenticationError
 
@@ -47,6 +48,16 @@ AUTH_TIMEOUT = 10.0  # seconds a connection to a worker has to send the token
 CONNECT_TIMEOUT = 10.0  # seconds the router waits for a published worker to accept
 # A remote worker whose machine vanishes (no FIN) is noticed by TCP keepalive: idle, interval, probes.
 KEEPALIVE = (5, 2, 3)
+
+
+def connect(sock: socket.socket, service=rpyc.VoidService) -> rpyc.Connection:
+    """rpyc over `sock`, both ends of every router <-> worker connection. Its messages go
+    uncompressed: rpyc zlib-compresses any over 3,000 bytes by default, which a step with drafts
+    pays on its plan and its result (test/benchmark/engine/wire_cost.py, 2026-12-06, 2-core CPU:
+    a round trip of 64 decodes with 4 drafts 0.46 ms compressed, 0.33 not; the H100 host's step
+    trace put 0.88 ms of a drafted step's turnaround in the two trips), and which a socket pair or a
+    datacenter link gains nothing from."""
+    return rpyc.connect_channel(Channel(SocketStream(sock), compress=False), service=service, config=RPYC_CONFIG)
 
 
 def to_wire(value):
@@ -129,7 +140,7 @@ def _init_worker(parent_pid: int, log_level: str, ranks_on_node: int) -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    conn = rpyc.connect_stream(SocketStream(sock), service=ModelWorkerService, config=RPYC_CONFIG)
+    conn = connect(sock, ModelWorkerService)
     conn.serve_all()
 
 
@@ -208,7 +219,7 @@ def connect_remote_worker(rank: int, node: int, host: str, port: int, token: byt
         for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     worker = RemoteWorker(rank, node, f"{host}:{port}", sock)
-    worker.conn = rpyc.connect_stream(SocketStream(sock), config=RPYC_CONFIG)
+    worker.conn = connect(sock)
     return worker
 
 
@@ -223,6 +234,10 @@ class ModelWorkers:
         this machine: its ranks take devices replica * tp on, and the machine's cores are shared
         by every replica's workers."""
         self.processes: list[multiprocessing.Process] = []
+        # Called once a step's plan is on its way to every rank, before waiting for their answer:
+        # the router's work that no plan depends on (its outputs, its stats) runs while the ranks
+        # launch and run the step, not between a step's result and the next launch.
+        self.while_waiting = None
         self._conns: list[rpyc.Connection] = []
         self._remote: list[RemoteWorker] = []
         self._rendezvous = None  # node 0 hosts it for as long as the workers run
@@ -254,7 +269,7 @@ class ModelWorkers:
             process.start()
         theirs.close()
         self.processes.append(process)
-        return rpyc.connect_stream(SocketStream(mine), config=RPYC_CONFIG)
+        return connect(mine)
 
     def _connect_remote(self, layout: NodeLayout) -> None:
         """Wait (up to --dist_timeout in all) for every other node's workers; connect in rank order."""
@@ -286,7 +301,10 @@ class ModelWorkers:
         return max_total_token_num, {key: list(v) if isinstance(v, tuple) else v for key, v in info}
 
     def step(self, plan: StepPlan) -> list[StepResult]:
-        return [result_from_wire(r) for r in self._call_all("step", plan_to_wire(plan))]
+        pending = [call(plan_to_wire(plan)) for call in self._methods["step"]]
+        if self.while_waiting is not None:
+            self.while_waiting()
+        return [result_from_wire(r) for r in self._gather(pending)]
 
     def draft(self, asks: list[DraftRequest]) -> list[tuple[tuple[int, ...], int]]:
         """The draft model's proposals (every rank runs it: each holds its shard of the draft's KV)."""

@@ -54,6 +54,12 @@ class RouterManager:
         self._stats_dirty = False  # something changed since the last RouterStats
         self._last_publish = 0.0
         self._sentinels = list(sentinels)
+        # Outputs not yet sent to the detokenizer. While busy a turn's outputs go out during the
+        # next turn's step (`while_waiting`, which the model workers call once they have its plan):
+        # a step with drafts waits for its result, so sending them before planning the next would
+        # hold up its launch. `_carried`: this turn's step sent the earlier ones.
+        self._unsent: list = []
+        self._carried = False
         self._open_sockets(config)
 
     def _open_sockets(self, config: ServerConfig) -> None:
@@ -97,19 +103,32 @@ class RouterManager:
         self._receive()
         self._heartbeat.step_started()
         computed = self.core.scheduler.prompt_computed_tokens
+        self._carried = False
         outs = self.core.step()
         self._heartbeat.turned()
         if outs:
-            self._to_detokenizer.send_pyobj(BatchTokenOut(outs))
+            self._unsent += outs
             self._stats_dirty = True
+        if self._throughput is not None and (outs or self.core.scheduler.prompt_computed_tokens != computed):
+            self._throughput.count(generated_tokens=len(outs))  # a prompt's chunks keep the window open too
+        if not self._carried or self.idle:  # no step carried the earlier ones, or none will carry these
+            self.while_waiting()
         if trace is not None:
             trace.mark("sent")
             if self.idle:  # whole on disk while idle: the stop signal ends the process without atexit
                 trace.next()
                 trace.file.flush()
-        if self._throughput is not None and (outs or self.core.scheduler.prompt_computed_tokens != computed):
-            self._throughput.count(generated_tokens=len(outs))  # a prompt's chunks keep the window open too
+
+    def while_waiting(self) -> None:
+        """Send the outputs not yet sent, and the stats when due."""
+        self._carried = True
+        self._send_outputs()
         self._publish_stats()
+
+    def _send_outputs(self) -> None:
+        if self._unsent:
+            self._to_detokenizer.send_pyobj(BatchTokenOut(self._unsent))
+            self._unsent = []
 
     @property
     def idle(self) -> bool:
@@ -137,6 +156,7 @@ class RouterManager:
                 msg = self._inbox.recv_pyobj(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._send_outputs()  # the detokenizer hears of the request's earlier tokens first
             if isinstance(msg, GenerateReq):
                 # The detokenizer hears of a request before its first token, and of its abort; it
                 # has no use for the compiled grammar (up to megabytes).
@@ -203,6 +223,7 @@ def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, hear
         max_total_token_num, info = load_model(workers, config, replica)
         core = build_engine(config.for_replica(replica), workers, max_total_token_num, info)
         manager = RouterManager(config, core, workers.sentinels, heartbeat, replica)
+        workers.while_waiting = manager.while_waiting
         freeze_startup_heap()
         ready_pipe.send(RouterReady(max_total_token_num, info))
         logger.info("router ready (pid %d): max_total_token_num %d", os.getpid(), max_total_token_num)

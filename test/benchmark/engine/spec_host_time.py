@@ -32,7 +32,7 @@ Reported per step kind: the period (one `EngineCore.step` to the next; wall and 
 forward + sampler, host = period - forward - sampler, tokens emitted, host per token; the parts
 (means of their inclusive time per step: nested parts are inside their parent); and a cProfile
 of as many more steps with the forward and sampler left out (the host's own time, the top
---top functions).
+--top functions; SORT=cumulative in the environment orders them by their inclusive time).
 
 On CUDA use `--clock wall` (a thread waiting for the device may spin, which CPU time counts):
 the forward and sampler times are then their launches (asynchronous), and a step with drafts
@@ -42,6 +42,7 @@ waits for its device work inside `runner._settle`; its host time is the period l
 from __future__ import annotations
 
 import argparse
+import os
 import cProfile
 import io
 import json
@@ -243,7 +244,7 @@ def measure(runner: ModelRunner, reqs: list[GenerateReq], speculator: Speculator
         core.abort(msg.req_id)
     core.drain()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
+    pstats.Stats(profile, stream=text).sort_stats(os.environ.get("SORT", "tottime")).print_stats(args.top)
     return parts, text.getvalue()
 
 

@@ -12,7 +12,7 @@ and reads the result with `result_from_wire`. Nothing else runs in either proces
 Shapes (decodes x drafts each, prompt tokens in chunks): batch 1 with 8 drafts, 64 decodes, 64
 with 4 drafts (3 tokens back each, the expected run at alpha 0.8), 256 decodes, and 64 decodes beside a
 2,048-token chunk. To compare two trees, run this file with each tree's lightllm first on
-PYTHONPATH.
+PYTHONPATH. Both ends connect as the server's do (`workers.connect`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import rpyc
-from rpyc.core.stream import SocketStream
 
 from lightllm.engine.plan import (Chunk, SampledToken, StepPlan, StepResult, plan_from_wire, plan_to_wire,
                                   result_from_wire, result_to_wire)
 from lightllm.engine.request import SamplingParams
-from lightllm.engine.workers import RPYC_CONFIG
+from lightllm.engine.workers import connect
 
 ACCEPTED = 0.8  # each draft accepted with this chance given the ones before (the run's expected length)
 SHAPES = {  # name: (decodes, drafts each, prompt tokens in one chunk)
@@ -64,7 +63,7 @@ class Worker(rpyc.Service):
 
 def serve(sock: socket.socket, result_wire: tuple) -> None:
     Worker.result_wire = result_wire
-    rpyc.connect_stream(SocketStream(sock), service=Worker, config=RPYC_CONFIG).serve_all()
+    connect(sock, Worker).serve_all()
 
 
 def round_trip_ms(shape: tuple[int, int, int], rounds: int) -> tuple[float, int]:
@@ -73,7 +72,7 @@ def round_trip_ms(shape: tuple[int, int, int], rounds: int) -> tuple[float, int]
     mine, theirs = socket.socketpair()
     worker = multiprocessing.get_context("fork").Process(target=serve, args=(theirs, result_to_wire(result)), daemon=True)
     worker.start()
-    conn = rpyc.connect_stream(SocketStream(mine), config=RPYC_CONFIG)
+    conn = connect(mine)
     step = conn.root.step
     times = []
     for i in range(rounds + rounds // 10):  # the first tenth warms up

@@ -69,7 +69,7 @@ except OSError:
     host = []
 by_step = {h["step"]: h for h in host if "step" in h}
 nexts = {a["step"]: b for a, b in zip(host, host[1:]) if "step" in a}
-parts = {"result across": [], "processing": [], "outputs sent": [], "loop to the next step": [], "collecting": [],
+parts = {"result across": [], "processing": [], "turn's end": [], "loop to the next step": [], "collecting": [],
          "planning": [], "plan across": []}
 for row, after in zip(rows, rows[1:]):
     h, n = by_step.get(row["step"]), nexts.get(row["step"])
@@ -78,7 +78,7 @@ for row, after in zip(rows, rows[1:]):
     ms = lambda t: (t - origin) * 1000
     for name, value in (("result across", ms(h["called"]) - row["returned_ms"]),
                         ("processing", ms(h["processed"]) - ms(h["called"])),
-                        ("outputs sent", ms(h["sent"]) - ms(h["processed"])),
+                        ("turn's end", ms(h["sent"]) - ms(h["processed"])),
                         ("loop to the next step", ms(n["start"]) - ms(h["sent"])),
                         ("collecting", ms(n["collected"]) - ms(n["start"])),
                         ("planning", ms(n["planned"]) - ms(n["collected"])),
