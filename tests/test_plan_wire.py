@@ -67,18 +67,3 @@ def test_draft_asks_cross_unchanged(asks):
     assert drafts_from_wire(cross(drafts_to_wire(asks))) == asks
 
 
-
-def test_the_router_and_its_workers_speak_rpyc_uncompressed():
-    """rpyc compresses a message over 3,000 bytes unless its channel says not to: a step with drafts
-    would pay zlib on its plan and its result (workers.connect)."""
-    import socket
-
-    from lightllm.engine.workers import connect
-
-    mine, theirs = socket.socketpair()
-    ends = [connect(mine), connect(theirs)]
-    try:
-        assert [end._channel.compress for end in ends] == [False, False]
-    finally:
-        for end in ends:
-            end.close()

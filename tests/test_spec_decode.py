@@ -254,12 +254,12 @@ def test_the_step_in_flight_is_collected_only_for_a_step_with_drafts(tmp_path):
     seen = {"collections": 0, "for nothing": 0, "drafted": 0}
     run = core._run
 
-    def counting(plan):
+    def counting(plan, *args):
         if plan.step_id >= 0:
             seen["collections"] += core._flushed
             seen["for nothing"] += core._flushed and not plan.drafts
             seen["drafted"] += bool(plan.drafts)
-        return run(plan)
+        return run(plan, *args)
 
     core._run = counting
     got = {}
