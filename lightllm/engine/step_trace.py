@@ -41,11 +41,12 @@ trace's clock, and `origin_perf_s`, on `time.perf_counter()`'s, which the engine
 (PATH.host, `core.HostTrace`) are on. `received_ms` is when the runner was handed the step's plan,
 `returned_ms` when it handed the step's result back (a sync step's in the same call): with the
 next step's `received_ms`, they split the host's turnaround after a sync step. `forwarded_ms` is
-when the launch had the forward launched (a graph replayed), before sampling's kernels. The device idled before a step by
-`start_ms - previous end_ms`: the time between the previous step's end and the moment the host
-had this one launched. A step whose `launched_ms` is past its `start_ms` reached the device
-before its launch was done, so its `end_ms - start_ms` holds up to that much waiting for the
-host. `test/benchmark/engine/step_trace.py` summarises a file.
+when the launch had the forward launched (a graph replayed), before sampling's kernels.
+
+The device idled before a step by `start_ms - previous end_ms`: the time between the previous
+step's end and the moment the host had this one launched. A step whose `launched_ms` is past its
+`start_ms` reached the device before its launch was done, so its `end_ms - start_ms` holds up to
+that much waiting for the host. `test/benchmark/engine/step_trace.py` summarises a file.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ class StepTrace:
             torch.cuda.set_sync_debug_mode("warn")
         record = {} if received is None else {"received_ms": round((received - self._t0) * 1000, 3)}
         return record | {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
-                "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
-                "compiles_start": COMPILES["count"], "pinned_start": self._pinned_counts(),
-                "start": self._mark()}
+                         "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
+                         "compiles_start": COMPILES["count"], "pinned_start": self._pinned_counts(),
+                         "start": self._mark()}
 
     def forwarded(self, record: dict) -> None:
         """The step's forward is launched (its graph replayed): what is left of the launch is sampling's."""
