@@ -34,7 +34,6 @@ slot is free.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -43,8 +42,8 @@ import time
 import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
-from lightllm.engine.plan import (Adopt, Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset, StepPlan,
-                                  StepResult)
+from lightllm.engine.plan import (Adopt, Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset,
+                                  SampledToken, StepPlan, StepResult)
 from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -764,12 +763,13 @@ class Scheduler:
         if result.error is not None:
             logger.error("model step %d failed: %s", result.step_id, result.error)
             return self.fail_all(result.error)
-        drafts = self._drafts.pop(result.step_id, {})
+        runs = [(req_id, list(run)) for req_id, run in itertools.groupby(result.tokens, key=lambda t: t.req_id)]
+        drafts = self._drafts.pop(result.step_id, {})  # a request's tokens are adjacent: one run each
         if drafts:
-            self._settle_drafts(result, drafts)
+            self._settle_drafts(runs, drafts)
         spec = self.speculator
         observed = []  # requests whose tokens came, for their next shadow drafts
-        for req_id, run in itertools.groupby(result.tokens, key=lambda token: token.req_id):  # a request's are adjacent
+        for req_id, run in runs:
             req = self._by_id.get(req_id)
             if req is None:  # ended while this step ran: its extra token is never emitted
                 continue
@@ -788,18 +788,19 @@ class Scheduler:
         return outs
 
     @staticmethod
-    def _emit(req: Req, run, outs: list[TokenOut]) -> tuple[list[int], FinishReason | None]:
+    def _emit(req: Req, run: list[SampledToken], outs: list[TokenOut]) -> tuple[list[int], FinishReason | None]:
         """A request's tokens of one step into outputs, up to the one that ends it; (their ids, why it ends)."""
-        emitted, reason = [], None
-        for token in run:
-            reason = req.append(token.token_id)
-            out = TokenOut(req.req_id, token.token_id, token.logprob, reason, top_logprobs=token.top)
-            if req.output_count == 1:
-                out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
-            outs.append(out)
-            emitted.append(token.token_id)
-            if reason is not None:
-                break
+        first = not req.output_ids
+        emitted = [token.token_id for token in run]
+        n, reason = req.extend(emitted)
+        if n < len(emitted):
+            del emitted[n:]
+        start = len(outs)
+        outs += [TokenOut(t.req_id, t.token_id, t.logprob, None, top_logprobs=t.top) for t in run[:n]]
+        outs[-1].finish_reason = reason
+        if first:
+            out = outs[start]
+            out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, run[0].prompt
         return emitted, reason
 
     def _grammars_loaded(self, loaded: list) -> list[TokenOut]:
@@ -820,15 +821,15 @@ class Scheduler:
             outs.append(TokenOut(req_id, -1, 0.0, FinishReason.ERROR, error=f"grammar: {error}"))
         return outs
 
-    def _settle_drafts(self, result: StepResult, drafts: dict[int, list[int]]) -> None:
+    def _settle_drafts(self, runs: list[tuple[int, list]], drafts: dict[int, list[int]]) -> None:
         """A verifying request's run is its accepted drafts and one more token: it holds the KV of
         those drafts now, and the controller learns how many were accepted."""
-        runs = collections.Counter(token.req_id for token in result.tokens)
-        for req_id, fed in drafts.items():
+        for req_id, run in runs:
+            fed = drafts.get(req_id)
             req = self._by_id.get(req_id)
-            if req is None or req_id not in runs:
+            if fed is None or req is None:
                 continue
-            accepted = runs[req_id] - 1
+            accepted = len(run) - 1
             req.decode_steps += accepted
             req.run_start, req.run_accepted = req.output_count, accepted
             self.speculator.verified(req.spec, len(fed), accepted)

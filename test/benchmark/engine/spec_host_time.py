@@ -197,9 +197,13 @@ def instrument(core: EngineCore, runner: ModelRunner) -> StepParts:
     scheduler = core.scheduler
     parts.wrap(runner.model, "forward", "forward")
     parts.wrap(model_runner_module, "sample", "sampler")
-    for name in ("_launch", "_settle", "_upload_step", "apply"):
+    for name in ("_launch", "_settle", "_upload_step", "apply", "_check", "_start_requests", "_sample",
+                 "_forward", "_graph_forward", "_mixed_forward"):
         parts.wrap(runner, name, f"runner.{name}")
-    for name in ("schedule", "process", "wants_drafts", "_plan_drafts", "_drafts_fit", "_settle_drafts"):
+    for name in ("alloc", "free"):
+        parts.wrap(runner.token_table, name, f"token_table.{name}")
+    for name in ("schedule", "process", "wants_drafts", "_plan_drafts", "_drafts_fit", "_settle_drafts",
+                 "_charged"):
         parts.wrap(scheduler, name, f"scheduler.{name}")
     parts.wrap(core, "_measure_and_collect", "core._measure_and_collect")
     if isinstance(core._workers, WireRunner):
