@@ -324,33 +324,3 @@ def test_the_throughput_log_rates_the_prompt_tokens_computed_not_those_arrived(c
     assert rates[0][0] == pytest.approx(50 * rates[0][1], rel=1e-6, abs=50 * 0.05 + 0.05)
     assert rates[1][0] == 0.0 and rates[1][1] > 0
     assert rates[2][0] > 0 and rates[2][1] == 0.0
-
-
-def _one_at_a_time(output_ids: list[int], tokens: list[int], eos: set[int], stop: set[int], max_new: int):
-    """The rule a run of tokens is counted by, token by token: each is kept; EOS, then a stop
-    token, then the length ends the request at that token."""
-    for i, token in enumerate(tokens):
-        output_ids.append(token)
-        reason = (FinishReason.EOS if token in eos else FinishReason.STOP if token in stop
-                  else FinishReason.LENGTH if len(output_ids) >= max_new else None)
-        if reason is not None:
-            return i + 1, reason
-    return len(tokens), None
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 6), max_size=6), st.lists(st.integers(0, 6), min_size=1, max_size=6),
-       st.sets(st.integers(0, 6), max_size=2), st.sets(st.integers(0, 6), max_size=2), st.integers(1, 12),
-       st.booleans())
-def test_a_run_of_tokens_ends_a_request_where_one_at_a_time_would(before, tokens, eos, stop, max_new, ignore_eos):
-    from lightllm.engine.request import Req, ReqStatus
-
-    before = before[: max_new - 1]
-    req = Req(GenerateReq(0, [1, 2], SamplingParams(max_new_tokens=max_new, stop_token_ids=sorted(stop),
-                                                    ignore_eos=ignore_eos)), frozenset(eos))
-    req.status = ReqStatus.DECODING
-    req.output_ids = list(before)
-    expected_ids = list(before)
-    expected = _one_at_a_time(expected_ids, tokens, set() if ignore_eos else eos, stop, max_new)
-    assert req.extend(list(tokens)) == expected
-    assert req.output_ids == expected_ids

@@ -203,26 +203,18 @@ class Req:
         A request that hit EOS in the step in flight still gets one more (never emitted)."""
         return self.status is ReqStatus.DECODING and 1 + self.decode_steps < self.max_new_tokens
 
-    def extend(self, token_ids: list[int]) -> tuple[int, FinishReason | None]:
-        """Count a step's generated tokens, up to the one that ends the request: (how many were
-        counted, why it ends or None). An EOS token ends it before a stop token, either before
-        the length."""
+    def append(self, token_id: int) -> FinishReason | None:
+        """Count one generated token; return why the request ends, if it does."""
         if self.status not in (ReqStatus.PREFILLING, ReqStatus.DECODING):
             raise RuntimeError(f"{self!r} got a token while {self.status.value}")
-        end, reason = len(token_ids), None
-        if self._eos_token_ids or self._stop_token_ids:
-            for i, token_id in enumerate(token_ids):
-                if token_id in self._eos_token_ids:
-                    end, reason = i + 1, FinishReason.EOS
-                    break
-                if token_id in self._stop_token_ids:
-                    end, reason = i + 1, FinishReason.STOP
-                    break
-        room = max(1, self.max_new_tokens - len(self.output_ids))
-        if room <= end:
-            end, reason = room, (reason if room == end and reason is not None else FinishReason.LENGTH)
-        self.output_ids += token_ids[:end]
-        return end, reason
+        self.output_ids.append(token_id)
+        if token_id in self._eos_token_ids:
+            return FinishReason.EOS
+        if token_id in self._stop_token_ids:
+            return FinishReason.STOP
+        if self.output_count >= self.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
 
     def __repr__(self) -> str:
         return (f"Req({self.req_id}, prompt={self.prefilled}/{self.prompt_len}, "

@@ -42,8 +42,8 @@ import time
 import numpy as np
 
 from lightllm.common.radix_cache import Match, RadixCache
-from lightllm.engine.plan import (Adopt, Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset,
-                                  SampledToken, StepPlan, StepResult)
+from lightllm.engine.plan import (Adopt, Chunk, DropGrammar, DropLora, LoadGrammar, LoadLora, Release, Reset, StepPlan,
+                                  StepResult)
 from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -763,9 +763,10 @@ class Scheduler:
         if result.error is not None:
             logger.error("model step %d failed: %s", result.step_id, result.error)
             return self.fail_all(result.error)
-        runs = [(req_id, list(run)) for req_id, run in itertools.groupby(result.tokens, key=lambda t: t.req_id)]
-        drafts = self._drafts.pop(result.step_id, {})  # a request's tokens are adjacent: one run each
-        if drafts:
+        runs = itertools.groupby(result.tokens, key=lambda token: token.req_id)  # a request's are adjacent
+        drafts = self._drafts.pop(result.step_id, {})
+        if drafts:  # runs of several tokens: read twice (a plain step's runs of one are read once)
+            runs = [(req_id, list(run)) for req_id, run in runs]
             self._settle_drafts(runs, drafts)
         spec = self.speculator
         observed = []  # requests whose tokens came, for their next shadow drafts
@@ -788,19 +789,18 @@ class Scheduler:
         return outs
 
     @staticmethod
-    def _emit(req: Req, run: list[SampledToken], outs: list[TokenOut]) -> tuple[list[int], FinishReason | None]:
+    def _emit(req: Req, run, outs: list[TokenOut]) -> tuple[list[int], FinishReason | None]:
         """A request's tokens of one step into outputs, up to the one that ends it; (their ids, why it ends)."""
-        first = not req.output_ids
-        emitted = [token.token_id for token in run]
-        n, reason = req.extend(emitted)
-        if n < len(emitted):
-            del emitted[n:]
-        start = len(outs)
-        outs += [TokenOut(t.req_id, t.token_id, t.logprob, None, top_logprobs=t.top) for t in run[:n]]
-        outs[-1].finish_reason = reason
-        if first:
-            out = outs[start]
-            out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, run[0].prompt
+        emitted, reason = [], None
+        for token in run:
+            reason = req.append(token.token_id)
+            out = TokenOut(req.req_id, token.token_id, token.logprob, reason, top_logprobs=token.top)
+            if req.output_count == 1:
+                out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
+            outs.append(out)
+            emitted.append(token.token_id)
+            if reason is not None:
+                break
         return emitted, reason
 
     def _grammars_loaded(self, loaded: list) -> list[TokenOut]:
