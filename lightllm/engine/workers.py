@@ -301,7 +301,8 @@ class ModelWorkers:
         return max_total_token_num, {key: list(v) if isinstance(v, tuple) else v for key, v in info}
 
     def step(self, plan: StepPlan) -> list[StepResult]:
-        pending = [call(plan_to_wire(plan)) for call in self._methods["step"]]
+        wire = plan_to_wire(plan)  # once, for every rank
+        pending = [call(wire) for call in self._methods["step"]]
         if self.while_waiting is not None:
             self.while_waiting()
         return [result_from_wire(r) for r in self._gather(pending)]
