@@ -4,11 +4,16 @@ round trip: /v1/models lists the adapters, a request names one by `model` or `ad
 unknown name is 404, /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key) load
 and unload one at run time."""
 
+import time
+
 import pytest
 import requests
 from helpers.lora import ALL_TARGETS, make_adapter, peft_greedy
 from transformers import AutoTokenizer
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from lightllm.engine.config import DEFAULT_MAX_LORAS
 from lightllm.llm import LLM, LoRARequest, SamplingParams
 from lightllm.tools.bench_model import write_bench_model
 from server_utils import start_server
@@ -63,6 +68,22 @@ def model_ids(server) -> list[str]:
     return [m["id"] for m in requests.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"]]
 
 
+def lora_info(server) -> dict:
+    """The labels of /metrics' lightllm:lora_requests_info."""
+    text = requests.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (sample,) = families["lightllm:lora_requests_info"].samples
+    return sample.labels
+
+
+def wait_for_lora_info(server, key: str, value: str, timeout_s: float = 10.0) -> None:
+    """Until the router's reports (every 50 ms at most while busy) show `value` under label `key`."""
+    deadline = time.monotonic() + timeout_s
+    while (got := lora_info(server)[key]) != value:
+        assert time.monotonic() < deadline, f"{key} = {got!r}, not {value!r}"
+        time.sleep(0.05)
+
+
 def test_http_adapters_load_and_unload(tiny, tmp_path_factory):
     model_dir, adapters, ids, expected = tiny
     args = ["--model_dir", str(model_dir), "--lora_modules", f"a={adapters['a']}", "--max_lora_rank", "8",
@@ -72,6 +93,14 @@ def test_http_adapters_load_and_unload(tiny, tmp_path_factory):
     try:
         assert model_ids(server) == ["base", "a"]
         assert tokens(server, None) == expected[None] and tokens(server, "a") == expected["a"]
+        assert lora_info(server) == {"max_lora": str(DEFAULT_MAX_LORAS), "running_lora_adapters": "", "waiting_lora_adapters": ""}
+        long = {"inputs": PROMPT, "parameters": {"max_new_tokens": 200, "ignore_eos": True, "adapter_id": "a"}}
+        with requests.post(f"{server.url}/generate_stream", json=long, headers=AUTH, stream=True, timeout=60) as stream:
+            next(stream.iter_lines())  # its first token: it runs
+            wait_for_lora_info(server, "running_lora_adapters", "a")
+            for _ in stream.iter_lines():
+                pass
+        wait_for_lora_info(server, "running_lora_adapters", "")
         hi = [{"role": "user", "content": "hi"}]
         for path, body in [("/v1/chat/completions", {"model": "a", "max_tokens": 2, "messages": hi}),
                            ("/v1/messages", {"model": "a", "max_tokens": 2, "messages": hi}),

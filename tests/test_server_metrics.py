@@ -4,11 +4,13 @@ outputs, the router's figures as samples, and one registry per app.
 test_server_api.py::test_metrics reads them through a running server."""
 
 import random
+from types import SimpleNamespace
 
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lightllm.frontend.lora import LoraNames
 from lightllm.server.httpserver import metrics as metrics_module
 from lightllm.server.httpserver.metrics import Metrics, RequestTimer
 from lightllm.engine.request import FinishReason
@@ -149,3 +151,20 @@ def test_prefix_cache_hits_are_counted_by_tier_over_replicas():
     assert got['lightllm:prefix_cache_hits_by_tier_total{tier="disk"}'] == 40
     assert got['lightllm:prefix_cache_hits_by_tier_total{tier="device"}'] == 400 + 90 - 150
     assert got["lightllm:prefix_cache_host_tokens"] == 75
+
+
+def test_lora_adapters_in_use_are_labels_over_replicas(monkeypatch):
+    """vLLM's lora_requests_info: the running and the waiting requests' adapters by name (one that was
+    unloaded while its requests run keeps its name), --max_loras, the time of the last report."""
+    loras = LoraNames(SimpleNamespace(lora_slots=4, max_lora_rank=8, lora_adapters=[("a", "/a"), ("b", "/b")]), {})
+    metrics = Metrics([1000, 1000], loras)
+    assert samples(metrics)['lightllm:lora_requests_info{max_lora="4",running_lora_adapters="",'
+                            'waiting_lora_adapters=""}'] == pytest.approx(metrics.reported)
+    loras.remove("b")
+    monkeypatch.setattr(metrics_module.time, "time", lambda: 1234.5)
+    metrics.report(RouterStats(0, 2, 0, 1000, replica=0, lora_running=(1,), lora_waiting=(2,)))
+    metrics.report(RouterStats(1, 1, 0, 1000, replica=1, lora_running=(1, 2)))
+    got = {k: v for k, v in samples(metrics).items() if k.startswith("lightllm:lora_requests_info")}
+    assert got == {'lightllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",'
+                   'waiting_lora_adapters="b"}': 1234.5}
+    assert not any(k.startswith("lightllm:lora") for k in samples(Metrics([1000])))  # no adapters served

@@ -15,11 +15,16 @@ class LoraNames:
         self._shapes = {name: (out, inp) for name, out, inp in model_info.get("lora_modules", ())}
         self.paths = {name: path for name, path in config.lora_adapters}
         self.ids = {name: i for i, (name, _) in enumerate(config.lora_adapters, 1)}
+        self._names = {i: name for name, i in self.ids.items()}  # every id ever given: unloaded ones too
         self._next_id = len(self.ids) + 1
 
     def id_of(self, name: str | None) -> int | None:
         """The engine id of adapter `name` (None: no adapter of that name)."""
         return self.ids.get(name)
+
+    def name_of(self, lora_id: int) -> str:
+        """The name adapter `lora_id` was given (also after it was unloaded: requests may still run on it)."""
+        return self._names.get(lora_id, str(lora_id))
 
     def add(self, name: str, path: str) -> int:
         """Check the adapter at `path` and give it a new id (LoraAdapterError: it cannot be served)."""
@@ -29,7 +34,7 @@ class LoraNames:
             raise LoraAdapterError(f"an adapter named {name!r} is already loaded" if name else "lora_name is empty")
         read_adapter(path, self._shapes, self.max_rank)
         lora_id, self._next_id = self._next_id, self._next_id + 1
-        self.ids[name], self.paths[name] = lora_id, path
+        self.ids[name], self.paths[name], self._names[lora_id] = lora_id, path, name
         return lora_id
 
     def remove(self, name: str) -> int:

@@ -93,6 +93,10 @@ class RouterStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple = ()
+    # LoRA serving: the engine ids of the adapters that running and waiting requests run under
+    # (sorted, each once; the base model, 0, left out)
+    lora_running: tuple = ()
+    lora_waiting: tuple = ()
 
 
 @dataclass

@@ -80,8 +80,9 @@ def sampling_defaults(config: ServerConfig, model_info: dict) -> dict:
 def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartbeats: list[RouterHeartbeat]) -> FastAPI:
     """`ready` and `heartbeats`: one per --dp replica."""
     capacities = [r.max_total_token_num for r in ready]
-    metrics = Metrics(capacities)
     model_info = ready[0].model_info
+    loras = LoraNames(config, model_info)
+    metrics = Metrics(capacities, loras)
     state = ServerState(
         config=config,
         tokenizer=tokenizer,
@@ -101,7 +102,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
         chat=chat_parsers(config.tool_call_parser, config.reasoning_parser, model_info.get("architecture"),
                           getattr(tokenizer, "chat_template", None)),
         sampling_defaults=sampling_defaults(config, model_info),
-        loras=LoraNames(config, model_info),
+        loras=loras,
     )
 
     @contextlib.asynccontextmanager

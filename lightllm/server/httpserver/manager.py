@@ -211,7 +211,7 @@ class HttpServerManager:
                     self._queued.remove(out.req_id)
                     self._queue_exits.append(time.monotonic())
         elif isinstance(msg, RouterStats):
-            self.metrics.routers[msg.replica] = msg
+            self.metrics.report(msg)
         elif isinstance(msg, RouterFailed):
             logger.error("the router failed: %s; ending %d open requests", msg.error, self.open_requests)
             self.fail_all(msg.error)

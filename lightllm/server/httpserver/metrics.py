@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from lightllm.engine.request import FinishReason
-
+from lightllm.frontend.lora import LoraNames
 from lightllm.server.io_struct import RouterStats, TextOut
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the format generate_latest writes
@@ -28,11 +28,14 @@ TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0
 
 class Metrics:
     """The families the HTTP process writes itself; `routers` holds each replica's (--dp) last
-    report, sized by the KV budget each reported at start (`capacities`)."""
+    report, sized by the KV budget each reported at start (`capacities`), and `reported` when the
+    last came (Unix time). `loras`: the adapters' names, where the server serves LoRA adapters."""
 
-    def __init__(self, capacities: list[int]):
+    def __init__(self, capacities: list[int], loras: LoraNames | None = None):
         self.registry = registry = CollectorRegistry()
         self.routers = [RouterStats(0, 0, 0, capacity, replica=d) for d, capacity in enumerate(capacities)]
+        self.reported = time.time()
+        self.loras = loras if loras is not None and loras.slots else None
         self.routed = Counter("lightllm:replica_requests_routed", "Requests sent to each engine replica (--dp).",
                               ["replica"], registry=registry)
         for d in range(len(capacities)):
@@ -72,6 +75,11 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def report(self, stats: RouterStats) -> None:
+        """A router's report: its replica's figures from now on."""
+        self.routers[stats.replica] = stats
+        self.reported = time.time()
+
 
 class RouterCollector:
     """The routers' last RouterStats as samples, made when /metrics is read: the families below
@@ -107,6 +115,26 @@ class RouterCollector:
                                   "Prompt tokens found in the prefix cache (not computed).", value=stats.prefix_hit_tokens)
         yield from self._prefix_tiers(routers, stats.prefix_hit_tokens)
         yield from self._speculation(routers)
+        yield from self._loras()
+
+    def _loras(self):
+        """vLLM's lora_requests_info (where adapters are served): the adapters of running and of
+        waiting requests as labels (names, comma-separated), --max_loras, and as its value the time
+        of the routers' last report."""
+        names = self._metrics.loras
+        if names is None:
+            return
+        routers = self._metrics.routers
+
+        def listed(field: str) -> str:
+            return ",".join(sorted({names.name_of(i) for r in routers for i in getattr(r, field)}))
+
+        info = GaugeMetricFamily("lightllm:lora_requests_info",
+                                 "LoRA adapters in use: the running and the waiting requests' (labels); the value "
+                                 "is when the router last reported (Unix time).",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        info.add_metric([str(names.slots), listed("lora_waiting"), listed("lora_running")], self._metrics.reported)
+        yield info
 
     @staticmethod
     def _speculation(routers: list[RouterStats]):
@@ -124,7 +152,6 @@ class RouterCollector:
             per_pos.add_metric([str(pos)], sum(r.spec_accepted_per_pos[pos] for r in routers
                                                if pos < len(r.spec_accepted_per_pos)))
         yield per_pos
-
 
     @staticmethod
     def _prefix_tiers(routers: list[RouterStats], hits: int):

@@ -50,6 +50,7 @@ class RouterManager:
         # TURN_TIMEOUT: without this, /health would call the loop stuck until its first turn.
         self._heartbeat.turned()
         self._max_total_token_num = core.scheduler.max_total_token_num
+        self._serves_loras = config.lora_slots > 0
         self._throughput = None if config.disable_log_stats else ThroughputLog(config.log_stats_interval)
         self._stats_dirty = False  # something changed since the last RouterStats
         self._last_publish = 0.0
@@ -206,7 +207,15 @@ class RouterManager:
         if spec is not None:
             stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             stats.spec_accepted_tokens, stats.spec_accepted_per_pos = spec.num_accepted_tokens, tuple(spec.accepted_per_pos)
+        if self._serves_loras:
+            stats.lora_running = _adapters(scheduler.running)
+            stats.lora_waiting = _adapters(scheduler.waiting.values())
         return stats
+
+
+def _adapters(reqs) -> tuple:
+    """The LoRA adapters `reqs` run under, sorted, each once (the base model left out)."""
+    return tuple(sorted({r.lora_id for r in reqs} - {0}))
 
 
 def start_router_process(config: ServerConfig, ready_pipe, parent_pid: int, heartbeat: RouterHeartbeat,
