@@ -4,6 +4,7 @@ outputs, the router's figures as samples, and one registry per app.
 test_server_api.py::test_metrics reads them through a running server."""
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import prometheus_client
@@ -73,6 +74,41 @@ def test_a_request_is_counted_and_timed_from_its_outputs(clock):
     assert got["lightllm:e2e_request_latency_seconds_sum"] == pytest.approx(ttft + sum(gaps))
     largest_gap_bucket = min(b for b in metrics_module.TOKEN_INTERVAL_BUCKETS if b >= max(gaps))
     assert got[f'lightllm:time_per_output_token_seconds_bucket{{le="{largest_gap_bucket}"}}'] == len(gaps)
+
+
+def test_a_finished_request_has_its_lengths_and_phases(clock):
+    """vLLM's per-request families: prompt and generated tokens, and prefill (scheduling to the
+    first token: the router's queue time counts from the hand-off, after tokenizing), decode and
+    inference times; none for an aborted request, no phases for one that failed before a token."""
+    metrics = Metrics([1000], max_len=3000)
+    prompt_len, tokenizing = random.randint(1, 2000), random.uniform(0.001, 0.05)
+    timer = RequestTimer(metrics, prompt_len, clock.now - tokenizing)  # handed off now, arrived earlier
+    ttft = random.uniform(0.01, 2.0)
+    queue_time = random.uniform(0.0, ttft)
+    clock.now += ttft
+    timer.observe(token(1, queue_time=queue_time))
+    gaps = [random.uniform(0.001, 0.2) for _ in range(random.randint(2, 20))]
+    for i, gap in enumerate(gaps, start=2):
+        clock.now += gap
+        timer.observe(token(i, FinishReason.EOS if i == len(gaps) + 1 else None))
+    RequestTimer(metrics, 7, clock.now).observe_abort()  # aborted: counts in none of them
+    RequestTimer(metrics, 9, clock.now).observe(token(0, FinishReason.ERROR))  # failed before a token
+
+    got = samples(metrics)
+    assert got["lightllm:request_prompt_tokens_count"] == 2 and got["lightllm:request_prompt_tokens_sum"] == prompt_len + 9
+    assert got["lightllm:request_generation_tokens_sum"] == len(gaps) + 1
+    assert got['lightllm:request_prompt_tokens_bucket{le="2000.0"}'] == 2
+    assert got['lightllm:request_prompt_tokens_bucket{le="+Inf"}'] == 2
+    assert got["lightllm:time_to_first_token_seconds_sum"] == pytest.approx(tokenizing + ttft)
+    assert got["lightllm:request_prefill_time_seconds_count"] == 1
+    assert got["lightllm:request_prefill_time_seconds_sum"] == pytest.approx(ttft - queue_time)
+    assert got["lightllm:request_decode_time_seconds_sum"] == pytest.approx(sum(gaps))
+    assert got["lightllm:request_inference_time_seconds_sum"] == pytest.approx(ttft - queue_time + sum(gaps))
+
+
+def test_length_buckets_are_vllms_1_2_5_series():
+    assert metrics_module.length_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    assert metrics_module.length_buckets(5) == [1, 2, 5]
 
 
 def test_an_output_of_several_tokens_counts_each_interval_as_its_share(clock):
@@ -168,3 +204,18 @@ def test_lora_adapters_in_use_are_labels_over_replicas(monkeypatch):
     assert got == {'lightllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",'
                    'waiting_lora_adapters="b"}': 1234.5}
     assert not any(k.startswith("lightllm:lora") for k in samples(Metrics([1000])))  # no adapters served
+
+
+def test_every_family_is_in_the_api_docs():
+    """docs/api.md's table under GET /metrics names every family /metrics can have (counters with
+    their `_total`), with speculative decoding and LoRA adapters on."""
+    loras = LoraNames(SimpleNamespace(lora_slots=2, max_lora_rank=8, lora_adapters=[("a", "/a")]), {})
+    metrics = Metrics([1000], loras)
+    metrics.report(RouterStats(0, 0, 0, 1000, spec_drafts=1, spec_accepted_per_pos=(1,)))
+    docs = (Path(__file__).parents[1] / "docs" / "api.md").read_text().split("## GET /metrics\n", 1)[1]
+    docs = docs.split("\n## ", 1)[0]
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        if family.name.endswith("_created"):  # prometheus_client's own samples of counters and histograms
+            continue
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert f"`{name}`" in docs, name

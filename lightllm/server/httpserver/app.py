@@ -82,7 +82,7 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     capacities = [r.max_total_token_num for r in ready]
     model_info = ready[0].model_info
     loras = LoraNames(config, model_info)
-    metrics = Metrics(capacities, loras)
+    metrics = Metrics(capacities, loras, config.max_req_total_len)
     state = ServerState(
         config=config,
         tokenizer=tokenizer,

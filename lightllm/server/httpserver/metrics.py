@@ -26,12 +26,24 @@ TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0
                           0.75, 1.0, 2.5, 5.0, 10.0)
 
 
+def length_buckets(max_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's buckets for per-request token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_len:
+                return buckets
+            buckets.append(step * scale)
+        scale *= 10
+
+
 class Metrics:
     """The families the HTTP process writes itself; `routers` holds each replica's (--dp) last
     report, sized by the KV budget each reported at start (`capacities`), and `reported` when the
-    last came (Unix time). `loras`: the adapters' names, where the server serves LoRA adapters."""
+    last came (Unix time). `loras`: the adapters' names, where the server serves LoRA adapters;
+    `max_len`: the longest request (prompt and output), for the token counts' buckets."""
 
-    def __init__(self, capacities: list[int], loras: LoraNames | None = None):
+    def __init__(self, capacities: list[int], loras: LoraNames | None = None, max_len: int = 1 << 20):
         self.registry = registry = CollectorRegistry()
         self.routers = [RouterStats(0, 0, 0, capacity, replica=d) for d, capacity in enumerate(capacities)]
         self.reported = time.time()
@@ -70,6 +82,21 @@ class Metrics:
         self.queue_time = Histogram("lightllm:request_queue_time_seconds",
                                     "Time from the hand-off to the router to the scheduling of the prompt's first chunk.",
                                     buckets=LATENCY_BUCKETS, registry=registry)
+        # Per finished request (not aborted ones), as vLLM's families of these names.
+        self.request_prompt_tokens = Histogram("lightllm:request_prompt_tokens", "Prompt tokens of a finished request.",
+                                               buckets=length_buckets(max_len), registry=registry)
+        self.request_generation_tokens = Histogram("lightllm:request_generation_tokens",
+                                                   "Generated tokens of a finished request.",
+                                                   buckets=length_buckets(max_len), registry=registry)
+        self.prefill_time = Histogram("lightllm:request_prefill_time_seconds",
+                                      "Time from the scheduling of a finished request's first chunk to its first token.",
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.decode_time = Histogram("lightllm:request_decode_time_seconds",
+                                     "Time from a finished request's first token to its last.",
+                                     buckets=LATENCY_BUCKETS, registry=registry)
+        self.inference_time = Histogram("lightllm:request_inference_time_seconds",
+                                        "Time from the scheduling of a finished request's first chunk to its last token.",
+                                        buckets=LATENCY_BUCKETS, registry=registry)
         registry.register(RouterCollector(self))
 
     def render(self) -> bytes:
@@ -189,6 +216,8 @@ class RequestTimer:
 
     def __init__(self, metrics: Metrics, prompt_len: int, start: float):
         self.metrics, self.prompt_len, self.start = metrics, prompt_len, start
+        self.handed_off = time.monotonic()  # made as the request goes to the router
+        self.scheduled = self._first_time = start  # known at the first token
         self.first_token_seen = False
         self.cached_tokens = 0  # prompt tokens the prefix cache supplied (told with the first token)
         self._last_time = start  # of the last output that carried tokens
@@ -206,7 +235,7 @@ class RequestTimer:
             self._tokens_seen, self._last_time = out.count_output_tokens, now
         if out.finish_reason is not None:
             self.metrics.request_success.labels(out.finish_reason.value).inc()
-            self.metrics.e2e_latency.observe(now - self.start)
+            self._observe_finished(now)
 
     def _observe_first(self, out: TextOut, now: float) -> None:
         self.first_token_seen = True
@@ -214,6 +243,19 @@ class RequestTimer:
         self.metrics.prompt_tokens.inc(self.prompt_len)
         self.metrics.time_to_first_token.observe(now - self.start)
         self.metrics.queue_time.observe(out.queue_time)
+        self._first_time = now
+        # the router's queue time on this process's clock; never before the hand-off nor after now
+        self.scheduled = min(max(self.handed_off + out.queue_time, self.handed_off), now)
+
+    def _observe_finished(self, now: float) -> None:
+        metrics = self.metrics
+        metrics.e2e_latency.observe(now - self.start)
+        metrics.request_prompt_tokens.observe(self.prompt_len)
+        metrics.request_generation_tokens.observe(self._tokens_seen)
+        if self.first_token_seen:  # an error before any token has no phases
+            metrics.prefill_time.observe(self._first_time - self.scheduled)
+            metrics.decode_time.observe(now - self._first_time)
+            metrics.inference_time.observe(now - self.scheduled)
 
     def observe_abort(self) -> None:
         self.metrics.request_success.labels(FinishReason.ABORT.value).inc()
