@@ -9,6 +9,7 @@ messages, kept as they come and turned into samples only when /metrics is read.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -70,33 +71,27 @@ class Metrics:
                                      registry=registry)
         self.generation_tokens = Counter("lightllm:generation_tokens", "Generated tokens, counted as they arrive.",
                                          registry=registry)
-        self.time_to_first_token = Histogram("lightllm:time_to_first_token_seconds",
-                                             "Time from arrival at the HTTP server to the first token.",
-                                             buckets=LATENCY_BUCKETS, registry=registry)
+        latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
+        lengths = functools.partial(Histogram, buckets=length_buckets(max_len), registry=registry)
+        self.time_to_first_token = latency("lightllm:time_to_first_token_seconds",
+                                           "Time from arrival at the HTTP server to the first token.")
         self.time_per_output_token = Histogram("lightllm:time_per_output_token_seconds",
                                                "Time between two consecutive tokens of a request.",
                                                buckets=TOKEN_INTERVAL_BUCKETS, registry=registry)
-        self.e2e_latency = Histogram("lightllm:e2e_request_latency_seconds",
-                                     "Time from arrival at the HTTP server to the last token (not for aborted requests).",
-                                     buckets=LATENCY_BUCKETS, registry=registry)
-        self.queue_time = Histogram("lightllm:request_queue_time_seconds",
-                                    "Time from the hand-off to the router to the scheduling of the prompt's first chunk.",
-                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e_latency = latency("lightllm:e2e_request_latency_seconds",
+                                   "Time from arrival at the HTTP server to the last token (not for aborted requests).")
+        self.queue_time = latency("lightllm:request_queue_time_seconds",
+                                  "Time from the hand-off to the router to the scheduling of the prompt's first chunk.")
         # Per finished request (not aborted ones), as vLLM's families of these names.
-        self.request_prompt_tokens = Histogram("lightllm:request_prompt_tokens", "Prompt tokens of a finished request.",
-                                               buckets=length_buckets(max_len), registry=registry)
-        self.request_generation_tokens = Histogram("lightllm:request_generation_tokens",
-                                                   "Generated tokens of a finished request.",
-                                                   buckets=length_buckets(max_len), registry=registry)
-        self.prefill_time = Histogram("lightllm:request_prefill_time_seconds",
-                                      "Time from the scheduling of a finished request's first chunk to its first token.",
-                                      buckets=LATENCY_BUCKETS, registry=registry)
-        self.decode_time = Histogram("lightllm:request_decode_time_seconds",
-                                     "Time from a finished request's first token to its last.",
-                                     buckets=LATENCY_BUCKETS, registry=registry)
-        self.inference_time = Histogram("lightllm:request_inference_time_seconds",
-                                        "Time from the scheduling of a finished request's first chunk to its last token.",
-                                        buckets=LATENCY_BUCKETS, registry=registry)
+        self.request_prompt_tokens = lengths("lightllm:request_prompt_tokens", "Prompt tokens of a finished request.")
+        self.request_generation_tokens = lengths("lightllm:request_generation_tokens",
+                                                 "Generated tokens of a finished request.")
+        self.prefill_time = latency("lightllm:request_prefill_time_seconds",
+                                    "Time from the scheduling of a finished request's first chunk to its first token.")
+        self.decode_time = latency("lightllm:request_decode_time_seconds",
+                                   "Time from a finished request's first token to its last.")
+        self.inference_time = latency("lightllm:request_inference_time_seconds",
+                                      "Time from the scheduling of a finished request's first chunk to its last token.")
         registry.register(RouterCollector(self))
 
     def render(self) -> bytes:
