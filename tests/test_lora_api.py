@@ -94,12 +94,11 @@ def test_http_adapters_load_and_unload(tiny, tmp_path_factory):
         assert model_ids(server) == ["base", "a"]
         assert tokens(server, None) == expected[None] and tokens(server, "a") == expected["a"]
         assert lora_info(server) == {"max_lora": str(DEFAULT_MAX_LORAS), "running_lora_adapters": "", "waiting_lora_adapters": ""}
-        long = {"inputs": PROMPT, "parameters": {"max_new_tokens": 200, "ignore_eos": True, "adapter_id": "a"}}
+        # long enough to outlast the polls on a loaded machine; closing the stream aborts it
+        long = {"inputs": PROMPT, "parameters": {"max_new_tokens": 900, "ignore_eos": True, "adapter_id": "a"}}
         with requests.post(f"{server.url}/generate_stream", json=long, headers=AUTH, stream=True, timeout=60) as stream:
             next(stream.iter_lines())  # its first token: it runs
             wait_for_lora_info(server, "running_lora_adapters", "a")
-            for _ in stream.iter_lines():
-                pass
         wait_for_lora_info(server, "running_lora_adapters", "")
         hi = [{"role": "user", "content": "hi"}]
         for path, body in [("/v1/chat/completions", {"model": "a", "max_tokens": 2, "messages": hi}),
