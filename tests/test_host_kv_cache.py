@@ -172,7 +172,7 @@ def test_offload_then_load_puts_each_token_at_its_new_slot(staging, shapes, monk
     table = TokenTable(32, len(shapes), *shapes[0], torch.float32, "cpu", shapes=shapes)
     for t in table.k + table.v:
         t.copy_(torch.randn_like(t))
-    pool = HostKVPool(16, shapes, torch.float32, torch.device("cpu"))
+    pool = HostKVPool(16, table.k + table.v, torch.device("cpu"))
     first, _, second, _ = pool.alloc(2), pool.alloc(2), pool.alloc(3), pool.alloc(9)
     pool.free(first + second)  # the pool's room in two runs, neither long enough alone
     old = torch.tensor([9, 2, 30, 17, 5], dtype=torch.int32)
@@ -188,13 +188,37 @@ def test_offload_then_load_puts_each_token_at_its_new_slot(staging, shapes, monk
     assert pool.free_count == 5 and not pool.nodes
 
 
+def test_records_of_buffers_of_several_dtypes_come_back_bit_for_bit(tmp_path):
+    """fp8 K/V of 3 and 4 values a slot, then an fp32 feature and a bf16 one (at bytes 14 and 34 of
+    the record), through the host and disk pools."""
+    shapes = [(1, 3), (2, 2)]
+    table = TokenTable(16, len(shapes), *shapes[0], torch.float8_e4m3fn, "cpu", shapes=shapes)
+    for t in table.k + table.v:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    buffers = table.k + table.v + [torch.randn(16, 5), torch.randn(16, 3).bfloat16()]
+    host = HostKVPool(8, buffers, torch.device("cpu"))
+    disk = HostKVPool(8, buffers, torch.device("cpu"), path=str(tmp_path / "kv.bin"))
+    assert host.widths == [3, 4, 3, 4, 20, 6] and host.unit == torch.uint8
+    old, new = torch.tensor([3, 11, 7, 0, 14]), torch.tensor([1, 2, 4, 5, 6])
+    expected = [t[old].clone() for t in buffers]
+    host.offload([(5, old), (6, old[:2])], buffers)
+    disk.take_from(5, host)
+    disk.load([(5, new)], buffers)
+    host.load([(6, new[:2] + 8)], buffers)
+    for t, want in zip(buffers, expected):
+        assert torch.equal(t[new].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(t[new[:2] + 8].view(torch.uint8), want[:2].view(torch.uint8))
+    with pytest.raises(ValueError, match="bytes a slot"):
+        host.offload([(7, old)], buffers[:-1])
+
+
 def test_a_node_spilled_to_disk_loads_back_to_its_new_slots(tmp_path):
     layers, heads, dim = 2, 2, 4
     table = TokenTable(16, layers, heads, dim, torch.float32, "cpu")
     for t in table.k + table.v:
         t.copy_(torch.randn_like(t))
-    host = HostKVPool(8, [(heads, dim)] * layers, torch.float32, torch.device("cpu"))
-    disk = HostKVPool(8, [(heads, dim)] * layers, torch.float32, torch.device("cpu"), path=str(tmp_path / "kv.bin"))
+    host = HostKVPool(8, table.k + table.v, torch.device("cpu"))
+    disk = HostKVPool(8, table.k + table.v, torch.device("cpu"), path=str(tmp_path / "kv.bin"))
     assert not list(tmp_path.iterdir())  # the file goes with the process
     disk.alloc(1)  # its room starts elsewhere than the host pool's
     old = torch.tensor([3, 11, 7, 0, 14])
@@ -352,7 +376,7 @@ def test_a_batch_of_nodes_moves_in_one_copy_a_staging_tensor(monkeypatch):
     table = TokenTable(64, len(shapes), *shapes[0], torch.float32, "cpu", shapes=shapes)
     for t in table.k + table.v:
         t.copy_(torch.randn_like(t))
-    pool = HostKVPool(64, shapes, torch.float32, torch.device("cpu"))
+    pool = HostKVPool(64, table.k + table.v, torch.device("cpu"))
     copies = []
     copy = pool._copy
     monkeypatch.setattr(pool, "_copy", lambda runs, staging, to_host: (copies.append(runs),

@@ -1,11 +1,11 @@
 """Speculative decoding with an EAGLE-3 head (a tiny random head over a 4-layer random Llama, fp32):
 the runner's proposals are the head's greedy chain as the plain-torch reference computes it
 (helpers/eagle3.py) from the features of one plain target forward over the whole sequence, after
-a chunked prefill, a catch-up split over two calls, a verify step that rejected drafts and a
-prefix-cache hit, and over a Qwen3 target; the offline LLM's output with the head drafting at every
-step is its output without speculation, and at tp 2 its proposals are tp 1's; a server loads the
-head and answers the same greedy text; the head's KV and features are counted in the KV budget;
-targets a head cannot serve are refused."""
+a chunked prefill, a catch-up split over two calls, a verify step that rejected drafts, a
+prefix-cache hit and a prefix loaded back from the host tier, and over a Qwen3 target; the
+offline LLM's output with the head drafting at every step is its output without speculation, and
+at tp 2 its proposals are tp 1's; a server loads the head and answers the same greedy text; the
+head's KV and features are counted in the KV budget; targets a head cannot serve are refused."""
 
 import json
 import shutil
@@ -16,7 +16,7 @@ from helpers.eagle3 import head_tensors, reference_head, reference_target_id, wr
 from helpers.models import hf_greedy, make_model, make_runner, random_prompts
 
 from benchmark.lib.one_request import extend_batch, slot_table
-from lightllm.common.radix_cache import Evict, Insert
+from lightllm.common.radix_cache import Evict, Insert, Load, Offload
 from lightllm.common.token_table import TokenTable
 from lightllm.engine.plan import Chunk, DraftRequest, Release, StepPlan
 from lightllm.engine.request import SamplingParams
@@ -111,6 +111,31 @@ def test_proposals_are_the_reference_heads_chain(models, cuda_graph):
     assert list(drafts) == reference_chain(tensors, plain, other, 4)
     runner.apply([Release(0, 16), Release(1, 16), Evict(1)])
     assert runner.token_table.used_count == 0
+
+
+def test_a_prefix_back_from_the_host_tier_drafts_from_its_own_features(models):
+    """A cached prefix offloaded to the host pool, its slots reused (every feature overwritten),
+    then loaded into fresh slots for a second request: its proposals are the reference's chain, as
+    the target computes no feature of the prefix again."""
+    target, _, head, tensors, plain = models
+    record = 2 * LAYERS * 2 * 16 * 4 + 64 * 4  # K and V of 2 heads of 16 a layer, and g of hidden 64, fp32
+    runner = eagle3_runner(target, head, k=4, host_kv_cache_gb=64 * record / 2**30)
+    assert runner.host_pool.capacity == 64
+    prompt = random_prompts(5, lengths=(23,))[0]
+    (result,) = runner.step(StepPlan(1, [], [Chunk(0, prompt, 0, True, SamplingParams())], sync=True))
+    runner.apply([Insert(0, 0, 16, 1), Release(0, 16), Offload(1)])
+    pool = runner.host_pool
+    assert runner.token_table.used_count == 0 and pool.free_count == pool.capacity - 16
+    runner.drafter.features.normal_()  # what other requests' steps would write to the freed slots
+    runner.apply([Load(1)])
+    other = prompt[:16] + random_prompts(6, lengths=(5,))[0]
+    chunk = Chunk(1, other[16:], 16, True, SamplingParams(), prefix=(1,))
+    (result,) = runner.step(StepPlan(2, [], [chunk], sync=True))
+    other.append(result.tokens[0].token_id)
+    (drafts, _), = runner.draft([DraftRequest(1, 0, tuple(other), 4)])
+    assert list(drafts) == reference_chain(tensors, plain, other, 4)
+    runner.apply([Release(1, 16), Evict(1)])
+    assert runner.token_table.used_count == 0 and pool.free_count == pool.capacity
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,15 @@
 """The prefix cache's host tier: evicted nodes' KV in host memory, one runner's (one rank's shard).
 
 The pool is allocated once, at start: `[capacity, record]`, token-major, a token's record the
-concatenation of every KV buffer's K, then every V, each flattened to its own heads x head size
-(Gemma 4's global layers have more than its sliding ones), so that a run of tokens is one
-contiguous block of every layer's K and V (page-locked on CUDA, at its exact size: `pinned_empty`,
-so copies are DMA and leave the host thread; the start logs how long that took). Its room is handed
-out in runs of tokens (first fit, merged on free); a node holds a list of runs, so splitting a node
-splits its list and copies nothing.
+concatenation of what its slot holds on the device: every KV buffer's K, then every V, each
+flattened to its own heads x head size (Gemma 4's global layers have more than its sliding ones),
+then any other buffer indexed by slot (an EAGLE-3 head's or an MTP layer's feature of the token,
+which the target wrote when it computed the token and no later step recomputes). Records hold
+the buffers' bytes as words of one integer type (`record_unit`: an fp8 KV beside a bf16 feature
+is one record), so that a run of tokens is one contiguous block of every layer's K and V
+(page-locked on CUDA, at its exact size: `pinned_empty`, so copies are DMA and leave the host
+thread; the start logs how long that took). Its room is handed out in runs of tokens (first fit,
+merged on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
 
 Offload gathers the token-granular slots of every layer of a batch of nodes (a step's evictions)
 into a contiguous staging tensor on the device (STAGING_TOKENS at a time), then copies it to the
@@ -85,25 +88,45 @@ class HostPoolFullError(RuntimeError):
     """More host tokens were asked for than are free (the tree's bookkeeping is off)."""
 
 
+def record_widths(buffers: list[torch.Tensor]) -> list[int]:
+    """The bytes of one slot of each buffer, in a record's order."""
+    return [t[0].numel() * t.element_size() for t in buffers]
+
+
+def record_unit(buffers: list[torch.Tensor]) -> torch.dtype:
+    """The widest integer type that every buffer's slot and start is a whole number of: the pool's
+    records and copies are in it (8-byte words for a model's K and V, whatever their dtype; no
+    dtype's own copy kernel is needed: the CPU has none for fp8)."""
+    return next(unit for unit in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if all(width % unit.itemsize == 0 for width in record_widths(buffers))
+                and all(t.storage_offset() * t.element_size() % unit.itemsize == 0 for t in buffers))
+
+
+def _words(t: torch.Tensor, unit: torch.dtype) -> torch.Tensor:
+    """A buffer [slots, ...] as [slots, words of `unit`], a view (a load writes through it)."""
+    return t.view(t.shape[0], -1).view(unit)
+
+
 class HostKVPool:
-    def __init__(self, capacity: int, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                 path: str | None = None):
-        """`shapes`: each KV buffer's (kv heads, head dim), as the token table's; the offloads and
-        loads pass every buffer's K, then every V, in that order. `path`: the disk tier's pool, a
-        file mapped there (removed at once: it lives as long as the process), whose copies run on
-        the current stream."""
+    def __init__(self, capacity: int, buffers: list[torch.Tensor], device: torch.device, path: str | None = None):
+        """`buffers`: the device buffers a slot's record is made of, each [slots, ...] (every layer's
+        K, then every V, then any other per-slot buffer); the offloads and loads pass buffers of the
+        same widths in the same order. `path`: the disk tier's pool, a file mapped there (removed at
+        once: it lives as long as the process), whose copies run on the current stream."""
         self.capacity = capacity
         self.device = device
-        self.widths = [heads * dim for heads, dim in shapes] * 2  # each K's, then each V's, in a record
-        shape = (capacity, sum(self.widths))
+        self.widths = record_widths(buffers)  # bytes of each buffer in a record
+        self.unit = record_unit(buffers)
+        self.unit_widths = [width // self.unit.itemsize for width in self.widths]
+        shape = (capacity, sum(self.unit_widths))
         cuda = device.type == "cuda" and path is None
         started = time.monotonic()
         if cuda:
-            self.data = pinned_empty(shape, dtype)
+            self.data = pinned_empty(shape, self.unit)
         elif path is None:
-            self.data = torch.empty(shape, dtype=dtype)
+            self.data = torch.empty(shape, dtype=self.unit)
         else:
-            self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1], dtype=dtype).view(shape)
+            self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1], dtype=self.unit).view(shape)
             os.unlink(path)
         self.free_runs: Runs = [(0, capacity)] if capacity else []  # sorted by start, never adjacent
         self.free_count = capacity
@@ -148,11 +171,11 @@ class HostKVPool:
 
     # ---- nodes (the tree's ops) ----
 
-    def offload(self, nodes: list[tuple[int, torch.Tensor]], layers_kv: list[torch.Tensor]) -> None:
-        """Copy the KV at each (node id, slots) of every layer (`layers_kv`: every layer's K, then
-        every V) into fresh room for the node; the slots may be reused by anything launched after
-        this call."""
-        self._check(layers_kv)
+    def offload(self, nodes: list[tuple[int, torch.Tensor]], buffers: list[torch.Tensor]) -> None:
+        """Copy each (node id, slots)'s slots of every buffer (as at construction: every layer's K,
+        then every V, then the rest) into fresh room for the node; the slots may be reused by
+        anything launched after this call."""
+        self._check(buffers)
         runs: Runs = []
         for node_id, slots in nodes:
             self.nodes[node_id] = self.alloc(len(slots))
@@ -161,13 +184,13 @@ class HostKVPool:
         for first in range(0, len(index), STAGING_TOKENS):
             part = index[first: first + STAGING_TOKENS]
             piece, rest = cut(rest, len(part))
-            staging = torch.cat([t.index_select(0, part).flatten(1) for t in layers_kv], dim=1)  # [n, record]
+            staging = torch.cat([_words(t, self.unit).index_select(0, part) for t in buffers], dim=1)  # [n, record]
             self._copy(merged(piece), staging, to_host=True)
 
-    def load(self, nodes: list[tuple[int, torch.Tensor]], layers_kv: list[torch.Tensor]) -> None:
-        """Copy each (node id, slots)'s KV into the slots of every layer and free the nodes' room;
-        whatever is launched after this call on the current stream sees it."""
-        self._check(layers_kv)
+    def load(self, nodes: list[tuple[int, torch.Tensor]], buffers: list[torch.Tensor]) -> None:
+        """Copy each (node id, slots)'s records into those slots of every buffer and free the nodes'
+        room; whatever is launched after this call on the current stream sees it."""
+        self._check(buffers)
         runs = [run for node_id, _ in nodes for run in self.nodes.pop(node_id)]
         index, rest = torch.cat([slots for _, slots in nodes]).to(torch.int64), runs
         for first in range(0, len(index), STAGING_TOKENS):
@@ -175,8 +198,8 @@ class HostKVPool:
             piece, rest = cut(rest, len(part))
             staging = torch.empty((len(part), *self.data.shape[1:]), dtype=self.data.dtype, device=self.device)
             self._copy(merged(piece), staging, to_host=False)
-            for t, piece_kv in zip(layers_kv, staging.split(self.widths, dim=1)):
-                t.index_copy_(0, part, piece_kv.view(len(part), *t.shape[1:]))
+            for t, piece in zip(buffers, staging.split(self.unit_widths, dim=1)):
+                _words(t, self.unit).index_copy_(0, part, piece)
         self.free(runs)
 
     def take_from(self, node_id: int, other: HostKVPool) -> None:
@@ -204,10 +227,10 @@ class HostKVPool:
         self.free_runs = [(0, self.capacity)] if self.capacity else []
         self.free_count = self.capacity
 
-    def _check(self, layers_kv: list[torch.Tensor]) -> None:
-        widths = [t[0].numel() for t in layers_kv]
-        if widths != self.widths:
-            raise ValueError(f"host KV pool: buffers of {widths} elements a token, its records of {self.widths}")
+    def _check(self, buffers: list[torch.Tensor]) -> None:
+        widths = record_widths(buffers)
+        if widths != self.widths or record_unit(buffers).itemsize < self.unit.itemsize:
+            raise ValueError(f"host KV pool: buffers of {widths} bytes a slot, its records of {self.widths}")
 
     def _copy(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
         """staging (device, contiguous) <-> the runs of the pool, one copy a run."""

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from lightllm.common.host_pool import HostKVPool
+from lightllm.common.host_pool import HostKVPool, record_widths
 from lightllm.common.req_table import OutOfRowsError, ReqTable
 from lightllm.common.state_pool import StatePool
 from lightllm.common.token_table import OutOfTokensError, TokenTable
@@ -262,14 +262,20 @@ class ModelRunner:
         return self._device_thread.submit(run).result() if self._device_thread is not None else run()
 
     def _new_host_pool(self, gib: float, path: str | None = None) -> HostKVPool | None:
-        """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of this rank's shard of K and V,
+        """--host_kv_cache_gb (or, with `path`, --disk_kv_cache_gb) of what this rank's slots hold,
         the same tokens on every rank."""
-        table = self.token_table
-        per_token = sum(t[0].numel() * t.element_size() for t in table.k + table.v)
-        tokens = self.tp.min_int(int(gib * 2**30) // per_token, self.device)
+        buffers = self._slot_buffers()
+        tokens = self.tp.min_int(int(gib * 2**30) // sum(record_widths(buffers)), self.device)
         if tokens <= 0:
             return None
-        return HostKVPool(tokens, [tuple(k.shape[1:]) for k in table.k], table.k[0].dtype, self.device, path)
+        return HostKVPool(tokens, buffers, self.device, path)
+
+    def _slot_buffers(self) -> list[torch.Tensor]:
+        """What a token's slot holds, in the host tiers' record order: every layer's K, then every
+        V, then a draft head's feature of the token (the target's step wrote it; a prefix from the
+        cache is not computed again, so its features must come back with its KV)."""
+        extra = self.drafter.slot_buffers() if self.drafter is not None else []
+        return self.token_table.k + self.token_table.v + extra
 
     # ---- the step ----
 
@@ -673,7 +679,7 @@ class ModelRunner:
     def _offload(self, node_ids: list[int]) -> list[torch.Tensor]:
         """The nodes' KV to the host pool in one batch; returns their slots (to free)."""
         slots = [self.nodes.pop(node_id) for node_id in node_ids]
-        self.host_pool.offload(list(zip(node_ids, slots)), self.token_table.k + self.token_table.v)
+        self.host_pool.offload(list(zip(node_ids, slots)), self._slot_buffers())
         return slots
 
     def _load(self, node_ids: list[int]) -> None:
@@ -682,7 +688,7 @@ class ModelRunner:
             group = list(group)
             sizes = [sum(length for _, length in pool.nodes[node_id]) for node_id in group]
             slots = self.token_table.alloc(sum(sizes)).split(sizes)
-            pool.load(list(zip(group, slots)), self.token_table.k + self.token_table.v)
+            pool.load(list(zip(group, slots)), self._slot_buffers())
             self.nodes.update((node_id, s.int()) for node_id, s in zip(group, slots))
 
     def _new_snapshot_pool(self, config) -> StatePool | None:

@@ -20,7 +20,7 @@ def test_offload_reuse_load_on_the_copy_stream():
     table = TokenTable(4096, layers, heads, dim, torch.bfloat16, device)
     for t in table.k + table.v:
         t.copy_(torch.randn_like(t))
-    pool = HostKVPool(2048, [(heads, dim)] * layers, torch.bfloat16, device)
+    pool = HostKVPool(2048, table.k + table.v, device)
     assert pool.data.is_pinned()
     old = torch.randperm(4096, device=device)[:1500].int()
     expected = [t[old.long()].clone() for t in table.k + table.v]

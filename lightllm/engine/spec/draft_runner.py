@@ -88,6 +88,12 @@ class DraftRunner:
         """The target's forward as this draft needs it run; None: the model's own (a draft model)."""
         return None
 
+    def slot_buffers(self) -> list[torch.Tensor]:
+        """Buffers by target slot that the target's steps write and a draft reads, which the prefix
+        cache's host tiers keep with the KV. None here: a draft model's own KV is written by each
+        request's catch-up, a cached prefix included."""
+        return []
+
     def graph_bytes(self, max_batch: int, target_graph_tokens: int, itemsize: int) -> int:
         """Memory its CUDA graphs take beside the target's (graph_memory_bytes' estimate)."""
         cfg = self.config

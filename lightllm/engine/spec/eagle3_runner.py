@@ -22,8 +22,8 @@ through fc) with the draft before, at scratch slots (replayed from the head's ow
 Draft ids map to the target's with d2t. As
 with a draft model, draft_len ends at seq_len and a request's head KV is only read by its own
 proposals after its own catch-up wrote it; the features of a prefix shared through the cache were
-stored by the target step that computed its KV (the host tier does not keep them: a prefix loaded
-back from it drafts from stale features, which costs acceptance, never exactness).
+stored by the target step that computed its KV, and the host and disk tiers keep them in each
+token's record beside its KV (`slot_buffers`), so a prefix loaded back drafts from its own.
 """
 
 from __future__ import annotations
@@ -75,6 +75,10 @@ class Eagle3Runner(DraftRunner):
         self.features = None
         super().new_kv(size)
         self.features = torch.zeros(size + 1, self.config.hidden_size, dtype=self.head.dtype, device=self.device)
+
+    def slot_buffers(self) -> list[torch.Tensor]:
+        """The features: a prefix loaded back from a host tier is not run through the target again."""
+        return [self.features]
 
     def target_forward(self, model: LlamaModel):
         """The target's forward that also stores each token's feature at its slot (see above)."""
