@@ -165,7 +165,18 @@ def same_top(logits: torch.Tensor, exact: torch.Tensor) -> bool:
 @pytest.mark.parametrize("path", PATHS)
 def test_fp32_greedy_tokens_equal_transformers(case, path):
     model_dir, _, prompts, reference = case
-    assert agreement(path_tokens(path, model_dir, prompts, "float32"), reference[torch.float32]) == 1.0
+    ours, theirs = path_tokens(path, model_dir, prompts, "float32"), reference[torch.float32]
+    assert agreement(ours, theirs) == 1.0, first_differences(ours, theirs, prompts)
+
+
+def first_differences(ours: list[list[int]], theirs: list[list[int]], prompts: list[list[int]]) -> list[str]:
+    """Where each differing sequence first differs: its prompt's length and the token's index."""
+    out = []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+            out.append(f"prompt {i} ({len(prompts[i])} tokens): token {at}, ours {a[at:at + 4]}, theirs {b[at:at + 4]}")
+    return out
 
 
 @pytest.mark.parametrize("path", PATHS)
