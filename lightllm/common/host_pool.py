@@ -8,8 +8,9 @@ which the target wrote when it computed the token and no later step recomputes).
 the buffers' bytes as words of one integer type (`record_unit`: an fp8 KV beside a bf16 feature
 is one record), so that a run of tokens is one contiguous block of every layer's K and V
 (page-locked on CUDA, at its exact size: `pinned_empty`, so copies are DMA and leave the host
-thread; the start logs how long that took). Its room is handed out in runs of tokens (first fit,
-merged on free); a node holds a list of runs, so splitting a node splits its list and copies nothing.
+thread; the start logs how long that took). Its room is handed out in runs of tokens (first
+fit, merged on free); a node holds a list of runs, so splitting a node splits its list and
+copies nothing.
 
 Offload gathers the token-granular slots of every layer of a batch of nodes (a step's evictions)
 into a contiguous staging tensor on the device (STAGING_TOKENS at a time), then copies it to the
@@ -229,7 +230,7 @@ class HostKVPool:
 
     def _check(self, buffers: list[torch.Tensor]) -> None:
         widths = record_widths(buffers)
-        if widths != self.widths or record_unit(buffers).itemsize < self.unit.itemsize:
+        if widths != self.widths:  # (a buffer whose bytes are no whole words of the unit fails its view)
             raise ValueError(f"host KV pool: buffers of {widths} bytes a slot, its records of {self.widths}")
 
     def _copy(self, runs: Runs, staging: torch.Tensor, to_host: bool) -> None:
