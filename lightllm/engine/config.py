@@ -92,7 +92,7 @@ class EngineConfig:
     )
     host_kv_cache_gb: float = field(
         default=0.0,
-        metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens"),
+        metadata=flag("GiB of host memory, per rank (each keeps its own shard of K and V), for a second tier of the prefix cache: KV evicted from the device is copied there (pinned, on a copy stream) instead of dropped, and loaded back when a later prompt matches it, least recently used dropped first. Off (0) by default: pinned memory is taken at start for the life of the process on every rank of every replica, and only the operator knows what else the host must hold; about 128 KiB a token for an 8B model in bf16, so 64 GiB holds 0.5M tokens (with an EAGLE-3 head or MTP layer, each token's feature too: hidden size x dtype bytes more)"),
     )
     disk_kv_cache_dir: str | None = field(
         default=None,
