@@ -10,6 +10,7 @@ transformers' and the device-only cache's, over random multi-turn traffic, and f
 device-only cache's; when idle no slot or host room is held.
 """
 
+import os
 import re
 
 import pytest
@@ -210,6 +211,19 @@ def test_records_of_buffers_of_several_dtypes_come_back_bit_for_bit(tmp_path):
         assert torch.equal(t[new[:2] + 8].view(torch.uint8), want[:2].view(torch.uint8))
     with pytest.raises(ValueError, match="bytes a slot"):
         host.offload([(7, old)], buffers[:-1])
+
+
+def test_a_host_pool_on_the_cpu_is_resident_from_its_start():
+    """As a pinned pool on CUDA is: the memory the operator gave is taken at start, not page by page
+    as the tier fills (a soak would read that as the server's memory growing)."""
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    buffers = [torch.zeros(4, 64, 64) for _ in range(4)]  # 64 KiB a slot
+    before = rss_mib()
+    pool = HostKVPool(1024, buffers, torch.device("cpu"))  # 64 MiB
+    assert rss_mib() - before >= 0.9 * pool.data.numel() * pool.data.element_size() / 2**20
 
 
 def test_a_node_spilled_to_disk_loads_back_to_its_new_slots(tmp_path):

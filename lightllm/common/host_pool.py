@@ -125,7 +125,7 @@ class HostKVPool:
         if cuda:
             self.data = pinned_empty(shape, self.unit)
         elif path is None:
-            self.data = torch.empty(shape, dtype=self.unit)
+            self.data = torch.zeros(shape, dtype=self.unit)  # resident from the start, as a pinned pool is
         else:
             self.data = torch.from_file(path, shared=True, size=shape[0] * shape[1], dtype=self.unit).view(shape)
             os.unlink(path)
