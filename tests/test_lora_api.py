@@ -87,17 +87,21 @@ def wait_for_lora_info(server, key: str, value: str, timeout_s: float = 10.0) ->
 def test_http_adapters_load_and_unload(tiny, tmp_path_factory):
     model_dir, adapters, ids, expected = tiny
     args = ["--model_dir", str(model_dir), "--lora_modules", f"a={adapters['a']}", "--max_lora_rank", "8",
-            "--api_key", KEY, "--max_total_token_num", "1024", "--served_model_name", "base",
+            "--api_key", KEY, "--max_total_token_num", "8192", "--max_req_total_len", "8192", "--served_model_name", "base",
             "--running_max_req_size", "8", "--chunked_prefill_size", "64"]  # a small start-up profile step
     server = start_server(args, tmp_path_factory.mktemp("lora_server") / "server.log")
     try:
         assert model_ids(server) == ["base", "a"]
         assert tokens(server, None) == expected[None] and tokens(server, "a") == expected["a"]
+        wait_for_lora_info(server, "running_lora_adapters", "")  # the router's report comes apart from the answer
         assert lora_info(server) == {"max_lora": str(DEFAULT_MAX_LORAS), "running_lora_adapters": "", "waiting_lora_adapters": ""}
-        # long enough to outlast the polls on a loaded machine; closing the stream aborts it
-        long = {"inputs": PROMPT, "parameters": {"max_new_tokens": 900, "ignore_eos": True, "adapter_id": "a"}}
+        # Tens of seconds of tokens (~3 ms each on a CPU): it still runs however late a loaded machine's
+        # HTTP process hands over its first line (the router does not wait for the client); closing
+        # the stream aborts it.
+        long = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8000, "ignore_eos": True, "adapter_id": "a"}}
         with requests.post(f"{server.url}/generate_stream", json=long, headers=AUTH, stream=True, timeout=60) as stream:
-            next(stream.iter_lines())  # its first token: it runs
+            lines = stream.iter_lines()  # kept: a dropped line iterator may close the connection (an abort)
+            next(lines)  # its first token: it runs
             wait_for_lora_info(server, "running_lora_adapters", "a")
         wait_for_lora_info(server, "running_lora_adapters", "")
         hi = [{"role": "user", "content": "hi"}]
