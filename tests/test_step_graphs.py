@@ -9,16 +9,53 @@ nodes and the same K/V in every slot but the scratch slot; the logits agree to 1
 matmuls block by row count, so the last bits move with the padded size).
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers.models import make_model, make_runner, random_prompts
 
-from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, MIXED_TOKEN_ROWS, StepGraphs, mixed_buckets
+from lightllm.engine.cuda_graph import MAX_GRAPH_CHUNKS, MIXED_TOKEN_ROWS, StepGraphs, mixed_buckets, no_collection
 from lightllm.engine.plan import Chunk, Evict, Insert, Release, StepPlan
 from lightllm.engine.request import SamplingParams
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=3, max_new_tokens=64)
+
+
+class _Held:
+    """Stands for a dropped runner: reachable only through a reference cycle."""
+
+
+def test_no_collection_collects_first_then_holds_the_collector_off():
+    """What a capture runs under (tests/gpu/test_gpu_model.py shows the capture it protects)."""
+    def dropped_in_a_cycle():
+        held = _Held()
+        held.cycle = held
+        return weakref.ref(held)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10)
+    try:
+        before = dropped_in_a_cycle()
+        with no_collection():
+            assert before() is None, "garbage from before is collected first"
+            assert not gc.isenabled()
+            during = dropped_in_a_cycle()
+            kept = [[] for _ in range(1000)]  # past the threshold: the collector would run here
+            assert during() is not None, "collected inside"
+            del kept
+        assert gc.isenabled()
+        gc.collect()
+        assert during() is None
+        gc.disable()
+        with no_collection():
+            pass
+        assert not gc.isenabled(), "a collector held off before stays off"
+    finally:
+        gc.enable()
+        gc.set_threshold(*thresholds)
 
 
 def test_mixed_buckets():

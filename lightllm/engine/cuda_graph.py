@@ -43,6 +43,8 @@ padded forwards run eagerly, bounded by the batch's own longest request, so CI t
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -101,6 +103,23 @@ def graph_memory_bytes(max_batch: int, max_tokens: int, hidden: int, intermediat
     logit_rows = max(max_batch, min(max_tokens, max_batch + MAX_GRAPH_CHUNKS))
     activations = max_tokens * (8 * hidden + 3 * intermediate) * itemsize
     return 3 * logit_rows * vocab_size * 4 + activations
+
+
+@contextlib.contextmanager
+def no_collection():
+    """Python's cyclic garbage collector held off (after one collection) for a capture: an earlier
+    runner dropped in a reference cycle holds CUDA graphs, and a collection that came inside a
+    capture destroyed them there, which CUDA does not permit while a stream captures: it
+    invalidated the capture (a second `LLM` in one process, or the GPU tests' runners one after
+    another, failed at start 'operation failed due to a previous error during capture')."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def first_replays(graphs) -> None:
@@ -311,7 +330,7 @@ class StepGraphs:
             forwards += [(self.verify_graphs, b, b, lambda: None,
                           lambda b=b: self._forward(b, self.max_seqlen, verify=True), (b, 0)) for b in self.buckets]
         forwards.sort(key=lambda f: f[5], reverse=True)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), no_collection():
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             for family, key, rows, pad_only, forward, _ in forwards:

@@ -27,11 +27,15 @@ batch through ModelRunner and decode greedily (CUDA graphs), and run through the
   can move a value across an fp8 rounding boundary (up to 6%), so fp32 closeness cannot hold.
 - The fp8 KV cache: greedy tokens at least 0.9 the CPU's (tests/test_fp8_kv_cache.py holds the
   CPU to transformers with the same rounding); a K value may cross an e4m3 boundary likewise.
+- A runner's graphs capture while an earlier runner, dropped in a reference cycle with its graphs,
+  waits for the garbage collector (a second `LLM` in one process).
 - gpt-oss with MXFP4 experts (a checkpoint as published): widened at load, its bf16 prefill logits
   are no further from the CPU's fp32 than 1.5x the packed kernels' distance (or BF16_LOGIT_TOL),
   and its greedy tokens agree with the packed ones' (BF16_AGREEMENT); re-encoded in fp8, as the
   fp8 bound above.
 """
+
+import gc
 
 import pytest
 import torch
@@ -39,6 +43,7 @@ from helpers.models import (GPU_SIZES, LLAMA3_ROPE, YARN_ROPE, assert_idle, engi
                             make_runner, random_prompts)
 
 from benchmark.lib.direct_step import run_step
+from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import GenerateReq, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -262,3 +267,41 @@ def test_mxfp4_experts_in_fp8_cost_the_gpu_no_more_than_the_cpu(mxfp4_case):
     gpu_err, cpu_err = (distance(logits[(device, "fp8")], logits[(device, None)]) for device in ("cuda", "cpu"))
     assert gpu_err <= 1.5 * cpu_err + 0.01, (gpu_err, cpu_err)
     assert same_top(logits[("cuda", "fp8")], logits[("cpu", "fp8")])
+
+
+def test_graphs_capture_while_an_earlier_runners_graphs_wait_for_collection(tmp_path, monkeypatch):
+    """A runner dropped in a reference cycle keeps its CUDA graphs until the cyclic collector runs,
+    which it may do at any allocation: inside the next runner's capture, where destroying a graph
+    invalidated that capture. Here a captured graph is dropped in a cycle at the first captured
+    forward, and the collector is made to run at once: the capture must not see it."""
+    model_dir = tmp_path / "llama"
+    make_gpu_model("llama_gqa_llama3_rope", model_dir, **CASES["llama_gqa_llama3_rope"])
+    x = torch.ones(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.mul_(2)
+    garbage = [graph]
+    del graph
+    forward = ModelRunner.target_forward
+
+    def forward_dropping_a_graph(self, batch, kv):
+        if garbage and torch.cuda.is_current_stream_capturing():
+            cycle = [garbage.pop()]
+            cycle.append(cycle)
+            del cycle
+            kept = [[] for _ in range(1000)]  # allocations past the threshold: the collector runs if it may
+            del kept
+        return forward(self, batch, kv)
+
+    monkeypatch.setattr(ModelRunner, "target_forward", forward_dropping_a_graph)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10)
+    try:
+        runner = gpu_runner(model_dir)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not garbage, "no forward was captured"
+    assert runner.graphs is not None and runner.graphs.graphs, "no graph captured"
+    monkeypatch.undo()
+    prompts = random_prompts(1, (5, 37), vocab=GPU_SIZES["vocab_size"])
+    assert engine_tokens(model_dir, prompts) == engine_tokens(model_dir, prompts, cuda_graph=False)

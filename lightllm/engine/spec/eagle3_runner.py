@@ -36,7 +36,7 @@ import time
 import torch
 
 from lightllm.engine.batch import RunningReq, upload
-from lightllm.engine.cuda_graph import decode_buckets, first_replays, graph_memory_bytes
+from lightllm.engine.cuda_graph import decode_buckets, first_replays, graph_memory_bytes, no_collection
 from lightllm.engine.plan import DraftRequest
 from lightllm.engine.spec.draft_runner import DraftRunner, draft_batch, draft_lists
 from lightllm.models import ForwardBatch, LlamaModel, ModelConfig, load_eagle3, read_eagle3_config
@@ -203,7 +203,7 @@ class HeadGraphs:
         """Every bucket, largest first into one pool, the metadata padding only (as StepGraphs)."""
         device = self.kv.device
         started = time.perf_counter()
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), no_collection():
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             for bucket in reversed(self.buckets):
