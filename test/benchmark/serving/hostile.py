@@ -1,4 +1,4 @@
-"""The soak's hostile mix (issue 53): tool calls, forced calls, structured output, large schemas,
+"""The soak's hostile mix: tool calls, forced calls, structured output, large schemas,
 slow clients and clients that hang up mid-body or mid-stream. Each request returns
 (outcome, detail) like soak.py's own; the statuses it saw go to `seen()` (the HTTP ones through
 `trace_config()`, the raw sockets' by hand) so that the report counts every non-2xx by route.
