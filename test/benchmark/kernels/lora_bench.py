@@ -20,14 +20,6 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   steps of up to SHARE_ROWS rows) that the kernel after the GEMM adds in the model (that add is in
   that kernel's own launch and is not timed here). Each is timed at every size; "added" is what it
   adds to the base GEMMs' time.
-`--stacked` adds a second table for another form of the same work, timed beside the base GEMMs:
-each projection's weight stored with every slot's B beside it, [out, in + slots x rank], and its
-input in a buffer as wide, x in its first `in` columns; the adapters' shrink for every slot is one
-cuBLAS GEMM (x A_all^T, [T, slots x rank]), masked to the row's own slot's columns and written
-into the input's tail, and the one wide GEMM then computes x W^T + s B^T with no expand at all.
-Its rows: the base GEMMs on the wide storage without the tail (what steps with no adapter row
-would cost), the stacked step with x already in the wide buffer (as if the kernel before the
-projection wrote it there), and with x copied in.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
 SPLIT_K, SHRINK_PROGRAMS, LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_BLOCK_N) for one more pass, to time
 another launch plan of the same kernels beside the shipped one (repeat it for several). Each step
@@ -146,79 +138,7 @@ class Step:
         return max(float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside, share))
 
 
-class Stacked:
-    """A step's tensors in the stacked form (`--stacked`): per layer and group the wide input
-    [T, in + S R] (x in its first `in` columns), the wide weight [out, in + S R] (W, then every
-    slot's B), A_all [S R, in], y; and the step's mask [T, S R] (1 in a row's own slot's columns)."""
-
-    def __init__(self, shape: str, tokens: int, slots: int, rank: int, base_share: float, device):
-        layers = SHAPES[shape][0]
-        self.slots = row_slots(tokens, slots, base_share, device)
-        self.num_slots = slots
-        self.work = []
-        for _ in range(layers):
-            for k, n, parts in groups(shape):
-                r = parts * rank
-                x = torch.randn(tokens, k + slots * r, device=device, dtype=torch.bfloat16)
-                w = torch.randn(n, k + slots * r, device=device, dtype=torch.bfloat16) * k ** -0.5
-                w[:, k:] *= (k / r) ** 0.5  # B's columns at B's scale (r ** -0.5)
-                a = torch.randn(slots * r, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-                self.work.append((x, w, a, torch.empty(tokens, n, device=device, dtype=torch.bfloat16),
-                                  torch.empty(tokens, k, device=device, dtype=torch.bfloat16), k))
-        self.masks = {}
-        for x, w, a, _, _, _ in self.work:
-            width = a.shape[0]
-            if width not in self.masks:
-                r = width // slots
-                own = torch.arange(width, device=device) // r
-                self.masks[width] = (own[None, :] == self.slots[:, None]).to(torch.bfloat16)
-
-    def base(self) -> None:
-        for x, w, _, y, _, k in self.work:
-            torch.matmul(x[:, :k], w[:, :k].T, out=y)
-
-    def stacked(self, copy_x: bool) -> None:
-        for x, w, a, y, x_own, k in self.work:
-            if copy_x:
-                x[:, :k].copy_(x_own)
-            torch.mul(torch.matmul(x[:, :k], a.T), self.masks[a.shape[0]], out=x[:, k:])
-            torch.matmul(x, w.T, out=y)
-
-    def check(self) -> float:
-        """Relative distance of the stacked y from base + the segmented kernels' torch reference on
-        the same weights, over the first group."""
-        x, w, a, y, _, k = self.work[0]
-        slots = self.num_slots
-        self.stacked(False)
-        got = y.float()
-        seg = lora_kernels.lora_segments(self.slots, slots)
-        r = a.shape[0] // slots
-        b = w[:, k:].reshape(w.shape[0], slots, r).transpose(0, 1).contiguous()  # [S, n, R]
-        base = (x[:, :k].float() @ w[:, :k].float().T).to(y.dtype)
-        s = lora_kernels.lora_shrink_ref(x[:, :k], a.view(slots, r, k), seg)
-        want = lora_kernels.lora_expand_ref(base, s, b, seg).float()
-        return float((got - want).norm() / want.norm().clamp_min(1e-9))
-
-
-def run_stacked(args, turn_added: dict[int, float]) -> list[str]:
-    rows = []
-    for tokens in args.tokens:
-        step = Stacked(args.shape, tokens, args.slots, args.rank, args.base_share, "cuda")
-        err = step.check()
-        if err > 2e-2:
-            raise RuntimeError(f"stacked at {tokens} tokens: off the reference by {err:.4f}")
-        base_us = graph_call_us(step.base, calls=2)
-        stacked_us = graph_call_us(lambda: step.stacked(False), calls=2)
-        copied_us = graph_call_us(lambda: step.stacked(True), calls=2)
-        base, shipped = turn_added[tokens]
-        rows.append(f"| {tokens} | {shipped:.1f} | {base:.1f} | {base_us:.1f} | {stacked_us - base:.1f} | "
-                    f"{copied_us - base:.1f} | {err:.4f} |")
-        del step
-        torch.cuda.empty_cache()
-    return rows
-
-
-def run(args, variant: dict[str, int], bandwidth: float, added: dict | None = None) -> list[str]:
+def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
     saved = {name: getattr(lora_kernels, name) for name in variant}
     stream = torch.cuda.Stream()
     for name, value in variant.items():
@@ -236,8 +156,6 @@ def run(args, variant: dict[str, int], bandwidth: float, added: dict | None = No
             share_us = graph_call_us(lambda: step.beside(stream, True), calls=2)
             floor_us = step.floor_bytes / bandwidth * 1e6
             name = ",".join(f"{k}={v}" for k, v in variant.items()) or "shipped"
-            if added is not None:  # the model's path at this size: the base GEMMs, and the least added
-                added[tokens] = (base_us, min(turn_us, beside_us, share_us) - base_us)
             rows.append(f"| {name} | {tokens} | {lora_us:.1f} | {floor_us:.1f} | {100 * floor_us / lora_us:.1f} | "
                         f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | "
                         f"{beside_us - base_us:.1f} | {share_us - base_us:.1f} | {err:.4f} |")
@@ -258,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-share", type=float, default=1 / 17, help="share of rows on no adapter")
     parser.add_argument("--variant", action="append", type=parse_set, default=[],
                         help="NAME=VALUE[,NAME=VALUE] of kernels/lora.py's constants, timed beside the shipped ones")
-    parser.add_argument("--stacked", action="store_true",
-                        help="also time the stacked form (every slot's B beside the weight, one wide GEMM)")
     parser.add_argument("--out-md", default=None)
     args = parser.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -274,15 +190,8 @@ def main(argv: list[str] | None = None) -> int:
              "| variant | tokens | LoRA us | floor us | % floor | base GEMMs us | LoRA / base | added in turn us | "
              "added, shrink beside us | added, share beside us | rel err |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    added: dict[int, tuple[float, float]] = {}
-    for i, variant in enumerate([{}] + args.variant):
-        lines += run(args, variant, bandwidth, added if i == 0 else None)
-    if args.stacked:
-        lines += ["", "The stacked form against the shipped kernels (us over the contiguous base GEMMs; the shipped "
-                  "column is the least of in turn, shrink beside and share beside):",
-                  "| tokens | shipped: added | base GEMMs | base on the wide storage | stacked: added, x in place | "
-                  "added, x copied in | rel err |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += run_stacked(args, added)
+    for variant in [{}] + args.variant:
+        lines += run(args, variant, bandwidth)
     text = "\n".join(lines)
     print(text)
     if args.out_md:
