@@ -16,6 +16,10 @@
 # less time left than MIN_ROW_S (150; vLLM's MIN_VLLM_ROW_S, 330) is skipped. Logs and result JSONs
 # in $OUT/ITEM-NAME/, the table in $OUT/peers.md and on stdout (CPU plumbing check: NO_WHEELS=1 and
 # a tiny model). Needs (carried): .whl/ (the wheels the image lacks), .gpu/MODEL, .gpu/requests-*.json.
+# VLLM_WHEELS=DIR: wheels installed into /tmp/vsite first, ahead of the image's for vLLM's rows. For
+# Gemma 4: from transformers 5.14 a Gemma 4 config's head_dim is a per-layer attribute that raises
+# when read whole, as vLLM 0.26 reads it; the image has 5.17, so carry transformers 5.13.0 and the
+# tokenizers it takes (0.22.2), which vLLM 0.26's requirements also admit.
 set -uo pipefail
 
 ROOT=$(pwd)
@@ -24,6 +28,10 @@ END=$((SECONDS + ${TOTAL_S:-570}))
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 [[ -n ${NO_WHEELS:-} ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
+if [[ -n ${VLLM_WHEELS:-} ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vsite \
+    "$VLLM_WHEELS"/*.whl || exit 1
+fi
 COMMIT=$(cat "$ROOT/.gpu/COMMIT" 2>/dev/null || git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 SERVER=
 ROWS=()
