@@ -78,6 +78,33 @@ def test_prompt_logprobs_over_chunks_equal_transformers(model, cached_first):
     assert_idle(core)
 
 
+def test_prompt_logprobs_reach_the_head_a_slice_at_a_time(model, monkeypatch):
+    """A step's prompt-logprob rows are scored PROMPT_LOGITS_BYTES of logits at a time (3 rows here,
+    and a chunk's 11 rows end inside a slice, the next request's chunk in the same step), never
+    whole, and give the logprobs transformers gives."""
+    from lightllm.engine import sampling
+
+    hf_model, runner = model
+    vocab = hf_model.config.vocab_size
+    monkeypatch.setattr(sampling, "PROMPT_LOGITS_BYTES", 3 * 4 * vocab)
+    head, scored = runner.model.lm_head, []
+    score = head.logits
+    monkeypatch.setattr(head, "logits", lambda h: scored.append(h.shape[0]) or score(h))
+    core = engine(runner, chunk=16)
+    prompts = random_prompts(6, lengths=(12, 11), vocab=vocab)
+    outs = run(core, [(i, p, SamplingParams(max_new_tokens=2, prompt_logprobs=2)) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        expected = hf_log_softmax(hf_model, prompt)
+        got = outs[i][0].prompt_logprobs
+        assert len(got) == len(prompt) - 1
+        for pos, (logprob, top) in enumerate(got):
+            assert abs(logprob - expected[pos, prompt[pos + 1]].item()) < TOL
+            assert [t for t, _ in top] == expected[pos].topk(2).indices.tolist()
+    assert max(scored) == 3 and sum(scored) >= sum(len(p) - 1 for p in prompts)
+    assert head.deferred is None and head.defer_rows == 0
+    assert_idle(core)
+
+
 def test_stop_token_ids_and_min_tokens(model):
     hf_model, runner = model
     core = engine(runner, chunk=64)

@@ -467,7 +467,9 @@ class ModelRunner:
                                               grammar=grammar)
         tokens, logprobs, top = sample(logits[: len(sampled)], sampling)
         self.last_token[t["sample_rows"]] = tokens
-        parts = chunk_prompt_logprobs(logits[len(sampled):], t.get("prompt_targets"), chunks)
+        head = self.model.lm_head
+        hidden, head.deferred = head.deferred, None
+        parts = chunk_prompt_logprobs(hidden, t.get("prompt_targets"), chunks, head.logits, self.config.vocab_size)
         req_ids = decodes.req_ids + [c.req_id for c in plan.chunks if c.last]
         launched = LaunchedStep(plan.step_id, req_ids, sampled, *download(tokens, logprobs, top, parts))
         launched.verifies, launched.device_tokens, launched.decode_runs = decodes.verifies, tokens, decodes.runs
@@ -598,7 +600,12 @@ class ModelRunner:
         batch = ForwardBatch(input_ids, t["positions"], slots, self.req_table.req_to_token,
                              logit_index=t["logit_index"], lora_slots=t["lora_slots"] if lora else None,
                              decode_verify=verify, **decode, **extend)
-        return self.target_forward(batch, self.token_table)
+        prompt_rows = t.get("prompt_targets")  # the logit rows' last ones: scored apart, in slices (_sample)
+        self.model.lm_head.defer_rows = 0 if prompt_rows is None else len(prompt_rows)
+        try:
+            return self.target_forward(batch, self.token_table)
+        finally:
+            self.model.lm_head.defer_rows = 0
 
     def _fill_last_tokens(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows of id -1 feed their request's last sampled token (on the device since its step)."""

@@ -13,6 +13,7 @@ upload; `SamplingBatch` then views them on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -235,15 +236,29 @@ def grammar_masks(states: list[SamplingState], vocab_size: int, device: torch.de
     return bitmask.to(device, non_blocking=True), torch.tensor(rows, device=device)
 
 
-def chunk_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor | None, chunks) -> list:
-    """(request, chosen, top) per chunk that wants prompt logprobs; its rows follow the sampled ones."""
+# The most bytes of fp32 logits that prompt logprobs hold at once (chunk_prompt_logprobs scores a
+# chunk's rows in slices of this size): a whole 8,192-token chunk over a 128k vocabulary would
+# take 4 GiB, twice with logsumexp's temporary, all of it held back from the KV cache by the
+# start-up profile, which runs every prompt token with prompt logprobs (engine/memory.py).
+PROMPT_LOGITS_BYTES = 256 << 20
+
+
+def chunk_prompt_logprobs(hidden: torch.Tensor | None, targets: torch.Tensor | None, chunks,
+                          score: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> list:
+    """(request, chosen, top) per chunk that wants prompt logprobs. `hidden`: those chunks' rows,
+    in order (ParallelLMHead.deferred), which `score` turns into fp32 logits, PROMPT_LOGITS_BYTES
+    of them at a time."""
     parts, offset = [], 0
+    step = max(1, PROMPT_LOGITS_BYTES // (4 * vocab))
     for r, c in chunks:
         n = len(c.token_ids) - (1 if c.last else 0)
         if r.prompt_logprobs is None or n == 0:  # a one-token last chunk: its row is the sampled one
             continue
-        chosen, top = prompt_logprobs(logits[offset: offset + n], targets[offset: offset + n],
-                                      r.sampling.params.prompt_logprobs)
+        k, end = r.sampling.params.prompt_logprobs, offset + n
+        pieces = [prompt_logprobs(score(hidden[i: min(i + step, end)]), targets[i: min(i + step, end)], k)
+                  for i in range(offset, end, step)]
+        chosen = torch.cat([piece for piece, _ in pieces])
+        top = (torch.cat([tops[0] for _, tops in pieces]), torch.cat([tops[1] for _, tops in pieces])) if k else None
         parts.append((r, chosen, top))
         offset += n
     return parts

@@ -262,14 +262,29 @@ class ParallelLMHead:
     """fp32 logits over the whole vocabulary: each rank scores its vocab shard, then all-gather.
 
     An untied head is kept transposed ([hidden, vocab shard], as RowParallelLinear: faster for
-    cuBLAS at decode batch sizes); a head tied to the embedding table uses that table as it is."""
+    cuBLAS at decode batch sizes); a head tied to the embedding table uses that table as it is.
+
+    `defer_rows`, set for one call (the runner's, for a step with prompt logprobs): the call scores
+    all but its last `defer_rows` rows and keeps those rows' hidden states in `deferred`, for
+    `logits` to score a slice at a time, so that a chunk's prompt logprobs never hold its
+    [tokens, vocab] logits whole (engine/sampling.py's chunk_prompt_logprobs)."""
 
     def __init__(self, weight: torch.Tensor, tp: TPGroup, vocab: int, tied: bool, softcap: float = 0.0):
         self.weight_t = weight.t() if tied else weight.t().contiguous()
         self.tp, self.vocab = tp, vocab
         self.softcap = softcap  # > 0: logits capped at +-softcap by tanh (Gemma 2)
+        self.defer_rows = 0
+        self.deferred: torch.Tensor | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.defer_rows:
+            scored = h.shape[0] - self.defer_rows
+            self.deferred, self.defer_rows = h[scored:], 0
+            h = h[:scored]
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of the hidden states h [rows, hidden]."""
         logits = self.tp.all_gather((h @ self.weight_t).float(), dim=-1)[:, : self.vocab]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
