@@ -172,6 +172,27 @@ def sample_full(logits, params_list, steps=None, eos=()):
     return sample(logits.clone(), batch)
 
 
+def test_a_filtered_draw_in_blocks_of_rows_draws_what_the_whole_batch_draws(monkeypatch):
+    """The filtered draw takes its rows DRAW_LOGITS_BYTES of logits at a time (3 rows here, the
+    last block short), and every row draws the token the whole batch draws: temperature, top-k,
+    top-p, min-p, seed and step differ from row to row, one row greedy."""
+    from lightllm.engine import sampling
+
+    vocab = 400
+    logits = random_logits(11, vocab, 21)
+    params = [SamplingParams(do_sample=i != 4, temperature=0.5 + 0.2 * i, top_k=(0, 5, 50)[i % 3],
+                             top_p=(1.0, 0.9, 0.6)[i % 3], min_p=0.05 if i % 4 == 1 else 0.0, seed=100 + i)
+              for i in range(11)]
+    steps = list(range(3, 14))
+    whole = sample_full(logits, params, steps)[0]
+    blocks = []
+    draw = sampling._sample_filtered
+    monkeypatch.setattr(sampling, "DRAW_LOGITS_BYTES", 3 * 4 * vocab)
+    monkeypatch.setattr(sampling, "_sample_filtered", lambda scaled, batch: blocks.append(len(scaled)) or draw(scaled, batch))
+    assert torch.equal(sample_full(logits, params, steps)[0], whole)
+    assert blocks == [3, 3, 3, 2]
+
+
 def test_top_logprobs_are_the_raw_top_k_sorted_and_hold_the_chosen_token():
     logits = random_logits(6, 300, 11)
     params = [SamplingParams(top_logprobs=k, do_sample=bool(k % 2), temperature=0.7, seed=k,

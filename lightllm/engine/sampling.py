@@ -13,6 +13,7 @@ upload; `SamplingBatch` then views them on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -185,8 +186,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
         apply_penalties_(logits, *batch.penalties)
     tokens = logits.argmax(-1)
     if not batch.all_greedy:
-        scaled = logits / batch.temperatures[:, None]
-        tokens = torch.where(batch.greedy, tokens, _sample_filtered(scaled, batch))
+        tokens = torch.where(batch.greedy, tokens, _draw(logits, batch))
     logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
     top = None
     if batch.top_logprobs:
@@ -203,6 +203,31 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
         return chosen, None
     values, ids = logits.topk(k, -1)
     return chosen, (ids, values - lse[:, None])
+
+
+# The filtered draw takes its rows in blocks of at most this many bytes of fp32 logits: its sort,
+# softmax, cumulative sums and uniforms hold about ten copies of a block at once, which for a full
+# batch of 1,024 rows over a 128k vocabulary would be 5 GiB, held back from the KV cache by the
+# start-up profile (engine/memory.py). Each row's draw depends on its own seed and step alone, so
+# the blocks draw what the whole batch would.
+DRAW_LOGITS_BYTES = 64 << 20
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """_sample_filtered over the temperature-scaled logits, a block of rows at a time."""
+    rows, vocab = logits.shape
+    step = max(1, DRAW_LOGITS_BYTES // (4 * vocab))
+    if rows <= step:
+        return _sample_filtered(logits / batch.temperatures[:, None], batch)
+    return torch.cat([_sample_filtered(logits[i: i + step] / batch.temperatures[i: i + step, None],
+                                       _rows(batch, i, i + step)) for i in range(0, rows, step)])
+
+
+def _rows(batch: SamplingBatch, start: int, end: int) -> SamplingBatch:
+    """The per-row inputs of rows [start, end) that the filtered draw reads."""
+    return dataclasses.replace(batch, seeds=batch.seeds[start:end], steps=batch.steps[start:end],
+                               top_ks=batch.top_ks[start:end], top_ps=batch.top_ps[start:end],
+                               min_ps=None if batch.min_ps is None else batch.min_ps[start:end])
 
 
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
