@@ -206,9 +206,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
 
 
 # The filtered draw takes its rows in blocks of at most this many bytes of fp32 logits: its sort,
-# softmax, cumulative sums and uniforms hold about ten copies of a block at once, which for a full
-# batch of 1,024 rows over a 128k vocabulary would be 5 GiB, held back from the KV cache by the
-# start-up profile (engine/memory.py). Each row's draw depends on its own seed and step alone, so
+# softmax, cumulative sums and uniforms hold many copies of a block at once (16 on the CPU), which
+# for a full batch of 1,024 rows over a 128k vocabulary would be several GiB, held back from the
+# KV cache by the start-up profile (engine/memory.py). Each row's draw depends on its own seed and step alone, so
 # the blocks draw what the whole batch would.
 DRAW_LOGITS_BYTES = 64 << 20
 
