@@ -208,15 +208,20 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
 # The filtered draw takes its rows in blocks of at most this many bytes of fp32 logits: its sort,
 # softmax, cumulative sums and uniforms hold many copies of a block at once (16 on the CPU), which
 # for a full batch of 1,024 rows over a 128k vocabulary would be several GiB, held back from the
-# KV cache by the start-up profile (engine/memory.py). Each row's draw depends on its own seed and step alone, so
-# the blocks draw what the whole batch would.
+# KV cache by the start-up profile (engine/memory.py). Each row's draw depends on its own seed and
+# step alone, so the blocks draw what the whole batch would.
 DRAW_LOGITS_BYTES = 64 << 20
+
+
+def _rows_within(nbytes: int, vocab: int) -> int:
+    """The most rows whose fp32 logits over `vocab` tokens take at most `nbytes` (at least one)."""
+    return max(1, nbytes // (4 * vocab))
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """_sample_filtered over the temperature-scaled logits, a block of rows at a time."""
     rows, vocab = logits.shape
-    step = max(1, DRAW_LOGITS_BYTES // (4 * vocab))
+    step = _rows_within(DRAW_LOGITS_BYTES, vocab)
     if rows <= step:
         return _sample_filtered(logits / batch.temperatures[:, None], batch)
     return torch.cat([_sample_filtered(logits[i: i + step] / batch.temperatures[i: i + step, None],
@@ -274,7 +279,7 @@ def chunk_prompt_logprobs(hidden: torch.Tensor | None, targets: torch.Tensor | N
     in order (ParallelLMHead.deferred), which `score` turns into fp32 logits, PROMPT_LOGITS_BYTES
     of them at a time."""
     parts, offset = [], 0
-    step = max(1, PROMPT_LOGITS_BYTES // (4 * vocab))
+    step = _rows_within(PROMPT_LOGITS_BYTES, vocab)
     for r, c in chunks:
         n = len(c.token_ids) - (1 if c.last else 0)
         if r.prompt_logprobs is None or n == 0:  # a one-token last chunk: its row is the sampled one
@@ -282,8 +287,9 @@ def chunk_prompt_logprobs(hidden: torch.Tensor | None, targets: torch.Tensor | N
         k, end = r.sampling.params.prompt_logprobs, offset + n
         pieces = [prompt_logprobs(score(hidden[i: min(i + step, end)]), targets[i: min(i + step, end)], k)
                   for i in range(offset, end, step)]
-        chosen = torch.cat([piece for piece, _ in pieces])
-        top = (torch.cat([tops[0] for _, tops in pieces]), torch.cat([tops[1] for _, tops in pieces])) if k else None
+        chosen, tops = zip(*pieces)
+        top = tuple(torch.cat(part) for part in zip(*tops)) if k else None
+        chosen = torch.cat(chosen)
         parts.append((r, chosen, top))
         offset += n
     return parts
