@@ -123,22 +123,31 @@ def test_a_compile_past_a_bound_is_killed(server):
 def test_a_running_stream_keeps_its_pace_while_a_big_grammar_is_handled(server):
     """A chain of 1200 $refs compiles to about 30 MB, which the model runner would take about 0.8 s
     to read back inside a step: it is refused now (past MAX_COMPILED_BYTES or BOUND), and the stream
-    goes on; the compile, in a process of lower priority, takes only what the steps leave."""
+    goes on; the compile, in a process of lower priority, takes only what the steps leave.
+
+    Beside another test process on two cores, a gap of 0.48 s came once from that process alone, so
+    the grammar is sent twice (two chains, so that no cache answers the second): a stall the grammar
+    causes comes both times, a neighbour's seldom does."""
     server.generate("warm", max_new_tokens=2, grammar={"type": "regex", "value": "[ab]+"})  # the compiler is up
     stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
     arrivals = stream.arrivals
-    server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
-    sent = time.monotonic()
-    reply = server.post("/generate", {"inputs": "x", "parameters": {
-        "max_new_tokens": 2, "grammar": {"type": "json", "value": ref_chain(1200)}}})
-    assert reply.status_code == 400, reply.text  # past MAX_COMPILED_BYTES (or, on a loaded machine, BOUND)
-    answered = time.monotonic()
-    server.wait_for(lambda: arrivals[-1] > answered + 1.0, timeout=60, what="tokens 1 s after the answer")
+    ratios, mark = [], 0
+    for refs in (1200, 1201):
+        server.wait_for(lambda: len(arrivals) >= mark + 40, timeout=120, what="40 streamed tokens")
+        started = arrivals[-40]
+        sent = time.monotonic()
+        reply = server.post("/generate", {"inputs": "x", "parameters": {
+            "max_new_tokens": 2, "grammar": {"type": "json", "value": ref_chain(refs)}}})
+        assert reply.status_code == 400, reply.text  # past MAX_COMPILED_BYTES (or, on a loaded machine, BOUND)
+        answered = time.monotonic()
+        server.wait_for(lambda: arrivals[-1] > answered + 1.0, timeout=60, what="tokens 1 s after the answer")
+        gaps = stream.gaps()
+        before = sorted(gap for gap, b in gaps if started < b <= sent)
+        during = [gap for gap, b in gaps if b > sent and b - gap < answered + 1.0]
+        ratios.append((max(during) / before[len(before) // 2], max(during), before[len(before) // 2]))
+        mark = len(arrivals)
     stream.close()
-    before = sorted(gap for gap, b in stream.gaps() if b <= sent)
-    during = [gap for gap, b in stream.gaps() if b > sent]
-    median = before[len(before) // 2]
-    assert max(during) < 3 * median, (max(during), median)
+    assert min(ratios)[0] < 3, ratios
 
 
 class FakeWorker:
