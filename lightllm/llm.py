@@ -170,7 +170,9 @@ class LoRARequest:
 @dataclass
 class Logprob:
     logprob: float  # of the model's raw logits (before logit_bias, penalties and temperature)
-    rank: int | None = None  # 1: the most likely token; None: not among the top k asked for
+    # 1: the most likely token (counted as vLLM does: tokens at least as likely). A prompt token always
+    # has one; a sampled token has one within the top k asked for, else None.
+    rank: int | None = None
     decoded_token: str | None = None
 
 
@@ -198,12 +200,14 @@ class RequestOutput:
     finished: bool = True
 
 
-def logprob_dict(token_id: int, logprob: float, top, text_of) -> dict[int, Logprob]:
-    """{token: Logprob} for one position: `token_id` first (its rank if it is in `top`), then
-    the top k as (token, logprob) pairs, most likely first."""
-    ranked = {t: Logprob(lp, rank, text_of(t)) for rank, (t, lp) in enumerate(top or (), 1)}
-    mine = ranked.get(token_id)
-    return {token_id: Logprob(logprob, mine.rank if mine else None, text_of(token_id)), **ranked}
+def logprob_dict(token_id: int, logprob: float, top, text_of, rank: int | None = None) -> dict[int, Logprob]:
+    """{token: Logprob} for one position: `token_id` first, then the top k as (token, logprob)
+    pairs, most likely first. `token_id`'s rank is `rank` where the engine counted it (a prompt
+    token's), else its place in `top`."""
+    ranked = {t: Logprob(lp, place, text_of(t)) for place, (t, lp) in enumerate(top or (), 1)}
+    if rank is None and token_id in ranked:
+        rank = ranked[token_id].rank
+    return {token_id: Logprob(logprob, rank, text_of(token_id)), **ranked}
 
 
 @dataclass
@@ -493,8 +497,9 @@ class LLM:
             logger.exception("the engine failed while its requests were aborted")
 
     def _prompt_logprobs(self, ids: list[int], positions) -> list[dict[int, Logprob] | None]:
-        """From the engine's (token's logprob, top k) per position from the 2nd."""
-        return [None] + [logprob_dict(token, lp, top, self._text_of) for token, (lp, top) in zip(ids[1:], positions)]
+        """From the engine's (token's logprob, its rank, top k) per position from the 2nd."""
+        return [None] + [logprob_dict(token, lp, top, self._text_of, rank)
+                         for token, (lp, rank, top) in zip(ids[1:], positions)]
 
     def _text_of(self, token: int) -> str:
         """The text of one token id (cached)."""

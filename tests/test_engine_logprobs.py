@@ -5,7 +5,7 @@ Relies on transformers' Llama modeling code (rotary with llama3 scaling) as the 
 
 import pytest
 import torch
-from helpers.models import assert_idle, engine, make_model, make_runner, random_prompts
+from helpers.models import assert_idle, assert_rank, engine, make_model, make_runner, random_prompts
 
 from lightllm.engine.request import FinishReason, GenerateReq, SamplingParams
 
@@ -72,9 +72,11 @@ def test_prompt_logprobs_over_chunks_equal_transformers(model, cached_first):
     expected = hf_log_softmax(hf_model, prompt)
     got = first.prompt_logprobs
     assert len(got) == len(prompt) - 1
-    for pos, (logprob, top) in enumerate(got):
+    for pos, (logprob, rank, top) in enumerate(got):
         assert abs(logprob - expected[pos, prompt[pos + 1]].item()) < TOL
+        assert_rank(rank, expected[pos], prompt[pos + 1], TOL)
         assert [t for t, _ in top] == expected[pos].topk(3).indices.tolist()
+    assert max(rank for _, rank, _ in got) > 3  # ranks are counted outside the top k too
     assert_idle(core)
 
 
@@ -97,8 +99,9 @@ def test_prompt_logprobs_reach_the_head_a_slice_at_a_time(model, monkeypatch):
         expected = hf_log_softmax(hf_model, prompt)
         got = outs[i][0].prompt_logprobs
         assert len(got) == len(prompt) - 1
-        for pos, (logprob, top) in enumerate(got):
+        for pos, (logprob, rank, top) in enumerate(got):
             assert abs(logprob - expected[pos, prompt[pos + 1]].item()) < TOL
+            assert_rank(rank, expected[pos], prompt[pos + 1], TOL)
             assert [t for t, _ in top] == expected[pos].topk(2).indices.tolist()
     assert max(scored) == 3 and sum(scored) >= sum(len(p) - 1 for p in prompts)
     assert head.deferred is None and head.defer_rows == 0
@@ -131,5 +134,5 @@ def test_prompt_logprobs_of_a_one_token_prompt_and_a_one_token_last_chunk(model)
     expected = hf_log_softmax(hf_model, prompts[1])
     got = outs[1][0].prompt_logprobs
     assert len(got) == 4
-    assert all(abs(lp - expected[p, prompts[1][p + 1]].item()) < TOL for p, (lp, _) in enumerate(got))
+    assert all(abs(lp - expected[p, prompts[1][p + 1]].item()) < TOL for p, (lp, _, _) in enumerate(got))
     assert_idle(core)

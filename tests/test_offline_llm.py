@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from helpers.models import assert_rank
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightllm import LLM, SamplingParams
@@ -296,7 +297,8 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf):
         assert entry[token].decoded_token == llm.tokenizer.decode([token])
     assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt_ids)
     for i in range(1, len(prompt_ids)):
-        check_position(output.prompt_logprobs[i], prompt_ids[i], rows[i - 1], k)
+        check_position(output.prompt_logprobs[i], prompt_ids[i], rows[i - 1], k, counted=True)
+    assert max(output.prompt_logprobs[i][prompt_ids[i]].rank for i in range(1, len(prompt_ids))) > k
 
 
 def test_sampled_logprobs_are_of_the_raw_logits(llm, hf):
@@ -312,14 +314,18 @@ def test_sampled_logprobs_are_of_the_raw_logits(llm, hf):
     assert choice.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(choice.token_ids, choice.logprobs)))
 
 
-def check_position(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
-    """`entry` holds `token` first, then transformers' top k in order, with their logprobs."""
+def check_position(entry: dict, token: int, row: torch.Tensor, k: int, counted: bool = False) -> None:
+    """`entry` holds `token` first, then transformers' top k in order, with their logprobs. A
+    `counted` token (a prompt token's) has its rank over the whole vocabulary; a sampled one has
+    one only within the top k."""
     top = row.topk(k)
     assert list(entry)[0] == token
-    ranked = {t: lp for t, lp in entry.items() if lp.rank is not None}
+    ranked = {t: lp for t, lp in entry.items() if lp.rank is not None and lp.rank <= k}
     assert [t for t, lp in sorted(ranked.items(), key=lambda item: item[1].rank)] == top.indices.tolist()
     assert set(entry) - {token} <= set(top.indices.tolist())
     for t, lp in entry.items():
         assert lp.logprob == pytest.approx(row[t].item(), abs=LOGPROB_ATOL)
-    if token not in ranked:
+    if counted:
+        assert_rank(entry[token].rank, row, token, LOGPROB_ATOL)
+    elif token not in ranked:
         assert entry[token].rank is None and row[token] <= top.values[-1]

@@ -247,11 +247,16 @@ def test_prompt_logprobs_are_the_log_softmax_at_the_next_tokens():
 
     logits = random_logits(5, 60, 15)
     targets = torch.tensor([3, 59, 0, 7, 7])
-    chosen, (ids, values) = prompt_logprobs(logits, targets, 4)
+    logits[1, 5] = logits[1, 59]  # a tie: both count as at least as likely as either
+    chosen, ranks, (ids, values) = prompt_logprobs(logits, targets, 4)
     raw = torch.log_softmax(logits, -1)
     torch.testing.assert_close(chosen, raw.gather(1, targets[:, None]).squeeze(1))
     torch.testing.assert_close(values, raw.topk(4).values)
-    assert prompt_logprobs(logits, targets, 0)[1] is None
+    places = raw.argsort(-1, descending=True).argsort(-1) + 1  # each token's place, most likely first
+    tied = max(places[1, 5], places[1, 59]).item()  # the later place of the two tied tokens
+    expected = [tied if i == 1 else places[i, t].item() for i, t in enumerate(targets.tolist())]
+    assert ranks.tolist() == expected
+    assert prompt_logprobs(logits, targets, 0)[2] is None
 
 
 def test_every_uploaded_view_starts_on_16_bytes_and_holds_its_list():

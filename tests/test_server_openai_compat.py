@@ -8,6 +8,7 @@ import openai
 import pytest
 import requests
 import torch
+from helpers.models import assert_rank
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TOL = 1e-3
@@ -112,6 +113,7 @@ def check_prompt_logprobs(entries: list, prompt_ids: list[int], k: int, hf) -> N
         token = prompt_ids[j]
         row = expected[j - 1]
         assert abs(entry[str(token)]["logprob"] - row[token].item()) < TOL
+        assert_rank(entry[str(token)]["rank"], row, token, TOL)
         assert entry[str(token)]["decoded_token"] == hf[0].decode([token], skip_special_tokens=False,
                                                                   clean_up_tokenization_spaces=False)
         top = sorted((e for t, e in entry.items() if e["rank"] is not None and e["rank"] <= k),

@@ -21,7 +21,7 @@ class RunningReq:
     prefix_len: int  # positions [0, prefix_len) came from prefix-cache nodes
     seq_len: int  # tokens whose K/V are in the cache (or written by a launched step)
     sampling: SamplingState
-    prompt_logprobs: list | None = None  # (logprob, top) per prompt position from the 2nd, as computed
+    prompt_logprobs: list | None = None  # (logprob, rank, top) per prompt position from the 2nd, as computed
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: none)
     draft_len: int = 0  # positions whose K/V the draft model holds (spec/draft_runner.py)
 
@@ -89,8 +89,8 @@ class LaunchedStep:
         kept = (lambda rows: rows) if keep is None else (lambda rows: compress(rows, keep))
         if self._host.shape[0] == 2 and not self._prompt_parts and not self.prompt_done:  # no logprobs asked for
             return StepResult(self.step_id, [SampledToken(r, t, lp) for r, (t, lp) in kept(zip(self.req_ids, tokens))])
-        for r, chosen, top in self._prompt_parts:
-            r.prompt_logprobs.extend(zip(chosen.tolist(), _top_lists(top, len(chosen))))
+        for r, chosen, ranks, top in self._prompt_parts:
+            r.prompt_logprobs.extend(zip(chosen.tolist(), ranks.tolist(), _top_lists(top, len(chosen))))
         out = []
         k = (self._host.shape[0] - 2) // 2
         tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k:].T) if k else None, len(tokens))
@@ -155,8 +155,8 @@ def download(tokens: torch.Tensor, logprobs: torch.Tensor, top, parts: list):
     if not stacked.is_cuda:
         return stacked, parts, None
     host = _pinned_copy(stacked)
-    host_parts = [(r, _pinned_copy(chosen), None if top is None else tuple(map(_pinned_copy, top)))
-                  for r, chosen, top in parts]
+    host_parts = [(r, _pinned_copy(chosen), _pinned_copy(ranks), None if top is None else tuple(map(_pinned_copy, top)))
+                  for r, chosen, ranks, top in parts]
     event = torch.cuda.Event()
     event.record()
     return host, host_parts, event

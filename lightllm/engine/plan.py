@@ -154,7 +154,7 @@ class SampledToken:
     token_id: int
     logprob: float
     top: tuple | None = None  # ((token, logprob), ...) when the request asks for top logprobs
-    prompt: tuple | None = None  # with its first token, when asked: ((logprob, top), ...) per prompt token from the 2nd
+    prompt: tuple | None = None  # with its first token, when asked: ((logprob, rank, top), ...) per prompt token from the 2nd
 
 
 @dataclass

@@ -124,8 +124,8 @@ class TokenOut:
     queue_time: float = 0.0  # on the first token: seconds from arrival until its first chunk was scheduled
     top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs: (token, logprob)
     # On the first token, with SamplingParams.prompt_logprobs: per prompt position from the 2nd,
-    # (its token's logprob, [(token, logprob)] top k).
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # (its token's logprob, its rank, [(token, logprob)] top k).
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class ReqStatus(enum.Enum):

@@ -196,13 +196,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
-    """Logprobs of the prompt tokens `targets` [P] under raw logits [P, V], and the top k."""
+    """(logprobs, ranks, top k) of the prompt tokens `targets` [P] under raw logits [P, V]. A rank
+    is vLLM's: how many tokens are at least as likely (1 for the most likely), whether or not the
+    token is among the top k."""
+    target = logits.gather(1, targets[:, None])
     lse = torch.logsumexp(logits, -1)
-    chosen = logits.gather(1, targets[:, None]).squeeze(1) - lse
+    chosen, ranks = target.squeeze(1) - lse, (logits >= target).sum(-1)
     if not k:
-        return chosen, None
+        return chosen, ranks, None
     values, ids = logits.topk(k, -1)
-    return chosen, (ids, values - lse[:, None])
+    return chosen, ranks, (ids, values - lse[:, None])
 
 
 # The filtered draw takes its rows in blocks of at most this many bytes of fp32 logits: its sort,
@@ -275,7 +278,7 @@ PROMPT_LOGITS_BYTES = 256 << 20
 
 def chunk_prompt_logprobs(hidden: torch.Tensor | None, targets: torch.Tensor | None, chunks,
                           score: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> list:
-    """(request, chosen, top) per chunk that wants prompt logprobs. `hidden`: those chunks' rows,
+    """(request, chosen, ranks, top) per chunk that wants prompt logprobs. `hidden`: those chunks' rows,
     in order (ParallelLMHead.deferred), which `score` turns into fp32 logits, PROMPT_LOGITS_BYTES
     of them at a time."""
     parts, offset = [], 0
@@ -287,9 +290,8 @@ def chunk_prompt_logprobs(hidden: torch.Tensor | None, targets: torch.Tensor | N
         k, end = r.sampling.params.prompt_logprobs, offset + n
         pieces = [prompt_logprobs(score(hidden[i: min(i + step, end)]), targets[i: min(i + step, end)], k)
                   for i in range(offset, end, step)]
-        chosen, tops = zip(*pieces)
+        chosen, ranks, tops = zip(*pieces)
         top = tuple(torch.cat(part) for part in zip(*tops)) if k else None
-        chosen = torch.cat(chosen)
-        parts.append((r, chosen, top))
+        parts.append((r, torch.cat(chosen), torch.cat(ranks), top))
         offset += n
     return parts

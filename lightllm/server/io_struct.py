@@ -64,7 +64,7 @@ class TextOut:
     queue_time: float = 0.0  # as TokenOut
     # As TokenOut, with each token's text: (token, text, logprob)
     top_logprobs: list[tuple[int, str, float]] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, str, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, str, float]]]] | None = None
 
 
 @pickled_as_columns(TextOut, 6)  # req_id .. count_output_tokens

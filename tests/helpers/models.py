@@ -172,6 +172,14 @@ def max_hf_difference(hf_model, captured_logits, steps) -> float:
     return max((ours - theirs).abs().max().item() for ours, theirs in hf_pairs(hf_model, captured_logits, steps))
 
 
+def assert_rank(rank: int, row: torch.Tensor, token: int, tol: float) -> None:
+    """`rank` is vLLM's rank of `token` in the oracle's logprobs `row` (how many tokens are at least
+    as likely), where tokens within `tol` of it may fall on either side."""
+    lo = int((row > row[token] + tol).sum()) + 1
+    hi = int((row >= row[token] - tol).sum())
+    assert lo <= rank <= hi, (token, rank, lo, hi)
+
+
 def run_schedule(runner, prompts):
     """Prefill two requests, decode, add a third, decode all, free one, decode the rest, then the last alone.
     Returns [(sequences fed so far, for each row of that step's logits)]."""

@@ -87,7 +87,7 @@ class DetokenizationManager:
             queue_time=out.queue_time,
             top_logprobs=None if out.top_logprobs is None else self._with_text(out.top_logprobs),
             prompt_logprobs=None if out.prompt_logprobs is None else [
-                (logprob, self._with_text(top)) for logprob, top in out.prompt_logprobs],
+                (logprob, rank, self._with_text(top)) for logprob, rank, top in out.prompt_logprobs],
             finish_reason=finish_reason,
             error=out.error,
         )

@@ -77,7 +77,7 @@ def details(tokenizer, choice: Choice, seed: int, prompt_ids: list[int]) -> dict
     prompt = choice.outputs[0].prompt_logprobs
     if prompt is not None:
         texts = tokenizer.batch_decode([[i] for i in prompt_ids], skip_special_tokens=False)
-        logprobs = [None] + [logprob for logprob, _ in prompt]
+        logprobs = [None] + [logprob for logprob, _, _ in prompt]
         out["prefill"] = [{"id": i, "text": t, "logprob": lp} for i, t, lp in zip(prompt_ids, texts, logprobs)]
     if any(o.top_logprobs for o in choice.outputs):
         out["top_tokens"] = [top_entries(o) for o in choice.outputs]

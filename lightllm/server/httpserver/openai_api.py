@@ -219,9 +219,9 @@ class CompletionFormat:
         if echo:  # the prompt's tokens: the first has no logprob (nothing before it)
             tokens += token_texts(self.tokenizer, self.prompts[index // self.n])
             prompt = outputs[0].prompt_logprobs or []
-            chosen += [None] + [logprob for logprob, _ in prompt]
+            chosen += [None] + [logprob for logprob, _, _ in prompt]
             tops += [None] + [{text: lp for _, text, lp in top[:self.top_k]} | {t: lp}
-                              for (lp, top), t in zip(prompt, tokens[1:])]
+                              for (lp, _, top), t in zip(prompt, tokens[1:])]
         texts = token_texts(self.tokenizer, [out.token_id for out in outputs])
         tokens += texts
         chosen += [out.logprob for out in outputs]
@@ -300,13 +300,12 @@ class ChatFormat(CompletionFormat):
 def prompt_logprobs(tokenizer, prompt_ids: list[int], computed: list, k: int) -> list[dict | None]:
     """vLLM's prompt_logprobs: None for the first token (nothing comes before it), then per prompt
     token {token id: {logprob, rank, decoded_token}} of that token and of the k most likely there.
-    `computed` holds (logprob, top) per position from the second, top most likely first (its k may
-    be larger: echo's). A rank is 1 for the most likely; a prompt token outside the top computed is
-    given none (null), as the offline LLM does."""
+    `computed` holds (logprob, rank, top) per position from the second, top most likely first (its k
+    may be larger: echo's). A rank is 1 for the most likely; the prompt token's is the engine's,
+    counted over the whole vocabulary, so it has one outside the top k too."""
     entries: list[dict | None] = [None]
-    for token, text, (logprob, top) in zip(prompt_ids[1:], token_texts(tokenizer, prompt_ids[1:]), computed):
-        ranks = {t: rank for rank, (t, _, _) in enumerate(top, 1)}
-        mine = {"logprob": logprob, "rank": ranks.get(token), "decoded_token": text}
+    for token, text, (logprob, rank, top) in zip(prompt_ids[1:], token_texts(tokenizer, prompt_ids[1:]), computed):
+        mine = {"logprob": logprob, "rank": rank, "decoded_token": text}
         entries.append({token: mine} | {t: {"logprob": lp, "rank": rank, "decoded_token": t_text}
                                         for rank, (t, t_text, lp) in enumerate(top[:k], 1) if t != token})
     return entries
