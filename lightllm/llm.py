@@ -81,6 +81,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: every token)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text ends with the stop string found, not before it
     json_schema: dict | str | None = None  # structured output: a JSON schema (dict or JSON text)
@@ -99,8 +100,9 @@ class SamplingParams:
     def _shared_fields(self) -> dict:
         """The fields the HTTP routes share, in the form their ranges read (JSON's string keys)."""
         values = {name: getattr(self, name) for name in SHARED_FIELDS}
-        if isinstance(values["stop_token_ids"], tuple):
-            values["stop_token_ids"] = list(values["stop_token_ids"])
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if isinstance(values[name], tuple):
+                values[name] = list(values[name])
         bias = self.logit_bias
         if isinstance(bias, dict):
             if not all(_is_int(t) and t >= 0 for t in bias):
@@ -153,6 +155,7 @@ class SamplingParams:
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             seed=seed + index, min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or ()),
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
+            allowed_token_ids=list(self.allowed_token_ids or ()),
             top_logprobs=self.logprobs or 0, prompt_logprobs=self.prompt_logprobs if index == 0 else None,
             grammar_kind=kind, grammar=grammar)
 

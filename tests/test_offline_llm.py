@@ -209,11 +209,37 @@ def test_structured_output_and_logit_bias_reach_the_engine(llm):
     assert biased.outputs[0].token_ids == [42] * 4
 
 
+def test_allowed_token_ids_greedy_is_transformers_argmax_over_them(llm, hf):
+    """Each greedy token is the likeliest of the allowed ones under transformers' logits of the
+    text so far (a sentiment label's tokens, none the model's own first choice), its logprob the
+    raw one; a sampled choice draws only among them."""
+    tokenizer, model = hf
+    allowed = sorted({tokenizer.encode(word)[0] for word in (" positive", " negative", " neutral", ".")})
+    prompt_ids = tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, allowed_token_ids=allowed)
+    (output,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    ids, expected = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            expected.append(allowed[int(logits[allowed].argmax())])
+            ids.append(expected[-1])
+    choice = output.outputs[0]
+    assert choice.token_ids == expected and hf_greedy(hf, prompt_ids, 1)[0] not in allowed
+    rows = hf_logprobs(hf, ids)[len(prompt_ids) - 1:]
+    for row, token, entry in zip(rows, expected, choice.logprobs):
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=LOGPROB_ATOL)
+    sampled = SamplingParams(temperature=1.5, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    (output,) = llm.generate(PROMPTS[1], sampled, use_tqdm=False)
+    assert set(output.outputs[0].token_ids) <= set(allowed) and len(set(output.outputs[0].token_ids)) > 1
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(n=0),
                                  dict(max_tokens=0), dict(min_p=1.5), dict(stop=[""]), dict(logprobs=-1),
                                  dict(logit_bias={"a": 1.0}), dict(json_schema="{not json"),
                                  dict(json_schema={}, regex="a+"), dict(min_tokens=9, max_tokens=4),
-                                 dict(stop_token_ids=[-1]), dict(seed=1.5)])
+                                 dict(stop_token_ids=[-1]), dict(seed=1.5), dict(allowed_token_ids=[]),
+                                 dict(allowed_token_ids=[-3])])
 def test_bad_sampling_params_raise_value_error(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):

@@ -230,6 +230,30 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert tokens[2] == 7  # ignore_eos: EOS ends nothing, so it is not banned
 
 
+def test_allowed_token_ids_keep_only_their_tokens_and_not_the_logprobs():
+    """A greedy row takes the likeliest of its allowed tokens, a sampled row draws only among them
+    in their renormalised proportions, rows without the field are untouched, and every logprob is
+    still of the raw logits."""
+    vocab, draws = 60, 600
+    logits = random_logits(1, vocab, 14).repeat(3, 1)
+    allowed = [int(t) for t in logits[0].topk(20).indices[[3, 9, 17]]]  # none the likeliest
+    params = [SamplingParams(allowed_token_ids=allowed), SamplingParams(),
+              SamplingParams(do_sample=True, seed=2, allowed_token_ids=allowed)]
+    tokens, logprobs, _ = sample_full(logits, params)
+    assert tokens[0] == allowed[0] and tokens[1] == logits[1].argmax()
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
+    drawn = []
+    for seed in range(draws):
+        params = [SamplingParams(), SamplingParams(do_sample=True, seed=seed, allowed_token_ids=allowed)]
+        drawn.append(int(sample_full(logits[:2], params)[0][1]))
+    assert set(drawn) <= set(allowed)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[allowed] = True
+    expected = renormalised(torch.softmax(logits[0], -1), keep)
+    statistic, dof = chi_square(torch.tensor(drawn), expected)
+    assert dof == 2 and statistic < 13.8  # p = 0.001
+
+
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 def test_min_p_keeps_only_tokens_that_likely(min_p):
     vocab, draws = 40, 400

@@ -22,6 +22,7 @@ PROBES = {
     "seed": [-1, 0, 2**63 - 1, 2**63, 1.5],
     "min_tokens": [-1, 3],
     "stop_token_ids": [[-1], [0, 7]],
+    "allowed_token_ids": [[], [-1], [3, 9], list(range(4097))],
     "logit_bias": [{"5": 100.0}, {"5": -100.5}, {"5": 101.0}, {"5": float("nan")}],
     "ignore_eos": [True, 1],
     "skip_special_tokens": [False, "yes"],

@@ -179,6 +179,8 @@ BAD_CHATS = [
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs': Input should be less than or equal to 20"),
     ({"messages": HI, "logit_bias": {"x": 1}}, 400, "'logit_bias' keys must be token ids in [0, 49152)"),
     ({"messages": HI, "stop_token_ids": [49152]}, 400, "'stop_token_ids' must be in [0, 49152)"),
+    ({"messages": HI, "allowed_token_ids": [3, 49152]}, 400, "'allowed_token_ids' must be in [0, 49152)"),
+    ({"messages": HI, "allowed_token_ids": []}, 400, "'allowed_token_ids': List should have at least 1 item"),
     ({"messages": HI, "response_format": {"type": "json_schema"}}, 400, "needs a 'json_schema' object"),
     ({"messages": HI, "response_format": {"type": "xml"}}, 400, "'response_format.type': Input should be"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "'tools[0].function': required"),

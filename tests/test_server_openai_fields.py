@@ -145,6 +145,30 @@ def test_logit_bias_min_tokens_and_stop_token_ids(client, model_name, hf):
     assert sampled.choices[0].text == greedy.choices[0].text  # min_p 1: only the most likely token is left
 
 
+def test_allowed_token_ids_on_both_routes(client, model_name, hf, default_server):
+    """Only the allowed tokens come, on the OpenAI routes and /generate (whose details give the ids):
+    greedy, the likeliest of them under transformers' logits; the logprobs stay the raw ones."""
+    tokenizer, model = hf
+    allowed = sorted({tokenizer.encode(word)[0] for word in (" yes", " no", " maybe")})
+    reply = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=1, logprobs=0,
+                                      extra_body={"allowed_token_ids": allowed})
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode(PROMPT)])).logits[0, -1]
+    best = allowed[int(logits[allowed].argmax())]
+    assert reply.choices[0].text == tokenizer.decode([best])
+    assert reply.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        torch.log_softmax(logits, -1)[best].item(), abs=TOL)
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                          temperature=1.0, seed=5, max_tokens=8, logprobs=True,
+                                          extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    tokens = [entry.token for entry in chat.choices[0].logprobs.content]
+    assert len(tokens) == 8 and set(tokens) <= {tokenizer.decode([t]) for t in allowed}
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "details": True, "do_sample": True, "seed": 1,
+                                             "allowed_token_ids": allowed}}
+    answer = default_server.post("/generate", body).json()
+    assert {t["id"] for t in answer["details"]["tokens"]} <= set(allowed)
+
+
 def test_stream_n_with_usage(client, model_name):
     stream = client.completions.create(model=model_name, prompt=PROMPT, n=2, temperature=0, max_tokens=5, stream=True,
                                        stream_options={"include_usage": True})

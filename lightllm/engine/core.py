@@ -97,9 +97,9 @@ class EngineCore:
             return None
         if not 0 <= min(ids) <= max(ids) < vocab:
             return f"prompt of {len(ids)} tokens with a token id out of range [0, {vocab})"
-        others = [*p.stop_token_ids, *p.logit_bias]
+        others = [*p.stop_token_ids, *p.logit_bias, *p.allowed_token_ids]
         if others and not 0 <= min(others) <= max(others) < vocab:
-            return f"stop_token_ids or logit_bias name a token id out of range [0, {vocab})"
+            return f"stop_token_ids, logit_bias or allowed_token_ids name a token id out of range [0, {vocab})"
         if max(p.top_logprobs, p.prompt_logprobs or 0) > vocab:
             return f"more top logprobs asked for than the vocabulary's {vocab} tokens"
         return None

@@ -72,6 +72,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling
+    allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: none: every token; else only these
     # Log probabilities, always of the model's raw logits (before logit_bias, penalties, temperature):
     top_logprobs: int = 0  # per generated token, the k most likely tokens too (the sampled one always)
     prompt_logprobs: int | None = None  # per prompt token (from the 2nd) its logprob and the top k; the

@@ -1,4 +1,4 @@
-"""Token choice for one step: logit biases, grammar masks, min_tokens bans and penalties, then
+"""Token choice for one step: allowed tokens, logit biases, grammar masks, min_tokens bans and penalties, then
 greedy or seeded top-k/top-p/min-p sampling. Log probabilities (of the sampled token and the top
 k) are of the model's raw logits, before any of these (vLLM's default).
 
@@ -40,7 +40,7 @@ class SamplingState:
     def __post_init__(self):
         p = self.params
         greedy = p.greedy
-        sparse = bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0
+        sparse = bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0 or bool(p.allowed_token_ids)
         self.row = (_signed64(p.seed), p.top_k if p.top_k > 0 else -1, int(greedy),
                     1.0 if greedy else p.temperature, p.top_p, p.uses_penalties, sparse)
 
@@ -81,11 +81,16 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
 
 def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_ids, ints: dict, floats: dict) -> None:
     """Sparse inputs, in one pass (most batches have none): logit biases as (row, token, value),
-    min_p per row, and the tokens that would end a request before its min_tokens as (row, token)
-    pairs set to -inf."""
+    min_p per row, the tokens that would end a request before its min_tokens as (row, token)
+    pairs set to -inf, and allowed_token_ids as (row, token) pairs beside the rows they mask."""
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p = [], [], [], [], [], False
+    allow_rows, allow_ids, masked_rows = [], [], []
     for b, (s, offset) in enumerate(zip(states, offsets)):
         p = s.params
+        if p.allowed_token_ids:
+            allow_rows += [b] * len(p.allowed_token_ids)
+            allow_ids += p.allowed_token_ids
+            masked_rows.append(b)
         if p.logit_bias:
             bias_rows += [b] * len(p.logit_bias)
             bias_ids += p.logit_bias
@@ -100,6 +105,8 @@ def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_i
         floats.update(bias_values=bias_values)
     if ban_rows:
         ints.update(ban_rows=ban_rows, ban_ids=ban_ids)
+    if allow_rows:
+        ints.update(allow_rows=allow_rows, allow_ids=allow_ids, masked_rows=masked_rows)
     if min_p:
         floats["min_ps"] = [s.params.min_p for s in states]
 
@@ -140,18 +147,19 @@ class SamplingBatch:
     min_ps: torch.Tensor | None = None
     bias: tuple | None = None  # (rows, token ids, values)
     bans: tuple | None = None  # (rows, token ids)
+    allowed: tuple | None = None  # (rows, token ids, rows masked): a masked row keeps only its (row, token) pairs
     grammar: tuple | None = None  # (bitmask int32 [R, ceil(V/32)], rows [R]): allowed tokens of constrained rows
     top_logprobs: int = 0  # the most top logprobs any request wants
 
     @property
     def changes_logits(self) -> bool:
-        """Some request's logits are changed before the choice (bias, grammar, bans, penalties)."""
-        return any(x is not None for x in (self.bias, self.grammar, self.bans, self.penalties))
+        """Some request's logits are changed before the choice (allowed tokens, bias, grammar, bans, penalties)."""
+        return any(x is not None for x in (self.allowed, self.bias, self.grammar, self.bans, self.penalties))
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], all_greedy: bool, top_logprobs: int = 0,
                      grammar: tuple | None = None) -> "SamplingBatch":
-        penalties = bias = bans = None
+        penalties = bias = bans = allowed = None
         if "penalty_ids" in t:
             penalties = (t["presence"], t["frequency"], t["repetition"], t["penalty_ids"].int(),
                          t["penalty_counts"].int(), t["penalty_offsets"].int())
@@ -159,8 +167,10 @@ class SamplingBatch:
             bias = (t["bias_rows"], t["bias_ids"], t["bias_values"])
         if "ban_rows" in t:
             bans = (t["ban_rows"], t["ban_ids"])
+        if "allow_rows" in t:
+            allowed = (t["allow_rows"], t["allow_ids"], t["masked_rows"])
         return cls(t["seeds"], t["steps"], t["top_ks"], t["greedy"].bool(), t["temperatures"], t["top_ps"],
-                   all_greedy, penalties, t.get("min_ps"), bias, bans, grammar, top_logprobs)
+                   all_greedy, penalties, t.get("min_ps"), bias, bans, allowed, grammar, top_logprobs)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):
@@ -173,6 +183,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     # Raw log-probabilities first (one kernel, as before logprobs were raw); the logits are
     # modified in place below, so they are read from this.
     logp = torch.log_softmax(logits, -1)
+    if batch.allowed is not None:
+        rows, ids, masked = batch.allowed
+        kept = logits[rows, ids]
+        logits[masked] = float("-inf")
+        logits[rows, ids] = kept
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)

@@ -28,6 +28,9 @@ LOGIT_BIAS_BOUND = 100  # OpenAI's: a bias of +-100 bans or forces a token
 # hand-made list of tokens to ban or favour, while a body of 700k entries no longer costs 1.6 s of
 # validation (to constrain the whole vocabulary, use structured output).
 MAX_LOGIT_BIAS = 1024
+# Entries of one allowed_token_ids (vLLM's field, which it leaves unbounded): a class label's or a
+# choice's tokens, not a vocabulary (for that, structured output), so a body's work stays small.
+MAX_ALLOWED_TOKEN_IDS = 4096
 
 # Strict: no "1" for 1 or 1 for true; finite: 1e999 reads as inf in JSON.
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -53,6 +56,9 @@ class SamplingRanges(BaseModel):
     logit_bias: dict[str, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS,
                                                description=f"token id (as a string) -> bias added to its logit; "
                                                            f"at most {MAX_LOGIT_BIAS} entries")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+                                                    description="vLLM's: only these token ids may be sampled "
+                                                                f"(at most {MAX_ALLOWED_TOKEN_IDS})")
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's: the text ends with the stop "

@@ -39,7 +39,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     state = request.app.state.server
     params = body.parameters
     check_prompt_chars(len(body.inputs), state.limits)
-    check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids)
+    check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids, params.allowed_token_ids)
     sampling = await sampling_of(params)
     prompt_ids = await state.encoder.encode(body.inputs)
     check_lengths(len(prompt_ids), sampling, state.limits, "max_new_tokens")  # before the grammar compiles

@@ -38,6 +38,7 @@ SAMPLING_NAMES = {
     "min_p": "min_p",
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
+    "allowed_token_ids": "allowed_token_ids",
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
@@ -157,7 +158,7 @@ class OpenAIBody(OpenAIRanges):
                 raise RequestError(f"'{name}' = {value!r} is not supported: {why}")
         if self.stream and self.prompt_logprobs is not None:  # as vLLM: the answer is whole, not streamed
             raise RequestError("'prompt_logprobs' is not available with 'stream': true")
-        check_token_ids(vocab_size, self.logit_bias, self.stop_token_ids)
+        check_token_ids(vocab_size, self.logit_bias, self.stop_token_ids, self.allowed_token_ids)
 
     @property
     def choices(self) -> int:

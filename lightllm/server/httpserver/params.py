@@ -71,12 +71,14 @@ def checked_grammar(kind: str, spec: str) -> str:
     return spec
 
 
-def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_token_ids: list[int] | None) -> None:
+def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_token_ids: list[int] | None,
+                    allowed_token_ids: list[int] | None) -> None:
     for token in logit_bias or {}:
         if not TOKEN_ID.fullmatch(token) or int(token) >= vocab_size:
             raise RequestError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {shown(token)}")
-    if any(token >= vocab_size for token in stop_token_ids or ()):
-        raise RequestError(f"'stop_token_ids' must be in [0, {vocab_size})")
+    for name, tokens in (("stop_token_ids", stop_token_ids), ("allowed_token_ids", allowed_token_ids)):
+        if any(token >= vocab_size for token in tokens or ()):
+            raise RequestError(f"'{name}' must be in [0, {vocab_size})")
 
 
 MAX_TOP_TOKENS = 20
