@@ -2,6 +2,7 @@
 themselves, tool messages and tool schemas, models.retrieve, vLLM's prompt_logprobs, each route's
 own name for max_new_tokens in its errors, and a /docs page that loads nothing from outside."""
 
+import json
 import re
 
 import openai
@@ -136,6 +137,46 @@ def test_prompt_logprobs_as_vllm(default_server, hf):
     body = chat.json()  # vLLM's chat: once, beside the choices
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and body["prompt_logprobs"][0] is None
     assert all(len(entry) == 1 for entry in body["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("path, stream", [("/v1/completions", False), ("/v1/completions", True),
+                                          ("/v1/chat/completions", False), ("/v1/chat/completions", True)])
+def test_tokens_as_token_ids_name_the_same_tokens(default_server, hf, path, stream):
+    """vLLM's return_tokens_as_token_ids: every token a logprobs object names (the sampled ones, the
+    top ones, an echoed prompt's) is 'token_id:<id>' of the token the plain answer names by its text;
+    the logprobs and the completions' text_offset stay the same."""
+    tokenizer = hf[0]
+    chat = path.endswith("chat/completions")
+    body = ({"messages": HI, "logprobs": True, "top_logprobs": 2} if chat else
+            {"prompt": PROMPT, "logprobs": 2, "echo": not stream})
+    body.update(max_tokens=5, temperature=0, stream=stream)
+    answers = []
+    for as_ids in (False, True):
+        reply = post(default_server, path, {**body, "return_tokens_as_token_ids": as_ids})
+        assert reply.status_code == 200, reply.text
+        events = ([json.loads(line[6:]) for line in reply.text.splitlines()
+                   if line.startswith("data: {")] if stream else [reply.json()])
+        entries = []
+        for event in events:
+            logprobs = event["choices"][0]["logprobs"] if event["choices"] else None
+            if logprobs is None:
+                continue
+            if chat:
+                entries += [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+                            for e in logprobs["content"]]
+            else:
+                entries += [(token, lp, sorted((top or {}).items()), offset) for token, lp, top, offset in
+                            zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"],
+                                logprobs["text_offset"])]
+        answers.append(entries)
+    plain, as_ids = answers
+    assert len(plain) == len(as_ids) >= 5
+    text = lambda name: tokenizer.decode([int(name.removeprefix("token_id:"))], skip_special_tokens=False)
+    for named, ided in zip(plain, as_ids):
+        assert re.fullmatch(r"token_id:\d+", ided[0]) and text(ided[0]) == named[0] and ided[1] == named[1]
+        assert sorted((text(t), lp) for t, lp in ided[2]) == sorted(named[2])
+        assert all(re.fullmatch(r"token_id:\d+", t) for t, _ in ided[2])
+        assert ided[3:] == named[3:]  # text_offset
 
 
 @pytest.mark.parametrize("extra, why", [({"prompt_logprobs": 21}, "less than or equal to 20"),

@@ -161,6 +161,17 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
     return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def token_names(tokenizer, ids: list[int], as_ids: bool) -> list[str]:
+    """How logprobs name these tokens: by their texts, or (vLLM's return_tokens_as_token_ids) as
+    'token_id:<id>', which says which token a text such as a lone byte's U+FFFD stands for."""
+    return [f"token_id:{i}" for i in ids] if as_ids else token_texts(tokenizer, ids)
+
+
+def top_names(top, as_ids: bool) -> list[tuple[str, float]]:
+    """(name, logprob) of the (token, text, logprob) entries of a top list, named as token_names does."""
+    return [(f"token_id:{t}" if as_ids else text, lp) for t, text, lp in top or ()]
+
+
 class CompletionFormat:
     """The bodies of /v1/completions: `text_completion` objects, with OpenAI's legacy logprobs
     (tokens, token_logprobs, top_logprobs, text_offset); with echo the prompt comes first. Choice
@@ -175,6 +186,7 @@ class CompletionFormat:
         self.top_k = body.logprobs or 0  # echo's prompt logprobs may have come with prompt_logprobs' larger k
         self.prompt_top_k = body.prompt_logprobs
         self.echo = bool(body.echo)
+        self.as_ids = bool(body.return_tokens_as_token_ids)
         self.prompts, self.n = prompts, body.choices
         self.prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) if self.echo else "" for ids in prompts]
         self._echoed: set[int] = set()  # choices whose stream has sent the prompt
@@ -215,21 +227,23 @@ class CompletionFormat:
     def _logprobs(self, index: int, outputs: list[TextOut], echo: bool) -> dict | None:
         if not self.logprobs:
             return None
-        tokens, chosen, tops = [], [], []
-        if echo:  # the prompt's tokens: the first has no logprob (nothing before it)
-            tokens += token_texts(self.tokenizer, self.prompts[index // self.n])
+        chosen, tops = [], []
+        # with echo the prompt's tokens come first; its first has no logprob (nothing comes before it)
+        ids = (self.prompts[index // self.n] if echo else []) + [out.token_id for out in outputs]
+        texts = token_texts(self.tokenizer, ids)
+        tokens = token_names(self.tokenizer, ids, True) if self.as_ids else texts
+        if echo:
             prompt = outputs[0].prompt_logprobs or []
             chosen += [None] + [logprob for logprob, _, _ in prompt]
-            tops += [None] + [{text: lp for _, text, lp in top[:self.top_k]} | {t: lp}
+            tops += [None] + [dict(top_names(top[:self.top_k], self.as_ids)) | {t: lp}
                               for (lp, _, top), t in zip(prompt, tokens[1:])]
-        texts = token_texts(self.tokenizer, [out.token_id for out in outputs])
-        tokens += texts
         chosen += [out.logprob for out in outputs]
-        tops += [{text: lp for _, text, lp in out.top_logprobs or ()} | {t: out.logprob} for out, t in zip(outputs, texts)]
+        tops += [dict(top_names(out.top_logprobs, self.as_ids)) | {t: out.logprob}
+                 for out, t in zip(outputs, tokens[len(tokens) - len(outputs):])]
         offsets, offset = [], self._offsets.get(index, 0)  # a stream's chunks run on from the last
-        for token in tokens:
+        for text in texts:  # offsets into the text, whatever names the tokens
             offsets.append(offset)
-            offset += len(token)
+            offset += len(text)
         self._offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
@@ -244,6 +258,7 @@ class ChatFormat(CompletionFormat):
         self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.head = {"id": "", "object": "chat.completion.chunk", "created": int(time.time()), "model": ""}
         self.logprobs = body.wants_logprobs
+        self.as_ids = bool(body.return_tokens_as_token_ids)
         self.prompt_top_k = body.prompt_logprobs
         self.parsers = parsers
         self._called: set[int] = set()  # streamed choices that made a call
@@ -290,10 +305,10 @@ class ChatFormat(CompletionFormat):
     def _chat_logprobs(self, outputs: list[TextOut]) -> dict | None:
         if not self.logprobs:
             return None
-        texts = token_texts(self.tokenizer, [out.token_id for out in outputs])
-        content = [{**_entry(text, out.logprob),
-                    "top_logprobs": [_entry(t, lp) for _, t, lp in out.top_logprobs or ()]}
-                   for out, text in zip(outputs, texts)]
+        names = token_names(self.tokenizer, [out.token_id for out in outputs], self.as_ids)
+        content = [{**_entry(name, out.logprob),
+                    "top_logprobs": [_entry(t, lp) for t, lp in top_names(out.top_logprobs, self.as_ids)]}
+                   for out, name in zip(outputs, names)]
         return {"content": content, "refusal": None}
 
 

@@ -146,6 +146,8 @@ class OpenAIBody(OpenAIRanges):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="vLLM's extension: each prompt token's logprob and the k most "
                                                     "likely tokens' at its position (not with stream)")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's extension: logprobs name each token 'token_id:<id>' instead of by its text")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
