@@ -232,6 +232,10 @@ def test_allowed_token_ids_greedy_is_transformers_argmax_over_them(llm, hf):
     sampled = SamplingParams(temperature=1.5, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
     (output,) = llm.generate(PROMPTS[1], sampled, use_tqdm=False)
     assert set(output.outputs[0].token_ids) <= set(allowed) and len(set(output.outputs[0].token_ids)) > 1
+    eos = SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[tokenizer.eos_token_id])
+    with pytest.raises(RuntimeError, match="no token could be sampled"):  # min_tokens bans the one allowed
+        llm.generate(PROMPTS[1], eos, use_tqdm=False)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(n=0),

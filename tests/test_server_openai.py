@@ -181,6 +181,8 @@ BAD_CHATS = [
     ({"messages": HI, "stop_token_ids": [49152]}, 400, "'stop_token_ids' must be in [0, 49152)"),
     ({"messages": HI, "allowed_token_ids": [3, 49152]}, 400, "'allowed_token_ids' must be in [0, 49152)"),
     ({"messages": HI, "allowed_token_ids": []}, 400, "'allowed_token_ids': List should have at least 1 item"),
+    ({"messages": HI, "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 1}, 400,
+     "min_tokens=1 bans: no token could be sampled"),
     ({"messages": HI, "response_format": {"type": "json_schema"}}, 400, "needs a 'json_schema' object"),
     ({"messages": HI, "response_format": {"type": "xml"}}, 400, "'response_format.type': Input should be"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "'tools[0].function': required"),

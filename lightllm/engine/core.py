@@ -93,6 +93,9 @@ class EngineCore:
             return "empty prompt"
         if msg.lora_id and msg.lora_id not in self.scheduler.lora_ids:
             return f"unknown LoRA adapter {msg.lora_id}"
+        nothing = p.nothing_allowed(self._eos_token_ids)
+        if nothing is not None:
+            return nothing
         if vocab is None:
             return None
         if not 0 <= min(ids) <= max(ids) < vocab:

@@ -92,6 +92,17 @@ class SamplingParams:
         """Each token's choice depends on the ones before it on the host (penalty counts, a grammar)."""
         return bool(self.grammar_kind) or self.uses_penalties
 
+    def nothing_allowed(self, eos_token_ids) -> str | None:
+        """Why no token could ever be sampled first, where allowed_token_ids holds only tokens that
+        min_tokens bans (EOS, stop_token_ids): the sampler would be left a row of -inf."""
+        if not self.allowed_token_ids or self.min_tokens == 0:
+            return None
+        banned = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        if set(self.allowed_token_ids) <= banned:
+            return (f"allowed_token_ids holds only tokens that end the text (EOS or stop_token_ids), which "
+                    f"min_tokens={self.min_tokens} bans: no token could be sampled")
+        return None
+
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -124,6 +124,9 @@ class Generation:
         for i, prompt_ids in enumerate(prompts):
             with batch_member(i, len(prompts)):
                 check_lengths(len(prompt_ids), sampling, state.limits, max_tokens_field)
+        nothing = sampling.nothing_allowed(state.model_info["eos_token_ids"])
+        if nothing is not None:
+            raise RequestError(nothing)
         count = len(prompts) * n
         if count > 1:  # all choices or none: refused together, here, when the queue has no room for them
             state.manager.check_queue(count)
