@@ -35,7 +35,7 @@ from lightllm.frontend.chat.template import chat_prompt_ids, render_chat
 from lightllm.frontend.config import FrontendConfig
 from lightllm.frontend.decoder import IncrementalDecoder
 from lightllm.frontend.errors import RequestError
-from lightllm.frontend.limits import Limits, check_lengths, prompt_char_bound
+from lightllm.frontend.limits import Limits, check_lengths, prompt_char_bound, truncated
 from lightllm.frontend.lora import LoraNames
 from lightllm.frontend.sampling_ranges import SHARED_FIELDS, check_ranges, model_sampling_defaults
 from lightllm.frontend.tokenizer import load_tokenizer
@@ -57,6 +57,7 @@ _CHECKS = {
     "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 1), "None (as many as the context leaves) or an integer >= 1"),
     "logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
     "prompt_logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
+    "truncate_prompt_tokens": (lambda v: v is None or (_is_int(v) and (v >= 1 or v == -1)), "None, -1 or an integer >= 1"),
 }
 
 
@@ -86,6 +87,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends with the stop string found, not before it
     json_schema: dict | str | None = None  # structured output: a JSON schema (dict or JSON text)
     regex: str | None = None  # structured output: the text matches this regular expression
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the last max_req_input_len)
 
     def __post_init__(self):
         for name, (accepts, what) in _CHECKS.items():
@@ -434,6 +436,7 @@ class LLM:
     def _prepare(self, text: str | None, ids: list[int], params: SamplingParams,
                  i: int) -> tuple[_Prompt, list[EngineSampling]]:
         """The prompt's choices and the engine's parameters for each; ValueError if it cannot run."""
+        ids = truncated(ids, params.truncate_prompt_tokens, self.limits)
         if params.max_tokens is None:  # as many as the context leaves
             room = min(self.limits.max_req_total_len, self.limits.max_total_token_num) - len(ids)
             params = dataclasses.replace(params, max_tokens=max(1, room))

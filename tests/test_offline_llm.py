@@ -238,12 +238,21 @@ def test_allowed_token_ids_greedy_is_transformers_argmax_over_them(llm, hf):
     assert_idle(llm)
 
 
+def test_truncated_prompt_is_its_last_tokens(llm):
+    full = llm.tokenizer.encode(PROMPTS[2])
+    (cut,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=4),
+                          use_tqdm=False)
+    (alone,) = llm.generate({"prompt_token_ids": full[-4:]}, SamplingParams(temperature=0, max_tokens=6),
+                            use_tqdm=False)
+    assert cut.prompt_token_ids == full[-4:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(n=0),
                                  dict(max_tokens=0), dict(min_p=1.5), dict(stop=[""]), dict(logprobs=-1),
                                  dict(logit_bias={"a": 1.0}), dict(json_schema="{not json"),
                                  dict(json_schema={}, regex="a+"), dict(min_tokens=9, max_tokens=4),
                                  dict(stop_token_ids=[-1]), dict(seed=1.5), dict(allowed_token_ids=[]),
-                                 dict(allowed_token_ids=[-3])])
+                                 dict(allowed_token_ids=[-3]), dict(truncate_prompt_tokens=0)])
 def test_bad_sampling_params_raise_value_error(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):

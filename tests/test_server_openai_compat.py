@@ -179,6 +179,28 @@ def test_tokens_as_token_ids_name_the_same_tokens(default_server, hf, path, stre
         assert ided[3:] == named[3:]  # text_offset
 
 
+def test_truncated_prompts_keep_their_last_tokens(default_server, hf):
+    """vLLM's truncate_prompt_tokens (TGI's truncate on /generate): the answer is the one to the
+    prompt's last k tokens given as ids, and usage counts k; -1 keeps max_req_input_len of a prompt
+    longer than that (refused without it); 0 is a 400."""
+    tokenizer = hf[0]
+    ids = tokenizer.encode(PROMPT)
+    alone = post(default_server, "/v1/completions", {"prompt": ids[-3:], "max_tokens": 4, "temperature": 0}).json()
+    cut = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                   "truncate_prompt_tokens": 3}).json()
+    assert cut["choices"][0]["text"] == alone["choices"][0]["text"] and cut["usage"]["prompt_tokens"] == 3
+    chat = post(default_server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "truncate_prompt_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 2, chat.text
+    generate = post(default_server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "truncate": 3}})
+    assert generate.json()["prompt_tokens"] == 3 and generate.json()["generated_text"][0] == alone["choices"][0]["text"]
+    long = " ".join(["river"] * 2100)
+    assert post(default_server, "/v1/completions", {"prompt": long, "max_tokens": 1}).status_code == 400
+    kept = post(default_server, "/v1/completions", {"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 2048, kept.text
+    zero = post(default_server, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 0})
+    assert zero.status_code == 400 and "'truncate_prompt_tokens' must be -1" in error_message(zero)
+
+
 @pytest.mark.parametrize("extra, why", [({"prompt_logprobs": 21}, "less than or equal to 20"),
                                         ({"prompt_logprobs": -1}, "greater than or equal to 0"),
                                         ({"prompt_logprobs": 1, "stream": True}, "'stream'")])

@@ -34,6 +34,17 @@ def check_prompt_chars(chars: int, limits: Limits) -> None:
         )
 
 
+def truncated(prompt_ids: list[int], keep: int | None, limits: Limits) -> list[int]:
+    """vLLM's truncate_prompt_tokens (TGI's truncate): the prompt's last `keep` tokens (-1: the
+    last max_req_input_len); None: the prompt as it is. A prompt refused for its characters
+    (check_prompt_chars) is not tokenized, truncation or not: the bound assumes the vocabulary's
+    longest token, several times a typical one's, so an over-long prose prompt passes it."""
+    if keep is None:
+        return prompt_ids
+    keep = limits.max_req_input_len if keep == -1 else keep
+    return prompt_ids[max(0, len(prompt_ids) - keep):]
+
+
 def check_lengths(prompt_len: int, sampling: SamplingParams, limits: Limits, max_tokens_field: str) -> None:
     """A request that could never run is refused here, before it reaches the router. The message
     calls max_new_tokens by the name the caller's API gives it (`max_tokens_field`)."""

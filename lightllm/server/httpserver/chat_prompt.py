@@ -9,7 +9,7 @@ from lightllm.frontend.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateErr
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
-from lightllm.frontend.limits import check_lengths, check_prompt_chars
+from lightllm.frontend.limits import check_lengths, check_prompt_chars, truncated
 from lightllm.engine.request import SamplingParams
 
 
@@ -47,17 +47,19 @@ def default_max_tokens(state, prompt_ids: list[int]) -> int:
 async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef], choice: str, parallel: bool,
                       options: dict | None, sampling: SamplingParams, max_tokens_given: bool,
                       max_tokens_field: str, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> tuple[str, list[int]]:
+                      continue_final_message: bool = False, truncate: int | None = None) -> tuple[str, list[int]]:
     """The prompt (text, token ids) of a chat API's request, with `sampling` completed: a forced
     call's grammar (`choice` required or a function's name), the default max_new_tokens, and its
     grammar compiled (a 400 past --grammar_compile_timeout) once the lengths are known to fit
     (an error names max_new_tokens as the route does: `max_tokens_field`). The prompt ends as
-    render_chat's add_generation_prompt and continue_final_message say."""
+    render_chat's add_generation_prompt and continue_final_message say; `truncate` keeps only its
+    last tokens (frontend/limits.py's truncated: the text stays whole)."""
     tools = state.chat.prompt_tools([template_tool(f) for f in functions], choice)
     if state.chat.keeps_special_tokens:  # the reasoning parser reads them (harmony) and takes them out
         sampling.skip_special_tokens = False
     text, prompt_ids = await chat_prompt(state, messages, tools, options, add_generation_prompt,
                                          continue_final_message)
+    prompt_ids = truncated(prompt_ids, truncate, state.limits)
     if not max_tokens_given:
         sampling.max_new_tokens = default_max_tokens(state, prompt_ids)
     check_lengths(len(prompt_ids), sampling, state.limits, max_tokens_field)  # a prompt refused compiles nothing

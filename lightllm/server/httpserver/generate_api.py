@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from lightllm.engine.request import SamplingParams
 from lightllm.frontend.errors import RequestError
-from lightllm.frontend.limits import check_lengths, check_prompt_chars
+from lightllm.frontend.limits import check_lengths, check_prompt_chars, truncated
 from lightllm.server.httpserver.errors import error_body
 from lightllm.server.httpserver.generation import Choice, Generation, failure, sampling_of
 from lightllm.server.httpserver.json_body import add_json_route
@@ -41,7 +41,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     check_prompt_chars(len(body.inputs), state.limits)
     check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids, params.allowed_token_ids)
     sampling = await sampling_of(params)
-    prompt_ids = await state.encoder.encode(body.inputs)
+    prompt_ids = truncated(await state.encoder.encode(body.inputs), params.truncate, state.limits)
     check_lengths(len(prompt_ids), sampling, state.limits, "max_new_tokens")  # before the grammar compiles
     lora_id = lora_id_of(params.adapter_id, state)
     await state.grammars.attach(sampling)

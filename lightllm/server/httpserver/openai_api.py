@@ -25,7 +25,7 @@ from lightllm.server.httpserver.generation import Choice, Generation, batch_memb
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.lora_api import adapter_objects, lora_id_of
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
-from lightllm.frontend.limits import check_lengths, check_prompt_chars
+from lightllm.frontend.limits import check_lengths, check_prompt_chars, truncated
 from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.server.io_struct import TextOut
 
@@ -75,6 +75,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                 check_prompt_chars(len(text), state.limits)
         # Together, so that the encoder takes a batch's texts in one call (prompt_encoder.py).
         prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
+    prompts = [truncated(ids, body.truncate_prompt_tokens, state.limits) for ids in prompts]
     fmt = CompletionFormat(state.tokenizer, body, prompts)
     sampling = await sampling_of(body, state.sampling_defaults)
     for i, prompt_ids in enumerate(prompts):  # before the grammar compiles
@@ -92,7 +93,8 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     sampling = await sampling_of(body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.template_kwargs, sampling,
-                                         body.max_tokens_given, body.max_tokens_field, **body.prompt_ending)
+                                         body.max_tokens_given, body.max_tokens_field, **body.prompt_ending,
+                                         truncate=body.truncate_prompt_tokens)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none", body.functions_given)
                                              for _ in range(body.choices)], prompt_ids)
     return await answer(request, body, sampling, [prompt_ids], start, fmt, lora_id)

@@ -146,6 +146,9 @@ class OpenAIBody(OpenAIRanges):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="vLLM's extension: each prompt token's logprob and the k most "
                                                     "likely tokens' at its position (not with stream)")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM's extension: keep only the prompt's last k tokens (-1: the last "
+                                 "max_req_input_len), the rest dropped before the length checks")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="vLLM's extension: logprobs name each token 'token_id:<id>' instead of by its text")
     user: str | None = None
@@ -158,6 +161,8 @@ class OpenAIBody(OpenAIRanges):
             value = getattr(self, name)
             if not accepts(value):
                 raise RequestError(f"'{name}' = {value!r} is not supported: {why}")
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError("'truncate_prompt_tokens' must be -1 (the longest prompt accepted) or at least 1")
         if self.stream and self.prompt_logprobs is not None:  # as vLLM: the answer is whole, not streamed
             raise RequestError("'prompt_logprobs' is not available with 'stream': true")
         check_token_ids(vocab_size, self.logit_bias, self.stop_token_ids, self.allowed_token_ids)

@@ -83,7 +83,8 @@ def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_t
 
 MAX_TOP_TOKENS = 20
 # GenerateParameters fields that are not SamplingParams fields (read by sampling() or the route)
-ROUTE_FIELDS = {"n", "details", "decoder_input_details", "top_n_tokens", "grammar", "logit_bias", "adapter_id"}
+ROUTE_FIELDS = {"n", "details", "decoder_input_details", "top_n_tokens", "grammar", "logit_bias", "adapter_id",
+                "truncate"}
 
 
 class GenerateParameters(SamplingRanges):
@@ -102,6 +103,7 @@ class GenerateParameters(SamplingRanges):
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_TOKENS, description="the n most likely tokens per position")
     grammar: Grammar | None = Field(None, description="structured output: the text follows a JSON schema or a regex")
     adapter_id: str | None = Field(None, description="the LoRA adapter to generate with, by name (TGI's); default: none")
+    truncate: int | None = Field(None, ge=1, description="keep only the prompt's last n tokens (TGI's)")
 
     @property
     def reads_grammar(self) -> bool:
