@@ -76,6 +76,26 @@ def test_multi_turn_conversation_reuses_its_history(tiny):
     assert_idle(core)
 
 
+def test_salted_prompts_share_the_cache_only_with_their_salt(tiny):
+    """vLLM's cache_salt: the same prompt under salts "a", "b", "a", none and "a" again: only a
+    request of a salt seen before reuses the KV (all but the last prompt token); every output is
+    transformers'."""
+    from lightllm.engine.request import GenerateReq
+
+    hf_model, runner = tiny
+    core = engine(runner, chunk=16)
+    prompt = tokens(40, 24)
+    expected = hf(hf_model, [prompt])[0]
+    cached = []
+    for i, salt in enumerate(["a", "b", "a", "", "a"]):
+        core.add(GenerateReq(500 + i, prompt, SamplingParams(max_new_tokens=NEW), cache_salt=salt))
+        outs = core.drain()
+        assert [o.token_id for o in outs] == expected, salt
+        cached.append(outs[0].cached_tokens)
+    assert cached == [0, 0, len(prompt) - 1, 0, len(prompt) - 1]
+    assert_idle(core)
+
+
 def test_seeded_sampling_is_the_same_with_the_cache(tiny):
     _, runner = tiny
     prompts = workloads()["shared system prompt"]

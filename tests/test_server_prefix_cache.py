@@ -47,3 +47,21 @@ def test_shared_system_prompt_reports_cached_tokens_in_openai_usage(default_serv
     system_tokens = len(SYSTEM.split())  # a lower bound on its tokens
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= system_tokens
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+
+
+def test_a_cache_salt_keeps_tenants_apart(default_server):
+    """vLLM's cache_salt on the OpenAI routes: a repeated prompt under another salt (or none)
+    computes its prompt again; under its own it is served from the cache."""
+    def cached(salt: str | None) -> int:
+        body = {"prompt": "Tenant " + SYSTEM, "max_tokens": 2, "temperature": 0,
+                **({"cache_salt": salt} if salt is not None else {})}
+        response = requests.post(f"{default_server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+    first, prompt_tokens = cached("tenant-a")
+    assert [first, cached("tenant-b")[0], cached(None)[0]] == [0, 0, 0]
+    assert cached("tenant-a")[0] == prompt_tokens - 1
+    empty = requests.post(f"{default_server.url}/v1/completions", json={"prompt": "x", "cache_salt": ""}, timeout=60)
+    assert empty.status_code == 400 and "cache_salt" in empty.text

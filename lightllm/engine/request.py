@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import operator
 from dataclasses import dataclass, field
 
@@ -123,6 +124,7 @@ class GenerateReq:
     sampling: SamplingParams
     arrival_time: float = 0.0
     lora_id: int = 0  # the LoRA adapter it runs under (the engine's id of it; 0: the base model)
+    cache_salt: str = ""  # vLLM's: the prefix cache shares KV only between requests of the same salt
 
 
 @dataclass
@@ -147,6 +149,11 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def salt_key(salt: str) -> int:
+    """A cache salt as a number of 128 bits (0: none): two salts share a key once in 2^128."""
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=16).digest()) if salt else 0
+
+
 class Req:
     def __init__(self, msg: GenerateReq, eos_token_ids: frozenset[int]):
         self.req_id = msg.req_id
@@ -155,10 +162,10 @@ class Req:
         self.arrival_time = msg.arrival_time
         self.prompt_len = len(msg.prompt_ids)
         self.lora_id = msg.lora_id
-        # Its key in the prefix cache: the first token tagged with the adapter, so that KV computed
-        # under one adapter (or none) is never found by a request under another.
-        self.cache_ids = msg.prompt_ids if not msg.lora_id else [msg.prompt_ids[0] + (msg.lora_id << 32),
-                                                                 *msg.prompt_ids[1:]]
+        # Its key in the prefix cache: the first token tagged with the adapter and the salt, so that
+        # KV computed under one adapter (or none), or one salt, is never found by a request under another.
+        tag = (msg.lora_id << 32) | (salt_key(msg.cache_salt) << 64)
+        self.cache_ids = msg.prompt_ids if not tag else [msg.prompt_ids[0] + tag, *msg.prompt_ids[1:]]
         self.max_new_tokens = msg.sampling.max_new_tokens
         self.prefilled = 0  # prompt tokens scheduled (or taken from the prefix cache)
         self.cached = 0  # prompt tokens taken from the prefix cache (final at its first chunk)

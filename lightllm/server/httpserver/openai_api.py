@@ -108,7 +108,8 @@ def check_request(body: OpenAIBody, state) -> int:
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompts: list[list[int]],
                  start: float, fmt: CompletionFormat, lora_id: int = 0) -> Response:
-    generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices, lora_id)
+    generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices, lora_id,
+                            body.cache_salt or "")
     model = body.model if lora_id else request.app.state.server.config.served_model_name
     fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=model)
     if not body.stream:

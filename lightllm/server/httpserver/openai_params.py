@@ -146,6 +146,9 @@ class OpenAIBody(OpenAIRanges):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="vLLM's extension: each prompt token's logprob and the k most "
                                                     "likely tokens' at its position (not with stream)")
+    cache_salt: NonEmptyStr | None = Field(
+        None, max_length=1024, description="vLLM's extension: the prefix cache shares a prompt's KV only with "
+                                           "requests of the same salt (one tenant's)")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="vLLM's extension: keep only the prompt's last k tokens (-1: the last "
                                  "max_req_input_len), the rest dropped before the length checks")
