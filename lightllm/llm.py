@@ -38,7 +38,7 @@ from lightllm.frontend.errors import RequestError
 from lightllm.frontend.limits import Limits, check_lengths, prompt_char_bound, truncated
 from lightllm.frontend.lora import LoraNames
 from lightllm.frontend.sampling_ranges import SHARED_FIELDS, check_ranges, model_sampling_defaults
-from lightllm.frontend.tokenizer import load_tokenizer
+from lightllm.frontend.tokenizer import bad_words_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (None: every token)
+    bad_words: list[str] | None = None  # words never generated (a word's last token is banned where it would end it)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text ends with the stop string found, not before it
     json_schema: dict | str | None = None  # structured output: a JSON schema (dict or JSON text)
@@ -102,7 +103,7 @@ class SamplingParams:
     def _shared_fields(self) -> dict:
         """The fields the HTTP routes share, in the form their ranges read (JSON's string keys)."""
         values = {name: getattr(self, name) for name in SHARED_FIELDS}
-        for name in ("stop_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
             if isinstance(values[name], tuple):
                 values[name] = list(values[name])
         bias = self.logit_bias
@@ -157,7 +158,7 @@ class SamplingParams:
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             seed=seed + index, min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or ()),
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
-            allowed_token_ids=list(self.allowed_token_ids or ()),
+            allowed_token_ids=list(self.allowed_token_ids or ()), bad_words=list(self.bad_words or ()),
             top_logprobs=self.logprobs or 0, prompt_logprobs=self.prompt_logprobs if index == 0 else None,
             grammar_kind=kind, grammar=grammar)
 
@@ -443,6 +444,10 @@ class LLM:
         if params.seed is None and self._seeds is not None:
             params = dataclasses.replace(params, seed=self._seeds.randrange(2**31))
         engine_params = [params.to_engine(index) for index in range(params.n)]
+        if params.bad_words:
+            banned = bad_words_ids(self.tokenizer, params.bad_words)
+            for engine_param in engine_params:
+                engine_param.bad_words_ids = banned
         try:
             check_lengths(len(ids), engine_params[0], self.limits, "max_tokens")
         except RequestError as exc:

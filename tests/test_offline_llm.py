@@ -238,6 +238,33 @@ def test_allowed_token_ids_greedy_is_transformers_argmax_over_them(llm, hf):
     assert_idle(llm)
 
 
+def test_bad_words_greedy_is_transformers_argmax_without_them(llm, hf):
+    """Greedy tokens with bad_words equal transformers' argmax step by step with each word's last
+    token banned where the output so far ends with the rest of it; the words' tokens, as the text's
+    start or after a space, never appear in the output, though the plain greedy output has them."""
+    from lightllm.frontend.tokenizer import bad_words_ids
+
+    tokenizer, model = hf
+    words = ["Paris", "the capital"]
+    plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    banned = bad_words_ids(tokenizer, words)
+    assert [tokenizer.decode(list(ids)) for ids in banned] == ["Paris", " Paris", "the capital", " the capital"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=words)
+    (output,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    prompt_ids, out = tokenizer.encode(PROMPTS[0]), []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1]
+            for ids in banned:
+                if tuple(out[len(out) - len(ids) + 1:]) == ids[:-1] and len(ids) - 1 <= len(out):
+                    logits[ids[-1]] = float("-inf")
+            out.append(int(logits.argmax()))
+    assert output.outputs[0].token_ids == out
+    has = lambda seq, ids: any(tuple(seq[i: i + len(ids)]) == ids for i in range(len(seq)))
+    assert any(has(plain[0].outputs[0].token_ids, ids) for ids in banned)
+    assert not any(has(out, ids) for ids in banned)
+
+
 def test_truncated_prompt_is_its_last_tokens(llm):
     full = llm.tokenizer.encode(PROMPTS[2])
     (cut,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=4),

@@ -254,6 +254,55 @@ def test_allowed_token_ids_keep_only_their_tokens_and_not_the_logprobs():
     assert dof == 2 and statistic < 13.8  # p = 0.001
 
 
+def test_bad_words_ban_a_last_token_only_where_the_rest_ends_the_output():
+    """A one-token word is banned at every step; a longer one's last token only where the output so
+    far ends with its other tokens, read from the tokens recorded (a request with such a word waits
+    for them, as with penalties)."""
+    logits = random_logits(1, 30, 15)
+    logits[0, 9], logits[0, 5] = 40.0, 30.0  # 9 the likeliest, then 5
+    params = SamplingParams(bad_words_ids=[(5,), (7, 8, 9)])
+    state = SamplingState(params)
+    assert state.needs_tokens and params.depends_on_tokens and params.bad_word_context == 2
+
+    def chosen() -> int:
+        ints, floats = host_lists([state])
+        tensors = {k: torch.tensor(v, dtype=torch.int64) for k, v in ints.items()}
+        tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in floats.items()})
+        return int(sample(logits.clone(), SamplingBatch.from_tensors(tensors, all_greedy=True))[0][0])
+
+    got = []
+    for token in (7, 8, 3, 8, 7, 8):
+        got.append(chosen())
+        state.record(token)
+    got.append(chosen())
+    third = int(logits[0].topk(3).indices[2])  # the likeliest after 9 and 5
+    assert got == [9, 9, third, 9, 9, 9, third]  # 9 banned right after 7 8 (steps 2 and 6), 5 always
+    single = SamplingState(SamplingParams(bad_words_ids=[(5,)]))
+    assert not single.needs_tokens and not single.params.depends_on_tokens  # speculation stays on
+
+
+class SpaceTokenizer:
+    """A SentencePiece-like tokenizer: a leading space is a token of its own ("▁", id 1); words are
+    one token each, "lamp" 50 and "red" 51, and a word after a space is the same token."""
+
+    words = {"lamp": 50, "red": 51}
+
+    def encode(self, text, add_special_tokens=False):
+        ids = [1] if text.startswith(" ") else []
+        return ids + [self.words[w] for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join("" if i == 1 else next(w for w, j in self.words.items() if j == i) for i in ids) or " "
+
+
+def test_bad_words_never_ban_a_lone_space():
+    """A word's mid-text form drops a leading token that is only a space: banning that would ban
+    every space. Repeats, leading spaces and a word whose two forms are one sequence come once."""
+    from lightllm.frontend.tokenizer import bad_words_ids
+
+    assert bad_words_ids(SpaceTokenizer(), ["lamp", " lamp", "red lamp"]) == [(50,), (51, 50)]
+
+
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 def test_min_p_keeps_only_tokens_that_likely(min_p):
     vocab, draws = 40, 400

@@ -23,6 +23,7 @@ PROBES = {
     "min_tokens": [-1, 3],
     "stop_token_ids": [[-1], [0, 7]],
     "allowed_token_ids": [[], [-1], [3, 9], list(range(4097))],
+    "bad_words": [[], ["a", "b c"], [""], ["x" * 257], ["a"] * 257, [3]],
     "logit_bias": [{"5": 100.0}, {"5": -100.5}, {"5": 101.0}, {"5": float("nan")}],
     "ignore_eos": [True, 1],
     "skip_special_tokens": [False, "yes"],

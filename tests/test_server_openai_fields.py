@@ -169,6 +169,21 @@ def test_allowed_token_ids_on_both_routes(client, model_name, hf, default_server
     assert {t["id"] for t in answer["details"]["tokens"]} <= set(allowed)
 
 
+def test_bad_words_on_both_routes(client, model_name, default_server):
+    """A word the greedy answer holds is never generated once it is a bad word, on the OpenAI
+    route and on /generate; bad_words is bounded."""
+    greedy = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=8)
+    assert "Paris" in greedy.choices[0].text
+    banned = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=8,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text and banned.usage.completion_tokens == 8
+    generate = default_server.post("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 8,
+                                                                                  "bad_words": ["Paris"]}})
+    assert generate.json()["generated_text"][0] == banned.choices[0].text
+    too_many = default_server.post("/generate", {"inputs": PROMPT, "parameters": {"bad_words": ["x"] * 257}})
+    assert too_many.status_code == 400 and "bad_words" in too_many.text
+
+
 def test_stream_n_with_usage(client, model_name):
     stream = client.completions.create(model=model_name, prompt=PROMPT, n=2, temperature=0, max_tokens=5, stream=True,
                                        stream_options={"include_usage": True})

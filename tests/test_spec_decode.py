@@ -303,13 +303,14 @@ def default_runs(default_model_dir):
                 (copy, Params(max_tokens=24, temperature=0.8, seed=7, n=2)),
                 (copy, Params(max_tokens=24, temperature=0, logit_bias={9: 5.0}, min_tokens=5)),
                 (quote, Params(max_tokens=20, temperature=0, presence_penalty=0.5)),
-                (copy, Params(max_tokens=24, temperature=0.7, seed=3, allowed_token_ids=passage_ids(default_model_dir)))]
+                (copy, Params(max_tokens=24, temperature=0.7, seed=3, allowed_token_ids=passage_ids(default_model_dir))),
+                (copy, Params(max_tokens=40, temperature=0, bad_words=["stairs"]))]  # one token: it speculates
     runs = {}
     for method in (None, "ngram", "suffix", "draft_model"):
         config = None if method is None else {"method": method, "num_speculative_tokens": 6}
         if method == "draft_model":  # the model as its own draft: real weights, drafts mostly accepted
             config["model"] = str(default_model_dir)
-        # 8 rows hold the 8 requests at once, and make the start's profile step 7 decodes, not 127
+        # 8 rows hold 8 of the 9 requests at once, and make the start's profile step 7 decodes, not 127
         llm = LLM(default_model_dir, max_total_token_num=4096, chunked_prefill_size=32, running_max_req_size=8,
                   speculative_config=config)
         if method is not None:
@@ -331,8 +332,8 @@ def default_runs(default_model_dir):
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_default_model_output_is_unchanged_by_speculation(default_runs, method):
     """Greedy and seeded outputs, stop strings, logit_bias with min_tokens, allowed_token_ids,
-    penalties (which do not speculate), n > 1 and logprobs: the same with drafts as without, and
-    drafts did run."""
+    a one-token bad word, penalties (which do not speculate), n > 1 and logprobs: the same with
+    drafts as without, and drafts did run."""
     plain, _ = default_runs[None]
     got, stats = default_runs[method]
     # the copy requests were verified in runs; a draft model as large as its target (on a CPU) is

@@ -74,6 +74,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: none: every token; else only these
+    # vLLM's bad_words: the front end's texts, and their token sequences (frontend/tokenizer.py's
+    # bad_words_ids): a sequence's last token is banned where the output ends with the rest of it
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_ids: list[tuple[int, ...]] = field(default_factory=list)
     # Log probabilities, always of the model's raw logits (before logit_bias, penalties, temperature):
     top_logprobs: int = 0  # per generated token, the k most likely tokens too (the sampled one always)
     prompt_logprobs: int | None = None  # per prompt token (from the 2nd) its logprob and the top k; the
@@ -90,8 +94,14 @@ class SamplingParams:
 
     @property
     def depends_on_tokens(self) -> bool:
-        """Each token's choice depends on the ones before it on the host (penalty counts, a grammar)."""
-        return bool(self.grammar_kind) or self.uses_penalties
+        """Each token's choice depends on the ones before it on the host (penalty counts, a grammar,
+        a bad word of several tokens)."""
+        return bool(self.grammar_kind) or self.uses_penalties or self.bad_word_context > 0
+
+    @property
+    def bad_word_context(self) -> int:
+        """How many of the last output tokens the bad words' bans read (0: single tokens, banned always)."""
+        return max((len(ids) - 1 for ids in self.bad_words_ids), default=0)
 
     def nothing_allowed(self, eos_token_ids) -> str | None:
         """Why no token could ever be sampled first, where allowed_token_ids holds only tokens that

@@ -14,6 +14,7 @@ upload; `SamplingBatch` then views them on the device.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ class SamplingState:
     generated: int = 0  # tokens sampled in launched steps (counted at launch, known without them)
     output_counts: dict[int, int] = field(default_factory=dict)  # kept only when penalties are used
     matcher: object = None  # grammar.Matcher of a request with structured output
+    # The last output tokens its bad words of several tokens read (params.bad_word_context of them)
+    recent: deque | None = field(init=False, repr=False, compare=False)
     # Its row of host_lists' fixed columns, made once: a step with drafts has a row per draft
     # (seed, top_k, greedy, temperature, top_p, uses penalties, uses a sparse input)
     row: tuple = field(init=False, repr=False, compare=False)
@@ -40,7 +43,9 @@ class SamplingState:
     def __post_init__(self):
         p = self.params
         greedy = p.greedy
-        sparse = bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0 or bool(p.allowed_token_ids)
+        sparse = (bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0 or bool(p.allowed_token_ids)
+                  or bool(p.bad_words_ids))
+        self.recent = deque(maxlen=p.bad_word_context) if p.bad_word_context else None
         self.row = (_signed64(p.seed), p.top_k if p.top_k > 0 else -1, int(greedy),
                     1.0 if greedy else p.temperature, p.top_p, p.uses_penalties, sparse)
 
@@ -50,8 +55,8 @@ class SamplingState:
 
     @property
     def needs_tokens(self) -> bool:
-        """Its next step depends on the token sampled before (penalty counts, grammar state)."""
-        return self.matcher is not None or self.uses_penalties
+        """Its next step depends on the token sampled before (penalty counts, grammar state, bad words)."""
+        return self.matcher is not None or self.uses_penalties or self.recent is not None
 
     def record(self, token: int) -> None:
         """Take a sampled token on the host: count it for the penalties, advance the grammar."""
@@ -59,6 +64,15 @@ class SamplingState:
             self.output_counts[token] = self.output_counts.get(token, 0) + 1
         if self.matcher is not None and not self.matcher.terminated:
             self.matcher.accept(token)
+        if self.recent is not None:
+            self.recent.append(token)
+
+    def bad_word_bans(self) -> set[int]:
+        """The tokens its bad words ban next: each one-token word's, and the last token of each
+        longer one whose other tokens end the output so far."""
+        recent = tuple(self.recent or ())
+        return {ids[-1] for ids in self.params.bad_words_ids
+                if len(ids) == 1 or (len(ids) - 1 <= len(recent) and recent[len(recent) - len(ids) + 1:] == ids[:-1])}
 
 
 def _signed64(seed: int) -> int:
@@ -81,8 +95,9 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
 
 def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_ids, ints: dict, floats: dict) -> None:
     """Sparse inputs, in one pass (most batches have none): logit biases as (row, token, value),
-    min_p per row, the tokens that would end a request before its min_tokens as (row, token)
-    pairs set to -inf, and allowed_token_ids as (row, token) pairs beside the rows they mask."""
+    min_p per row, the tokens that would end a request before its min_tokens and those its bad
+    words ban as (row, token) pairs set to -inf, and allowed_token_ids as (row, token) pairs
+    beside the rows they mask."""
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p = [], [], [], [], [], False
     allow_rows, allow_ids, masked_rows = [], [], []
     for b, (s, offset) in enumerate(zip(states, offsets)):
@@ -95,8 +110,11 @@ def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_i
             bias_rows += [b] * len(p.logit_bias)
             bias_ids += p.logit_bias
             bias_values += p.logit_bias.values()
+        banned = s.bad_word_bans() if p.bad_words_ids else set()
         if s.generated + offset < p.min_tokens:
-            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
+            banned = sorted(banned)
             ban_rows += [b] * len(banned)
             ban_ids += banned
         min_p = min_p or p.min_p > 0.0

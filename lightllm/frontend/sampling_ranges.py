@@ -31,6 +31,10 @@ MAX_LOGIT_BIAS = 1024
 # Entries of one allowed_token_ids (vLLM's field, which it leaves unbounded): a class label's or a
 # choice's tokens, not a vocabulary (for that, structured output), so a body's work stays small.
 MAX_ALLOWED_TOKEN_IDS = 4096
+# vLLM's bad_words, which it leaves unbounded: a list a person writes, each word tokenized twice
+# and matched against the output's tail at every step
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 
 # Strict: no "1" for 1 or 1 for true; finite: 1e999 reads as inf in JSON.
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -59,6 +63,9 @@ class SamplingRanges(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
                                                     description="vLLM's: only these token ids may be sampled "
                                                                 f"(at most {MAX_ALLOWED_TOKEN_IDS})")
+    bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS,
+                                            description="vLLM's: words never generated (each banned where its "
+                                                        f"last token would complete it; at most {MAX_BAD_WORDS})")
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's: the text ends with the stop "

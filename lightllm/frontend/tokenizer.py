@@ -24,3 +24,20 @@ def load_tokenizer(config: FrontendConfig):
     if config.chat_template is not None:
         loaded.chat_template = chat_template_text(config.chat_template)
     return loaded
+
+
+def bad_words_ids(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """vLLM's bad_words as token sequences: each word as the text's start, and as it comes mid-text
+    after a space (byte-level BPE folds the space into the word's first token, "Ġlamp", where the
+    bare word may split, "l" "amp"). A leading token that is only the space (SentencePiece's "▁"
+    alone) is left out of the second form, so that the ban falls on the word, never on a space."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        word = word.lstrip()
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        while len(spaced) > 1 and not tokenizer.decode(spaced[:1]).strip():
+            spaced = spaced[1:]
+        for ids in (tuple(tokenizer.encode(word, add_special_tokens=False)), tuple(spaced)):
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.frontend.errors import RequestError
+from lightllm.frontend.tokenizer import bad_words_ids
 from lightllm.frontend.limits import check_lengths
 from lightllm.server.httpserver.manager import ServerUnavailable
 from lightllm.server.httpserver.metrics import RequestTimer
@@ -124,6 +125,8 @@ class Generation:
         for i, prompt_ids in enumerate(prompts):
             with batch_member(i, len(prompts)):
                 check_lengths(len(prompt_ids), sampling, state.limits, max_tokens_field)
+        if sampling.bad_words:  # a few short texts: tokenized here, on the loop
+            sampling.bad_words_ids = bad_words_ids(state.tokenizer, sampling.bad_words)
         nothing = sampling.nothing_allowed(state.model_info["eos_token_ids"])
         if nothing is not None:
             raise RequestError(nothing)

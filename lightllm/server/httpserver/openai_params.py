@@ -39,6 +39,7 @@ SAMPLING_NAMES = {
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
     "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
 MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, vLLM's default)
