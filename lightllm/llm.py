@@ -38,7 +38,7 @@ from lightllm.frontend.errors import RequestError
 from lightllm.frontend.limits import Limits, check_lengths, prompt_char_bound, truncated
 from lightllm.frontend.lora import LoraNames
 from lightllm.frontend.sampling_ranges import SHARED_FIELDS, check_ranges, model_sampling_defaults
-from lightllm.frontend.tokenizer import bad_words_ids, load_tokenizer
+from lightllm.frontend.tokenizer import bad_words_of, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ class LLM:
             params = dataclasses.replace(params, seed=self._seeds.randrange(2**31))
         engine_params = [params.to_engine(index) for index in range(params.n)]
         if params.bad_words:
-            banned = bad_words_ids(self.tokenizer, params.bad_words)
+            banned = bad_words_of(self.tokenizer, params.bad_words)
             for engine_param in engine_params:
                 engine_param.bad_words_ids = banned
         try:

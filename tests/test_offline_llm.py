@@ -242,12 +242,12 @@ def test_bad_words_greedy_is_transformers_argmax_without_them(llm, hf):
     """Greedy tokens with bad_words equal transformers' argmax step by step with each word's last
     token banned where the output so far ends with the rest of it; the words' tokens, as the text's
     start or after a space, never appear in the output, though the plain greedy output has them."""
-    from lightllm.frontend.tokenizer import bad_words_ids
+    from lightllm.frontend.tokenizer import bad_words_of
 
     tokenizer, model = hf
     words = ["Paris", "the capital"]
     plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    banned = bad_words_ids(tokenizer, words)
+    banned = bad_words_of(tokenizer, words)
     assert [tokenizer.decode(list(ids)) for ids in banned] == ["Paris", " Paris", "the capital", " the capital"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=words)
     (output,) = llm.generate(PROMPTS[0], params, use_tqdm=False)

@@ -298,9 +298,9 @@ class SpaceTokenizer:
 def test_bad_words_never_ban_a_lone_space():
     """A word's mid-text form drops a leading token that is only a space: banning that would ban
     every space. Repeats, leading spaces and a word whose two forms are one sequence come once."""
-    from lightllm.frontend.tokenizer import bad_words_ids
+    from lightllm.frontend.tokenizer import bad_words_of
 
-    assert bad_words_ids(SpaceTokenizer(), ["lamp", " lamp", "red lamp"]) == [(50,), (51, 50)]
+    assert bad_words_of(SpaceTokenizer(), ["lamp", " lamp", "red lamp"]) == [(50,), (51, 50)]
 
 
 @pytest.mark.parametrize("min_p", [0.05, 0.3])

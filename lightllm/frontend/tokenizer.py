@@ -26,18 +26,28 @@ def load_tokenizer(config: FrontendConfig):
     return loaded
 
 
-def bad_words_ids(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
-    """vLLM's bad_words as token sequences: each word as the text's start, and as it comes mid-text
-    after a space (byte-level BPE folds the space into the word's first token, "Ġlamp", where the
-    bare word may split, "l" "amp"). A leading token that is only the space (SentencePiece's "▁"
-    alone) is left out of the second form, so that the ban falls on the word, never on a space."""
-    sequences: list[tuple[int, ...]] = []
-    for word in words:
-        word = word.lstrip()
-        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+def bad_word_forms(words: list[str]) -> list[str]:
+    """The texts whose token ids bad_words_ids reads: each word as the text's start, then after a space."""
+    return [form for word in words for form in (word.lstrip(), " " + word.lstrip())]
+
+
+def bad_words_ids(tokenizer, encoded: list[list[int]]) -> list[tuple[int, ...]]:
+    """vLLM's bad_words as token sequences, from `encoded`, the ids of bad_word_forms(words) (the
+    HTTP process encodes them on its encoder's thread): each word as the text's start, and as it
+    comes mid-text after a space (byte-level BPE folds the space into the word's first token,
+    "Ġlamp", where the bare word may split, "l" "amp"). A leading token that is only the space
+    (SentencePiece's "▁" alone) is left out of the second form, so that the ban falls on the word,
+    never on a space."""
+    sequences: dict[tuple[int, ...], None] = {}
+    for bare, spaced in zip(encoded[::2], encoded[1::2]):
         while len(spaced) > 1 and not tokenizer.decode(spaced[:1]).strip():
             spaced = spaced[1:]
-        for ids in (tuple(tokenizer.encode(word, add_special_tokens=False)), tuple(spaced)):
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences
+        for ids in (tuple(bare), tuple(spaced)):
+            if ids:
+                sequences[ids] = None
+    return list(sequences)
+
+
+def bad_words_of(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """bad_words_ids of `words`, encoded here (the offline LLM's; the HTTP process batches them)."""
+    return bad_words_ids(tokenizer, [tokenizer.encode(form, add_special_tokens=False) for form in bad_word_forms(words)])

@@ -40,7 +40,7 @@ async def start_generation(request: Request, body: GenerateRequest) -> tuple[Gen
     params = body.parameters
     check_prompt_chars(len(body.inputs), state.limits)
     check_token_ids(state.model_info["vocab_size"], params.logit_bias, params.stop_token_ids, params.allowed_token_ids)
-    sampling = await sampling_of(params)
+    sampling = await sampling_of(state, params)
     prompt_ids = truncated(await state.encoder.encode(body.inputs), params.truncate, state.limits)
     check_lengths(len(prompt_ids), sampling, state.limits, "max_new_tokens")  # before the grammar compiles
     lora_id = lora_id_of(params.adapter_id, state)

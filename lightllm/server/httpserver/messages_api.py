@@ -232,7 +232,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     body.check()
     openai_body = body.openai_body()
     check_request(openai_body, state)
-    sampling = await sampling_of(openai_body, state.sampling_defaults)
+    sampling = await sampling_of(state, openai_body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions, body.choice, body.parallel,
                                          body.template_options(), sampling, max_tokens_given=True,
                                          max_tokens_field="max_tokens", **body.prompt_ending)

@@ -77,7 +77,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         prompts = list(await asyncio.gather(*(state.encoder.encode(text) for text in prompts)))
     prompts = [truncated(ids, body.truncate_prompt_tokens, state.limits) for ids in prompts]
     fmt = CompletionFormat(state.tokenizer, body, prompts)
-    sampling = await sampling_of(body, state.sampling_defaults)
+    sampling = await sampling_of(state, body, state.sampling_defaults)
     for i, prompt_ids in enumerate(prompts):  # before the grammar compiles
         with batch_member(i, len(prompts)):
             check_lengths(len(prompt_ids), sampling, state.limits, body.max_tokens_field)
@@ -90,7 +90,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     state = request.app.state.server
     lora_id = check_request(body, state)
     body.check_tools()
-    sampling = await sampling_of(body, state.sampling_defaults)
+    sampling = await sampling_of(state, body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.template_kwargs, sampling,
                                          body.max_tokens_given, body.max_tokens_field, **body.prompt_ending,

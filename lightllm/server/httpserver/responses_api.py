@@ -223,7 +223,7 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     body.check()
     openai_body = body.openai_body()
     lora_id = check_request(openai_body, state)
-    sampling = await sampling_of(openai_body, state.sampling_defaults)
+    sampling = await sampling_of(state, openai_body, state.sampling_defaults)
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.tools or [], body.choice,
                                          body.parallel_tool_calls is not False, body.template_options(), sampling,
                                          body.max_output_tokens is not None, "max_output_tokens")

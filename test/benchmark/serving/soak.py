@@ -84,10 +84,24 @@ def prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
 
 
+def sampling_extras(rng: random.Random) -> dict:
+    """vLLM's sampling extensions, each in about one request of six: the runner's sparse inputs
+    (allowed tokens, bad words of one and of two tokens, whose requests wait for their tokens) beside
+    plain requests in the same steps."""
+    extras = {}
+    if rng.random() < 0.17:
+        extras["allowed_token_ids"] = rng.sample(range(100, 2000), rng.randint(1, 8))
+    if rng.random() < 0.17:
+        extras["bad_words"] = rng.sample(WORDS, 2) + ["quiet river"]
+    return extras
+
+
 def generate_params(rng: random.Random) -> dict:
     sampled = rng.random() < 0.5
     params = {"max_new_tokens": rng.randint(1, 24), "do_sample": sampled, "temperature": 0.8,
-              "seed": rng.randint(0, 99)}
+              "seed": rng.randint(0, 99), **sampling_extras(rng)}
+    if rng.random() < 0.17:
+        params["truncate"] = rng.randint(1, 8)
     adapter = pick_adapter(rng)
     return params if adapter is None else {**params, "adapter_id": adapter}
 
@@ -146,8 +160,11 @@ async def chat_streamed(session, url, rng) -> tuple[str, str]:
 
 
 async def completion(session, url, rng) -> tuple[str, str]:
-    body = with_model({"prompt": prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0.0, 1.0])},
-                      rng)
+    body = with_model({"prompt": prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0.0, 1.0]),
+                       **sampling_extras(rng)}, rng)
+    if rng.random() < 0.17:  # vLLM's other extensions: a tenant's cache, a cut prompt, logprobs by token id
+        body.update(cache_salt=rng.choice(["tenant-a", "tenant-b"]), truncate_prompt_tokens=rng.choice([-1, 4]),
+                    logprobs=2, return_tokens_as_token_ids=True, prompt_logprobs=1)
     async with session.post(f"{url}/v1/completions", json=body) as reply:
         data = await reply.json(content_type=None)
         return ("ok", "") if reply.status == 200 and data.get("choices") else ("unexpected", f"{reply.status} {data}")
@@ -165,6 +182,9 @@ INVALID_BODIES = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}).encode(),
      "application/json"),
     ("/v1/chat/completions", json.dumps({"messages": "hello"}).encode(), "application/json"),
+    ("/v1/completions", json.dumps({"prompt": "x", "allowed_token_ids": []}).encode(), "application/json"),
+    ("/v1/completions", json.dumps({"prompt": "x", "truncate_prompt_tokens": 0}).encode(), "application/json"),
+    ("/generate", json.dumps({"inputs": "x", "parameters": {"bad_words": [""]}}).encode(), "application/json"),
 ]
 
 
