@@ -201,6 +201,20 @@ def test_truncated_prompts_keep_their_last_tokens(default_server, hf):
     assert zero.status_code == 400 and "'truncate_prompt_tokens' must be -1" in error_message(zero)
 
 
+def test_request_id_names_the_answer_and_priority_zero_is_served(default_server):
+    """vLLM's request_id is the answer's id after the route's prefix, in every chunk of a stream;
+    priority 0 (vLLM's default) is accepted."""
+    chat = post(default_server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "request_id": "job-7:a",
+                                                         "priority": 0})
+    assert chat.status_code == 200 and chat.json()["id"] == "chatcmpl-job-7:a", chat.text
+    stream = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True,
+                                                      "request_id": "batch-1"})
+    ids = {json.loads(line[6:])["id"] for line in stream.text.splitlines() if line.startswith("data: {")}
+    assert ids == {"cmpl-batch-1"}
+    plain = post(default_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}).json()["id"]
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", plain)
+
+
 @pytest.mark.parametrize("extra, why", [({"prompt_logprobs": 21}, "less than or equal to 20"),
                                         ({"prompt_logprobs": -1}, "greater than or equal to 0"),
                                         ({"prompt_logprobs": 1, "stream": True}, "'stream'")])

@@ -111,7 +111,7 @@ async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, p
     generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices, lora_id,
                             body.cache_salt or "")
     model = body.model if lora_id else request.app.state.server.config.served_model_name
-    fmt.head.update(id=f"{fmt.id_prefix}-{uuid.uuid4().hex}", model=model)
+    fmt.head.update(id=f"{fmt.id_prefix}-{body.request_id or uuid.uuid4().hex}", model=model)
     if not body.stream:
         choices = await generation.result()
         return JSONResponse(fmt.whole(choices, usage(generation, [c.last for c in choices])))

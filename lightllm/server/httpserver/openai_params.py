@@ -126,7 +126,10 @@ class OpenAIBody(OpenAIRanges):
     vLLM's extensions top_k, min_p, ... too), OpenAI's narrower temperature, and OpenAI's own."""
 
     # name -> (accepts the value?, why not)
-    UNSUPPORTED: ClassVar[dict] = {}
+    UNSUPPORTED: ClassVar[dict] = {
+        "priority": (lambda v: v in (None, 0), "requests are not scheduled by priority (vLLM's default too: "
+                                               "only its --scheduling-policy priority takes another)"),
+    }
 
     model: str | None = None
     stream: bool | None = None
@@ -147,6 +150,10 @@ class OpenAIBody(OpenAIRanges):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="vLLM's extension: each prompt token's logprob and the k most "
                                                     "likely tokens' at its position (not with stream)")
+    priority: int | None = Field(None, description="vLLM's extension: only 0, the default, is served")
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$",
+                                   description="vLLM's extension: the answer's id is the route's prefix and this "
+                                               "(printable ASCII, no spaces), not a random one")
     cache_salt: NonEmptyStr | None = Field(
         None, max_length=1024, description="vLLM's extension: the prefix cache shares a prompt's KV only with "
                                            "requests of the same salt (one tenant's)")
