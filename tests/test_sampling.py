@@ -265,10 +265,7 @@ def test_bad_words_ban_a_last_token_only_where_the_rest_ends_the_output():
     assert state.needs_tokens and params.depends_on_tokens and params.bad_word_context == 2
 
     def chosen() -> int:
-        ints, floats = host_lists([state])
-        tensors = {k: torch.tensor(v, dtype=torch.int64) for k, v in ints.items()}
-        tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in floats.items()})
-        return int(sample(logits.clone(), SamplingBatch.from_tensors(tensors, all_greedy=True))[0][0])
+        return int(sample(logits.clone(), to_batch([state]))[0][0])
 
     got = []
     for token in (7, 8, 3, 8, 7, 8):
