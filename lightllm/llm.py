@@ -281,6 +281,8 @@ class _Progress:
 
 def engine_config(model: str | Path | None, **settings) -> FrontendConfig:
     """The FrontendConfig of an offline engine; a setting that is no FrontendConfig field is a TypeError."""
+    if "scheduling_policy" in settings:  # vLLM's name of schedule_policy
+        settings.setdefault("schedule_policy", settings.pop("scheduling_policy"))
     names = {f.name for f in dataclasses.fields(FrontendConfig)}
     unknown = sorted(set(settings) - names)
     if unknown:
@@ -353,14 +355,15 @@ class LLM:
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string, token ids, or {"prompt_token_ids": ids} / {"prompt": text});
         `sampling_params`: one for all, or one per prompt (None: get_default_sampling_params());
-        `lora_request`: the LoRA adapter of all prompts, or one per prompt (None: the base model).
+        `lora_request`: the LoRA adapter of all prompts, or one per prompt (None: the base model);
+        `priority`: one per prompt, lower admitted first (schedule_policy="priority" only, as vLLM's).
         Outputs come in prompt order."""
         inputs = [self._prompt_input(p) for p in _as_list(prompts)]
-        return self._run(inputs, sampling_params, use_tqdm, lora_request)
+        return self._run(inputs, sampling_params, use_tqdm, lora_request, priority)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -407,7 +410,7 @@ class LLM:
         return text, chat_prompt_ids(self.tokenizer, text)
 
     def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         if sampling_params is None:
@@ -416,13 +419,18 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(inputs)
         if len(loras) != len(inputs):
             raise ValueError(f"{len(loras)} lora_request for {len(inputs)} prompts")
+        priorities = [0] * len(inputs) if priority is None else list(priority)
+        if len(priorities) != len(inputs):
+            raise ValueError(f"{len(priorities)} priorities for {len(inputs)} prompts")
+        if any(priorities) and self.config.schedule_policy != "priority":
+            raise ValueError(f"priority needs schedule_policy='priority' (this LLM's is {self.config.schedule_policy!r})")
         # Every prompt is checked before any is submitted.
         prepared = [self._prepare(text, ids, p, i) for i, ((text, ids), p) in enumerate(zip(inputs, params))]
         lora_ids = [self._lora_id(request) for request in loras]
         progress = _Progress(len(prepared), use_tqdm)
         try:
-            for (prompt, engine_params), lora_id in zip(prepared, lora_ids):
-                self._submit(prompt, engine_params, lora_id)
+            for (prompt, engine_params), lora_id, rank in zip(prepared, lora_ids, priorities):
+                self._submit(prompt, engine_params, lora_id, rank)
             while self.engine.has_work:
                 for out in self.engine.step():
                     self._take(out, progress)
@@ -472,11 +480,12 @@ class LLM:
                              f"not {request.lora_path}")
         return lora_id
 
-    def _submit(self, prompt: _Prompt, engine_params: list[EngineSampling], lora_id: int = 0) -> None:
+    def _submit(self, prompt: _Prompt, engine_params: list[EngineSampling], lora_id: int = 0, priority: int = 0) -> None:
         now = time.monotonic()
         for choice, sampling in zip(prompt.choices, engine_params):
             self._open[choice.req_id] = (prompt, choice)
-            for out in self.engine.add(GenerateReq(choice.req_id, prompt.prompt_ids, sampling, now, lora_id)):
+            for out in self.engine.add(GenerateReq(choice.req_id, prompt.prompt_ids, sampling, now, lora_id,
+                                                   priority=priority)):
                 self._take(out, None)
 
     def _take(self, out: TokenOut, progress: _Progress | None) -> None:

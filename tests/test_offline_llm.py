@@ -318,6 +318,36 @@ def test_bad_requests_raise_before_anything_runs(llm):
     assert_idle(llm)
 
 
+def test_priority_orders_admission_under_its_policy(llm, monkeypatch):
+    """vLLM's LLM.generate(priority=...): with schedule_policy "priority" (vLLM's name,
+    scheduling_policy, is taken too) and one running slot, the prompts start lowest value first,
+    each answer as it is alone; under another policy a priority other than 0 is refused."""
+    with pytest.raises(ValueError, match="schedule_policy='priority'"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[1, 0, 0])
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 0])
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    monkeypatch.setattr(llm, "config", dataclasses.replace(llm.config, schedule_policy="priority"))
+    monkeypatch.setattr(llm.engine.scheduler, "policy", "priority")
+    monkeypatch.setattr(llm.engine.scheduler, "max_running", 1)
+    started, take = [], llm._take
+    monkeypatch.setattr(llm, "_take", lambda out, progress: (out.req_id in started or started.append(out.req_id),
+                                                             take(out, progress)))
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[2, -1, 0])
+    first = min(started)  # the prompts' request ids are given in prompt order
+    assert [i - first for i in started] == [1, 2, 0]
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert_idle(llm)
+
+
+def test_vllm_scheduling_policy_name_is_taken(default_model_dir):
+    from lightllm.llm import engine_config
+
+    assert engine_config(default_model_dir, scheduling_policy="priority").schedule_policy == "priority"
+    with pytest.raises(ValueError, match="schedule_policy"):
+        engine_config(default_model_dir, scheduling_policy="urgent")
+
+
 def test_unknown_settings_and_bad_model_dirs_are_refused(tmp_path):
     with pytest.raises(TypeError, match="chunk_size"):
         LLM(tmp_path, chunk_size=8)

@@ -89,7 +89,8 @@ def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overl
         while arrivals and arrivals[-1][0] <= step:
             _, i = arrivals.pop()
             prompt_len, max_new, _ = reqs[i]
-            core.add(GenerateReq(i, shared_prompt(rng, prompt_len), SamplingParams(max_new_tokens=max_new)))
+            core.add(GenerateReq(i, shared_prompt(rng, prompt_len), SamplingParams(max_new_tokens=max_new),
+                                 priority=rng.randrange(-2, 3)))
         if step == 15:
             for i in aborted:
                 core.abort(i)
@@ -224,10 +225,33 @@ def test_admission_wait_gathers_freed_slots_into_fewer_prefill_steps():
 def test_fcfs_admits_in_arrival_order():
     rng = fresh_rng()
     core = EngineCore(Scheduler(100_000, 64, 1000, "fcfs"), FakeRunner(100_000, 0.0, rng), eos_token_ids=[EOS])
-    for i in range(10):
-        core.add(GenerateReq(i, [5] * 8, SamplingParams(max_new_tokens=rng.randrange(1, 100))))
+    for i in range(10):  # a request's priority counts only under the "priority" policy
+        core.add(GenerateReq(i, [5] * 8, SamplingParams(max_new_tokens=rng.randrange(1, 100)),
+                             priority=rng.randrange(-3, 4)))
     core.step()
     assert admitted_order(core.scheduler) == list(range(10))
+
+
+def test_priority_admits_the_lowest_value_first_then_in_arrival_order():
+    rng = fresh_rng()
+    priorities = [rng.randrange(-3, 4) for _ in range(20)]
+    core = EngineCore(Scheduler(100_000, 64, 1000, "priority"), FakeRunner(100_000, 0.0, rng), eos_token_ids=[EOS])
+    for i, priority in enumerate(priorities):
+        core.add(GenerateReq(i, [5] * 8, SamplingParams(max_new_tokens=rng.randrange(1, 100)), priority=priority))
+    core.step()
+    assert admitted_order(core.scheduler) == sorted(range(20), key=lambda i: (priorities[i], i))
+    # One running slot: requests that arrive while it is taken are admitted by their priority,
+    # a later arrival before earlier ones of a higher value; the running one is not preempted.
+    core = EngineCore(Scheduler(100_000, 64, 1, "priority"), FakeRunner(100_000, 0.0, rng), eos_token_ids=[EOS])
+    core.add(GenerateReq(0, [5], SamplingParams(max_new_tokens=30, ignore_eos=True), priority=9))
+    core.step()
+    for req_id, priority in ((1, 2), (2, 0), (3, -1), (4, 0)):
+        core.add(GenerateReq(req_id, [5], SamplingParams(max_new_tokens=3, ignore_eos=True), priority=priority))
+    order = []
+    while core.has_work:
+        core.step()
+        order += [r.req_id for r in core.scheduler.running if r.req_id not in order]
+    assert order == [0, 3, 2, 4, 1]
 
 
 def test_cached_tokens_nobody_references_never_keep_a_request_out():

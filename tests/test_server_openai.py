@@ -180,7 +180,7 @@ BAD_CHATS = [
     ({"messages": HI, "logit_bias": {"x": 1}}, 400, "'logit_bias' keys must be token ids in [0, 49152)"),
     ({"messages": HI, "stop_token_ids": [49152]}, 400, "'stop_token_ids' must be in [0, 49152)"),
     ({"messages": HI, "allowed_token_ids": [3, 49152]}, 400, "'allowed_token_ids' must be in [0, 49152)"),
-    ({"messages": HI, "priority": 1}, 400, "'priority' = 1 is not supported: requests are not scheduled by priority"),
+    ({"messages": HI, "priority": 1}, 400, "'priority' = 1 is not served: requests are admitted by --schedule_policy lpt"),
     ({"messages": HI, "request_id": "two words"}, 400, "'request_id': String should match pattern"),
     ({"messages": HI, "allowed_token_ids": []}, 400, "'allowed_token_ids': List should have at least 1 item"),
     ({"messages": HI, "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 1}, 400,

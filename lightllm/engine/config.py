@@ -64,7 +64,7 @@ class EngineConfig:
     )
     schedule_policy: str = field(
         default="lpt",
-        metadata=flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order; lpt was chosen in simulation (test/benchmark/simulator/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs")),
+        metadata=flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order, priority = each request's `priority` (vLLM's field; lower first, then arrival order; running requests are never preempted); lpt was chosen in simulation (test/benchmark/simulator/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs", "priority")),
     )
     disable_overlap: bool = field(
         default=False,
@@ -193,6 +193,10 @@ class EngineConfig:
 
     def check(self) -> None:
         """Raise ValueError, naming the flag, for settings that cannot work together."""
+        for f in dataclasses.fields(self):  # argparse checks a flag's choices; LLM(...) settings come here
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices is not None and value not in choices and not (value is None and f.default is None):
+                raise ValueError(f"--{f.name} must be one of {', '.join(map(str, choices))}, not {value!r}")
         if self.max_req_total_len < 2:
             raise ValueError("--max_req_total_len must be at least 2")
         if self.max_total_token_num is not None and self.max_total_token_num < 2:

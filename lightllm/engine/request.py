@@ -135,6 +135,7 @@ class GenerateReq:
     arrival_time: float = 0.0
     lora_id: int = 0  # the LoRA adapter it runs under (the engine's id of it; 0: the base model)
     cache_salt: str = ""  # vLLM's: the prefix cache shares KV only between requests of the same salt
+    priority: int = 0  # vLLM's: under the "priority" policy, lower values are admitted first
 
 
 @dataclass
@@ -172,6 +173,7 @@ class Req:
         self.arrival_time = msg.arrival_time
         self.prompt_len = len(msg.prompt_ids)
         self.lora_id = msg.lora_id
+        self.priority = msg.priority
         # Its key in the prefix cache: the first token tagged with the adapter and the salt, so that
         # KV computed under one adapter (or none), or one salt, is never found by a request under another.
         tag = (msg.lora_id << 32) | (salt_key(msg.cache_salt) << 64)

@@ -48,7 +48,7 @@ from lightllm.engine.request import FinishReason, Req, ReqStatus, TokenOut
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("lpt", "fcfs")
+POLICIES = ("lpt", "fcfs", "priority")
 # Under "lpt", a request that has waited this many steps is admitted before any younger one.
 AGING_STEPS = 256
 
@@ -720,12 +720,16 @@ class Scheduler:
         return charged
 
     def _admission_order(self) -> list[Req]:
-        """fcfs: arrival order. lpt: longest output budget first, so that long generations start
-        early and a burst does not end on a few long requests at batch 1; a request that has
-        waited AGING_STEPS steps goes before every younger one, in arrival order (no starvation)."""
+        """fcfs: arrival order. priority: lowest `priority` first, arrival order among equals (vLLM's;
+        strict: a stream of urgent requests keeps the others waiting). lpt: longest output budget
+        first, so that long generations start early and a burst does not end on a few long
+        requests at batch 1; a request that has waited AGING_STEPS steps goes before every younger
+        one, in arrival order (no starvation)."""
         waiting = list(self.waiting.values())
         if self.policy == "fcfs":
             return waiting
+        if self.policy == "priority":
+            return sorted(waiting, key=lambda r: r.priority)  # stable: arrival order among equals
         aged = self._next_step - AGING_STEPS
         return sorted(waiting, key=lambda r: (r.arrival_step > aged, -r.max_new_tokens if r.arrival_step > aged else 0))
 

@@ -22,7 +22,7 @@ class ScriptedEngine:
     def backlog(self, req_id: int) -> int:
         return 0  # each output is made when the stream asks for it: none ever waits
 
-    async def generate(self, prompt_ids, sampling, *, bounded=True, lora_id=0, cache_salt=""):
+    async def generate(self, prompt_ids, sampling, *, bounded=True, lora_id=0, cache_salt="", priority=0):
         self.prompts.append(prompt_ids)
         pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)] or [""]
         for n, piece in enumerate(pieces, 1):

@@ -126,7 +126,7 @@ class Generation:
     of max_new_tokens in the route's API, for its errors."""
 
     def __init__(self, request: Request, prompts: list[list[int]], sampling: SamplingParams, start: float,
-                 max_tokens_field: str, n: int = 1, lora_id: int = 0, cache_salt: str = ""):
+                 max_tokens_field: str, n: int = 1, lora_id: int = 0, cache_salt: str = "", priority: int = 0):
         state = request.app.state.server
         for i, prompt_ids in enumerate(prompts):
             with batch_member(i, len(prompts)):
@@ -142,7 +142,7 @@ class Generation:
         self.prompt_len = sum(len(prompt_ids) for prompt_ids in prompts)  # each prompt once, as usage counts it
         self.timers = [RequestTimer(state.metrics, len(prompt_ids), start) for prompt_ids in prompts for _ in range(n)]
         self.streams = [state.manager.generate(prompt_ids, choice_sampling(sampling, i), bounded=count == 1,
-                                               lora_id=lora_id, cache_salt=cache_salt)
+                                               lora_id=lora_id, cache_salt=cache_salt, priority=priority)
                         for prompt_ids in prompts for i in range(n)]
         self._manager = state.manager
         self._req_ids: list[int] = []  # the engine's ids of the choices, known from their first outputs

@@ -229,7 +229,8 @@ class HttpServerManager:
             to_router.send_pyobj(msg)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *,
-                       bounded: bool = True, lora_id: int = 0, cache_salt: str = "") -> AsyncIterator[TextOut]:
+                       bounded: bool = True, lora_id: int = 0, cache_salt: str = "",
+                       priority: int = 0) -> AsyncIterator[TextOut]:
         """Yield the request's outputs until its last one. Leaving early (the client went away,
         a timeout) aborts it in the router, which frees its KV tokens. `bounded`: refused with
         QueueFull when the queue is full (the /health probe is not)."""
@@ -246,7 +247,7 @@ class HttpServerManager:
         self._load[replica] += cost
         self.metrics.routed.labels(str(replica)).inc()
         to_router = self._to_routers[replica]
-        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time(), lora_id, cache_salt))
+        to_router.send_pyobj(GenerateReq(req_id, prompt_ids, sampling, time.time(), lora_id, cache_salt, priority))
         finish_reason = None
         try:
             while finish_reason is None:

@@ -25,6 +25,7 @@ from lightllm.server.httpserver.generation import Choice, Generation, batch_memb
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.lora_api import adapter_objects, lora_id_of
 from lightllm.server.httpserver.openai_params import ChatRequest, CompletionRequest, OpenAIBody
+from lightllm.frontend.errors import RequestError
 from lightllm.frontend.limits import check_lengths, check_prompt_chars, truncated
 from lightllm.engine.request import FinishReason, SamplingParams
 from lightllm.server.io_struct import TextOut
@@ -103,13 +104,17 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
 def check_request(body: OpenAIBody, state) -> int:
     """The body's fields checked; the engine id of the LoRA adapter its `model` names (0: none)."""
     body.check_supported(state.model_info["vocab_size"])
+    if body.priority and state.config.schedule_policy != "priority":
+        raise RequestError(f"'priority' = {body.priority} is not served: requests are admitted by --schedule_policy "
+                           f"{state.config.schedule_policy}; a server started with --schedule_policy priority "
+                           f"(vLLM's --scheduling-policy priority) takes it")
     return lora_id_of(body.model, state)
 
 
 async def answer(request: Request, body: OpenAIBody, sampling: SamplingParams, prompts: list[list[int]],
                  start: float, fmt: CompletionFormat, lora_id: int = 0) -> Response:
     generation = Generation(request, prompts, sampling, start, body.max_tokens_field, body.choices, lora_id,
-                            body.cache_salt or "")
+                            body.cache_salt or "", body.priority or 0)
     model = body.model if lora_id else request.app.state.server.config.served_model_name
     fmt.head.update(id=f"{fmt.id_prefix}-{body.request_id or uuid.uuid4().hex}", model=model)
     if not body.stream:

@@ -126,10 +126,7 @@ class OpenAIBody(OpenAIRanges):
     vLLM's extensions top_k, min_p, ... too), OpenAI's narrower temperature, and OpenAI's own."""
 
     # name -> (accepts the value?, why not)
-    UNSUPPORTED: ClassVar[dict] = {
-        "priority": (lambda v: v in (None, 0), "requests are not scheduled by priority (vLLM's default too: "
-                                               "only its --scheduling-policy priority takes another)"),
-    }
+    UNSUPPORTED: ClassVar[dict] = {}
 
     model: str | None = None
     stream: bool | None = None
@@ -150,7 +147,10 @@ class OpenAIBody(OpenAIRanges):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="vLLM's extension: each prompt token's logprob and the k most "
                                                     "likely tokens' at its position (not with stream)")
-    priority: int | None = Field(None, description="vLLM's extension: only 0, the default, is served")
+    priority: int | None = Field(None, ge=-2**31, lt=2**31,
+                                 description="vLLM's extension: with --schedule_policy priority, waiting requests "
+                                             "are admitted lowest value first (ties in arrival order); other "
+                                             "policies take only 0, the default")
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$",
                                    description="vLLM's extension: the answer's id is the route's prefix and this "
                                                "(printable ASCII, no spaces), not a random one")

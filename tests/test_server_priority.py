@@ -1,0 +1,70 @@
+"""vLLM's `priority` through the server: with --schedule_policy priority, requests that wait are
+admitted lowest value first; under another policy a value other than 0 is a 400."""
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from lightllm.tools.bench_model import write_bench_model
+from server_utils import start_server
+
+LONG_TOKENS = 1500  # the running request: long enough that the others all arrive while it runs
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = write_bench_model(tmp_path_factory.mktemp("tiny"), "tiny")
+    args = ["--model_dir", str(model_dir), "--schedule_policy", "priority", "--running_max_req_size", "1"]
+    server = start_server(args, tmp_path_factory.mktemp("priority") / "server.log")
+    yield server
+    assert server.stop() == 0
+
+
+def first_token_time(url: str, body: dict, out: dict, key) -> None:
+    """Stream a completion; note when its first text came and when it ended."""
+    with requests.post(f"{url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=300) as response:
+        assert response.status_code == 200, response.text
+        for line in response.iter_lines():
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+                out.setdefault(key, time.monotonic())
+    out[("end", key)] = time.monotonic()
+
+
+def test_waiting_requests_are_admitted_lowest_priority_first(server):
+    """One running slot, taken by a long request; four more arrive while it runs, their values
+    2, 0, -1, 0 in that order: they start -1, then the two 0s in arrival order, then 2. The same
+    prompt for all, so their order is the scheduler's alone."""
+    body = {"prompt": "the river", "ignore_eos": True, "temperature": 0}
+    times = {}
+    long = threading.Thread(target=first_token_time, args=(server.url, {**body, "max_tokens": LONG_TOKENS,
+                                                                          "priority": 9}, times, "long"))
+    long.start()
+    while "long" not in times:
+        time.sleep(0.01)
+    waiting = []
+    for name, priority in (("a", 2), ("b", 0), ("c", -1), ("d", 0)):
+        waiting.append(threading.Thread(target=first_token_time, args=(server.url, {**body, "max_tokens": 3,
+                                                                                    "priority": priority},
+                                                                       times, name)))
+        waiting[-1].start()
+        time.sleep(0.05)  # arrival order
+    sent = time.monotonic()
+    for thread in [long, *waiting]:
+        thread.join()
+    assert times[("end", "long")] > sent, "the long request ended before the others had all arrived"
+    assert sorted("abcd", key=times.get) == ["c", "b", "d", "a"]
+
+
+def test_priority_other_than_zero_needs_the_policy(default_server):
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": -3}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                 "priority": 1})):
+        response = requests.post(f"{default_server.url}{path}", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert "--schedule_policy priority" in response.json()["error"]["message"]
+    bounded = requests.post(f"{default_server.url}/v1/completions",
+                            json={"prompt": "hi", "max_tokens": 1, "priority": 2**31}, timeout=60)
+    assert bounded.status_code == 400 and "'priority'" in bounded.json()["error"]["message"]
