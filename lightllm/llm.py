@@ -31,7 +31,7 @@ from lightllm.engine.build import start_engine
 from lightllm.engine.request import FinishReason, GenerateReq, TokenOut
 from lightllm.engine.request import SamplingParams as EngineSampling
 from lightllm.frontend.chat.output import chat_parsers
-from lightllm.frontend.chat.template import chat_prompt_ids, render_chat
+from lightllm.frontend.chat.template import chat_prompt_ids, chat_template_text, render_chat
 from lightllm.frontend.config import FrontendConfig
 from lightllm.frontend.decoder import IncrementalDecoder
 from lightllm.frontend.errors import RequestError
@@ -368,19 +368,22 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} dicts, with an assistant's
         "tool_calls" and "tool" results as Hugging Face's templates take them) or a list of them,
         through the tokenizer's chat template; `tools`: function definitions for the template;
         `chat_template_kwargs`: its variables (such as {"enable_thinking": False});
         `continue_final_message`: the model continues each conversation's last message (an
-        assistant's prefill; with add_generation_prompt=False)."""
+        assistant's prefill; with add_generation_prompt=False); `chat_template`: a Jinja template's
+        text in place of the tokenizer's (vLLM's)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False: one continues the last "
                              "message, the other starts a new one")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        inputs = [self._chat_input(c, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
-                  for c in conversations]
+        template = None if chat_template is None else chat_template_text(chat_template, "chat_template")
+        inputs = [self._chat_input(c, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+                                   template) for c in conversations]
         return self._run(inputs, sampling_params, use_tqdm, lora_request)
 
     def _prompt_input(self, prompt) -> tuple[str | None, list[int]]:
@@ -402,11 +405,12 @@ class LLM:
         return list(ids)
 
     def _chat_input(self, conversation, add_generation_prompt: bool, continue_final_message: bool,
-                    tools: list[dict] | None, options: dict | None) -> tuple[str, list[int]]:
-        template = getattr(self.tokenizer, "chat_template", None)
-        call_format = chat_parsers(None, None, self.model_info.get("architecture"), template).call_format
+                    tools: list[dict] | None, options: dict | None, template: str | None = None) -> tuple[str, list[int]]:
+        own = getattr(self.tokenizer, "chat_template", None)
+        call_format = chat_parsers(None, None, self.model_info.get("architecture"), template or own).call_format
         text = render_chat(self.tokenizer, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, options=options, call_format=call_format)
+                           continue_final_message=continue_final_message, options=options, call_format=call_format,
+                           template=template)
         return text, chat_prompt_ids(self.tokenizer, text)
 
     def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,

@@ -64,6 +64,10 @@ class ServerConfig(FrontendConfig):
         default=8192,
         metadata=flag("most open HTTP connections; one more is answered 503 with Retry-After and closed at once, while those already open go on being served. Twice --max_queued_requests, so that a full queue and its streams fit"),
     )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata=flag("render a chat request's own 'chat_template' (vLLM's field and flag); by default such a request gets 400 and every chat is rendered with the model's template or --chat_template's. A request's template runs in jinja2's sandbox, but only its author bounds how long it takes: set this where the clients are trusted"),
+    )
     disable_log_stats: bool = field(default=False, metadata=flag("do not log throughput and KV usage"))
     log_stats_interval: float = field(default=10.0, metadata=flag("seconds between throughput logs (only when there was activity)"))
     health_timeout: float = field(default=10.0, metadata=flag("seconds GET /health?generate=1 waits for its one-token generation"))

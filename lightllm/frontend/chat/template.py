@@ -29,13 +29,16 @@ class ChatTemplateError(ValueError):
 
 
 def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, options: dict | None = None, call_format=None) -> str:
+                continue_final_message: bool = False, options: dict | None = None, call_format=None,
+                template: str | None = None) -> str:
     """The prompt text of `messages`. `continue_final_message`: the text ends inside the last
     message, without its end of turn, so that the model continues it (an assistant's prefill;
     not with add_generation_prompt). `options`: variables for the template (chat_template_kwargs,
     such as {"enable_thinking": False}); `call_format`: how to write an assistant's calls for a
-    template that does not render them (a ToolCallFormat, tool_calls.py)."""
-    template = getattr(tokenizer, "chat_template", None)
+    template that does not render them (a ToolCallFormat, tool_calls.py); `template`: a template
+    in place of the tokenizer's (a request's own, checked by `parsed_template`)."""
+    given = template
+    template = template or getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template:
         raise ChatTemplateError("this model has no chat template; send a plain prompt (/v1/completions)")
     clash = RESERVED_OPTIONS.intersection(options or {})
@@ -47,15 +50,17 @@ def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = N
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **(options or {}))
+                                             continue_final_message=continue_final_message,
+                                             **({"chat_template": given} if given else {}), **(options or {}))
     except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 
 
-def chat_template_text(value: str) -> str:
-    """--chat_template's template: the file `value` names, or `value` itself where it is a
-    template's text (it has a Jinja tag or expression). ValueError, naming the flag, where it is
-    neither or does not parse (with transformers' settings: sandboxed, loop controls on)."""
+def chat_template_text(value: str, name: str = "--chat_template") -> str:
+    """--chat_template's template (or LLM.chat's, `name`): the file `value` names, or `value`
+    itself where it is a template's text (it has a Jinja tag or expression). ValueError, naming
+    the flag, where it is neither or does not parse (with transformers' settings: sandboxed, loop
+    controls on)."""
     try:
         path = Path(value).expanduser()
         text = path.read_text() if path.is_file() else None
@@ -63,16 +68,34 @@ def chat_template_text(value: str) -> str:
         text = None
     if text is None:
         if "{{" not in value and "{%" not in value:
-            raise ValueError(f"--chat_template {value!r} is neither a file nor a template's text")
+            raise ValueError(f"{name} {value!r} is neither a file nor a template's text")
         text = value
+    error = parse_error(text)
+    if error is not None:
+        raise ValueError(f"{name} does not parse: {error}")
+    return text
+
+
+def parsed_template(text: str) -> str:
+    """A request's own chat template (vLLM's `chat_template` field), its text checked as
+    --chat_template's is; ChatTemplateError (a 400) where it does not parse."""
+    error = parse_error(text)
+    if error is not None:
+        raise ChatTemplateError(f"'chat_template' does not parse: {error}")
+    return text
+
+
+def parse_error(text: str) -> str | None:
+    """Why a template's text does not parse, with transformers' settings (sandboxed, loop controls
+    on), or None."""
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
         ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except TemplateSyntaxError as exc:
-        raise ValueError(f"--chat_template does not parse: {exc.message} (line {exc.lineno})") from None
-    return text
+        return f"{exc.message} (line {exc.lineno})"
+    return None
 
 
 CHAT_SPECIAL_TOKENS = False  # the template writes any special tokens (BOS, role markers) itself

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lightllm.frontend.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateError, render_chat
+from lightllm.frontend.chat.template import CHAT_SPECIAL_TOKENS, ChatTemplateError, parsed_template, render_chat
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.frontend.errors import RequestError
 from lightllm.server.httpserver.openai_params import FunctionDef, forced_call_grammar, template_tool
@@ -20,16 +20,21 @@ def message_chars(messages: list[dict]) -> int:
 
 
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
-                      add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> tuple[str, list[int]]:
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      template: str | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids); a conversation the template cannot render is a 400. With
-    continue_final_message the prompt ends inside the last message (render_chat)."""
+    continue_final_message the prompt ends inside the last message (render_chat). `template`: the
+    request's own chat template (vLLM's field): a 400 unless --trust_request_chat_template."""
     check_prompt_chars(message_chars(messages) + (len(json.dumps(tools)) if tools else 0), state.limits)
+    if template is not None and not state.config.trust_request_chat_template:
+        raise RequestError("'chat_template' is not rendered: this server renders chats with its own template "
+                           "unless started with --trust_request_chat_template (vLLM's --trust-request-chat-template)")
 
     def render() -> str:
         return render_chat(state.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, options=options,
-                           call_format=state.chat.call_format)
+                           call_format=state.chat.call_format,
+                           template=None if template is None else parsed_template(template))
 
     try:
         text = await off_loop(render)
@@ -47,7 +52,8 @@ def default_max_tokens(state, prompt_ids: list[int]) -> int:
 async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef], choice: str, parallel: bool,
                       options: dict | None, sampling: SamplingParams, max_tokens_given: bool,
                       max_tokens_field: str, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False, truncate: int | None = None) -> tuple[str, list[int]]:
+                      continue_final_message: bool = False, truncate: int | None = None,
+                      template: str | None = None) -> tuple[str, list[int]]:
     """The prompt (text, token ids) of a chat API's request, with `sampling` completed: a forced
     call's grammar (`choice` required or a function's name), the default max_new_tokens, and its
     grammar compiled (a 400 past --grammar_compile_timeout) once the lengths are known to fit
@@ -58,7 +64,7 @@ async def chat_inputs(state, messages: list[dict], functions: list[FunctionDef],
     if state.chat.keeps_special_tokens:  # the reasoning parser reads them (harmony) and takes them out
         sampling.skip_special_tokens = False
     text, prompt_ids = await chat_prompt(state, messages, tools, options, add_generation_prompt,
-                                         continue_final_message)
+                                         continue_final_message, template)
     prompt_ids = truncated(prompt_ids, truncate, state.limits)
     if not max_tokens_given:
         sampling.max_new_tokens = default_max_tokens(state, prompt_ids)

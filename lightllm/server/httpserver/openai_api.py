@@ -95,7 +95,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
     text, prompt_ids = await chat_inputs(state, body.template_messages(), body.functions_given, body.choice,
                                          body.parallel_tool_calls is not False, body.template_kwargs, sampling,
                                          body.max_tokens_given, body.max_tokens_field, **body.prompt_ending,
-                                         truncate=body.truncate_prompt_tokens)
+                                         truncate=body.truncate_prompt_tokens, template=body.chat_template)
     fmt = ChatFormat(state.tokenizer, body, [state.chat.answer_parser(text, body.choice != "none", body.functions_given)
                                              for _ in range(body.choices)], prompt_ids)
     return await answer(request, body, sampling, [prompt_ids], start, fmt, lora_id)

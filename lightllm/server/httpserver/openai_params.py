@@ -46,6 +46,8 @@ MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's limit for chat, v
 # The most prompts in one /v1/completions body (a bound on one body's work); the choices of a batch
 # (prompts x n) must also fit --max_queued_requests.
 MAX_PROMPTS = 2048
+# The longest chat template a request may bring (vLLM's field; Qwen3's own is about 4 KiB).
+MAX_CHAT_TEMPLATE_CHARS = 64 << 10
 # Fields of a message, content part or tool beyond those read here change nothing.
 LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -479,6 +481,10 @@ class ChatRequest(OpenAIBody):
     function_call: str | dict | None = Field(None, description="not supported")
     chat_template_kwargs: dict | None = Field(None, description="variables for the chat template, such as "
                                                                  "{'enable_thinking': false}")
+    chat_template: NonEmptyStr | None = Field(
+        None, max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="vLLM's extension: a Jinja chat template for this request in place of the model's (only on a "
+                    "server started with --trust_request_chat_template)")
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         None, description="passed to the chat template as reasoning_effort (gpt-oss's)")
     add_generation_prompt: bool | None = Field(

@@ -19,8 +19,9 @@ from lightllm.server.httpserver.chat_prompt import chat_prompt
 from lightllm.server.httpserver.generation import off_loop
 from lightllm.server.httpserver.json_body import add_json_route
 from lightllm.server.httpserver.lora_api import lora_id_of
-from lightllm.server.httpserver.openai_params import Message, Tool, check_tools, prompt_ending, template_tool
-from lightllm.server.httpserver.params import STRICT
+from lightllm.server.httpserver.openai_params import (MAX_CHAT_TEMPLATE_CHARS, Message, Tool, check_tools, prompt_ending,
+                                                    template_tool)
+from lightllm.server.httpserver.params import STRICT, NonEmptyStr
 
 
 class TokenizeRequest(BaseModel):
@@ -40,12 +41,16 @@ class TokenizeRequest(BaseModel):
                                                                   "as a chat request that continues it")
     tools: list[Tool] | None = Field(None, description="with messages: functions, as /v1/chat/completions takes them")
     chat_template_kwargs: dict | None = Field(None, description="with messages: variables for the chat template")
+    chat_template: NonEmptyStr | None = Field(
+        None, max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="with messages: a chat template in place of the model's (--trust_request_chat_template)")
     return_token_strs: bool = Field(False, description="also return each token's vocabulary entry")
 
     def check_form(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give either 'prompt' or 'messages'")
-        for_messages = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
+        for_messages = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs",
+                        "chat_template")
         wrong = for_messages if self.prompt is not None else ("add_special_tokens",)
         for name in wrong:
             if getattr(self, name) is not None:
@@ -81,7 +86,8 @@ async def tokenize_route(request: Request, body: TokenizeRequest) -> JSONRespons
         check_tools([tool.function for tool in body.tools or ()], None)
         tools = [template_tool(tool.function) for tool in body.tools or ()]
         _, ids = await chat_prompt(state, messages, tools, body.chat_template_kwargs,
-                                   **prompt_ending(body.add_generation_prompt, body.continue_final_message))
+                                   **prompt_ending(body.add_generation_prompt, body.continue_final_message),
+                                   template=body.chat_template)
     reply = {"count": len(ids), "max_model_len": state.limits.max_req_total_len, "tokens": ids}
     if body.return_token_strs:
         reply["token_strs"] = await off_loop(state.tokenizer.convert_ids_to_tokens, ids)
