@@ -1,6 +1,6 @@
 """The two guards in front of the router, on one server: the API key and the queue bound.
 
---api_key (or $LIGHTLLM_API_KEY): every route but /health, /info and /metrics needs
+--api_key (or $LIGHTLLM_API_KEY): every route but /health, /info, /metrics and /version needs
 `Authorization: Bearer KEY`; without it, 401 before the body is read. The key is never logged.
 /health?generate=1, which runs a generation, needs it too; its probes run one generation at a time.
 
@@ -123,6 +123,8 @@ ROUTES = [
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
     ("GET", "/openapi.json", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("POST", "/flush_cache", None),
 ]
 
 
@@ -149,8 +151,8 @@ def test_every_generation_route_needs_the_key(server, method, path, body):
     assert call(server, method, path, body, {"Authorization": f"bearer {KEY}"}).status_code == 200
 
 
-def test_health_info_and_metrics_stay_open(server):
-    for path in ("/health", "/info", "/metrics"):
+def test_health_info_metrics_and_version_stay_open(server):
+    for path in ("/health", "/info", "/metrics", "/version"):
         assert requests.get(f"{server.url}{path}", timeout=30).status_code == 200, path
     assert requests.head(f"{server.url}/health", timeout=30).status_code == 200
 

@@ -65,3 +65,24 @@ def test_a_cache_salt_keeps_tenants_apart(default_server):
     assert cached("tenant-a")[0] == prompt_tokens - 1
     empty = requests.post(f"{default_server.url}/v1/completions", json={"prompt": "x", "cache_salt": ""}, timeout=60)
     assert empty.status_code == 400 and "cache_salt" in empty.text
+
+
+def test_a_flush_empties_the_cache_for_the_requests_after_it(default_server):
+    """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache: the next request computes its
+    whole prompt, the same greedy text, and the cache's gauge falls to what it holds then."""
+    prompt = SYSTEM + "Do you bake rye?"
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        first = default_server.generate(prompt, max_new_tokens=6)
+        again = default_server.generate(prompt, max_new_tokens=6)
+        assert again["cached_tokens"] == again["prompt_tokens"] - 1
+        flushed = default_server.post(path, {})
+        assert flushed.status_code == 200, flushed.text
+        cold = default_server.generate(prompt, max_new_tokens=6)
+        assert cold["cached_tokens"] == 0 and cold["generated_text"] == first["generated_text"]
+        default_server.post(path, {})
+        default_server.wait_for(lambda: metric(default_server, "lightllm:prefix_cache_tokens") == 0,
+                                what="an empty cache")
+    assert requests.get(f"{default_server.url}/reset_prefix_cache", timeout=10).status_code == 405
+    version = requests.get(f"{default_server.url}/version", timeout=10)
+    info = requests.get(f"{default_server.url}/info", timeout=10).json()
+    assert version.status_code == 200 and version.json()["version"] == info["version"]

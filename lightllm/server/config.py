@@ -40,7 +40,7 @@ class ServerConfig(FrontendConfig):
     api_key: str | None = field(
         default=None,
         repr=False,  # never in a log line
-        metadata=flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info and /metrics (and on /health?generate=1); absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
+        metadata=flag(f"require 'Authorization: Bearer KEY' on every route but /health, /info, /metrics and /version (and on /health?generate=1); absent: ${API_KEY_ENV} if set, else no key. The environment variable keeps the key out of the process list"),
     )
     max_request_body_bytes: int = field(
         default=8 << 20,

@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary.
 
-HTTP process -> router:        GenerateReq, AbortReq, LoraLoad, LoraUnload (to every --dp replica)
+HTTP process -> router:        GenerateReq, AbortReq, LoraLoad, LoraUnload, FlushCache (to every --dp replica)
 router -> detokenizer:         GenerateReq (forwarded once, before its first token, without its prompt or
                                compiled grammar), BatchTokenOut,
                                AbortReq (forwarded, so that the detokenizer drops the request)
@@ -26,6 +26,11 @@ from lightllm.engine.request import FinishReason, TokenOut, pickled_as_columns
 @dataclass
 class AbortReq:
     req_id: int
+
+
+@dataclass
+class FlushCache:
+    """Drop every prefix-cache entry that no running request holds, from every tier."""
 
 
 @dataclass

@@ -42,7 +42,7 @@ from lightllm.server.httpserver.tokenize_api import add_tokenize_routes
 from lightllm.server.httpserver.lora_api import add_lora_routes
 from lightllm.frontend.lora import LoraNames
 from lightllm.engine.request import FinishReason, SamplingParams
-from lightllm.server.io_struct import RouterHeartbeat, RouterReady
+from lightllm.server.io_struct import FlushCache, RouterHeartbeat, RouterReady
 
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,9 @@ def create_app(config: ServerConfig, tokenizer, ready: list[RouterReady], heartb
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"])
+    for path in ("/reset_prefix_cache", "/flush_cache"):  # vLLM's name, SGLang's
+        app.add_api_route(path, reset_prefix_cache, methods=["POST"])
     add_openai_routes(app)
     add_lora_routes(app)
     add_responses_routes(app)
@@ -250,6 +253,20 @@ def speculative_info(text: str | None) -> dict | None:
 
     config = SpeculativeConfig.parse(text)
     return None if config is None else config.describe()
+
+
+async def version(request: Request) -> JSONResponse:
+    """vLLM's GET /version."""
+    return JSONResponse({"version": lightllm.__version__})
+
+
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    """Drop every prefix-cache entry no running request holds, on every replica and tier (vLLM's
+    POST /reset_prefix_cache, SGLang's /flush_cache): a benchmark's next run starts cold without
+    a restart. Requests sent after this answer find nothing cached before it (each router reads
+    its socket in order)."""
+    request.app.state.server.manager.send_all(FlushCache())
+    return JSONResponse({"status": "ok"})
 
 
 async def info(request: Request) -> JSONResponse:

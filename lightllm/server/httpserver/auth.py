@@ -22,7 +22,7 @@ from lightllm.server.httpserver.errors import error_body
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers carry no key; none of these tells anything about the requests served.
-OPEN_PATHS = frozenset({"/health", "/info", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/info", "/metrics", "/version"})
 SCHEME = b"bearer "
 
 

@@ -64,7 +64,7 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
         lora_id = state.loras.add(body.lora_name, body.lora_path)
     except LoraAdapterError as exc:
         raise RequestError(str(exc), 400) from None
-    state.manager.send_lora(LoraLoad(lora_id, body.lora_path))
+    state.manager.send_all(LoraLoad(lora_id, body.lora_path))
     logger.info("LoRA adapter %r loaded from %s", body.lora_name, body.lora_path)
     return JSONResponse({"lora_name": body.lora_name, "lora_path": body.lora_path})
 
@@ -73,6 +73,6 @@ async def unload_lora_adapter(request: Request, body: UnloadLoraRequest) -> JSON
     state = request.app.state.server
     if state.loras.id_of(body.lora_name) is None:
         raise RequestError(f"no LoRA adapter named {body.lora_name!r} is loaded", 404)
-    state.manager.send_lora(LoraUnload(state.loras.remove(body.lora_name)))
+    state.manager.send_all(LoraUnload(state.loras.remove(body.lora_name)))
     logger.info("LoRA adapter %r unloaded", body.lora_name)
     return JSONResponse({"lora_name": body.lora_name})

@@ -28,6 +28,7 @@ from lightllm.server.httpserver.dp_routing import ReplicaRouter
 from lightllm.server.httpserver.metrics import Metrics
 from lightllm.server.io_struct import (
     AbortReq,
+    FlushCache,
     BatchTextOut,
     LoraLoad,
     LoraUnload,
@@ -223,8 +224,9 @@ class HttpServerManager:
         queue = self._outputs.get(req_id)
         return 0 if queue is None else queue.qsize()
 
-    def send_lora(self, msg: LoraLoad | LoraUnload) -> None:
-        """A LoRA adapter loaded or unloaded, on every replica (before any request that names it)."""
+    def send_all(self, msg: LoraLoad | LoraUnload | FlushCache) -> None:
+        """A LoRA adapter loaded or unloaded, or the prefix cache flushed, on every replica (before
+        any request sent after it: each router reads its socket in order)."""
         for to_router in self._to_routers:
             to_router.send_pyobj(msg)
 

@@ -24,6 +24,7 @@ from lightllm.server.config import ServerConfig
 from lightllm.server.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FlushCache,
     LoraLoad,
     LoraUnload,
     RouterFailed,
@@ -177,6 +178,9 @@ class RouterManager:
                 ended = self.core.drop_lora(msg.lora_id)
                 if ended:
                     self._to_detokenizer.send_pyobj(BatchTokenOut(ended))
+            elif isinstance(msg, FlushCache):
+                freed = self.core.scheduler.flush_cache()  # the frees ride on the next plan
+                logger.info("prefix cache flushed: %d tokens freed on the device", freed)
             else:
                 logger.error("unexpected message %r", type(msg).__name__)
             self._stats_dirty = True
