@@ -126,9 +126,11 @@ def generated_fields(index: int, mode: GenerationMode) -> list[dict]:
 
 
 def generate_all(operations: list) -> list:
-    """Every operation's cases: POSITIVE, and for a POST also NEGATIVE (as generate_cases makes them)."""
+    """Every operation's cases: POSITIVE, and for a POST with a body also NEGATIVE (as generate_cases
+    makes them; a POST without one, /reset_prefix_cache, has no input to get wrong)."""
     jobs = [(index, mode) for index, operation in enumerate(operations)
-            for mode in [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * (operation.method.upper() == "POST")]
+            for mode in [GenerationMode.POSITIVE]
+            + [GenerationMode.NEGATIVE] * (operation.method.upper() == "POST" and bool(operation.body))]
     _operations[:] = operations
     try:
         with concurrent.futures.ProcessPoolExecutor(GENERATORS, mp_context=multiprocessing.get_context("fork")) as pool:
@@ -168,7 +170,8 @@ def test_generated_requests_get_no_5xx(server):
     routes = {f"{op.method.upper()} {op.path}" for op in operations}
     assert {"POST /generate", "POST /generate_stream", "POST /v1/completions", "POST /v1/chat/completions",
             "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
-            "GET /health", "GET /info", "GET /metrics", "GET /v1/models"} <= routes
+            "GET /health", "GET /info", "GET /metrics", "GET /v1/models", "POST /", "GET /version",
+            "POST /reset_prefix_cache"} <= routes
     cases = generate_all(operations)
     random.shuffle(cases)  # every route in flight beside every other
     tally, start = Tally(), time.monotonic()

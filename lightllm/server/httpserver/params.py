@@ -84,7 +84,7 @@ def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_t
 MAX_TOP_TOKENS = 20
 # GenerateParameters fields that are not SamplingParams fields (read by sampling() or the route)
 ROUTE_FIELDS = {"n", "details", "decoder_input_details", "top_n_tokens", "grammar", "logit_bias", "adapter_id",
-                "truncate"}
+                "truncate", "stop", "return_full_text", "watermark", "typical_p", "best_of"}
 
 
 class GenerateParameters(SamplingRanges):
@@ -104,13 +104,38 @@ class GenerateParameters(SamplingRanges):
     grammar: Grammar | None = Field(None, description="structured output: the text follows a JSON schema or a regex")
     adapter_id: str | None = Field(None, description="the LoRA adapter to generate with, by name (TGI's); default: none")
     truncate: int | None = Field(None, ge=1, description="keep only the prompt's last n tokens (TGI's)")
+    # TGI's names and fields that its clients (huggingface_hub's InferenceClient) send
+    stop: StopSequences | None = Field(None, description="TGI's name of stop_sequences")
+    best_of: int | None = Field(None, ge=1, le=128, description="TGI's: sample this many sequences, answer the most "
+                                                                "likely (the others in details.best_of_sequences)")
+    return_full_text: bool | None = Field(None, description="TGI's: the prompt's text before each generated text")
+    watermark: bool | None = Field(None, description="TGI's: only false is served")
+    typical_p: float | None = Field(None, gt=0, le=1, description="TGI's: only 1.0 (off) is served")
 
     @property
     def reads_grammar(self) -> bool:
         return self.grammar is not None
 
+    def check_tgi(self) -> None:
+        """TGI's fields that change nothing here, or that cannot be served, or that clash."""
+        if self.stop is not None and self.stop_sequences is not None:
+            raise RequestError("give 'stop' (TGI's name) or 'stop_sequences', not both")
+        if self.watermark:
+            raise RequestError("'watermark' is not served: only false")
+        if self.typical_p not in (None, 1.0):
+            raise RequestError("'typical_p' is not served: only 1.0 (typical sampling off)")
+        if (self.best_of or 1) > 1 and (self.n or 1) > 1:
+            raise RequestError("give 'best_of' (TGI's: the most likely of them) or 'n' (all of them), not both")
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences run: n, or TGI's best_of."""
+        return max(self.n or 1, self.best_of or 1)
+
     def sampling(self) -> SamplingParams:
         given = self.model_dump(exclude_none=True, exclude=ROUTE_FIELDS)
+        if self.stop is not None:
+            given["stop_sequences"] = self.stop
         if self.logit_bias:
             given["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         if self.top_n_tokens:
@@ -129,3 +154,9 @@ class GenerateRequest(BaseModel):
 
     inputs: NonEmptyStr
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    """TGI's POST / (its clients' default route): /generate's body and whether to stream it."""
+
+    stream: bool = Field(False, description="true: /generate_stream's events; false: a list of one TGI answer")
