@@ -45,16 +45,17 @@ def test_waiting_requests_are_admitted_lowest_priority_first(server):
     while "long" not in times:
         time.sleep(0.01)
     waiting = []
-    for name, priority in (("a", 2), ("b", 0), ("c", -1), ("d", 0)):
+    for count, (name, priority) in enumerate((("a", 2), ("b", 0), ("c", -1), ("d", 0)), 1):
         waiting.append(threading.Thread(target=first_token_time, args=(server.url, {**body, "max_tokens": 3,
                                                                                     "priority": priority},
                                                                        times, name)))
         waiting[-1].start()
-        time.sleep(0.05)  # arrival order
-    sent = time.monotonic()
+        server.wait_for(lambda: server.metrics()["lightllm:num_requests_waiting"] == count,
+                        what=f"{count} requests waiting")  # so they arrive in this order
+    arrived = time.monotonic()
     for thread in [long, *waiting]:
         thread.join()
-    assert times[("end", "long")] > sent, "the long request ended before the others had all arrived"
+    assert times[("end", "long")] > arrived, "the long request ended before the others had all arrived"
     assert sorted("abcd", key=times.get) == ["c", "b", "d", "a"]
 
 
