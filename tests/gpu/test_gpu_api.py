@@ -1,5 +1,6 @@
 """The API's newer fields against a server on the GPU: logprobs, n, seed, logit_bias, min_tokens,
-stop_token_ids, echo, /generate's details and /metrics' names.
+stop_token_ids, echo, allowed_token_ids, bad_words, prompt_logprobs' ranks, /generate's details,
+TGI's POST / and /metrics' names.
 
     LIGHTLLM_GPU_MODEL=.gpu/bench-8b python -m pytest -m gpu tests/gpu/test_gpu_api.py
 
@@ -69,6 +70,10 @@ PROMPTS = {
     "stop": "In the beginning there was",
     "echo": "Question: what is two plus two? Answer:",
     "generate": "The quick brown fox jumps over",
+    "allowed": "My three favourite numbers are",
+    "bad_words": "The best season of the year is",
+    "prompt_ranks": "Water boils at one hundred degrees",
+    "tgi": "A good breakfast has",
 }
 TOL = 1e-5  # the same float sent twice (top-1 and the sampled token): equal up to JSON's repr
 
@@ -258,3 +263,68 @@ def test_metrics(api: Api, tokenizer, eos: int):
     names = ("lightllm:num_requests_running", "lightllm:prefix_cache_hits_total")
     for name in names:
         expect(name in samples, f"/metrics has no {name}")
+
+
+def test_allowed_token_ids(api: Api, tokenizer, eos: int):
+    """Greedy and sampled, every token is one of the list; greedy takes the most likely of them."""
+    allowed = sorted({tokenizer.encode(w, add_special_tokens=False)[0] for w in (" one", " two", " seven", " x")})
+    for temperature in (0, 1.0):
+        reply = api.complete(PROMPTS["allowed"], temperature=temperature, max_tokens=6, ignore_eos=True, seed=3,
+                             allowed_token_ids=allowed, logprobs=1)
+        ids = tokenizer.encode(reply["choices"][0]["text"], add_special_tokens=False)
+        expect(set(ids) <= set(allowed), f"temperature {temperature}: tokens {ids} outside {allowed}")
+        expect(all(is_logprob(x) for x in reply["choices"][0]["logprobs"]["token_logprobs"]), "logprobs")
+
+
+def test_bad_words(api: Api, tokenizer, eos: int):
+    """A one-token word the greedy text holds (after a space), banned, is never sampled."""
+    api.warm(PROMPTS["bad_words"])
+
+    def token_ids(**fields) -> list[int]:
+        reply = api.complete(PROMPTS["bad_words"], temperature=0, max_tokens=8, ignore_eos=True, logprobs=1,
+                             return_tokens_as_token_ids=True, **fields)
+        return [int(t.split(":")[1]) for t in reply["choices"][0]["logprobs"]["tokens"]]
+
+    free = token_ids()
+    texts = [tokenizer.decode([t]) for t in free]
+    banned = next((t for t, text in zip(free, texts) if text.startswith(" ") and text[1:].strip()
+                   and tokenizer.encode(text, add_special_tokens=False) == [t]), None)
+    if banned is None:
+        pytest.skip(f"no token of the greedy text {texts} is a word after a space")
+    held = token_ids(bad_words=[tokenizer.decode([banned])[1:]])
+    expect(banned not in held, f"banned token {banned} in {held} (free: {free})")
+    expect(held[: free.index(banned)] == free[: free.index(banned)], f"held {held} parts from free {free} early")
+
+
+def test_prompt_logprob_ranks(api: Api, tokenizer, eos: int):
+    """A prompt token's rank counts the whole vocabulary at least as likely (vLLM's), whether or not
+    it is among the k shown: 1 where it is the most likely. The prompt is a text and its own greedy
+    continuation, whose tokens are each the most likely there (bar bf16 near-ties between a decode
+    and a prefill of the same rows)."""
+    reply = api.complete(PROMPTS["prompt_ranks"], temperature=0, max_tokens=6, ignore_eos=True, logprobs=1,
+                         return_tokens_as_token_ids=True)
+    continued = [int(t.split(":")[1]) for t in reply["choices"][0]["logprobs"]["tokens"]]
+    ids = tokenizer.encode(PROMPTS["prompt_ranks"], add_special_tokens=False) + continued
+    reply = api.complete(ids, max_tokens=1, temperature=0, prompt_logprobs=3)
+    positions = reply["choices"][0]["prompt_logprobs"]
+    expect(len(positions) == len(ids) and positions[0] is None, f"{len(positions)} positions for {len(ids)} tokens")
+    for token, position in zip(ids[1:], positions[1:]):
+        entries = {int(k): v for k, v in position.items()}
+        mine = entries[token]
+        better = sum(e["logprob"] > mine["logprob"] + TOL for t, e in entries.items() if t != token)
+        expect(mine["rank"] >= better + 1, f"token {token}: rank {mine['rank']} below {better} shown likelier + 1")
+    ranks = [positions[-n][str(ids[-n])]["rank"] for n in range(len(continued), 0, -1)]
+    expect(sum(r == 1 for r in ranks) >= len(ranks) - 1, f"the greedy continuation's ranks {ranks}")
+
+
+def test_tgi_root_route(api: Api, tokenizer, eos: int):
+    """TGI's POST /: a list of one answer, /generate's text; its stream's events join to it."""
+    api.warm(PROMPTS["tgi"])
+    ours = api.generate(PROMPTS["tgi"], max_new_tokens=6)["generated_text"][0]
+    answer = api.post("/", {"inputs": PROMPTS["tgi"], "parameters": {"max_new_tokens": 6, "details": True}})
+    expect(isinstance(answer, list) and answer[0]["generated_text"] == ours, f"{answer} against {ours!r}")
+    expect(answer[0]["details"]["finish_reason"] in ("length", "eos_token"), f"{answer[0]['details']}")
+    response = api.session.post(api.url + "/", json={"inputs": PROMPTS["tgi"], "stream": True,
+                                                     "parameters": {"max_new_tokens": 6}}, timeout=api.timeout)
+    events = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:")]
+    expect("".join(e["token"]["text"] for e in events) == ours, f"events {events}")
