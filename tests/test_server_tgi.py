@@ -1,6 +1,10 @@
 """TGI's clients against the server: huggingface_hub's InferenceClient sends to TGI's POST / (a list
-of one answer, or /generate_stream's events with "stream": true) with TGI's parameter names. Each
-answer must be what /generate answers the same request."""
+of one answer, or /generate_stream's events with "stream": true) with TGI's parameter names, and
+chats through /v1/chat/completions with TGI's model name ("dummy") and response_format. Each
+answer must be what our own route answers the same request."""
+
+import json
+import re
 
 import math
 
@@ -86,3 +90,36 @@ def test_what_cannot_be_served_is_a_400(default_server, parameters, message):
     stream = requests.post(f"{default_server.url}/", json={"inputs": PROMPT, "stream": True,
                                                           "parameters": {"best_of": 2, "do_sample": True}}, timeout=60)
     assert stream.status_code == 400 and "not supported by a stream" in stream.json()["error"]
+
+
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+def chat(server, **fields) -> dict:
+    response = server.post("/v1/chat/completions", {"messages": CHAT, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_completion_with_tgis_model_name(default_server, client):
+    """huggingface_hub names the model "dummy" (TGI serves one model whatever the name): the base
+    model, as "tgi" is; another unknown name stays a 404."""
+    ours = chat(default_server, max_tokens=6, temperature=0)["choices"][0]["message"]["content"]
+    tgi = client.chat_completion(CHAT, max_tokens=6, temperature=0)
+    assert tgi.choices[0].message.content == ours
+    streamed = client.chat_completion(CHAT, max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == ours
+    assert chat(default_server, max_tokens=6, temperature=0, model="tgi")["choices"][0]["message"]["content"] == ours
+    unknown = default_server.post("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4", "max_tokens": 1})
+    assert unknown.status_code == 404
+
+
+def test_tgis_response_format_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}}, "required": ["colour"],
+              "additionalProperties": False}
+    answer = client.chat_completion(CHAT, max_tokens=40, temperature=0,
+                                    response_format={"type": "json", "value": schema})
+    assert set(json.loads(answer.choices[0].message.content)) == {"colour"}
+    answer = client.chat_completion(CHAT, max_tokens=10, temperature=0,
+                                    response_format={"type": "regex", "value": "(red|green|blue)!"})
+    assert re.fullmatch("(red|green|blue)!", answer.choices[0].message.content)

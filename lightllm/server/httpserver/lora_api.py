@@ -40,11 +40,19 @@ def add_lora_routes(app: FastAPI) -> None:
     add_json_route(app, "/v1/unload_lora_adapter", unload_lora_adapter)
 
 
+# The names TGI's clients give where they name no model (TGI serves one, whatever the name):
+# huggingface_hub's chat_completion sends "dummy", TGI's documents "tgi". They are the base model
+# here, unless an adapter has the name.
+TGI_MODEL_NAMES = frozenset({"tgi", "dummy"})
+
+
 def lora_id_of(model: str | None, state) -> int:
     """The engine id of the adapter a request names (0: the base model); 404 for a name not served."""
     if model is None or model == state.config.served_model_name:
         return 0
     lora_id = state.loras.id_of(model)
+    if lora_id is None and model in TGI_MODEL_NAMES:
+        return 0
     if lora_id is None:
         served = [state.config.served_model_name, *state.loras.ids]
         raise RequestError(f"model {model!r} does not exist; this server serves {', '.join(map(repr, served))}", 404)

@@ -68,15 +68,28 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    """OpenAI's response_format, and TGI's ({"type": "json", "value": a schema} or {"type": "regex",
+    "value": a pattern}, as huggingface_hub's chat_completion sends it)."""
+
     model_config = STRICT
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: dict | NonEmptyStr | None = Field(None, description="TGI's: the schema of type json, the pattern of regex")
 
     def grammar(self) -> tuple[str, str]:
         """(SamplingParams.grammar_kind, grammar), checked by xgrammar (a bad schema is a 400)."""
         if self.type == "text":
             return "", ""
-        if self.type == "json_object":
+        if self.type in ("json", "regex"):
+            if self.value is None:
+                raise RequestError(f"'response_format': TGI's type '{self.type}' needs a 'value'")
+            if self.type == "json":
+                kind, spec = json_grammar(self.value, "response_format.value")
+            elif isinstance(self.value, str):
+                kind, spec = "regex", self.value
+            else:
+                raise RequestError("'response_format.value' of type 'regex' is a pattern: a string")
+        elif self.type == "json_object":
             kind, spec = "json_object", ""
         elif self.json_schema is None:
             raise RequestError("'response_format': type 'json_schema' needs a 'json_schema' object")
