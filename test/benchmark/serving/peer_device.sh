@@ -20,6 +20,10 @@
 # Gemma 4: from transformers 5.14 a Gemma 4 config's head_dim is a per-layer attribute that raises
 # when read whole, as vLLM 0.26 reads it; the image has 5.17, so carry transformers 5.13.0 and the
 # tokenizers it takes (0.22.2), which vLLM 0.26's requirements also admit.
+# CLIENT_ARGS: more benchmark_serving.py flags for every row, e.g. "--warmup 64": 64 short requests
+# that share no prefix with the measured ones, sent to each fresh server first, so that neither
+# server's first-use compiles (vLLM's MXFP4 routing kernels, JIT-compiled in a gpt-oss burst's first
+# seconds) fall in the measured burst.
 set -uo pipefail
 
 ROOT=$(pwd)
@@ -77,7 +81,8 @@ row() {  # row ITEM
   timeout -k 10 $((t + 20)) env PYTHONPATH="$ROOT:$ROOT/test:/tmp/site" python3 \
     "$ROOT/test/benchmark/serving/benchmark_serving.py" --base-url "http://127.0.0.1:$port" \
     --model "$ROOT/.gpu/$model" --requests "$(requests_file "$n")" --num-prompts "$n" --seed 0 --api completions \
-    --request-rate "$rate" --timeout "$t" --no-progress --result-json "$dir/result.json" > "$dir/client.log" 2>&1
+    --request-rate "$rate" --timeout "$t" --no-progress --result-json "$dir/result.json" ${CLIENT_ARGS:-} \
+    > "$dir/client.log" 2>&1
   echo "$item: client rc $?"
   stop_server; gpu_free
   ROWS+=("$(python3 - "$dir/result.json" "$server" "$model" "$n@$rate" "$start_s" <<'PY'
