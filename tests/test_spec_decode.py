@@ -176,6 +176,35 @@ def test_controller_speculates_only_where_it_pays():
     assert spec.allocate([0.5], [6], 1, 1) is None
 
 
+def test_small_choice_is_the_vectorised_one():
+    """A choice over a few candidate drafts (batch 1 or a few requests) runs in plain Python:
+    the same drafts per request as numpy's over random cost curves, acceptances and sizes, its
+    expected rates equal but for the last bit (numpy's vectorised power)."""
+    from lightllm.engine.spec.controller import SMALL_CHOICE_ROWS
+
+    rng = random.Random(0)
+    compared = 0
+    for _ in range(1500):
+        k = rng.randint(1, 8)
+        spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=k), vocab_size=VOCAB, max_rows=64)
+        spec.measured(False, rng.randint(1, 400), rng.uniform(0.001, 0.03))
+        for _ in range(rng.randint(0, 12)):  # both curves, from one point to many, small counts and large
+            spec.measured(rng.random() < 0.5, rng.choice([rng.randint(1, 10), rng.randint(1, 400)]),
+                          rng.uniform(0.001, 0.03))
+        n = rng.randint(1, 4)
+        alphas = [rng.choice([rng.random(), 0.0, 1.0, 0.5]) for _ in range(n)]
+        limits = [rng.randint(0, 8) for _ in range(n)]
+        if not any(limits) or sum(min(x, k) for x in limits) > SMALL_CHOICE_ROWS:
+            continue
+        args = alphas, limits, rng.randint(1, 40), rng.randint(1, 300), rng.randint(1, 20)
+        counts, rate, plain = spec._choose(*args)
+        small_counts, small_rate, small_plain = spec._choose_small(*args)
+        assert small_counts == counts, args
+        assert small_rate == pytest.approx(rate, rel=1e-12) and small_plain == plain, args
+        compared += 1
+    assert compared > 1000
+
+
 def test_shadow_drafts_measure_acceptance_without_speculating():
     spec = make_speculator()
     req = spec.start(1, [1, 2, 3, 4, 1, 2, 3])

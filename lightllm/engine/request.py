@@ -202,6 +202,9 @@ class Req:
         self.queue_time = 0.0  # seconds from arrival until its first chunk was scheduled
         # Prompt logprobs need every position's logits: such a request computes its whole prompt.
         self.uses_cache = msg.sampling.prompt_logprobs is None
+        # Its tokens' choice depends on the ones before it on the host: it never verifies drafts
+        # (read for each decode of each step that may draft, so taken once here).
+        self.depends_on_tokens = msg.sampling.depends_on_tokens
         self._eos_token_ids = frozenset() if msg.sampling.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(msg.sampling.stop_token_ids)
 
@@ -236,14 +239,15 @@ class Req:
 
     def append(self, token_id: int) -> FinishReason | None:
         """Count one generated token; return why the request ends, if it does."""
-        if self.status not in (ReqStatus.PREFILLING, ReqStatus.DECODING):
+        if self.status is not ReqStatus.DECODING and self.status is not ReqStatus.PREFILLING:
             raise RuntimeError(f"{self!r} got a token while {self.status.value}")
-        self.output_ids.append(token_id)
+        output_ids = self.output_ids
+        output_ids.append(token_id)
         if token_id in self._eos_token_ids:
             return FinishReason.EOS
         if token_id in self._stop_token_ids:
             return FinishReason.STOP
-        if self.output_count >= self.max_new_tokens:
+        if len(output_ids) >= self.max_new_tokens:
             return FinishReason.LENGTH
         return None
 

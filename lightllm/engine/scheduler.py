@@ -373,7 +373,7 @@ class Scheduler:
         """Most drafts the request may verify in the step being planned: its tokens are all back
         (a decode of it is planned in this step, none in flight), and it uses neither penalties
         nor a grammar (they depend on each token before); 0 otherwise."""
-        if req.output_count != req.decode_steps or req.sampling.depends_on_tokens:
+        if req.depends_on_tokens or len(req.output_ids) != req.decode_steps:
             return 0
         return max(0, req.max_new_tokens - req.output_count - 1)  # each step emits up to drafts + 1
 
@@ -400,16 +400,20 @@ class Scheduler:
 
     def _draftable_later(self, req: Req) -> int:
         """`_draftable` once its step in flight is back (one token more, maybe)."""
-        return 0 if req.sampling.depends_on_tokens else max(0, req.max_new_tokens - req.decode_steps - 3)
+        return 0 if req.depends_on_tokens else max(0, req.max_new_tokens - req.decode_steps - 3)
 
     def _plan_drafts(self, plan: StepPlan) -> dict[int, list[int]]:
         """Drafts for this step's decodes where the controller expects them to pay, within the KV
         budget whatever is accepted (`peak_with_drafts`)."""
         spec = self.speculator
-        room = [(r, self._draftable(r)) for r in map(self._by_id.__getitem__, plan.decodes) if r.spec.measured]
-        candidates = [r for r, k in room if k]
-        alphas = [r.spec.alpha(spec.global_alpha) for r in candidates]
-        limits = [k for _, k in room if k]
+        candidates, limits = [], []
+        for req in map(self._by_id.__getitem__, plan.decodes):
+            k = req.spec.measured and self._draftable(req)
+            if k:
+                candidates.append(req)
+                limits.append(k)
+        prior = spec.global_alpha
+        alphas = [r.spec.alpha(prior) for r in candidates]
         outputs = len(plan.sampled)
         counts = spec.allocate(alphas, limits, plan.num_tokens, outputs)
         if counts is None:
@@ -795,14 +799,15 @@ class Scheduler:
     @staticmethod
     def _emit(req: Req, run, outs: list[TokenOut]) -> tuple[list[int], FinishReason | None]:
         """A request's tokens of one step into outputs, up to the one that ends it; (their ids, why it ends)."""
-        emitted, reason = [], None
+        emitted, reason, req_id, append = [], None, req.req_id, req.append
         for token in run:
-            reason = req.append(token.token_id)
-            out = TokenOut(req.req_id, token.token_id, token.logprob, reason, top_logprobs=token.top)
-            if req.output_count == 1:
+            token_id = token.token_id
+            reason = append(token_id)
+            out = TokenOut(req_id, token_id, token.logprob, reason, top_logprobs=token.top)
+            if len(req.output_ids) == 1:
                 out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
             outs.append(out)
-            emitted.append(token.token_id)
+            emitted.append(token_id)
             if reason is not None:
                 break
         return emitted, reason
