@@ -346,3 +346,36 @@ def test_every_uploaded_view_starts_on_16_bytes_and_holds_its_list():
         for name, values in floats.items():
             assert views[name].dtype == torch.float32
             torch.testing.assert_close(views[name], torch.tensor(values, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("typical_p", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_keeps_transformers_typical_set(typical_p):
+    """typical_p (TGI's) against transformers' TypicalLogitsWarper after the temperature: the same
+    tokens kept with the same renormalised probabilities; a row at 1.0 in the same batch keeps
+    every token, and the draws fall inside the set."""
+    from transformers import TemperatureLogitsWarper, TypicalLogitsWarper
+
+    from lightllm.engine.sampling import filtered_probs
+
+    vocab, temperature = 300, 0.8
+    logits = random_logits(6, vocab, 31)
+    params = [SamplingParams(do_sample=True, temperature=temperature, typical_p=typical_p if i % 3 else 1.0,
+                             seed=i) for i in range(6)]
+    batch = to_batch([SamplingState(p) for p in params])
+    probs, order = filtered_probs(logits / temperature, batch)
+    ours = torch.zeros_like(probs).scatter_(1, order, probs)
+    ours /= ours.sum(-1, keepdim=True)
+    for i, p in enumerate(params):
+        scores = TemperatureLogitsWarper(temperature)(None, logits[i: i + 1])
+        if p.typical_p < 1.0:
+            scores = TypicalLogitsWarper(p.typical_p)(None, scores)
+        expected = torch.softmax(scores, -1)[0]
+        assert torch.equal(ours[i] > 0, expected > 0), (i, int((ours[i] > 0).sum()), int((expected > 0).sum()))
+        assert torch.allclose(ours[i], expected, atol=1e-6), i
+    assert all(int((ours[i] > 0).sum()) == vocab for i in (0, 3))
+    assert int((ours[1] > 0).sum()) < vocab
+    draws = 300
+    rows = [SamplingParams(do_sample=True, temperature=temperature, typical_p=typical_p, seed=s) for s in range(draws)]
+    tokens, _, _ = sample_full(logits[1:2].expand(draws, vocab).contiguous(), rows)
+    assert (ours[1][tokens] > 0).all()
+    assert len(set(tokens.tolist())) > 1 or int((ours[1] > 0).sum()) == 1

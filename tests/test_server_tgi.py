@@ -75,9 +75,20 @@ def test_best_of_answers_the_most_likely_of_n_draws(default_server, client):
     assert len(tgi.details.best_of_sequences) == 2
 
 
+def test_typical_p_narrows_the_draw(client):
+    """typical_p through TGI's client: near 0 only the most typical token is left at each step, so
+    every seed draws one text; at 1.0 (off) the same seeds draw different ones."""
+    def draws(typical_p):
+        return {client.text_generation(PROMPT, max_new_tokens=12, do_sample=True, seed=seed, typical_p=typical_p)
+                for seed in range(4)}
+
+    assert len(draws(1e-6)) == 1
+    assert len(draws(1.0)) > 1
+
+
 @pytest.mark.parametrize("parameters, message", [
     ({"watermark": True}, "'watermark' is not served"),
-    ({"typical_p": 0.5}, "'typical_p' is not served"),
+    ({"typical_p": 0}, "typical_p"),
     ({"best_of": 2, "n": 2, "do_sample": True}, "not both"),
     ({"best_of": 2}, "'best_of' > 1 needs sampling"),
     ({"stop": ["x"], "stop_sequences": ["y"]}, "not both"),

@@ -70,6 +70,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int = 0  # the HTTP process draws one when the client gives none
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    # TGI's and transformers' typical decoding (Meister et al.): keep the tokens whose surprisal is
+    # nearest the distribution's entropy, up to this much probability (1.0: off); after the others
+    typical_p: float = 1.0
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling

@@ -1,5 +1,5 @@
 """Token choice for one step: allowed tokens, logit biases, grammar masks, min_tokens bans and penalties, then
-greedy or seeded top-k/top-p/min-p sampling. Log probabilities (of the sampled token and the top
+greedy or seeded top-k/min-p/top-p/typical-p sampling. Log probabilities (of the sampled token and the top
 k) are of the model's raw logits, before any of these (vLLM's default).
 
 The random draw for request b at step s (tokens it has generated so far) uses
@@ -44,7 +44,7 @@ class SamplingState:
         p = self.params
         greedy = p.greedy
         sparse = (bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0 or bool(p.allowed_token_ids)
-                  or bool(p.bad_words_ids))
+                  or bool(p.bad_words_ids) or p.typical_p < 1.0)
         self.recent = deque(maxlen=p.bad_word_context) if p.bad_word_context else None
         self.row = (_signed64(p.seed), p.top_k if p.top_k > 0 else -1, int(greedy),
                     1.0 if greedy else p.temperature, p.top_p, p.uses_penalties, sparse)
@@ -95,10 +95,10 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
 
 def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_ids, ints: dict, floats: dict) -> None:
     """Sparse inputs, in one pass (most batches have none): logit biases as (row, token, value),
-    min_p per row, the tokens that would end a request before its min_tokens and those its bad
+    min_p and typical_p per row, the tokens that would end a request before its min_tokens and those its bad
     words ban as (row, token) pairs set to -inf, and allowed_token_ids as (row, token) pairs
     beside the rows they mask."""
-    bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p = [], [], [], [], [], False
+    bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p, typical = [], [], [], [], [], False, False
     allow_rows, allow_ids, masked_rows = [], [], []
     for b, (s, offset) in enumerate(zip(states, offsets)):
         p = s.params
@@ -118,6 +118,7 @@ def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_i
             ban_rows += [b] * len(banned)
             ban_ids += banned
         min_p = min_p or p.min_p > 0.0
+        typical = typical or p.typical_p < 1.0
     if bias_rows:
         ints.update(bias_rows=bias_rows, bias_ids=bias_ids)
         floats.update(bias_values=bias_values)
@@ -127,6 +128,8 @@ def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_i
         ints.update(allow_rows=allow_rows, allow_ids=allow_ids, masked_rows=masked_rows)
     if min_p:
         floats["min_ps"] = [s.params.min_p for s in states]
+    if typical:
+        floats["typical_ps"] = [s.params.typical_p for s in states]
 
 
 def host_lists(states: list[SamplingState], eos_token_ids=(), offsets: list[int] | None = None
@@ -168,6 +171,7 @@ class SamplingBatch:
     allowed: tuple | None = None  # (rows, token ids, rows masked): a masked row keeps only its (row, token) pairs
     grammar: tuple | None = None  # (bitmask int32 [R, ceil(V/32)], rows [R]): allowed tokens of constrained rows
     top_logprobs: int = 0  # the most top logprobs any request wants
+    typical_ps: torch.Tensor | None = None
 
     @property
     def changes_logits(self) -> bool:
@@ -188,7 +192,8 @@ class SamplingBatch:
         if "allow_rows" in t:
             allowed = (t["allow_rows"], t["allow_ids"], t["masked_rows"])
         return cls(t["seeds"], t["steps"], t["top_ks"], t["greedy"].bool(), t["temperatures"], t["top_ps"],
-                   all_greedy, penalties, t.get("min_ps"), bias, bans, allowed, grammar, top_logprobs)
+                   all_greedy, penalties, t.get("min_ps"), bias, bans, allowed, grammar, top_logprobs,
+                   t.get("typical_ps"))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):
@@ -268,11 +273,22 @@ def _rows(batch: SamplingBatch, start: int, end: int) -> SamplingBatch:
     """The per-row inputs of rows [start, end) that the filtered draw reads."""
     return dataclasses.replace(batch, seeds=batch.seeds[start:end], steps=batch.steps[start:end],
                                top_ks=batch.top_ks[start:end], top_ps=batch.top_ps[start:end],
-                               min_ps=None if batch.min_ps is None else batch.min_ps[start:end])
+                               min_ps=None if batch.min_ps is None else batch.min_ps[start:end],
+                               typical_ps=None if batch.typical_ps is None else batch.typical_ps[start:end])
 
 
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Seeded draw from softmax(scaled) restricted to top_k, to min_p and then to the top_p nucleus."""
+    """Seeded draw from softmax(scaled) restricted to top_k, to min_p, to the top_p nucleus and
+    then to the typical_p set."""
+    probs, order = filtered_probs(scaled, batch)
+    u = random_uniform(batch.seeds, batch.steps, scaled.shape[-1]).gather(1, order)
+    choice = (probs / -torch.log(u)).argmax(-1, keepdim=True)
+    return order.gather(1, choice).squeeze(1)
+
+
+def filtered_probs(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the probabilities that the draw samples from, unnormalised, each row sorted by its logits
+    from the largest; that order): softmax(scaled), the tokens that the filters drop at 0."""
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(-1, descending=True)
     probs = sorted_logits.softmax(-1)
@@ -281,12 +297,36 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     probs = probs.masked_fill(rank[None, :] >= top_ks[:, None], 0.0)
     if batch.min_ps is not None:  # min_p of the most likely token's probability (sorted first)
         probs = probs.masked_fill(probs < batch.min_ps[:, None] * probs[:, :1], 0.0)
-    # top_p over the top-k renormalised distribution; the best token always stays
+    # top_p over the top-k renormalised distribution; the best token always stays, and a row at
+    # 1.0 keeps its tail (its cumulative sum may round to 1 before the last tokens)
     cum_before = (probs.cumsum(-1) - probs) / probs.sum(-1, keepdim=True)
-    probs = probs.masked_fill((cum_before >= batch.top_ps[:, None]) & (rank[None, :] > 0), 0.0)
-    u = random_uniform(batch.seeds, batch.steps, vocab).gather(1, order)
-    choice = (probs / -torch.log(u)).argmax(-1, keepdim=True)
-    return order.gather(1, choice).squeeze(1)
+    probs = probs.masked_fill((cum_before >= batch.top_ps[:, None]) & (rank[None, :] > 0)
+                              & (batch.top_ps < 1.0)[:, None], 0.0)
+    if batch.typical_ps is not None:
+        del sorted_logits, cum_before
+        probs = _typical(probs, batch.typical_ps)
+    return probs, order
+
+
+def _typical(probs: torch.Tensor, typical_ps: torch.Tensor) -> torch.Tensor:
+    """Typical decoding over what the other filters left (transformers' TypicalLogitsWarper): by
+    how far each token's surprisal -log q lies from the entropy of q (q: `probs` renormalised),
+    nearest first, the fewest tokens whose probability reaches typical_p, with every token as
+    near as the last of them; rows at 1.0 are left as they are. In place, and a few copies of
+    the block at a time (the start-up profile's draw uses it: its peak is the KV cache's loss)."""
+    total = probs.sum(-1, keepdim=True)
+    q = probs / total
+    entropy = torch.special.entr(q).sum(-1, keepdim=True)  # -q log q, 0 where q is 0
+    distance = q.log_().neg_().sub_(entropy).abs_()  # in q's place; inf where q is 0: never kept
+    del q
+    nearest, by_distance = distance.sort(-1)
+    mass = probs.gather(1, by_distance).cumsum_(-1)
+    del by_distance
+    last = (mass < typical_ps[:, None] * total).sum(-1, keepdim=True).clamp_(max=probs.shape[-1] - 1)
+    del mass
+    threshold = nearest.gather(1, last)
+    del nearest
+    return probs.masked_fill_((distance > threshold) & (typical_ps < 1.0)[:, None], 0.0)
 
 
 def grammar_masks(states: list[SamplingState], vocab_size: int, device: torch.device) -> tuple | None:
