@@ -70,6 +70,27 @@ class RandomSpeculator(Speculator):
         return [self.rng.randint(0, min(k, self.k_max)) for k in limits] if self.rng.random() < 0.7 else None
 
 
+def check_preemptions(scheduler: Scheduler) -> None:
+    """Each admission that preempts (the priority policy) lets the most urgent waiting request in,
+    and preempts only running requests strictly less urgent than it (each waits again, or starts
+    again at once where the new order proves that it fits: a prefilling request's growth is
+    bounded by the prompts ahead of it)."""
+    admit = scheduler._admit
+
+    def checked():
+        before, running = scheduler.num_preemptions, {r: r.preemptions for r in scheduler.running}
+        ready = [r for r in scheduler.waiting.values() if r.grammar_ready]
+        first = min(ready, key=lambda r: (r.priority, r.preemptions == 0, r.arrival_seq)) if ready else None
+        admit()
+        if scheduler.num_preemptions > before:
+            preempted = [r for r, count in running.items() if r.preemptions > count]
+            assert first in scheduler.running, "preempted for a request that was not admitted"
+            assert len(preempted) == scheduler.num_preemptions - before
+            assert all(r.priority > first.priority and r.resumed == r.output_count for r in preempted)
+
+    scheduler._admit = checked
+
+
 @settings(max_examples=80, deadline=None)
 @given(requests, st.integers(1, 70), st.integers(0, 200), st.booleans(), st.sampled_from([0.0, 0.05]),
        st.one_of(st.integers(1, 16), st.just(32)), st.sampled_from(POLICIES), st.booleans(), st.sampled_from([0, 3]),
@@ -82,6 +103,7 @@ def test_kv_budget_holds_and_every_request_ends(reqs, chunk, extra_budget, overl
                           admission_wait_steps=admission_wait_steps, burst_chunk_budget=burst * chunk,
                           speculator=RandomSpeculator(rng, 4 * max_running) if speculate else None)
     core = EngineCore(scheduler, runner, eos_token_ids=[EOS], overlap=overlap)
+    check_preemptions(scheduler)
     arrivals = sorted(((at, i) for i, (_, _, at) in enumerate(reqs)), reverse=True)
     aborted = {i for i in range(len(reqs)) if rng.random() < 0.1}
     outs: dict[int, list] = {}
@@ -241,17 +263,20 @@ def test_priority_admits_the_lowest_value_first_then_in_arrival_order():
     core.step()
     assert admitted_order(core.scheduler) == sorted(range(20), key=lambda i: (priorities[i], i))
     # One running slot: requests that arrive while it is taken are admitted by their priority,
-    # a later arrival before earlier ones of a higher value; the running one is not preempted.
+    # a later arrival before earlier ones of a higher value; the running one, of a higher value
+    # than them all, is preempted for the first of them, and resumes last with its 30 tokens.
     core = EngineCore(Scheduler(100_000, 64, 1, "priority"), FakeRunner(100_000, 0.0, rng), eos_token_ids=[EOS])
     core.add(GenerateReq(0, [5], SamplingParams(max_new_tokens=30, ignore_eos=True), priority=9))
     core.step()
     for req_id, priority in ((1, 2), (2, 0), (3, -1), (4, 0)):
         core.add(GenerateReq(req_id, [5], SamplingParams(max_new_tokens=3, ignore_eos=True), priority=priority))
-    order = []
+    order, tokens = [r.req_id for r in core.scheduler.running], {}
     while core.has_work:
-        core.step()
+        for out in core.step():
+            tokens[out.req_id] = tokens.get(out.req_id, 0) + 1
         order += [r.req_id for r in core.scheduler.running if r.req_id not in order]
-    assert order == [0, 3, 2, 4, 1]
+    assert order == [0, 3, 2, 4, 1] and core.scheduler.num_preemptions == 1
+    assert tokens == {0: 30, 1: 3, 2: 3, 3: 3, 4: 3}
 
 
 def test_cached_tokens_nobody_references_never_keep_a_request_out():

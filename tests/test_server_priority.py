@@ -1,5 +1,6 @@
 """vLLM's `priority` through the server: with --schedule_policy priority, requests that wait are
-admitted lowest value first; under another policy a value other than 0 is a 400."""
+admitted lowest value first, and one that finds no room preempts a less urgent running one, which
+answers later what it answers alone; under another policy a value other than 0 is a 400."""
 
 import json
 import threading
@@ -24,23 +25,26 @@ def server(tmp_path_factory):
 
 
 def first_token_time(url: str, body: dict, out: dict, key) -> None:
-    """Stream a completion; note when its first text came and when it ended."""
+    """Stream a completion; note when its first text came, when it ended, and its text."""
+    text = []
     with requests.post(f"{url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=300) as response:
         assert response.status_code == 200, response.text
         for line in response.iter_lines():
             if line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
                 out.setdefault(key, time.monotonic())
-    out[("end", key)] = time.monotonic()
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    out[("end", key)], out[("text", key)] = time.monotonic(), "".join(text)
 
 
 def test_waiting_requests_are_admitted_lowest_priority_first(server):
-    """One running slot, taken by a long request; four more arrive while it runs, their values
-    2, 0, -1, 0 in that order: they start -1, then the two 0s in arrival order, then 2. The same
-    prompt for all, so their order is the scheduler's alone."""
+    """One running slot, taken by a long request more urgent than the rest (never preempted);
+    four more arrive while it runs, their values 2, 0, -1, 0 in that order: they start -1, then
+    the two 0s in arrival order, then 2. The same prompt for all, so their order is the
+    scheduler's alone."""
     body = {"prompt": "the river", "ignore_eos": True, "temperature": 0}
     times = {}
     long = threading.Thread(target=first_token_time, args=(server.url, {**body, "max_tokens": LONG_TOKENS,
-                                                                          "priority": 9}, times, "long"))
+                                                                          "priority": -9}, times, "long"))
     long.start()
     while "long" not in times:
         time.sleep(0.01)
@@ -57,6 +61,26 @@ def test_waiting_requests_are_admitted_lowest_priority_first(server):
         thread.join()
     assert times[("end", "long")] > arrived, "the long request ended before the others had all arrived"
     assert sorted("abcd", key=times.get) == ["c", "b", "d", "a"]
+
+
+def test_an_urgent_request_preempts_a_less_urgent_one(server):
+    """One running slot, taken by a long request of priority 9; one of priority 0 arriving while
+    it runs preempts it and ends first; the long one then goes on, and its text is the one it has
+    alone."""
+    body = {"prompt": "the river", "ignore_eos": True, "temperature": 0, "max_tokens": LONG_TOKENS, "priority": 9}
+    alone = requests.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert alone.status_code == 200, alone.text
+    before = server.metrics().get("lightllm:num_preemptions_total", 0)
+    times = {}
+    long = threading.Thread(target=first_token_time, args=(server.url, body, times, "long"))
+    long.start()
+    while "long" not in times:
+        time.sleep(0.01)
+    first_token_time(server.url, {"prompt": "the sea", "max_tokens": 3, "priority": 0}, times, "urgent")
+    long.join()
+    assert times[("end", "urgent")] < times[("end", "long")]
+    assert times[("text", "long")] == alone.json()["choices"][0]["text"]
+    assert server.metrics()["lightllm:num_preemptions_total"] == before + 1
 
 
 def test_priority_other_than_zero_needs_the_policy(default_server):

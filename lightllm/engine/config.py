@@ -64,7 +64,7 @@ class EngineConfig:
     )
     schedule_policy: str = field(
         default="lpt",
-        metadata=flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order, priority = each request's `priority` (vLLM's field; lower first, then arrival order; running requests are never preempted); lpt was chosen in simulation (test/benchmark/simulator/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs", "priority")),
+        metadata=flag("order in which waiting requests are admitted: lpt = longest max_new_tokens first (requests waiting 256 steps go first, in arrival order), fcfs = arrival order, priority = each request's `priority` (vLLM's field; lower first, then arrival order), and a waiting request that cannot be admitted preempts running ones of a higher value (their outputs so far become the end of their prompt when they start again, from the prefix cache where it still holds them); lpt was chosen in simulation (test/benchmark/simulator/sim_serving.py, see docs/architecture.md)", choices=("lpt", "fcfs", "priority")),
     )
     disable_overlap: bool = field(
         default=False,

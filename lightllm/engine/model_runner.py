@@ -438,7 +438,10 @@ class ModelRunner:
                     self.req_table.req_to_token[row, : chunk.start] = torch.cat([self.nodes[n] for n in chunk.prefix])
                 if chunk.snapshot >= 0:  # the recurrent state after the prefix: its chunk reads the slot
                     self.state_pool.copy_slot(row, self.snapshot_pool, chunk.snapshot)
-                state = SamplingState(chunk.sampling, matcher=self._loaded_matcher(chunk.req_id, chunk.sampling))
+                state = SamplingState(chunk.sampling, generated=len(chunk.resumed),
+                                      matcher=self._loaded_matcher(chunk.req_id, chunk.sampling))
+                for token in chunk.resumed:  # a preempted request's outputs: counts and recent tokens again
+                    state.record(token)
                 self.reqs[chunk.req_id] = RunningReq(row, chunk.start, chunk.start, state,
                                                      [] if chunk.sampling.prompt_logprobs is not None else None,
                                                      self.loras.acquire(chunk.lora) if chunk.lora else -1)

@@ -38,6 +38,9 @@ class Chunk:
     # First chunk with a prefix, for a model with recurrent state: the snapshot slot holding the
     # state after positions [0, start), copied into the request's state slot before the chunk.
     snapshot: int = -1
+    # First chunk of a preempted request's new start: its outputs before it (its prompt ends with
+    # them), from which its sampling state is restored (seeds' step, min_tokens, penalty counts).
+    resumed: tuple[int, ...] = ()
 
     @property
     def first(self) -> bool:
@@ -229,7 +232,7 @@ def unpack_floats(data: bytes) -> list[float]:
 
 def plan_to_wire(plan: StepPlan) -> tuple:
     chunks = tuple((c.req_id, pack_ints(c.token_ids), c.start, c.last, sampling_to_wire(c.sampling), c.prefix,
-                    c.next_id, c.lora, c.snapshot) for c in plan.chunks)
+                    c.next_id, c.lora, c.snapshot, pack_ints(c.resumed)) for c in plan.chunks)
     ops = tuple((OPS.index(type(op)), *vars(op).values()) for op in plan.ops)
     drafts = (pack_ints(plan.drafts), pack_ints(map(len, plan.drafts.values())),
               pack_ints(itertools.chain.from_iterable(plan.drafts.values())))
@@ -242,8 +245,9 @@ def plan_from_wire(wire: tuple) -> StepPlan:
     for req_id, length in zip(unpack_ints(draft_ids), unpack_ints(draft_lengths)):
         drafts[req_id], end = tokens[end: end + length], end + length
     return StepPlan(step_id, unpack_ints(decodes),
-                    [Chunk(r, unpack_ints(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora, snapshot)
-                     for r, t, s, last, p, prefix, next_id, lora, snapshot in chunks],
+                    [Chunk(r, unpack_ints(t), s, last, sampling_from_wire(p), tuple(prefix), next_id, lora, snapshot,
+                           tuple(unpack_ints(resumed)))
+                     for r, t, s, last, p, prefix, next_id, lora, snapshot, resumed in chunks],
                     [OPS[op[0]](*op[1:]) for op in ops], sync, drafts)
 
 

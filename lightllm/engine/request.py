@@ -201,6 +201,13 @@ class Req:
         self.unemitted: list[int] = []
         self.decode_steps = 0  # decode steps scheduled; each writes one KV token
         self.arrival_step = 0  # the scheduler's step count when it arrived
+        self.arrival_seq = 0  # its place in the order of arrivals (the scheduler's count)
+        # Preemption (the priority policy): how many times, how many of its outputs its prompt now
+        # ends with (they are computed again as prompt tokens when it resumes), and the first step
+        # whose tokens are its current run's (a step in flight when it was preempted is not).
+        self.preemptions = 0
+        self.resumed = 0
+        self.first_step = 0
         self.status = ReqStatus.WAITING
         self.queue_time = 0.0  # seconds from arrival until its first chunk was scheduled
         # Prompt logprobs need every position's logits: such a request computes its whole prompt.
@@ -228,7 +235,7 @@ class Req:
     @property
     def kv_cap(self) -> int:
         """Most KV slots it can ever hold: its last token is sampled, never fed back."""
-        return self.prompt_len + self.max_new_tokens - 1
+        return self.prompt_len + self.max_new_tokens - self.resumed - 1
 
     @property
     def prompt_left(self) -> int:
@@ -238,7 +245,30 @@ class Req:
     def needs_decode(self) -> bool:
         """Decoding, and the steps scheduled so far do not yet sample max_new_tokens tokens.
         A request that hit EOS in the step in flight still gets one more (never emitted)."""
-        return self.status is ReqStatus.DECODING and 1 + self.decode_steps < self.max_new_tokens
+        return self.status is ReqStatus.DECODING and 1 + self.decode_steps < self.max_new_tokens - self.resumed
+
+    @property
+    def fed_outputs(self) -> list[int]:
+        """The outputs its decodes feed (after those its prompt holds), and the accepted drafts
+        after the token it ended on."""
+        return self.output_ids[self.resumed:] + self.unemitted
+
+    def requeue(self, step: int) -> None:
+        """Preempted: back to waiting, to start again from a prompt that ends with its outputs so
+        far (their KV went to the prefix cache, where it may still be when it resumes); tokens of
+        steps before `step` are no longer its own."""
+        new = self.output_ids[self.resumed:]
+        self.prompt_ids = self.prompt_ids + new
+        self.cache_ids = self.cache_ids + new
+        self.prompt_len = len(self.prompt_ids)
+        self.resumed = len(self.output_ids)
+        self.preemptions += 1
+        self.first_step = step
+        self.prefilled = self.cached = self.host_hits = self.disk_hits = self.decode_steps = 0
+        self.started, self.node, self.cuts, self.spec = False, None, [], None
+        self.run_start = self.run_accepted = 0
+        self.unemitted = []
+        self.status = ReqStatus.WAITING
 
     def append(self, token_id: int) -> FinishReason | None:
         """Count one generated token; return why the request ends, if it does."""

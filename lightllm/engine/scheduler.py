@@ -175,6 +175,18 @@ def peak_with_drafts(tokens_held: np.ndarray, tokens_left: np.ndarray, drafts: n
     return int(np.max(np.cumsum(tokens_held[order]) + left * position + np.cumsum(k) - k))
 
 
+def _urgency(req: Req) -> tuple:
+    """The priority policy's order: lower priority values first, then preempted requests (their
+    KV may still be cached), then arrival order."""
+    return req.priority, req.preemptions == 0, req.arrival_seq
+
+
+def _preemptible(req: Req) -> bool:
+    """A running request that can start again from its outputs: not one whose grammar's state or
+    prompt logprobs a new start would lose or repeat."""
+    return not req.sampling.grammar_kind and req.uses_cache
+
+
 class Scheduler:
     def __init__(self, max_total_token_num: int, chunk_budget: int, max_running: int, policy: str = "lpt",
                  prefix_cache: bool = True, admission_wait_steps: int = 0, burst_chunk_budget: int | None = None,
@@ -215,6 +227,8 @@ class Scheduler:
         self._in_steps: set[int] = set()  # ids of steps planned whose result is not yet in
         self._next_step = 0
         self.prompt_computed_tokens = 0  # prompt tokens put in a step's chunks (counter)
+        self.num_preemptions = 0  # running requests preempted for more urgent ones (counter)
+        self._arrivals = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the cache (counter)
         self.prefix_hit_tokens = 0  # of which found cached (counter)
         self.prefix_host_hit_tokens = 0  # of those, loaded back from the host or disk tier (counter)
@@ -227,7 +241,8 @@ class Scheduler:
     # ---- requests in and out ----
 
     def add(self, req: Req) -> None:
-        req.arrival_step = self._next_step
+        req.arrival_step, req.arrival_seq = self._next_step, self._arrivals
+        self._arrivals += 1
         if req.sampling.grammar_kind:  # its grammar loads off the step first (LoadGrammar), then it is admitted
             p = req.sampling
             self._ops.append(LoadGrammar(req.req_id, p.grammar_kind, p.grammar, p.compiled_grammar))
@@ -265,7 +280,7 @@ class Scheduler:
             if self.cache is not None and req.kv_tokens > start:
                 # Every position's token is known: a decode feeds a token whose result is in
                 # (or a draft accepted after the token it ended on).
-                fed = req.output_ids + req.unemitted
+                fed = req.fed_outputs
                 if req.decode_steps > len(fed):
                     raise RuntimeError(f"{req} ends with a decode in flight: its tokens are not all known")
                 tokens = req.cache_ids[start: req.prefilled] + fed[: req.decode_steps]
@@ -373,7 +388,7 @@ class Scheduler:
         """Most drafts the request may verify in the step being planned: its tokens are all back
         (a decode of it is planned in this step, none in flight), and it uses neither penalties
         nor a grammar (they depend on each token before); 0 otherwise."""
-        if req.depends_on_tokens or len(req.output_ids) != req.decode_steps:
+        if req.depends_on_tokens or len(req.output_ids) - req.resumed != req.decode_steps:
             return 0
         return max(0, req.max_new_tokens - req.output_count - 1)  # each step emits up to drafts + 1
 
@@ -400,7 +415,7 @@ class Scheduler:
 
     def _draftable_later(self, req: Req) -> int:
         """`_draftable` once its step in flight is back (one token more, maybe)."""
-        return 0 if req.depends_on_tokens else max(0, req.max_new_tokens - req.decode_steps - 3)
+        return 0 if req.depends_on_tokens else max(0, req.max_new_tokens - req.resumed - req.decode_steps - 3)
 
     def _plan_drafts(self, plan: StepPlan) -> dict[int, list[int]]:
         """Drafts for this step's decodes where the controller expects them to pay, within the KV
@@ -573,6 +588,8 @@ class Scheduler:
                       req.sampling if start == req.cached else None)
         if chunk.first:
             chunk.lora = req.lora_id
+            if req.resumed:
+                chunk.resumed = tuple(req.output_ids[: req.resumed])
         if not last and not req.uses_cache:
             chunk.next_id = req.prompt_ids[req.prefilled]
         if last:
@@ -621,10 +638,11 @@ class Scheduler:
     def _admit(self) -> None:
         """Admit the longest prefix of the waiting queue whose peak KV use fits (binary search:
         adding a request never lowers the peak), so a large request is never overtaken."""
+        preempted = self._preempt_for_priority()
         room = self.max_running - len(self.running)
         if room <= 0 or not self.waiting:  # the common case of a full batch: no sort, no check
             return
-        if self._gathering_room(room):
+        if not preempted and self._gathering_room(room):
             return
         candidates = self._within_lora_slots([r for r in self._admission_order() if r.grammar_ready][:room])
         if not candidates:
@@ -662,6 +680,58 @@ class Scheduler:
                     matched.append(req)
         if self.cache is not None:
             self._load_host(matched)
+
+    # ---- preemption (the priority policy) ----
+
+    def _preempt_for_priority(self) -> bool:
+        """Under the priority policy, while the most urgent waiting request cannot be admitted (no
+        free row, no adapter slot, or the KV budget's proof fails with it), preempt the running
+        request of the lowest priority (the largest value; the last to arrive among equals) that
+        is strictly less urgent than it, if preempting every such request would let it in at all.
+        A preempted request goes back to waiting with its outputs so far at the end of its prompt
+        (`Req.requeue`); its KV goes into the prefix cache, so that resuming computes again only
+        what was evicted meanwhile. Returns whether any was preempted."""
+        if self.policy != "priority" or not self.running or not self.waiting:
+            return False
+        ready = [r for r in self.waiting.values() if r.grammar_ready]
+        if not ready:
+            return False
+        first = min(ready, key=_urgency)
+        victims = [r for r in self.running if r.priority > first.priority and _preemptible(r)]
+        if not victims or self._admissible(first) or not self._admissible(first, without=victims):
+            return False  # (the first test alone, each step of a full batch of equals)
+        victims.sort(key=lambda r: (r.priority, r.arrival_seq))
+        while victims and not self._admissible(first):
+            self._preempt(victims.pop())
+        return True
+
+    def _admissible(self, req: Req, without: list[Req] = ()) -> bool:
+        """Whether `req` alone would be admitted next, with the running requests `without` gone."""
+        running = self.running
+        if without:
+            self.running = [r for r in running if r not in without]
+        try:
+            if len(self.running) >= self.max_running or not self._within_lora_slots([req]):
+                return False
+            if not self.running:  # alone, a request never holds more than its cap (as _admit)
+                return req.kv_cap <= self.max_total_token_num
+            matches = None
+            if self.cache is not None and (self.cache.total_tokens or self.cache.host_tokens or self.cache.disk_tokens):
+                matches = [self._match(req.cache_ids[: req.prompt_len - 1] if req.uses_cache else [])]
+            return self._fits([req], matches)(1)
+        finally:
+            self.running = running
+
+    def _preempt(self, req: Req) -> None:
+        self._end(req)
+        req.requeue(self._next_step)
+        self.waiting[req.req_id] = req
+        self._by_id[req.req_id] = req
+        self._waiting_prompt_tokens += req.prompt_len
+        self._growing = [r for r in self._growing if r is not req]
+        self.num_preemptions += 1
+        logger.debug("preempted request %d (priority %d, %d tokens out) for a more urgent one",
+                     req.req_id, req.priority, req.output_count)
 
     def _within_lora_slots(self, candidates: list[Req]) -> list[Req]:
         """The candidates up to the first whose LoRA adapter would be one more than the runner's
@@ -724,16 +794,17 @@ class Scheduler:
         return charged
 
     def _admission_order(self) -> list[Req]:
-        """fcfs: arrival order. priority: lowest `priority` first, arrival order among equals (vLLM's;
-        strict: a stream of urgent requests keeps the others waiting). lpt: longest output budget
-        first, so that long generations start early and a burst does not end on a few long
-        requests at batch 1; a request that has waited AGING_STEPS steps goes before every younger
-        one, in arrival order (no starvation)."""
+        """fcfs: arrival order. priority: lowest `priority` first, preempted requests first among
+        equals (their KV may still be cached), then arrival order (vLLM's; strict: a stream of
+        urgent requests keeps the others waiting, and preempts them: `_preempt_for_priority`).
+        lpt: longest output budget first, so that long generations start early and a burst does
+        not end on a few long requests at batch 1; a request that has waited AGING_STEPS steps
+        goes before every younger one, in arrival order (no starvation)."""
         waiting = list(self.waiting.values())
         if self.policy == "fcfs":
             return waiting
         if self.policy == "priority":
-            return sorted(waiting, key=lambda r: r.priority)  # stable: arrival order among equals
+            return sorted(waiting, key=_urgency)
         aged = self._next_step - AGING_STEPS
         return sorted(waiting, key=lambda r: (r.arrival_step > aged, -r.max_new_tokens if r.arrival_step > aged else 0))
 
@@ -780,8 +851,8 @@ class Scheduler:
         observed = []  # requests whose tokens came, for their next shadow drafts
         for req_id, run in runs:
             req = self._by_id.get(req_id)
-            if req is None:  # ended while this step ran: its extra token is never emitted
-                continue
+            if req is None or result.step_id < req.first_step:  # ended (or preempted) while this step ran:
+                continue  # its extra token is never emitted
             emitted, reason = self._emit(req, run, outs)
             if spec is not None:  # the source sees the whole run at once
                 spec.observe(req_id, req.spec, emitted)
@@ -836,7 +907,7 @@ class Scheduler:
         for req_id, run in runs:
             fed = drafts.get(req_id)
             req = self._by_id.get(req_id)
-            if fed is None or req is None:
+            if fed is None or req is None or req.status is ReqStatus.WAITING:
                 continue
             accepted = len(run) - 1
             req.decode_steps += accepted

@@ -98,6 +98,7 @@ class RouterStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple = ()
+    num_preemptions: int = 0  # counter: running requests preempted for more urgent ones (priority policy)
     # LoRA serving: the engine ids of the adapters that running and waiting requests run under
     # (sorted, each once; the base model, 0, left out)
     lora_running: tuple = ()

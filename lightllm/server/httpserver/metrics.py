@@ -135,6 +135,9 @@ class RouterCollector:
                                   value=stats.prefix_queried_tokens)
         yield CounterMetricFamily("lightllm:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed).", value=stats.prefix_hit_tokens)
+        yield CounterMetricFamily("lightllm:num_preemptions", "Running requests preempted for more urgent ones "
+                                  "(--schedule_policy priority): each starts again from its outputs so far.",
+                                  value=sum(r.num_preemptions for r in routers))
         yield from self._prefix_tiers(routers, stats.prefix_hit_tokens)
         yield from self._speculation(routers)
         yield from self._loras()

@@ -203,6 +203,7 @@ class RouterManager:
         stats = RouterStats(len(scheduler.waiting), len(scheduler.running), scheduler.tokens_used,
                             self._max_total_token_num, scheduler.cached_tokens, scheduler.prefix_queried_tokens,
                             scheduler.prefix_hit_tokens, self.replica, scheduler.prompt_computed_tokens)
+        stats.num_preemptions = scheduler.num_preemptions
         if scheduler.cache is not None:
             stats.prefix_host_tokens = scheduler.cache.host_tokens
             stats.prefix_host_hit_tokens = scheduler.prefix_host_hit_tokens
