@@ -22,7 +22,8 @@ class FakeCore:
         self.turns, self.detokenizer, self.steps_call_workers = list(turns), detokenizer, steps_call_workers
         self.scheduler = type("S", (), {"max_total_token_num": 100, "prompt_computed_tokens": 0, "waiting": {},
                                         "running": [], "tokens_used": 0, "cached_tokens": 0, "cache": None,
-                                        "prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "speculator": None})()
+                                        "prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "speculator": None,
+                                        "num_preemptions": 0})()
         self.host_trace, self.while_waiting, self.seen_in_step = None, None, []
         self.added, self.aborted = [], []
 

@@ -22,6 +22,11 @@ this script starts gets --request_receive_timeout 5 unless --server_args names i
 clients finish in seconds. The report adds one table of RSS per process (HTTP, router,
 detokenizer, model workers) idle, after warm-up and at the end, the normal streams' gaps between
 tokens, and every non-2xx by route and status, expected apart from unexpected.
+
+--priorities gives the OpenAI routes' requests a random `priority` (the server then needs
+--schedule_policy priority in --server_args): running requests are preempted for more urgent
+ones and resume later, and the report counts the preemptions. A preempted stream pauses by
+design, so such a soak wants a looser --max_gap_ratio.
 """
 
 from __future__ import annotations
@@ -114,8 +119,14 @@ def pick_adapter(rng: random.Random) -> str | None:
     return rng.choice(sorted(ADAPTERS)) if ADAPTERS and rng.random() < 0.5 else None
 
 
+PRIORITIES = [False]  # --priorities: the OpenAI routes' requests carry a random priority
+
+
 def with_model(body: dict, rng: random.Random) -> dict:
+    """The body with an adapter's name as its model (--loras) and a priority (--priorities)."""
     adapter = pick_adapter(rng)
+    if PRIORITIES[0]:
+        body = {**body, "priority": rng.randint(-2, 2)}
     return body if adapter is None else {**body, "model": adapter}
 
 
@@ -462,7 +473,8 @@ def report(args, mix: dict, outcomes: Outcomes, states: dict[str, dict], health_
               f"RSS growth, warm-up to end: {growth:+.1%} (bound {args.max_rss_growth:+.0%}); "
               f"while busy, once a minute, MiB: {', '.join(f'{mib:.0f}' for mib in rss_samples)}",
               f"KV tokens in use when idle at the end: {end['kv']:.0f} of {end['kv_total']:.0f}; "
-              f"requests running/waiting: {end['running']:.0f}/{end['waiting']:.0f}"]
+              f"requests running/waiting: {end['running']:.0f}/{end['waiting']:.0f}; "
+              f"preemptions (--schedule_policy priority): {end['preemptions']:.0f}"]
     if outcomes.unexpected:
         lines += ["", "Unexpected answers (first 20):", *[f"- {line}" for line in outcomes.unexpected]]
     healthy_probes = all(t < 1.0 for t in health_times)
@@ -475,7 +487,8 @@ def report(args, mix: dict, outcomes: Outcomes, states: dict[str, dict], health_
 async def idle_state(url: str, pid: int) -> dict:
     sample = await wait_idle(url)
     return {"rss_mib": rss_mib(pid), "by_role": rss_by_role(pid), "kv": sample["lightllm:kv_cache_used_tokens"], "kv_total": sample["lightllm:kv_cache_capacity_tokens"],
-            "running": sample["lightllm:num_requests_running"], "waiting": sample["lightllm:num_requests_waiting"]}
+            "running": sample["lightllm:num_requests_running"], "waiting": sample["lightllm:num_requests_waiting"],
+            "preemptions": sample.get("lightllm:num_preemptions_total", 0)}
 
 
 def run(args) -> bool:
@@ -524,10 +537,14 @@ def main() -> int:
     parser.add_argument("--request_receive_timeout", type=float, default=5.0,
                         help="seconds: given to a server this script starts; with --url, the server's own value")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--priorities", action="store_true",
+                        help="the OpenAI routes' requests carry a random priority in [-2, 2] (a server with "
+                             "--schedule_policy priority preempts running requests for more urgent ones)")
     parser.add_argument("--loras", type=int, default=0,
                         help="serve this many random adapters (a server this script starts) and send requests to them")
     parser.add_argument("--report", help="also write the report to this file")
     args = parser.parse_args()
+    PRIORITIES[0] = args.priorities
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.url:
         if args.loras:
