@@ -73,22 +73,21 @@ async def whole_answer(request: Request, body: GenerateRequest, reasons: dict | 
     if (params.best_of or 1) > 1:
         choices = sorted(choices, key=lambda c: -sum(o.logprob for o in c.outputs))
     head = body.inputs if params.return_full_text else ""
-    reason = (lambda r: r.value) if reasons is None else (lambda r: reasons[r.value])
     first = choices[0]
     answer = {
         "generated_text": [head + choice.text for choice in (choices[:1] if params.best_of else choices)],
         "count_output_tokens": first.last.count_output_tokens,
-        "finish_reason": reason(first.last.finish_reason),
+        "finish_reason": reason_name(first.last.finish_reason, reasons),
         "prompt_tokens": generation.prompt_len,
         "cached_tokens": generation.cached_tokens,
     }
     if params.details:
         tokenizer = request.app.state.server.tokenizer
-        answer["details"] = details(tokenizer, first, sampling.seed + first.index, generation.prompts[0], reason)
+        answer["details"] = details(tokenizer, first, sampling.seed + first.index, generation.prompts[0], reasons)
         if len(choices) > 1:
             answer["details"]["best_of_sequences"] = [
                 {"generated_text": head + c.text,
-                 **details(tokenizer, c, sampling.seed + c.index, generation.prompts[0], reason)}
+                 **details(tokenizer, c, sampling.seed + c.index, generation.prompts[0], reasons)}
                 for c in choices[1:]]
     return answer
 
@@ -104,9 +103,9 @@ async def compat_generate(request: Request, body: CompatGenerateRequest) -> Resp
     return JSONResponse([tgi])
 
 
-def details(tokenizer, choice: Choice, seed: int, prompt_ids: list[int], reason=lambda r: r.value) -> dict:
+def details(tokenizer, choice: Choice, seed: int, prompt_ids: list[int], reasons: dict | None = None) -> dict:
     """TGI's details of one sequence."""
-    out = {"finish_reason": reason(choice.last.finish_reason), "generated_tokens": choice.last.count_output_tokens,
+    out = {"finish_reason": reason_name(choice.last.finish_reason, reasons), "generated_tokens": choice.last.count_output_tokens,
            "seed": seed, "tokens": [token_entry(o.token_id, token_text(tokenizer, o.token_id), o.logprob, o.special)
                                     for o in choice.outputs]}
     prompt = choice.outputs[0].prompt_logprobs
