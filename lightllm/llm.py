@@ -159,7 +159,8 @@ class SamplingParams:
             seed=seed + index, min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or ()),
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
             allowed_token_ids=list(self.allowed_token_ids or ()), bad_words=list(self.bad_words or ()),
-            top_logprobs=self.logprobs or 0, prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+            # logprobs=0 asks the engine for one: the sampled token's rank comes with the top k
+            top_logprobs=0 if self.logprobs is None else max(self.logprobs, 1), prompt_logprobs=self.prompt_logprobs if index == 0 else None,
             grammar_kind=kind, grammar=grammar)
 
 
@@ -176,8 +177,8 @@ class LoRARequest:
 @dataclass
 class Logprob:
     logprob: float  # of the model's raw logits (before logit_bias, penalties and temperature)
-    # 1: the most likely token (counted as vLLM does: tokens at least as likely). A prompt token always
-    # has one; a sampled token has one within the top k asked for, else None.
+    # 1: the most likely token (counted as vLLM does: tokens at least as likely); every prompt and
+    # sampled token has one, a top-k entry its place.
     rank: int | None = None
     decoded_token: str | None = None
 
@@ -208,8 +209,8 @@ class RequestOutput:
 
 def logprob_dict(token_id: int, logprob: float, top, text_of, rank: int | None = None) -> dict[int, Logprob]:
     """{token: Logprob} for one position: `token_id` first, then the top k as (token, logprob)
-    pairs, most likely first. `token_id`'s rank is `rank` where the engine counted it (a prompt
-    token's), else its place in `top`."""
+    pairs, most likely first. `token_id`'s rank is `rank` where the engine counted it, else its
+    place in `top`."""
     ranked = {t: Logprob(lp, place, text_of(t)) for place, (t, lp) in enumerate(top or (), 1)}
     if rank is None and token_id in ranked:
         rank = ranked[token_id].rank
@@ -224,6 +225,7 @@ class _Choice:
     req_id: int
     decoder: IncrementalDecoder
     logprobs: list | None
+    top_k: int = 0  # the top logprobs asked for (the engine sends at least one)
     pieces: list[str] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -234,7 +236,8 @@ class _Choice:
         self.pieces.append(self.decoder.add(out.token_id, last=last))
         self.cumulative_logprob += out.logprob
         if self.logprobs is not None:
-            self.logprobs.append(logprob_dict(out.token_id, out.logprob, out.top_logprobs, text_of))
+            top = out.top_logprobs[: self.top_k] if out.top_logprobs else None
+            self.logprobs.append(logprob_dict(out.token_id, out.logprob, top, text_of, out.rank))
         if self.decoder.stopped:
             self.finish_reason, self.stop_reason = "stop", self.decoder.stop_found
         elif last:
@@ -467,7 +470,7 @@ class LLM:
         choices = [_Choice(index, next(self._req_ids),
                            IncrementalDecoder(self.tokenizer, params.skip_special_tokens, params.stop_list,
                                               params.include_stop_str_in_output),
-                           [] if params.logprobs is not None else None)
+                           [] if params.logprobs is not None else None, params.logprobs or 0)
                    for index in range(params.n)]
         return _Prompt(str(next(self._prompt_ids)), text, ids, choices), engine_params
 

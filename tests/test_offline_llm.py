@@ -393,27 +393,29 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf):
         assert entry[token].decoded_token == llm.tokenizer.decode([token])
     assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt_ids)
     for i in range(1, len(prompt_ids)):
-        check_position(output.prompt_logprobs[i], prompt_ids[i], rows[i - 1], k, counted=True)
+        check_position(output.prompt_logprobs[i], prompt_ids[i], rows[i - 1], k)
     assert max(output.prompt_logprobs[i][prompt_ids[i]].rank for i in range(1, len(prompt_ids))) > k
 
 
-def test_sampled_logprobs_are_of_the_raw_logits(llm, hf):
-    """Hot sampling picks tokens outside the top 1: those carry rank None, every logprob is
-    transformers' log_softmax of the unscaled logits, and cumulative_logprob is their sum."""
-    params = SamplingParams(temperature=1.8, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+@pytest.mark.parametrize("k", [1, 0])
+def test_sampled_logprobs_are_of_the_raw_logits(llm, hf, k):
+    """Hot sampling picks tokens outside the top k: each logprob is transformers' log_softmax of
+    the unscaled logits, each sampled token's rank its rank in those (vLLM's Logprob.rank, with
+    logprobs=0 too, where the entry holds the sampled token alone), and cumulative_logprob is
+    their sum."""
+    params = SamplingParams(temperature=1.8, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=k)
     (output,) = llm.generate(PROMPTS[2], params, use_tqdm=False)
     choice, prompt_ids = output.outputs[0], output.prompt_token_ids
     rows = hf_logprobs(hf, prompt_ids + choice.token_ids)[len(prompt_ids) - 1:]
     for j, (token, entry) in enumerate(zip(choice.token_ids, choice.logprobs)):
-        check_position(entry, token, rows[j], 1)
-    assert any(entry[token].rank is None for token, entry in zip(choice.token_ids, choice.logprobs))
+        check_position(entry, token, rows[j], k)
+    assert max(entry[token].rank for token, entry in zip(choice.token_ids, choice.logprobs)) > max(k, 1)
     assert choice.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(choice.token_ids, choice.logprobs)))
 
 
-def check_position(entry: dict, token: int, row: torch.Tensor, k: int, counted: bool = False) -> None:
-    """`entry` holds `token` first, then transformers' top k in order, with their logprobs. A
-    `counted` token (a prompt token's) has its rank over the whole vocabulary; a sampled one has
-    one only within the top k."""
+def check_position(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
+    """`entry` holds `token` first, then transformers' top k in order, with their logprobs; `token`
+    has its rank over the whole vocabulary."""
     top = row.topk(k)
     assert list(entry)[0] == token
     ranked = {t: lp for t, lp in entry.items() if lp.rank is not None and lp.rank <= k}
@@ -421,7 +423,4 @@ def check_position(entry: dict, token: int, row: torch.Tensor, k: int, counted: 
     assert set(entry) - {token} <= set(top.indices.tolist())
     for t, lp in entry.items():
         assert lp.logprob == pytest.approx(row[t].item(), abs=LOGPROB_ATOL)
-    if counted:
-        assert_rank(entry[token].rank, row, token, LOGPROB_ATOL)
-    elif token not in ranked:
-        assert entry[token].rank is None and row[token] <= top.values[-1]
+    assert_rank(entry[token].rank, row, token, LOGPROB_ATOL)

@@ -197,8 +197,11 @@ def test_top_logprobs_are_the_raw_top_k_sorted_and_hold_the_chosen_token():
     logits = random_logits(6, 300, 11)
     params = [SamplingParams(top_logprobs=k, do_sample=bool(k % 2), temperature=0.7, seed=k,
                              repetition_penalty=1.2 if k == 3 else 1.0) for k in (1, 2, 3, 5, 20, 0)]
-    tokens, logprobs, (top_ids, top_lps) = sample_full(logits, params)
+    tokens, logprobs, (top_ids, top_lps, ranks) = sample_full(logits, params)
     raw = torch.log_softmax(logits, -1)
+    # each sampled token's rank: the tokens at least as likely (vLLM's), itself included
+    assert ranks.tolist() == [int((raw[b] >= raw[b, t]).sum()) for b, t in enumerate(tokens.tolist())]
+    assert ranks.max() > 1  # the draws leave the top 1
     assert top_ids.shape == (6, 20)
     torch.testing.assert_close(top_lps, raw.gather(1, top_ids))
     assert torch.all(top_lps[:, :-1] >= top_lps[:, 1:])  # sorted, most likely first

@@ -66,7 +66,8 @@ class DecodeRows:
 class LaunchedStep:
     """A step whose tokens are on their way to the host (pinned buffers + event on CUDA).
 
-    `host` is [2 + 2k, B] float64: token ids, their logprobs, then the top k ids and logprobs;
+    `host` is [2, B] float64, token ids and their logprobs, or with top logprobs [3 + 2k, B]: then
+    the top k ids and logprobs and the sampled tokens' ranks;
     `prompt_parts` are (request, host tensors of prompt_logprobs()) of the chunks that asked."""
 
     def __init__(self, step_id: int, req_ids: list[int], sampled_reqs: list[RunningReq], host: torch.Tensor,
@@ -92,12 +93,14 @@ class LaunchedStep:
         for r, chosen, ranks, top in self._prompt_parts:
             r.prompt_logprobs.extend(zip(chosen.tolist(), ranks.tolist(), _top_lists(top, len(chosen))))
         out = []
-        k = (self._host.shape[0] - 2) // 2
-        tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k:].T) if k else None, len(tokens))
-        for req_id, r, (token, logprob), top in kept(zip(self.req_ids, self.sampled_reqs, tokens, tops)):
+        k = max(self._host.shape[0] - 3, 0) // 2
+        tops = _top_lists((self._host[2: 2 + k].T, self._host[2 + k: 2 + 2 * k].T) if k else None, len(tokens))
+        ranks = map(int, self._host[-1].tolist()) if k else [None] * len(tokens)
+        for req_id, r, (token, logprob), top, rank in kept(zip(self.req_ids, self.sampled_reqs, tokens, tops, ranks)):
             wanted = r.sampling.params.top_logprobs
             prompt = tuple(r.prompt_logprobs) if req_id in self.prompt_done else None
-            out.append(SampledToken(req_id, token, logprob, top[:wanted] if wanted else None, prompt))
+            out.append(SampledToken(req_id, token, logprob, top[:wanted] if wanted else None, prompt,
+                                    rank if wanted else None))
         return StepResult(self.step_id, out)
 
 
@@ -150,7 +153,7 @@ def download(tokens: torch.Tensor, logprobs: torch.Tensor, top, parts: list):
     copies are asynchronous into pinned memory and the event says when they have landed."""
     rows = [tokens.double()[None], logprobs.double()[None]]
     if top is not None:
-        rows += [top[0].T.double(), top[1].T.double()]
+        rows += [top[0].T.double(), top[1].T.double(), top[2].double()[None]]
     stacked = torch.cat(rows)
     if not stacked.is_cuda:
         return stacked, parts, None

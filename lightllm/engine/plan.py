@@ -158,6 +158,7 @@ class SampledToken:
     logprob: float
     top: tuple | None = None  # ((token, logprob), ...) when the request asks for top logprobs
     prompt: tuple | None = None  # with its first token, when asked: ((logprob, rank, top), ...) per prompt token from the 2nd
+    rank: int | None = None  # with top: the token's rank (1 + the tokens more likely, ties counted)
 
 
 @dataclass
@@ -255,8 +256,8 @@ def result_to_wire(result: StepResult | None) -> tuple | None:
     if result is None:
         return None
     tokens = result.tokens
-    # top and prompt logprobs, for the few tokens whose requests asked: (index, top, prompt)
-    extras = tuple((i, t.top, t.prompt) for i, t in enumerate(tokens) if t.top is not None or t.prompt is not None)
+    # top and prompt logprobs, for the few tokens whose requests asked: (index, top, prompt, rank)
+    extras = tuple((i, t.top, t.prompt, t.rank) for i, t in enumerate(tokens) if t.top is not None or t.prompt is not None)
     columns = (pack_ints([t.req_id for t in tokens]), pack_ints([t.token_id for t in tokens]),
                pack_floats([t.logprob for t in tokens]), extras)
     return result.step_id, columns, result.error, tuple(result.grammars)
@@ -267,8 +268,8 @@ def result_from_wire(wire: tuple | None) -> StepResult | None:
         return None
     step_id, (req_ids, token_ids, logprobs, extras), error, grammars = wire
     tokens = list(map(SampledToken, unpack_ints(req_ids), unpack_ints(token_ids), unpack_floats(logprobs)))
-    for i, top, prompt in extras:
-        tokens[i].top, tokens[i].prompt = top, prompt
+    for i, top, prompt, rank in extras:
+        tokens[i].top, tokens[i].prompt, tokens[i].rank = top, prompt, rank
     return StepResult(step_id, tokens, error, list(grammars))
 
 

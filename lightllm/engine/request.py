@@ -151,6 +151,7 @@ class TokenOut:
     cached_tokens: int = 0  # on the request's first token: prompt tokens the prefix cache supplied
     queue_time: float = 0.0  # on the first token: seconds from arrival until its first chunk was scheduled
     top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs: (token, logprob)
+    rank: int | None = None  # with top_logprobs: the token's rank (1: the most likely; ties counted)
     # On the first token, with SamplingParams.prompt_logprobs: per prompt position from the 2nd,
     # (its token's logprob, its rank, [(token, logprob)] top k).
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None

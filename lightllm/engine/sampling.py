@@ -198,8 +198,9 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):
     """(token ids int64 [B], their logprobs fp32 [B], top) from fp32 logits [B, V] (modified in
-    place); top is None or (token ids [B, k], logprobs [B, k]) with k = batch.top_logprobs.
-    Log probabilities are those of the raw logits."""
+    place); top is None or (token ids [B, k], logprobs [B, k], the sampled tokens' ranks [B]) with
+    k = batch.top_logprobs, a rank counting the tokens at least as likely (vLLM's). Log
+    probabilities are those of the raw logits."""
     if batch.all_greedy and not batch.changes_logits and not batch.top_logprobs:
         tokens, logprobs = greedy_sample(logits)  # one pass over the logits (a kernel on the GPU)
         return tokens, logprobs, None
@@ -229,7 +230,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     top = None
     if batch.top_logprobs:
         values, ids = logp.topk(batch.top_logprobs, -1)
-        top = (ids, values)
+        top = (ids, values, (logp >= logprobs[:, None]).sum(-1))
     return tokens, logprobs, top
 
 

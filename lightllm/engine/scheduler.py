@@ -874,7 +874,7 @@ class Scheduler:
         for token in run:
             token_id = token.token_id
             reason = append(token_id)
-            out = TokenOut(req_id, token_id, token.logprob, reason, top_logprobs=token.top)
+            out = TokenOut(req_id, token_id, token.logprob, reason, top_logprobs=token.top, rank=token.rank)
             if len(req.output_ids) == 1:
                 out.cached_tokens, out.queue_time, out.prompt_logprobs = req.cached, req.queue_time, token.prompt
             outs.append(out)
