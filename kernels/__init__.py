@@ -38,8 +38,7 @@ if __name__ != "kernels" or not _hand_over_the_name():
     from .extend_attention import extend_attention_ref, extend_attention_triton
     from .fused_moe import fused_moe_ref, fused_moe_triton, route_topk
     from .fp8_linear import fp8_gemm_ref, fp8_gemm_triton, fp8_linear_ref, fp8_linear_triton
-    from .lora import (lora_expand_act_ref, lora_expand_act_triton, lora_expand_ref, lora_expand_triton,
-                       lora_segments, lora_shrink_ref, lora_shrink_triton)
+    from .lora import lora_expand_ref, lora_expand_triton, lora_segments, lora_shrink_ref, lora_shrink_triton
     from .greedy_sample import greedy_sample_ref, greedy_sample_triton
     from .random_uniform import random_uniform_ref, random_uniform_triton
     from .rms_norm import (add_rms_norm_ref, add_rms_norm_triton, gated_rms_norm_ref, gated_rms_norm_triton,
@@ -93,7 +92,6 @@ if __name__ != "kernels" or not _hand_over_the_name():
     gated_delta_rule_chunks = _by_device(gated_delta_rule_chunks_ref, gated_delta_rule_chunks_fla)
     lora_shrink = _by_device(lora_shrink_ref, lora_shrink_triton)
     lora_expand_ = _by_device(lora_expand_ref, lora_expand_triton)
-    lora_expand_act = _by_device(lora_expand_act_ref, lora_expand_act_triton)
 
     __all__ = [
         "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary_kv_", "extend_attention", "decode_attention",
@@ -101,5 +99,5 @@ if __name__ != "kernels" or not _hand_over_the_name():
         "fp8_gemm", "fused_moe", "route_topk", "causal_conv1d_varlen", "causal_conv1d_chunks", "causal_conv1d_step",
         "causal_conv1d_runs", "gated_delta_rule_varlen", "gated_delta_rule_chunks", "gated_delta_rule_step",
         "gated_delta_rule_runs", "linear_gates", "require_fla",
-        "lora_shrink", "lora_expand_", "lora_expand_act", "lora_segments",
+        "lora_shrink", "lora_expand_", "lora_segments",
     ]

@@ -23,19 +23,12 @@ the pool's size, so a CUDA graph replays it with any mix of adapters; the progra
 real blocks (at most one a used slot's worth, and those of rows of no adapter) leave at once.
 Both kernels take programmatic dependent launch on sm90+ (scheduled while the kernel ahead
 finishes; each program finds its block, then waits for it before reading x or s).
-
-A gated MLP's gate/up expand can instead be fused into its activation (`lora_expand_act`): the
-activation reads the GEMM's output anyway, so adding the adapters' share as it reads it saves the
-expand's read and write of that output, the widest of a layer (2 x intermediate columns). Its grid
-covers every row, those of no adapter too: after the slots' row blocks come the blocks of the rows
-of none (the last of `rows`).
 """
 from typing import NamedTuple
 
 import torch
 
 from ._triton import cdiv, dot, fast_launch, grid_dependency_wait, next_power_of_2, pdl, tl, triton
-from .silu_and_mul import _act, gelu_tanh_and_mul_ref, silu_and_mul_ref
 
 # The launch plan, timed on an H200 (2026-12-05, test/benchmark/kernels/lora_bench.py: bench-8b, 16
 # slots of rank 16, a step's LoRA work in one CUDA graph at 1, 16, 256 and 2048 tokens): K tiles of
@@ -122,14 +115,6 @@ def lora_expand_ref(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: Segm
     return y
 
 
-def lora_expand_act_ref(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: Segments,
-                        gelu: bool = False) -> torch.Tensor:
-    """act(gate) * up of y = [gate | up] (the gate/up projection's output, [T, 2I]) with the
-    adapters' share added first, as lora_expand_ then silu_and_mul (gelu: gelu_tanh_and_mul) give
-    it: [T, I] in y's dtype. y is left changed."""
-    return (gelu_tanh_and_mul_ref if gelu else silu_and_mul_ref)(lora_expand_ref(y, s, b, seg))
-
-
 @triton.jit
 def _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
     """(slot, rows [BLOCK_ROWS] int64, in_seg) of this program's row block; slot == num_slots: past
@@ -197,42 +182,6 @@ def _expand_kernel(y_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, blocks_ptr, num_sl
         tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=keep)
 
 
-@fast_launch
-@triton.jit
-def _expand_act_kernel(y_ptr, out_ptr, s_ptr, b_ptr, rows_ptr, starts_ptr, blocks_ptr, num_slots, tokens, inter, R,
-                       splits, y_stride, out_stride, s_split_stride, s_stride, b_slot_stride, b_stride,
-                       BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                       GELU: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr):
-    slot, rows, in_seg = _find_block(rows_ptr, starts_ptr, blocks_ptr, num_slots, BLOCK_ROWS, BLOCK_S)
-    # Past the slots' blocks: the rows of no adapter, BLOCK_ROWS a block (programs past them leave)
-    none_start = tl.load(starts_ptr + num_slots)
-    none_offs = none_start + (tl.program_id(0) - tl.load(blocks_ptr + num_slots)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    none_in = (none_offs >= none_start) & (none_offs < tokens)  # before none_start: a slot's block
-    rows = tl.where(none_in, tl.load(rows_ptr + none_offs, mask=none_in, other=0).to(tl.int64), rows)
-    in_seg = in_seg | none_in
-    grid_dependency_wait(PDL)  # y is the gate/up GEMM's output, s the shrink's
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = in_seg[:, None] & (n[None, :] < inter)
-    at = y_ptr + rows[:, None] * y_stride + n[None, :]
-    gate = tl.load(at, mask=keep, other=0.0).to(tl.float32)
-    up = tl.load(at + inter, mask=keep, other=0.0).to(tl.float32)
-    if slot < num_slots:  # y + s B^T rounded to y's dtype, as lora_expand_ leaves it in y
-        r = tl.arange(0, BLOCK_R)
-        keep_s = in_seg[:, None] & (r[None, :] < R)
-        st = tl.zeros((BLOCK_ROWS, BLOCK_R), dtype=tl.float32)
-        for p in range(0, splits):
-            st += tl.load(s_ptr + p * s_split_stride + rows[:, None] * s_stride + r[None, :], mask=keep_s, other=0.0)
-        b_at = b_ptr + slot.to(tl.int64) * b_slot_stride + n[None, :] * b_stride + r[:, None]
-        keep_b = (r[:, None] < R) & (n[None, :] < inter)
-        bg = tl.load(b_at, mask=keep_b, other=0.0)
-        bu = tl.load(b_at + inter * b_stride, mask=keep_b, other=0.0)
-        st = st.to(bg.dtype)
-        gate = (gate + dot(st, bg, DOT_UPCAST)).to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = (up + dot(st, bu, DOT_UPCAST)).to(y_ptr.dtype.element_ty).to(tl.float32)
-    out = out_ptr + rows[:, None] * out_stride + n[None, :]
-    tl.store(out, (_act(gate, GELU) * up).to(out_ptr.dtype.element_ty), mask=keep)
-
-
 def _block_r(rank: int) -> int:
     return max(16, next_power_of_2(rank))  # tl.dot takes no dimension below 16
 
@@ -270,25 +219,3 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: S
             s.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=seg.block_rows, BLOCK_S=_block_s(slots),
             BLOCK_R=_block_r(rank), BLOCK_N=block_n, DOT_UPCAST=not y.is_cuda, **pdl(y))
     return y
-
-
-# The fused gate/up expand's column tile (`lora_expand_act_triton`); its row blocks are the step's.
-ACT_BLOCK_N = 64
-
-
-def lora_expand_act_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg: Segments,
-                           gelu: bool = False) -> torch.Tensor:
-    """As lora_expand_act_ref (y left as it was)."""
-    assert y.stride(-1) == 1 and s.stride(-1) == 1 and b.is_contiguous()
-    tokens, width = y.shape
-    slots, _, rank = b.shape
-    inter = width // 2
-    out = torch.empty(tokens, inter, dtype=y.dtype, device=y.device)
-    blocks = max_row_blocks(tokens, slots) + cdiv(tokens, seg.block_rows)  # the slots' blocks, then those of none
-    if tokens:
-        _expand_act_kernel[(blocks, cdiv(inter, ACT_BLOCK_N))](
-            y, out, s, b, seg.rows, seg.starts, seg.blocks, slots, tokens, inter, rank, s.shape[0], y.stride(0),
-            out.stride(0), s.stride(0), s.stride(1), b.stride(0), b.stride(1), BLOCK_ROWS=seg.block_rows,
-            BLOCK_S=_block_s(slots), BLOCK_R=_block_r(rank), BLOCK_N=ACT_BLOCK_N, GELU=gelu,
-            DOT_UPCAST=not y.is_cuda, **pdl(y))
-    return out

@@ -157,39 +157,3 @@ def test_a_shrink_beside_the_gemm_gives_the_in_place_result(dtype, graph):
     torch.cuda.synchronize()
     assert torch.equal(y, expected)
     assert torch.equal(y[slots < 0], (x @ w.T)[slots < 0])
-
-
-@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("plan", ["small", "large"])
-@pytest.mark.parametrize("case", ["mixed", *UNEVEN])
-def test_expand_fused_into_the_activation(case, plan, dtype, gelu, monkeypatch):
-    """lora_expand_act (the gate/up expand fused into the activation) gives act(gate) * up of the
-    output the expand leaves, for every row: each adapter's rows, rows of no adapter (their own
-    blocks after the slots'), on the small and the large plan, with the shrink's K split."""
-    from lightllm.kernels.lora import lora_expand_act_ref, lora_expand_act_triton
-    from lightllm.kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton
-
-    if plan == "large":
-        monkeypatch.setattr(lora_kernels, "LARGE_ROWS", 1)
-    num_slots, rank, k, inter = 7, 8, 64, 72  # 2 x 72 columns: the last column tile half full
-    if case == "mixed":
-        slots = torch.randint(-1, num_slots - 1, (45,), device=DEVICE)
-    else:
-        slots = torch.tensor(UNEVEN[case], device=DEVICE)
-        slots = slots[torch.randperm(len(slots), device=DEVICE)]
-    tokens = len(slots)
-    x, y = torch.randn(tokens, k, device=DEVICE).to(dtype), torch.randn(tokens, 2 * inter, device=DEVICE).to(dtype)
-    a = torch.randn(num_slots, rank, k, device=DEVICE).to(dtype)
-    b = torch.randn(num_slots, 2 * inter, rank, device=DEVICE).to(dtype)
-    seg = lora_segments(slots, num_slots)
-    s = lora_shrink_triton(x, a, seg, 2)
-    act = gelu_tanh_and_mul_triton if gelu else silu_and_mul_triton
-    in_turn = act(lora_expand_triton(y.clone(), s, b, seg))  # what the model ran before: expand, then act
-    expected = lora_expand_act_ref(y.clone(), s, b, seg, gelu)
-    got = lora_expand_act_triton(y, s, b, seg, gelu)
-    assert got.shape == (tokens, inter) and got.dtype == dtype
-    assert_close(got, expected, dtype)
-    assert_close(in_turn, expected, dtype)
-    none = slots < 0
-    torch.testing.assert_close(got[none], act(y[none].contiguous()), atol=0, rtol=0)  # rows of no adapter: act alone

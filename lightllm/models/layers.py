@@ -480,15 +480,11 @@ class GatedMLP:
     def __call__(self, h) -> torch.Tensor:
         """h: the normed hidden states, or their fp8 rows and scales (RMSNorm's fp8_out). In a small
         step with LoRA adapter rows, gate/up's share is computed beside its GEMM and added by the
-        activation (its `extra`): no LoRA launch waits for the GEMM. In a larger one the activation
-        adds it from the shrink, in the expand's place (LoraTarget.finish_act; not for fp8 output)."""
+        activation (its `extra`): no LoRA launch waits for the GEMM."""
         act_and_mul = gelu_tanh_and_mul if self.gelu else silu_and_mul  # looked up here: tests swap the kernels
         lora = self.gate_up.lora
         share = lora.share_beside(h) if lora is not None else None
         if share is None:
-            s = lora.start(h) if lora is not None and self.down.fp8 is None else None
-            if s is not None:
-                return self.down(lora.finish_act(s, self.gate_up.base(h), self.gelu))
             return self.down(act_and_mul(self.gate_up(h), self.down.fp8 is not None))
         y = self.gate_up.base(h)
         lora.join()

@@ -22,9 +22,7 @@ group in its path instead of two. In a step of up to SHARE_ROWS rows, where the 
 kernel that can add to it as it reads it (o and down, tp 1: the next norm's residual add;
 gate/up: the activation; q/k/v without q/k norms: rotary_kv_), `share_beside` queues the expand
 beside the GEMM too, into a zeroed fp32 share that kernel adds (RowParallelLinear.defer_lora_sum,
-GatedMLP, Attention): no LoRA launch waits for the GEMM. In steps of more rows gate/up's expand is
-fused into the activation (`finish_act`, kernels/lora.py's lora_expand_act), which reads the GEMM's
-output anyway, so that output is not read and written once more by an expand. In those steps the GEMM is
+GatedMLP, Attention): no LoRA launch waits for the GEMM. In steps of more rows the GEMM is
 compute-bound and a shrink of small row blocks beside it slows it down: both run in turn, except
 in steps of LARGE_ROWS to LARGE_BESIDE_ROWS rows, whose shrink (kernels/lora.py: fewer, larger row
 blocks) runs beside the GEMM again.
@@ -40,7 +38,7 @@ import torch
 
 from lightllm.common.lora_files import TARGETS, WEIGHTS_FILE, AdapterSpec, LoraAdapterError, read_adapter
 from lightllm.kernels import lora as lora_kernels
-from lightllm.kernels import lora_expand_, lora_expand_act, lora_segments, lora_shrink
+from lightllm.kernels import lora_expand_, lora_segments, lora_shrink
 from lightllm.kernels.lora import Segments
 
 from .config import ModelConfig
@@ -167,13 +165,6 @@ class LoraTarget:
         if _shrinks_beside(y.shape[0]):
             self.join()
         return lora_expand_(y, s, self.b, self.pool.segments)
-
-    def finish_act(self, s: torch.Tensor, y: torch.Tensor, gelu: bool) -> torch.Tensor:
-        """A gate/up projection's act(gate) * up of y (its base output) plus the adapters' share,
-        from `start`'s shrink (not None), in one kernel with the activation."""
-        if _shrinks_beside(y.shape[0]):
-            self.join()
-        return lora_expand_act(y, s, self.b, self.pool.segments, gelu)
 
     def share_beside(self, x: torch.Tensor) -> torch.Tensor | None:
         """Call before queueing x's base GEMM, for a projection whose output goes next to a kernel

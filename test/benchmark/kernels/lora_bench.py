@@ -19,11 +19,7 @@ LoRA work (static_benchmark.graph_call_us). Beside it:
   its shrink and expand both beside the GEMM, into an fp32 share (`share_beside`, as the model runs
   steps of up to SHARE_ROWS rows) that the kernel after the GEMM adds in the model (that add is in
   that kernel's own launch and is not timed here). Each is timed at every size; "added" is what it
-  adds to the base GEMMs' time;
-- the model's path with gate/up's activation: the base GEMMs and silu_and_mul after gate/up against
-  the model's LoRA plan of the step's size (each shrink beside or in turn as models/lora.py plans it)
-  with gate/up's expand and activation in turn, or fused (`lora_expand_act`, the model's since it
-  came); "added" is over the base GEMMs and activation.
+  adds to the base GEMMs' time.
 `--variant NAME=VALUE[,...]` rebinds constants of kernels/lora.py (BLOCK_ROWS, BLOCK_K, BLOCK_N,
 SPLIT_K, SHRINK_PROGRAMS, LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_BLOCK_N) for one more pass, to time
 another launch plan of the same kernels beside the shipped one (repeat it for several). Each step
@@ -43,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import b
 from benchmark.engine.static_benchmark import copy_bandwidth, graph_call_us  # noqa: E402
 
 from lightllm.kernels import lora as lora_kernels  # noqa: E402
-from lightllm.kernels.silu_and_mul import silu_and_mul_triton  # noqa: E402
-from lightllm.models.lora import _shrinks_beside, share_beside, shrink_beside  # noqa: E402
+from lightllm.models.lora import share_beside, shrink_beside  # noqa: E402
 
 logger = logging.getLogger("lora_bench")
 
@@ -127,31 +122,6 @@ class Step:
             torch.cuda.current_stream().wait_stream(stream)
             lora_kernels.lora_expand_triton(y, s, b, seg)
 
-    def base_act(self) -> None:
-        """The base GEMMs and gate/up's activation (the third group of each layer)."""
-        for i, (x, y, _, _, w) in enumerate(self.work):
-            torch.matmul(x, w.T, out=y)
-            if i % 4 == 2:
-                silu_and_mul_triton(y)
-
-    def model_path(self, stream: torch.cuda.Stream, fused: bool) -> None:
-        """As the model runs a step of this size past SHARE_ROWS: each group's shrink beside its GEMM
-        or in turn (models/lora.py's plan), gate/up's expand then its activation, or both in one
-        kernel (`fused`)."""
-        seg = lora_kernels.lora_segments(self.slots, self.num_slots)
-        side = stream if _shrinks_beside(self.slots.shape[0]) else None
-        for i, (x, y, a, b, w) in enumerate(self.work):
-            s = shrink_beside(x, a, seg, side)
-            torch.matmul(x, w.T, out=y)
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
-            if i % 4 == 2 and fused:
-                lora_kernels.lora_expand_act_triton(y, s, b, seg)
-                continue
-            lora_kernels.lora_expand_triton(y, s, b, seg)
-            if i % 4 == 2:
-                silu_and_mul_triton(y)
-
     def check(self, stream: torch.cuda.Stream) -> float:
         """Relative distance of the kernels' y from the torch reference's, over the first group, with
         the shrink in turn, beside on `stream`, and the share beside (as `beside` runs them): the largest."""
@@ -165,13 +135,7 @@ class Step:
         torch.cuda.current_stream().wait_stream(stream)
         s = lora_kernels.lora_shrink_ref(x, a, seg)
         want = lora_kernels.lora_expand_ref(torch.zeros_like(y), s, b, seg).float()
-        errors = [float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside, share)]
-        x, y, a, b, w = self.work[2]  # gate/up: the fused activation against the reference's expand, then act
-        y.copy_(x @ w.T)
-        s = lora_kernels.lora_shrink_triton(x, a, seg)
-        fused = lora_kernels.lora_expand_act_triton(y, s, b, seg).float()
-        want = lora_kernels.lora_expand_act_ref(y.clone(), lora_kernels.lora_shrink_ref(x, a, seg), b, seg).float()
-        return max(errors + [float((fused - want).norm() / want.norm().clamp_min(1e-9))])
+        return max(float((g - want).norm() / want.norm().clamp_min(1e-9)) for g in (got, beside, share))
 
 
 def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
@@ -190,15 +154,11 @@ def run(args, variant: dict[str, int], bandwidth: float) -> list[str]:
             turn_us = graph_call_us(step.in_turn, calls=2)
             beside_us = graph_call_us(lambda: step.beside(stream, False), calls=2)
             share_us = graph_call_us(lambda: step.beside(stream, True), calls=2)
-            act_us = graph_call_us(step.base_act, calls=2)
-            path_us = graph_call_us(lambda: step.model_path(stream, False), calls=2)
-            fused_us = graph_call_us(lambda: step.model_path(stream, True), calls=2)
             floor_us = step.floor_bytes / bandwidth * 1e6
             name = ",".join(f"{k}={v}" for k, v in variant.items()) or "shipped"
             rows.append(f"| {name} | {tokens} | {lora_us:.1f} | {floor_us:.1f} | {100 * floor_us / lora_us:.1f} | "
                         f"{base_us:.1f} | {lora_us / base_us:.3f} | {turn_us - base_us:.1f} | "
-                        f"{beside_us - base_us:.1f} | {share_us - base_us:.1f} | {act_us:.1f} | "
-                        f"{path_us - act_us:.1f} | {fused_us - act_us:.1f} | {err:.4f} |")
+                        f"{beside_us - base_us:.1f} | {share_us - base_us:.1f} | {err:.4f} |")
             del step
             torch.cuda.empty_cache()
         return rows
@@ -228,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.rank}, base share {args.base_share:.3f}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
              "a step's LoRA work (all layers, one CUDA graph), us",
              "| variant | tokens | LoRA us | floor us | % floor | base GEMMs us | LoRA / base | added in turn us | "
-             "added, shrink beside us | added, share beside us | base GEMMs + act us | added, expand then act us | "
-             "added, fused act us | rel err |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "added, shrink beside us | added, share beside us | rel err |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for variant in [{}] + args.variant:
         lines += run(args, variant, bandwidth)
     text = "\n".join(lines)
