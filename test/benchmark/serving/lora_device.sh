@@ -16,6 +16,9 @@
 # its `model`; vLLM serves no /generate_stream, so no one-at-a-time rows.
 # Needs (carried, git-ignored): .whl/ (the wheels the image lacks), .gpu/bench-8b,
 # .gpu/requests-N.json. Results: $OUT/lora.md (the table), $OUT/*.json (benchmark_serving's).
+# TRACE=1: each server with --step_trace; $OUT/traces.md has test/benchmark/engine/step_trace.py's
+# summary of each burst's steps, $OUT/work.tar.gz the traces and the servers' logs (no
+# one-at-a-time rows).
 set -euo pipefail
 ROOT=$(pwd); DRY=0; SERVER=; END=$((SECONDS + ${BUDGET_S:-570}))
 source "$ROOT/test/benchmark/lib/gpu_lib.sh"
@@ -32,12 +35,13 @@ adapters=$(sed -n 's/^--lora-adapters //p' "$WORK/flags.txt")
 serve() {  # serve NAME SERVER-FLAGS...: a server in a session of its own, once /health answers
   local name=$1; shift
   setsid python3 -m lightllm.server.api_server --model_dir "$MODEL" --load_format dummy --port 8000 "$@" \
-    > "$WORK/$name-server.log" 2>&1 &
+    ${TRACE:+--step_trace "$WORK/steps-$name.jsonl"} > "$WORK/$name-server.log" 2>&1 &
   SERVER=$!
   wait_healthy 8000 $((SECONDS + 300)) "$WORK/$name-server.log"
 }
 single() {  # single NAME [--adapter A]: one request at a time, 256 tokens, 5 times
   local name=$1; shift
+  [[ -z ${TRACE:-} ]] || return 0  # a traced call's servers run the bursts alone
   timeout 120 python3 test/benchmark/serving/single_request.py --max-new-tokens 256 "$@" > "$OUT/single-$name.md" 2>&1 \
     || echo "single $name failed"
 }
@@ -72,8 +76,8 @@ else
   stop_server
   serve lora --lora_modules "${modules[@]}" --max_loras "$COUNT" --max_lora_rank "$RANK"
   single lora-0 --adapter lora-0
+  single lora-server-base  # before the burst, as the base server's
   burst lora --lora-adapters "$adapters"
-  single lora-server-base
   stop_server
 fi
 
@@ -111,3 +115,9 @@ if one["base"] and one["lora-0"]:
     print(f"TPOT with an adapter / base server: {one['lora-0'] / one['base']:.3f}x")
 PY
 cat "$OUT/lora.md"
+if [[ -n ${TRACE:-} ]]; then
+  for name in base lora; do
+    echo "### $name"; python3 test/benchmark/engine/step_trace.py "$WORK/steps-$name.jsonl" --floor "$MODEL" || true
+  done > "$OUT/traces.md" 2>&1
+  tar -C "$WORK" -czf "$OUT/work.tar.gz" --exclude loras . || true
+fi
