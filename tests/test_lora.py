@@ -261,3 +261,27 @@ def test_a_family_whose_forward_serves_no_adapter_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not served for Gemma4Model"):
         make_runner(tmp_path, max_loras=1)
     assert make_runner(tmp_path).loras is None  # and serves without slots
+
+
+def test_adapters_given_at_start_are_resident_before_their_first_request(model_dir, adapters, prompts, expected,
+                                                                         monkeypatch):
+    """The adapters of --lora_modules go into the free slots at start (as many as there are), so
+    that their first request's step copies nothing in; one past the slots is copied in by its
+    first request, and each still answers as PEFT does."""
+    import lightllm.models.lora as lora_module
+
+    modules = tuple(f"{name}={path}" for name, path in adapters.items())  # ids 1, 2, 3; two slots
+    runner = make_runner(model_dir, tokens=512, max_req_total_len=64, lora_modules=modules, max_loras=2,
+                         max_lora_rank=8)
+    assert sorted(runner.loras.table.owner) == [1, 2] and runner.loras.table.users == [0, 0]
+    loads = []
+    real_load = lora_module.LoraSlots.load
+    monkeypatch.setattr(lora_module.LoraSlots, "load", lambda self, slot, form: loads.append(slot) or real_load(self, slot, form))
+    core = engine(runner, chunk=64)
+    names = list(ADAPTERS)
+    assert run(core, [(prompts[0], names[0]), (prompts[1], names[1])], first_id=5000) == [
+        expected[names[0]][0], expected[names[1]][1]]
+    assert loads == []
+    assert run(core, [(prompts[2], names[2])], first_id=5010) == [expected[names[2]][2]]
+    assert len(loads) == 1
+    assert_idle(core)

@@ -15,6 +15,10 @@ from server_utils import StreamArrivals, ref_chain, slow_schema, start_server
 # 10): beside another test process on two busy cores, the 0.17 s of the first test's grammar took
 # over 1 s.
 BOUND = 4.0
+# The running stream's length: long enough to outlast a request answered at BOUND and 2 s more on an
+# idle machine, where the tiny model makes 300+ tokens a second (2,500 ran out before then); the
+# server takes requests that long.
+STREAM_TOKENS = 6000
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "word"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
                          "word": {"type": "string", "maxLength": 6}}}
@@ -30,7 +34,7 @@ def follows_schema(value) -> bool:
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("grammar")
     server = start_server(["--model_dir", str(write_bench_model(out, "tiny")), "--grammar_compile_timeout",
-                           str(BOUND)], out / "server.log")
+                           str(BOUND), "--max_req_total_len", str(STREAM_TOKENS + 64)], out / "server.log")
     yield server
     code = server.stop()
     assert code == 0, (code, server.log_text()[-3000:])
@@ -43,7 +47,7 @@ def test_a_first_grammar_loads_while_a_stream_keeps_its_pace(server):
     request, where it stalled every running stream; the compile runs in a child process and the
     runner's read in C++ without the GIL, both at a lower priority."""
     server.wait_for_structured_output()
-    stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
+    stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": STREAM_TOKENS, "ignore_eos": True}})
     arrivals = stream.arrivals
     server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
     sent = time.monotonic()
@@ -75,7 +79,7 @@ def test_structured_output_follows_its_schema(server):
 
 def test_a_grammar_over_the_bound_gets_400_while_a_stream_keeps_its_pace(server):
     server.generate("warm", max_new_tokens=4, grammar={"type": "json", "value": SCHEMA})
-    stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": 2500, "ignore_eos": True}})
+    stream = StreamArrivals(server, {"inputs": "keep going", "parameters": {"max_new_tokens": STREAM_TOKENS, "ignore_eos": True}})
     arrivals = stream.arrivals
     server.wait_for(lambda: len(arrivals) >= 40, timeout=120, what="40 streamed tokens")
     sent = time.monotonic()

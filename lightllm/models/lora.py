@@ -136,9 +136,15 @@ class LoraTarget:
         self.a = torch.zeros(pool.num_slots, rank, self.in_slice[1], device=device, dtype=dtype)
         self.b = torch.zeros(pool.num_slots, out, rank, device=device, dtype=dtype)
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+    def host_form(self, adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The adapter's slot contents for this projection, laid out as a slot holds them (its
+        parts' A stacked along the rank, each part's B in its own rank columns, zero-padded) in the
+        slot's dtype, on the host (page-locked where the slots are on a GPU, so that `load` is two
+        asynchronous copies); None where the adapter leaves the projection alone."""
+        if not any(name in adapter.weights for name, _, _, _ in self.parts):
+            return None
+        a_host = torch.zeros(self.a.shape[1:], dtype=self.a.dtype)
+        b_host = torch.zeros(self.b.shape[1:], dtype=self.b.dtype)
         in_start, in_count = self.in_slice
         row = 0
         for i, (name, _, start, count) in enumerate(self.parts):
@@ -146,9 +152,21 @@ class LoraTarget:
             if pair is not None:
                 a, b = pair
                 r, first = a.shape[0], i * self.max_rank
-                self.a[slot, first: first + r] = a[:, in_start: in_start + in_count]
-                self.b[slot, row: row + count, first: first + r] = b[start: start + count]
+                a_host[first: first + r] = a[:, in_start: in_start + in_count]
+                b_host[row: row + count, first: first + r] = b[start: start + count]
             row += count
+        if self.a.is_cuda:
+            a_host, b_host = a_host.pin_memory(), b_host.pin_memory()
+        return a_host, b_host
+
+    def load(self, slot: int, form: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Slot `slot` takes `host_form`'s contents (None: zeros), in stream order."""
+        if form is None:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            return
+        self.a[slot].copy_(form[0], non_blocking=True)
+        self.b[slot].copy_(form[1], non_blocking=True)
 
     def start(self, x: torch.Tensor) -> torch.Tensor | None:
         """Call before queueing x's base GEMM: the shrink, begun beside it (None: no row of the step
@@ -215,9 +233,14 @@ class LoraSlots:
         """slots None: no row of the step has an adapter, and the projections launch no LoRA kernel."""
         self.segments = None if slots is None else lora_segments(slots, self.num_slots)
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        for target in self.targets:
-            target.load(slot, adapter)
+    def host_form(self, adapter: LoraAdapter) -> list:
+        """The adapter as the slots hold it, one entry a projection (LoraTarget.host_form)."""
+        return [target.host_form(adapter) for target in self.targets]
+
+    def load(self, slot: int, form: list) -> None:
+        """Slot `slot` takes an adapter's `host_form`: two asynchronous copies a projection."""
+        for target, part in zip(self.targets, form):
+            target.load(slot, part)
 
     def nbytes(self) -> int:
         return sum(t.a.nbytes + t.b.nbytes for t in self.targets)
@@ -264,9 +287,12 @@ class SlotTable:
 
 
 class LoraAdapters:
-    """A runner's adapters: every loaded one in host memory by id, the resident ones in the
-    device's slots. `acquire` gives a starting request its adapter's slot (copying the weights in
-    if they are not there), `release` hands it back when the request ends."""
+    """A runner's adapters: every loaded one in host memory by id (as the slots hold it:
+    LoraSlots.host_form), the resident ones in the device's slots. An adapter added while a slot
+    holds none goes into it at once (the adapters of --lora_modules at start, up to the slots), so
+    that its first request's step does not copy it in; `acquire` gives a starting request its
+    adapter's slot (copying the weights in if they are not there), `release` hands it back when the
+    request ends."""
 
     def __init__(self, model, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype):
@@ -276,7 +302,11 @@ class LoraAdapters:
         self.host: dict[int, LoraAdapter] = {}
 
     def add(self, lora_id: int, path: str) -> None:
-        self.host[lora_id] = load_adapter(path, self.cfg, self.max_rank)
+        self.host[lora_id] = self.slots.host_form(load_adapter(path, self.cfg, self.max_rank))
+        if 0 in self.table.owner:  # a slot holds no adapter: resident from now on, used by no request yet
+            slot, _ = self.table.acquire(lora_id)
+            self.table.release(slot)
+            self.slots.load(slot, self.host[lora_id])
 
     def drop(self, lora_id: int) -> None:
         self.host.pop(lora_id, None)
