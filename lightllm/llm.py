@@ -160,7 +160,8 @@ class SamplingParams:
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
             allowed_token_ids=list(self.allowed_token_ids or ()), bad_words=list(self.bad_words or ()),
             # logprobs=0 asks the engine for one: the sampled token's rank comes with the top k
-            top_logprobs=0 if self.logprobs is None else max(self.logprobs, 1), prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+            top_logprobs=0 if self.logprobs is None else max(self.logprobs, 1),
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
             grammar_kind=kind, grammar=grammar)
 
 

@@ -276,7 +276,8 @@ def test_adapters_given_at_start_are_resident_before_their_first_request(model_d
     assert sorted(runner.loras.table.owner) == [1, 2] and runner.loras.table.users == [0, 0]
     loads = []
     real_load = lora_module.LoraSlots.load
-    monkeypatch.setattr(lora_module.LoraSlots, "load", lambda self, slot, form: loads.append(slot) or real_load(self, slot, form))
+    monkeypatch.setattr(lora_module.LoraSlots, "load",
+                        lambda self, slot, form: loads.append(slot) or real_load(self, slot, form))
     core = engine(runner, chunk=64)
     names = list(ADAPTERS)
     assert run(core, [(prompts[0], names[0]), (prompts[1], names[1])], first_id=5000) == [
