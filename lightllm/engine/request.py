@@ -236,7 +236,12 @@ class Req:
     @property
     def kv_cap(self) -> int:
         """Most KV slots it can ever hold: its last token is sampled, never fed back."""
-        return self.prompt_len + self.max_new_tokens - self.resumed - 1
+        return self.prompt_len + self.run_new_tokens - 1
+
+    @property
+    def run_new_tokens(self) -> int:
+        """The most tokens it samples from its current start (its prompt holds the outputs before)."""
+        return self.max_new_tokens - self.resumed
 
     @property
     def prompt_left(self) -> int:
@@ -246,7 +251,7 @@ class Req:
     def needs_decode(self) -> bool:
         """Decoding, and the steps scheduled so far do not yet sample max_new_tokens tokens.
         A request that hit EOS in the step in flight still gets one more (never emitted)."""
-        return self.status is ReqStatus.DECODING and 1 + self.decode_steps < self.max_new_tokens - self.resumed
+        return self.status is ReqStatus.DECODING and 1 + self.decode_steps < self.run_new_tokens
 
     @property
     def fed_outputs(self) -> list[int]:

@@ -415,7 +415,7 @@ class Scheduler:
 
     def _draftable_later(self, req: Req) -> int:
         """`_draftable` once its step in flight is back (one token more, maybe)."""
-        return 0 if req.depends_on_tokens else max(0, req.max_new_tokens - req.resumed - req.decode_steps - 3)
+        return 0 if req.depends_on_tokens else max(0, req.run_new_tokens - req.decode_steps - 3)
 
     def _plan_drafts(self, plan: StepPlan) -> dict[int, list[int]]:
         """Drafts for this step's decodes where the controller expects them to pay, within the KV
@@ -709,7 +709,8 @@ class Scheduler:
         """Whether `req` alone would be admitted next, with the running requests `without` gone."""
         running = self.running
         if without:
-            self.running = [r for r in running if r not in without]
+            gone = {r.req_id for r in without}  # a set: the batch and the victims may each be ~1,000
+            self.running = [r for r in running if r.req_id not in gone]
         try:
             if len(self.running) >= self.max_running or not self._within_lora_slots([req]):
                 return False
