@@ -13,6 +13,7 @@ from lightllm.tools.bench_model import write_bench_model
 from server_utils import start_server
 
 LONG_TOKENS = 1500  # the running request: long enough that the others all arrive while it runs
+SHORT_TOKENS = 120  # each waiting one: its run outlasts a busy machine's delay in waking the thread that reads it
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_waiting_requests_are_admitted_lowest_priority_first(server):
         time.sleep(0.01)
     waiting = []
     for count, (name, priority) in enumerate((("a", 2), ("b", 0), ("c", -1), ("d", 0)), 1):
-        waiting.append(threading.Thread(target=first_token_time, args=(server.url, {**body, "max_tokens": 3,
+        waiting.append(threading.Thread(target=first_token_time, args=(server.url, {**body, "max_tokens": SHORT_TOKENS,
                                                                                     "priority": priority},
                                                                        times, name)))
         waiting[-1].start()
