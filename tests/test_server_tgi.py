@@ -87,7 +87,6 @@ def test_typical_p_narrows_the_draw(client):
 
 
 @pytest.mark.parametrize("parameters, message", [
-    ({"watermark": True}, "'watermark' is not served"),
     ({"typical_p": 0}, "typical_p"),
     ({"best_of": 2, "n": 2, "do_sample": True}, "not both"),
     ({"best_of": 2}, "'best_of' > 1 needs sampling"),

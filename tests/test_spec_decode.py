@@ -64,11 +64,15 @@ def drafted_run(runner, prompt, n, params, truth, wrong, rng):
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["padded", "eager"])
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(do_sample=True, seed=42, top_k=20, top_p=0.9)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(do_sample=True, seed=42, top_k=20, top_p=0.9),
+                                      SamplingParams(watermark=True),
+                                      SamplingParams(do_sample=True, seed=42, top_k=20, watermark=True)],
+                         ids=["greedy", "seeded", "greedy-watermark", "seeded-watermark"])
 def test_verified_tokens_are_the_tokens_without_drafts(model_dir, cuda_graph, sampling):
     """Greedy: every accepted run is the target's own argmax chain. Seeded sampling: a row `j`
-    drafts ahead draws the random numbers of that later token, so the tokens are the same too."""
+    drafts ahead draws the random numbers of that later token, so the tokens are the same too.
+    Watermarked: a draft's row favours the green list after the draft before it (the first row,
+    after the request's last token), as the token would without drafts."""
     runner = make_runner(model_dir, tokens=512, cuda_graph=cuda_graph, max_req_total_len=128)
     prompt = [5, 7, 9, 11, 13]
     truth = plain_run(runner, prompt, 40, sampling)

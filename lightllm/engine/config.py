@@ -145,6 +145,8 @@ class EngineConfig:
     )
     max_loras: int | None = field(default=None, metadata=flag(f"LoRA adapters resident on the device at once: a slot pool allocated at start, the adapters beyond it wait in host memory and replace the least recently used slot that no running request uses. Absent: {DEFAULT_MAX_LORAS} with --lora_modules, else 0 (no adapters, none loadable at run time)"))
     max_lora_rank: int = field(default=16, metadata=flag("largest LoRA rank served (each slot's size); an adapter of a larger rank is refused"))
+    watermark_gamma: float = field(default=0.5, metadata=flag("share of the vocabulary that is green after each token for requests with TGI's `watermark` (lightllm/engine/watermark.py; TGI's WATERMARK_GAMMA)"))
+    watermark_delta: float = field(default=2.0, metadata=flag("what a watermarked request's green tokens get added to their logits (TGI's WATERMARK_DELTA)"))
     step_trace: str | None = field(default=None, metadata=flag("write the device's per-step timeline (start, end, launch time and shape of every step) to this JSON-lines file, to find where the device idles; summarise it with test/benchmark/engine/step_trace.py"))
     log_level: str = field(
         default="info",
@@ -220,6 +222,8 @@ class EngineConfig:
         if self.disk_kv_cache_dir and (self.host_kv_cache_gb <= 0 or self.disk_kv_cache_gb <= 0):
             raise ValueError("--disk_kv_cache_dir needs --host_kv_cache_gb above 0 (the disk tier lies below "
                              "the host tier) and --disk_kv_cache_gb above 0")
+        if not 0 < self.watermark_gamma < 1 or not 0 <= self.watermark_delta <= 100:
+            raise ValueError("--watermark_gamma must be above 0 and below 1, --watermark_delta in [0, 100]")
         if self.admission_wait_steps < 0:
             raise ValueError("--admission_wait_steps must be 0 or more")
         self._check_loras()

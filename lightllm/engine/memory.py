@@ -33,15 +33,16 @@ logger = logging.getLogger(__name__)
 
 PROFILE_LOGPROBS = 20  # the most top logprobs the API lets a request ask for (MAX_LOGPROBS)
 # Every sampling path at once: penalties, logprobs, prompt logprobs (scored a slice at a time,
-# sampling.PROMPT_LOGITS_BYTES) and the filtered draw (sorts, softmax, cumsums, the counter-hash
-# uniforms: many copies of a block of rows' logits, sampling.DRAW_LOGITS_BYTES), except on the
-# CPU, where that draw over a full batch of 1,024 rows takes a minute (the random_uniform
-# reference and the sort) and would hold up every start; a CPU serves a few tokens a second, so
-# batches of that size with sampling on are not what it runs.
+# sampling.PROMPT_LOGITS_BYTES), the watermark's green lists and the filtered draw (sorts,
+# softmax, cumsums, the counter-hash uniforms: many copies of a block of rows' logits,
+# sampling.DRAW_LOGITS_BYTES), except on the CPU, where that draw and the green lists over a full
+# batch of 1,024 rows take a minute (the random_uniform reference and the sort) and would hold up
+# every start; a CPU serves a few tokens a second, so batches of that size with sampling on are
+# not what it runs.
 PROFILE_SAMPLING = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, typical_p=0.95,
                                   repetition_penalty=1.1, presence_penalty=0.1, max_new_tokens=2,
-                                  top_logprobs=PROFILE_LOGPROBS, prompt_logprobs=PROFILE_LOGPROBS)
-PROFILE_SAMPLING_CPU = dataclasses.replace(PROFILE_SAMPLING, do_sample=False)
+                                  top_logprobs=PROFILE_LOGPROBS, prompt_logprobs=PROFILE_LOGPROBS, watermark=True)
+PROFILE_SAMPLING_CPU = dataclasses.replace(PROFILE_SAMPLING, do_sample=False, watermark=False)
 
 def memory_info(device: torch.device) -> tuple[int, int]:
     """(total, free) bytes the device has: the GPU's memory, or the host's RAM for the CPU.

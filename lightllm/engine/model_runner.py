@@ -108,6 +108,7 @@ class ModelRunner:
             logger.info("--mxfp4_experts %s: %s", config.mxfp4_experts, experts)
         self.config = cfg = replace(cfg, mxfp4_experts=experts)
         self.max_req_total_len = config.max_req_total_len
+        self.watermark = (config.watermark_gamma, config.watermark_delta)  # TGI's watermark, for the requests that ask
         if self.max_req_total_len > cfg.max_position_embeddings:
             logger.warning("max_req_total_len %d exceeds the model's max_position_embeddings %d",
                            self.max_req_total_len, cfg.max_position_embeddings)
@@ -451,7 +452,8 @@ class ModelRunner:
         """The step's metadata and sampling parameters on the device (one copy), and the graph
         bucket of a step with chunks (None: eager, or a decode-only step)."""
         offsets = decodes.offsets + [0] * (len(sampled) - len(decodes))  # a draft's row samples a later token
-        ints, floats = host_lists([r.sampling for r in sampled], self.config.eos_token_ids, offsets)
+        ints, floats = host_lists([r.sampling for r in sampled], self.config.eos_token_ids, offsets,
+                                  lambda: decodes.ids + [c.token_ids[-1] for _, c in chunks if c.last])
         layout = None
         if graphed_decode:
             ints.update(self._graph_meta(decodes))
@@ -467,7 +469,7 @@ class ModelRunner:
         states = [r.sampling for r, _ in decodes.runs] + [r.sampling for r, c in chunks if c.last]  # one a request
         top_k = max((s.params.top_logprobs for s in states), default=0)
         sampling = SamplingBatch.from_tensors(t, all_greedy=all(s.params.greedy for s in states), top_logprobs=top_k,
-                                              grammar=grammar)
+                                              grammar=grammar, last_token=self.last_token, watermark=self.watermark)
         tokens, logprobs, top = sample(logits[: len(sampled)], sampling)
         self.last_token[t["sample_rows"]] = tokens
         head = self.model.lm_head

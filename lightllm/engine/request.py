@@ -76,6 +76,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason STOP)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits before sampling
+    # TGI's watermark (Kirchenbauer et al.): each token's logits get the server's delta on a "green"
+    # share gamma of the vocabulary that the token before it picks (engine/watermark.py)
+    watermark: bool = False
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: none: every token; else only these
     # vLLM's bad_words: the front end's texts, and their token sequences (frontend/tokenizer.py's
     # bad_words_ids): a sequence's last token is banned where the output ends with the rest of it

@@ -1,4 +1,4 @@
-"""Token choice for one step: allowed tokens, logit biases, grammar masks, min_tokens bans and penalties, then
+"""Token choice for one step: allowed tokens, logit biases, the watermark, grammar masks, min_tokens bans and penalties, then
 greedy or seeded top-k/min-p/top-p/typical-p sampling. Log probabilities (of the sampled token and the top
 k) are of the model's raw logits, before any of these (vLLM's default).
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightllm.engine.request import SamplingParams
+from lightllm.engine.watermark import DELTA, GAMMA, apply_watermark_
 from lightllm.kernels import apply_penalties_, greedy_sample, random_uniform
 
 _INT64_SPAN = 1 << 64
@@ -44,7 +45,7 @@ class SamplingState:
         p = self.params
         greedy = p.greedy
         sparse = (bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0.0 or bool(p.allowed_token_ids)
-                  or bool(p.bad_words_ids) or p.typical_p < 1.0)
+                  or bool(p.bad_words_ids) or p.typical_p < 1.0 or p.watermark)
         self.recent = deque(maxlen=p.bad_word_context) if p.bad_word_context else None
         self.row = (_signed64(p.seed), p.top_k if p.top_k > 0 else -1, int(greedy),
                     1.0 if greedy else p.temperature, p.top_p, p.uses_penalties, sparse)
@@ -93,15 +94,18 @@ def _penalty_lists(states: list[SamplingState], ints: dict, floats: dict) -> Non
                   repetition=[s.params.repetition_penalty for s in states])
 
 
-def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_ids, ints: dict, floats: dict) -> None:
+def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_ids, ints: dict, floats: dict,
+                    prev: Callable[[], list[int]] | None) -> None:
     """Sparse inputs, in one pass (most batches have none): logit biases as (row, token, value),
     min_p and typical_p per row, the tokens that would end a request before its min_tokens and those its bad
-    words ban as (row, token) pairs set to -inf, and allowed_token_ids as (row, token) pairs
-    beside the rows they mask."""
+    words ban as (row, token) pairs set to -inf, allowed_token_ids as (row, token) pairs
+    beside the rows they mask, and the watermarked rows with the token before each (`prev`'s)."""
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids, min_p, typical = [], [], [], [], [], False, False
-    allow_rows, allow_ids, masked_rows = [], [], []
+    allow_rows, allow_ids, masked_rows, marked = [], [], [], []
     for b, (s, offset) in enumerate(zip(states, offsets)):
         p = s.params
+        if p.watermark:
+            marked.append(b)
         if p.allowed_token_ids:
             allow_rows += [b] * len(p.allowed_token_ids)
             allow_ids += p.allowed_token_ids
@@ -126,18 +130,23 @@ def _optional_lists(states: list[SamplingState], offsets: list[int], eos_token_i
         ints.update(ban_rows=ban_rows, ban_ids=ban_ids)
     if allow_rows:
         ints.update(allow_rows=allow_rows, allow_ids=allow_ids, masked_rows=masked_rows)
+    if marked:
+        before = prev() if prev is not None else [-1] * len(states)
+        ints.update(watermark_rows=marked, watermark_prev=[before[b] for b in marked])
     if min_p:
         floats["min_ps"] = [s.params.min_p for s in states]
     if typical:
         floats["typical_ps"] = [s.params.typical_p for s in states]
 
 
-def host_lists(states: list[SamplingState], eos_token_ids=(), offsets: list[int] | None = None
-               ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+def host_lists(states: list[SamplingState], eos_token_ids=(), offsets: list[int] | None = None,
+               prev: Callable[[], list[int]] | None = None) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
     """The batch's sampling inputs as named int and float lists (one entry per sampled row; the
     optional sparse ones only when some request uses them). A row `offsets[b]` tokens past its
     request's generated count (a draft's) draws the random numbers of that later token, so a
-    seeded request samples the same tokens with drafts as without."""
+    seeded request samples the same tokens with drafts as without. `prev`, called only when some
+    request is watermarked: the token before each row's (-1: its request's last sampled token,
+    which the device holds; without it, every row's)."""
     offsets = offsets or [0] * len(states)
     if not states:
         seeds = top_ks = greedy = temperatures = top_ps = penalties = sparse = ()
@@ -149,7 +158,7 @@ def host_lists(states: list[SamplingState], eos_token_ids=(), offsets: list[int]
     if any(penalties):
         _penalty_lists(states, ints, floats)
     if any(sparse):
-        _optional_lists(states, offsets, eos_token_ids, ints, floats)
+        _optional_lists(states, offsets, eos_token_ids, ints, floats, prev)
     return ints, floats
 
 
@@ -172,16 +181,22 @@ class SamplingBatch:
     grammar: tuple | None = None  # (bitmask int32 [R, ceil(V/32)], rows [R]): allowed tokens of constrained rows
     top_logprobs: int = 0  # the most top logprobs any request wants
     typical_ps: torch.Tensor | None = None
+    watermark: tuple | None = None  # (rows, the token before each, gamma, delta): engine/watermark.py
 
     @property
     def changes_logits(self) -> bool:
-        """Some request's logits are changed before the choice (allowed tokens, bias, grammar, bans, penalties)."""
-        return any(x is not None for x in (self.allowed, self.bias, self.grammar, self.bans, self.penalties))
+        """Some request's logits are changed before the choice (allowed tokens, bias, watermark, grammar,
+        bans, penalties)."""
+        return any(x is not None for x in (self.allowed, self.bias, self.watermark, self.grammar, self.bans,
+                                           self.penalties))
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], all_greedy: bool, top_logprobs: int = 0,
-                     grammar: tuple | None = None) -> "SamplingBatch":
-        penalties = bias = bans = allowed = None
+                     grammar: tuple | None = None, last_token: torch.Tensor | None = None,
+                     watermark: tuple[float, float] = (GAMMA, DELTA)) -> "SamplingBatch":
+        """`last_token`: each request row's last sampled token (the runner's), which a watermarked
+        row of prev -1 follows; `watermark`: the server's (gamma, delta)."""
+        penalties = bias = bans = allowed = marked = None
         if "penalty_ids" in t:
             penalties = (t["presence"], t["frequency"], t["repetition"], t["penalty_ids"].int(),
                          t["penalty_counts"].int(), t["penalty_offsets"].int())
@@ -191,9 +206,14 @@ class SamplingBatch:
             bans = (t["ban_rows"], t["ban_ids"])
         if "allow_rows" in t:
             allowed = (t["allow_rows"], t["allow_ids"], t["masked_rows"])
+        if "watermark_rows" in t:
+            rows, prev = t["watermark_rows"], t["watermark_prev"]
+            if last_token is not None:
+                prev = torch.where(prev < 0, last_token[t["sample_rows"][rows]], prev)
+            marked = (rows, prev, *watermark)
         return cls(t["seeds"], t["steps"], t["top_ks"], t["greedy"].bool(), t["temperatures"], t["top_ps"],
                    all_greedy, penalties, t.get("min_ps"), bias, bans, allowed, grammar, top_logprobs,
-                   t.get("typical_ps"))
+                   t.get("typical_ps"), marked)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):
@@ -215,6 +235,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)
+    if batch.watermark is not None:
+        apply_watermark_(logits, *batch.watermark)
     if batch.grammar is not None:
         from lightllm.engine.grammar import apply_bitmask_
 

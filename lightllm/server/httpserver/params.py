@@ -84,7 +84,7 @@ def check_token_ids(vocab_size: int, logit_bias: dict[str, float] | None, stop_t
 MAX_TOP_TOKENS = 20
 # GenerateParameters fields that are not SamplingParams fields (read by sampling() or the route)
 ROUTE_FIELDS = {"n", "details", "decoder_input_details", "top_n_tokens", "grammar", "logit_bias", "adapter_id",
-                "truncate", "stop", "return_full_text", "watermark", "best_of"}
+                "truncate", "stop", "return_full_text", "best_of"}
 
 
 class GenerateParameters(SamplingRanges):
@@ -109,7 +109,8 @@ class GenerateParameters(SamplingRanges):
     best_of: int | None = Field(None, ge=1, le=128, description="TGI's: sample this many sequences, answer the most "
                                                                 "likely (the others in details.best_of_sequences)")
     return_full_text: bool | None = Field(None, description="TGI's: the prompt's text before each generated text")
-    watermark: bool | None = Field(None, description="TGI's: only false is served")
+    watermark: bool | None = Field(None, description="TGI's: green-list watermark the text (Kirchenbauer et al.); "
+                                   "`python -m lightllm.tools.watermark` scores a text")
     typical_p: float | None = Field(None, gt=0, le=1, description="TGI's typical decoding: keep the tokens whose "
                                     "surprisal is nearest the entropy, up to this probability (sampling only)")
 
@@ -121,8 +122,6 @@ class GenerateParameters(SamplingRanges):
         """TGI's fields that change nothing here, or that cannot be served, or that clash."""
         if self.stop is not None and self.stop_sequences is not None:
             raise RequestError("give 'stop' (TGI's name) or 'stop_sequences', not both")
-        if self.watermark:
-            raise RequestError("'watermark' is not served: only false")
         if (self.best_of or 1) > 1 and (self.n or 1) > 1:
             raise RequestError("give 'best_of' (TGI's: the most likely of them) or 'n' (all of them), not both")
 
