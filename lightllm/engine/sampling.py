@@ -1,6 +1,6 @@
-"""Token choice for one step: allowed tokens, logit biases, the watermark, grammar masks, min_tokens bans and penalties, then
-greedy or seeded top-k/min-p/top-p/typical-p sampling. Log probabilities (of the sampled token and the top
-k) are of the model's raw logits, before any of these (vLLM's default).
+"""Token choice for one step: allowed tokens, logit biases, the watermark, grammar masks, min_tokens bans and
+penalties, then greedy or seeded top-k/min-p/top-p/typical-p sampling. Log probabilities (of the sampled token
+and the top k) are of the model's raw logits, before any of these (vLLM's default).
 
 The random draw for request b at step s (tokens it has generated so far) uses
 u = random_uniform(seed_b, s, vocab), a counter hash, and picks argmax(p / -log(u)) (the

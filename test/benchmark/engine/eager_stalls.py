@@ -128,14 +128,16 @@ def summarise(trace: Path, passes: list[tuple[int, float]], stall_ms: float) -> 
 
 def table(results: list[dict], args) -> list[str]:
     lines = [f"Eager steps of {args.chunk} prompt tokens beside 1-{args.decodes} decodes ({CONTEXT}+ cached tokens "
-             f"each), {args.steps} a pass, one in flight; a stall: a launch held {args.stall_ms:g}+ ms beyond its CPU time",
-             "", "| mode | start s | pass | wall s | device ms (median) | launch ms (median) | launch CPU ms (median) "
-             "| stalls | held ms | device idle ms |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"each), {args.steps} a pass, one in flight; a stall: a launch held {args.stall_ms:g}+ ms beyond "
+             "its CPU time", "",
+             "| mode | start s | pass | wall s | device ms (median) | launch ms (median) | launch CPU ms (median) "
+             "| stalls | held ms | device idle ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for result in results:
         for i, p in enumerate(result["passes"], 1):
-            lines.append(f"| {result['mode']} | {result['start_s']:.1f} | {i} | {p['wall_s']:.2f} | {p['device_ms']:.1f} | "
-                         f"{p['launch_ms']:.1f} | {p['launch_cpu_ms']:.1f} | {p['stalls']} | {p['held_ms']:.0f} | "
-                         f"{p['idle_ms']:.0f} |")
+            lines.append(f"| {result['mode']} | {result['start_s']:.1f} | {i} | {p['wall_s']:.2f} | "
+                         f"{p['device_ms']:.1f} | {p['launch_ms']:.1f} | {p['launch_cpu_ms']:.1f} | {p['stalls']} | "
+                         f"{p['held_ms']:.0f} | {p['idle_ms']:.0f} |")
     return lines
 
 
