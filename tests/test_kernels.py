@@ -997,19 +997,19 @@ def test_fp8_linear_ref_is_close_to_the_unquantised_product():
     assert 1e-3 < err < 0.06  # e4m3 rounding of both operands: a few percent, never none
 
 
-def assert_within_one_fp8_step(q, scale, q_ref, scale_ref):
+def assert_within_one_fp8_step(q, scale, q_ref, scale_ref, min_equal: float = 0.9):
     """Dequantised values at most one e4m3 step apart, and most of them equal. A step is 2^-3
     relative for normal values, and a fixed 2^-9 (times the row's scale) among the subnormals
     (|q| < 2^-6), where one step can be most of a small value. The two rows' scales may differ
     too (each test bounds by how much), which moves a value by q_ref times the difference: q * s -
     q_ref * s_ref = (q - q_ref) s + q_ref (s - s_ref). Among normal values the 2^-3 bound's margin
     takes it; a subnormal's fixed step does not (seed 1637338502: gelu's -3.5 one subnormal step
-    and a bf16 ulp of scale apart)."""
+    and a bf16 ulp of scale apart). More than `min_equal` of the values must be equal."""
     actual, expected = q.float() * scale, q_ref.float() * scale_ref
     step = (torch.maximum(0.13 * expected.abs(), 1.01 * 2**-9 * torch.maximum(scale, scale_ref))
             + q_ref.float().abs() * (scale - scale_ref).abs())
     assert ((actual - expected).abs() <= step).all(), (actual - expected).abs().max()
-    assert (q.float() == q_ref.float()).float().mean() > 0.9
+    assert (q.float() == q_ref.float()).float().mean() > min_equal
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1033,7 +1033,9 @@ def test_rms_norm_fp8_out_triton_matches_ref(dtype, with_residual):
     # 2^-7 at most each (seed 3631056701 put one row 2.09 steps off with the residual).
     roundings = 3 if with_residual else 2
     torch.testing.assert_close(scale, scale_ref, rtol=2e-5 if dtype is torch.float32 else roundings * 2**-7, atol=0)
-    assert_within_one_fp8_step(q, scale, q_ref, scale_ref)
+    # Those roundings leave values unequal: in bf16 over 300 seeds a median of 5.6% (residual) and
+    # 5.0%, 10.0% at worst (seed 117881091, residual): more than 80% equal, with margin.
+    assert_within_one_fp8_step(q, scale, q_ref, scale_ref, min_equal=0.9 if dtype is torch.float32 else 0.8)
     if not with_residual:  # the reference is the norm, then quantize_fp8_rows
         assert torch.equal(quantize_fp8_rows_ref(rms_norm_ref(x, weight, 1e-5))[0].float(), q_ref.float())
 
