@@ -10,8 +10,8 @@ from benchmark.engine import eager_stalls
 
 def test_eager_stalls_reports_each_mode_and_pass(tmp_path):
     out = tmp_path / "stalls.md"
-    assert eager_stalls.main(["--device", "cpu", "--dtype", "float32", "--chunk", "64", "--decodes", "6",
-                              "--steps", "3", "--ladder", "3", "--out-md", str(out)]) == 0
+    assert eager_stalls.main(["--device", "cpu", "--dtype", "float32", "--chunk", "64", "--prompts", "4",
+                              "--decodes", "6", "--steps", "3", "--ladder", "3", "--out-md", str(out)]) == 0
     rows = re.findall(r"^\| (lazy|eager|lazy-ladder) \| [\d.]+ \| (\d) \| [\d.]+ \| ([\d.]+) \|", out.read_text(), re.M)
     assert [(mode, int(p)) for mode, p, _ in rows] == [(m, p) for m in ("lazy", "eager", "lazy-ladder") for p in (1, 2)]
     assert all(float(device) > 0 for _, _, device in rows)

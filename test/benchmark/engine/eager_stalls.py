@@ -13,13 +13,14 @@ Each mode runs in a process of its own (the variable is read when CUDA starts):
 shapes run before the measured passes (decodes 0, --ladder, 2 x --ladder, ...: does a coarse
 warm-up load what the measured shapes need?). In each, --decodes requests of 256 cached tokens
 are prefilled, then --passes passes of --steps eager steps run back to back with one in flight,
-as the engine runs them: each a --chunk-token prompt beside the first d decodes, d drawn once
-(seed 0) from 1 .. --decodes, the same sequence in every pass and mode. From the step trace
-(`--step_trace`, lightllm/engine/step_trace.py), per pass: the median launch (wall and the
-thread's CPU), the launches whose wall time exceeds their CPU time by --stall-ms or more (held
-up without running), the device's idle time between steps, and the pass's wall time; with the
-time each process took to start (load the model, capture the graphs). If lazy loading holds the
-launches, the first lazy pass stalls, its second pass does not, and eager mode never does.
+as the engine runs them: each --prompts new prompts of --chunk tokens in all (a burst's step)
+beside the first d decodes, d drawn once (seed 0) from 1 .. --decodes, the same sequence in every
+pass and mode. From the step trace (`--step_trace`, lightllm/engine/step_trace.py), per pass: the
+median launch (wall and the thread's CPU), the launches whose wall time exceeds their CPU time by
+--stall-ms or more (held up without running), the device's idle time between steps, and the
+pass's wall time; with the time each process took to start (load the model, capture the graphs).
+If lazy loading holds the launches, the first lazy pass stalls, its second pass does not, and
+eager mode never does.
 
 Runs on the CPU too (`--device cpu`, a tiny model when --model is left out: the plumbing).
 """
@@ -54,23 +55,22 @@ def decode_counts(decodes: int, steps: int) -> list[int]:
     return [rng.randint(1, decodes) for _ in range(steps)]
 
 
-def run_steps(runner, bench: Bench, ids: list[int], counts: list[int], chunk: int, step_ids) -> float:
+def run_steps(runner, bench: Bench, ids: list[int], counts: list[int], chunk: int, prompts: int, step_ids) -> float:
     """Eager steps back to back with one in flight (each call launches the next and collects the
-    one ahead), each a new `chunk`-token prompt beside the first d of `ids`; the prompts' requests
-    are released once their step is collected. Returns the wall seconds from the first launch to
-    the last step's end."""
+    one ahead), each `prompts` new prompts of `chunk` tokens in all beside the first d of `ids`;
+    the prompts' requests are released once their step is collected. Returns the wall seconds
+    from the first launch to the last step's end."""
     from lightllm.engine.plan import Chunk, StepPlan
 
     sync(runner.device)
-    start, in_flight = time.perf_counter(), None
+    start, in_flight = time.perf_counter(), []
     for d in counts:
-        ((req_id, prompt, params),) = bench.new_reqs(1, chunk)
-        runner.step(StepPlan(next(step_ids), ids[:d], [Chunk(req_id, prompt, 0, True, params)]))
-        if in_flight is not None:
-            runner.free([in_flight])
-        in_flight = req_id
+        new = bench.new_reqs(prompts, chunk // prompts)
+        runner.step(StepPlan(next(step_ids), ids[:d], [Chunk(i, prompt, 0, True, params) for i, prompt, params in new]))
+        runner.free(in_flight)
+        in_flight = [i for i, _, _ in new]
     runner.step(StepPlan(next(step_ids)))  # empty: collects the last one
-    runner.free([in_flight])
+    runner.free(in_flight)
     sync(runner.device)
     return time.perf_counter() - start
 
@@ -83,7 +83,8 @@ def child(args) -> dict:
     trace = Path(args.work) / f"steps-{args.mode}.jsonl"
     started = time.perf_counter()
     config = EngineConfig(model_dir=str(args.model), max_total_token_num=args.max_total_token_num,
-                          max_req_total_len=args.chunk + 1024, running_max_req_size=args.decodes + 8,
+                          max_req_total_len=args.chunk + 1024,
+                          running_max_req_size=args.decodes + 2 * args.prompts + 8,
                           data_type=args.dtype, load_format=args.load_format, disable_cuda_graph=args.no_cuda_graph,
                           chunked_prefill_size=args.chunk, step_trace=str(trace))
     runner = ModelRunner(config, device=args.device, check_budget=False)
@@ -97,12 +98,13 @@ def child(args) -> dict:
     ids = [r[0] for r in reqs]
     step_ids = iter(range(1 << 40, 1 << 41))
     if args.mode == "lazy-ladder":
-        run_steps(runner, bench, ids, list(range(0, args.decodes + 1, args.ladder)), args.chunk, step_ids)
+        run_steps(runner, bench, ids, list(range(0, args.decodes + 1, args.ladder)), args.chunk, args.prompts,
+                  step_ids)
     counts = decode_counts(args.decodes, args.steps)
     passes = []
     for _ in range(args.passes):
         first_id = next(step_ids)
-        wall = run_steps(runner, bench, ids, counts, args.chunk, step_ids)
+        wall = run_steps(runner, bench, ids, counts, args.chunk, args.prompts, step_ids)
         passes.append((first_id, wall))
     runner._trace.flush(wait=True)
     return {"mode": args.mode, "start_s": start_s, "passes": summarise(trace, passes, args.stall_ms)}
@@ -127,7 +129,8 @@ def summarise(trace: Path, passes: list[tuple[int, float]], stall_ms: float) -> 
 
 
 def table(results: list[dict], args) -> list[str]:
-    lines = [f"Eager steps of {args.chunk} prompt tokens beside 1-{args.decodes} decodes ({CONTEXT}+ cached tokens "
+    lines = [f"Eager steps of {args.chunk} prompt tokens in {args.prompts} prompts beside 1-{args.decodes} decodes "
+             f"({CONTEXT}+ cached tokens "
              f"each), {args.steps} a pass, one in flight; a stall: a launch held {args.stall_ms:g}+ ms beyond "
              "its CPU time", "",
              "| mode | start s | pass | wall s | device ms (median) | launch ms (median) | launch CPU ms (median) "
@@ -149,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default="bfloat16")
     add("--device", default=None)
     add("--modes", default="lazy,eager,lazy-ladder", help=f"comma-separated, of {', '.join(MODES)}")
-    add("--chunk", type=int, default=8192, help="each step's prompt tokens (the server's chunked_prefill_size)")
+    add("--chunk", type=int, default=8192, help="each step's prompt tokens (the server's burst_chunked_prefill_size)")
+    add("--prompts", type=int, default=32, help="the prompts they are cut into (a ShareGPT burst's hold ~250 tokens)")
     add("--decodes", type=int, default=600, help="the most decodes beside a chunk")
     add("--steps", type=int, default=30)
     add("--passes", type=int, default=2)
