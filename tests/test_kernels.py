@@ -103,7 +103,11 @@ def test_gated_rms_norm_triton_matches_ref(dtype, heads, dim, weight_dtype):
     expected = gated_rms_norm_ref(x, gate, weight, 1e-6)
     actual = gated_rms_norm_triton(x, gate, weight, 1e-6)
     assert actual.dtype == expected.dtype == dtype
-    assert_close(actual, expected, TOL[dtype])
+    # bf16: the kernel rounds three times (normed, times the weight, times the gate's silu), toward
+    # zero in the interpreter, the reference to nearest: up to 3.5 bf16 steps of 2^-7 relative
+    # (3,000 seeds: 3 steps at worst, seed 2541's 8.0 against 8.1875), past TOL's 2e-2.
+    tol = TOL[dtype] if dtype is torch.float32 else dict(atol=2e-2, rtol=4 * 2**-7)
+    assert_close(actual, expected, tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
