@@ -32,14 +32,18 @@ def green_mask(prev: torch.Tensor, vocab: int, gamma: float) -> torch.Tensor:
     return random_uniform(seeds, torch.zeros_like(seeds), vocab) < gamma
 
 
+def _green_blocks(prev: torch.Tensor, vocab: int, gamma: float):
+    """(first row, green_mask of the rows from it) over `prev` in blocks of at most BLOCK_BYTES of uniforms."""
+    step = max(1, BLOCK_BYTES // (4 * vocab))
+    for start in range(0, prev.shape[0], step):
+        yield start, green_mask(prev[start: start + step], vocab, gamma)
+
+
 def apply_watermark_(logits: torch.Tensor, rows: torch.Tensor, prev: torch.Tensor, gamma: float,
                      delta: float) -> None:
     """Add `delta` to the green tokens of logits' `rows` (each row once), `prev` their tokens before."""
-    vocab = logits.shape[-1]
-    step = max(1, BLOCK_BYTES // (4 * vocab))
-    for start in range(0, rows.shape[0], step):
-        green = green_mask(prev[start: start + step], vocab, gamma)
-        logits.index_add_(0, rows[start: start + step], green.to(logits.dtype).mul_(delta))
+    for start, green in _green_blocks(prev, logits.shape[-1], gamma):
+        logits.index_add_(0, rows[start: start + green.shape[0]], green.to(logits.dtype).mul_(delta))
 
 
 @dataclass
@@ -61,10 +65,8 @@ def score(token_ids: list[int], gamma: float = GAMMA) -> Score:
     if ids.numel() < 2:
         return Score(0, 0, 0.0)
     prev, nxt, vocab = ids[:-1], ids[1:], int(ids.max()) + 1
-    step, green = max(1, BLOCK_BYTES // (4 * vocab)), 0
-    for start in range(0, prev.numel(), step):
-        mask = green_mask(prev[start: start + step], vocab, gamma)
-        green += int(mask.gather(1, nxt[start: start + step, None]).sum())
+    green = sum(int(mask.gather(1, nxt[start: start + mask.shape[0], None]).sum())
+                for start, mask in _green_blocks(prev, vocab, gamma))
     scored = nxt.numel()
     z = (green - gamma * scored) / math.sqrt(scored * gamma * (1 - gamma))
     return Score(scored, green, z)

@@ -270,6 +270,15 @@ class SlotTable:
         self.last_use[slot] = self._clock
         return slot, load
 
+    def place(self, lora_id: int) -> int | None:
+        """A slot that holds no adapter, now `lora_id`'s (used by no request yet); None where every
+        slot holds one, or the adapter is resident already."""
+        if lora_id in self.owner or 0 not in self.owner:
+            return None
+        slot = self.owner.index(0)
+        self.owner[slot] = lora_id
+        return slot
+
     def fits(self, lora_ids: set[int]) -> bool:
         """Whether requests of these adapters can all start now."""
         missing = [i for i in lora_ids if i not in self.owner]
@@ -299,13 +308,12 @@ class LoraAdapters:
         self.cfg, self.max_rank = cfg, max_rank
         self.slots = LoraSlots(model, num_slots, max_rank, device, dtype)
         self.table = SlotTable(num_slots)
-        self.host: dict[int, LoraAdapter] = {}
+        self.host: dict[int, list] = {}  # id -> LoraSlots.host_form
 
     def add(self, lora_id: int, path: str) -> None:
         self.host[lora_id] = self.slots.host_form(load_adapter(path, self.cfg, self.max_rank))
-        if 0 in self.table.owner:  # a slot holds no adapter: resident from now on, used by no request yet
-            slot, _ = self.table.acquire(lora_id)
-            self.table.release(slot)
+        slot = self.table.place(lora_id)
+        if slot is not None:
             self.slots.load(slot, self.host[lora_id])
 
     def drop(self, lora_id: int) -> None:
