@@ -189,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             done = subprocess.run([sys.executable, __file__, *argv, "--mode", mode, "--work", work], env=env,
                                   stdout=subprocess.PIPE, text=True, check=True)
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    lines = table(results, args)
+            lines = table(results, args)  # written after each mode: a call cut short keeps those done
+            if args.out_md:
+                args.out_md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if args.out_md:
-        args.out_md.write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -9,7 +9,8 @@
 # naming adapter i mod (COUNT + 1), the last share on the base model; one request at a time
 # (single_request.py, 256 tokens) on each, with and without an adapter. Before each burst the
 # server answers single_request.py, so the burst does not pay the kernels' first compiles.
-# BURSTS=0: the one-at-a-time rows alone (about half the call's time).
+# BURSTS=0: the one-at-a-time rows alone (about half the call's time). SINGLES=0: the bursts alone
+# (each server answers one short request first instead, the same warm-up of its first compiles).
 # PEER=vllm: the same two bursts on vLLM instead (installed in /tmp/vsite by ../shared/peers'
 # vllm_device.sh; its defaults, --enable-lora --lora-modules NAME=DIR ... --max-loras COUNT
 # --max-lora-rank RANK for the second), through /v1/completions with each request's adapter as
@@ -42,6 +43,11 @@ serve() {  # serve NAME SERVER-FLAGS...: a server in a session of its own, once 
 single() {  # single NAME [--adapter A]: one request at a time, 256 tokens, 5 times
   local name=$1; shift
   [[ -z ${TRACE:-} ]] || return 0  # a traced call's servers run the bursts alone
+  if [[ ${SINGLES:-1} == 0 ]]; then
+    timeout 60 python3 test/benchmark/serving/single_request.py --max-new-tokens 16 --repeat 1 "$@" > /dev/null 2>&1 \
+      || echo "warm-up $name failed"
+    return 0
+  fi
   timeout 120 python3 test/benchmark/serving/single_request.py --max-new-tokens 256 "$@" > "$OUT/single-$name.md" 2>&1 \
     || echo "single $name failed"
 }
