@@ -20,7 +20,7 @@ median launch (wall and the thread's CPU), the launches whose wall time exceeds 
 --stall-ms or more (held up without running), the device's idle time between steps, and the
 pass's wall time; with the time each process took to start (load the model, capture the graphs).
 If lazy loading holds the launches, the first lazy pass stalls, its second pass does not, and
-eager mode never does.
+eager mode never does. What it found on a GPU is in docs/benchmarks.md (LoRA, "what holds them").
 
 Runs on the CPU too (`--device cpu`, a tiny model when --model is left out: the plumbing).
 """
