@@ -293,3 +293,24 @@ def test_the_engines_lines_put_each_step_between_its_plan_and_its_answer(tiny_mo
     for s in steps:
         h = by_step[s["step"]]
         assert h["planned"] <= origin + s["received_ms"] / 1000 <= h["called"] + 1e-6
+
+
+def test_a_held_launch_says_its_thread_gave_up_the_cpu(tmp_path):
+    """A launch whose thread waits (here it sleeps, as on a lock or a blocking driver call) records
+    the times it gave up the CPU; the summary counts it among the held launches, as blocked."""
+    import torch
+
+    from lightllm.engine.step_trace import StepTrace
+
+    trace = StepTrace(str(tmp_path / "trace.jsonl"), torch.device("cpu"))
+    record = trace.begin()
+    time.sleep(0.05)
+    trace.end(record, 3, decodes=600, chunk_tokens=8192, chunks=32, graph=False, decode_context=153600,
+              chunk_context=8192)
+    trace.close()
+    (line,) = [json.loads(text) for text in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert line["launch_ms"] - line["launch_cpu_ms"] >= 45
+    assert line["blocked"] >= 1
+    text = step_trace.table(step_trace.summarise(step_trace.load(tmp_path / "trace.jsonl"), long_gap_ms=1000))
+    assert "Launches held 20+ ms beyond their CPU time: 1," in text
+    assert "1 gave up the CPU" in text and "step 3 (with chunks" in text

@@ -26,6 +26,11 @@ memory from the driver (torch's pinned allocator grows its pool: cudaHostAlloc, 
 the device) has `pinned_allocs`, the blocks, and `pinned_alloc_ms`, the time in those calls. A
 step whose plan carried ops (releases, the prefix cache's inserts, evictions, and its tiers'
 offloads and loads) has `ops` and `ops_ms`, the host time they took before its launch began.
+A launch in which its thread gave up the CPU has `blocked`, the times it did (voluntary context
+switches: it waited on a lock, the GIL, a driver call or a page), and one from which the kernel's
+scheduler took the CPU has `preempted` (involuntary switches: other threads or processes wanted its
+core), with `major_faults` where it read pages from disk (Linux: getrusage of the thread); which of
+them a launch far longer than its `launch_cpu_ms` has says what held it.
 `syncs` names the lines (`folder/file.py:line`, once each time) at which the launch waited for
 the device (a blocking copy, a read of a device value), as torch's sync debug mode reports them
 on CUDA during the launch; absent where there were none. `sync` marks a step whose result the
@@ -54,6 +59,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import time
 import warnings
 
@@ -64,6 +70,16 @@ from lightllm.kernels._triton import COMPILES, NEW_SPECIALISATIONS, count_compil
 FLUSH_EVERY = 64  # steps between writes: the events of a step in flight are not ready yet
 # torch's warning for each host wait on the device while torch.cuda.set_sync_debug_mode("warn") is on
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
+
+
+# the calling thread's own counts where Linux gives them, else the process's
+_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _switches() -> tuple[int, int, int]:
+    """(voluntary context switches, involuntary ones, major page faults) of the calling thread so far."""
+    usage = resource.getrusage(_RUSAGE_WHO)
+    return usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_majflt
 
 
 class StepTrace:
@@ -119,7 +135,7 @@ class StepTrace:
         return record | {"host_start": time.perf_counter(), "cpu_start": time.thread_time(), "gc_start": self._gc_ms,
                          "new_start": {"launches": NEW_SPECIALISATIONS["launches"], "ms": NEW_SPECIALISATIONS["ms"]},
                          "compiles_start": COMPILES["count"], "pinned_start": self._pinned_counts(),
-                         "start": self._mark()}
+                         "switches_start": _switches(), "start": self._mark()}
 
     def forwarded(self, record: dict) -> None:
         """The step's forward is launched (its graph replayed): what is left of the launch is sampling's."""
@@ -162,6 +178,10 @@ class StepTrace:
         (allocs, alloc_ms), (allocs_before, alloc_ms_before) = self._pinned_counts(), record.pop("pinned_start")
         if allocs > allocs_before:
             record.update(pinned_allocs=allocs - allocs_before, pinned_alloc_ms=round(alloc_ms - alloc_ms_before, 3))
+        for name, now_count, before in zip(("blocked", "preempted", "major_faults"), _switches(),
+                                           record.pop("switches_start")):
+            if now_count > before:
+                record[name] = now_count - before
         compiled = COMPILES["count"] - record.pop("compiles_start")
         if compiled:  # every library's kernels, autotuning's candidates included
             record.update(compiles=compiled, compiled=sorted(set(list(COMPILES["kernels"])[-compiled:])))

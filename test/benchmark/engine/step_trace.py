@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # test/: `import b
 
 SIZE_EDGES = (256, 1024, 2048, 4096)  # chunk tokens
 DECODE_EDGES = (8, 64, 256, 512)  # decodes
+HELD_MS = 20.0  # a launch this much longer than its thread's CPU time was held up
 
 
 def load(path: Path) -> list[dict]:
@@ -63,6 +64,7 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     libraries = []  # (step, launch ms, compilations, kernel names) of the steps that compiled any Triton kernel
     waits: dict[str, dict] = {}  # a line where launches waited for the device: its waits, steps, step kinds
     pinned = []  # (step, kind, blocks, ms) of the launches that took pinned host memory from the driver
+    held = []  # (step, kind, ms held, blocked, preempted) of the launches held HELD_MS+ beyond their CPU time
     idle = long_idle = 0.0
     previous_end = None
     for step in steps:
@@ -78,6 +80,9 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
         if "launch_cpu_ms" in step:  # traces from before these were recorded have neither
             g["cpu_ms"].append(step["launch_cpu_ms"])
             g["gc_ms"].append(step["gc_ms"])
+            if step["launch_ms"] - step["launch_cpu_ms"] >= HELD_MS:  # blocked / preempted: since 2026-12-08
+                held.append((step["step"], kind(step), step["launch_ms"] - step["launch_cpu_ms"],
+                             step.get("blocked", 0), step.get("preempted", 0)))
         if "new_kernels" in step:
             g["new_kernels"] += step["new_kernels"]
             g["new_kernel_ms"].append(step["new_kernel_ms"])
@@ -102,7 +107,8 @@ def summarise(steps: list[dict], long_gap_ms: float) -> dict:
     wall = steps[-1]["end_ms"] - steps[0]["start_ms"] if steps else 0.0
     busy = sum(sum(g["device_ms"]) for g in groups.values())
     return {"steps": len(steps), "wall_ms": wall, "busy_ms": busy, "idle_ms": idle, "long_idle_ms": long_idle,
-            "groups": groups, "compiles": found, "all_compiles": libraries, "waits": waits, "pinned": pinned}
+            "groups": groups, "compiles": found, "all_compiles": libraries, "waits": waits, "pinned": pinned,
+            "held": held}
 
 
 def table(summary: dict) -> str:
@@ -127,7 +133,8 @@ def table(summary: dict) -> str:
                      f"{mean(g['waited_ms'])} | {g['idle_before_ms'] / 1000:.2f} | "
                      f"{100 * g['idle_before_ms'] / max(summary['idle_ms'], 1e-9):.0f}% |")
     return "\n".join(lines + compiles(summary["compiles"]) + all_compiles(summary["all_compiles"])
-                     + host_waits(summary.get("waits", {})) + pinned_allocs(summary.get("pinned", [])))
+                     + host_waits(summary.get("waits", {})) + pinned_allocs(summary.get("pinned", []))
+                     + held_launches(summary.get("held", [])))
 
 
 def compiles(found: list[tuple[int, float, list[str]]]) -> list[str]:
@@ -162,6 +169,19 @@ def pinned_allocs(pinned: list[tuple[int, str, int, float]]) -> list[str]:
     return ["", f"Launches that took pinned host memory from the driver: {len(pinned)}, "
             f"{sum(n for _, _, n, _ in pinned)} blocks, {sum(ms for *_, ms in pinned):.1f} ms in those calls; "
             + "; ".join(f"step {step} ({kind}) {n} in {ms:.1f} ms" for step, kind, n, ms in pinned[:20])]
+
+
+def held_launches(held: list[tuple[int, str, float, int, int]]) -> list[str]:
+    """A line on the launches held beyond their CPU time, and whether their thread waited or was preempted."""
+    if not held:
+        return []
+    blocked = sum(1 for *_, b, _ in held if b)
+    preempted = sum(1 for *_, b, p in held if p and not b)
+    return ["", f"Launches held {HELD_MS:g}+ ms beyond their CPU time: {len(held)}, {sum(h[2] for h in held):.0f} ms "
+            f"in all; {blocked} gave up the CPU (a lock, the GIL, a driver call), {preempted} only had it taken "
+            f"(other work on the core), {len(held) - blocked - preempted} neither; "
+            + "; ".join(f"step {step} ({kind}) {ms:.0f} ms, {b} blocked, {p} preempted"
+                        for step, kind, ms, b, p in sorted(held, key=lambda h: -h[2])[:20])]
 
 
 def step_floor(step: dict, model: dict) -> tuple[float, float]:
