@@ -250,8 +250,19 @@ def test_rotary_kv_adds_an_extra_fp32_share(dtype):
     assert not torch.allclose(v_cache_ref[slots].float(), v.float(), **TOL[dtype])
     k_before = k.clone()
     rotary_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, extra=extra)
-    assert_close(q, q_ref, TOL[dtype])
-    assert_close(caches[0], k_cache_ref, TOL[dtype])
+    if dtype == torch.bfloat16:
+        # The kernel rounds each sum and each rotated value to bf16 in its own direction (toward zero
+        # under TRITON_INTERPRET), the reference to nearest: a rotated value is then apart by up to
+        # one bf16 step (2^-7 of the magnitude) of each of the two sums it combines and of itself,
+        # which near zero, after cancellation, exceeds TOL's absolute part.
+        for actual, expected, sums in ((q, q_ref, q_sum), (caches[0][slots], k_cache_ref[slots], k_sum)):
+            bound = 2 ** -7 * (2 * sums.float().abs().amax(-1, keepdim=True) + expected.float().abs())
+            assert ((actual.float() - expected.float()).abs() <= bound).all()
+        written = torch.zeros(20, dtype=torch.bool, device=DEVICE).index_fill_(0, slots, True)
+        assert torch.equal(caches[0][~written], k_cache_ref[~written])
+    else:
+        assert_close(q, q_ref, TOL[dtype])
+        assert_close(caches[0], k_cache_ref, TOL[dtype])
     assert_close(caches[1], v_cache_ref, TOL[dtype])
     assert torch.equal(k, k_before)
 

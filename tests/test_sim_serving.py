@@ -93,7 +93,7 @@ def test_decode_rows_cost_at_least_as_many_prefill_tokens():
     batch = random.randrange(384, 1000)
     work = StepWork(decode_reqs=batch, decode_context=random.randrange(1, 10**6))
     rows_ms = model.device_ms(work) - model.kv_read_ms_per_token * work.decode_context
-    assert rows_ms >= model.prefill_per_token_ms * batch
+    assert rows_ms >= model.prefill_per_token_ms * batch - 1e-9  # taking the KV term back off rounds
     assert rows_ms > model.decode_fixed_ms + model.decode_per_req_ms * decode_bucket(batch)
 
 
